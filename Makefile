@@ -1,0 +1,43 @@
+# tierkv developer entry points. `make demo` and `make test` set up everything they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tierkv-installed
+
+.PHONY: demo test lint typecheck pytest bench clean venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q -e '.[http,test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## Start a server with the embedded default configuration, run the demo workload, stop.
+demo: $(STAMP)
+	$(VENV)/bin/tierkv demo --with-server
+
+## Lint, type-check and run the whole test suite.
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/hashing.py
+	$(PY) benchmarks/bookkeeping.py
+	$(PY) benchmarks/prefault.py
+	$(PY) benchmarks/shm_path.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
