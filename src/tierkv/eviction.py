@@ -1,0 +1,106 @@
+"""Watermark eviction: a background thread that keeps the pool below its high watermark.
+
+When pool usage rises above ``high`` (a fraction of capacity, 0.8 by default) the controller
+evicts least-recently-used unlocked objects until usage is at or below ``low`` (0.7 by
+default). It also expires overdue leases, so a crashed engine's locks are reclaimed even when
+no request arrives. Stores never wait for it: a reservation that does not fit is skipped and
+the store path merely wakes the controller.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from tierkv.index import Evicted, ObjectIndex
+
+log = logging.getLogger(__name__)
+
+EvictListener = Callable[[list[Evicted]], None]
+
+DEFAULT_HIGH_WATERMARK = 0.8
+DEFAULT_LOW_WATERMARK = 0.7
+DEFAULT_INTERVAL = 0.1
+
+
+class EvictionController:
+    """Runs :meth:`run_once` every ``interval`` seconds, or at once when woken."""
+
+    def __init__(
+        self,
+        index: ObjectIndex,
+        high: float = DEFAULT_HIGH_WATERMARK,
+        low: float = DEFAULT_LOW_WATERMARK,
+        interval: float = DEFAULT_INTERVAL,
+    ) -> None:
+        if not 0.0 < low <= high <= 1.0:
+            raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got {low}, {high}")
+        if interval <= 0:
+            raise ValueError("eviction interval must be positive")
+        self.index = index
+        self.high = high
+        self.low = low
+        self.interval = interval
+        self._listeners: list[EvictListener] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._high_bytes = int(high * index.capacity)
+        self._low_bytes = int(low * index.capacity)
+
+    def add_listener(self, listener: EvictListener) -> None:
+        """Called (outside the index lock, on the controller thread) with each evicted batch."""
+        self._listeners.append(listener)
+
+    def above_high_watermark(self) -> bool:
+        return self.index.used > self._high_bytes
+
+    def wake(self) -> None:
+        """Ask for a pass now (cheap; never blocks)."""
+        self._wake.set()
+
+    def wake_if_needed(self) -> None:
+        if self.index.used > self._high_bytes:
+            self._wake.set()
+
+    def run_once(self) -> list[Evicted]:
+        """Expire overdue leases, then evict down to the low watermark if above the high one."""
+        self.index.expire()
+        used = self.index.used
+        if used <= self._high_bytes:
+            return []
+        evicted = self.index.evict(used - self._low_bytes)
+        if evicted:
+            log.debug("evicted %d objects (pool was %d bytes used)", len(evicted), used)
+            for listener in self._listeners:
+                try:
+                    listener(evicted)
+                except Exception:
+                    log.exception("eviction listener %r failed", listener)
+        return evicted
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="tierkv-eviction", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("eviction pass failed")

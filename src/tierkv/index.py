@@ -1,0 +1,525 @@
+"""The L1 object index: key -> slot in the pool, object states, TTL leases, LRU order.
+
+An object is absent, then *writing* (reserved by a write lease, invisible to readers), then
+*ready*; a ready object may be read-locked by any number of read leases. Every lock belongs
+to a lease: a batch of slots taken by one holder (an engine connection) in one request, with
+one deadline. Leases expire (write 600 s, read 300 s by default): an expired write lease
+gives its slots back, an expired read lease makes its objects evictable again. Leases are
+kept in dicts in creation order, and a TTL is constant per kind, so expiry only ever looks at
+the oldest leases.
+
+Only ready, unlocked objects are evictable; they sit in an insertion-ordered dict used as an
+LRU list. A batch is (re)inserted last chunk first, so within a prefix the last chunks are
+the least recently used and are evicted before the first ones.
+
+Deleting or clearing an object that is locked removes it from the key map at once (new
+lookups miss) and frees its slot when the last lease on it ends, so a reader never sees its
+slot reused under it.
+
+Every public method takes the index lock once per batch; nothing in here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tierkv.allocator import Allocator
+
+Clock = Callable[[], float]
+
+DEFAULT_WRITE_TTL = 600.0
+DEFAULT_READ_TTL = 300.0
+
+
+class IndexError_(Exception):
+    """A request that refers to leases or slots the caller does not hold."""
+
+
+class LeaseNotFound(IndexError_):
+    """The lease id is unknown: never issued, already ended, or expired."""
+
+
+class LeaseNotOwned(IndexError_):
+    """The lease belongs to another holder."""
+
+
+class State(enum.IntEnum):
+    WRITING = 1
+    READY = 2
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One object in the pool. Identity-hashed: a key can be re-stored while an old,
+    deleted entry of the same key is still held by a lease."""
+
+    key: bytes
+    offset: int
+    length: int
+    state: State
+    readers: int = 0
+    live: bool = True  # False once deleted/cleared/evicted from the key map
+    tier: str = ""  # where the bytes came from ("" = written by an engine)
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    id: int
+    holder: int
+    deadline: float
+    entries: list[Entry]
+    write: bool
+
+
+@dataclass(slots=True)
+class WriteReservation:
+    """Result of :meth:`ObjectIndex.reserve_write`, per chunk of the request."""
+
+    lease_id: int
+    # (request index, offset, length) of every reserved chunk, in request order.
+    slots: list[tuple[int, int, int]] = field(default_factory=list)
+    present: list[int] = field(default_factory=list)  # already ready or being written
+    no_space: list[int] = field(default_factory=list)  # did not fit; skipped
+
+
+@dataclass(slots=True)
+class ReadLock:
+    """Result of :meth:`ObjectIndex.lock_read`."""
+
+    lease_id: int
+    # (request index, offset, length) of every locked chunk, in request order.
+    slots: list[tuple[int, int, int]] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CommitResult:
+    committed: int = 0
+    aborted: int = 0
+    cleared: int = 0  # reserved slots whose key was deleted meanwhile: freed, not committed
+    committed_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    key: bytes
+    length: int
+    tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    capacity: int
+    used: int
+    largest_free: int
+    objects: int
+    writing: int
+    ready: int
+    read_locked: int
+    evictable: int
+    zombies: int  # deleted but still held by a lease
+    write_leases: int
+    read_leases: int
+    expired_write_leases: int
+    expired_read_leases: int
+    expired_write_slots: int
+    expired_read_locks: int
+    evictions: int
+    evicted_bytes: int
+
+
+class ObjectIndex:
+    """Thread-safe index of the objects in one pool."""
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        write_ttl: float = DEFAULT_WRITE_TTL,
+        read_ttl: float = DEFAULT_READ_TTL,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        if write_ttl <= 0 or read_ttl <= 0:
+            raise ValueError("lock TTLs must be positive")
+        self.allocator = allocator
+        self.write_ttl = write_ttl
+        self.read_ttl = read_ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, Entry] = {}
+        self._lru: dict[Entry, None] = {}
+        self._write_leases: dict[int, Lease] = {}
+        self._read_leases: dict[int, Lease] = {}
+        self._holder_leases: dict[int, set[int]] = {}
+        self._next_lease = 1
+        self._next_expiry = float("inf")  # lower bound of the oldest lease's deadline
+        self._zombies = 0
+        self._expired_write_leases = 0
+        self._expired_read_leases = 0
+        self._expired_write_slots = 0
+        self._expired_read_locks = 0
+        self._evictions = 0
+        self._evicted_bytes = 0
+
+    # -- writes ----------------------------------------------------------------------------
+    def reserve_write(
+        self, keys: Sequence[bytes], lengths: Sequence[int] | int, holder: int, tier: str = ""
+    ) -> WriteReservation:
+        """Reserve a slot for each new key. Present keys and keys that do not fit are skipped
+        and reported; this never waits for eviction."""
+        if isinstance(lengths, int):
+            lengths = [lengths] * len(keys)
+        elif len(lengths) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(lengths)} lengths")
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            lease = Lease(self._new_lease_id(), holder, now + self.write_ttl, [], True)
+            result = WriteReservation(lease.id)
+            entries = self._entries
+            allocate = self.allocator.allocate
+            for i, key in enumerate(keys):
+                if key in entries:
+                    result.present.append(i)
+                    continue
+                length = lengths[i]
+                offset = allocate(length)
+                if offset is None:
+                    result.no_space.append(i)
+                    continue
+                entry = Entry(key, offset, length, State.WRITING, tier=tier)
+                entries[key] = entry
+                lease.entries.append(entry)
+                result.slots.append((i, offset, length))
+            if lease.entries:
+                self._add_lease(self._write_leases, lease)
+            else:
+                result.lease_id = 0
+            return result
+
+    def commit(
+        self, lease_id: int, holder: int, only: Iterable[int] | None = None
+    ) -> CommitResult:
+        """Make the lease's objects ready; with ``only`` (positions within the lease's slots)
+        commit those and abort the rest. The lease ends either way."""
+        with self._lock:
+            lease = self._take_lease(self._write_leases, lease_id, holder)
+            selected = self._select(lease, only)
+            result = CommitResult()
+            ready: list[Entry] = []
+            for pos, entry in enumerate(lease.entries):
+                if pos not in selected:
+                    self._drop_writing(entry)
+                    result.aborted += 1
+                elif not entry.live:
+                    self.allocator.free(entry.offset)
+                    self._zombies -= 1
+                    result.cleared += 1
+                else:
+                    entry.state = State.READY
+                    ready.append(entry)
+                    result.committed_keys.append(entry.key)
+            result.committed = len(ready)
+            self._touch(ready)
+            return result
+
+    def abort(self, lease_id: int, holder: int) -> int:
+        """Give back every slot of a write lease. Returns the number of slots freed."""
+        with self._lock:
+            lease = self._take_lease(self._write_leases, lease_id, holder)
+            for entry in lease.entries:
+                self._drop_writing(entry)
+            return len(lease.entries)
+
+    # -- reads -----------------------------------------------------------------------------
+    def lock_read(self, keys: Sequence[bytes], holder: int, prefix: bool = True) -> ReadLock:
+        """Read-lock ready objects. With ``prefix`` stop at the first key that is not ready
+        (a lookup); otherwise lock every ready key and report the rest as missing. Locked
+        objects leave the LRU; releasing the lease puts them back as most recently used."""
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False)
+            result = ReadLock(lease.id)
+            entries = self._entries
+            lru = self._lru
+            for i, key in enumerate(keys):
+                entry = entries.get(key)
+                if entry is None or entry.state is not State.READY:
+                    if prefix:
+                        result.missing.extend(range(i, len(keys)))
+                        break
+                    result.missing.append(i)
+                    continue
+                if entry.readers == 0:
+                    del lru[entry]
+                entry.readers += 1
+                lease.entries.append(entry)
+                result.slots.append((i, entry.offset, entry.length))
+            if lease.entries:
+                self._add_lease(self._read_leases, lease)
+            else:
+                result.lease_id = 0
+            return result
+
+    def release_read(self, lease_id: int, holder: int) -> int:
+        """End a read lease. Returns the number of locks released."""
+        with self._lock:
+            lease = self._take_lease(self._read_leases, lease_id, holder)
+            self._unlock(lease.entries)
+            return len(lease.entries)
+
+    def lease_slots(self, lease_id: int, holder: int) -> list[tuple[bytes, int, int]]:
+        """(key, offset, length) of every slot a live read lease holds."""
+        with self._lock:
+            lease = self._lease(self._read_leases, lease_id, holder)
+            return [(e.key, e.offset, e.length) for e in lease.entries]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is ready (no lock taken, LRU untouched)."""
+        with self._lock:
+            entries = self._entries
+            return [(e := entries.get(k)) is not None and e.state is State.READY for k in keys]
+
+    def release_holder(self, holder: int) -> tuple[int, int]:
+        """End every lease of a holder (it unregistered or was declared dead).
+        Returns (write slots freed, read locks released)."""
+        with self._lock:
+            freed = released = 0
+            for lease_id in list(self._holder_leases.get(holder, ())):
+                lease = self._write_leases.get(lease_id) or self._read_leases[lease_id]
+                if lease.write:
+                    self._remove_lease(self._write_leases, lease)
+                    for entry in lease.entries:
+                        self._drop_writing(entry)
+                    freed += len(lease.entries)
+                else:
+                    self._remove_lease(self._read_leases, lease)
+                    self._unlock(lease.entries)
+                    released += len(lease.entries)
+            return freed, released
+
+    # -- deletion, eviction, expiry --------------------------------------------------------
+    def delete(self, keys: Iterable[bytes]) -> int:
+        """Remove objects from the index. Returns how many keys were present."""
+        with self._lock:
+            n = 0
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._unmap(entry)
+                    n += 1
+            return n
+
+    def clear(self) -> int:
+        """Remove every object. Locked ones vanish from lookups at once and free their slots
+        when their leases end. Returns how many objects were removed."""
+        with self._lock:
+            entries = list(self._entries.values())
+            for entry in entries:
+                self._unmap(entry)
+            return len(entries)
+
+    def evict(self, nbytes: int) -> list[Evicted]:
+        """Evict least recently used unlocked objects until ``nbytes`` (aligned) are freed or
+        nothing evictable is left."""
+        with self._lock:
+            victims: list[Entry] = []
+            freed = 0
+            size_of = self.allocator.size_of
+            for entry in self._lru:  # oldest first; collect, then mutate
+                if freed >= nbytes:
+                    break
+                victims.append(entry)
+                freed += size_of(entry.offset) or 0
+            evicted: list[Evicted] = []
+            for entry in victims:
+                del self._lru[entry]
+                del self._entries[entry.key]
+                entry.live = False
+                self.allocator.free(entry.offset)
+                evicted.append(Evicted(entry.key, entry.length, entry.tier))
+            self._evictions += len(evicted)
+            self._evicted_bytes += freed
+            return evicted
+
+    def expire(self) -> tuple[int, int]:
+        """Expire overdue leases now. Returns (write slots freed, read locks released)."""
+        with self._lock:
+            return self._expire(self.clock())
+
+    # -- figures ---------------------------------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.allocator.used
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def stats(self) -> IndexStats:
+        """Figures, in time proportional to the number of leases (not of objects)."""
+        with self._lock:
+            writing = sum(
+                1 for lease in self._write_leases.values() for e in lease.entries if e.live
+            )
+            objects = len(self._entries)
+            ready = objects - writing
+            return IndexStats(
+                capacity=self.allocator.capacity,
+                used=self.allocator.used,
+                largest_free=self.allocator.largest_free,
+                objects=objects,
+                writing=writing,
+                ready=ready,
+                read_locked=ready - len(self._lru),
+                evictable=len(self._lru),
+                zombies=self._zombies,
+                write_leases=len(self._write_leases),
+                read_leases=len(self._read_leases),
+                expired_write_leases=self._expired_write_leases,
+                expired_read_leases=self._expired_read_leases,
+                expired_write_slots=self._expired_write_slots,
+                expired_read_locks=self._expired_read_locks,
+                evictions=self._evictions,
+                evicted_bytes=self._evicted_bytes,
+            )
+
+    def check(self) -> None:
+        """Verify the accounting invariants (for tests): every allocated block belongs to
+        exactly one live entry or held zombie, reader counts match the leases."""
+        with self._lock:
+            self.allocator.check()
+            held: dict[Entry, int] = {}
+            for lease in self._read_leases.values():
+                for entry in lease.entries:
+                    held[entry] = held.get(entry, 0) + 1
+            writing: set[Entry] = set()
+            for lease in self._write_leases.values():
+                writing.update(lease.entries)
+            slots: dict[int, Entry] = {}
+            for entry in list(self._entries.values()) + list(held) + list(writing):
+                prev = slots.setdefault(entry.offset, entry)
+                assert prev is entry, f"two objects share offset {entry.offset}"
+            for entry in slots.values():
+                assert entry.readers == held.get(entry, 0), f"reader count of {entry.key!r}"
+                assert (entry.state is State.WRITING) == (entry in writing)
+                evictable = entry.live and entry.state is State.READY and entry.readers == 0
+                assert (entry in self._lru) == evictable, f"LRU membership of {entry.key!r}"
+                if entry.live:
+                    assert self._entries.get(entry.key) is entry
+            assert set(slots) == set(self.allocator._allocated), "allocated blocks != objects"
+            zombies = sum(1 for e in slots.values() if not e.live)
+            assert zombies == self._zombies, f"zombie count {self._zombies} != {zombies}"
+
+    # -- internals (index lock held) -------------------------------------------------------
+    def _new_lease_id(self) -> int:
+        lease_id = self._next_lease
+        self._next_lease += 1
+        return lease_id
+
+    def _add_lease(self, leases: dict[int, Lease], lease: Lease) -> None:
+        leases[lease.id] = lease
+        if lease.deadline < self._next_expiry:
+            self._next_expiry = lease.deadline
+        self._holder_leases.setdefault(lease.holder, set()).add(lease.id)
+
+    def _remove_lease(self, leases: dict[int, Lease], lease: Lease) -> None:
+        del leases[lease.id]
+        ids = self._holder_leases[lease.holder]
+        ids.discard(lease.id)
+        if not ids:
+            del self._holder_leases[lease.holder]
+
+    def _lease(self, leases: dict[int, Lease], lease_id: int, holder: int) -> Lease:
+        lease = leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"lease {lease_id} does not exist (never issued, ended or expired)")
+        if lease.holder != holder:
+            raise LeaseNotOwned(f"lease {lease_id} belongs to another client")
+        return lease
+
+    def _take_lease(self, leases: dict[int, Lease], lease_id: int, holder: int) -> Lease:
+        lease = self._lease(leases, lease_id, holder)
+        self._remove_lease(leases, lease)
+        return lease
+
+    @staticmethod
+    def _select(lease: Lease, only: Iterable[int] | None) -> set[int]:
+        n = len(lease.entries)
+        if only is None:
+            return set(range(n))
+        selected = set(only)
+        bad = [p for p in selected if not 0 <= p < n]
+        if bad:
+            raise IndexError_(f"slot positions {sorted(bad)} out of range for a lease of {n}")
+        return selected
+
+    def _drop_writing(self, entry: Entry) -> None:
+        if entry.live:
+            del self._entries[entry.key]
+            entry.live = False
+        else:
+            self._zombies -= 1
+        self.allocator.free(entry.offset)
+
+    def _unlock(self, entries: list[Entry]) -> None:
+        """Release one read lock on each entry; last chunk of the batch goes in LRU first."""
+        lru = self._lru
+        for entry in reversed(entries):
+            entry.readers -= 1
+            if entry.readers == 0:
+                if entry.live:
+                    lru[entry] = None
+                else:
+                    self.allocator.free(entry.offset)
+                    self._zombies -= 1
+
+    def _touch(self, entries: list[Entry]) -> None:
+        lru = self._lru
+        for entry in reversed(entries):
+            lru.pop(entry, None)
+            lru[entry] = None
+
+    def _unmap(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        entry.live = False
+        if entry.state is State.READY and entry.readers == 0:
+            del self._lru[entry]
+            self.allocator.free(entry.offset)
+        else:
+            self._zombies += 1
+
+    def _expire(self, now: float) -> tuple[int, int]:
+        if now < self._next_expiry:
+            return 0, 0
+        freed = released = 0
+        leases = self._write_leases
+        while leases:
+            lease = next(iter(leases.values()))
+            if lease.deadline > now:
+                break
+            self._remove_lease(leases, lease)
+            for entry in lease.entries:
+                self._drop_writing(entry)
+            freed += len(lease.entries)
+            self._expired_write_leases += 1
+        leases = self._read_leases
+        while leases:
+            lease = next(iter(leases.values()))
+            if lease.deadline > now:
+                break
+            self._remove_lease(leases, lease)
+            self._unlock(lease.entries)
+            released += len(lease.entries)
+            self._expired_read_leases += 1
+        self._expired_write_slots += freed
+        self._expired_read_locks += released
+        self._next_expiry = min(
+            (next(iter(d.values())).deadline for d in (self._write_leases, self._read_leases) if d),
+            default=float("inf"),
+        )
+        return freed, released
