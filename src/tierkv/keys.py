@@ -13,7 +13,10 @@ Tokens are hashed as little-endian uint32 so hashing never touches Python ints.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import blake3
 import msgspec
@@ -23,14 +26,28 @@ import numpy.typing as npt
 DIGEST_SIZE = 16
 KEY_SIZE = 2 * DIGEST_SIZE
 DEFAULT_CHUNK_SIZE = 256
+MAX_PRECOMPUTED_HASH_SIZE = 64
 TOKEN_DTYPE = np.dtype("<u4")
+_TOKEN_LIMIT = 1 << 32
 
 ChunkKey = bytes
 """A 32-byte key: namespace digest + chained chunk hash."""
 
+Tokens: TypeAlias = "Sequence[int] | npt.NDArray[np.integer] | bytes | bytearray | memoryview"
+"""Token ids: a sequence of ints, an integer array, or packed little-endian uint32 bytes."""
+
+# array.array("I") converts a list of ints to C unsigned ints several times faster than
+# numpy's type discovery, and rejects negative and too-large ids by itself. It is only
+# usable where a C unsigned int is exactly 4 bytes (every platform tierkv targets).
+_ARRAY_CODE_U32 = "I" if array.array("I").itemsize == 4 else None
+
 
 class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything that makes KV bytes of one engine incompatible with another's."""
+    """Everything that makes KV bytes of one engine incompatible with another's.
+
+    ``model``, ``kv_dtype`` and ``layout`` must be non-empty: an empty field would make
+    unrelated engines share a namespace. ``0 <= rank < world_size``.
+    """
 
     model: str
     kv_dtype: str
@@ -38,6 +55,23 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world_size: int = 1
     rank: int = 0
     tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "kv_dtype", "layout", "tenant_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"namespace {name} must be a str, got {type(value).__name__}")
+            if not value and name != "tenant_salt":
+                raise ValueError(f"namespace {name} must not be empty")
+        for name in ("world_size", "rank"):
+            value = getattr(self, name)
+            # bool is an int subclass, and would digest differently from the same int.
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"namespace {name} must be an int, got {type(value).__name__}")
+        if self.world_size < 1:
+            raise ValueError(f"namespace world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"namespace rank must be in [0, {self.world_size}), got {self.rank}")
 
     def digest(self) -> bytes:
         """A 16-byte digest over every field, with field boundaries unambiguous."""
@@ -52,85 +86,158 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 self.tenant_salt,
             ]
         )
-        return blake3.blake3(encoded).digest(length=DIGEST_SIZE)
+        digest: bytes = blake3.blake3(encoded).digest(length=DIGEST_SIZE)
+        return digest
 
 
-def as_token_array(tokens: Sequence[int] | npt.NDArray[np.integer] | bytes) -> npt.NDArray[np.uint32]:
-    """View or convert token ids as a contiguous little-endian uint32 array (no copy if possible)."""
-    if isinstance(tokens, bytes | bytearray | memoryview):
-        if len(tokens) % TOKEN_DTYPE.itemsize:
-            raise ValueError(f"token buffer of {len(tokens)} bytes is not a multiple of 4")
-        return np.frombuffer(tokens, dtype=TOKEN_DTYPE)
-    arr = np.asarray(tokens)
+def _from_buffer(tokens: bytes | bytearray | memoryview) -> npt.NDArray[np.uint32]:
+    view = memoryview(tokens)
+    if not view.c_contiguous:
+        raise ValueError("token buffer must be contiguous")
+    if view.nbytes % TOKEN_DTYPE.itemsize:
+        raise ValueError(f"token buffer of {view.nbytes} bytes is not a multiple of 4")
+    return np.frombuffer(view.cast("B"), dtype=TOKEN_DTYPE)
+
+
+def _from_ndarray(arr: npt.NDArray[np.generic], strict_dtype: bool) -> npt.NDArray[np.uint32]:
     if arr.ndim != 1:
         raise ValueError(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
+    if arr.dtype.kind not in "iu" and (strict_dtype or arr.size):
+        if arr.dtype.kind == "O":
+            raise ValueError(f"token ids must be integers in [0, 2**32), got dtype {arr.dtype}")
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and arr.dtype != TOKEN_DTYPE:
-        if arr.min() < 0 or arr.max() > 0xFFFFFFFF:
-            raise ValueError("token ids must fit in uint32")
+    if arr.dtype == TOKEN_DTYPE:
+        return np.ascontiguousarray(arr)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_LIMIT):
+        raise ValueError("token ids must be in [0, 2**32)")
     return np.ascontiguousarray(arr, dtype=TOKEN_DTYPE)
 
 
-def pack_tokens(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
+def as_token_array(tokens: Tokens) -> npt.NDArray[np.uint32]:
+    """Token ids as a contiguous little-endian uint32 array (a view when possible).
+
+    Raises ``ValueError`` for ids outside ``[0, 2**32)``, non-integer or multi-dimensional
+    arrays, and byte buffers whose length is not a multiple of 4.
+    """
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        return _from_buffer(tokens)
+    if isinstance(tokens, np.ndarray):
+        return _from_ndarray(tokens, strict_dtype=True)
+    if _ARRAY_CODE_U32 is not None and isinstance(tokens, list | tuple | range):
+        try:
+            packed = array.array(_ARRAY_CODE_U32, tokens)
+        except (TypeError, OverflowError):
+            pass  # numpy below gives the precise error (or accepts, e.g. numpy scalars)
+        else:
+            native = np.frombuffer(packed, dtype=np.uint32)
+            return native if sys.byteorder == "little" else native.astype(TOKEN_DTYPE)
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"token ids must be a flat sequence of integers: {exc}") from None
+    return _from_ndarray(arr, strict_dtype=False)
+
+
+def pack_tokens(tokens: Tokens) -> bytes:
     """Token ids as the little-endian uint32 bytes the wire protocol carries."""
     return as_token_array(tokens).tobytes()
 
 
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
 def num_chunks(num_tokens: int, chunk_size: int, partial_last: bool = False) -> int:
     """How many chunks ``num_tokens`` make: full chunks only unless ``partial_last``."""
+    _check_chunk_size(chunk_size)
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     full, rest = divmod(num_tokens, chunk_size)
     return full + (1 if partial_last and rest else 0)
 
 
+def _check_digest(namespace_digest: bytes) -> bytes:
+    if not isinstance(namespace_digest, bytes) or len(namespace_digest) != DIGEST_SIZE:
+        raise ValueError(f"a namespace digest must be {DIGEST_SIZE} bytes (Namespace.digest())")
+    return namespace_digest
+
+
+def _chain(
+    namespace_digest: bytes,
+    tokens: Tokens,
+    chunk_size: int,
+    partial_last: bool,
+    prefix: bytes,
+) -> list[bytes]:
+    """``prefix + h_i`` for every chunk; the one hashing loop behind both public functions."""
+    _check_digest(namespace_digest)
+    _check_chunk_size(chunk_size)
+    if isinstance(tokens, bytes):
+        # The server path: packed bytes off the wire, hashed in place without numpy.
+        if len(tokens) % TOKEN_DTYPE.itemsize:
+            raise ValueError(f"token buffer of {len(tokens)} bytes is not a multiple of 4")
+        data = memoryview(tokens)
+    else:
+        data = as_token_array(tokens).data.cast("B")
+    step = chunk_size * TOKEN_DTYPE.itemsize
+    count = num_chunks(len(data) // TOKEN_DTYPE.itemsize, chunk_size, partial_last)
+    out: list[bytes] = []
+    append = out.append
+    hasher = blake3.blake3
+    prev = namespace_digest
+    for start in range(0, count * step, step):
+        h = hasher(prev)
+        h.update(data[start : start + step])
+        prev = h.digest(DIGEST_SIZE)
+        append(prefix + prev)
+    return out
+
+
 def chunk_hashes(
     namespace_digest: bytes,
-    tokens: Sequence[int] | npt.NDArray[np.integer] | bytes,
+    tokens: Tokens,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     partial_last: bool = False,
 ) -> list[bytes]:
-    """Prefix-chained 16-byte hashes, one per chunk of ``tokens``."""
-    if chunk_size <= 0:
-        raise ValueError("chunk_size must be positive")
-    arr = as_token_array(tokens)
-    data = memoryview(arr).cast("B")
-    step = chunk_size * TOKEN_DTYPE.itemsize
-    count = num_chunks(arr.size, chunk_size, partial_last)
-    out: list[bytes] = []
-    prev = namespace_digest
-    hasher = blake3.blake3
-    for i in range(count):
-        h = hasher(prev)
-        h.update(data[i * step : (i + 1) * step])
-        prev = h.digest(length=DIGEST_SIZE)
-        out.append(prev)
-    return out
+    """Prefix-chained 16-byte hashes, one per chunk of ``tokens``.
+
+    Only full chunks are hashed unless ``partial_last``, which adds the trailing partial
+    chunk (its hash differs from that of any full chunk, since its input is shorter).
+    """
+    return _chain(namespace_digest, tokens, chunk_size, partial_last, b"")
 
 
 def chunk_keys(
     namespace_digest: bytes,
-    tokens: Sequence[int] | npt.NDArray[np.integer] | bytes,
+    tokens: Tokens,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     partial_last: bool = False,
 ) -> list[ChunkKey]:
     """Keys (namespace digest + chained hash) for each chunk of ``tokens``."""
-    return [
-        namespace_digest + h
-        for h in chunk_hashes(namespace_digest, tokens, chunk_size, partial_last)
-    ]
+    return _chain(namespace_digest, tokens, chunk_size, partial_last, namespace_digest)
 
 
-def keys_from_hashes(namespace_digest: bytes, hashes: Sequence[bytes]) -> list[ChunkKey]:
+def keys_from_hashes(
+    namespace_digest: bytes, hashes: Sequence[bytes | bytearray | memoryview]
+) -> list[ChunkKey]:
     """Keys for precomputed chunk hashes (for example an engine's own block hashes).
 
-    Hashes of any length are folded to 16 bytes within the namespace, so a precomputed
-    hash can never collide with a key of another namespace.
+    A 16-byte hash is used as is; hashes of other lengths (1..64 bytes) are folded to 16
+    bytes with blake3. Either way the key starts with the namespace digest, so a
+    precomputed hash can never collide with a key of another namespace.
     """
+    _check_digest(namespace_digest)
     out: list[ChunkKey] = []
     for h in hashes:
-        if not 1 <= len(h) <= 64:
-            raise ValueError(f"a chunk hash must be 1..64 bytes, got {len(h)}")
-        folded = h if len(h) == DIGEST_SIZE else blake3.blake3(h).digest(length=DIGEST_SIZE)
+        if not isinstance(h, bytes | bytearray | memoryview):
+            raise TypeError(f"a chunk hash must be bytes, got {type(h).__name__}")
+        raw = bytes(h)
+        if not 1 <= len(raw) <= MAX_PRECOMPUTED_HASH_SIZE:
+            raise ValueError(
+                f"a chunk hash must be 1..{MAX_PRECOMPUTED_HASH_SIZE} bytes, got {len(raw)}"
+            )
+        folded = raw if len(raw) == DIGEST_SIZE else blake3.blake3(raw).digest(DIGEST_SIZE)
         out.append(namespace_digest + folded)
     return out
 
