@@ -1,0 +1,120 @@
+"""The `tierkv` command: server, demo, status, clear."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tierkv import __version__
+from tierkv.config import ConfigError, add_arguments, load
+
+
+def _server(args: argparse.Namespace) -> int:
+    from tierkv.pool import PoolError
+    from tierkv.server.app import run
+    from tierkv.server.rpc import EndpointInUseError
+
+    try:
+        return run(load(args))
+    except (ConfigError, PoolError, EndpointInUseError) as exc:
+        print(f"tierkv server: {exc}", file=sys.stderr)
+        return 2
+
+
+def _client_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tierkv.client import Client, default_endpoint
+
+    endpoint = args.endpoint or default_endpoint(args.instance)
+    return Client(endpoint, timeout=args.timeout, auth_token=args.auth_token or "")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from tierkv.client import TierKVError
+    from tierkv.pool import format_bytes
+
+    try:
+        with _client_for(args) as client:
+            s = client.stats()
+    except TierKVError as exc:
+        print(f"tierkv status: {exc}", file=sys.stderr)
+        return 1
+    pct = 100.0 * s.used / s.capacity if s.capacity else 0.0
+    print(f"tierkv {s.server_version}, up {s.uptime_s:.0f} s, pool {s.pool_name}")
+    print(f"  pool      {format_bytes(s.used)} of {format_bytes(s.capacity)} used ({pct:.1f}%), "
+          f"largest free block {format_bytes(s.largest_free)}")
+    print(f"  objects   {s.objects} ({s.ready} ready, {s.writing} being written, "
+          f"{s.read_locked} read-locked)")
+    print(f"  clients   {s.clients} registered, {s.sessions} lookup sessions, "
+          f"{s.write_leases} store and {s.read_leases} read leases open")
+    print(f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
+          f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks")
+    reqs = ", ".join(f"{k} {v}" for k, v in sorted(s.requests.items())) or "none"
+    print(f"  requests  {reqs}")
+    if s.errors:
+        print("  errors    " + ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items())))
+    return 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    from tierkv.client import TierKVError
+
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print("tierkv clear: refusing without --yes (stdin is not a terminal)", file=sys.stderr)
+            return 2
+        answer = input("Remove every cached chunk from the server's pool? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("cancelled")
+            return 1
+    try:
+        with _client_for(args) as client:
+            client.register("tierkv-admin", [1], "uint8", name="tierkv clear")  # admin session
+            removed = client.clear()
+    except TierKVError as exc:
+        print(f"tierkv clear: {exc}", file=sys.stderr)
+        return 1
+    print(f"removed {removed} objects")
+    return 0
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", help="server RPC endpoint (default: the instance's ipc socket)")
+    p.add_argument("--instance", default="default", help="server instance name (default: default)")
+    p.add_argument("--auth-token", help="shared secret, if the server requires one")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default: 5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierkv", description="tierkv: a tiered KV-cache service")
+    parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    server = sub.add_parser("server", help="run the cache server for this node")
+    add_arguments(server)
+    server.set_defaults(func=_server)
+
+    from tierkv.demo import add_demo_arguments, run_demo_command
+
+    demo = sub.add_parser("demo", help="run a simulated engine workload against a server")
+    add_demo_arguments(demo)
+    demo.set_defaults(func=run_demo_command)
+
+    status = sub.add_parser("status", help="print a summary of a running server")
+    _add_client_args(status)
+    status.set_defaults(func=_status)
+
+    clear = sub.add_parser("clear", help="remove every cached chunk from a running server")
+    _add_client_args(clear)
+    clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    clear.set_defaults(func=_clear)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,522 @@
+"""The engine-side client: register, look up, store and retrieve KV chunks through the pool.
+
+An engine process creates one :class:`Client` per KV layout (one per rank), registers, and
+from then on moves KV with two RPCs per batch and exactly one copy per chunk:
+
+- store: PREPARE_STORE reserves slots -> the engine writes each chunk straight into its slot
+  (from an array, or with a ``gather`` callback that fills the slot view from the paged KV
+  cache) -> COMMIT_STORE publishes them.
+- retrieve: PREPARE_RETRIEVE read-locks slots -> the engine reads each slot view (into an
+  array, or with a ``scatter`` callback straight into its paged KV cache) -> FINISH_RETRIEVE.
+
+Slot views are zero-copy numpy arrays over the shared-memory pool (torch tensors with
+:meth:`Client.slot_tensor` when torch is installed). A view is only valid until the request
+that produced it finishes: never keep one.
+
+A client is safe to use from several threads (requests are serialized on its socket); the
+``*_async`` variants return futures so an engine can overlap KV movement with compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from tierkv import keys
+from tierkv import protocol as p
+from tierkv.config import default_runtime_dir
+from tierkv.pool import SHM_DIR, ShmPool
+
+T = TypeVar("T")
+Tokens = Sequence[int] | npt.NDArray[np.integer] | bytes
+Gather = Callable[[int, npt.NDArray[Any]], None]
+Scatter = Callable[[int, npt.NDArray[Any]], None]
+
+DEFAULT_TIMEOUT = 10.0
+
+
+# -- errors ------------------------------------------------------------------------------
+class TierKVError(Exception):
+    """Base of every error this client raises."""
+
+
+class ServerUnavailableError(TierKVError):
+    """The server did not answer in time (not running, overloaded, or restarting)."""
+
+
+class ServerError(TierKVError):
+    """The server answered with an error."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+
+
+class NotRegisteredError(ServerError):
+    """The server does not know this client (it restarted?): call :meth:`Client.register`."""
+
+
+class LeaseExpiredError(ServerError):
+    """A lease or lookup session is gone (ended or expired)."""
+
+
+class LayoutError(TierKVError, ValueError):
+    """An array does not match the registered chunk layout."""
+
+
+def _raise_for(reply: p.Error) -> None:
+    cls: type[ServerError] = ServerError
+    if reply.code is p.ErrorCode.UNAUTHORIZED:
+        cls = NotRegisteredError
+    elif reply.code is p.ErrorCode.NOT_FOUND:
+        cls = LeaseExpiredError
+    raise cls(reply.code, reply.message)
+
+
+# -- results -----------------------------------------------------------------------------
+@dataclass(slots=True)
+class StoreResult:
+    stored: list[int] = field(default_factory=list)  # chunk positions written and committed
+    present: list[int] = field(default_factory=list)  # already in the cache
+    no_space: list[int] = field(default_factory=list)  # skipped: the pool is full
+    cleared: int = 0  # written but deleted (cleared) before the commit
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    retrieved: list[int] = field(default_factory=list)  # chunk positions copied out
+    missing: list[int] = field(default_factory=list)  # not in the cache
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    client: int
+    server_version: str
+    pool_name: str
+    pool_size: int
+    chunk_size: int
+    chunk_bytes: int
+    namespace: bytes
+    layout: p.Layout
+
+
+def default_endpoint(instance: str = "default") -> str:
+    """The endpoint a server started with the same instance name listens on."""
+    env = os.environ.get("TIERKV_ENDPOINT")
+    if env:
+        return env
+    return f"ipc://{os.path.join(default_runtime_dir(instance), 'rpc.sock')}"
+
+
+def _numpy_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a layout dtype; types numpy lacks (bfloat16, fp8) become raw
+    unsigned ints of the same size, so bytes still copy exactly."""
+    raw = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
+    if name in raw:
+        return np.dtype(raw[name])
+    return np.dtype(name)
+
+
+class Client:
+    """A connection to one tierkv server, registered for one KV layout."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        auth_token: str = "",
+        populate: bool = False,
+    ) -> None:
+        self.endpoint = endpoint or default_endpoint()
+        self.timeout = timeout
+        self.auth_token = auth_token
+        self.populate = populate
+        self._ctx: zmq.Context[Any] = zmq.Context.instance()
+        self._sock: zmq.Socket[Any] | None = None
+        self._io = threading.Lock()
+        self._rids = itertools.count(1)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = p.reply_decoder.decode
+        self._executor: ThreadPoolExecutor | None = None
+        self.pool: ShmPool | None = None
+        self.registration: Registration | None = None
+        self._np_dtype: np.dtype[Any] | None = None
+        self._segment: tuple[int, int] | None = None
+        self._connect()
+
+    # -- transport -------------------------------------------------------------------------
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        self._sock = sock
+
+    def _call(self, req: Any, timeout: float | None = None) -> Any:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._io:
+            sock = self._sock
+            if sock is None:
+                raise TierKVError("client is closed")
+            sock.send(self._encode(req))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                    # The socket may still get the late reply; recreate it so it cannot be
+                    # mistaken for the answer to a later request.
+                    sock.close(linger=0)
+                    self._connect()
+                    raise ServerUnavailableError(
+                        f"no reply from tierkv server at {self.endpoint} within "
+                        f"{self.timeout if timeout is None else timeout:.1f} s "
+                        f"({p.request_name(req)}): is it running?"
+                    )
+                reply = self._decode(sock.recv())
+                if reply.rid == req.rid:
+                    break
+        if isinstance(reply, p.Error):
+            _raise_for(reply)
+        return reply
+
+    def _rid(self) -> int:
+        return next(self._rids)
+
+    def _token(self) -> int:
+        if self.registration is None:
+            raise TierKVError("call register() first")
+        return self.registration.client
+
+    # -- registration ----------------------------------------------------------------------
+    def register(
+        self,
+        model: str,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        *,
+        token_axis: int = 0,
+        world_size: int = 1,
+        rank: int = 0,
+        tenant_salt: str = "",
+        name: str = "",
+    ) -> Registration:
+        """Declare the namespace and chunk layout; attaches the pool (once)."""
+        layout = p.Layout([int(d) for d in chunk_shape], str(dtype), token_axis)
+        reply: p.Registered = self._call(
+            p.Register(
+                self._rid(),
+                p.PROTOCOL_VERSION,
+                model,
+                layout,
+                world_size,
+                rank,
+                tenant_salt,
+                name,
+                os.getpid(),
+                self.auth_token,
+            )
+        )
+        if self.pool is None or self.pool.name != reply.pool_name or self.pool.closed:
+            self._attach(reply.pool_name, reply.pool_size)
+        elif _segment_id(reply.pool_name) != self._segment:
+            # The server restarted and recreated the segment under the same name.
+            self._attach(reply.pool_name, reply.pool_size)
+        self.registration = Registration(
+            reply.client,
+            reply.server_version,
+            reply.pool_name,
+            reply.pool_size,
+            reply.chunk_size,
+            reply.chunk_bytes,
+            reply.namespace,
+            layout,
+        )
+        self._np_dtype = _numpy_dtype(layout.dtype)
+        return self.registration
+
+    def _attach(self, name: str, size: int) -> None:
+        old, self.pool = self.pool, None
+        if old is not None:
+            old.close()
+        self.pool = ShmPool.attach(name, size, populate=self.populate)
+        self._segment = _segment_id(name)
+
+    def unregister(self) -> None:
+        if self.registration is None:
+            return
+        try:
+            self._call(p.Unregister(self._rid(), self.registration.client), timeout=2.0)
+        finally:
+            self.registration = None
+
+    # -- views -----------------------------------------------------------------------------
+    def slot_view(self, slot: p.Slot) -> npt.NDArray[Any]:
+        """Zero-copy numpy view of a slot, shaped like the chunk (partial chunks: fewer
+        tokens on the token axis)."""
+        reg = self.registration
+        pool = self.pool
+        if reg is None or pool is None or self._np_dtype is None:
+            raise TierKVError("call register() first")
+        if slot.offset < 0 or slot.length <= 0 or slot.offset + slot.length > pool.size:
+            raise TierKVError(f"server sent a slot outside the pool: {slot}")
+        shape = list(reg.layout.shape)
+        per_token = reg.chunk_bytes // reg.chunk_size
+        if slot.length != reg.chunk_bytes:
+            if slot.length % per_token:
+                raise TierKVError(f"slot length {slot.length} is not a whole number of tokens")
+            shape[reg.layout.token_axis] = slot.length // per_token
+        return pool.array(slot.offset, slot.length, self._np_dtype, shape)
+
+    def slot_tensor(self, slot: p.Slot) -> Any:
+        """Zero-copy torch tensor over a slot (torch must be installed)."""
+        import torch
+
+        reg = self.registration
+        assert reg is not None
+        view = self.slot_view(slot)
+        tensor = torch.from_numpy(view)
+        if reg.layout.dtype == "bfloat16":
+            tensor = tensor.view(torch.bfloat16)
+        return tensor
+
+    # -- lookup ----------------------------------------------------------------------------
+    def _selector(
+        self, tokens: Tokens | None, hashes: Sequence[bytes] | None, partial_last: bool = False
+    ) -> p.ChunkSelector:
+        if (tokens is None) == (hashes is None):
+            raise ValueError("give exactly one of tokens or hashes")
+        if tokens is not None:
+            packed = tokens if isinstance(tokens, bytes) else keys.pack_tokens(tokens)
+            return p.ChunkSelector(tokens=packed, partial_last=partial_last)
+        return p.ChunkSelector(hashes=list(hashes or ()), partial_last=partial_last)
+
+    def lookup(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        request_id: str = "",
+    ) -> p.LookupResult:
+        """Leading chunks available. With ``request_id`` they stay read-locked for a
+        following :meth:`retrieve` with that id (or :meth:`free_lookup_locks`)."""
+        sel = self._selector(tokens, hashes)
+        return self._call(p.Lookup(self._rid(), self._token(), sel, request_id))  # type: ignore[no-any-return]
+
+    def query_prefetch(self, request_id: str) -> p.PrefetchStatus:
+        return self._call(p.QueryPrefetch(self._rid(), self._token(), request_id))  # type: ignore[no-any-return]
+
+    def free_lookup_locks(self, request_id: str) -> int:
+        reply: p.Ok = self._call(p.FreeLookupLocks(self._rid(), self._token(), request_id))
+        return reply.count
+
+    def end_session(self, request_id: str) -> int:
+        reply: p.Ok = self._call(p.EndSession(self._rid(), self._token(), request_id))
+        return reply.count
+
+    # -- store -----------------------------------------------------------------------------
+    def store(
+        self,
+        tokens: Tokens | None = None,
+        chunks: Sequence[Any] | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        gather: Gather | None = None,
+        first_chunk: int = 0,
+        partial_last: bool = False,
+    ) -> StoreResult:
+        """Store chunks ``first_chunk..`` of a token sequence (or of precomputed hashes).
+
+        Give the bytes either as ``chunks`` (``chunks[i]`` is chunk ``first_chunk + i``, a
+        numpy array or torch tensor of the chunk's shape) or as ``gather(chunk, dst)``, which
+        must fill the zero-copy slot view ``dst`` for chunk position ``chunk``.
+        """
+        if (chunks is None) == (gather is None):
+            raise ValueError("give exactly one of chunks or gather")
+        sel = self._selector(tokens, hashes, partial_last)
+        slots: p.StoreSlots = self._call(
+            p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
+        )
+        result = StoreResult(present=slots.present, no_space=slots.no_space)
+        if not slots.slots:
+            return result
+        try:
+            for slot in slots.slots:
+                dst = self.slot_view(slot)
+                if gather is not None:
+                    gather(slot.chunk, dst)
+                else:
+                    assert chunks is not None
+                    _copy_into(dst, chunks[slot.chunk - first_chunk])
+        except BaseException:
+            self._call(p.AbortStore(self._rid(), self._token(), slots.lease))
+            raise
+        done: p.Committed = self._call(p.CommitStore(self._rid(), self._token(), slots.lease))
+        result.cleared = done.cleared
+        if done.cleared == 0:
+            result.stored = [s.chunk for s in slots.slots]
+        else:
+            result.stored = [s.chunk for s in slots.slots][: done.committed]
+        return result
+
+    # -- retrieve --------------------------------------------------------------------------
+    def retrieve(
+        self,
+        tokens: Tokens | None = None,
+        out: Sequence[Any] | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        request_id: str = "",
+        scatter: Scatter | None = None,
+        first_chunk: int = 0,
+        partial_last: bool = False,
+    ) -> RetrieveResult:
+        """Copy cached chunks out, once, then release their locks.
+
+        Name the chunks with ``request_id`` (the locks a :meth:`lookup` took) or with
+        ``tokens``/``hashes`` (from ``first_chunk`` on). Give destinations as ``out``
+        (``out[i]`` receives chunk ``first_chunk + i``) or as ``scatter(chunk, src)``, which
+        must consume the zero-copy slot view ``src`` before returning. Missing chunks are
+        reported in the result, never raised; every lock is released either way.
+        """
+        if (out is None) == (scatter is None):
+            raise ValueError("give exactly one of out or scatter")
+        if request_id:
+            if tokens is not None or hashes is not None:
+                raise ValueError("give request_id or tokens/hashes, not both")
+            req = p.PrepareRetrieve(self._rid(), self._token(), request_id=request_id)
+        else:
+            sel = self._selector(tokens, hashes, partial_last)
+            req = p.PrepareRetrieve(self._rid(), self._token(), chunks=sel, first_chunk=first_chunk)
+        slots: p.RetrieveSlots = self._call(req)
+        result = RetrieveResult(missing=slots.missing)
+        if not slots.slots:
+            return result
+        try:
+            for slot in slots.slots:
+                src = self.slot_view(slot)
+                if scatter is not None:
+                    scatter(slot.chunk, src)
+                else:
+                    assert out is not None
+                    _copy_into(out[slot.chunk - first_chunk], src)
+                result.retrieved.append(slot.chunk)
+        finally:
+            self._call(p.FinishRetrieve(self._rid(), self._token(), slots.lease))
+        return result
+
+    # -- async variants --------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="tierkv-client")
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def store_async(self, *args: Any, **kwargs: Any) -> Future[StoreResult]:
+        """:meth:`store` on the client's background thread."""
+        return self._submit(self.store, *args, **kwargs)
+
+    def retrieve_async(self, *args: Any, **kwargs: Any) -> Future[RetrieveResult]:
+        """:meth:`retrieve` on the client's background thread."""
+        return self._submit(self.retrieve, *args, **kwargs)
+
+    def lookup_async(self, *args: Any, **kwargs: Any) -> Future[p.LookupResult]:
+        return self._submit(self.lookup, *args, **kwargs)
+
+    # -- administration --------------------------------------------------------------------
+    def ping(self, timeout: float | None = None) -> None:
+        self._call(p.Ping(self._rid()), timeout=timeout)
+
+    def stats(self) -> p.Stats:
+        client = self.registration.client if self.registration else 0
+        return self._call(p.GetStats(self._rid(), client, self.auth_token))  # type: ignore[no-any-return]
+
+    def clear(self) -> int:
+        reply: p.Ok = self._call(p.Clear(self._rid(), self._token()))
+        return reply.count
+
+    def close(self) -> None:
+        """Unregister (best effort), close the socket and unmap the pool (never unlinks)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self.registration is not None:
+            with contextlib.suppress(TierKVError):
+                self.unregister()
+        with self._io:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _segment_id(name: str) -> tuple[int, int] | None:
+    """Identity (device, inode) of the segment a name refers to now, to notice that a
+    restarted server recreated it under the same name."""
+    try:
+        st = os.stat(os.path.join(SHM_DIR, name.lstrip("/")))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _copy_into(dst: Any, src: Any) -> None:
+    """One copy of a chunk between a numpy view and an array or tensor of the same shape."""
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        if dst.shape != src.shape or dst.dtype.itemsize != src.dtype.itemsize:
+            raise LayoutError(
+                f"chunk of shape {src.shape}/{src.dtype} does not fit a slot of "
+                f"{dst.shape}/{dst.dtype}"
+            )
+        if dst.dtype != src.dtype:
+            src = src.view(dst.dtype)
+        np.copyto(dst, src, casting="no")
+        return
+    import torch  # tensors on either side
+
+    d = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+    s = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+    if tuple(d.shape) != tuple(s.shape) or d.element_size() != s.element_size():
+        raise LayoutError(
+            f"chunk of shape {tuple(s.shape)} does not fit a slot of {tuple(d.shape)}"
+        )
+    if d.dtype != s.dtype:
+        s = s.view(d.dtype)
+    d.copy_(s)
+
+
+__all__ = [
+    "Client",
+    "LayoutError",
+    "LeaseExpiredError",
+    "NotRegisteredError",
+    "Registration",
+    "RetrieveResult",
+    "ServerError",
+    "ServerUnavailableError",
+    "StoreResult",
+    "TierKVError",
+    "default_endpoint",
+]

@@ -1,0 +1,234 @@
+"""Server configuration: one typed struct, filled from defaults, a YAML file, ``TIERKV_*``
+environment variables and command-line flags (later sources win).
+
+Every field's help text lives next to it in ``FIELD_HELP``, and the command line is generated
+from the struct, so ``tierkv server --help`` documents every option with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``1073741824``, ``1GiB``, ``512MiB``, ``2G`` (binary), ``2GB`` (decimal)."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ConfigError(f"not a size: {value!r} (examples: 512MiB, 4GiB, 1073741824)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    prefix = unit[:1] if unit[:1] in "kmgt" else ""
+    binary = "i" in unit or (prefix and not unit.endswith("b"))
+    mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _UNITS[prefix]
+    return int(number * mult)
+
+
+def default_runtime_dir(instance: str) -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/tierkv-{os.getuid()}"
+    return os.path.join(base, "tierkv", instance)
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    instance: str = "default"
+    runtime_dir: str = ""
+    rpc_tcp: str = ""
+    auth_token: str = ""
+    pool_name: str = ""
+    pool_size: int = 2 * 2**30
+    prefault: bool = False
+    chunk_size: int = 256
+    alignment: int = 4096
+    high_watermark: float = 0.8
+    low_watermark: float = 0.7
+    eviction_interval: float = 0.1
+    write_ttl: float = 600.0
+    read_ttl: float = 300.0
+    session_ttl: float = 300.0
+    max_message_bytes: int = 64 * 2**20
+    max_chunks_per_request: int = 16384
+    workers: int = 4
+    log_level: str = "info"
+    log_format: str = "text"
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def resolved_runtime_dir(self) -> str:
+        return self.runtime_dir or default_runtime_dir(self.instance)
+
+    @property
+    def resolved_pool_name(self) -> str:
+        return self.pool_name or f"tierkv-{os.getuid()}-{self.instance}"
+
+    @property
+    def rpc_endpoint(self) -> str:
+        """The ZMQ endpoint the server binds and clients connect to."""
+        if self.rpc_tcp:
+            return f"tcp://{self.rpc_tcp}"
+        return f"ipc://{os.path.join(self.resolved_runtime_dir, 'rpc.sock')}"
+
+    def validate(self) -> ServerConfig:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.instance):
+            raise ConfigError(f"instance {self.instance!r}: use letters, digits, '_', '.', '-'")
+        if self.pool_size < self.alignment:
+            raise ConfigError(f"pool_size {self.pool_size} is smaller than one aligned slot")
+        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
+            raise ConfigError(f"alignment {self.alignment} is not a power of two")
+        if self.chunk_size <= 0:
+            raise ConfigError("chunk_size must be positive")
+        if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
+        for name in ("eviction_interval", "write_ttl", "read_ttl", "session_ttl"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.workers < 1:
+            raise ConfigError("workers must be at least 1")
+        if self.max_message_bytes < 4096 or self.max_chunks_per_request < 1:
+            raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log_format must be 'text' or 'json'")
+        if self.rpc_tcp:
+            host, _, port = self.rpc_tcp.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"rpc_tcp {self.rpc_tcp!r}: expected HOST:PORT")
+            if not is_loopback(host) and not self.auth_token:
+                raise ConfigError(
+                    f"rpc_tcp {self.rpc_tcp!r} is reachable from other hosts: set auth_token "
+                    "(--auth-token or TIERKV_AUTH_TOKEN) or bind a loopback address"
+                )
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+FIELD_HELP: dict[str, str] = {
+    "instance": "name of this server on the node; sets the default pool name and runtime dir",
+    "runtime_dir": "directory for the RPC socket (mode 0700; default $XDG_RUNTIME_DIR/tierkv/"
+    "INSTANCE or /tmp/tierkv-UID/tierkv/INSTANCE)",
+    "rpc_tcp": "serve RPC on TCP HOST:PORT instead of the local ipc socket; a non-loopback "
+    "host requires --auth-token",
+    "auth_token": "shared secret clients must present (required for non-loopback TCP)",
+    "pool_name": "name of the shared-memory segment (default tierkv-UID-INSTANCE)",
+    "pool_size": "size of the shared-memory pool, e.g. 512MiB, 8GiB",
+    "prefault": "allocate and map every page of the pool at start-up",
+    "chunk_size": "tokens per chunk",
+    "alignment": "slot alignment in bytes (a power of two)",
+    "high_watermark": "pool usage fraction above which eviction starts",
+    "low_watermark": "pool usage fraction eviction brings the pool down to",
+    "eviction_interval": "seconds between eviction and lock-expiry passes",
+    "write_ttl": "seconds before an uncommitted store reservation is reclaimed",
+    "read_ttl": "seconds before an unreleased read lock expires",
+    "session_ttl": "seconds an idle lookup session is kept",
+    "max_message_bytes": "largest request accepted (bigger ones are dropped by the transport)",
+    "max_chunks_per_request": "most chunks one request may name",
+    "workers": "threads for requests that may block",
+    "log_level": "debug, info, warning or error",
+    "log_format": "text or json",
+}
+
+_SIZE_FIELDS = {"pool_size", "max_message_bytes", "alignment"}
+
+
+def _fields() -> list[tuple[str, Any, Any]]:
+    info = msgspec.inspect.type_info(ServerConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    return [(f.name, f.type, f.default) for f in info.fields]
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """Values from env/flags arrive as strings; sizes accept units."""
+    if name in _SIZE_FIELDS and isinstance(raw, str):
+        return parse_size(raw)
+    return raw
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, defaulting to None so unset flags do not override other sources."""
+    group = parser.add_argument_group("server configuration (flags > TIERKV_* env > --config)")
+    group.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
+    for name, typ, default in _fields():
+        flag = "--" + name.replace("_", "-")
+        shown = default if default != "" else '""'
+        help_text = f"{FIELD_HELP[name]} (default: {shown}; env TIERKV_{name.upper()})"
+        if isinstance(typ, msgspec.inspect.BoolType):
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            group.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text)
+
+
+def load(
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> ServerConfig:
+    """Build the configuration: defaults < YAML file < environment < flags < overrides."""
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    path = getattr(args, "config", None) or env.get("TIERKV_CONFIG")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of option: value")
+        merged.update({str(k).replace("-", "_"): v for k, v in data.items()})
+    names = [name for name, _, _ in _fields()]
+    for name in names:
+        value = env.get(f"TIERKV_{name.upper()}")
+        if value is not None:
+            merged[name] = value
+    if args is not None:
+        for name in names:
+            value = getattr(args, name, None)
+            if value is not None:
+                merged[name] = value
+    merged.update(overrides or {})
+    return from_mapping(merged)
+
+
+def from_mapping(values: Mapping[str, Any]) -> ServerConfig:
+    coerced = {k: _coerce(k, v) for k, v in values.items()}
+    try:
+        cfg = msgspec.convert(coerced, ServerConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+    return cfg.validate()
+
+
+def as_dict(cfg: ServerConfig, redact: Sequence[str] = ("auth_token",)) -> dict[str, Any]:
+    """The effective configuration, secrets redacted (for /status and logs)."""
+    out: dict[str, Any] = msgspec.to_builtins(cfg)
+    for name in redact:
+        if out.get(name):
+            out[name] = "***"
+    return out

@@ -1,0 +1,301 @@
+"""The wire protocol between engines and the server: typed msgspec structs over msgpack.
+
+Every message is one msgpack array: a tag naming the type, then the fields in declaration
+order (msgspec ``array_like`` structs). Every request carries ``rid``, a request id the reply
+echoes, and, except REGISTER and PING, ``client``: the token REGISTER returned, which names
+the caller (its leases, its namespace). KV bytes never travel here: store and retrieve
+replies carry slot offsets into the shared-memory pool.
+
+Chunks in a request are given either as token ids (``tokens``: little-endian uint32 bytes,
+hashed by the server into prefix-chained keys) or as precomputed chunk hashes
+(``hashes``). Replies refer to chunks by their position in that list.
+
+Compatibility: fields are only ever appended, with defaults. ``PROTOCOL_VERSION`` is checked
+at REGISTER; a client of another major protocol version is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
+    """Base of every message."""
+
+
+class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape and dtype of one full chunk, as the engine stores it.
+
+    ``token_axis`` says which axis of ``shape`` counts tokens (it must equal the chunk size),
+    so a partial last chunk has the same shape with fewer tokens on that axis.
+    """
+
+    shape: list[int]
+    dtype: str
+    token_axis: int = 0
+
+    def signature(self) -> str:
+        return f"{self.dtype}:{'x'.join(map(str, self.shape))}:t{self.token_axis}"
+
+
+class ChunkSelector(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which chunks a request is about: token ids or precomputed hashes (exactly one)."""
+
+    tokens: bytes | None = None
+    hashes: list[bytes] | None = None
+    partial_last: bool = False
+
+
+# -- requests ----------------------------------------------------------------------------
+class Register(Struct, tag="register"):
+    rid: int
+    protocol: int
+    model: str
+    layout: Layout
+    world_size: int = 1
+    rank: int = 0
+    tenant_salt: str = ""
+    name: str = ""
+    pid: int = 0
+    auth_token: str = ""
+
+
+class Unregister(Struct, tag="unregister"):
+    rid: int
+    client: int
+
+
+class Lookup(Struct, tag="lookup"):
+    """How many leading chunks are available; read-locks them under ``request_id``."""
+
+    rid: int
+    client: int
+    chunks: ChunkSelector
+    request_id: str = ""
+
+
+class QueryPrefetch(Struct, tag="query_prefetch"):
+    rid: int
+    client: int
+    request_id: str
+
+
+class PrepareStore(Struct, tag="prepare_store"):
+    """Reserve slots for the chunks from ``first_chunk`` on (earlier ones are only hashed)."""
+
+    rid: int
+    client: int
+    chunks: ChunkSelector
+    first_chunk: int = 0
+
+
+class CommitStore(Struct, tag="commit_store"):
+    """Publish a store. ``only``: positions within the reply's slots to commit; the rest are
+    aborted. None commits all."""
+
+    rid: int
+    client: int
+    lease: int
+    only: list[int] | None = None
+
+
+class AbortStore(Struct, tag="abort_store"):
+    rid: int
+    client: int
+    lease: int
+
+
+class PrepareRetrieve(Struct, tag="prepare_retrieve"):
+    """Slots to read. Either the locks a LOOKUP took (``request_id``), or ``chunks`` to lock
+    now (every chunk that is present is locked; the reply lists the missing ones)."""
+
+    rid: int
+    client: int
+    request_id: str = ""
+    chunks: ChunkSelector | None = None
+    first_chunk: int = 0
+
+
+class FinishRetrieve(Struct, tag="finish_retrieve"):
+    rid: int
+    client: int
+    lease: int
+
+
+class FreeLookupLocks(Struct, tag="free_lookup_locks"):
+    rid: int
+    client: int
+    request_id: str
+
+
+class EndSession(Struct, tag="end_session"):
+    """The engine is done with ``request_id``: release whatever the server still holds."""
+
+    rid: int
+    client: int
+    request_id: str
+
+
+class Clear(Struct, tag="clear"):
+    rid: int
+    client: int
+
+
+class Ping(Struct, tag="ping"):
+    rid: int
+
+
+class GetStats(Struct, tag="stats"):
+    rid: int
+    client: int = 0
+    auth_token: str = ""
+
+
+Request = (
+    Register
+    | Unregister
+    | Lookup
+    | QueryPrefetch
+    | PrepareStore
+    | CommitStore
+    | AbortStore
+    | PrepareRetrieve
+    | FinishRetrieve
+    | FreeLookupLocks
+    | EndSession
+    | Clear
+    | Ping
+    | GetStats
+)
+
+
+# -- replies -----------------------------------------------------------------------------
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"  # malformed, unknown type, fields out of range
+    TOO_LARGE = "too_large"  # more chunks or tokens than the server accepts in one request
+    UNAUTHORIZED = "unauthorized"  # unknown client token or wrong auth token
+    VERSION = "version"  # protocol version mismatch
+    NOT_FOUND = "not_found"  # lease or request id unknown (never issued, ended, expired)
+    NOT_OWNED = "not_owned"  # lease of another client
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL = "internal"
+
+
+class Error(Struct, tag="error"):
+    rid: int
+    code: ErrorCode
+    message: str
+
+
+class Registered(Struct, tag="registered"):
+    rid: int
+    client: int
+    server_version: str
+    protocol: int
+    pool_name: str
+    pool_size: int
+    chunk_size: int
+    chunk_bytes: int
+    namespace: bytes
+
+
+class Ok(Struct, tag="ok"):
+    rid: int
+    count: int = 0
+
+
+class LookupResult(Struct, tag="lookup_result"):
+    """``hits``: leading chunks available and read-locked now; ``prefetching``: true while
+    following chunks are being loaded from slower tiers (poll with QUERY_PREFETCH)."""
+
+    rid: int
+    hits: int
+    total: int
+    prefetching: bool = False
+
+
+class PrefetchStatus(Struct, tag="prefetch_status"):
+    rid: int
+    done: bool
+    hits: int
+
+
+class Slot(msgspec.Struct, array_like=True, frozen=True):
+    """A chunk's place in the pool: position in the request, offset, byte length."""
+
+    chunk: int
+    offset: int
+    length: int
+
+
+class StoreSlots(Struct, tag="store_slots"):
+    rid: int
+    lease: int  # 0 when nothing was reserved
+    slots: list[Slot]
+    present: list[int]  # chunk positions already stored (nothing to do)
+    no_space: list[int]  # chunk positions skipped: the pool is full
+
+
+class Committed(Struct, tag="committed"):
+    rid: int
+    committed: int
+    aborted: int
+    cleared: int
+
+
+class RetrieveSlots(Struct, tag="retrieve_slots"):
+    rid: int
+    lease: int  # 0 when nothing is locked
+    slots: list[Slot]
+    missing: list[int]
+
+
+class Stats(Struct, tag="stats_result"):
+    rid: int
+    server_version: str
+    uptime_s: float
+    pool_name: str
+    capacity: int
+    used: int
+    largest_free: int
+    objects: int
+    writing: int
+    ready: int
+    read_locked: int
+    clients: int
+    sessions: int
+    write_leases: int
+    read_leases: int
+    expired_write_slots: int
+    expired_read_locks: int
+    evictions: int
+    evicted_bytes: int
+    requests: dict[str, int]
+    errors: dict[str, int]
+
+
+Reply = (
+    Error
+    | Registered
+    | Ok
+    | LookupResult
+    | PrefetchStatus
+    | StoreSlots
+    | Committed
+    | RetrieveSlots
+    | Stats
+)
+
+_request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encode = _request_encoder.encode
+
+
+def request_name(req: object) -> str:
+    """The wire tag of a message (for metrics and logs)."""
+    return str(type(req).__struct_config__.tag)  # type: ignore[attr-defined]

@@ -1,0 +1,467 @@
+"""The cache service: what each request does, independent of the transport.
+
+It owns the pool, the object index and the eviction controller, the registry of clients
+(one per REGISTER: a random token, a namespace, a chunk layout) and their lookup sessions
+(request id -> the read lease a LOOKUP took, for the PREPARE_RETRIEVE that follows).
+
+Every handler takes a decoded request and returns a reply struct, or raises
+:class:`RequestError` for an error reply. Handlers never copy KV bytes: they hand out slot
+offsets, and the engine copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tierkv import __version__, keys
+from tierkv import protocol as p
+from tierkv.allocator import Allocator
+from tierkv.config import ServerConfig
+from tierkv.eviction import EvictionController
+from tierkv.index import LeaseNotFound, LeaseNotOwned, ObjectIndex
+from tierkv.pool import ShmPool
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """Becomes an error reply with ``code``; the server carries on."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass(slots=True)
+class Session:
+    lease: int
+    hits: int
+    total: int
+    touched: float
+
+
+@dataclass(slots=True)
+class Client:
+    token: int
+    namespace: keys.Namespace
+    digest: bytes
+    layout: p.Layout
+    chunk_bytes: int
+    name: str
+    pid: int
+    registered_at: float
+    last_seen: float
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+
+Handler = Callable[[Any], Any]
+
+
+class CacheService:
+    """Request handlers over one pool. Thread-safe."""
+
+    def __init__(
+        self, cfg: ServerConfig, pool: ShmPool, clock: Callable[[], float] = time.monotonic
+    ):
+        self.cfg = cfg
+        self.pool = pool
+        self.clock = clock
+        self.started = clock()
+        self.index = ObjectIndex(
+            Allocator(pool.size, cfg.alignment), cfg.write_ttl, cfg.read_ttl, clock=clock
+        )
+        self.eviction = EvictionController(
+            self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
+        )
+        self._clients: dict[int, Client] = {}
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.handlers: dict[type, Handler] = {
+            p.Register: self.register,
+            p.Unregister: self.unregister,
+            p.Lookup: self.lookup,
+            p.QueryPrefetch: self.query_prefetch,
+            p.PrepareStore: self.prepare_store,
+            p.CommitStore: self.commit_store,
+            p.AbortStore: self.abort_store,
+            p.PrepareRetrieve: self.prepare_retrieve,
+            p.FinishRetrieve: self.finish_retrieve,
+            p.FreeLookupLocks: self.free_lookup_locks,
+            p.EndSession: self.end_session,
+            p.Clear: self.clear,
+            p.Ping: self.ping,
+            p.GetStats: self.stats,
+        }
+        # Requests that may take long (whole-index walks) run on the worker pool.
+        self.blocking: frozenset[type] = frozenset({p.Clear, p.GetStats})
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self.eviction.start()
+
+    def stop(self) -> None:
+        self.eviction.stop()
+
+    # -- dispatch --------------------------------------------------------------------------
+    def handle(self, req: Any) -> Any:
+        """Run the handler for ``req``; map failures to error replies."""
+        name = p.request_name(req)
+        self.requests[name] += 1
+        try:
+            return self.handlers[type(req)](req)
+        except RequestError as exc:
+            return self.error(req.rid, exc.code, exc.message)
+        except LeaseNotFound as exc:
+            return self.error(req.rid, p.ErrorCode.NOT_FOUND, str(exc))
+        except LeaseNotOwned as exc:
+            return self.error(req.rid, p.ErrorCode.NOT_OWNED, str(exc))
+        except Exception:
+            log.exception("internal error handling %s", name)
+            return self.error(req.rid, p.ErrorCode.INTERNAL, f"internal error handling {name}")
+
+    def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
+        self.errors[code.value] += 1
+        return p.Error(rid, code, message)
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, req: p.Register) -> p.Registered:
+        if req.protocol != p.PROTOCOL_VERSION:
+            raise RequestError(
+                p.ErrorCode.VERSION,
+                f"client speaks protocol {req.protocol}, server {__version__} speaks "
+                f"{p.PROTOCOL_VERSION}: upgrade the older side",
+            )
+        if self.cfg.auth_token and not secrets.compare_digest(req.auth_token, self.cfg.auth_token):
+            raise RequestError(p.ErrorCode.UNAUTHORIZED, "wrong or missing auth token")
+        chunk_bytes = self._check_layout(req.layout)
+        if req.world_size < 1 or not 0 <= req.rank < req.world_size:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"rank {req.rank} outside world size {req.world_size}"
+            )
+        if not req.model:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "model must name the model")
+        ns = keys.Namespace(
+            model=req.model,
+            kv_dtype=req.layout.dtype,
+            layout=req.layout.signature(),
+            world_size=req.world_size,
+            rank=req.rank,
+            tenant_salt=req.tenant_salt,
+        )
+        now = self.clock()
+        token = secrets.randbits(62) + 1
+        client = Client(
+            token, ns, ns.digest(), req.layout, chunk_bytes, req.name, req.pid, now, now
+        )
+        with self._lock:
+            self._clients[token] = client
+        log.info(
+            "registered client %s (pid %d) model=%s rank=%d/%d layout=%s",
+            req.name or "-",
+            req.pid,
+            req.model,
+            req.rank,
+            req.world_size,
+            ns.layout,
+        )
+        return p.Registered(
+            req.rid,
+            token,
+            __version__,
+            p.PROTOCOL_VERSION,
+            self.pool.name,
+            self.pool.size,
+            self.cfg.chunk_size,
+            chunk_bytes,
+            client.digest,
+        )
+
+    def _check_layout(self, layout: p.Layout) -> int:
+        try:
+            dtype = np.dtype(layout.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None and layout.dtype not in _EXTRA_DTYPE_SIZES:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"unknown dtype {layout.dtype!r}")
+        itemsize = _EXTRA_DTYPE_SIZES.get(layout.dtype) or (dtype.itemsize if dtype else 0)
+        if not layout.shape or any(d <= 0 for d in layout.shape) or len(layout.shape) > 8:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"bad chunk shape {layout.shape}")
+        if not 0 <= layout.token_axis < len(layout.shape):
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"token_axis {layout.token_axis} out of range"
+            )
+        if layout.shape[layout.token_axis] != self.cfg.chunk_size:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"chunk shape {layout.shape} has {layout.shape[layout.token_axis]} tokens on axis "
+                f"{layout.token_axis}; this server's chunk size is {self.cfg.chunk_size}",
+            )
+        chunk_bytes = math.prod(layout.shape) * itemsize
+        if chunk_bytes > self.index.capacity:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"one chunk is {chunk_bytes} bytes, larger than the pool ({self.index.capacity})",
+            )
+        return chunk_bytes
+
+    def unregister(self, req: p.Unregister) -> p.Ok:
+        client = self._client(req.client)
+        with self._lock:
+            self._clients.pop(client.token, None)
+        freed, released = self.index.release_holder(client.token)
+        log.info(
+            "unregistered client %s (released %d write, %d read locks)",
+            client.name or "-",
+            freed,
+            released,
+        )
+        return p.Ok(req.rid, freed + released)
+
+    def _client(self, token: int) -> Client:
+        client = self._clients.get(token)
+        if client is None:
+            raise RequestError(
+                p.ErrorCode.UNAUTHORIZED,
+                "unknown client token: not registered, unregistered, or the server restarted "
+                "(register again)",
+            )
+        client.last_seen = self.clock()
+        return client
+
+    # -- chunk keys ------------------------------------------------------------------------
+    def _keys(
+        self, client: Client, sel: p.ChunkSelector, first_chunk: int = 0
+    ) -> tuple[list[bytes], list[int]]:
+        """Keys and byte lengths of the selected chunks, from ``first_chunk`` on."""
+        limit = self.cfg.max_chunks_per_request
+        chunk_size = self.cfg.chunk_size
+        if (sel.tokens is None) == (sel.hashes is None):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "give exactly one of tokens or hashes")
+        if first_chunk < 0:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
+        if sel.tokens is not None:
+            if len(sel.tokens) % 4:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "tokens must be packed uint32")
+            n_tokens = len(sel.tokens) // 4
+            if n_tokens > limit * chunk_size:
+                raise RequestError(
+                    p.ErrorCode.TOO_LARGE,
+                    f"{n_tokens} tokens is more than {limit} chunks of {chunk_size}",
+                )
+            ks = keys.chunk_keys(client.digest, sel.tokens, chunk_size, sel.partial_last)
+            lengths = [client.chunk_bytes] * len(ks)
+            rest = n_tokens % chunk_size
+            if sel.partial_last and rest:
+                lengths[-1] = client.chunk_bytes // chunk_size * rest
+        else:
+            assert sel.hashes is not None
+            if len(sel.hashes) > limit:
+                raise RequestError(
+                    p.ErrorCode.TOO_LARGE, f"{len(sel.hashes)} hashes is more than {limit}"
+                )
+            if sel.partial_last:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "partial_last needs tokens, not hashes")
+            try:
+                ks = keys.keys_from_hashes(client.digest, sel.hashes)
+            except ValueError as exc:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
+            lengths = [client.chunk_bytes] * len(ks)
+        if first_chunk > len(ks):
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"first_chunk {first_chunk} beyond {len(ks)} chunks"
+            )
+        return ks[first_chunk:], lengths[first_chunk:]
+
+    # -- store -----------------------------------------------------------------------------
+    def prepare_store(self, req: p.PrepareStore) -> p.StoreSlots:
+        client = self._client(req.client)
+        ks, lengths = self._keys(client, req.chunks, req.first_chunk)
+        res = self.index.reserve_write(ks, lengths, client.token)
+        if res.no_space or res.slots:
+            self.eviction.wake_if_needed()
+        base = req.first_chunk
+        return p.StoreSlots(
+            req.rid,
+            res.lease_id,
+            [p.Slot(i + base, off, n) for i, off, n in res.slots],
+            [i + base for i in res.present],
+            [i + base for i in res.no_space],
+        )
+
+    def commit_store(self, req: p.CommitStore) -> p.Committed:
+        client = self._client(req.client)
+        try:
+            res = self.index.commit(req.lease, client.token, req.only)
+        except LeaseNotFound:
+            raise RequestError(
+                p.ErrorCode.NOT_FOUND,
+                f"store lease {req.lease} is not open: never prepared, already committed or "
+                "aborted, or expired (write_ttl)",
+            ) from None
+        except IndexError as exc:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
+        return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
+
+    def abort_store(self, req: p.AbortStore) -> p.Ok:
+        client = self._client(req.client)
+        return p.Ok(req.rid, self.index.abort(req.lease, client.token))
+
+    # -- lookup and retrieve ---------------------------------------------------------------
+    def lookup(self, req: p.Lookup) -> p.LookupResult:
+        client = self._client(req.client)
+        ks, _ = self._keys(client, req.chunks)
+        if not req.request_id:
+            hits = 0
+            for present in self.index.contains(ks):
+                if not present:
+                    break
+                hits += 1
+            return p.LookupResult(req.rid, hits, len(ks))
+        self._drop_session(client, req.request_id)
+        lock = self.index.lock_read(ks, client.token, prefix=True)
+        hits = len(lock.slots)
+        with self._lock:
+            client.sessions[req.request_id] = Session(lock.lease_id, hits, len(ks), self.clock())
+        return p.LookupResult(req.rid, hits, len(ks))
+
+    def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
+        client = self._client(req.client)
+        session = client.sessions.get(req.request_id)
+        if session is None:
+            raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
+        session.touched = self.clock()
+        return p.PrefetchStatus(req.rid, True, session.hits)
+
+    def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
+        client = self._client(req.client)
+        if req.chunks is not None:
+            if req.request_id:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks, not both")
+            ks, _ = self._keys(client, req.chunks, req.first_chunk)
+            lock = self.index.lock_read(ks, client.token, prefix=False)
+            base = req.first_chunk
+            return p.RetrieveSlots(
+                req.rid,
+                lock.lease_id,
+                [p.Slot(i + base, off, n) for i, off, n in lock.slots],
+                [i + base for i in lock.missing],
+            )
+        if not req.request_id:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks")
+        with self._lock:
+            session = client.sessions.get(req.request_id)
+            if session is None:
+                raise RequestError(
+                    p.ErrorCode.NOT_FOUND,
+                    f"no lookup session {req.request_id!r} (never looked up, ended or expired)",
+                )
+            lease, session.lease = session.lease, 0
+            session.touched = self.clock()
+        if lease == 0:
+            missing = list(range(session.hits, session.total))
+            return p.RetrieveSlots(req.rid, 0, [], missing)
+        try:
+            slots = self.index.lease_slots(lease, client.token)
+        except LeaseNotFound:
+            raise RequestError(
+                p.ErrorCode.NOT_FOUND,
+                f"the locks of lookup {req.request_id!r} expired (read_ttl); look up again",
+            ) from None
+        return p.RetrieveSlots(
+            req.rid,
+            lease,
+            [p.Slot(i, off, n) for i, (_, off, n) in enumerate(slots)],
+            list(range(len(slots), session.total)),
+        )
+
+    def finish_retrieve(self, req: p.FinishRetrieve) -> p.Ok:
+        client = self._client(req.client)
+        return p.Ok(req.rid, self.index.release_read(req.lease, client.token))
+
+    def free_lookup_locks(self, req: p.FreeLookupLocks) -> p.Ok:
+        client = self._client(req.client)
+        return p.Ok(req.rid, self._drop_session(client, req.request_id))
+
+    def end_session(self, req: p.EndSession) -> p.Ok:
+        client = self._client(req.client)
+        return p.Ok(req.rid, self._drop_session(client, req.request_id))
+
+    def _drop_session(self, client: Client, request_id: str) -> int:
+        with self._lock:
+            session = client.sessions.pop(request_id, None)
+        if session is None or session.lease == 0:
+            return 0
+        try:
+            return self.index.release_read(session.lease, client.token)
+        except LeaseNotFound:
+            return 0  # expired meanwhile
+
+    def expire_sessions(self) -> int:
+        """Forget lookup sessions idle for longer than ``session_ttl``."""
+        cutoff = self.clock() - self.cfg.session_ttl
+        dropped = 0
+        for client in list(self._clients.values()):
+            stale = [rid for rid, s in list(client.sessions.items()) if s.touched < cutoff]
+            for rid in stale:
+                self._drop_session(client, rid)
+                dropped += 1
+        return dropped
+
+    # -- administration --------------------------------------------------------------------
+    def clear(self, req: p.Clear) -> p.Ok:
+        self._client(req.client)
+        removed = self.index.clear()
+        log.info("cleared the cache (%d objects)", removed)
+        return p.Ok(req.rid, removed)
+
+    def ping(self, req: p.Ping) -> p.Ok:
+        return p.Ok(req.rid)
+
+    def stats(self, req: p.GetStats) -> p.Stats:
+        token = self.cfg.auth_token
+        if (
+            token
+            and req.client not in self._clients
+            and not secrets.compare_digest(req.auth_token, token)
+        ):
+            raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
+        s = self.index.stats()
+        return p.Stats(
+            rid=req.rid,
+            server_version=__version__,
+            uptime_s=self.clock() - self.started,
+            pool_name=self.pool.name,
+            capacity=s.capacity,
+            used=s.used,
+            largest_free=s.largest_free,
+            objects=s.objects,
+            writing=s.writing,
+            ready=s.ready,
+            read_locked=s.read_locked,
+            clients=len(self._clients),
+            sessions=sum(len(c.sessions) for c in list(self._clients.values())),
+            write_leases=s.write_leases,
+            read_leases=s.read_leases,
+            expired_write_slots=s.expired_write_slots,
+            expired_read_locks=s.expired_read_locks,
+            evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes,
+            requests=dict(self.requests),
+            errors=dict(self.errors),
+        )
+
+
+# Dtypes numpy does not know by these names but engines use.
+_EXTRA_DTYPE_SIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1}
