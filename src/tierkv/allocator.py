@@ -5,6 +5,9 @@ alignment (a power of two, 4 KiB by default) so every slot starts page-aligned. 
 block coalesces it with both neighbours, so a pool whose objects are all freed is one free
 block again. Batch allocation is all-or-nothing.
 
+Figures: ``used``, ``free_bytes`` and ``largest_free`` (bytes), ``free_blocks`` and
+``allocations`` (counts). ``free(offset)`` is the method that gives a block back.
+
 The allocator is not thread-safe by itself: the object index owns it and calls it under the
 index lock.
 """
@@ -46,11 +49,13 @@ class Allocator:
         return self._used
 
     @property
-    def free(self) -> int:
+    def free_bytes(self) -> int:
+        """Bytes not in any allocated block (``capacity - used``), fragmented or not."""
         return self.capacity - self._used
 
     @property
     def largest_free(self) -> int:
+        """Size of the largest free block: the biggest allocation that can succeed now."""
         return max(self._size_at.values(), default=0)
 
     @property
@@ -81,16 +86,29 @@ class Allocator:
         return None
 
     def allocate_batch(self, sizes: Sequence[int]) -> list[int] | None:
-        """Offsets for every size, or None (and nothing allocated) if any does not fit."""
-        out: list[int] = []
+        """Offsets for every size, or None (and nothing allocated) if any does not fit.
+
+        A bad size raises AllocatorError before anything is allocated. Rolling back restores
+        the exact previous state: the free list is fully coalesced, so it only depends on the
+        set of live blocks.
+        """
+        sizes = list(sizes)
         for size in sizes:
-            offset = self.allocate(size)
-            if offset is None:
-                for done, done_size in zip(out, sizes, strict=False):
-                    self.free(done, done_size)
-                return None
-            out.append(offset)
-        return out
+            if size <= 0:
+                raise AllocatorError(f"allocation size must be positive, got {size}")
+        out: list[int] = []
+        done = False
+        try:
+            for size in sizes:
+                offset = self.allocate(size)
+                if offset is None:
+                    return None
+                out.append(offset)
+            done = True
+            return out
+        finally:
+            if not done:
+                self.free_many(out)
 
     def free(self, offset: int, size: int | None = None) -> None:
         """Give a block back; ``size``, when given, must match what was allocated."""
@@ -157,22 +175,33 @@ class Allocator:
             bisect.insort(self._starts, offset)
 
     def check(self) -> None:
-        """Verify every invariant (for tests): sorted, disjoint, coalesced, accounted."""
+        """Verify every invariant (for tests): sorted, disjoint, coalesced, accounted.
+
+        Raises AssertionError on the first violation (explicitly, so it works under -O too).
+        """
+
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(what)
+
+        require(self._starts == sorted(self._size_at), "free list not sorted or out of sync")
+        require(len(self._start_ending_at) == len(self._starts), "end map out of sync")
         blocks = sorted(
             [(s, self._size_at[s], "free") for s in self._starts]
             + [(s, n, "used") for s, n in self._allocated.items()]
         )
-        assert self._starts == sorted(self._size_at), "free list not sorted or out of sync"
-        assert len(self._start_ending_at) == len(self._starts), "end map out of sync"
         pos = 0
         prev_kind = ""
         for start, size, kind in blocks:
-            assert start == pos, f"gap or overlap at {pos} (next block at {start})"
-            assert size > 0 and size % self.alignment == 0, f"bad block size {size}"
-            assert not (kind == "free" and prev_kind == "free"), f"uncoalesced at {start}"
+            require(start == pos, f"gap or overlap at {pos} (next block at {start})")
+            require(size > 0 and size % self.alignment == 0, f"bad block size {size} at {start}")
+            require(not (kind == "free" and prev_kind == "free"), f"uncoalesced at {start}")
             if kind == "free":
-                assert self._start_ending_at[start + size] == start
+                require(
+                    self._start_ending_at.get(start + size) == start,
+                    f"end map wrong for free block at {start}",
+                )
             pos = start + size
             prev_kind = kind
-        assert pos == self.capacity, f"blocks end at {pos}, capacity {self.capacity}"
-        assert self._used == sum(self._allocated.values()), "used bytes drifted"
+        require(pos == self.capacity, f"blocks end at {pos}, capacity {self.capacity}")
+        require(self._used == sum(self._allocated.values()), "used bytes drifted")

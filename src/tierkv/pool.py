@@ -1,14 +1,17 @@
 """The shared-memory pool: one named POSIX segment that the server owns and engines attach to.
 
 The server creates the segment (mode 0600), after checking that /dev/shm can hold it, and
-unlinks it on close. A stale segment of the same name, left by a crashed server, is unlinked
-and recreated. Engines attach by name, check the size and never unlink: this module talks to
-``shm_open`` directly instead of using ``multiprocessing.shared_memory.SharedMemory``, whose
-resource tracker (Python < 3.13) unlinks every segment a process attached when it exits.
+unlinks it on close (unless the name now belongs to a newer segment). A stale segment of the
+same name, left by a crashed server, is unlinked and recreated. Engines attach by name,
+check the size and never unlink: this module talks to ``shm_open`` directly instead of using
+``multiprocessing.shared_memory.SharedMemory``, whose resource tracker (Python < 3.13)
+unlinks every segment a process attached when it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -20,13 +23,15 @@ import numpy as np
 import numpy.typing as npt
 
 try:  # CPython's own binding of shm_open/shm_unlink (the one SharedMemory uses).
-    import _posixshmem
+    import _posixshmem  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - non-POSIX platforms
     _posixshmem = None
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+# madvise(2) advice that write-faults a range in without changing it (Linux >= 5.14).
+MADV_POPULATE_WRITE: int = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class PoolError(Exception):
@@ -46,9 +51,11 @@ class PoolSizeMismatchError(PoolError, ValueError):
 
 
 def _posix_name(name: str) -> str:
-    if not name or "/" in name.lstrip("/") or len(name) > 200:
+    """``name`` as shm_open wants it: one leading slash, no other slash, not empty."""
+    bare = name.lstrip("/")
+    if not bare or "/" in bare or "\0" in bare or bare in (".", "..") or len(bare) > 200:
         raise PoolError(f"invalid shared-memory segment name {name!r}")
-    return name if name.startswith("/") else "/" + name
+    return "/" + bare
 
 
 def _shm_open(name: str, flags: int, mode: int) -> int:
@@ -79,7 +86,8 @@ def check_shm_capacity(required: int, shm_dir: str = SHM_DIR) -> None:
         return
     free = shutil.disk_usage(shm_dir).free
     if free < required:
-        suggest_gib = max(1, -(-required * 5 // 4) // 2**30)
+        # 25% headroom over the pool, rounded *up* to whole GiB.
+        suggest_gib = max(1, -(-(required * 5) // (4 * 2**30)))
         raise ShmCapacityError(
             f"not enough shared memory for the pool: need {format_bytes(required)}, "
             f"{shm_dir} has {format_bytes(free)} free. Make the pool smaller (--pool-size), "
@@ -92,11 +100,21 @@ def check_shm_capacity(required: int, shm_dir: str = SHM_DIR) -> None:
 class ShmPool:
     """A mapped shared-memory segment; ``owner`` pools unlink it on close."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        mm: mmap.mmap,
+        owner: bool,
+        identity: tuple[int, int] | None = None,
+    ) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._mm: mmap.mmap | None = mm
+        # (st_dev, st_ino) of the segment this handle created: close() unlinks the name only
+        # while it still refers to that segment, never a newer server's replacement.
+        self._identity = identity
         self.buf = memoryview(mm)
 
     # -- construction ----------------------------------------------------------------------
@@ -114,29 +132,37 @@ class ShmPool:
         try:
             fd = _shm_open(posix, flags, 0o600)
         except FileExistsError:
-            log.warning("removing stale shared-memory segment %s (left by a crashed server?)", posix)
-            _shm_unlink(posix)
+            log.warning("removing stale shared-memory segment %s (crashed server?)", posix)
+            with contextlib.suppress(FileNotFoundError):
+                _shm_unlink(posix)
             fd = _shm_open(posix, flags, 0o600)
         try:
             os.fchmod(fd, 0o600)
-            check_shm_capacity(size)
+            check_shm_capacity(size, SHM_DIR)
             os.ftruncate(fd, size)
             if prefault:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    raise ShmCapacityError(
-                        f"could not reserve {format_bytes(size)} in {SHM_DIR}: {exc}. "
-                        "Give the container more shared memory (Docker --shm-size, "
-                        "Kubernetes emptyDir.medium: Memory) or make the pool smaller."
-                    ) from exc
+                    if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        # No fallocate on this filesystem: MAP_POPULATE below still faults
+                        # the pages in, it just cannot report a full /dev/shm.
+                        log.debug("posix_fallocate unsupported for %s: %s", posix, exc)
+                    else:
+                        raise ShmCapacityError(
+                            f"could not reserve {format_bytes(size)} in {SHM_DIR}: {exc}. "
+                            "Give the container more shared memory (Docker --shm-size, "
+                            "Kubernetes emptyDir.medium: Memory) or make the pool smaller."
+                        ) from exc
             mm = _map(fd, size, populate=prefault)
+            st = os.fstat(fd)
         except BaseException:
             os.close(fd)
-            _shm_unlink(posix)
+            with contextlib.suppress(FileNotFoundError):
+                _shm_unlink(posix)
             raise
         os.close(fd)
-        return cls(posix, size, mm, owner=True)
+        return cls(posix, size, mm, owner=True, identity=(st.st_dev, st.st_ino))
 
     @classmethod
     def attach(cls, name: str, expected_size: int | None = None, populate: bool = False) -> ShmPool:
@@ -159,6 +185,11 @@ class ShmPool:
                     f"shared-memory segment {posix} is {st.st_size} bytes, the server "
                     f"announced {expected_size}: another server may own this name"
                 )
+            if st.st_size == 0:
+                raise PoolError(
+                    f"shared-memory segment {posix} is empty: its server is still creating it "
+                    "or failed while creating it"
+                )
             mm = _map(fd, st.st_size, populate=populate)
         finally:
             os.close(fd)
@@ -179,10 +210,24 @@ class ShmPool:
         return arr if shape is None else arr.reshape(shape)
 
     def prefault(self) -> None:
-        """Touch one byte per page so this process has the whole pool mapped."""
-        page = mmap.PAGESIZE
+        """Fault every page of the pool in (allocating it) and map it into this process.
+
+        Contents are left untouched, so this is safe while other processes use the pool.
+        """
+        mm = self._mm
+        if mm is None:
+            raise PoolError(f"pool {self.name} is closed")
+        madvise = getattr(mm, "madvise", None)
+        if madvise is not None:
+            try:
+                madvise(MADV_POPULATE_WRITE)  # Linux >= 5.14: write-fault every page, no writes
+                return
+            except (OSError, ValueError):
+                pass
+        # A read fault on a shared-memory page allocates it too. (Assigning a slice to itself
+        # is not a fallback: numpy skips the copy when source and destination are the same.)
         arr = np.frombuffer(self.buf, dtype=np.uint8)
-        arr[::page] = arr[::page]
+        int(arr[:: mmap.PAGESIZE].sum(dtype=np.uint64))
 
     # -- teardown --------------------------------------------------------------------------
     def close(self) -> None:
@@ -197,10 +242,31 @@ class ShmPool:
             # Views into the pool are still alive somewhere; the mapping goes with the process.
             log.debug("pool %s still has live views; leaving it mapped", self.name)
         if self.owner:
+            if not self._still_ours():
+                log.warning(
+                    "shared-memory segment %s was removed or replaced; not unlinking it", self.name
+                )
+                return
             try:
                 _shm_unlink(self.name)
             except FileNotFoundError:
                 log.warning("shared-memory segment %s was already removed", self.name)
+
+    def _still_ours(self) -> bool:
+        """Whether ``self.name`` still names the segment this owner created."""
+        if self._identity is None:
+            return True
+        try:
+            fd = _shm_open(self.name, os.O_RDONLY, 0)
+        except FileNotFoundError:
+            return False
+        except PermissionError:
+            return False  # another user's segment now: certainly not ours
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return (st.st_dev, st.st_ino) == self._identity
 
     @property
     def closed(self) -> bool:
@@ -219,6 +285,8 @@ def segment_exists(name: str) -> bool:
         fd = _shm_open(_posix_name(name), os.O_RDONLY, 0)
     except FileNotFoundError:
         return False
+    except PermissionError:
+        return True  # it exists, another user owns it
     os.close(fd)
     return True
 
