@@ -1,0 +1,161 @@
+"""The tier interface, the chunk record format every tier shares, and the tier registry.
+
+A tier keeps chunks the pool evicted and gives them back on prefetch. Every operation is a
+batch, runs on a tier thread (never on the RPC loop), and moves bytes straight between the
+pool and the medium: ``store`` gets read-only ``memoryview`` slices of pool slots, ``load``
+gets writable slices of freshly reserved slots. Tiers never raise for a single bad chunk:
+they report it per item (``LoadStatus``) and count it.
+
+Record format: every chunk a tier holds is preceded (or accompanied) by a fixed 64-byte
+header carrying a magic, the format version, the payload length, the full 32-byte key and a
+16-byte blake3 checksum of the payload; a load that finds anything inconsistent reports
+``CORRUPT`` and never hands the bytes to an engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from tierkv.keys import KEY_SIZE
+
+log = logging.getLogger(__name__)
+
+
+class TierError(Exception):
+    """A tier cannot be created or is unusable as configured."""
+
+
+class LoadStatus(enum.IntEnum):
+    OK = 0
+    MISSING = 1  # not in this tier
+    CORRUPT = 2  # present but failed verification (torn, truncated, bit rot, wrong key)
+    ERROR = 3  # the medium failed (I/O error, connection lost, timeout)
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    objects: int
+    bytes_used: int
+    capacity: int  # 0 = unbounded / unknown
+
+
+# -- record header -----------------------------------------------------------------------
+MAGIC = b"TKV1"
+HEADER = struct.Struct("<4sHHQ32s16s")  # magic, version, flags, length, key, checksum
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 64
+FORMAT_VERSION = 1
+
+
+def checksum(data: memoryview | bytes) -> bytes:
+    """16-byte blake3 digest of a chunk payload (multi-GB/s; releases the GIL)."""
+    return blake3.blake3(data, max_threads=1).digest(length=16)
+
+
+def pack_header(key: bytes, data: memoryview | bytes) -> bytes:
+    if len(key) != KEY_SIZE:
+        raise ValueError(f"keys are {KEY_SIZE} bytes, got {len(key)}")
+    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(data), key, checksum(data))
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    length: int
+    key: bytes
+    digest: bytes
+
+
+def unpack_header(raw: bytes | memoryview) -> Header | None:
+    """The header, or None if ``raw`` is not a valid header of this format."""
+    if len(raw) != HEADER_SIZE:
+        return None
+    magic, version, _flags, length, key, digest = HEADER.unpack(raw)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return None
+    return Header(length, key, digest)
+
+
+def verify(header: Header | None, key: bytes, data: memoryview) -> LoadStatus:
+    """Whether ``data`` is the intact payload of ``key`` under ``header``."""
+    if header is None or header.key != key or header.length != len(data):
+        return LoadStatus.CORRUPT
+    return LoadStatus.OK if checksum(data) == header.digest else LoadStatus.CORRUPT
+
+
+# -- interface ---------------------------------------------------------------------------
+class Tier(ABC):
+    """A store of chunks below the pool. Implementations must be thread-safe."""
+
+    name: str
+
+    @abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is (probably) held; a later load may still miss."""
+
+    @abstractmethod
+    def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """Write each (key, payload view); True where stored. Never keeps the views."""
+
+    @abstractmethod
+    def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        """Fill each writable view with the key's payload (same length), verified."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove keys; returns how many were held."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files."""
+
+    def copies(self) -> str:
+        """What a store and a load cost in extra copies of the payload (for the README)."""
+        return "unknown"
+
+
+# -- registry ----------------------------------------------------------------------------
+TierFactory = Callable[..., Tier]
+_REGISTRY: dict[str, TierFactory] = {}
+
+
+def register_tier(name: str, factory: TierFactory) -> None:
+    """Make a tier available to configuration under ``name``."""
+    _REGISTRY[name] = factory
+
+
+def tier_names() -> list[str]:
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def create_tier(name: str, options: dict[str, Any] | None = None) -> Tier:
+    """Build the tier ``name`` with its options (keyword arguments of its factory)."""
+    _load_builtins()
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise TierError(f"unknown tier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    try:
+        return factory(**(options or {}))
+    except TypeError as exc:
+        raise TierError(f"bad options for tier {name!r}: {exc}") from exc
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for module in ("disk", "redis", "s3"):
+        try:
+            importlib.import_module(f"tierkv.tiers.{module}")
+        except ImportError as exc:
+            # An optional tier whose client library is missing stays unregistered.
+            log.debug("tier module %s unavailable: %s", module, exc)
