@@ -45,6 +45,38 @@ def default_runtime_dir(instance: str) -> str:
     return os.path.join(base, "tierkv", instance)
 
 
+class TierSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One tier below the pool: its registered name and the options of its factory."""
+
+    name: str
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def parse_tier_spec(value: str | Mapping[str, Any] | TierSpec) -> TierSpec:
+    """``disk:path=/var/cache/tierkv,capacity=100GiB`` or a YAML mapping with ``name``."""
+    if isinstance(value, TierSpec):
+        return value
+    if isinstance(value, Mapping):
+        opts = {str(k).replace("-", "_"): v for k, v in value.items()}
+        name = opts.pop("name", None)
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"tier {dict(value)!r} needs a name")
+        nested = opts.pop("options", None)
+        if isinstance(nested, Mapping):
+            opts.update(nested)
+        return TierSpec(name, opts)
+    name, _, rest = str(value).partition(":")
+    options: dict[str, Any] = {}
+    for part in filter(None, rest.split(",")):
+        key, eq, val = part.partition("=")
+        if not eq or not key:
+            raise ConfigError(f"tier option {part!r} in {value!r}: expected key=value")
+        options[key.strip().replace("-", "_")] = val.strip()
+    if not name.strip():
+        raise ConfigError(f"tier {value!r}: expected NAME[:key=value,...]")
+    return TierSpec(name.strip(), options)
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = "default"
     runtime_dir: str = ""
@@ -64,6 +96,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_message_bytes: int = 64 * 2**20
     max_chunks_per_request: int = 16384
     workers: int = 4
+    tiers: list[TierSpec] = msgspec.field(default_factory=list)
+    tier_workers: int = 4
+    write_behind_max_bytes: int = 2**30
+    prefetch_max_inflight: int = 16
+    prefetch_timeout: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -97,8 +134,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         for name in ("eviction_interval", "write_ttl", "read_ttl", "session_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.workers < 1:
-            raise ConfigError("workers must be at least 1")
+        if self.workers < 1 or self.tier_workers < 1:
+            raise ConfigError("workers and tier_workers must be at least 1")
+        if self.prefetch_max_inflight < 0 or self.prefetch_timeout <= 0:
+            raise ConfigError("prefetch_max_inflight >= 0 and prefetch_timeout > 0")
         if self.max_message_bytes < 4096 or self.max_chunks_per_request < 1:
             raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
         if self.log_format not in ("text", "json"):
@@ -146,11 +185,18 @@ FIELD_HELP: dict[str, str] = {
     "max_message_bytes": "largest request accepted (bigger ones are dropped by the transport)",
     "max_chunks_per_request": "most chunks one request may name",
     "workers": "threads for requests that may block",
+    "tiers": "a tier below the pool, NAME[:key=value,...], in lookup order; repeat the flag "
+    "for several (e.g. disk:path=/var/cache/tierkv,capacity=100GiB or redis:url=redis://h:6379)",
+    "tier_workers": "threads doing tier I/O (write-behind and prefetch)",
+    "write_behind_max_bytes": "most bytes queued for tier writes; beyond it new chunks skip "
+    "the tiers",
+    "prefetch_max_inflight": "most prefetches from the tiers running at once",
+    "prefetch_timeout": "seconds after which an unfinished prefetch is reported as done",
     "log_level": "debug, info, warning or error",
     "log_format": "text or json",
 }
 
-_SIZE_FIELDS = {"pool_size", "max_message_bytes", "alignment"}
+_SIZE_FIELDS = {"pool_size", "max_message_bytes", "alignment", "write_behind_max_bytes"}
 
 
 def _fields() -> list[tuple[str, Any, Any]]:
@@ -163,6 +209,12 @@ def _coerce(name: str, raw: Any) -> Any:
     """Values from env/flags arrive as strings; sizes accept units."""
     if name in _SIZE_FIELDS and isinstance(raw, str):
         return parse_size(raw)
+    if name == "tiers":
+        if isinstance(raw, str):  # environment: specs separated by ';'
+            raw = [part for part in raw.split(";") if part.strip()]
+        if not isinstance(raw, list):
+            raise ConfigError("tiers must be a list of NAME[:key=value,...] or mappings")
+        return [msgspec.to_builtins(parse_tier_spec(item)) for item in raw]
     return raw
 
 
@@ -172,9 +224,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
     for name, typ, default in _fields():
         flag = "--" + name.replace("_", "-")
-        shown = default if default != "" else '""'
+        shown = "none" if default is msgspec.NODEFAULT else (default if default != "" else '""')
         help_text = f"{FIELD_HELP[name]} (default: {shown}; env TIERKV_{name.upper()})"
-        if isinstance(typ, msgspec.inspect.BoolType):
+        if name == "tiers":
+            group.add_argument(
+                "--tier",
+                dest=name,
+                action="append",
+                default=None,
+                metavar="NAME[:K=V,...]",
+                help=help_text.replace("env TIERKV_TIERS", "env TIERKV_TIERS, ';'-separated"),
+            )
+        elif isinstance(typ, msgspec.inspect.BoolType):
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
