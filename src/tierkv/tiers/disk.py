@@ -1,0 +1,757 @@
+"""The local disk tier: one checksummed file per chunk, LRU-bounded, rebuilt on restart.
+
+Layout. ``<path>/<aa>/<bb>/<64 hex digits of the key>.kv``, where ``aa`` and ``bb`` are the
+first two bytes of the key's *chunk-hash* half (bytes 16 and 17). The first half of a key is
+the namespace digest, the same for every chunk of an engine, so fanning out by it would put
+all of an engine's chunks in one directory. Each file is the 64-byte record header of
+:mod:`tierkv.tiers.base` followed by the payload. ``<path>/.tierkv-disk.lock`` is held
+(``flock``) while a tier uses the directory, so two servers never share one.
+
+Store. The header and the pool view go out in one ``os.writev`` (no copy of the payload in
+user space) to a temporary file next to the final one, optionally ``fsync``-ed, then
+``os.replace``-d into place: a torn write is never visible under a chunk's name, and a crash
+leaves at most a temporary file, which the next start removes. Keys already held are skipped.
+
+Load. ``os.readv`` reads the header into a 64-byte buffer and the payload straight into the
+caller's writable slot view; the header (magic, version, key, length) and the blake3
+checksum of the view are then verified. Anything inconsistent is ``CORRUPT``: the file is
+deleted and counted, and the bytes left in the slot must not be used. A missing file is
+``MISSING``, an I/O error ``ERROR``; nothing raises for a single chunk. A view whose length
+differs from a self-consistent file is also ``CORRUPT``, but that file is kept: the chunk
+is intact, the caller asked for the wrong size.
+
+Index. An in-memory ``OrderedDict`` key -> (file size, generation) in LRU order bounds the
+tier to ``capacity`` bytes (header included); a store that does not fit evicts the least
+recently used files first, and loads move a key to the back (and bump its file's mtime, so
+the order survives a restart). At start the index is rebuilt from ``os.scandir`` (sizes and
+mtimes, no file is opened); leftover temporary files and files with foreign names inside the
+fan-out directories are removed, and headers are verified lazily, on load.
+
+Degradation. A write that fails because the medium cannot take writes (ENOSPC, EDQUOT,
+EROFS, EACCES, EPERM, ENOTDIR) disables *writes* with one log line at ERROR: stores return
+False at once, while chunks already on disk stay readable (a full disk still holds a valid
+cache). Every ``retry_interval`` seconds (30 by default) one store is let through as a probe;
+when it succeeds writes are enabled again. A directory that cannot be created at start
+disables the tier the same way instead of failing the server.
+
+Concurrency. All methods may be called from several threads. One lock guards the index,
+the per-key busy markers and the counters, and is never held across file I/O. A key is at
+any moment in at most one of: the index (its file is complete and readable) or ``busy`` (one
+thread is writing or removing its file), so no two threads ever write or unlink the same
+name. Index entries carry a generation, so a load that found a file missing or corrupt only
+drops the entry it read, never one a later store put there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tierkv.config import ConfigError, parse_size
+from tierkv.keys import KEY_SIZE
+from tierkv.tiers.base import (
+    HEADER_SIZE,
+    LoadStatus,
+    Tier,
+    TierError,
+    TierUsage,
+    pack_header,
+    register_tier,
+    unpack_header,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+LOCK_NAME = ".tierkv-disk.lock"
+DEFAULT_CAPACITY = 10 * 2**30
+DEFAULT_RETRY_INTERVAL = 30.0
+
+_NAME_RE = re.compile(r"[0-9a-f]{64}\.kv\Z")
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}\Z")
+# The medium refuses writes (full, read-only, no permission, path not a directory): disable
+# writes and re-probe later instead of failing (and logging) every chunk.
+_DEGRADE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_CORRUPT_LOG_LIMIT = 10  # corrupt files logged at WARNING; later ones at DEBUG (see stats)
+
+_STORE = "store"
+_REMOVE = "remove"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierStats:
+    """A snapshot of the disk tier's counters (for metrics and ``/status``)."""
+
+    objects: int
+    bytes_used: int
+    capacity: int
+    stores: int  # chunks written
+    store_bytes: int
+    store_skipped: int  # already held (or being stored by another thread)
+    store_failed: int  # not written: too big, no room, writes disabled, I/O error
+    loads: int  # loads that returned OK
+    load_bytes: int
+    misses: int
+    corrupt: int  # loads that returned CORRUPT
+    errors: int  # OSErrors on any path (store, load, remove)
+    evictions: int
+    evicted_bytes: int
+    deletes: int
+    removed_at_start: int  # leftover temporary files, foreign names, headerless files
+    writes_disabled: bool
+    disabled_reason: str
+
+
+class _Counters:
+    __slots__ = (
+        "corrupt",
+        "deletes",
+        "errors",
+        "evicted_bytes",
+        "evictions",
+        "load_bytes",
+        "loads",
+        "misses",
+        "removed_at_start",
+        "store_bytes",
+        "store_failed",
+        "store_skipped",
+        "stores",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    stores: int
+    store_bytes: int
+    store_skipped: int
+    store_failed: int
+    loads: int
+    load_bytes: int
+    misses: int
+    corrupt: int
+    errors: int
+    evictions: int
+    evicted_bytes: int
+    deletes: int
+    removed_at_start: int
+
+
+def _byte_view(view: memoryview | bytes | bytearray) -> memoryview:
+    """``view`` as a flat unsigned-byte memoryview of the same memory (never a copy)."""
+    mv = view if isinstance(view, memoryview) else memoryview(view)
+    if mv.ndim == 1 and mv.itemsize == 1 and mv.c_contiguous:
+        return mv
+    return mv.cast("B")  # TypeError for non-contiguous memory: the caller reports it
+
+
+def _write_all(fd: int, header: bytes, data: memoryview) -> None:
+    """Write ``header`` then ``data`` with writev, resuming after short writes."""
+    total = len(header) + data.nbytes
+    done = os.writev(fd, [header, data])
+    while done < total:
+        if done < len(header):
+            bufs: list[bytes | memoryview] = [memoryview(header)[done:], data]
+        else:
+            bufs = [data[done - len(header) :]]
+        n = os.writev(fd, bufs)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _read_all(fd: int, header: bytearray, data: memoryview) -> int:
+    """readv into ``header`` then ``data`` until both are full or EOF; bytes read."""
+    total = len(header) + data.nbytes
+    done = os.readv(fd, [header, data])
+    while 0 < done < total:
+        if done < len(header):
+            bufs: list[bytearray | memoryview] = [memoryview(header)[done:], data]
+        else:
+            bufs = [data[done - len(header) :]]
+        n = os.readv(fd, bufs)
+        if n == 0:
+            break  # EOF: the file is shorter than its index entry says
+        done += n
+    return done
+
+
+class DiskTier(Tier):
+    """Chunks as files under ``path``, at most ``capacity`` bytes, least recently used out.
+
+    Options (all keyword): ``path`` (directory, created if missing), ``capacity`` (bytes,
+    an int or a size string such as ``"100GiB"``; header bytes count), ``fsync`` (fsync
+    each file and its directory before a store returns; default off, the rename alone
+    already guarantees that a chunk's name never shows a torn file), ``retry_interval``
+    (seconds between write probes while writes are disabled).
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        capacity: int | str = DEFAULT_CAPACITY,
+        fsync: bool = False,
+        retry_interval: float = DEFAULT_RETRY_INTERVAL,
+    ) -> None:
+        try:
+            cap = parse_size(capacity)
+        except (ConfigError, ValueError) as exc:
+            raise TierError(f"disk tier: bad capacity {capacity!r}: {exc}") from exc
+        if cap <= 0:
+            raise TierError(f"disk tier: capacity must be positive, got {capacity!r}")
+        if retry_interval < 0:
+            raise TierError(f"disk tier: retry_interval must be >= 0, got {retry_interval}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.capacity = cap
+        self.fsync = bool(fsync)
+        self.retry_interval = float(retry_interval)
+
+        self._lock = threading.Lock()
+        # key -> (file size, generation), least recently used first.
+        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._busy: dict[bytes, str] = {}  # key -> _STORE / _REMOVE, while its file changes
+        self._cancelled: set[bytes] = set()  # in-flight stores a delete() overtook
+        self._bytes = 0
+        self._reserved = 0  # bytes of stores in flight
+        self._seq = 0  # generations and temporary-file names
+        self._disabled = ""  # why writes are disabled ("" = enabled)
+        self._next_probe = 0.0
+        self._probing = False
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._c = _Counters()
+        self._logged_errnos: set[tuple[str, int]] = set()
+
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as exc:
+            self._disable(f"cannot create {self.path}: {exc.strerror or exc}")
+            return
+        self._take_dir_lock()
+        self._rebuild()
+        self._check_free_space()
+
+    # -- Tier interface --------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            index = self._index
+            return [key in index for key in keys]
+
+    def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        return [self._store_one(key, view) for key, view in items]
+
+    def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        return [self._load_one(key, view) for key, view in items]
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        held: list[tuple[bytes, int]] = []
+        with self._lock:
+            for key in keys:
+                entry = self._index.pop(key, None)
+                if entry is not None:
+                    self._bytes -= entry[0]
+                    self._busy[key] = _REMOVE
+                    held.append((key, entry[0]))
+                elif self._busy.get(key) == _STORE:
+                    self._cancelled.add(key)  # the store removes its file when it lands
+            self._c.deletes += len(held)
+        self._remove_files([key for key, _ in held])
+        return len(held)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            return TierUsage(len(self._index), self._bytes, self.capacity)
+
+    def close(self) -> None:
+        """Stop taking stores and release the directory lock. Idempotent."""
+        with self._lock:
+            self._closed = True
+            fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+    def copies(self) -> str:
+        return (
+            "store: 0 extra copies (writev of header + pool view into the page cache); "
+            "load: 0 extra copies (readv from the page cache straight into the slot); "
+            "each side makes one blake3 pass over the slot, in place"
+        )
+
+    # -- extras ----------------------------------------------------------------------------
+    def stats(self) -> DiskTierStats:
+        with self._lock:
+            c = self._c
+            return DiskTierStats(
+                objects=len(self._index),
+                bytes_used=self._bytes,
+                capacity=self.capacity,
+                stores=c.stores,
+                store_bytes=c.store_bytes,
+                store_skipped=c.store_skipped,
+                store_failed=c.store_failed,
+                loads=c.loads,
+                load_bytes=c.load_bytes,
+                misses=c.misses,
+                corrupt=c.corrupt,
+                errors=c.errors,
+                evictions=c.evictions,
+                evicted_bytes=c.evicted_bytes,
+                deletes=c.deletes,
+                removed_at_start=c.removed_at_start,
+                writes_disabled=bool(self._disabled),
+                disabled_reason=self._disabled,
+            )
+
+    @property
+    def writes_disabled(self) -> bool:
+        return bool(self._disabled)
+
+    def file_path(self, key: bytes) -> str:
+        """Where ``key``'s chunk lives (whether or not it is held)."""
+        h = key.hex()
+        return f"{self.path}/{h[32:34]}/{h[34:36]}/{h}{SUFFIX}"
+
+    # -- store -----------------------------------------------------------------------------
+    def _store_one(self, key: bytes, view: memoryview) -> bool:
+        if not isinstance(key, bytes) or len(key) != KEY_SIZE:
+            self._count_failed(f"store: keys are {KEY_SIZE} bytes, got {key!r:.40}")
+            return False
+        try:
+            data = _byte_view(view)
+        except (TypeError, ValueError) as exc:
+            self._count_failed(f"store: unusable view for {key.hex()}: {exc}")
+            return False
+        size = HEADER_SIZE + data.nbytes
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                self._c.store_skipped += 1
+                return True
+            busy = self._busy.get(key)
+            if busy is not None:
+                if busy == _STORE:  # another thread is writing the same chunk
+                    self._c.store_skipped += 1
+                    return True
+                self._c.store_failed += 1
+                return False
+            if size > self.capacity or not self._may_write_locked():
+                self._c.store_failed += 1
+                return False
+            probe = bool(self._disabled)  # this store is the one write probe
+            victims = self._make_room_locked(size)
+            if victims is None:  # in-flight stores hold the rest of the capacity
+                self._probing = False
+                self._c.store_failed += 1
+                return False
+            self._busy[key] = _STORE
+            self._reserved += size
+            self._seq += 1
+            seq = self._seq
+        self._remove_files(victims)
+        path = self.file_path(key)
+        try:
+            self._write_file(path, f"{path}.{os.getpid()}-{seq}{TMP_SUFFIX}", key, data)
+        except Exception as exc:
+            with self._lock:
+                del self._busy[key]
+                self._cancelled.discard(key)
+                self._reserved -= size
+                if probe:
+                    self._probing = False
+            self._write_failed(exc, key)
+            return False
+
+        recovered = False
+        with self._lock:
+            self._reserved -= size
+            cancelled = key in self._cancelled
+            if not cancelled:
+                del self._busy[key]
+                self._seq += 1
+                self._index[key] = (size, self._seq)
+                self._bytes += size
+                self._c.stores += 1
+                self._c.store_bytes += data.nbytes
+            else:
+                self._cancelled.discard(key)
+            if probe and self._disabled:
+                recovered, self._disabled, self._probing = True, "", False
+        if recovered:
+            log.info("disk tier %s: writes work again; re-enabled", self.path)
+        if cancelled:  # a delete() came in while the file was being written
+            self._remove_files([key])
+            return False
+        return True
+
+    def _make_room_locked(self, size: int) -> list[bytes] | None:
+        """Make room for ``size`` more bytes by evicting LRU keys; None if it cannot fit."""
+        excess = self._bytes + self._reserved + size - self.capacity
+        if excess <= 0:
+            return []
+        if excess > self._bytes:
+            return None  # in-flight stores hold the rest
+        victims: list[bytes] = []
+        freed = 0
+        while freed < excess:
+            key, (fsize, _gen) = self._index.popitem(last=False)
+            self._busy[key] = _REMOVE
+            victims.append(key)
+            freed += fsize
+        self._bytes -= freed
+        self._c.evictions += len(victims)
+        self._c.evicted_bytes += freed
+        return victims
+
+    def _may_write_locked(self) -> bool:
+        """Whether this store may write; while writes are disabled, claims the one probe."""
+        if self._closed:
+            return False
+        if not self._disabled:
+            return True
+        if self._probing or time.monotonic() < self._next_probe:
+            return False
+        self._probing = True
+        return True
+
+    def _write_file(self, path: str, tmp: str, key: bytes, data: memoryview) -> None:
+        header = pack_header(key, data)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            try:
+                _write_all(fd, header, data)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError as exc:
+                log.debug("disk tier: could not remove %s: %s", tmp, exc)
+            raise
+        if self.fsync:
+            # The chunk is complete under its name now; if the rename cannot be made durable
+            # it is still a valid chunk (and a lost rename after a crash is just a miss).
+            try:
+                dfd = os.open(os.path.dirname(path), os.O_RDONLY | _O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            except OSError as exc:
+                with self._lock:
+                    self._c.errors += 1
+                self._log_error("directory fsync", exc, key)
+
+    def _write_failed(self, exc: Exception, key: bytes) -> None:
+        if isinstance(exc, OSError) and exc.errno in _DEGRADE_ERRNOS:
+            self._disable(f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})")
+            with self._lock:
+                self._c.store_failed += 1
+                self._c.errors += 1
+            return
+        with self._lock:
+            self._c.store_failed += 1
+            self._c.errors += 1
+        self._log_error("store", exc, key)
+
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            first = not self._disabled
+            self._disabled = reason
+            self._next_probe = time.monotonic() + self.retry_interval
+            self._probing = False
+        if first:
+            log.error(
+                "disk tier %s: writes disabled: %s. Chunks already on disk stay readable; "
+                "new chunks are not kept on disk. Retrying every %gs.",
+                self.path,
+                reason,
+                self.retry_interval,
+            )
+        else:
+            log.debug("disk tier %s: write probe failed: %s", self.path, reason)
+
+    # -- load ------------------------------------------------------------------------------
+    def _load_one(self, key: bytes, view: memoryview) -> LoadStatus:
+        try:
+            data = _byte_view(view)
+            if data.readonly:
+                raise TypeError("load needs a writable view")
+        except (TypeError, ValueError) as exc:
+            with self._lock:
+                self._c.errors += 1
+            self._log_error("load", exc, key)
+            return LoadStatus.ERROR
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._c.misses += 1
+                return LoadStatus.MISSING
+            self._index.move_to_end(key)
+        size, gen = entry
+        path = self.file_path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        except FileNotFoundError:
+            self._forget(key, gen)  # removed behind our back
+            with self._lock:
+                self._c.misses += 1
+            return LoadStatus.MISSING
+        except OSError as exc:
+            return self._load_error(exc, key)
+        try:
+            if size != HEADER_SIZE + data.nbytes:
+                return self._length_mismatch(fd, key, gen, data.nbytes, size)
+            hdr = bytearray(HEADER_SIZE)
+            got = _read_all(fd, hdr, data)
+            if got < HEADER_SIZE + data.nbytes:
+                return self._corrupt(key, gen, f"truncated ({got} of {size} bytes)")
+            status = verify(unpack_header(memoryview(hdr)), key, data)
+            if status is not LoadStatus.OK:
+                return self._corrupt(key, gen, self._describe(hdr, key, data.nbytes))
+            with contextlib.suppress(OSError):  # best effort; fails on a read-only disk
+                os.utime(fd)  # recency survives a restart
+        except OSError as exc:
+            return self._load_error(exc, key)
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._c.loads += 1
+            self._c.load_bytes += data.nbytes
+        return LoadStatus.OK
+
+    def _length_mismatch(self, fd: int, key: bytes, gen: int, want: int, size: int) -> LoadStatus:
+        """The slot is not the chunk's size: keep the file if it is itself consistent."""
+        header = unpack_header(os.pread(fd, HEADER_SIZE, 0))
+        if header is None or header.key != key or header.length + HEADER_SIZE != size:
+            return self._corrupt(key, gen, f"bad header or size ({size} bytes on disk)")
+        with self._lock:
+            self._c.corrupt += 1
+        log.debug(
+            "disk tier: %s holds %d payload bytes, load asked for %d; reporting CORRUPT, "
+            "keeping the file",
+            key.hex(),
+            header.length,
+            want,
+        )
+        return LoadStatus.CORRUPT
+
+    @staticmethod
+    def _describe(hdr: bytearray, key: bytes, length: int) -> str:
+        header = unpack_header(memoryview(hdr))
+        if header is None:
+            return "bad magic or version"
+        if header.key != key:
+            return f"header is for key {header.key.hex()[:16]}..."
+        if header.length != length:
+            return f"header length {header.length}, file holds {length}"
+        return "checksum mismatch"
+
+    def _corrupt(self, key: bytes, gen: int, why: str) -> LoadStatus:
+        with self._lock:
+            self._c.corrupt += 1
+            n = self._c.corrupt
+        level = logging.WARNING if n <= _CORRUPT_LOG_LIMIT else logging.DEBUG
+        log.log(level, "disk tier: corrupt chunk %s (%s); removed", self.file_path(key), why)
+        if n == _CORRUPT_LOG_LIMIT:
+            log.warning("disk tier: further corrupt chunks are logged at DEBUG (see stats)")
+        self._forget(key, gen, unlink=True)
+        return LoadStatus.CORRUPT
+
+    def _load_error(self, exc: OSError, key: bytes) -> LoadStatus:
+        with self._lock:
+            self._c.errors += 1
+        self._log_error("load", exc, key)
+        return LoadStatus.ERROR
+
+    def _forget(self, key: bytes, gen: int, unlink: bool = False) -> None:
+        """Drop ``key``'s index entry (and file) if it is still the one read as ``gen``."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry[1] != gen:
+                return
+            del self._index[key]
+            self._bytes -= entry[0]
+            if not unlink:
+                return
+            self._busy[key] = _REMOVE
+        self._remove_files([key])
+
+    # -- files -----------------------------------------------------------------------------
+    def _remove_files(self, keys: list[bytes]) -> None:
+        """Unlink the files of ``keys`` (marked busy by the caller) and release them."""
+        if not keys:
+            return
+        errors = 0
+        for key in keys:
+            try:
+                os.unlink(self.file_path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                errors += 1
+                self._log_error("remove", exc, key)
+        with self._lock:
+            for key in keys:
+                self._busy.pop(key, None)
+            self._c.errors += errors
+
+    def _log_error(self, op: str, exc: Exception, key: bytes) -> None:
+        """Log the first error of each kind per operation at WARNING, repeats at DEBUG."""
+        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else -1
+        with self._lock:
+            first = (op, code) not in self._logged_errnos
+            self._logged_errnos.add((op, code))
+        level = logging.WARNING if first else logging.DEBUG
+        suffix = " (repeats are logged at DEBUG)" if first else ""
+        log.log(level, "disk tier %s: %s of %s failed: %s%s", self.path, op, key.hex(), exc, suffix)
+
+    def _count_failed(self, message: str) -> None:
+        with self._lock:
+            self._c.store_failed += 1
+            first = ("store", -2) not in self._logged_errnos
+            self._logged_errnos.add(("store", -2))
+        log.log(logging.WARNING if first else logging.DEBUG, "disk tier: %s", message)
+
+    # -- start-up --------------------------------------------------------------------------
+    def _take_dir_lock(self) -> None:
+        lock_path = os.path.join(self.path, LOCK_NAME)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o600)
+        except OSError as exc:
+            # A read-only directory: nothing to protect from a second writer.
+            log.debug("disk tier: no lock file %s: %s", lock_path, exc)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise TierError(
+                f"disk tier directory {self.path} is in use by another tierkv server "
+                f"(pid {holder}); give each server its own disk path"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+        self._lock_fd = fd
+
+    def _rebuild(self) -> None:
+        """Index the chunk files under ``path`` (LRU order by mtime); remove leftovers."""
+        started = time.monotonic()
+        found: list[tuple[int, bytes, int]] = []  # (mtime_ns, key, size)
+        junk: list[str] = []
+        for d1 in self._scan(self.path):
+            if not (_FANOUT_RE.match(d1.name) and d1.is_dir(follow_symlinks=False)):
+                continue  # the lock file, or something that is not ours: leave it alone
+            for d2 in self._scan(d1.path):
+                if not (_FANOUT_RE.match(d2.name) and d2.is_dir(follow_symlinks=False)):
+                    if not d2.is_dir(follow_symlinks=False):
+                        junk.append(d2.path)
+                    continue
+                fanout = d1.name + d2.name
+                for f in self._scan(d2.path):
+                    if f.is_dir(follow_symlinks=False):
+                        continue
+                    name = f.name
+                    if not (_NAME_RE.match(name) and name[32:36] == fanout):
+                        junk.append(f.path)  # temporary file, or a name that is not a key
+                        continue
+                    try:
+                        st = f.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # vanished
+                    if not f.is_file(follow_symlinks=False) or st.st_size < HEADER_SIZE:
+                        junk.append(f.path)  # torn before its header, or not a file
+                        continue
+                    found.append((st.st_mtime_ns, bytes.fromhex(name[:64]), st.st_size))
+        removed = 0
+        for path in junk:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError as exc:
+                log.debug("disk tier: could not remove leftover %s: %s", path, exc)
+        found.sort()
+        with self._lock:
+            for _mtime, key, size in found:
+                self._seq += 1
+                self._index[key] = (size, self._seq)
+                self._bytes += size
+            self._c.removed_at_start += removed
+            victims: list[bytes] = []
+            while self._bytes > self.capacity:  # capacity shrank since the last run
+                key, (size, _gen) = self._index.popitem(last=False)
+                self._busy[key] = _REMOVE
+                self._bytes -= size
+                self._c.evictions += 1
+                self._c.evicted_bytes += size
+                victims.append(key)
+        self._remove_files(victims)
+        log.info(
+            "disk tier %s: %d chunks, %d of %d bytes, indexed in %.3fs "
+            "(%d leftover files removed, %d evicted to fit capacity)",
+            self.path,
+            len(self._index),
+            self._bytes,
+            self.capacity,
+            time.monotonic() - started,
+            removed,
+            len(victims),
+        )
+
+    def _scan(self, path: str) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(path) as it:
+                return list(it)
+        except OSError as exc:
+            log.warning("disk tier: cannot scan %s: %s", path, exc)
+            return []
+
+    def _check_free_space(self) -> None:
+        try:
+            free = shutil.disk_usage(self.path).free
+        except OSError:
+            return
+        if self._bytes + free < self.capacity:
+            log.warning(
+                "disk tier %s: capacity %d bytes exceeds what the filesystem can hold "
+                "(%d held + %d free); writes will stop when it fills",
+                self.path,
+                self.capacity,
+                self._bytes,
+                free,
+            )
+
+
+register_tier("disk", DiskTier)
