@@ -36,8 +36,8 @@ class EvictionController:
     ) -> None:
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got {low}, {high}")
-        if interval <= 0:
-            raise ValueError("eviction interval must be positive")
+        if not interval > 0:  # also rejects NaN
+            raise ValueError(f"eviction interval must be positive, got {interval}")
         self.index = index
         self.high = high
         self.low = low

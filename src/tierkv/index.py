@@ -5,12 +5,16 @@ An object is absent, then *writing* (reserved by a write lease, invisible to rea
 to a lease: a batch of slots taken by one holder (an engine connection) in one request, with
 one deadline. Leases expire (write 600 s, read 300 s by default): an expired write lease
 gives its slots back, an expired read lease makes its objects evictable again. Leases are
-kept in dicts in creation order, and a TTL is constant per kind, so expiry only ever looks at
-the oldest leases.
+kept in dicts in creation order (a renewed lease moves last), and a TTL is constant per kind,
+so each dict is in deadline order and expiry only ever looks at the oldest leases.
 
 Only ready, unlocked objects are evictable; they sit in an insertion-ordered dict used as an
 LRU list. A batch is (re)inserted last chunk first, so within a prefix the last chunks are
 the least recently used and are evicted before the first ones.
+
+A lease is over at its deadline: every call that takes a lease id first expires overdue
+leases, so committing or releasing a lease after its deadline raises LeaseNotFound, whether
+or not anything had reclaimed it yet.
 
 Deleting or clearing an object that is locked removes it from the key map at once (new
 lookups miss) and frees its slot when the last lease on it ends, so a reader never sees its
@@ -45,6 +49,10 @@ class LeaseNotFound(IndexError_):
 
 class LeaseNotOwned(IndexError_):
     """The lease belongs to another holder."""
+
+
+class SlotPositionError(IndexError_, IndexError):
+    """``commit(only=...)`` named positions outside the lease (also a builtin IndexError)."""
 
 
 class State(enum.IntEnum):
@@ -168,12 +176,18 @@ class ObjectIndex:
     def reserve_write(
         self, keys: Sequence[bytes], lengths: Sequence[int] | int, holder: int, tier: str = ""
     ) -> WriteReservation:
-        """Reserve a slot for each new key. Present keys and keys that do not fit are skipped
-        and reported; this never waits for eviction."""
+        """Reserve a slot for each new key. Present keys (ready, being written, or repeated
+        within this batch) and keys that do not fit are skipped and reported; this never
+        waits for eviction. Raises ValueError, with nothing reserved, on a bad length."""
         if isinstance(lengths, int):
+            if lengths <= 0 and keys:
+                raise ValueError(f"chunk lengths must be positive, got {lengths}")
             lengths = [lengths] * len(keys)
-        elif len(lengths) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(lengths)} lengths")
+        else:
+            if len(lengths) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(lengths)} lengths")
+            if lengths and min(lengths) <= 0:
+                raise ValueError(f"chunk lengths must be positive, got {min(lengths)}")
         with self._lock:
             now = self.clock()
             self._expire(now)
@@ -200,14 +214,15 @@ class ObjectIndex:
                 result.lease_id = 0
             return result
 
-    def commit(
-        self, lease_id: int, holder: int, only: Iterable[int] | None = None
-    ) -> CommitResult:
+    def commit(self, lease_id: int, holder: int, only: Iterable[int] | None = None) -> CommitResult:
         """Make the lease's objects ready; with ``only`` (positions within the lease's slots)
-        commit those and abort the rest. The lease ends either way."""
+        commit those and abort the rest. The lease ends either way, unless the call is
+        refused (unknown or foreign lease, positions out of range): then nothing changes."""
         with self._lock:
-            lease = self._take_lease(self._write_leases, lease_id, holder)
+            self._expire(self.clock())
+            lease = self._lease(self._write_leases, lease_id, holder)
             selected = self._select(lease, only)
+            self._remove_lease(self._write_leases, lease)
             result = CommitResult()
             ready: list[Entry] = []
             for pos, entry in enumerate(lease.entries):
@@ -229,20 +244,32 @@ class ObjectIndex:
     def abort(self, lease_id: int, holder: int) -> int:
         """Give back every slot of a write lease. Returns the number of slots freed."""
         with self._lock:
+            self._expire(self.clock())
             lease = self._take_lease(self._write_leases, lease_id, holder)
             for entry in lease.entries:
                 self._drop_writing(entry)
             return len(lease.entries)
 
     # -- reads -----------------------------------------------------------------------------
-    def lock_read(self, keys: Sequence[bytes], holder: int, prefix: bool = True) -> ReadLock:
+    def lock_read(
+        self, keys: Sequence[bytes], holder: int, prefix: bool = True, into_lease: int = 0
+    ) -> ReadLock:
         """Read-lock ready objects. With ``prefix`` stop at the first key that is not ready
         (a lookup); otherwise lock every ready key and report the rest as missing. Locked
-        objects leave the LRU; releasing the lease puts them back as most recently used."""
+        objects leave the LRU; releasing the lease puts them back as most recently used.
+
+        With ``into_lease`` (a live read lease of ``holder``) the new locks are appended to
+        that lease instead of a new one (a prefetch adding to its lookup's locks): the result
+        carries its id, and its deadline is renewed if anything was locked. An unknown or
+        foreign ``into_lease`` raises LeaseNotFound / LeaseNotOwned with nothing locked."""
         with self._lock:
             now = self.clock()
             self._expire(now)
-            lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False)
+            if into_lease:
+                lease = self._lease(self._read_leases, into_lease, holder)
+                before = len(lease.entries)
+            else:
+                lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False)
             result = ReadLock(lease.id)
             entries = self._entries
             lru = self._lru
@@ -259,7 +286,13 @@ class ObjectIndex:
                 entry.readers += 1
                 lease.entries.append(entry)
                 result.slots.append((i, entry.offset, entry.length))
-            if lease.entries:
+            if into_lease:
+                if len(lease.entries) > before:
+                    # Renewed: move it last, so the table stays in deadline order.
+                    lease.deadline = now + self.read_ttl
+                    del self._read_leases[lease.id]
+                    self._read_leases[lease.id] = lease
+            elif lease.entries:
                 self._add_lease(self._read_leases, lease)
             else:
                 result.lease_id = 0
@@ -268,6 +301,7 @@ class ObjectIndex:
     def release_read(self, lease_id: int, holder: int) -> int:
         """End a read lease. Returns the number of locks released."""
         with self._lock:
+            self._expire(self.clock())
             lease = self._take_lease(self._read_leases, lease_id, holder)
             self._unlock(lease.entries)
             return len(lease.entries)
@@ -275,6 +309,7 @@ class ObjectIndex:
     def lease_slots(self, lease_id: int, holder: int) -> list[tuple[bytes, int, int]]:
         """(key, offset, length) of every slot a live read lease holds."""
         with self._lock:
+            self._expire(self.clock())
             lease = self._lease(self._read_leases, lease_id, holder)
             return [(e.key, e.offset, e.length) for e in lease.entries]
 
@@ -286,8 +321,10 @@ class ObjectIndex:
 
     def release_holder(self, holder: int) -> tuple[int, int]:
         """End every lease of a holder (it unregistered or was declared dead).
-        Returns (write slots freed, read locks released)."""
+        Returns (write slots freed, read locks released), not counting leases that had
+        already expired (those count as expiries)."""
         with self._lock:
+            self._expire(self.clock())
             freed = released = 0
             for lease_id in list(self._holder_leases.get(holder, ())):
                 lease = self._write_leases.get(lease_id) or self._read_leases[lease_id]
@@ -390,30 +427,65 @@ class ObjectIndex:
 
     def check(self) -> None:
         """Verify the accounting invariants (for tests): every allocated block belongs to
-        exactly one live entry or held zombie, reader counts match the leases."""
+        exactly one live entry or held zombie, reader counts match the leases, the LRU holds
+        exactly the evictable objects, the lease maps agree. Raises AssertionError on the
+        first violation (explicitly, so it works under ``python -O`` too)."""
+
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(what)
+
         with self._lock:
-            self.allocator.check()
+            alloc = self.allocator
+            alloc.check()
             held: dict[Entry, int] = {}
-            for lease in self._read_leases.values():
-                for entry in lease.entries:
-                    held[entry] = held.get(entry, 0) + 1
             writing: set[Entry] = set()
-            for lease in self._write_leases.values():
-                writing.update(lease.entries)
+            n_writing = 0
+            holders: dict[int, set[int]] = {}
+            for leases, write in ((self._write_leases, True), (self._read_leases, False)):
+                deadline = float("-inf")
+                for lease_id, lease in leases.items():
+                    require(lease.id == lease_id, f"lease {lease_id} filed under a wrong id")
+                    require(lease.write is write, f"lease {lease_id} in the wrong table")
+                    require(bool(lease.entries), f"lease {lease_id} holds nothing")
+                    require(lease.deadline >= deadline, "leases not in deadline order")
+                    require(self._next_expiry <= lease.deadline, "next expiry too late")
+                    deadline = lease.deadline
+                    holders.setdefault(lease.holder, set()).add(lease_id)
+                    if write:
+                        writing.update(lease.entries)
+                        n_writing += len(lease.entries)
+                    else:
+                        for entry in lease.entries:
+                            held[entry] = held.get(entry, 0) + 1
+            require(n_writing == len(writing), "an object is in two write leases")
+            require(holders == self._holder_leases, "holder -> leases map out of sync")
             slots: dict[int, Entry] = {}
-            for entry in list(self._entries.values()) + list(held) + list(writing):
+            for entry in [*self._entries.values(), *held, *writing]:
                 prev = slots.setdefault(entry.offset, entry)
-                assert prev is entry, f"two objects share offset {entry.offset}"
+                require(prev is entry, f"two objects share offset {entry.offset}")
+            for key, entry in self._entries.items():
+                require(entry.key == key and entry.live, f"key map wrong for {key!r}")
+            evictable = 0
             for entry in slots.values():
-                assert entry.readers == held.get(entry, 0), f"reader count of {entry.key!r}"
-                assert (entry.state is State.WRITING) == (entry in writing)
-                evictable = entry.live and entry.state is State.READY and entry.readers == 0
-                assert (entry in self._lru) == evictable, f"LRU membership of {entry.key!r}"
+                k = entry.key
+                require(entry.readers == held.get(entry, 0), f"reader count of {k!r}")
+                require((entry.state is State.WRITING) == (entry in writing), f"state of {k!r}")
+                require(
+                    alloc.size_of(entry.offset) == alloc.aligned(entry.length),
+                    f"block of {k!r} missing or of the wrong size",
+                )
+                is_evictable = entry.live and entry.state is State.READY and entry.readers == 0
+                evictable += is_evictable
+                require((entry in self._lru) == is_evictable, f"LRU membership of {k!r}")
                 if entry.live:
-                    assert self._entries.get(entry.key) is entry
-            assert set(slots) == set(self.allocator._allocated), "allocated blocks != objects"
+                    require(self._entries.get(k) is entry, f"live {k!r} not in the key map")
+                else:
+                    require(entry in held or entry in writing, f"zombie {k!r} held by nothing")
+            require(len(self._lru) == evictable, "LRU holds objects that are not evictable")
+            require(alloc.allocations == len(slots), "allocated blocks != objects")
             zombies = sum(1 for e in slots.values() if not e.live)
-            assert zombies == self._zombies, f"zombie count {self._zombies} != {zombies}"
+            require(zombies == self._zombies, f"zombie count {self._zombies} != {zombies}")
 
     # -- internals (index lock held) -------------------------------------------------------
     def _new_lease_id(self) -> int:
@@ -455,7 +527,7 @@ class ObjectIndex:
         selected = set(only)
         bad = [p for p in selected if not 0 <= p < n]
         if bad:
-            raise IndexError_(f"slot positions {sorted(bad)} out of range for a lease of {n}")
+            raise SlotPositionError(f"slot positions {sorted(bad)} out of range for a lease of {n}")
         return selected
 
     def _drop_writing(self, entry: Entry) -> None:

@@ -1,0 +1,350 @@
+"""Tests of the watermark eviction controller: run_once (watermarks, expiry with a fake clock,
+listeners) and the background thread (wake-ups, periodic passes, failures, start/stop). The
+thread tests wait for counted passes, never for a duration."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from tierkv.allocator import Allocator
+from tierkv.eviction import EvictionController
+from tierkv.index import Evicted, ObjectIndex
+
+BLOCK = 4096
+BLOCKS = 10  # pool size; high = 0.8 -> 8 blocks, low = 0.5 -> 5 blocks
+HIGH = 0.8
+LOW = 0.5
+HOLDER = 7
+GUARD = 30.0  # seconds to wait for the thread before declaring it hung
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingController(EvictionController):
+    """Counts finished passes so that tests can wait for the thread deterministically."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = 0
+        self.passes = 0
+        self._cond = threading.Condition()
+
+    def run_once(self) -> list[Evicted]:
+        with self._cond:
+            self.started += 1
+        try:
+            return super().run_once()
+        finally:
+            with self._cond:
+                self.passes += 1
+                self._cond.notify_all()
+
+    def wait_for_fresh_pass(self) -> None:
+        """Wake the thread and wait until a pass that started after this call has finished
+        (passes run one at a time, so that is pass number ``started + 1``)."""
+        with self._cond:
+            target = self.started + 1
+            self.wake()
+            assert self._cond.wait_for(lambda: self.passes >= target, GUARD), "thread hung"
+
+
+def k(i: int) -> bytes:
+    return f"key-{i}".encode()
+
+
+def make(clock: FakeClock | None = None) -> ObjectIndex:
+    return ObjectIndex(Allocator(BLOCKS * BLOCK, BLOCK), clock=clock or FakeClock())
+
+
+def fill(index: ObjectIndex, first: int, n: int, blocks: int = 1) -> list[bytes]:
+    """Store n objects of ``blocks`` blocks each, one per batch, oldest first."""
+    keys = [k(i) for i in range(first, first + n)]
+    for key in keys:
+        res = index.reserve_write([key], blocks * BLOCK, HOLDER)
+        assert res.slots, "pool full"
+        index.commit(res.lease_id, HOLDER)
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("high", "low", "interval"),
+    [
+        (0.7, 0.8, 1.0),  # low above high
+        (0.8, 0.0, 1.0),
+        (0.8, -0.1, 1.0),
+        (1.1, 0.5, 1.0),
+        (float("nan"), 0.5, 1.0),
+        (0.8, float("nan"), 1.0),
+        (0.8, 0.5, 0.0),
+        (0.8, 0.5, -1.0),
+        (0.8, 0.5, float("nan")),
+    ],
+)
+def test_invalid_settings_are_rejected(high: float, low: float, interval: float) -> None:
+    with pytest.raises(ValueError):
+        EvictionController(make(), high=high, low=low, interval=interval)
+
+
+def test_valid_extremes_are_accepted() -> None:
+    EvictionController(make(), high=1.0, low=1.0)
+    EvictionController(make(), high=0.5, low=0.5)
+    EvictionController(make(), high=1.0, low=0.01, interval=0.001)
+
+
+def test_nothing_happens_at_or_below_the_high_watermark() -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    fill(index, 0, 8)  # exactly at high
+    assert not controller.above_high_watermark()
+    assert controller.run_once() == []
+    assert index.used == 8 * BLOCK
+    assert index.stats().evictions == 0
+
+
+def test_above_high_evicts_lru_first_down_to_low() -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    keys = fill(index, 0, 9)
+    assert controller.above_high_watermark()
+    evicted = controller.run_once()
+    assert [e.key for e in evicted] == keys[:4]
+    assert index.used == 5 * BLOCK  # at low
+    assert not controller.above_high_watermark()
+    assert controller.run_once() == []
+
+
+def test_eviction_stops_as_soon_as_usage_is_at_or_below_low() -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    fill(index, 0, 3, blocks=3)  # 9 blocks
+    evicted = controller.run_once()
+    assert [e.key for e in evicted] == [k(0), k(1)]  # 9 -> 6 is still above 5
+    assert index.used == 3 * BLOCK
+
+
+def test_locked_objects_are_skipped_even_if_low_is_not_reached() -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    keys = fill(index, 0, 9)
+    index.lock_read(keys[:7], HOLDER)
+    index.reserve_write([k(99)], BLOCK, HOLDER)  # 10 blocks
+    evicted = controller.run_once()
+    assert [e.key for e in evicted] == keys[7:]
+    assert index.used == 8 * BLOCK
+    assert controller.run_once() == []  # nothing left that may go
+    index.check()
+
+
+def test_run_once_expires_leases_with_a_fake_clock() -> None:
+    clock = FakeClock()
+    index = make(clock)
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    keys = fill(index, 0, 3)
+    index.lock_read(keys, HOLDER)
+    index.reserve_write([k(10), k(11)], BLOCK, HOLDER)
+    clock.now += index.read_ttl
+    assert controller.run_once() == []  # below high: expiry only
+    stats = index.stats()
+    assert (stats.read_leases, stats.write_leases, stats.evictable) == (0, 1, 3)
+    clock.now += index.write_ttl
+    controller.run_once()
+    stats = index.stats()
+    assert (stats.write_leases, stats.used, stats.expired_write_slots) == (0, 3 * BLOCK, 2)
+    index.check()
+
+
+def test_expiry_makes_room_for_eviction_in_the_same_pass() -> None:
+    clock = FakeClock()
+    index = make(clock)
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    keys = fill(index, 0, 9)
+    index.lock_read(keys, HOLDER)
+    assert controller.run_once() == []  # everything locked
+    clock.now += index.read_ttl
+    # The lock covered one batch, so its release put the last chunks first in line.
+    assert [e.key for e in controller.run_once()] == keys[::-1][:4]
+
+
+def test_listeners_get_each_evicted_batch_and_a_raising_one_is_contained(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    batches: list[list[Evicted]] = []
+
+    def broken(batch: list[Evicted]) -> None:
+        raise RuntimeError("listener bug")
+
+    controller.add_listener(broken)
+    controller.add_listener(batches.append)
+    fill(index, 0, 9)
+    with caplog.at_level(logging.ERROR, logger="tierkv.eviction"):
+        evicted = controller.run_once()
+    assert batches == [evicted]
+    assert [e.key for e in evicted] == [k(0), k(1), k(2), k(3)]
+    assert "listener" in caplog.text
+    assert controller.run_once() == []
+    assert len(batches) == 1  # no call for an empty pass
+
+
+def test_thread_evicts_when_woken_and_survives_a_raising_listener() -> None:
+    index = make()
+    controller = CountingController(index, high=HIGH, low=LOW, interval=3600.0)
+    batches: list[list[bytes]] = []
+    got = threading.Semaphore(0)
+
+    def broken(batch: list[Evicted]) -> None:
+        raise RuntimeError("listener bug")
+
+    def record(batch: list[Evicted]) -> None:
+        batches.append([e.key for e in batch])
+        got.release()
+
+    controller.add_listener(broken)
+    controller.add_listener(record)
+    controller.start()
+    try:
+        fill(index, 0, 9)
+        controller.wake_if_needed()
+        assert got.acquire(timeout=GUARD), "no eviction"
+        assert batches == [[k(0), k(1), k(2), k(3)]]
+        assert index.used == 5 * BLOCK
+
+        fill(index, 100, 4)  # 9 blocks again; the thread is still alive
+        controller.wake()
+        assert got.acquire(timeout=GUARD), "thread died after the listener raised"
+        assert batches[1] == [k(4), k(5), k(6), k(7)]
+        assert index.used == 5 * BLOCK
+        assert controller._thread is not None and controller._thread.is_alive()
+    finally:
+        controller.stop()
+    index.check()
+
+
+def test_wake_if_needed_only_wakes_above_high() -> None:
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    fill(index, 0, 8)
+    controller.wake_if_needed()
+    assert not controller._wake.is_set()
+    fill(index, 8, 1)
+    controller.wake_if_needed()
+    assert controller._wake.is_set()
+
+
+def test_thread_passes_below_high_evict_nothing() -> None:
+    index = make()
+    controller = CountingController(index, high=HIGH, low=LOW, interval=0.001)
+    fill(index, 0, 8)
+    controller.start()
+    try:
+        for _ in range(5):
+            controller.wait_for_fresh_pass()
+    finally:
+        controller.stop()
+    assert controller.passes >= 5
+    assert index.used == 8 * BLOCK and index.stats().evictions == 0
+
+
+def test_thread_runs_periodically_without_being_woken() -> None:
+    index = make()
+    controller = CountingController(index, high=HIGH, low=LOW, interval=0.001)
+    got = threading.Event()
+    controller.add_listener(lambda batch: got.set())
+    controller.start()
+    try:
+        fill(index, 0, 9)
+        assert got.wait(GUARD), "no periodic pass evicted anything"
+        assert index.used <= 5 * BLOCK
+    finally:
+        controller.stop()
+
+
+def test_thread_expires_leases_with_a_fake_clock() -> None:
+    clock = FakeClock()
+    index = make(clock)
+    controller = CountingController(index, high=HIGH, low=LOW, interval=0.001)
+    keys = fill(index, 0, 2)
+    index.lock_read(keys, HOLDER)
+    index.reserve_write([k(5)], BLOCK, HOLDER)
+    controller.start()
+    try:
+        controller.wait_for_fresh_pass()
+        assert index.stats().read_leases == 1  # nothing due yet
+        clock.now += index.write_ttl
+        controller.wait_for_fresh_pass()
+        stats = index.stats()
+        assert (stats.read_leases, stats.write_leases, stats.used) == (0, 0, 2 * BLOCK)
+    finally:
+        controller.stop()
+    index.check()
+
+
+def test_a_failing_pass_does_not_kill_the_thread(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    index = make()
+    controller = CountingController(index, high=HIGH, low=LOW, interval=3600.0)
+    fill(index, 0, 9)
+
+    def broken_evict(nbytes: int) -> list[Evicted]:
+        raise RuntimeError("evict bug")
+
+    monkeypatch.setattr(index, "evict", broken_evict)
+    with caplog.at_level(logging.ERROR, logger="tierkv.eviction"):
+        controller.start()
+        try:
+            controller.wait_for_fresh_pass()
+            assert index.used == 9 * BLOCK
+            monkeypatch.undo()
+            controller.wait_for_fresh_pass()
+            assert index.used == 5 * BLOCK
+        finally:
+            controller.stop()
+    assert "eviction pass failed" in caplog.text
+
+
+def test_start_and_stop_are_clean_and_idempotent() -> None:
+    index = make()
+    controller = CountingController(index, high=HIGH, low=LOW, interval=3600.0)
+    controller.stop()  # never started: a no-op
+    controller.start()
+    thread = controller._thread
+    assert thread is not None and thread.is_alive() and thread.daemon
+    assert thread.name == "tierkv-eviction"
+    controller.start()  # already running: same thread
+    assert controller._thread is thread
+    controller.stop()
+    assert not thread.is_alive() and controller._thread is None
+    controller.stop()
+    assert not any(t.name == "tierkv-eviction" for t in threading.enumerate())
+
+    # It can be started again and works.
+    fill(index, 0, 9)
+    controller.start()
+    try:
+        controller.wait_for_fresh_pass()
+        assert index.used == 5 * BLOCK
+    finally:
+        controller.stop()
+    assert controller._thread is None
+
+
+def test_stop_returns_promptly_with_a_long_interval() -> None:
+    """stop() wakes the thread instead of waiting out the interval (a hang would trip the
+    pytest timeout, no clock is read here)."""
+    controller = CountingController(make(), interval=3600.0)
+    controller.start()
+    controller.wait_for_fresh_pass()
+    controller.stop()
+    assert controller._thread is None

@@ -1,0 +1,1203 @@
+"""Tests of the L1 object index: states, write/read leases, TTL expiry with a fake clock,
+prefix-aware LRU eviction, delete/clear of held objects, release_holder and stats. The index
+under test runs ``check()`` after every call (successful or not), and a hypothesis state
+machine compares it with a plain model."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from tierkv.allocator import Allocator
+from tierkv.index import (
+    CommitResult,
+    Evicted,
+    IndexError_,
+    IndexStats,
+    LeaseNotFound,
+    LeaseNotOwned,
+    ObjectIndex,
+    SlotPositionError,
+)
+
+BLOCK = 4096  # allocator alignment; a "chunk" in these tests is one block unless stated
+WRITE_TTL = 600.0
+READ_TTL = 300.0
+ALICE = 1
+BOB = 2
+
+
+class FakeClock:
+    """A clock that only moves when told to."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+_PUBLIC = (
+    "reserve_write",
+    "commit",
+    "abort",
+    "lock_read",
+    "release_read",
+    "lease_slots",
+    "contains",
+    "release_holder",
+    "delete",
+    "clear",
+    "evict",
+    "expire",
+    "stats",
+)
+
+
+def _checked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: ObjectIndex, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.check()
+
+    return call
+
+
+class CheckedIndex(ObjectIndex):
+    """An ObjectIndex that verifies its invariants after every public call."""
+
+
+for _name in _PUBLIC:
+    setattr(CheckedIndex, _name, _checked(getattr(ObjectIndex, _name)))
+
+
+def k(name: str | int) -> bytes:
+    return f"key-{name}".encode()
+
+
+def make(blocks: int = 16) -> tuple[CheckedIndex, FakeClock]:
+    clock = FakeClock()
+    index = CheckedIndex(Allocator(blocks * BLOCK, BLOCK), WRITE_TTL, READ_TTL, clock)
+    index.check()
+    return index, clock
+
+
+def store(index: ObjectIndex, keys: list[bytes], holder: int = ALICE, length: int = BLOCK) -> None:
+    res = index.reserve_write(keys, length, holder)
+    assert len(res.slots) == len(keys), res
+    assert index.commit(res.lease_id, holder).committed == len(keys)
+
+
+def evict_order(index: ObjectIndex) -> list[bytes]:
+    """Evict everything evictable one object at a time; the keys in eviction order."""
+    order = []
+    while batch := index.evict(1):
+        assert len(batch) == 1
+        order.append(batch[0].key)
+    return order
+
+
+def figures(index: ObjectIndex, **expected: int) -> None:
+    stats = dataclasses.asdict(index.stats())
+    assert {name: stats[name] for name in expected} == expected
+
+
+# -- state transitions ---------------------------------------------------------------------
+def test_store_read_evict_lifecycle() -> None:
+    index, _ = make()
+    key = k(0)
+    assert index.contains([key]) == [False]
+
+    res = index.reserve_write([key], 100, ALICE)  # absent -> writing
+    assert res.lease_id > 0 and res.present == [] and res.no_space == []
+    ((i, offset, length),) = res.slots
+    assert (i, length) == (0, 100) and offset % BLOCK == 0
+    assert index.contains([key]) == [False]
+    figures(index, objects=1, writing=1, ready=0, evictable=0, used=BLOCK, write_leases=1)
+
+    result = index.commit(res.lease_id, ALICE)  # writing -> ready
+    assert result == CommitResult(committed=1, committed_keys=[key])
+    assert index.contains([key]) == [True]
+    figures(index, objects=1, writing=0, ready=1, evictable=1, read_locked=0, write_leases=0)
+
+    first = index.lock_read([key], ALICE)  # ready -> read-locked (1)
+    second = index.lock_read([key], BOB)  # read-locked (2)
+    assert first.slots == second.slots == [(0, offset, 100)]
+    assert first.lease_id != second.lease_id
+    figures(index, ready=1, read_locked=1, evictable=0, read_leases=2)
+    assert index.evict(10 * BLOCK) == []
+
+    assert index.release_read(first.lease_id, ALICE) == 1  # still locked by BOB
+    figures(index, read_locked=1, evictable=0, read_leases=1)
+    assert index.evict(10 * BLOCK) == []
+    assert index.release_read(second.lease_id, BOB) == 1  # ready, unlocked
+    figures(index, read_locked=0, evictable=1, read_leases=0)
+
+    assert index.evict(1) == [Evicted(key, 100, "")]  # ready -> absent
+    assert index.contains([key]) == [False]
+    figures(index, objects=0, used=0, evictions=1, evicted_bytes=BLOCK)
+
+
+def test_abort_gives_slots_back() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    assert index.used == 2 * BLOCK
+    assert index.abort(res.lease_id, ALICE) == 2
+    assert index.used == 0 and index.contains([k(0), k(1)]) == [False, False]
+    figures(index, objects=0, writing=0, write_leases=0)
+    with pytest.raises(LeaseNotFound):
+        index.commit(res.lease_id, ALICE)
+    store(index, [k(0), k(1)])  # the keys can be stored again
+
+
+def test_reserve_reports_present_keys_and_never_allocates_twice() -> None:
+    index, _ = make()
+    store(index, [k("ready")])
+    writing = index.reserve_write([k("writing")], BLOCK, BOB)
+    used = index.used
+
+    res = index.reserve_write(
+        [k("ready"), k("new"), k("writing"), k("new"), k("other"), k("ready")], BLOCK, ALICE
+    )
+    assert res.present == [0, 2, 3, 5]
+    assert [i for i, _, _ in res.slots] == [1, 4]
+    assert res.no_space == []
+    assert index.used == used + 2 * BLOCK
+    figures(index, objects=4, writing=3, ready=1)
+
+    # The being-written key stays with its writer; the duplicate commits once.
+    assert index.commit(res.lease_id, ALICE).committed_keys == [k("new"), k("other")]
+    assert index.contains([k("writing")]) == [False]
+    assert index.commit(writing.lease_id, BOB).committed == 1
+    assert index.contains([k("writing")]) == [True]
+
+
+def test_reserve_of_only_present_keys_takes_no_lease() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    res = index.reserve_write([k(0), k(0)], BLOCK, ALICE)
+    assert res.lease_id == 0 and res.slots == [] and res.present == [0, 1]
+    figures(index, write_leases=0, objects=1)
+    assert index.reserve_write([], BLOCK, ALICE).lease_id == 0
+    with pytest.raises(LeaseNotFound):
+        index.commit(0, ALICE)
+
+
+def test_reserve_skips_chunks_that_do_not_fit() -> None:
+    index, _ = make(blocks=4)
+    res = index.reserve_write([k(i) for i in range(6)], BLOCK, ALICE)
+    assert [i for i, _, _ in res.slots] == [0, 1, 2, 3]
+    assert res.no_space == [4, 5]
+    assert len({offset for _, offset, _ in res.slots}) == 4
+    assert index.contains([k(4)]) == [False]
+    figures(index, used=4 * BLOCK, objects=4, writing=4)
+    # A commit does not need space: the skipped chunks are simply not there.
+    assert index.commit(res.lease_id, ALICE).committed == 4
+
+
+def test_reserve_skips_a_big_chunk_and_still_fits_later_small_ones() -> None:
+    index, _ = make(blocks=4)
+    res = index.reserve_write([k(0), k(1), k(2), k(3)], [BLOCK, 3 * BLOCK + 1, BLOCK, 1], ALICE)
+    assert res.no_space == [1]
+    assert [(i, n) for i, _, n in res.slots] == [(0, BLOCK), (2, BLOCK), (3, 1)]
+    figures(index, used=3 * BLOCK, writing=3)
+    # Nothing fits at all: every chunk reported, no lease.
+    full = index.reserve_write([k(8), k(9)], 2 * BLOCK, BOB)
+    assert full.lease_id == 0 and full.no_space == [0, 1] and full.slots == []
+
+
+def test_reserve_rejects_bad_lengths_without_reserving() -> None:
+    index, _ = make()
+    with pytest.raises(ValueError):
+        index.reserve_write([k(0), k(1)], [BLOCK], ALICE)
+    with pytest.raises(ValueError):
+        index.reserve_write([k(0), k(1)], [BLOCK, 0], ALICE)
+    with pytest.raises(ValueError):
+        index.reserve_write([k(0)], -1, ALICE)
+    figures(index, used=0, objects=0, write_leases=0)
+
+
+def test_ttls_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ObjectIndex(Allocator(BLOCK), write_ttl=0)
+    with pytest.raises(ValueError):
+        ObjectIndex(Allocator(BLOCK), read_ttl=-1)
+
+
+def test_commit_only_commits_a_subset_and_aborts_the_rest() -> None:
+    index, _ = make()
+    keys = [k(i) for i in range(4)]
+    res = index.reserve_write(keys, BLOCK, ALICE)
+    result = index.commit(res.lease_id, ALICE, only=[0, 2])
+    assert result == CommitResult(committed=2, aborted=2, committed_keys=[k(0), k(2)])
+    assert index.contains(keys) == [True, False, True, False]
+    figures(index, used=2 * BLOCK, objects=2, ready=2, writing=0, write_leases=0)
+    # The aborted keys can be stored again.
+    store(index, [k(1), k(3)])
+
+    res = index.reserve_write([k(8), k(9)], BLOCK, ALICE)
+    assert index.commit(res.lease_id, ALICE, only=[]) == CommitResult(aborted=2)
+    assert index.contains([k(8), k(9)]) == [False, False]
+
+
+def test_commit_only_out_of_range_changes_nothing() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    before = index.stats()
+    with pytest.raises(SlotPositionError):
+        index.commit(res.lease_id, ALICE, only=[0, 2])
+    with pytest.raises(IndexError_):
+        index.commit(res.lease_id, ALICE, only=[-1])
+    with pytest.raises(IndexError):  # also a builtin IndexError
+        index.commit(res.lease_id, ALICE, only=[5])
+    assert index.stats() == before
+    assert index.commit(res.lease_id, ALICE, only=[1]).committed_keys == [k(1)]
+
+
+def test_unknown_lease_ids_are_refused_and_change_nothing() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    write = index.reserve_write([k(1)], BLOCK, ALICE)
+    read = index.lock_read([k(0)], ALICE)
+    before = index.stats()
+    for bad in (0, 9999, -1):
+        with pytest.raises(LeaseNotFound):
+            index.commit(bad, ALICE)
+        with pytest.raises(LeaseNotFound):
+            index.abort(bad, ALICE)
+        with pytest.raises(LeaseNotFound):
+            index.release_read(bad, ALICE)
+        with pytest.raises(LeaseNotFound):
+            index.lease_slots(bad, ALICE)
+    # A write lease is not a read lease and vice versa.
+    with pytest.raises(LeaseNotFound):
+        index.release_read(write.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.lease_slots(write.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.commit(read.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.abort(read.lease_id, ALICE)
+    assert index.stats() == before
+    # Ending a lease twice is refused the second time.
+    index.commit(write.lease_id, ALICE)
+    index.release_read(read.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.commit(write.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.abort(write.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.release_read(read.lease_id, ALICE)
+
+
+def test_another_holders_lease_is_refused_and_changes_nothing() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    write = index.reserve_write([k(1), k(2)], BLOCK, ALICE)
+    read = index.lock_read([k(0)], ALICE)
+    before = index.stats()
+    with pytest.raises(LeaseNotOwned):
+        index.commit(write.lease_id, BOB)
+    with pytest.raises(LeaseNotOwned):
+        index.commit(write.lease_id, BOB, only=[0])
+    with pytest.raises(LeaseNotOwned):
+        index.abort(write.lease_id, BOB)
+    with pytest.raises(LeaseNotOwned):
+        index.release_read(read.lease_id, BOB)
+    with pytest.raises(LeaseNotOwned):
+        index.lease_slots(read.lease_id, BOB)
+    assert index.release_holder(BOB) == (0, 0)
+    assert index.stats() == before
+    assert index.contains([k(1), k(2)]) == [False, False]
+    # The owner still holds both leases.
+    assert index.lease_slots(read.lease_id, ALICE) == [
+        (k(0), read.slots[0][1], BLOCK),
+    ]
+    assert index.commit(write.lease_id, ALICE).committed == 2
+    assert index.release_read(read.lease_id, ALICE) == 1
+
+
+# -- reads ---------------------------------------------------------------------------------
+def test_objects_being_written_are_invisible_to_readers() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    res = index.reserve_write([k(1)], BLOCK, ALICE)
+    lookup = index.lock_read([k(0), k(1)], BOB)
+    assert [i for i, _, _ in lookup.slots] == [0] and lookup.missing == [1]
+    lookup2 = index.lock_read([k(1), k(0)], BOB, prefix=False)
+    assert [i for i, _, _ in lookup2.slots] == [1] and lookup2.missing == [0]
+    none = index.lock_read([k(1)], BOB)
+    assert none.lease_id == 0 and none.slots == [] and none.missing == [0]
+    figures(index, read_leases=2, writing=1)
+    index.commit(res.lease_id, ALICE)
+    assert [i for i, _, _ in index.lock_read([k(1)], BOB).slots] == [0]
+
+
+def test_prefix_lookup_stops_at_the_first_miss() -> None:
+    index, _ = make()
+    store(index, [k(0), k(2), k(3)])
+    lookup = index.lock_read([k(0), k(1), k(2), k(3)], ALICE)
+    assert [i for i, _, _ in lookup.slots] == [0]
+    assert lookup.missing == [1, 2, 3]
+    figures(index, read_locked=1, evictable=2)  # k(2), k(3) were not locked
+    assert [key for key, _, _ in index.lease_slots(lookup.lease_id, ALICE)] == [k(0)]
+
+    miss_first = index.lock_read([k(1), k(0)], ALICE)
+    assert miss_first.lease_id == 0 and miss_first.missing == [0, 1]
+
+
+def test_non_prefix_lookup_locks_every_ready_key_and_reports_missing() -> None:
+    index, _ = make()
+    store(index, [k(0), k(2), k(3)])
+    lookup = index.lock_read([k(0), k(1), k(2), k(9), k(3)], ALICE, prefix=False)
+    assert [i for i, _, _ in lookup.slots] == [0, 2, 4]
+    assert lookup.missing == [1, 3]
+    figures(index, read_locked=3, evictable=0)
+    assert index.release_read(lookup.lease_id, ALICE) == 3
+    figures(index, read_locked=0, evictable=3)
+
+
+def test_the_same_key_twice_in_one_lookup_counts_twice() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0), k(0)], ALICE)
+    assert len(lookup.slots) == 2
+    assert index.release_read(lookup.lease_id, ALICE) == 2
+    figures(index, read_locked=0, evictable=1)
+
+
+def test_contains_takes_no_lock_and_leaves_lru_alone() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    store(index, [k(1)])
+    assert index.contains([k(0), k(5), k(1)]) == [True, False, True]
+    figures(index, read_locked=0, read_leases=0)
+    assert evict_order(index) == [k(0), k(1)]
+
+
+def test_lock_read_into_an_existing_lease() -> None:
+    index, clock = make()
+    store(index, [k(0), k(1), k(2), k(3)])
+    lookup = index.lock_read([k(0), k(1), k(5)], ALICE)
+    assert lookup.missing == [2]
+    clock.advance(READ_TTL - 10)
+    # A prefetch adds the following chunks to the lookup's lease and renews it.
+    more = index.lock_read([k(2), k(3), k(9)], ALICE, into_lease=lookup.lease_id)
+    assert more.lease_id == lookup.lease_id
+    assert [i for i, _, _ in more.slots] == [0, 1] and more.missing == [2]
+    assert [key for key, _, _ in index.lease_slots(lookup.lease_id, ALICE)] == [
+        k(0),
+        k(1),
+        k(2),
+        k(3),
+    ]
+    figures(index, read_leases=1, read_locked=4, evictable=0)
+    clock.advance(20)  # past the first deadline, not the renewed one
+    assert index.expire() == (0, 0)
+    assert index.release_read(lookup.lease_id, ALICE) == 4
+    figures(index, read_leases=0, read_locked=0, evictable=4)
+
+
+def test_lock_read_into_a_lease_that_locks_nothing_keeps_its_deadline() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL - 10)
+    none = index.lock_read([k(7)], ALICE, into_lease=lookup.lease_id)
+    assert none.lease_id == lookup.lease_id and none.slots == [] and none.missing == [0]
+    clock.advance(10)
+    assert index.expire() == (0, 1)
+
+
+def test_lock_read_into_a_bad_lease_locks_nothing() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1)])
+    lookup = index.lock_read([k(0)], ALICE)
+    write = index.reserve_write([k(2)], BLOCK, ALICE)
+    before = index.stats()
+    with pytest.raises(LeaseNotOwned):
+        index.lock_read([k(1)], BOB, into_lease=lookup.lease_id)
+    with pytest.raises(LeaseNotFound):
+        index.lock_read([k(1)], ALICE, into_lease=write.lease_id)
+    with pytest.raises(LeaseNotFound):
+        index.lock_read([k(1)], ALICE, into_lease=12345)
+    assert index.stats() == before
+    index.release_read(lookup.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.lock_read([k(1)], ALICE, into_lease=lookup.lease_id)
+    figures(index, read_leases=0, read_locked=0)
+
+
+# -- TTL -----------------------------------------------------------------------------------
+def test_expired_write_lease_gives_its_slots_back() -> None:
+    index, clock = make(blocks=2)
+    res = index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    clock.advance(WRITE_TTL - 1)
+    assert index.expire() == (0, 0)
+    assert index.reserve_write([k(2)], BLOCK, BOB).no_space == [0]
+    clock.advance(1)
+    # The next reservation expires the lease first and gets the space.
+    late = index.reserve_write([k(2), k(0)], BLOCK, BOB)
+    assert [i for i, _, _ in late.slots] == [0, 1]
+    figures(
+        index,
+        expired_write_leases=1,
+        expired_write_slots=2,
+        write_leases=1,
+        objects=2,
+        used=2 * BLOCK,
+    )
+    with pytest.raises(LeaseNotFound):
+        index.commit(res.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.abort(res.lease_id, ALICE)
+    index.commit(late.lease_id, BOB)
+    assert index.contains([k(0), k(1), k(2)]) == [True, False, True]
+
+
+def test_expire_reports_and_counts_expired_write_slots() -> None:
+    index, clock = make()
+    index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    clock.advance(10)
+    index.reserve_write([k(2)], BLOCK, BOB)
+    clock.advance(WRITE_TTL - 5)
+    assert index.expire() == (2, 0)  # only ALICE's lease is overdue
+    figures(index, write_leases=1, expired_write_leases=1, expired_write_slots=2, used=BLOCK)
+    clock.advance(10)
+    assert index.expire() == (1, 0)
+    figures(index, write_leases=0, expired_write_leases=2, expired_write_slots=3, used=0)
+
+
+def test_commit_after_the_deadline_fails_even_before_anything_reaped_the_lease() -> None:
+    index, clock = make()
+    res = index.reserve_write([k(0)], BLOCK, ALICE)
+    clock.advance(WRITE_TTL + 1)
+    with pytest.raises(LeaseNotFound):
+        index.commit(res.lease_id, ALICE)
+    figures(index, used=0, objects=0, write_leases=0, expired_write_slots=1)
+    assert index.contains([k(0)]) == [False]
+
+
+def test_expired_read_lease_makes_objects_evictable_again() -> None:
+    index, clock = make()
+    store(index, [k(0), k(1)])
+    lookup = index.lock_read([k(0), k(1)], ALICE)
+    assert index.evict(10 * BLOCK) == []
+    clock.advance(READ_TTL)
+    assert index.expire() == (0, 2)
+    figures(
+        index,
+        read_locked=0,
+        evictable=2,
+        read_leases=0,
+        expired_read_leases=1,
+        expired_read_locks=2,
+    )
+    with pytest.raises(LeaseNotFound):
+        index.release_read(lookup.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.lease_slots(lookup.lease_id, ALICE)
+    assert [e.key for e in index.evict(10 * BLOCK)] == [k(1), k(0)]
+
+
+def test_a_read_lease_holds_until_its_deadline() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL - 0.5)
+    assert index.expire() == (0, 0)
+    assert index.evict(BLOCK) == []
+    assert index.release_read(lookup.lease_id, ALICE) == 1
+    figures(index, expired_read_leases=0, evictable=1)
+
+
+def test_release_after_the_deadline_fails_cleanly() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL + 5)
+    with pytest.raises(LeaseNotFound):
+        index.release_read(lookup.lease_id, ALICE)
+    figures(index, read_locked=0, evictable=1, read_leases=0, expired_read_locks=1)
+
+
+def test_read_and_write_leases_expire_on_their_own_ttls() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    write = index.reserve_write([k(1)], BLOCK, ALICE)  # deadline t + 600
+    clock.advance(100)
+    read = index.lock_read([k(0)], ALICE)  # deadline t + 400
+    clock.advance(READ_TTL)
+    assert index.expire() == (0, 1)
+    with pytest.raises(LeaseNotFound):
+        index.release_read(read.lease_id, ALICE)
+    assert index.commit(write.lease_id, ALICE).committed == 1
+
+
+def test_a_lease_renewed_by_a_new_lookup_keeps_its_object_locked() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL / 2)
+    second = index.lock_read([k(0)], BOB)
+    clock.advance(READ_TTL / 2)
+    assert index.expire() == (0, 1)
+    figures(index, read_locked=1, evictable=0)
+    assert index.evict(BLOCK) == []
+    index.release_read(second.lease_id, BOB)
+    assert [e.key for e in index.evict(BLOCK)] == [k(0)]
+
+
+# -- eviction and LRU ----------------------------------------------------------------------
+def test_locked_and_unfinished_objects_are_never_evicted() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1), k(2)])
+    index.lock_read([k(1)], ALICE)
+    index.reserve_write([k(3)], BLOCK, BOB)
+    evicted = index.evict(100 * BLOCK)
+    assert sorted(e.key for e in evicted) == [k(0), k(2)]
+    assert index.contains([k(0), k(1), k(2)]) == [False, True, False]
+    figures(index, objects=2, writing=1, read_locked=1, evictable=0, used=2 * BLOCK)
+    assert index.evict(100 * BLOCK) == []
+
+
+def test_evict_frees_at_least_the_bytes_asked_for_and_reports_tier() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0), k(1), k(2)], [3 * BLOCK, BLOCK, 10], ALICE, tier="disk")
+    index.commit(res.lease_id, ALICE)
+    assert index.evict(0) == []
+    evicted = index.evict(BLOCK + 1)  # k(2) (one block) then k(1) (one block)
+    assert evicted == [Evicted(k(2), 10, "disk"), Evicted(k(1), BLOCK, "disk")]
+    figures(index, evictions=2, evicted_bytes=2 * BLOCK, used=3 * BLOCK)
+
+
+def test_lru_evicts_the_last_chunks_of_a_committed_batch_first() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1), k(2), k(3)])
+    assert evict_order(index) == [k(3), k(2), k(1), k(0)]
+
+
+def test_lru_evicts_the_last_chunks_of_a_released_batch_first() -> None:
+    index, _ = make()
+    store(index, [k(3)])  # stored in "wrong" order: k(3) oldest
+    store(index, [k(2)])
+    store(index, [k(1)])
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0), k(1), k(2), k(3)], ALICE)
+    index.release_read(lookup.lease_id, ALICE)
+    assert evict_order(index) == [k(3), k(2), k(1), k(0)]
+
+
+def test_a_recently_read_prefix_outlives_an_older_one() -> None:
+    index, _ = make()
+    a = [k("a0"), k("a1"), k("a2")]
+    b = [k("b0"), k("b1"), k("b2")]
+    store(index, a)
+    store(index, b)
+    lookup = index.lock_read(a, BOB)
+    index.release_read(lookup.lease_id, BOB)
+    evicted = index.evict(3 * BLOCK)
+    assert [e.key for e in evicted] == [k("b2"), k("b1"), k("b0")]
+    assert index.contains(a) == [True, True, True]
+
+
+def test_an_older_prefix_goes_first_when_nothing_was_read() -> None:
+    index, _ = make()
+    store(index, [k("a0"), k("a1")])
+    store(index, [k("b0"), k("b1")])
+    assert evict_order(index) == [k("a1"), k("a0"), k("b1"), k("b0")]
+
+
+def test_a_partial_read_refreshes_only_the_chunks_read() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1), k(2)])
+    lookup = index.lock_read([k(0), k(1)], ALICE)
+    index.release_read(lookup.lease_id, ALICE)
+    assert evict_order(index) == [k(2), k(1), k(0)]
+
+
+def test_an_object_returns_to_the_lru_only_when_its_last_reader_leaves() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    store(index, [k(1)])
+    first = index.lock_read([k(0)], ALICE)
+    second = index.lock_read([k(0)], BOB)
+    index.release_read(first.lease_id, ALICE)
+    store(index, [k(2)])
+    index.release_read(second.lease_id, BOB)  # k(0) is now the most recently used
+    assert evict_order(index) == [k(1), k(2), k(0)]
+
+
+# -- delete, clear, zombies ----------------------------------------------------------------
+def test_delete_ready_unlocked_frees_at_once() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1)])
+    assert index.delete([k(0), k(9), k(0)]) == 1
+    assert index.contains([k(0), k(1)]) == [False, True]
+    figures(index, used=BLOCK, objects=1, zombies=0, evictable=1)
+
+
+def test_delete_of_a_read_locked_object_frees_when_the_lease_ends() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    lookup = index.lock_read([k(0)], ALICE)
+    offset = lookup.slots[0][1]
+    assert index.delete([k(0)]) == 1
+    assert index.contains([k(0)]) == [False]
+    assert index.lock_read([k(0)], BOB).missing == [0]
+    figures(index, used=BLOCK, objects=0, zombies=1, read_leases=1)
+    # The reader still has its slot, and a new version of the key gets another one.
+    assert index.lease_slots(lookup.lease_id, ALICE) == [(k(0), offset, BLOCK)]
+    res = index.reserve_write([k(0)], BLOCK, BOB)
+    assert res.slots[0][1] != offset
+    index.commit(res.lease_id, BOB)
+    figures(index, used=2 * BLOCK, objects=1, zombies=1)
+    assert index.release_read(lookup.lease_id, ALICE) == 1
+    figures(index, used=BLOCK, objects=1, zombies=0, evictable=1)
+    assert index.contains([k(0)]) == [True]
+
+
+def test_delete_of_an_object_being_written_reports_cleared_on_commit() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    assert index.delete([k(0)]) == 1
+    figures(index, used=2 * BLOCK, objects=1, writing=1, zombies=1)
+    # Another writer may store the key again meanwhile.
+    again = index.reserve_write([k(0)], BLOCK, BOB)
+    assert again.slots and again.present == []
+    figures(index, used=3 * BLOCK, zombies=1)
+    result = index.commit(res.lease_id, ALICE)
+    assert result == CommitResult(committed=1, cleared=1, committed_keys=[k(1)])
+    figures(index, used=2 * BLOCK, zombies=0, writing=1)
+    assert index.contains([k(0), k(1)]) == [False, True]
+    index.commit(again.lease_id, BOB)
+    assert index.contains([k(0)]) == [True]
+
+
+def test_delete_of_an_object_being_written_then_abort() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0)], BLOCK, ALICE)
+    index.delete([k(0)])
+    assert index.abort(res.lease_id, ALICE) == 1
+    figures(index, used=0, zombies=0, objects=0)
+
+
+def test_commit_only_of_a_cleared_reservation() -> None:
+    index, _ = make()
+    res = index.reserve_write([k(0), k(1), k(2)], BLOCK, ALICE)
+    index.clear()
+    result = index.commit(res.lease_id, ALICE, only=[0])
+    assert result == CommitResult(aborted=2, cleared=1)
+    figures(index, used=0, zombies=0, objects=0)
+
+
+def test_clear_removes_everything_and_frees_held_slots_when_leases_end() -> None:
+    index, _ = make()
+    store(index, [k("free0"), k("free1")])
+    store(index, [k("read")])
+    lookup = index.lock_read([k("read")], BOB)
+    writing = index.reserve_write([k("w0"), k("w1")], BLOCK, ALICE)
+    assert index.clear() == 5
+    keys = [k("free0"), k("free1"), k("read"), k("w0"), k("w1")]
+    assert index.contains(keys) == [False] * 5
+    assert index.lock_read(keys, BOB, prefix=False).missing == [0, 1, 2, 3, 4]
+    figures(index, used=3 * BLOCK, objects=0, writing=0, ready=0, zombies=3, evictable=0)
+    assert index.evict(100 * BLOCK) == []
+
+    assert index.commit(writing.lease_id, ALICE) == CommitResult(cleared=2)
+    figures(index, used=BLOCK, zombies=1, write_leases=0)
+    assert index.release_read(lookup.lease_id, BOB) == 1
+    figures(index, used=0, zombies=0, read_leases=0, largest_free=16 * BLOCK)
+    assert index.clear() == 0
+
+
+def test_cleared_objects_held_by_expired_leases_are_freed() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    index.lock_read([k(0)], ALICE)
+    index.reserve_write([k(1)], BLOCK, BOB)
+    index.clear()
+    figures(index, zombies=2, used=2 * BLOCK)
+    clock.advance(WRITE_TTL)
+    assert index.expire() == (1, 1)
+    figures(index, zombies=0, used=0, read_leases=0, write_leases=0)
+
+
+def test_release_holder_ends_all_of_a_holders_leases() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1)])
+    w1 = index.reserve_write([k(2), k(3)], BLOCK, ALICE)
+    w2 = index.reserve_write([k(4)], BLOCK, ALICE)
+    r1 = index.lock_read([k(0), k(1)], ALICE)
+    r2 = index.lock_read([k(0)], ALICE)
+    bob_read = index.lock_read([k(1)], BOB)
+    bob_write = index.reserve_write([k(5)], BLOCK, BOB)
+
+    assert index.release_holder(ALICE) == (3, 3)
+    figures(index, write_leases=1, read_leases=1, writing=1, read_locked=1, evictable=1)
+    assert index.contains([k(2), k(3), k(4)]) == [False] * 3
+    for lease_id in (w1.lease_id, w2.lease_id):
+        with pytest.raises(LeaseNotFound):
+            index.commit(lease_id, ALICE)
+    for lease_id in (r1.lease_id, r2.lease_id):
+        with pytest.raises(LeaseNotFound):
+            index.release_read(lease_id, ALICE)
+    assert index.release_holder(ALICE) == (0, 0)
+
+    # BOB is untouched.
+    assert index.commit(bob_write.lease_id, BOB).committed == 1
+    assert index.release_read(bob_read.lease_id, BOB) == 1
+    figures(index, used=3 * BLOCK, write_leases=0, read_leases=0, evictable=3)
+
+
+def test_release_holder_frees_held_zombies() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    index.lock_read([k(0)], ALICE)
+    index.reserve_write([k(1)], BLOCK, ALICE)
+    index.clear()
+    assert index.release_holder(ALICE) == (1, 1)
+    figures(index, used=0, zombies=0)
+
+
+# -- stats ---------------------------------------------------------------------------------
+def test_stats_figures() -> None:
+    index, clock = make(blocks=16)
+    assert index.stats() == IndexStats(
+        capacity=16 * BLOCK,
+        used=0,
+        largest_free=16 * BLOCK,
+        objects=0,
+        writing=0,
+        ready=0,
+        read_locked=0,
+        evictable=0,
+        zombies=0,
+        write_leases=0,
+        read_leases=0,
+        expired_write_leases=0,
+        expired_read_leases=0,
+        expired_write_slots=0,
+        expired_read_locks=0,
+        evictions=0,
+        evicted_bytes=0,
+    )
+    store(index, [k(i) for i in range(6)], length=2 * BLOCK - 1)  # 12 blocks
+    index.lock_read([k(0), k(1)], ALICE)
+    index.lock_read([k(1)], BOB)
+    index.reserve_write([k(10)], BLOCK, ALICE)  # 13 blocks
+    expiring = index.reserve_write([k(11)], BLOCK, BOB)  # 14 blocks
+    index.delete([k(0)])  # read-locked: becomes a zombie
+    clock.advance(WRITE_TTL)
+    # Every lease is overdue now; release_holder expires them first, so they count as
+    # expired, and it finds nothing left to release.
+    assert index.release_holder(BOB) == (0, 0)
+    with pytest.raises(LeaseNotFound):
+        index.commit(expiring.lease_id, BOB)
+    evicted = index.evict(1)  # k(5), the last chunk of the batch
+    assert [e.key for e in evicted] == [k(5)]
+    stats = index.stats()
+    assert stats == IndexStats(
+        capacity=16 * BLOCK,
+        used=8 * BLOCK,  # k(1) .. k(4); k(0), k(10), k(11) freed by expiry, k(5) evicted
+        largest_free=6 * BLOCK,  # k(5), k(10), k(11) and the 2 never used blocks
+        objects=4,
+        writing=0,
+        ready=4,
+        read_locked=0,
+        evictable=4,
+        zombies=0,
+        write_leases=0,
+        read_leases=0,
+        expired_write_leases=2,
+        expired_read_leases=2,
+        expired_write_slots=2,
+        expired_read_locks=3,
+        evictions=1,
+        evicted_bytes=2 * BLOCK,
+    )
+
+
+def test_stats_while_leases_are_held() -> None:
+    index, _ = make(blocks=16)
+    store(index, [k(i) for i in range(4)])
+    index.lock_read([k(0), k(1)], ALICE)
+    index.lock_read([k(1)], BOB)
+    index.reserve_write([k(10), k(11)], BLOCK, ALICE)
+    index.delete([k(0), k(10)])
+    figures(
+        index,
+        used=6 * BLOCK,
+        objects=4,  # k(1), k(2), k(3) ready, k(11) writing
+        writing=1,
+        ready=3,
+        read_locked=1,
+        evictable=2,
+        zombies=2,
+        write_leases=1,
+        read_leases=2,
+    )
+
+
+# -- model-based ---------------------------------------------------------------------------
+KEYS = [k(i) for i in range(6)]
+HOLDERS = [ALICE, BOB]
+POOL_BLOCKS = 8
+
+
+@dataclasses.dataclass(eq=False)
+class MEntry:
+    key: bytes
+    blocks: int
+    ready: bool = False
+    readers: int = 0
+    live: bool = True
+
+
+@dataclasses.dataclass
+class MLease:
+    holder: int
+    write: bool
+    deadline: float
+    entries: list[MEntry]
+
+
+@settings(
+    max_examples=200,
+    stateful_step_count=50,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+class IndexModel(RuleBasedStateMachine):
+    """Random calls against the index and a plain model of it; every result must agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.index = CheckedIndex(
+            Allocator(POOL_BLOCKS * BLOCK, BLOCK), WRITE_TTL, READ_TTL, self.clock
+        )
+        self.keymap: dict[bytes, MEntry] = {}
+        self.held: list[MEntry] = []  # every entry with a block (live or zombie)
+        self.lru: list[MEntry] = []  # oldest first
+        self.leases: dict[int, MLease] = {}
+
+    # model helpers
+    def _free(self, entry: MEntry) -> None:
+        self.held.remove(entry)
+
+    def _unmap(self, entry: MEntry) -> None:
+        del self.keymap[entry.key]
+        entry.live = False
+        if entry in self.lru:
+            self.lru.remove(entry)
+            self._free(entry)
+
+    def _drop_writing(self, entry: MEntry) -> None:
+        if entry.live:
+            del self.keymap[entry.key]
+            entry.live = False
+        self._free(entry)
+
+    def _unlock(self, entries: list[MEntry]) -> None:
+        for entry in reversed(entries):
+            entry.readers -= 1
+            if entry.readers == 0:
+                if entry.live:
+                    self.lru.append(entry)
+                else:
+                    self._free(entry)
+
+    def _end(self, lease_id: int) -> MLease:
+        lease = self.leases.pop(lease_id)
+        if lease.write:
+            for entry in lease.entries:
+                self._drop_writing(entry)
+        else:
+            self._unlock(lease.entries)
+        return lease
+
+    def _expire(self) -> None:
+        for lease_id, lease in list(self.leases.items()):
+            if lease.deadline <= self.clock.now:
+                self._end(lease_id)
+
+    def _check_lease_call(self, lease_id: int, holder: int, write: bool) -> type[Exception] | None:
+        self._expire()
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.write is not write:
+            return LeaseNotFound
+        if lease.holder != holder:
+            return LeaseNotOwned
+        return None
+
+    # rules
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        blocks=st.integers(1, 3),
+        holder=st.sampled_from(HOLDERS),
+    )
+    def reserve(self, keys: list[bytes], blocks: int, holder: int) -> None:
+        self._reserve(keys, blocks, holder)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        blocks=st.integers(1, 3),
+        holder=st.sampled_from(HOLDERS),
+    )
+    def store(self, keys: list[bytes], blocks: int, holder: int) -> None:
+        """Reserve and commit at once (the common path)."""
+        lease_id = self._reserve(keys, blocks, holder)
+        if lease_id:
+            self._commit(lease_id, holder, None)
+
+    def _reserve(self, keys: list[bytes], blocks: int, holder: int) -> int:
+        self._expire()
+        res = self.index.reserve_write(keys, blocks * BLOCK, holder)
+        reserved = [i for i, _, _ in res.slots]
+        assert sorted(reserved + res.present + res.no_space) == list(range(len(keys)))
+        entries = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in self.keymap or key in seen:
+                assert i in res.present
+                continue
+            assert i not in res.present
+            if i in res.no_space:
+                assert self.index.stats().largest_free < blocks * BLOCK
+                continue
+            seen.add(key)
+            entry = MEntry(key, blocks)
+            self.keymap[key] = entry
+            self.held.append(entry)
+            entries.append(entry)
+        if entries:
+            lease = MLease(holder, True, self.clock.now + WRITE_TTL, entries)
+            self.leases[res.lease_id] = lease
+        else:
+            assert res.lease_id == 0
+        return res.lease_id
+
+    @rule(
+        pick=st.integers(0, 10**6),
+        subset=st.none() | st.none() | st.lists(st.integers(0, 4), max_size=4),
+    )
+    def commit(self, pick: int, subset: list[int] | None) -> None:
+        lease_id, holder = self._pick(pick, write=True)
+        self._commit(lease_id, holder, subset)
+
+    def _commit(self, lease_id: int, holder: int, subset: list[int] | None) -> None:
+        error = self._check_lease_call(lease_id, holder, True)
+        if (
+            error is None
+            and subset is not None
+            and any(p >= len(self.leases[lease_id].entries) for p in subset)
+        ):
+            error = IndexError_
+        if error is not None:
+            with pytest.raises(error):
+                self.index.commit(lease_id, holder, subset)
+            return
+        result = self.index.commit(lease_id, holder, subset)
+        lease = self.leases.pop(lease_id)
+        expected = CommitResult()
+        ready = []
+        for pos, entry in enumerate(lease.entries):
+            if subset is not None and pos not in subset:
+                self._drop_writing(entry)
+                expected.aborted += 1
+            elif not entry.live:
+                self._free(entry)
+                expected.cleared += 1
+            else:
+                entry.ready = True
+                ready.append(entry)
+                expected.committed_keys.append(entry.key)
+        expected.committed = len(ready)
+        self.lru.extend(reversed(ready))
+        assert result == expected
+
+    @rule(pick=st.integers(0, 10**6))
+    def abort(self, pick: int) -> None:
+        lease_id, holder = self._pick(pick, write=True)
+        error = self._check_lease_call(lease_id, holder, True)
+        if error is not None:
+            with pytest.raises(error):
+                self.index.abort(lease_id, holder)
+            return
+        assert self.index.abort(lease_id, holder) == len(self._end(lease_id).entries)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        holder=st.sampled_from(HOLDERS),
+        prefix=st.booleans(),
+    )
+    def lock_read(self, keys: list[bytes], holder: int, prefix: bool) -> None:
+        self._lock_read(keys, holder, prefix)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        holder=st.sampled_from(HOLDERS),
+        prefix=st.booleans(),
+    )
+    def read(self, keys: list[bytes], holder: int, prefix: bool) -> None:
+        """Lock and release at once (a complete retrieve)."""
+        lease_id = self._lock_read(keys, holder, prefix)
+        if lease_id:
+            self._release_read(lease_id, holder)
+
+    @rule(
+        pick=st.integers(0, 10**6),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        prefix=st.booleans(),
+    )
+    def lock_into(self, pick: int, keys: list[bytes], prefix: bool) -> None:
+        """Add locks to an existing read lease (a prefetch joining its lookup's lease)."""
+        lease_id, holder = self._pick(pick, write=False)
+        error = self._check_lease_call(lease_id, holder, False)
+        if lease_id == 0:
+            error = None  # into_lease=0 means a new lease
+        if error is not None:
+            with pytest.raises(error):
+                self.index.lock_read(keys, holder, prefix, into_lease=lease_id)
+            return
+        self._lock_read(keys, holder, prefix, into=lease_id)
+
+    def _lock_read(self, keys: list[bytes], holder: int, prefix: bool, into: int = 0) -> int:
+        self._expire()
+        result = self.index.lock_read(keys, holder, prefix, into_lease=into)
+        entries: list[MEntry] = []
+        locked: list[int] = []
+        missing: list[int] = []
+        for i, key in enumerate(keys):
+            entry = self.keymap.get(key)
+            if entry is None or not entry.ready:
+                if prefix:
+                    missing.extend(range(i, len(keys)))
+                    break
+                missing.append(i)
+                continue
+            if entry.readers == 0:
+                self.lru.remove(entry)
+            entry.readers += 1
+            entries.append(entry)
+            locked.append(i)
+        assert [i for i, _, _ in result.slots] == locked
+        assert result.missing == missing
+        if into:
+            assert result.lease_id == into
+            if entries:
+                self.leases[into].entries.extend(entries)
+                self.leases[into].deadline = self.clock.now + READ_TTL
+        elif entries:
+            self.leases[result.lease_id] = MLease(holder, False, self.clock.now + READ_TTL, entries)
+        else:
+            assert result.lease_id == 0
+        return result.lease_id
+
+    @rule(pick=st.integers(0, 10**6))
+    def release_read(self, pick: int) -> None:
+        lease_id, holder = self._pick(pick, write=False)
+        self._release_read(lease_id, holder)
+
+    def _release_read(self, lease_id: int, holder: int) -> None:
+        error = self._check_lease_call(lease_id, holder, False)
+        if error is not None:
+            with pytest.raises(error):
+                self.index.release_read(lease_id, holder)
+            return
+        assert self.index.release_read(lease_id, holder) == len(self._end(lease_id).entries)
+
+    @rule(holder=st.sampled_from(HOLDERS))
+    def release_holder(self, holder: int) -> None:
+        self._expire()
+        freed = released = 0
+        for lease_id, lease in list(self.leases.items()):
+            if lease.holder == holder:
+                self._end(lease_id)
+                if lease.write:
+                    freed += len(lease.entries)
+                else:
+                    released += len(lease.entries)
+        assert self.index.release_holder(holder) == (freed, released)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=3))
+    def delete(self, keys: list[bytes]) -> None:
+        n = 0
+        for key in keys:
+            entry = self.keymap.get(key)
+            if entry is not None:
+                self._unmap(entry)
+                n += 1
+        assert self.index.delete(keys) == n
+
+    @rule(dice=st.integers(0, 9))
+    def clear(self, dice: int) -> None:
+        if dice:  # rare: it empties the model
+            return
+        entries = list(self.keymap.values())
+        for entry in entries:
+            self._unmap(entry)
+        assert self.index.clear() == len(entries)
+
+    @rule(blocks=st.integers(0, 5))
+    def evict(self, blocks: int) -> None:
+        expected = []
+        freed = 0
+        while self.lru and freed < blocks * BLOCK:
+            entry = self.lru.pop(0)
+            del self.keymap[entry.key]
+            entry.live = False
+            self._free(entry)
+            freed += entry.blocks * BLOCK
+            expected.append(entry.key)
+        assert [e.key for e in self.index.evict(blocks * BLOCK)] == expected
+
+    @rule(seconds=st.sampled_from([0.0, 0.0, 1.0, 100.0, READ_TTL - 1, READ_TTL, WRITE_TTL]))
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+
+    @rule()
+    def expire(self) -> None:
+        self.index.expire()
+        self._expire()
+
+    def _pick(self, pick: int, write: bool) -> tuple[int, int]:
+        """(lease id, holder): mostly a live lease of the right kind and its holder,
+        sometimes another holder, an id of the other kind or one never issued."""
+        ids = sorted(i for i, lease in self.leases.items() if lease.write is write)
+        if not ids or pick % 10 == 0:
+            return pick % 50, HOLDERS[pick % 2]
+        lease_id = ids[pick % len(ids)]
+        holder = self.leases[lease_id].holder
+        if pick % 10 == 1:
+            holder = HOLDERS[HOLDERS.index(holder) - 1]
+        return lease_id, holder
+
+    @invariant()
+    def agrees(self) -> None:
+        self.index.check()
+        assert self.index.used == sum(e.blocks for e in self.held) * BLOCK
+        assert self.index.contains(KEYS) == [
+            key in self.keymap and self.keymap[key].ready for key in KEYS
+        ]
+        stats = self.index.stats()
+        assert stats.zombies == sum(1 for e in self.held if not e.live)
+        assert stats.evictable == len(self.lru)
+        assert stats.objects == len(self.keymap)
+
+
+TestIndexModel = IndexModel.TestCase
