@@ -234,6 +234,10 @@ def run_demo_command(args: argparse.Namespace) -> int:
             status = status or 1
     if stopped:
         print(stopped)
+        print(
+            "note: the stores went into a fresh pool, so their time includes the first-touch "
+            "page faults of its memory (`tierkv server --prefault` moves that to start-up)"
+        )
     if report is not None and not report.ok:
         why = "verification failures" if report.corrupt_chunks else "requests did not complete"
         print(f"tierkv demo: FAILED ({why})", file=sys.stderr)
