@@ -16,7 +16,7 @@ from tierkv import __version__
 from tierkv.config import ServerConfig
 from tierkv.logs import setup_logging
 from tierkv.pool import ShmPool, format_bytes
-from tierkv.server.rpc import RpcServer
+from tierkv.server.rpc import RpcServer, ensure_endpoint_free
 from tierkv.server.service import CacheService
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ class Server:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg = cfg
+        ensure_endpoint_free(cfg.rpc_endpoint)  # before touching the pool: see there
         self.pool = ShmPool.create(cfg.resolved_pool_name, cfg.pool_size, prefault=cfg.prefault)
         try:
             self.service = CacheService(cfg, self.pool)

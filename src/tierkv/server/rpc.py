@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import zmq
@@ -45,6 +45,23 @@ def _lenient_rid(payload: bytes) -> int:
     return 0
 
 
+_REQUEST_TAGS = sorted(str(t.__struct_config__.tag) for t in get_args(p.Request))
+
+
+def _describe_malformed(payload: bytes, exc: Exception) -> str:
+    """The error message for an undecodable request; names an unknown request type."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except Exception:
+        raw = None
+    if isinstance(raw, list) and raw and str(raw[0]) not in _REQUEST_TAGS:
+        return (
+            f"malformed request: unknown request type {raw[0]!r:.40} "
+            f"(known: {', '.join(_REQUEST_TAGS)})"
+        )
+    return f"malformed request: {exc}"
+
+
 class RpcServer:
     """Serves one :class:`CacheService` on one endpoint until :meth:`stop`."""
 
@@ -71,11 +88,7 @@ class RpcServer:
             os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
             os.chmod(runtime_dir, 0o700)
             if os.path.exists(self._ipc_path):
-                if _endpoint_alive(self.ctx, self.endpoint):
-                    raise EndpointInUseError(
-                        f"another tierkv server is already serving {self.endpoint}; stop it or "
-                        "give this one another --instance"
-                    )
+                ensure_endpoint_free(self.endpoint, self.ctx)
                 os.unlink(self._ipc_path)
         sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, self.service.cfg.max_message_bytes)
@@ -85,6 +98,9 @@ class RpcServer:
         old_umask = os.umask(0o177) if self._ipc_path else None
         try:
             sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise EndpointInUseError(f"cannot serve {self.endpoint}: {exc}") from None
         finally:
             if old_umask is not None:
                 os.umask(old_umask)
@@ -130,7 +146,7 @@ class RpcServer:
             req = self._decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reply: Any = self.service.error(
-                _lenient_rid(payload), p.ErrorCode.BAD_REQUEST, f"malformed request: {exc}"
+                _lenient_rid(payload), p.ErrorCode.BAD_REQUEST, _describe_malformed(payload, exc)
             )
             self._send(envelope, reply)
             return
@@ -193,6 +209,20 @@ class RpcServer:
         if self._ipc_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._ipc_path)
+
+
+def ensure_endpoint_free(endpoint: str, ctx: zmq.Context[Any] | None = None) -> None:
+    """Raise EndpointInUseError when a live server answers on ``endpoint``.
+
+    Called before the pool is created too: a second server for the same instance must not
+    take the running server's segment name (create() replaces a segment it finds)."""
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        return
+    if _endpoint_alive(ctx or zmq.Context.instance(), endpoint):
+        raise EndpointInUseError(
+            f"another tierkv server is already serving {endpoint}; stop it or give this one "
+            "another --instance"
+        )
 
 
 def _endpoint_alive(ctx: zmq.Context[Any], endpoint: str, timeout_ms: int = 300) -> bool:

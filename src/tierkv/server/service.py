@@ -28,7 +28,7 @@ from tierkv import protocol as p
 from tierkv.allocator import Allocator
 from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
-from tierkv.index import LeaseNotFound, LeaseNotOwned, ObjectIndex
+from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.pool import ShmPool
 
 log = logging.getLogger(__name__)
@@ -189,13 +189,13 @@ class CacheService:
         )
 
     def _check_layout(self, layout: p.Layout) -> int:
-        try:
-            dtype = np.dtype(layout.dtype)
-        except TypeError:
-            dtype = None
-        if dtype is None and layout.dtype not in _EXTRA_DTYPE_SIZES:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, f"unknown dtype {layout.dtype!r}")
-        itemsize = _EXTRA_DTYPE_SIZES.get(layout.dtype) or (dtype.itemsize if dtype else 0)
+        itemsize = _EXTRA_DTYPE_SIZES.get(layout.dtype) or _numeric_itemsize(layout.dtype)
+        if not itemsize:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"unknown or unsupported dtype {layout.dtype!r}: use a numeric dtype such as "
+                "float16, bfloat16, float32, int8 or float8_e4m3fn",
+            )
         if not layout.shape or any(d <= 0 for d in layout.shape) or len(layout.shape) > 8:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"bad chunk shape {layout.shape}")
         if not 0 <= layout.token_axis < len(layout.shape):
@@ -255,10 +255,12 @@ class CacheService:
             if len(sel.tokens) % 4:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "tokens must be packed uint32")
             n_tokens = len(sel.tokens) // 4
-            if n_tokens > limit * chunk_size:
+            n_chunks = n_tokens // chunk_size + bool(sel.partial_last and n_tokens % chunk_size)
+            if n_chunks > limit:
                 raise RequestError(
                     p.ErrorCode.TOO_LARGE,
-                    f"{n_tokens} tokens is more than {limit} chunks of {chunk_size}",
+                    f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
+                    f"{limit} (max_chunks_per_request)",
                 )
             ks = keys.chunk_keys(client.digest, sel.tokens, chunk_size, sel.partial_last)
             lengths = [client.chunk_bytes] * len(ks)
@@ -269,7 +271,8 @@ class CacheService:
             assert sel.hashes is not None
             if len(sel.hashes) > limit:
                 raise RequestError(
-                    p.ErrorCode.TOO_LARGE, f"{len(sel.hashes)} hashes is more than {limit}"
+                    p.ErrorCode.TOO_LARGE,
+                    f"{len(sel.hashes)} hashes is more than {limit} (max_chunks_per_request)",
                 )
             if sel.partial_last:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "partial_last needs tokens, not hashes")
@@ -310,7 +313,9 @@ class CacheService:
                 f"store lease {req.lease} is not open: never prepared, already committed or "
                 "aborted, or expired (write_ttl)",
             ) from None
-        except IndexError as exc:
+        except LeaseNotOwned:
+            raise
+        except IndexError_ as exc:  # `only` positions out of range
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
 
@@ -370,8 +375,13 @@ class CacheService:
             lease, session.lease = session.lease, 0
             session.touched = self.clock()
         if lease == 0:
-            missing = list(range(session.hits, session.total))
-            return p.RetrieveSlots(req.rid, 0, [], missing)
+            if session.hits:
+                raise RequestError(
+                    p.ErrorCode.NOT_FOUND,
+                    f"the locks of lookup {req.request_id!r} were already taken by a retrieve; "
+                    "look up again",
+                )
+            return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         try:
             slots = self.index.lease_slots(lease, client.token)
         except LeaseNotFound:
@@ -465,3 +475,18 @@ class CacheService:
 
 # Dtypes numpy does not know by these names but engines use.
 _EXTRA_DTYPE_SIZES = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1}
+
+
+def _numeric_itemsize(name: str) -> int:
+    """Item size of a plain numeric numpy dtype name (bool, ints, floats, complex), or 0.
+
+    Anything else is refused: numpy also parses object, string, datetime and structured
+    dtypes (some of size 0, object ones holding pointers) and raises more than TypeError on
+    odd strings (``"f4,,"`` is a SyntaxError)."""
+    if not name or len(name) > 32 or not name.replace("_", "").isalnum():
+        return 0
+    try:
+        dtype = np.dtype(name)
+    except Exception:
+        return 0
+    return dtype.itemsize if dtype.kind in "biufc" else 0
