@@ -10,8 +10,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q -e '.[http,test]'
+$(STAMP): $(PY) pyproject.toml scripts/ensure-system-deps.sh
+	bash scripts/ensure-system-deps.sh
+	$(PY) -m pip install -q -e '.[http,redis,s3,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Install the system programs that tierkv's tests run for real (Redis today), using the
+# system package manager, only when they are missing. Idempotent and silent when everything
+# is present; run by `make venv` / `make test` before the Python dependencies.
+#
+# To require another program, add one line to REQUIRED: "<command on PATH> <apt package>".
+set -euo pipefail
+
+REQUIRED=(
+  "redis-server redis-server"
+)
+
+have() {
+  # Debian installs some daemons to /usr/sbin, which a non-root PATH may lack.
+  command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]
+}
+
+missing=()
+for entry in "${REQUIRED[@]}"; do
+  read -r cmd pkg <<<"$entry"
+  have "$cmd" || missing+=("$pkg")
+done
+[ "${#missing[@]}" -eq 0 ] && exit 0
+
+fail() {
+  echo "ensure-system-deps: $*" >&2
+  echo "ensure-system-deps: install these packages by hand, then re-run: ${missing[*]}" >&2
+  exit 1
+}
+
+if ! command -v apt-get >/dev/null 2>&1; then
+  fail "missing ${missing[*]} and no apt-get on this system (tierkv's scripts know Debian/Ubuntu)"
+fi
+
+if [ "$(id -u)" -eq 0 ]; then
+  as_root=()
+elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+  as_root=(sudo -n)
+else
+  fail "missing ${missing[*]}: installing needs root, and sudo is not available without a password"
+fi
+
+echo "ensure-system-deps: installing ${missing[*]} ..." >&2
+export DEBIAN_FRONTEND=noninteractive
+${as_root[@]+"${as_root[@]}"} apt-get update -qq >/dev/null || fail "apt-get update failed"
+${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive \
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+  || fail "apt-get install ${missing[*]} failed"
+for entry in "${REQUIRED[@]}"; do
+  read -r cmd pkg <<<"$entry"
+  have "$cmd" || fail "installed $pkg, but there is still no '$cmd' command"
+done
+echo "ensure-system-deps: installed ${missing[*]}" >&2

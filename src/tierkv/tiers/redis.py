@@ -1,0 +1,420 @@
+"""Redis / Valkey tier: one string value per chunk, holding the 64-byte record header and the
+payload, written and read in pipelines.
+
+Layout: the chunk with 32-byte key ``k`` lives under ``<key_prefix><hex(k)>``. The key's first
+half is the namespace digest, so chunks of different namespaces never share a Redis key. The
+value is ``header || payload`` (see :mod:`tierkv.tiers.base`), optionally with a TTL
+(``SET ... EX``). One key per chunk keeps every operation a single command (atomic, no
+companion keys to go stale) and lets Redis's own eviction policy (``maxmemory-policy``) drop
+whole chunks.
+
+Copies. Store sends the value as one RESP bulk string assembled from two buffers: the
+64-byte header and the pool's ``memoryview``, which goes to ``socket.sendall`` as it is.
+redis-py's default packer cannot do that: with hiredis installed it converts every
+``memoryview`` argument to ``bytes`` and then packs the command into one more ``bytes``
+(two copies of the payload); without hiredis it sends large ``memoryview`` arguments
+uncopied, but a value must be one argument, i.e. already joined. So this tier installs its
+own small command packer (:class:`_GatherPacker`, via redis-py's ``command_packer`` option)
+that accepts a :class:`_Concat` argument. Replies are parsed by hiredis, which copies a bulk
+reply into its reader buffer and then into a ``bytes`` object; the tier verifies that object
+and copies the payload into the slot (see :meth:`RedisTier.copies`).
+
+Failures never raise out of a batch: a lost connection makes the whole batch ``ERROR`` /
+``False`` (redis-py reconnects on the next call, so the tier recovers when Redis comes back);
+a per-command error (``OOM`` under ``maxmemory``, ``WRONGTYPE``) affects only its item.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tierkv.tiers.base import (
+    HEADER_SIZE,
+    LoadStatus,
+    Tier,
+    TierError,
+    TierUsage,
+    pack_header,
+    register_tier,
+    unpack_header,
+    verify,
+)
+
+try:
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import DataError, RedisError, ResponseError
+    from redis.retry import Retry
+except ImportError:  # pragma: no cover - exercised only without the optional dependency
+    redis = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+# Arguments longer than this (and every memoryview) are handed to sendall on their own instead
+# of being joined into the small command buffer (redis-py uses the same cut-off).
+_BUFFER_CUTOFF = 6000
+_DEL_BATCH = 1000
+_SCAN_COUNT = 1000
+_STATUS_COUNTER = {
+    LoadStatus.OK: "loaded",
+    LoadStatus.MISSING: "missing",
+    LoadStatus.CORRUPT: "corrupt",
+    LoadStatus.ERROR: "errors",
+}
+
+
+# -- command packing -----------------------------------------------------------------------
+class _Concat:
+    """One RESP bulk-string argument made of several buffers, sent without joining them."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, *parts: bytes | memoryview) -> None:
+        self.parts = parts
+        self.nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+
+
+Packed = list[bytes | memoryview]
+
+
+def _encode(arg: object) -> bytes | memoryview:
+    """A command argument as bytes, following redis-py's ``Encoder`` (minus decoding)."""
+    if isinstance(arg, bytes):
+        return arg
+    if isinstance(arg, memoryview):
+        return _byte_view(arg)
+    if isinstance(arg, bytearray):
+        return bytes(arg)
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, bool):
+        raise DataError("Invalid input of type: 'bool'. Convert to a bytes, string, int or float.")
+    if isinstance(arg, int | float):
+        return repr(arg).encode()
+    raise DataError(f"Invalid input of type: {type(arg).__name__!r}")
+
+
+class _GatherPacker:
+    """RESP command packer whose large and ``memoryview`` arguments stay separate buffers.
+
+    redis-py calls ``pack(*args)`` for every command (also the handshake and health checks)
+    and writes the returned buffers with ``sendall``; it keeps ``memoryview`` items separate
+    when it batches a pipeline, so a payload view travels from the pool to the socket as is.
+    """
+
+    def pack(self, *args: Any) -> Packed:
+        # redis-py passes multi-word command names ("CONFIG GET") as one argument.
+        if isinstance(args[0], str):
+            args = (*args[0].encode().split(), *args[1:])
+        elif isinstance(args[0], bytes) and b" " in args[0]:
+            args = (*args[0].split(), *args[1:])
+        out: Packed = []
+        buf = bytearray(b"*%d\r\n" % len(args))
+        for arg in args:
+            if isinstance(arg, _Concat):
+                parts: tuple[bytes | memoryview, ...] = arg.parts
+                size = arg.nbytes
+            else:
+                part = _encode(arg)
+                parts = (part,)
+                size = part.nbytes if isinstance(part, memoryview) else len(part)
+            buf += b"$%d\r\n" % size
+            for part in parts:
+                if isinstance(part, memoryview) or len(part) > _BUFFER_CUTOFF:
+                    if buf:
+                        out.append(bytes(buf))
+                        buf = bytearray()
+                    out.append(part)
+                else:
+                    buf += part
+            buf += b"\r\n"
+        out.append(bytes(buf))
+        return out
+
+
+def _byte_view(view: memoryview) -> memoryview:
+    """``view`` as a flat unsigned-byte view (pool slices already are)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _glob_escape(text: bytes) -> bytes:
+    """``text`` with Redis glob metacharacters escaped, for ``SCAN MATCH``."""
+    out = bytearray()
+    for byte in text:
+        if byte in b"*?[]\\":
+            out += b"\\"
+        out.append(byte)
+    return bytes(out)
+
+
+# -- the tier ------------------------------------------------------------------------------
+class RedisTier(Tier):
+    """Chunks in a Redis or Valkey server, one string value per chunk.
+
+    Options: ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path``),
+    ``key_prefix``, ``ttl`` (seconds; none = keep until deleted or evicted by Redis),
+    ``socket_timeout`` / ``socket_connect_timeout`` (seconds), ``max_connections`` (the pool
+    blocks callers beyond it for up to ``pool_timeout`` seconds), ``retries`` (reconnect
+    attempts per batch after a connection error), ``max_pipeline_bytes`` (a load batch is
+    split into pipelines whose replies together stay under this size).
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        key_prefix: str = "tierkv:",
+        ttl: float | None = None,
+        socket_timeout: float = 5.0,
+        socket_connect_timeout: float = 2.0,
+        max_connections: int = 16,
+        pool_timeout: float = 10.0,
+        retries: int = 1,
+        max_pipeline_bytes: int = 64 << 20,
+    ) -> None:
+        if redis is None:
+            raise TierError("the redis tier needs redis-py: pip install 'tierkv[redis]'")
+        if ttl is not None and not ttl > 0:
+            raise TierError(f"redis tier: ttl must be positive seconds, got {ttl!r}")
+        if max_connections < 1:
+            raise TierError(f"redis tier: max_connections must be >= 1, got {max_connections}")
+        if retries < 0:
+            raise TierError(f"redis tier: retries must be >= 0, got {retries}")
+        self.url = url
+        self._prefix = key_prefix.encode()
+        # SET EX wants whole seconds; round up so a chunk never expires early.
+        self._ttl = None if ttl is None else max(1, -(-int(ttl * 1000) // 1000))
+        self._max_pipeline_bytes = max(1, max_pipeline_bytes)
+        try:
+            self._pool = redis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=pool_timeout,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_connect_timeout,
+                retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries),
+                command_packer=_GatherPacker(),
+            )
+        except ValueError as exc:
+            raise TierError(f"redis tier: bad url {url!r}: {exc}") from exc
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._last_usage = TierUsage(0, 0, 0)
+        try:
+            self._client.ping()
+        except RedisError as exc:
+            # Not fatal: batches report ERROR until the server is reachable.
+            log.warning("redis tier: %s is not reachable yet: %s", self._safe_url(), exc)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _safe_url(self) -> str:
+        kwargs = self._pool.connection_kwargs
+        if "path" in kwargs:
+            return f"unix://{kwargs['path']}"
+        return f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of a chunk key."""
+        return self._prefix + key.hex().encode()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    def _failed(self, op: str, exc: Exception, items: int) -> None:
+        self._count(errors=items)
+        log.warning("redis tier: %s of %d chunk(s) failed: %s", op, items, exc)
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: stored, store_failed, loaded, missing, corrupt, errors."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run ``commands`` in one non-transactional pipeline; per-command errors come back
+        as exception objects in the result list, connection errors raise."""
+        with self._client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return pipe.execute(raise_on_error=False)
+
+    # -- Tier ------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if not keys:
+            return []
+        try:
+            replies = self._pipelined([("EXISTS", self.redis_key(k)) for k in keys])
+        except (RedisError, OSError) as exc:
+            self._failed("contains", exc, len(keys))
+            return [False] * len(keys)
+        return [r == 1 for r in replies]
+
+    def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        if not items:
+            return []
+        results = [False] * len(items)
+        commands: list[tuple[Any, ...]] = []
+        positions: list[int] = []
+        for i, (key, view) in enumerate(items):
+            try:
+                data = _byte_view(view)
+                value = _Concat(pack_header(key, data), data)
+            except (ValueError, TypeError) as exc:
+                log.warning("redis tier: not storing chunk %s: %s", key.hex()[:16], exc)
+                self._count(store_failed=1)
+                continue
+            ttl = () if self._ttl is None else ("EX", self._ttl)
+            commands.append(("SET", self.redis_key(key), value, *ttl))
+            positions.append(i)
+        if not commands:
+            return results
+        try:
+            replies = self._pipelined(commands)
+        except (RedisError, OSError) as exc:
+            self._failed("store", exc, len(commands))
+            self._count(store_failed=len(commands))
+            return results
+        finally:
+            commands.clear()  # drop the references to the pool views
+        for i, reply in zip(positions, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.warning("redis tier: SET %s failed: %s", items[i][0].hex()[:16], reply)
+                self._count(store_failed=1, errors=1)
+            else:
+                results[i] = bool(reply)
+        self._count(stored=sum(results))
+        return results
+
+    def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        statuses: list[LoadStatus] = []
+        for batch in self._load_batches(items):
+            statuses.extend(self._load_batch(batch))
+        return statuses
+
+    def _load_batches(
+        self, items: Sequence[tuple[bytes, memoryview]]
+    ) -> Iterator[Sequence[tuple[bytes, memoryview]]]:
+        """Consecutive slices of ``items`` whose replies fit in ``max_pipeline_bytes``."""
+        start, size = 0, 0
+        for i, (_key, view) in enumerate(items):
+            need = HEADER_SIZE + view.nbytes
+            if i > start and size + need > self._max_pipeline_bytes:
+                yield items[start:i]
+                start, size = i, 0
+            size += need
+        if start < len(items):
+            yield items[start:]
+
+    def _load_batch(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        try:
+            replies = self._pipelined([("GET", self.redis_key(k)) for k, _ in items])
+        except (RedisError, OSError) as exc:
+            self._failed("load", exc, len(items))
+            return [LoadStatus.ERROR] * len(items)
+        statuses = []
+        for (key, view), reply in zip(items, replies, strict=True):
+            status = self._fill(key, view, reply)
+            statuses.append(status)
+            self._count(**{_STATUS_COUNTER[status]: 1})
+        replies.clear()
+        return statuses
+
+    def _fill(self, key: bytes, view: memoryview, reply: object) -> LoadStatus:
+        """Verify one GET reply and copy its payload into ``view``."""
+        if reply is None:
+            return LoadStatus.MISSING
+        if isinstance(reply, ResponseError):
+            # WRONGTYPE: something else lives under our key. Anything else: the server failed.
+            if str(reply).startswith("WRONGTYPE"):
+                log.warning("redis tier: %s holds a non-string value", key.hex()[:16])
+                return LoadStatus.CORRUPT
+            log.warning("redis tier: GET %s failed: %s", key.hex()[:16], reply)
+            return LoadStatus.ERROR
+        if not isinstance(reply, bytes):
+            return LoadStatus.ERROR
+        dest = _byte_view(view)
+        if len(reply) != HEADER_SIZE + dest.nbytes:
+            log.warning(
+                "redis tier: %s is %d bytes, expected %d",
+                key.hex()[:16],
+                len(reply),
+                HEADER_SIZE + dest.nbytes,
+            )
+            return LoadStatus.CORRUPT
+        with memoryview(reply) as raw:
+            payload = raw[HEADER_SIZE:]
+            status = verify(unpack_header(raw[:HEADER_SIZE]), key, payload)
+            if status is LoadStatus.OK:
+                dest[:] = payload
+            else:
+                log.warning("redis tier: %s failed verification", key.hex()[:16])
+            payload.release()
+        return status
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        for start in range(0, len(keys), _DEL_BATCH):
+            batch = [self.redis_key(k) for k in keys[start : start + _DEL_BATCH]]
+            try:
+                removed += int(self._client.delete(*batch))
+            except (RedisError, OSError) as exc:
+                self._failed("delete", exc, len(batch))
+        return removed
+
+    def usage(self) -> TierUsage:
+        """Chunks and bytes under the prefix (a SCAN: cost grows with the keyspace) and
+        Redis's ``maxmemory`` as the capacity (0 when unlimited)."""
+        try:
+            objects = stored = 0
+            pattern = _glob_escape(self._prefix) + b"*"
+            batch: list[bytes] = []
+            for key in self._client.scan_iter(match=pattern, count=_SCAN_COUNT):
+                batch.append(key)
+                if len(batch) >= _SCAN_COUNT:
+                    objects, stored = self._add_sizes(batch, objects, stored)
+            objects, stored = self._add_sizes(batch, objects, stored)
+            info = self._client.info("memory")
+            capacity = int(info.get("maxmemory", 0))
+        except (RedisError, OSError) as exc:
+            self._failed("usage", exc, 0)
+            return self._last_usage
+        self._last_usage = TierUsage(objects, stored, capacity)
+        return self._last_usage
+
+    def _add_sizes(self, batch: list[bytes], objects: int, stored: int) -> tuple[int, int]:
+        if batch:
+            sizes = self._pipelined([("STRLEN", k) for k in batch])
+            for size in sizes:
+                if isinstance(size, int) and size > 0:  # 0: expired or deleted meanwhile
+                    objects += 1
+                    stored += size
+            batch.clear()
+        return objects, stored
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+    def copies(self) -> str:
+        return (
+            "store: no copy of the payload (header and pool view go to sendall as separate "
+            "buffers of one SET); one blake3 read pass for the header. "
+            "load: 3 copies (hiredis reader buffer, the reply's bytes object, into the slot) "
+            "plus one blake3 read pass; transient memory: the replies of one pipeline "
+            "(max_pipeline_bytes)."
+        )
+
+
+def _valkey(**options: Any) -> RedisTier:
+    tier = RedisTier(**options)
+    tier.name = "valkey"
+    return tier
+
+
+register_tier("redis", RedisTier)
+register_tier("valkey", _valkey)

@@ -1,0 +1,464 @@
+"""S3-compatible object-storage tier: one object per chunk (record header + payload), via boto3.
+
+Layout: the chunk with 32-byte key ``k`` is the object ``<prefix><hex(k[:16])>/<hex(k[16:])>``
+in ``bucket``: the namespace digest is a "directory", so an operator can list, expire
+(lifecycle rules) or delete one namespace's chunks, and chunks of different namespaces never
+share an object. The object body is ``header || payload`` (see :mod:`tierkv.tiers.base`).
+
+Copies. A store hands botocore a file-like body over the header and the pool's
+``memoryview`` whose ``read`` returns ``memoryview`` slices, which urllib3 passes on to
+``socket.sendall``: no copy of the payload (over plain http botocore reads the body once
+more to sign its SHA-256; over https the payload is unsigned and TLS encrypts it, as it would
+any buffer). A load reads the body straight into the reserved slot with
+``http.client.HTTPResponse.readinto`` when the response is the usual urllib3-over-http.client
+one; otherwise it falls back to botocore's ``StreamingBody.readinto``, which urllib3
+implements with a ``read`` into a temporary ``bytes`` (one copy). botocore's own CRC
+checksums are left off (``when_required``): the record header's blake3 checksum covers the
+chunk end to end, and the CRC would cost a pass (and over https a framing copy) per chunk.
+
+Every chunk of a batch is one request, run in parallel on a small thread pool
+(``max_concurrency``, also the size of the HTTP connection pool). Failures never raise out
+of a batch: each item reports its own status.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tierkv.tiers.base import (
+    HEADER_SIZE,
+    LoadStatus,
+    Tier,
+    TierError,
+    TierUsage,
+    pack_header,
+    register_tier,
+    unpack_header,
+    verify,
+)
+
+try:
+    import boto3
+    import botocore.config
+    import botocore.exceptions
+except ImportError:  # pragma: no cover - exercised only without the optional dependency
+    boto3 = None
+
+log = logging.getLogger(__name__)
+
+_DELETE_BATCH = 1000  # DeleteObjects' limit
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class _RecordBody(io.RawIOBase):
+    """A seekable, read-only stream over ``header || payload`` that never joins them.
+
+    ``read`` returns ``memoryview`` slices (of the header bytes or of the payload view), so
+    whoever sends it (urllib3 / http.client: ``sock.sendall(block)``) sends pool memory as
+    it is. botocore only reads, seeks and asks for the length.
+    """
+
+    def __init__(self, header: bytes, payload: memoryview) -> None:
+        super().__init__()
+        self._parts = (memoryview(header), payload)
+        self._size = len(header) + payload.nbytes
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size - self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> memoryview | bytes:
+        if size is None or size < 0:
+            # Whole remainder: only callers that want one object get a joined copy.
+            rest = b"".join(bytes(p) for p in self._slices(self._size - self._pos))
+            self._pos = self._size
+            return rest
+        for piece in self._slices(size):
+            self._pos += piece.nbytes
+            return piece  # at most one part per call; a short read is allowed
+        return b""
+
+    def readinto(self, buffer: Any) -> int:
+        piece = self.read(len(buffer))
+        n = len(piece)
+        memoryview(buffer).cast("B")[:n] = piece
+        return n
+
+    def _slices(self, size: int) -> list[memoryview]:
+        """Views of the next ``size`` bytes from the current position (not consumed)."""
+        out, pos, left = [], self._pos, size
+        start = 0
+        for part in self._parts:
+            end = start + part.nbytes
+            if left > 0 and pos < end:
+                take = min(end - pos, left)
+                out.append(part[pos - start : pos - start + take])
+                pos += take
+                left -= take
+            start = end
+        return out
+
+    def close(self) -> None:
+        super().close()
+
+
+def _http_response(body: Any) -> http.client.HTTPResponse | None:
+    """The ``http.client`` response under a botocore ``StreamingBody``, when readable directly.
+
+    botocore -> urllib3 ``HTTPResponse`` -> ``http.client.HTTPResponse``. Only a plain
+    (not content-encoded) response that urllib3 has not read from yet qualifies.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or fp.isclosed():
+        return None
+    headers = getattr(raw, "headers", None)
+    if headers is not None and headers.get("content-encoding", "identity") != "identity":
+        return None
+    if getattr(raw, "_fp_bytes_read", 0):
+        return None
+    return fp
+
+
+def _read_exact(read_into: Callable[[memoryview], int | None], dest: memoryview) -> int:
+    """Fill ``dest`` from ``read_into``; returns how many bytes arrived (less at EOF)."""
+    done = 0
+    while done < dest.nbytes:
+        n = read_into(dest[done:])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def _byte_view(view: memoryview) -> memoryview:
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class S3Tier(Tier):
+    """Chunks as objects in an S3-compatible bucket.
+
+    Options: ``bucket``; ``endpoint_url`` (for MinIO, Ceph, moto, ...; none = AWS);
+    ``region``; ``prefix`` (object-name prefix, default ``tierkv/``); ``access_key_id`` /
+    ``secret_access_key`` / ``session_token`` (none = boto3's default credential chain);
+    ``max_concurrency`` (parallel requests per batch); ``connect_timeout`` /
+    ``read_timeout`` (seconds); ``retries`` (botocore retry attempts after the first);
+    ``addressing_style`` (``path`` by default with an ``endpoint_url``, else ``auto``);
+    ``create_bucket`` (create the bucket at start-up if it does not exist).
+    """
+
+    name = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        prefix: str = "tierkv/",
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        max_concurrency: int = 8,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        retries: int = 2,
+        addressing_style: str | None = None,
+        create_bucket: bool = False,
+    ) -> None:
+        if boto3 is None:
+            raise TierError("the s3 tier needs boto3: pip install 'tierkv[s3]'")
+        if not bucket:
+            raise TierError("s3 tier: a bucket is required")
+        if max_concurrency < 1:
+            raise TierError(f"s3 tier: max_concurrency must be >= 1, got {max_concurrency}")
+        if (access_key_id is None) != (secret_access_key is None):
+            raise TierError("s3 tier: give both access_key_id and secret_access_key, or neither")
+        self.bucket = bucket
+        self.prefix = prefix
+        style = addressing_style or ("path" if endpoint_url else "auto")
+        config_options: dict[str, Any] = {
+            "max_pool_connections": max_concurrency,
+            "connect_timeout": connect_timeout,
+            "read_timeout": read_timeout,
+            "retries": {"max_attempts": retries + 1, "mode": "standard"},
+            "s3": {"addressing_style": style},
+        }
+        checksum_options = {
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        }
+        try:
+            config = botocore.config.Config(**config_options, **checksum_options)
+        except TypeError:  # botocore < 1.36 has neither option, nor default checksums
+            config = botocore.config.Config(**config_options)
+        try:
+            self._client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region,
+                aws_access_key_id=access_key_id,
+                aws_secret_access_key=secret_access_key,
+                aws_session_token=session_token,
+                config=config,
+            )
+        except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+            raise TierError(f"s3 tier: cannot create a client: {exc}") from exc
+        self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._last_usage = TierUsage(0, 0, 0)
+        if create_bucket:
+            self._ensure_bucket(region)
+
+    def _ensure_bucket(self, region: str | None) -> None:
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc) not in _NOT_FOUND:
+                raise TierError(f"s3 tier: bucket {self.bucket!r}: {exc}") from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            log.warning("s3 tier: cannot reach the endpoint to check the bucket: %s", exc)
+            return
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if region and region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self._client.create_bucket(**kwargs)
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc) not in {"BucketAlreadyOwnedByYou", "BucketAlreadyExists"}:
+                raise TierError(f"s3 tier: cannot create bucket {self.bucket!r}: {exc}") from exc
+
+    # -- helpers ---------------------------------------------------------------------------
+    def object_key(self, key: bytes) -> str:
+        """The object name of a chunk key."""
+        return f"{self.prefix}{key[:16].hex()}/{key[16:].hex()}"
+
+    def stats(self) -> dict[str, int]:
+        """Counters since start: stored, store_failed, loaded, missing, corrupt, errors."""
+        with self._lock:
+            return dict(self._counts)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._counts.update(deltas)
+
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        if len(items) == 1:
+            return [fn(items[0])]
+        return list(self._executor.map(fn, items))
+
+    # -- Tier ------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._map(self._head, keys)
+
+    def _head(self, key: bytes) -> bool:
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
+            return True
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc) not in _NOT_FOUND:
+                self._error("HEAD", key, exc)
+            return False
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            self._error("HEAD", key, exc)
+            return False
+
+    def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        results = self._map(self._put, items)
+        self._count(stored=sum(results), store_failed=len(results) - sum(results))
+        return results
+
+    def _put(self, item: tuple[bytes, memoryview]) -> bool:
+        key, view = item
+        try:
+            payload = _byte_view(view)
+            body = _RecordBody(pack_header(key, payload), payload)
+        except (ValueError, TypeError) as exc:
+            log.warning("s3 tier: not storing chunk %s: %s", key.hex()[:16], exc)
+            return False
+        try:
+            self._client.put_object(
+                Bucket=self.bucket,
+                Key=self.object_key(key),
+                Body=body,
+                ContentLength=len(body),
+                ContentType="application/octet-stream",
+            )
+            return True
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
+            self._error("PUT", key, exc)
+            return False
+        except OSError as exc:
+            self._error("PUT", key, exc)
+            return False
+
+    def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        statuses = self._map(self._get, items)
+        for status in statuses:
+            self._count(**{_STATUS_COUNTER[status]: 1})
+        return statuses
+
+    def _get(self, item: tuple[bytes, memoryview]) -> LoadStatus:
+        key, view = item
+        dest = _byte_view(view)
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc) in _NOT_FOUND:
+                return LoadStatus.MISSING
+            self._error("GET", key, exc)
+            return LoadStatus.ERROR
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            self._error("GET", key, exc)
+            return LoadStatus.ERROR
+        body = response["Body"]
+        complete = False
+        try:
+            length = response.get("ContentLength")
+            if length != HEADER_SIZE + dest.nbytes:
+                log.warning(
+                    "s3 tier: %s is %s bytes, expected %d",
+                    key.hex()[:16],
+                    length,
+                    HEADER_SIZE + dest.nbytes,
+                )
+                return LoadStatus.CORRUPT
+            fp = _http_response(body)
+            read_into: Callable[[memoryview], int | None] = (
+                fp.readinto if fp is not None else body.readinto
+            )
+            raw_header = memoryview(bytearray(HEADER_SIZE))
+            if _read_exact(read_into, raw_header) != HEADER_SIZE:
+                raise ConnectionError("response body ended early")
+            header = unpack_header(raw_header)
+            if header is None or header.key != key or header.length != dest.nbytes:
+                log.warning("s3 tier: %s has a bad record header", key.hex()[:16])
+                return LoadStatus.CORRUPT
+            if _read_exact(read_into, dest) != dest.nbytes:
+                raise ConnectionError("response body ended early")
+            complete = True
+            status = verify(header, key, dest)
+            if status is not LoadStatus.OK:
+                log.warning("s3 tier: %s failed verification", key.hex()[:16])
+            return status
+        except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as exc:
+            self._error("GET", key, exc)
+            return LoadStatus.ERROR
+        finally:
+            _finish(body, complete)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        held = sum(self.contains(keys))
+        for start in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[start : start + _DELETE_BATCH]
+            objects = [{"Key": self.object_key(k)} for k in batch]
+            try:
+                reply = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+            except (
+                botocore.exceptions.BotoCoreError,
+                botocore.exceptions.ClientError,
+                OSError,
+            ) as exc:
+                self._count(errors=len(batch))
+                log.warning("s3 tier: deleting %d chunk(s) failed: %s", len(batch), exc)
+                continue
+            for error in reply.get("Errors", []):
+                self._count(errors=1)
+                log.warning("s3 tier: deleting %s failed: %s", error.get("Key"), error)
+        return held
+
+    def usage(self) -> TierUsage:
+        """Objects and bytes under the prefix (a listing: one request per 1000 objects)."""
+        objects = stored = 0
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    objects += 1
+                    stored += int(obj.get("Size", 0))
+        except (
+            botocore.exceptions.BotoCoreError,
+            botocore.exceptions.ClientError,
+            OSError,
+        ) as exc:
+            self._count(errors=1)
+            log.warning("s3 tier: usage listing failed: %s", exc)
+            return self._last_usage
+        self._last_usage = TierUsage(objects, stored, 0)
+        return self._last_usage
+
+    def _error(self, op: str, key: bytes, exc: BaseException) -> None:
+        self._count(errors=1)
+        log.warning("s3 tier: %s %s failed: %s", op, key.hex()[:16], exc)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._client.close()
+
+    def copies(self) -> str:
+        return (
+            "store: no copy of the payload (a file-like body returns memoryview slices of the "
+            "pool to sendall; over http botocore reads it once more for the SigV4 hash) plus "
+            "one blake3 read pass. load: no copy (http.client readinto straight into the "
+            "slot; 1 copy on the fallback StreamingBody.readinto path) plus one blake3 pass."
+        )
+
+
+_STATUS_COUNTER = {
+    LoadStatus.OK: "loaded",
+    LoadStatus.MISSING: "missing",
+    LoadStatus.CORRUPT: "corrupt",
+    LoadStatus.ERROR: "errors",
+}
+
+
+def _error_code(exc: Any) -> str:
+    error = getattr(exc, "response", {}).get("Error", {})
+    return str(error.get("Code", ""))
+
+
+def _finish(body: Any, complete: bool) -> None:
+    """Hand the HTTP connection back for reuse after a complete read, else drop it."""
+    raw = getattr(body, "_raw_stream", None)
+    try:
+        if complete and raw is not None and hasattr(raw, "release_conn"):
+            fp = getattr(raw, "_fp", None)
+            if fp is None or getattr(fp, "isclosed", lambda: False)():
+                raw.release_conn()
+                return
+        body.close()
+    except Exception as exc:  # cleanup must not turn a result into an error
+        log.debug("s3 tier: closing a response failed: %s", exc)
+
+
+register_tier("s3", S3Tier)
