@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -132,8 +133,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
         for name in ("eviction_interval", "write_ttl", "read_ttl", "session_ttl"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):  # NaN and inf too
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if self.workers < 1 or self.tier_workers < 1:
             raise ConfigError("workers and tier_workers must be at least 1")
         if self.prefetch_max_inflight < 0 or self.prefetch_timeout <= 0:
@@ -142,10 +144,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be 'text' or 'json'")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError(
+                f"log_level {self.log_level!r}: use debug, info, warning, error or critical"
+            )
         if self.rpc_tcp:
             host, _, port = self.rpc_tcp.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"rpc_tcp {self.rpc_tcp!r}: expected HOST:PORT")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"rpc_tcp {self.rpc_tcp!r}: expected HOST:PORT (port 1-65535)")
             if not is_loopback(host) and not self.auth_token:
                 raise ConfigError(
                     f"rpc_tcp {self.rpc_tcp!r} is reachable from other hosts: set auth_token "
@@ -208,7 +214,10 @@ def _fields() -> list[tuple[str, Any, Any]]:
 def _coerce(name: str, raw: Any) -> Any:
     """Values from env/flags arrive as strings; sizes accept units."""
     if name in _SIZE_FIELDS and isinstance(raw, str):
-        return parse_size(raw)
+        try:
+            return parse_size(raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
     if name == "tiers":
         if isinstance(raw, str):  # environment: specs separated by ';'
             raw = [part for part in raw.split(";") if part.strip()]
