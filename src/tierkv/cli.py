@@ -41,14 +41,22 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     pct = 100.0 * s.used / s.capacity if s.capacity else 0.0
     print(f"tierkv {s.server_version}, up {s.uptime_s:.0f} s, pool {s.pool_name}")
-    print(f"  pool      {format_bytes(s.used)} of {format_bytes(s.capacity)} used ({pct:.1f}%), "
-          f"largest free block {format_bytes(s.largest_free)}")
-    print(f"  objects   {s.objects} ({s.ready} ready, {s.writing} being written, "
-          f"{s.read_locked} read-locked)")
-    print(f"  clients   {s.clients} registered, {s.sessions} lookup sessions, "
-          f"{s.write_leases} store and {s.read_leases} read leases open")
-    print(f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
-          f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks")
+    print(
+        f"  pool      {format_bytes(s.used)} of {format_bytes(s.capacity)} used ({pct:.1f}%), "
+        f"largest free block {format_bytes(s.largest_free)}"
+    )
+    print(
+        f"  objects   {s.objects} ({s.ready} ready, {s.writing} being written, "
+        f"{s.read_locked} read-locked)"
+    )
+    print(
+        f"  clients   {s.clients} registered, {s.sessions} lookup sessions, "
+        f"{s.write_leases} store and {s.read_leases} read leases open"
+    )
+    print(
+        f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
+        f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks"
+    )
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(s.requests.items())) or "none"
     print(f"  requests  {reqs}")
     if s.errors:

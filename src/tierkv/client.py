@@ -312,14 +312,38 @@ class Client:
         *,
         hashes: Sequence[bytes] | None = None,
         request_id: str = "",
+        wait: bool = False,
     ) -> p.LookupResult:
-        """Leading chunks available. With ``request_id`` they stay read-locked for a
-        following :meth:`retrieve` with that id (or :meth:`free_lookup_locks`)."""
+        """How many leading chunks are cached (``hits`` of ``total``).
+
+        With ``request_id`` they stay read-locked for a following :meth:`retrieve` with that
+        id (or :meth:`free_lookup_locks`), and chunks in slower tiers are prefetched into the
+        pool: with ``wait`` this returns the final count once the prefetch is done, otherwise
+        what the pool holds now (poll :meth:`query_prefetch` for the rest)."""
         sel = self._selector(tokens, hashes)
-        return self._call(p.Lookup(self._rid(), self._token(), sel, request_id))  # type: ignore[no-any-return]
+        reply: p.LookupResult = self._call(p.Lookup(self._rid(), self._token(), sel, request_id))
+        if wait and reply.prefetching:
+            hits = self.wait_prefetch(request_id)
+            return msgspec.structs.replace(reply, hits=hits, prefetching=False)
+        return reply
 
     def query_prefetch(self, request_id: str) -> p.PrefetchStatus:
+        """Whether the lookup's prefetch is done, and the hit count so far."""
         return self._call(p.QueryPrefetch(self._rid(), self._token(), request_id))  # type: ignore[no-any-return]
+
+    def wait_prefetch(self, request_id: str, timeout: float | None = None) -> int:
+        """Poll until the lookup's prefetch is done; returns the final hit count. The server
+        bounds every prefetch (prefetch_timeout), so this ends even if a tier hangs."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        delay = 0.0005
+        while True:
+            status = self.query_prefetch(request_id)
+            if status.done:
+                return status.hits
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(f"prefetch of {request_id!r} not done in time")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
 
     def free_lookup_locks(self, request_id: str) -> int:
         reply: p.Ok = self._call(p.FreeLookupLocks(self._rid(), self._token(), request_id))

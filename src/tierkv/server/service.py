@@ -11,6 +11,7 @@ offsets, and the engine copies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -30,6 +31,9 @@ from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.server.tiering import Tiering
+from tierkv.tiers.base import Tier
+from tierkv.tiers.prefetch import PrefetchJob
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +49,15 @@ class RequestError(Exception):
 
 @dataclass(slots=True)
 class Session:
+    """A LOOKUP's state until its retrieve: the read lease over the hit prefix, the hits the
+    engine was told, and the prefetch from the tiers, if one runs."""
+
     lease: int
     hits: int
     total: int
     touched: float
+    prefetch: PrefetchJob | None = None
+    handed_out: bool = False  # PREPARE_RETRIEVE took the lease
 
 
 @dataclass(slots=True)
@@ -72,7 +81,11 @@ class CacheService:
     """Request handlers over one pool. Thread-safe."""
 
     def __init__(
-        self, cfg: ServerConfig, pool: ShmPool, clock: Callable[[], float] = time.monotonic
+        self,
+        cfg: ServerConfig,
+        pool: ShmPool,
+        clock: Callable[[], float] = time.monotonic,
+        tiers: list[Tier] | None = None,
     ):
         self.cfg = cfg
         self.pool = pool
@@ -84,6 +97,7 @@ class CacheService:
         self.eviction = EvictionController(
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
+        self.tiering = Tiering(cfg, self.index, pool, tiers)
         self._clients: dict[int, Client] = {}
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()
@@ -113,6 +127,7 @@ class CacheService:
 
     def stop(self) -> None:
         self.eviction.stop()
+        self.tiering.close()
 
     # -- dispatch --------------------------------------------------------------------------
     def handle(self, req: Any) -> Any:
@@ -317,6 +332,7 @@ class CacheService:
             raise
         except IndexError_ as exc:  # `only` positions out of range
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
+        self.tiering.after_commit(res.committed_keys)
         return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
 
     def abort_store(self, req: p.AbortStore) -> p.Ok:
@@ -326,7 +342,7 @@ class CacheService:
     # -- lookup and retrieve ---------------------------------------------------------------
     def lookup(self, req: p.Lookup) -> p.LookupResult:
         client = self._client(req.client)
-        ks, _ = self._keys(client, req.chunks)
+        ks, lengths = self._keys(client, req.chunks)
         if not req.request_id:
             hits = 0
             for present in self.index.contains(ks):
@@ -337,9 +353,40 @@ class CacheService:
         self._drop_session(client, req.request_id)
         lock = self.index.lock_read(ks, client.token, prefix=True)
         hits = len(lock.slots)
+        session = Session(lock.lease_id, hits, len(ks), self.clock())
         with self._lock:
-            client.sessions[req.request_id] = Session(lock.lease_id, hits, len(ks), self.clock())
-        return p.LookupResult(req.rid, hits, len(ks))
+            client.sessions[req.request_id] = session
+        if hits < len(ks) and self.tiering.enabled:
+            session.prefetch = self.tiering.prefetch(
+                client.token,
+                ks,
+                lengths,
+                hits,
+                lock.lease_id,
+                lambda job: self._prefetch_done(client, req.request_id, session, job),
+            )
+        return p.LookupResult(req.rid, hits, len(ks), prefetching=session.prefetch is not None)
+
+    def _prefetch_done(
+        self, client: Client, request_id: str, session: Session, job: PrefetchJob
+    ) -> None:
+        """On a tier thread: hand a lease the prefetch created to its session, or give it
+        back if nobody can use it any more (session ended, retrieved or timed out)."""
+        new_lease = job.lease_id if job.lease_id != session.lease else 0
+        if not new_lease:
+            return  # nothing locked, or locks added to the session's own lease
+        with self._lock:
+            attach = (
+                client.sessions.get(request_id) is session
+                and session.lease == 0
+                and not session.handed_out
+                and not job.cancelled
+            )
+            if attach:
+                session.lease = new_lease
+        if not attach:
+            with contextlib.suppress(LeaseNotFound):
+                self.index.release_read(new_lease, client.token)
 
     def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
         client = self._client(req.client)
@@ -347,6 +394,15 @@ class CacheService:
         if session is None:
             raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
         session.touched = self.clock()
+        job = session.prefetch
+        if job is None:
+            return p.PrefetchStatus(req.rid, True, session.hits)
+        if not self.tiering.prefetcher.poll(job):
+            return p.PrefetchStatus(req.rid, False, session.hits)
+        with self._lock:
+            if job.done.is_set() and not job.cancelled and not session.handed_out:
+                session.hits = max(session.hits, job.hits)
+            session.prefetch = None
         return p.PrefetchStatus(req.rid, True, session.hits)
 
     def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
@@ -373,6 +429,7 @@ class CacheService:
                     f"no lookup session {req.request_id!r} (never looked up, ended or expired)",
                 )
             lease, session.lease = session.lease, 0
+            session.handed_out = True
             session.touched = self.clock()
         if lease == 0:
             if session.hits:
@@ -389,6 +446,12 @@ class CacheService:
                 p.ErrorCode.NOT_FOUND,
                 f"the locks of lookup {req.request_id!r} expired (read_ttl); look up again",
             ) from None
+        # A prefetch may have added locks beyond what the engine was told; those stay under
+        # the lease (released by FINISH_RETRIEVE) but are not offered.
+        slots = slots[: session.hits]
+        if not slots:
+            self.index.release_read(lease, client.token)
+            return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         return p.RetrieveSlots(
             req.rid,
             lease,

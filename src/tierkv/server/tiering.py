@@ -1,0 +1,105 @@
+"""The tiers of one server: built from configuration, with their write-behind and prefetch.
+
+The service calls :meth:`Tiering.after_commit` when chunks become ready and
+:meth:`Tiering.prefetch` on a lookup that did not hit the whole prefix; everything else
+happens on the tier threads. With no tiers configured both are no-ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tierkv.config import ServerConfig
+from tierkv.index import ObjectIndex
+from tierkv.pool import ShmPool
+from tierkv.tiers.base import Tier, create_tier
+from tierkv.tiers.prefetch import Prefetcher, PrefetchJob
+from tierkv.tiers.write_behind import WriteBehind
+
+log = logging.getLogger(__name__)
+
+
+class Tiering:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        index: ObjectIndex,
+        pool: ShmPool,
+        tiers: Sequence[Tier] | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.tiers: list[Tier] = list(tiers) if tiers is not None else build_tiers(cfg)
+        self.executor = ThreadPoolExecutor(cfg.tier_workers, thread_name_prefix="tierkv-tier")
+        self.write_behind = WriteBehind(
+            index, pool, self.tiers, self.executor, cfg.write_behind_max_bytes
+        )
+        extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
+        self.prefetcher = Prefetcher(
+            index,
+            pool,
+            self.tiers,
+            self.executor,
+            cfg.prefetch_max_inflight,
+            cfg.prefetch_timeout,
+            on_committed=self._prefetched,
+            **extra,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tiers)
+
+    def after_commit(self, keys: Sequence[bytes]) -> None:
+        """Queue freshly committed engine chunks for every tier."""
+        if self.tiers and keys:
+            self.write_behind.submit(keys)
+
+    def _prefetched(self, keys: list[bytes], source: str) -> None:
+        # Chunks loaded from a tier go to the other tiers, never back to their source.
+        self.write_behind.submit(keys, source_tier=source)
+
+    def prefetch(
+        self,
+        holder: int,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        first: int,
+        lease_id: int,
+        on_done: Callable[[PrefetchJob], None],
+    ) -> PrefetchJob | None:
+        if not self.tiers:
+            return None
+        return self.prefetcher.start(holder, keys, lengths, first, lease_id, on_done)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Let queued writes finish (bounded), stop the threads, close the tiers."""
+        if self.tiers and not self.write_behind.wait_idle(timeout):
+            log.warning("stopping with tier writes still queued; those chunks are not in tiers")
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:
+                log.exception("closing tier %s failed", tier.name)
+
+
+def build_tiers(cfg: ServerConfig) -> list[Tier]:
+    tiers: list[Tier] = []
+    try:
+        for spec in cfg.tiers:
+            tier = create_tier(spec.name, dict(spec.options))
+            log.info("tier %s ready (%s)", tier.name, tier.copies())
+            tiers.append(tier)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        for tier in tiers:
+            tier.close()
+        raise ValueError(f"each tier may appear once; got {names}")
+    return tiers

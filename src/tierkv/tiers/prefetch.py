@@ -1,0 +1,229 @@
+"""Prefetch: on LOOKUP, load the chunks that follow the pool's hit prefix from the tiers.
+
+A job runs on a tier thread: it asks the tiers, in configured order, which of the following
+chunks they hold, and takes the longest contiguous run (each chunk from the first tier that
+has it). It reserves pool slots for that run, loads the bytes straight into them, verifies
+them (the tiers check checksums), commits the ones that arrived intact and read-locks the
+prefix for the engine under the lookup's lease. The first chunk that is missing, does not
+fit, or fails to load ends the prefix there: the engine gets fewer hits, never wrong bytes.
+
+At most ``max_inflight`` jobs run at once (a lookup beyond that just skips the prefetch), and
+a job that takes longer than ``timeout`` is reported to the engine as finished with what the
+pool had; when it completes later its chunks stay in the pool, unlocked, for the next lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.pool import ShmPool
+from tierkv.tiers.base import LoadStatus, Tier
+
+log = logging.getLogger(__name__)
+
+PREFETCH_HOLDER = -2  # index holder id of prefetch reservations
+
+
+@dataclass
+class PrefetchStats:
+    started: int = 0
+    rejected: int = 0  # too many in flight
+    timed_out: int = 0
+    loaded_chunks: dict[str, int] = field(default_factory=dict)
+    loaded_bytes: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, dict[str, int]] = field(default_factory=dict)  # tier -> reason -> n
+    inflight: int = 0
+
+
+class PrefetchJob:
+    """One lookup's prefetch. ``hits`` is final once ``done`` is set."""
+
+    def __init__(
+        self, first: int, deadline: float, on_done: Callable[[PrefetchJob], None] | None
+    ) -> None:
+        self.first = first
+        self.on_done = on_done
+        self.deadline = deadline
+        self.loaded = 0
+        self.lease_id = 0
+        self.done = threading.Event()
+        self.cancelled = False
+        self.per_tier: dict[str, int] = {}
+
+    @property
+    def hits(self) -> int:
+        return self.first + self.loaded
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        index: ObjectIndex,
+        pool: ShmPool,
+        tiers: Sequence[Tier],
+        executor: Executor,
+        max_inflight: int,
+        timeout: float,
+        on_committed: Callable[[list[bytes], str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.tiers = list(tiers)
+        self.executor = executor
+        self.max_inflight = max_inflight
+        self.timeout = timeout
+        self.on_committed = on_committed
+        self.clock = clock
+        self.stats = PrefetchStats()
+        self._lock = threading.Lock()
+
+    def start(
+        self,
+        holder: int,
+        keys: Sequence[bytes],
+        lengths: Sequence[int],
+        first: int,
+        lease_id: int,
+        on_done: Callable[[PrefetchJob], None] | None = None,
+    ) -> PrefetchJob | None:
+        """Prefetch ``keys[first:]`` for ``holder``, locking into ``lease_id`` (0: a new
+        lease). ``on_done(job)`` runs on the tier thread just before ``job.done`` is set.
+        None when there is nothing to do or too much in flight."""
+        if not self.tiers or first >= len(keys):
+            return None
+        with self._lock:
+            if self.stats.inflight >= self.max_inflight:
+                self.stats.rejected += 1
+                return None
+            self.stats.inflight += 1
+            self.stats.started += 1
+        job = PrefetchJob(first, self.clock() + self.timeout, on_done)
+        job.lease_id = lease_id
+        self.executor.submit(self._run, job, holder, list(keys), list(lengths))
+        return job
+
+    def poll(self, job: PrefetchJob) -> bool:
+        """Whether the engine should treat the job as finished (done, or past its deadline)."""
+        if job.done.is_set():
+            return True
+        if self.clock() >= job.deadline:
+            with self._lock:
+                if not job.cancelled:
+                    job.cancelled = True
+                    self.stats.timed_out += 1
+            return True
+        return False
+
+    # -- the job ---------------------------------------------------------------------------
+    def _run(self, job: PrefetchJob, holder: int, keys: list[bytes], lengths: list[int]) -> None:
+        try:
+            run = self._locate(keys[job.first :])
+            loaded = self._load(keys, lengths, job.first, run)
+            if loaded and not job.cancelled:
+                want = keys[job.first : job.first + loaded]
+                lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.lease_id)
+                job.lease_id = lock.lease_id or job.lease_id
+                job.loaded = len(lock.slots)
+        except LeaseNotFound:
+            log.debug("lookup lease ended before its prefetch finished")
+        except Exception:
+            log.exception("prefetch failed")
+        finally:
+            with self._lock:
+                self.stats.inflight -= 1
+            if job.on_done is not None:
+                try:
+                    job.on_done(job)
+                except Exception:
+                    log.exception("prefetch completion callback failed")
+            job.done.set()
+
+    def _locate(self, keys: list[bytes]) -> list[Tier]:
+        """For the longest run of ``keys`` held by some tier, the tier to load each from."""
+        found: list[Tier | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            try:
+                present = tier.contains([keys[i] for i in pending])
+            except Exception:
+                log.exception("tier %s failed a contains batch", tier.name)
+                continue
+            still: list[int] = []
+            for i, has in zip(pending, present, strict=True):
+                if has:
+                    found[i] = tier
+                else:
+                    still.append(i)
+            pending = still
+        run: list[Tier] = []
+        for tier_or_none in found:
+            if tier_or_none is None:
+                break
+            run.append(tier_or_none)
+        return run
+
+    def _load(self, keys: list[bytes], lengths: list[int], first: int, run: list[Tier]) -> int:
+        """Load the run into the pool; returns the length of the prefix now in the pool."""
+        done = 0
+        pos = 0
+        while pos < len(run):
+            tier = run[pos]
+            end = pos
+            while end < len(run) and run[end] is tier:
+                end += 1
+            got = self._load_group(
+                tier, keys[first + pos : first + end], lengths[first + pos : first + end]
+            )
+            done += got
+            if got < end - pos:
+                break
+            pos = end
+        return done
+
+    def _load_group(self, tier: Tier, keys: list[bytes], lengths: list[int]) -> int:
+        """Load consecutive chunks from one tier; returns the intact prefix length."""
+        res = self.index.reserve_write(keys, lengths, PREFETCH_HOLDER, tier=tier.name)
+        stop = res.no_space[0] if res.no_space else len(keys)
+        reserved = [(i, off, n) for i, off, n in res.slots if i < stop]
+        items = [(keys[i], self.pool.view(off, n)) for i, off, n in reserved]
+        try:
+            statuses = tier.load(items) if items else []
+        except Exception:
+            log.exception("tier %s failed a load batch", tier.name)
+            statuses = [LoadStatus.ERROR] * len(items)
+        del items
+        # The intact prefix: present-in-pool chunks count, the first failure ends it.
+        status_of = {i: st for (i, _, _), st in zip(reserved, statuses, strict=True)}
+        prefix = 0
+        for i in range(stop):
+            st = status_of.get(i, LoadStatus.OK)  # not reserved = already in the pool
+            if st is not LoadStatus.OK:
+                self._count_failure(tier.name, st)
+                break
+            prefix += 1
+        commit_pos = [p for p, (i, _, _) in enumerate(reserved) if i < prefix]
+        nbytes = sum(reserved[p][2] for p in commit_pos)
+        if res.lease_id:
+            result = self.index.commit(res.lease_id, PREFETCH_HOLDER, commit_pos)
+            if self.on_committed and result.committed_keys:
+                self.on_committed(result.committed_keys, tier.name)
+        with self._lock:
+            s = self.stats
+            s.loaded_chunks[tier.name] = s.loaded_chunks.get(tier.name, 0) + len(commit_pos)
+            s.loaded_bytes[tier.name] = s.loaded_bytes.get(tier.name, 0) + nbytes
+        return prefix
+
+    def _count_failure(self, tier: str, status: LoadStatus) -> None:
+        with self._lock:
+            reasons = self.stats.failed.setdefault(tier, {})
+            name = status.name.lower()
+            reasons[name] = reasons.get(name, 0) + 1

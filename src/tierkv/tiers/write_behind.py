@@ -1,0 +1,128 @@
+"""Write-behind: after COMMIT_STORE, copy the new chunks from the pool to every tier.
+
+The RPC thread only read-locks the committed chunks (so eviction cannot reuse their slots)
+and queues one job per commit; tier threads write straight from the pool slots and release
+the lock. The queue is bounded in bytes: when tiers cannot keep up, new chunks are not
+written (counted as dropped) rather than making stores wait. A tier error is counted and
+logged; it never reaches the engine and never stops the server. A chunk that came from a
+tier (a prefetch) is not written back to that tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.pool import ShmPool
+from tierkv.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+WRITE_BEHIND_HOLDER = -1  # index holder id of the write-behind locks
+
+
+@dataclass
+class WriteBehindStats:
+    queued_chunks: int = 0
+    queued_bytes: int = 0
+    written_chunks: dict[str, int] = field(default_factory=dict)
+    written_bytes: dict[str, int] = field(default_factory=dict)
+    failed_chunks: dict[str, int] = field(default_factory=dict)
+    dropped_chunks: int = 0
+
+
+class WriteBehind:
+    """Queues committed chunks for the tiers and writes them on ``executor`` threads."""
+
+    def __init__(
+        self,
+        index: ObjectIndex,
+        pool: ShmPool,
+        tiers: Sequence[Tier],
+        executor: Executor,
+        max_queued_bytes: int,
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.tiers = list(tiers)
+        self.executor = executor
+        self.max_queued_bytes = max_queued_bytes
+        self.stats = WriteBehindStats()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+
+    def submit(self, keys: Sequence[bytes], source_tier: str = "") -> int:
+        """Lock ``keys`` (just committed) and queue them; returns how many were queued."""
+        tiers = [t for t in self.tiers if t.name != source_tier]
+        if not tiers or not keys:
+            return 0
+        lock = self.index.lock_read(keys, WRITE_BEHIND_HOLDER, prefix=False)
+        if not lock.slots:
+            return 0
+        nbytes = sum(length for _, _, length in lock.slots)
+        with self._lock:
+            if self.stats.queued_bytes + nbytes > self.max_queued_bytes:
+                self.stats.dropped_chunks += len(lock.slots)
+                accepted = False
+            else:
+                self.stats.queued_bytes += nbytes
+                self.stats.queued_chunks += len(lock.slots)
+                accepted = True
+        if not accepted:
+            self._release(lock.lease_id)
+            log.debug("write-behind queue full: %d chunks not written to tiers", len(lock.slots))
+            return 0
+        items = [(keys[i], offset, length) for i, offset, length in lock.slots]
+        self.executor.submit(self._write, lock.lease_id, items, tiers, nbytes)
+        return len(items)
+
+    def _write(
+        self,
+        lease_id: int,
+        items: list[tuple[bytes, int, int]],
+        tiers: list[Tier],
+        nbytes: int,
+    ) -> None:
+        try:
+            views = [
+                (key, self.pool.view(offset, length).toreadonly()) for key, offset, length in items
+            ]
+            for tier in tiers:
+                try:
+                    results = tier.store(views)
+                except Exception:
+                    log.exception("tier %s failed a write-behind batch", tier.name)
+                    results = [False] * len(views)
+                ok = sum(results)
+                written = sum(len(v) for (_, v), r in zip(views, results, strict=True) if r)
+                with self._lock:
+                    s = self.stats
+                    s.written_chunks[tier.name] = s.written_chunks.get(tier.name, 0) + ok
+                    s.written_bytes[tier.name] = s.written_bytes.get(tier.name, 0) + written
+                    if ok < len(views):
+                        s.failed_chunks[tier.name] = (
+                            s.failed_chunks.get(tier.name, 0) + len(views) - ok
+                        )
+            del views
+        finally:
+            self._release(lease_id)
+            with self._lock:
+                self.stats.queued_bytes -= nbytes
+                self.stats.queued_chunks -= len(items)
+                if self.stats.queued_chunks == 0:
+                    self._idle.notify_all()
+
+    def _release(self, lease_id: int) -> None:
+        try:
+            self.index.release_read(lease_id, WRITE_BEHIND_HOLDER)
+        except LeaseNotFound:
+            log.warning("write-behind lock expired before the tiers finished (read_ttl too short?)")
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued (tests, shutdown)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self.stats.queued_chunks == 0, timeout)
