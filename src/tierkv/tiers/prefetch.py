@@ -83,6 +83,7 @@ class Prefetcher:
         self.clock = clock
         self.stats = PrefetchStats()
         self._lock = threading.Lock()
+        self._loading: dict[bytes, PrefetchJob] = {}  # key -> the job bringing it in
 
     def start(
         self,
@@ -123,7 +124,13 @@ class Prefetcher:
 
     # -- the job ---------------------------------------------------------------------------
     def _run(self, job: PrefetchJob, holder: int, keys: list[bytes], lengths: list[int]) -> None:
+        claimed: list[bytes] = []
         try:
+            # Chunks another job is already loading (concurrent lookups of one prefix) are
+            # awaited, not loaded twice; jobs only wait for older jobs, so never in a cycle.
+            claimed, older = self._claim(keys[job.first :], job)
+            for other in older:
+                other.done.wait(max(0.0, job.deadline - self.clock()))
             run = self._locate(keys[job.first :])
             loaded = self._load(keys, lengths, job.first, run)
             if loaded and not job.cancelled:
@@ -138,12 +145,28 @@ class Prefetcher:
         finally:
             with self._lock:
                 self.stats.inflight -= 1
+                for key in claimed:
+                    if self._loading.get(key) is job:
+                        del self._loading[key]
             if job.on_done is not None:
                 try:
                     job.on_done(job)
                 except Exception:
                     log.exception("prefetch completion callback failed")
             job.done.set()
+
+    def _claim(self, keys: list[bytes], job: PrefetchJob) -> tuple[list[bytes], list[PrefetchJob]]:
+        claimed: list[bytes] = []
+        older: dict[int, PrefetchJob] = {}
+        with self._lock:
+            for key in keys:
+                other = self._loading.get(key)
+                if other is None:
+                    self._loading[key] = job
+                    claimed.append(key)
+                elif other is not job:
+                    older[id(other)] = other
+        return claimed, list(older.values())
 
     def _locate(self, keys: list[bytes]) -> list[Tier]:
         """For the longest run of ``keys`` held by some tier, the tier to load each from."""
