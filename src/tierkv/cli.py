@@ -57,6 +57,20 @@ def _status(args: argparse.Namespace) -> int:
         f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
         f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks"
     )
+    for t in s.tiers:
+        cap = f" of {format_bytes(t.capacity)}" if t.capacity else ""
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(t.load_failures.items())) or "none"
+        print(
+            f"  tier {t.name:<5}{t.objects} chunks, {format_bytes(t.bytes_used)}{cap}; wrote "
+            f"{t.written_chunks} ({t.write_failures} failed), loaded {t.loaded_chunks} "
+            f"(failures: {fails})"
+        )
+    if s.tiers:
+        print(
+            f"  tiering   write-behind queue {s.write_behind_queued} ({s.write_behind_dropped} "
+            f"dropped); prefetches {s.prefetch_started} ({s.prefetch_inflight} running, "
+            f"{s.prefetch_rejected} rejected, {s.prefetch_timed_out} timed out)"
+        )
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(s.requests.items())) or "none"
     print(f"  requests  {reqs}")
     if s.errors:

@@ -254,6 +254,22 @@ class RetrieveSlots(Struct, tag="retrieve_slots"):
     missing: list[int]
 
 
+class TierStats(msgspec.Struct, forbid_unknown_fields=True):
+    """One tier's figures: contents, chunks written by write-behind, chunks loaded by
+    prefetch (the tier's hits) and load failures by reason (missing, corrupt, error)."""
+
+    name: str
+    objects: int
+    bytes_used: int
+    capacity: int
+    written_chunks: int
+    written_bytes: int
+    write_failures: int
+    loaded_chunks: int
+    loaded_bytes: int
+    load_failures: dict[str, int]
+
+
 class Stats(Struct, tag="stats_result"):
     rid: int
     server_version: str
@@ -276,6 +292,13 @@ class Stats(Struct, tag="stats_result"):
     evicted_bytes: int
     requests: dict[str, int]
     errors: dict[str, int]
+    tiers: list[TierStats] = []
+    write_behind_queued: int = 0
+    write_behind_dropped: int = 0
+    prefetch_started: int = 0
+    prefetch_rejected: int = 0
+    prefetch_timed_out: int = 0
+    prefetch_inflight: int = 0
 
 
 Reply = (

@@ -511,6 +511,8 @@ class CacheService:
         ):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         s = self.index.stats()
+        wb = self.tiering.write_behind.stats
+        pf = self.tiering.prefetcher.stats
         return p.Stats(
             rid=req.rid,
             server_version=__version__,
@@ -533,6 +535,13 @@ class CacheService:
             evicted_bytes=s.evicted_bytes,
             requests=dict(self.requests),
             errors=dict(self.errors),
+            tiers=self.tiering.tier_stats(),
+            write_behind_queued=wb.queued_chunks,
+            write_behind_dropped=wb.dropped_chunks,
+            prefetch_started=pf.started,
+            prefetch_rejected=pf.rejected,
+            prefetch_timed_out=pf.timed_out,
+            prefetch_inflight=pf.inflight,
         )
 
 

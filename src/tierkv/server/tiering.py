@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tierkv import protocol as p
 from tierkv.config import ServerConfig
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
-from tierkv.tiers.base import Tier, create_tier
+from tierkv.tiers.base import Tier, TierUsage, create_tier
 from tierkv.tiers.prefetch import Prefetcher, PrefetchJob
 from tierkv.tiers.write_behind import WriteBehind
 
@@ -73,6 +74,33 @@ class Tiering:
         if not self.tiers:
             return None
         return self.prefetcher.start(holder, keys, lengths, first, lease_id, on_done)
+
+    def tier_stats(self) -> list[p.TierStats]:
+        """Per-tier figures (``usage()`` may ask the medium: not for hot paths)."""
+        wb = self.write_behind.stats
+        pf = self.prefetcher.stats
+        out: list[p.TierStats] = []
+        for tier in self.tiers:
+            try:
+                usage = tier.usage()
+            except Exception:
+                log.exception("tier %s usage failed", tier.name)
+                usage = TierUsage(0, 0, 0)
+            out.append(
+                p.TierStats(
+                    name=tier.name,
+                    objects=usage.objects,
+                    bytes_used=usage.bytes_used,
+                    capacity=usage.capacity,
+                    written_chunks=wb.written_chunks.get(tier.name, 0),
+                    written_bytes=wb.written_bytes.get(tier.name, 0),
+                    write_failures=wb.failed_chunks.get(tier.name, 0),
+                    loaded_chunks=pf.loaded_chunks.get(tier.name, 0),
+                    loaded_bytes=pf.loaded_bytes.get(tier.name, 0),
+                    load_failures=dict(pf.failed.get(tier.name, {})),
+                )
+            )
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Let queued writes finish (bounded), stop the threads, close the tiers."""
