@@ -175,7 +175,10 @@ class Client:
             sock = self._sock
             if sock is None:
                 raise TierKVError("client is closed")
-            sock.send(self._encode(req))
+            # copy=False: pyzmq still copies messages under zmq.COPY_THRESHOLD (64 KiB); larger
+            # ones (the token ids of long prompts) go out from the immutable encoded bytes
+            # instead of a fresh copy, which at these sizes page-faults on every call.
+            sock.send(self._encode(req), copy=False)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000) + 1):
@@ -215,8 +218,37 @@ class Client:
         rank: int = 0,
         tenant_salt: str = "",
         name: str = "",
+        engine_id: str = "",
     ) -> Registration:
-        """Declare the namespace and chunk layout; attaches the pool (once)."""
+        """Declare the namespace and chunk layout; attaches the pool (once).
+
+        Workers of one engine instance (one client per tensor-parallel rank) pass the same
+        ``engine_id`` so that the instance's scheduler (:meth:`register_scheduler`) can look
+        up for all of them at once."""
+        return self._register(
+            model, chunk_shape, dtype, token_axis, world_size, rank, tenant_salt, name,
+            engine_id, p.ROLE_WORKER,
+        )  # fmt: skip
+
+    def register_scheduler(self, model: str, engine_id: str, name: str = "") -> Registration:
+        """Register as the scheduler of engine ``engine_id``: lookups only. A LOOKUP then
+        covers every rank registered with that engine id (the smallest hit count) and locks
+        each rank's chunks for that rank's retrieve by request id."""
+        return self._register(model, [1], "uint8", 0, 1, 0, "", name, engine_id, p.ROLE_SCHEDULER)
+
+    def _register(
+        self,
+        model: str,
+        chunk_shape: Sequence[int],
+        dtype: str,
+        token_axis: int,
+        world_size: int,
+        rank: int,
+        tenant_salt: str,
+        name: str,
+        engine_id: str,
+        role: str,
+    ) -> Registration:
         layout = p.Layout([int(d) for d in chunk_shape], str(dtype), token_axis)
         reply: p.Registered = self._call(
             p.Register(
@@ -230,6 +262,8 @@ class Client:
                 name,
                 os.getpid(),
                 self.auth_token,
+                engine_id,
+                role,
             )
         )
         if self.pool is None or self.pool.name != reply.pool_name or self.pool.closed:
@@ -297,14 +331,27 @@ class Client:
 
     # -- lookup ----------------------------------------------------------------------------
     def _selector(
-        self, tokens: Tokens | None, hashes: Sequence[bytes] | None, partial_last: bool = False
+        self,
+        tokens: Tokens | None,
+        hashes: Sequence[bytes] | None,
+        partial_last: bool = False,
+        salt: str = "",
     ) -> p.ChunkSelector:
         if (tokens is None) == (hashes is None):
             raise ValueError("give exactly one of tokens or hashes")
         if tokens is not None:
             packed = tokens if isinstance(tokens, bytes) else keys.pack_tokens(tokens)
-            return p.ChunkSelector(tokens=packed, partial_last=partial_last)
-        return p.ChunkSelector(hashes=list(hashes or ()), partial_last=partial_last)
+            return p.ChunkSelector(tokens=packed, partial_last=partial_last, salt=salt)
+        return p.ChunkSelector(hashes=list(hashes or ()), partial_last=partial_last, salt=salt)
+
+    def _num_chunks(self, sel: p.ChunkSelector) -> int:
+        reg = self.registration
+        if reg is None:
+            raise TierKVError("call register() first")
+        if sel.hashes is not None:
+            return len(sel.hashes)
+        n_tokens = len(sel.tokens or b"") // 4
+        return keys.num_chunks(n_tokens, reg.chunk_size, sel.partial_last)
 
     def lookup(
         self,
@@ -313,6 +360,7 @@ class Client:
         hashes: Sequence[bytes] | None = None,
         request_id: str = "",
         wait: bool = False,
+        salt: str = "",
     ) -> p.LookupResult:
         """How many leading chunks are cached (``hits`` of ``total``).
 
@@ -320,7 +368,7 @@ class Client:
         id (or :meth:`free_lookup_locks`), and chunks in slower tiers are prefetched into the
         pool: with ``wait`` this returns the final count once the prefetch is done, otherwise
         what the pool holds now (poll :meth:`query_prefetch` for the rest)."""
-        sel = self._selector(tokens, hashes)
+        sel = self._selector(tokens, hashes, salt=salt)
         reply: p.LookupResult = self._call(p.Lookup(self._rid(), self._token(), sel, request_id))
         if wait and reply.prefetching:
             hits = self.wait_prefetch(request_id)
@@ -363,6 +411,7 @@ class Client:
         gather: Gather | None = None,
         first_chunk: int = 0,
         partial_last: bool = False,
+        salt: str = "",
     ) -> StoreResult:
         """Store chunks ``first_chunk..`` of a token sequence (or of precomputed hashes).
 
@@ -372,7 +421,14 @@ class Client:
         """
         if (chunks is None) == (gather is None):
             raise ValueError("give exactly one of chunks or gather")
-        sel = self._selector(tokens, hashes, partial_last)
+        sel = self._selector(tokens, hashes, partial_last, salt)
+        if chunks is not None:
+            expected = self._num_chunks(sel) - first_chunk
+            if len(chunks) != expected:
+                raise ValueError(
+                    f"{len(chunks)} chunk arrays given for {expected} chunks "
+                    f"(from chunk {first_chunk} on)"
+                )
         slots: p.StoreSlots = self._call(
             p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
         )
@@ -409,6 +465,7 @@ class Client:
         scatter: Scatter | None = None,
         first_chunk: int = 0,
         partial_last: bool = False,
+        salt: str = "",
     ) -> RetrieveResult:
         """Copy cached chunks out, once, then release their locks.
 
@@ -425,7 +482,7 @@ class Client:
                 raise ValueError("give request_id or tokens/hashes, not both")
             req = p.PrepareRetrieve(self._rid(), self._token(), request_id=request_id)
         else:
-            sel = self._selector(tokens, hashes, partial_last)
+            sel = self._selector(tokens, hashes, partial_last, salt)
             req = p.PrepareRetrieve(self._rid(), self._token(), chunks=sel, first_chunk=first_chunk)
         slots: p.RetrieveSlots = self._call(req)
         result = RetrieveResult(missing=slots.missing)

@@ -48,9 +48,14 @@ class ChunkSelector(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokens: bytes | None = None
     hashes: list[bytes] | None = None
     partial_last: bool = False
+    salt: str = ""  # per-request cache salt: part of the namespace, so keys never cross salts
 
 
 # -- requests ----------------------------------------------------------------------------
+ROLE_WORKER = "worker"
+ROLE_SCHEDULER = "scheduler"
+
+
 class Register(Struct, tag="register"):
     rid: int
     protocol: int
@@ -62,6 +67,11 @@ class Register(Struct, tag="register"):
     name: str = ""
     pid: int = 0
     auth_token: str = ""
+    # Clients of one engine instance share ``engine_id``: its workers (one per rank) register
+    # as "worker"; its scheduler registers as "scheduler" (no layout, lookups only) and its
+    # LOOKUP covers every rank, locking each rank's chunks for that rank's retrieve.
+    engine_id: str = ""
+    role: str = "worker"
 
 
 class Unregister(Struct, tag="unregister"):

@@ -4,6 +4,11 @@ It owns the pool, the object index and the eviction controller, the registry of 
 (one per REGISTER: a random token, a namespace, a chunk layout) and their lookup sessions
 (request id -> the read lease a LOOKUP took, for the PREPARE_RETRIEVE that follows).
 
+Engine groups: the workers of one engine instance (one client per tensor-parallel rank) and
+its scheduler share an ``engine_id``. A scheduler's LOOKUP runs the lookup for every rank,
+in that rank's namespace and under that rank's token, and reports the smallest hit count;
+each rank then retrieves its own chunks by request id, as if it had looked them up itself.
+
 Every handler takes a decoded request and returns a reply struct, or raises
 :class:`RequestError` for an error reply. Handlers never copy KV bytes: they hand out slot
 offsets, and the engine copies.
@@ -22,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from tierkv import __version__, keys
@@ -53,11 +59,21 @@ class Session:
     engine was told, and the prefetch from the tiers, if one runs."""
 
     lease: int
-    hits: int
+    available: int  # leading chunks locked under ``lease`` (grows when a prefetch lands)
+    hits: int  # what the engine was told: a retrieve offers at most this many
     total: int
     touched: float
     prefetch: PrefetchJob | None = None
     handed_out: bool = False  # PREPARE_RETRIEVE took the lease
+
+
+@dataclass(slots=True)
+class GroupSession:
+    """A scheduler's LOOKUP: one session per rank, each held by that rank's client."""
+
+    members: list[tuple[Client, Session]]
+    total: int
+    touched: float
 
 
 @dataclass(slots=True)
@@ -71,7 +87,11 @@ class Client:
     pid: int
     registered_at: float
     last_seen: float
+    engine_id: str = ""
+    role: str = p.ROLE_WORKER
     sessions: dict[str, Session] = field(default_factory=dict)
+    group_sessions: dict[str, GroupSession] = field(default_factory=dict)
+    salted: dict[str, bytes] = field(default_factory=dict)  # cache salt -> namespace digest
 
 
 Handler = Callable[[Any], Any]
@@ -99,6 +119,7 @@ class CacheService:
         )
         self.tiering = Tiering(cfg, self.index, pool, tiers)
         self._clients: dict[int, Client] = {}
+        self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token
         self._lock = threading.Lock()
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -160,7 +181,16 @@ class CacheService:
             )
         if self.cfg.auth_token and not secrets.compare_digest(req.auth_token, self.cfg.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "wrong or missing auth token")
-        chunk_bytes = self._check_layout(req.layout)
+        if req.role not in (p.ROLE_WORKER, p.ROLE_SCHEDULER):
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"role must be 'worker' or 'scheduler', not {req.role!r}"
+            )
+        scheduler = req.role == p.ROLE_SCHEDULER
+        if scheduler and not req.engine_id:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "a scheduler client needs an engine_id")
+        if len(req.engine_id) > 256:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "engine_id is longer than 256")
+        chunk_bytes = 0 if scheduler else self._check_layout(req.layout)
         if req.world_size < 1 or not 0 <= req.rank < req.world_size:
             raise RequestError(
                 p.ErrorCode.BAD_REQUEST, f"rank {req.rank} outside world size {req.world_size}"
@@ -178,10 +208,22 @@ class CacheService:
         now = self.clock()
         token = secrets.randbits(62) + 1
         client = Client(
-            token, ns, ns.digest(), req.layout, chunk_bytes, req.name, req.pid, now, now
+            token,
+            ns,
+            ns.digest(),
+            req.layout,
+            chunk_bytes,
+            req.name,
+            req.pid,
+            now,
+            now,
+            engine_id=req.engine_id,
+            role=req.role,
         )
         with self._lock:
             self._clients[token] = client
+            if req.engine_id and not scheduler:
+                self._groups.setdefault(req.engine_id, {})[token] = client
         log.info(
             "registered client %s (pid %d) model=%s rank=%d/%d layout=%s",
             req.name or "-",
@@ -233,8 +275,15 @@ class CacheService:
 
     def unregister(self, req: p.Unregister) -> p.Ok:
         client = self._client(req.client)
+        for request_id in list(client.group_sessions):
+            self._drop_session(client, request_id)
         with self._lock:
             self._clients.pop(client.token, None)
+            group = self._groups.get(client.engine_id)
+            if group is not None:
+                group.pop(client.token, None)
+                if not group:
+                    del self._groups[client.engine_id]
         freed, released = self.index.release_holder(client.token)
         log.info(
             "unregistered client %s (released %d write, %d read locks)",
@@ -256,6 +305,33 @@ class CacheService:
         return client
 
     # -- chunk keys ------------------------------------------------------------------------
+    def _digest(self, client: Client, salt: str) -> bytes:
+        """The namespace digest of ``client`` under a per-request cache salt."""
+        if not salt:
+            return client.digest
+        digest = client.salted.get(salt)
+        if digest is None:
+            if len(salt) > 1024:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "cache salt longer than 1024")
+            tenant = client.namespace.tenant_salt
+            ns = msgspec.structs.replace(
+                client.namespace, tenant_salt=f"{len(tenant)}:{tenant}{salt}"
+            )
+            digest = ns.digest()
+            if len(client.salted) >= 4096:
+                client.salted.clear()
+            client.salted[salt] = digest
+        return digest
+
+    def _worker(self, token: int) -> Client:
+        """The client, which must be one that moves KV (not a scheduler)."""
+        client = self._client(token)
+        if client.role != p.ROLE_WORKER:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, "a scheduler client looks up; its workers move KV"
+            )
+        return client
+
     def _keys(
         self, client: Client, sel: p.ChunkSelector, first_chunk: int = 0
     ) -> tuple[list[bytes], list[int]]:
@@ -277,7 +353,9 @@ class CacheService:
                     f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
                     f"{limit} (max_chunks_per_request)",
                 )
-            ks = keys.chunk_keys(client.digest, sel.tokens, chunk_size, sel.partial_last)
+            ks = keys.chunk_keys(
+                self._digest(client, sel.salt), sel.tokens, chunk_size, sel.partial_last
+            )
             lengths = [client.chunk_bytes] * len(ks)
             rest = n_tokens % chunk_size
             if sel.partial_last and rest:
@@ -292,7 +370,7 @@ class CacheService:
             if sel.partial_last:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "partial_last needs tokens, not hashes")
             try:
-                ks = keys.keys_from_hashes(client.digest, sel.hashes)
+                ks = keys.keys_from_hashes(self._digest(client, sel.salt), sel.hashes)
             except ValueError as exc:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
             lengths = [client.chunk_bytes] * len(ks)
@@ -304,7 +382,7 @@ class CacheService:
 
     # -- store -----------------------------------------------------------------------------
     def prepare_store(self, req: p.PrepareStore) -> p.StoreSlots:
-        client = self._client(req.client)
+        client = self._worker(req.client)
         ks, lengths = self._keys(client, req.chunks, req.first_chunk)
         res = self.index.reserve_write(ks, lengths, client.token)
         if res.no_space or res.slots:
@@ -342,6 +420,8 @@ class CacheService:
     # -- lookup and retrieve ---------------------------------------------------------------
     def lookup(self, req: p.Lookup) -> p.LookupResult:
         client = self._client(req.client)
+        if client.role == p.ROLE_SCHEDULER:
+            return self._group_lookup(client, req)
         ks, lengths = self._keys(client, req.chunks)
         if not req.request_id:
             hits = 0
@@ -351,11 +431,20 @@ class CacheService:
                 hits += 1
             return p.LookupResult(req.rid, hits, len(ks))
         self._drop_session(client, req.request_id)
+        session = self._open_session(client, req.request_id, ks, lengths)
+        return p.LookupResult(
+            req.rid, session.hits, len(ks), prefetching=session.prefetch is not None
+        )
+
+    def _open_session(
+        self, client: Client, request_id: str, ks: list[bytes], lengths: list[int]
+    ) -> Session:
+        """Lock the pool's hit prefix for ``client``, start the prefetch of the rest."""
         lock = self.index.lock_read(ks, client.token, prefix=True)
         hits = len(lock.slots)
-        session = Session(lock.lease_id, hits, len(ks), self.clock())
+        session = Session(lock.lease_id, hits, hits, len(ks), self.clock())
         with self._lock:
-            client.sessions[req.request_id] = session
+            client.sessions[request_id] = session
         if hits < len(ks) and self.tiering.enabled:
             session.prefetch = self.tiering.prefetch(
                 client.token,
@@ -363,9 +452,45 @@ class CacheService:
                 lengths,
                 hits,
                 lock.lease_id,
-                lambda job: self._prefetch_done(client, req.request_id, session, job),
+                lambda job: self._prefetch_done(client, request_id, session, job),
             )
-        return p.LookupResult(req.rid, hits, len(ks), prefetching=session.prefetch is not None)
+        return session
+
+    def _group_lookup(self, scheduler: Client, req: p.Lookup) -> p.LookupResult:
+        """A scheduler's lookup: every rank of its engine, the smallest hit count."""
+        workers = sorted(
+            self._groups.get(scheduler.engine_id, {}).values(), key=lambda c: c.namespace.rank
+        )
+        if not workers or len(workers) != workers[0].namespace.world_size:
+            # Not every rank has registered (yet): nothing can be served consistently.
+            total = len(self._keys(workers[0], req.chunks)[0]) if workers else 0
+            return p.LookupResult(req.rid, 0, total)
+        if not req.request_id:
+            hits = min(self._prefix_hits(w, req.chunks) for w in workers)
+            return p.LookupResult(req.rid, hits, len(self._keys(workers[0], req.chunks)[0]))
+        self._drop_session(scheduler, req.request_id)
+        members: list[tuple[Client, Session]] = []
+        for worker in workers:
+            ks, lengths = self._keys(worker, req.chunks)
+            self._drop_session(worker, req.request_id)
+            members.append((worker, self._open_session(worker, req.request_id, ks, lengths)))
+        group = GroupSession(members, members[0][1].total, self.clock())
+        hits = min(session.available for _, session in members)
+        for _, session in members:
+            session.hits = hits
+        with self._lock:
+            scheduler.group_sessions[req.request_id] = group
+        prefetching = any(session.prefetch is not None for _, session in members)
+        return p.LookupResult(req.rid, hits, group.total, prefetching=prefetching)
+
+    def _prefix_hits(self, client: Client, sel: p.ChunkSelector) -> int:
+        ks, _ = self._keys(client, sel)
+        hits = 0
+        for present in self.index.contains(ks):
+            if not present:
+                break
+            hits += 1
+        return hits
 
     def _prefetch_done(
         self, client: Client, request_id: str, session: Session, job: PrefetchJob
@@ -388,25 +513,44 @@ class CacheService:
             with contextlib.suppress(LeaseNotFound):
                 self.index.release_read(new_lease, client.token)
 
-    def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
-        client = self._client(req.client)
-        session = client.sessions.get(req.request_id)
-        if session is None:
-            raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
-        session.touched = self.clock()
+    def _settle(self, session: Session) -> bool:
+        """Whether the session's prefetch is over; folds its result into ``available``."""
         job = session.prefetch
         if job is None:
-            return p.PrefetchStatus(req.rid, True, session.hits)
+            return True
         if not self.tiering.prefetcher.poll(job):
-            return p.PrefetchStatus(req.rid, False, session.hits)
+            return False
         with self._lock:
             if job.done.is_set() and not job.cancelled and not session.handed_out:
-                session.hits = max(session.hits, job.hits)
+                session.available = max(session.available, job.hits)
             session.prefetch = None
-        return p.PrefetchStatus(req.rid, True, session.hits)
+        return True
+
+    def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
+        client = self._client(req.client)
+        now = self.clock()
+        group = client.group_sessions.get(req.request_id)
+        if group is not None:
+            group.touched = now
+            members = [session for _, session in group.members]
+        else:
+            single = client.sessions.get(req.request_id)
+            if single is None:
+                raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
+            members = [single]
+        for session in members:
+            session.touched = now
+        done = all([self._settle(session) for session in members])  # settle every member
+        if not done:
+            return p.PrefetchStatus(req.rid, False, min(m.hits for m in members))
+        hits = min(m.available for m in members)
+        for session in members:
+            if not session.handed_out:
+                session.hits = hits
+        return p.PrefetchStatus(req.rid, True, hits)
 
     def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
-        client = self._client(req.client)
+        client = self._worker(req.client)
         if req.chunks is not None:
             if req.request_id:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks, not both")
@@ -428,16 +572,16 @@ class CacheService:
                     p.ErrorCode.NOT_FOUND,
                     f"no lookup session {req.request_id!r} (never looked up, ended or expired)",
                 )
-            lease, session.lease = session.lease, 0
-            session.handed_out = True
-            session.touched = self.clock()
-        if lease == 0:
-            if session.hits:
+            if session.handed_out:
                 raise RequestError(
                     p.ErrorCode.NOT_FOUND,
                     f"the locks of lookup {req.request_id!r} were already taken by a retrieve; "
                     "look up again",
                 )
+            lease, session.lease = session.lease, 0
+            session.handed_out = True
+            session.touched = self.clock()
+        if lease == 0:
             return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         try:
             slots = self.index.lease_slots(lease, client.token)
@@ -472,14 +616,23 @@ class CacheService:
         return p.Ok(req.rid, self._drop_session(client, req.request_id))
 
     def _drop_session(self, client: Client, request_id: str) -> int:
+        """End a lookup session (a scheduler's: every rank's); returns locks released."""
         with self._lock:
             session = client.sessions.pop(request_id, None)
-        if session is None or session.lease == 0:
-            return 0
-        try:
-            return self.index.release_read(session.lease, client.token)
-        except LeaseNotFound:
-            return 0  # expired meanwhile
+            group = client.group_sessions.pop(request_id, None)
+            members = [(client, session)] if session is not None else []
+            if group is not None:
+                # A rank's session may already have been replaced or dropped by the rank.
+                for worker, member in group.members:
+                    if worker.sessions.get(request_id) is member:
+                        del worker.sessions[request_id]
+                        members.append((worker, member))
+        released = 0
+        for owner, member in members:
+            if member.lease:
+                with contextlib.suppress(LeaseNotFound):
+                    released += self.index.release_read(member.lease, owner.token)
+        return released
 
     def expire_sessions(self) -> int:
         """Forget lookup sessions idle for longer than ``session_ttl``."""
@@ -487,6 +640,7 @@ class CacheService:
         dropped = 0
         for client in list(self._clients.values()):
             stale = [rid for rid, s in list(client.sessions.items()) if s.touched < cutoff]
+            stale += [rid for rid, g in list(client.group_sessions.items()) if g.touched < cutoff]
             for rid in stale:
                 self._drop_session(client, rid)
                 dropped += 1
