@@ -15,8 +15,11 @@ header carrying a magic, the format version, the payload length, the full 32-byt
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 import struct
+import types
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -139,15 +142,68 @@ def tier_names() -> list[str]:
 
 
 def create_tier(name: str, options: dict[str, Any] | None = None) -> Tier:
-    """Build the tier ``name`` with its options (keyword arguments of its factory)."""
+    """Build the tier ``name`` with its options (keyword arguments of its factory).
+
+    Options from the command line or the environment (``--tier disk:path=...,fsync=false``)
+    arrive as strings; each string is converted to the type the factory's signature
+    declares for it (bool, int, float, None), so ``fsync=false`` means False, not a
+    non-empty (true) string. Values that already have a type (YAML) are passed as they are.
+    """
     _load_builtins()
     factory = _REGISTRY.get(name)
     if factory is None:
         raise TierError(f"unknown tier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    opts = _coerce_options(name, factory, options or {})
     try:
-        return factory(**(options or {}))
+        return factory(**opts)
     except TypeError as exc:
         raise TierError(f"bad options for tier {name!r}: {exc}") from exc
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _coerce_options(name: str, factory: TierFactory, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with string values converted to the factory's declared parameter types."""
+    try:
+        params = inspect.signature(factory, eval_str=True).parameters
+    except Exception:  # no signature or unresolvable annotations: pass options unchanged
+        return dict(options)
+    hints = {n: p.annotation for n, p in params.items() if p.annotation is not p.empty}
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        hint = hints.get(key)
+        if isinstance(value, str) and hint is not None:
+            value = _coerce(name, key, value, hint)
+        out[key] = value
+    return out
+
+
+def _coerce(tier: str, key: str, value: str, hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        kinds = set(typing.get_args(hint))
+    else:
+        kinds = {hint}
+    if str in kinds or Any in kinds:
+        return value
+    text = value.strip().lower()
+    if type(None) in kinds and text in ("none", "null", ""):
+        return None
+    try:
+        if bool in kinds:
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError("expected true/false, yes/no, on/off or 1/0")
+        if int in kinds:
+            return int(text)
+        if float in kinds:
+            return float(text)
+    except ValueError as exc:
+        raise TierError(f"tier {tier!r}: option {key}={value!r}: {exc}") from None
+    return value
 
 
 def _load_builtins() -> None:

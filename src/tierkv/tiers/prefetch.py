@@ -42,15 +42,27 @@ class PrefetchStats:
 
 
 class PrefetchJob:
-    """One lookup's prefetch. ``hits`` is final once ``done`` is set."""
+    """One lookup's prefetch. ``hits`` is final once ``done`` is set.
+
+    ``into_lease`` is the lookup's own read lease (0 if it locked nothing): loaded chunks
+    are locked into it. ``lease_id`` is a lease the job *created* because the lookup had
+    none; it is 0 when the locks went into ``into_lease`` or nothing was locked, so a
+    completion callback never mistakes the lookup's lease (which a retrieve may be using
+    by then) for one it has to hand over or give back.
+    """
 
     def __init__(
-        self, first: int, deadline: float, on_done: Callable[[PrefetchJob], None] | None
+        self,
+        first: int,
+        deadline: float,
+        on_done: Callable[[PrefetchJob], None] | None,
+        into_lease: int = 0,
     ) -> None:
         self.first = first
         self.on_done = on_done
         self.deadline = deadline
         self.loaded = 0
+        self.into_lease = into_lease
         self.lease_id = 0
         self.done = threading.Event()
         self.cancelled = False
@@ -105,8 +117,7 @@ class Prefetcher:
                 return None
             self.stats.inflight += 1
             self.stats.started += 1
-        job = PrefetchJob(first, self.clock() + self.timeout, on_done)
-        job.lease_id = lease_id
+        job = PrefetchJob(first, self.clock() + self.timeout, on_done, lease_id)
         self.executor.submit(self._run, job, holder, list(keys), list(lengths))
         return job
 
@@ -135,8 +146,8 @@ class Prefetcher:
             loaded = self._load(keys, lengths, job.first, run)
             if loaded and not job.cancelled:
                 want = keys[job.first : job.first + loaded]
-                lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.lease_id)
-                job.lease_id = lock.lease_id or job.lease_id
+                lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.into_lease)
+                job.lease_id = 0 if job.into_lease else lock.lease_id
                 job.loaded = len(lock.slots)
         except LeaseNotFound:
             log.debug("lookup lease ended before its prefetch finished")
@@ -222,6 +233,9 @@ class Prefetcher:
             statuses = tier.load(items) if items else []
         except Exception:
             log.exception("tier %s failed a load batch", tier.name)
+            statuses = [LoadStatus.ERROR] * len(items)
+        if len(statuses) != len(items):  # a broken tier: never leave the slots reserved
+            log.error("tier %s answered %d of %d loads", tier.name, len(statuses), len(items))
             statuses = [LoadStatus.ERROR] * len(items)
         del items
         # The intact prefix: present-in-pool chunks count, the first failure ends it.

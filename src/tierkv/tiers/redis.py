@@ -410,11 +410,11 @@ class RedisTier(Tier):
         )
 
 
-def _valkey(**options: Any) -> RedisTier:
-    tier = RedisTier(**options)
-    tier.name = "valkey"
-    return tier
+class ValkeyTier(RedisTier):
+    """The same tier under the name ``valkey`` (Valkey speaks the Redis protocol)."""
+
+    name = "valkey"
 
 
 register_tier("redis", RedisTier)
-register_tier("valkey", _valkey)
+register_tier("valkey", ValkeyTier)

@@ -97,6 +97,11 @@ class WriteBehind:
                 except Exception:
                     log.exception("tier %s failed a write-behind batch", tier.name)
                     results = [False] * len(views)
+                if len(results) != len(views):  # a broken tier: count the batch as failed
+                    log.error(
+                        "tier %s answered %d of %d writes", tier.name, len(results), len(views)
+                    )
+                    results = [False] * len(views)
                 ok = sum(results)
                 written = sum(len(v) for (_, v), r in zip(views, results, strict=True) if r)
                 with self._lock:

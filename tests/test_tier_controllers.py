@@ -1,0 +1,627 @@
+"""In-process tests of the tier controllers: write-behind (:mod:`tierkv.tiers.write_behind`)
+and prefetch (:mod:`tierkv.tiers.prefetch`).
+
+They run on a real shared-memory pool, a real :class:`ObjectIndex` and a real
+:class:`DiskTier` in a temporary directory, next to :class:`MemTier`, a small tier defined
+here for what a real medium cannot be made to do on demand: raise, report a chunk corrupt or
+missing in the middle of a run, answer with the wrong number of results, or block until the
+test lets it go (to observe the controllers mid-flight and to run into the prefetch timeout).
+
+Every test ends with ``index.check()`` (the index's own accounting invariants). Nothing here
+asserts on time: a blocked tier is released by an event, and asynchronous effects are awaited
+with ``wait_idle`` / ``job.done``, each bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv.allocator import Allocator
+from tierkv.index import ObjectIndex
+from tierkv.pool import SHM_DIR, ShmPool
+from tierkv.tiers.base import LoadStatus, Tier, TierUsage
+from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.prefetch import PREFETCH_HOLDER, Prefetcher, PrefetchJob
+from tierkv.tiers.write_behind import WRITE_BEHIND_HOLDER, WriteBehind
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
+
+CHUNK = 64 * 1024  # bytes per chunk (a multiple of the 4 KiB alignment)
+POOL_CHUNKS = 16
+ENGINE = 7  # holder id of the "engine" that stores and looks up in these tests
+OTHER_ENGINE = 8
+WAIT = 15.0  # bound of every wait for an asynchronous effect
+NAMESPACE = hashlib.blake2b(b"tier-controllers", digest_size=16).digest()
+
+
+def key(i: int | str) -> bytes:
+    return NAMESPACE + hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def payload(k: bytes, n: int = CHUNK) -> np.ndarray:
+    """The deterministic bytes of chunk ``k``."""
+    return np.random.default_rng(int.from_bytes(k[16:24], "little")).integers(
+        0, 256, n, dtype=np.uint8
+    )
+
+
+# -- a tier for failure injection ----------------------------------------------------------
+class MemTier(Tier):
+    """Chunks in a dict, with knobs for failures and for blocking."""
+
+    def __init__(self, name: str = "mem") -> None:
+        self.name = name
+        self.data: dict[bytes, bytes] = {}
+        self.phantom: set[bytes] = set()  # contains() says yes, load() says MISSING
+        self.load_status: dict[bytes, LoadStatus] = {}  # forced per-key load results
+        self.store_ok: Callable[[bytes], bool] = lambda k: True
+        self.raise_on_store = False
+        self.raise_on_load = False
+        self.short_answers = False  # answer one result fewer than asked (a broken tier)
+        self.gate: threading.Event | None = None  # load/store block until it is set
+        self.entered = threading.Event()  # set when a load or store starts
+        self.loads: Counter[bytes] = Counter()
+        self.stores: Counter[bytes] = Counter()
+        self._lock = threading.Lock()
+
+    def hold(self) -> threading.Event:
+        """Make the next loads and stores block until the returned event is set."""
+        self.gate = threading.Event()
+        self.entered.clear()
+        return self.gate
+
+    def _enter(self) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT), "the test never released the tier"
+
+    def put(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self.data[k] = payload(k).tobytes()
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self.data or k in self.phantom for k in keys]
+
+    def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        self._enter()
+        if self.raise_on_store:
+            raise OSError("injected store failure")
+        out = []
+        for k, view in items:
+            ok = self.store_ok(k)
+            if ok:
+                with self._lock:
+                    self.data[k] = bytes(view)
+                    self.stores[k] += 1
+            out.append(ok)
+        return out[:-1] if self.short_answers else out
+
+    def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        self._enter()
+        if self.raise_on_load:
+            raise ConnectionError("injected load failure")
+        out = []
+        for k, view in items:
+            with self._lock:
+                self.loads[k] += 1
+            status = self.load_status.get(k)
+            if status is None:
+                status = LoadStatus.OK if k in self.data else LoadStatus.MISSING
+            if status is LoadStatus.OK:
+                view[:] = self.data[k]
+            elif status is LoadStatus.CORRUPT:
+                view[:] = b"\xee" * len(view)  # garbage in the slot must never be served
+            out.append(status)
+        return out[:-1] if self.short_answers else out
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return sum(self.data.pop(k, None) is not None for k in keys)
+
+    def usage(self) -> TierUsage:
+        return TierUsage(len(self.data), sum(map(len, self.data.values())), 0)
+
+
+# -- fixtures ------------------------------------------------------------------------------
+@dataclass
+class Env:
+    pool: ShmPool
+    index: ObjectIndex
+    executor: ThreadPoolExecutor
+    disk: DiskTier
+
+    def commit(self, keys: Sequence[bytes], holder: int = ENGINE) -> list[bytes]:
+        """Store ``keys`` as an engine does: reserve, copy the payload in, commit."""
+        res = self.index.reserve_write(keys, CHUNK, holder)
+        for i, offset, length in res.slots:
+            np.frombuffer(self.pool.view(offset, length), np.uint8)[:] = payload(keys[i])
+        if not res.lease_id:
+            return []
+        return self.index.commit(res.lease_id, holder).committed_keys
+
+    def pool_holds(self, keys: Sequence[bytes]) -> bool:
+        """Whether every key is ready in the pool with exactly its payload."""
+        lock = self.index.lock_read(keys, ENGINE, prefix=False)
+        try:
+            return not lock.missing and all(
+                np.array_equal(np.frombuffer(self.pool.view(off, n), np.uint8), payload(keys[i]))
+                for i, off, n in lock.slots
+            )
+        finally:
+            if lock.lease_id:
+                self.index.release_read(lock.lease_id, ENGINE)
+
+    def lease_holds(self, lease_id: int, holder: int, keys: Sequence[bytes]) -> bool:
+        """Whether read lease ``lease_id`` locks exactly ``keys``, in order, intact."""
+        slots = self.index.lease_slots(lease_id, holder)
+        return [k for k, _, _ in slots] == list(keys) and all(
+            np.array_equal(np.frombuffer(self.pool.view(off, n), np.uint8), payload(k))
+            for k, off, n in slots
+        )
+
+    def stage(self, tier: Tier, keys: Sequence[bytes]) -> None:
+        """Put ``keys`` into ``tier`` (from plain buffers, not the pool)."""
+        assert all(tier.store([(k, memoryview(payload(k)))]) == [True] for k in keys)
+
+    def write_behind(self, tiers: Sequence[Tier], max_bytes: int = 1 << 30) -> WriteBehind:
+        return WriteBehind(self.index, self.pool, tiers, self.executor, max_bytes)
+
+    def prefetcher(
+        self,
+        tiers: Sequence[Tier],
+        max_inflight: int = 8,
+        timeout: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_committed: Callable[[list[bytes], str], None] | None = None,
+    ) -> Prefetcher:
+        return Prefetcher(
+            self.index, self.pool, tiers, self.executor, max_inflight, timeout, on_committed, clock
+        )
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    pool = ShmPool.create(
+        f"tierkv-test-ctl-{os.getpid()}-{time.monotonic_ns()}", POOL_CHUNKS * CHUNK
+    )
+    index = ObjectIndex(Allocator(pool.size, 4096))
+    executor = ThreadPoolExecutor(4, thread_name_prefix="test-tier")
+    disk = DiskTier(path=tmp_path / "disk")
+    try:
+        yield Env(pool, index, executor, disk)
+        executor.shutdown(wait=True)
+        index.check()
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+        disk.close()
+        pool.close()
+
+
+def wait_done(*jobs: PrefetchJob | None) -> None:
+    for job in jobs:
+        assert job is not None
+        assert job.done.wait(WAIT), "prefetch did not finish"
+
+
+def disk_holds(disk: DiskTier, keys: Sequence[bytes]) -> bool:
+    out = np.zeros(CHUNK, np.uint8)
+    for k in keys:
+        if disk.load([(k, memoryview(out))]) != [LoadStatus.OK]:
+            return False
+        if not np.array_equal(out, payload(k)):
+            return False
+    return True
+
+
+# -- write-behind --------------------------------------------------------------------------
+def test_write_behind_writes_committed_chunks_to_every_tier(env: Env) -> None:
+    mem = MemTier()
+    wb = env.write_behind([env.disk, mem])
+    keys = [key(i) for i in range(5)]
+    committed = env.commit(keys)
+    assert wb.submit(committed) == 5
+    assert wb.wait_idle(WAIT)
+    assert disk_holds(env.disk, keys)
+    assert all(mem.data[k] == payload(k).tobytes() for k in keys)
+    s = wb.stats
+    assert s.written_chunks == {"disk": 5, "mem": 5}
+    assert s.written_bytes == {"disk": 5 * CHUNK, "mem": 5 * CHUNK}
+    assert s.failed_chunks == {} and s.dropped_chunks == 0
+    assert s.queued_chunks == 0 and s.queued_bytes == 0
+    st = env.index.stats()
+    assert st.read_locked == 0 and st.read_leases == 0 and st.evictable == 5
+
+
+def test_write_behind_read_locks_the_slots_until_the_tiers_are_done(env: Env) -> None:
+    """While a write is in flight its slots are read-locked: eviction skips them, and a
+    clear() leaves them allocated (zombies) until the write ends, so a new store cannot
+    reuse a slot under the tier and the tier writes the committed bytes."""
+    mem = MemTier()
+    gate = mem.hold()
+    wb = env.write_behind([mem])
+    keys = [key(i) for i in range(3)]
+    assert wb.submit(env.commit(keys)) == 3
+    assert mem.entered.wait(WAIT)
+
+    st = env.index.stats()
+    assert st.read_locked == 3 and st.read_leases == 1 and st.evictable == 0
+    assert wb.stats.queued_chunks == 3 and wb.stats.queued_bytes == 3 * CHUNK
+    assert env.index.evict(env.pool.size) == []  # locked: nothing to evict
+
+    assert env.index.clear() == 3  # gone from lookups, slots still held by write-behind
+    assert env.index.stats().zombies == 3
+    others = [key(f"other-{i}") for i in range(POOL_CHUNKS)]
+    assert len(env.commit(others)) == POOL_CHUNKS - 3  # the held slots are not handed out
+
+    gate.set()
+    assert wb.wait_idle(WAIT)
+    assert all(mem.data[k] == payload(k).tobytes() for k in keys)
+    st = env.index.stats()
+    assert st.read_locked == 0 and st.read_leases == 0 and st.zombies == 0
+    assert st.used == (POOL_CHUNKS - 3) * CHUNK  # the zombies' slots came back
+
+
+def test_write_behind_queue_bound_drops_and_counts(env: Env) -> None:
+    mem = MemTier()
+    gate = mem.hold()
+    wb = env.write_behind([mem], max_bytes=2 * CHUNK)
+    keys = [key(i) for i in range(4)]
+    committed = env.commit(keys)
+    assert wb.submit(committed[:2]) == 2
+    assert wb.submit(committed[2:3]) == 0  # over the bound: dropped, not waited for
+    assert wb.stats.dropped_chunks == 1
+    assert env.index.stats().read_locked == 2  # the dropped chunk is not held
+
+    gate.set()
+    assert wb.wait_idle(WAIT)
+    assert set(mem.data) == set(keys[:2])
+    assert wb.submit(committed[3:]) == 1  # room again
+    assert wb.wait_idle(WAIT)
+    assert set(mem.data) == {*keys[:2], keys[3]}
+    assert wb.stats.dropped_chunks == 1 and wb.stats.written_chunks == {"mem": 3}
+    assert env.index.stats().read_locked == 0
+
+
+def test_write_behind_counts_tier_errors_and_never_raises(env: Env) -> None:
+    raising, partial, broken = MemTier("raising"), MemTier("partial"), MemTier("broken")
+    keys = [key(i) for i in range(6)]
+    raising.raise_on_store = True
+    partial.store_ok = lambda k: k in keys[::2]
+    broken.short_answers = True
+    wb = env.write_behind([raising, partial, broken, env.disk])
+    assert wb.submit(env.commit(keys)) == 6
+    assert wb.wait_idle(WAIT)
+    s = wb.stats
+    assert s.failed_chunks == {"raising": 6, "partial": 3, "broken": 6}
+    assert s.written_chunks == {"raising": 0, "partial": 3, "broken": 0, "disk": 6}
+    assert disk_holds(env.disk, keys)  # one failing tier does not stop the others
+    assert env.index.stats().read_locked == 0
+
+
+def test_write_behind_does_not_write_back_to_the_source_tier(env: Env) -> None:
+    mem = MemTier()
+    keys = [key(i) for i in range(3)]
+    committed = env.commit(keys)
+    only_disk = env.write_behind([env.disk])
+    assert only_disk.submit(committed, source_tier="disk") == 0
+    assert env.index.stats().read_leases == 0  # nothing locked for nothing to do
+    both = env.write_behind([env.disk, mem])
+    assert both.submit(committed, source_tier="disk") == 3
+    assert both.wait_idle(WAIT)
+    assert set(mem.data) == set(keys)
+    assert env.disk.usage().objects == 0 and "disk" not in both.stats.written_chunks
+
+
+def test_write_behind_skips_chunks_no_longer_in_the_pool(env: Env) -> None:
+    mem = MemTier()
+    wb = env.write_behind([mem])
+    keys = [key(i) for i in range(4)]
+    committed = env.commit(keys)
+    env.index.delete(committed[1:3])
+    assert wb.submit(committed) == 2
+    assert wb.wait_idle(WAIT)
+    assert set(mem.data) == {keys[0], keys[3]}
+
+
+# -- prefetch ------------------------------------------------------------------------------
+def test_prefetch_takes_the_longest_run_across_tiers_in_order(env: Env) -> None:
+    """Chunks 0 and 1 are on disk (0 also in tier b), 2 only in b, 3 nowhere, 4 in b:
+    chunks 0-2 are loaded, 0 and 1 from the first tier that has them, 2 from b."""
+    b = MemTier("b")
+    keys = [key(i) for i in range(5)]
+    env.stage(env.disk, keys[:2])
+    b.put([keys[0], keys[2], keys[4]])
+    committed: list[tuple[list[bytes], str]] = []
+    pf = env.prefetcher([env.disk, b], on_committed=lambda ks, src: committed.append((ks, src)))
+    job = pf.start(ENGINE, keys, [CHUNK] * 5, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 3 and job.loaded == 3
+    assert job.lease_id and env.lease_holds(job.lease_id, ENGINE, keys[:3])
+    assert b.loads == Counter({keys[2]: 1})  # chunk 0 came from the disk tier
+    assert env.index.contains(keys) == [True, True, True, False, False]
+    assert pf.stats.loaded_chunks == {"disk": 2, "b": 1}
+    assert pf.stats.loaded_bytes == {"disk": 2 * CHUNK, "b": CHUNK}
+    assert pf.stats.failed == {} and pf.stats.inflight == 0 and pf.stats.started == 1
+    assert committed == [(keys[:2], "disk"), ([keys[2]], "b")]  # for write-behind, by source
+    assert env.index.release_read(job.lease_id, ENGINE) == 3
+
+
+def test_prefetch_after_a_pool_prefix_locks_into_the_lookups_lease(env: Env) -> None:
+    """A lookup that hit chunk 0 in the pool passes its lease; the prefetched chunks are
+    added to that lease, and the job reports no lease of its own (the lookup's lease may be
+    in a retrieve's hands by then: whoever finishes the job must not release it)."""
+    keys = [key(i) for i in range(4)]
+    env.commit(keys[:1])
+    env.stage(env.disk, keys)
+    lookup = env.index.lock_read(keys, ENGINE, prefix=True)
+    assert len(lookup.slots) == 1
+    pf = env.prefetcher([env.disk])
+    job = pf.start(ENGINE, keys, [CHUNK] * 4, 1, lookup.lease_id)
+    wait_done(job)
+    assert job is not None and job.hits == 4 and job.loaded == 3
+    assert job.lease_id == 0 and job.into_lease == lookup.lease_id
+    assert env.lease_holds(lookup.lease_id, ENGINE, keys)
+    assert pf.stats.loaded_chunks == {"disk": 3}  # chunk 0 was not loaded again
+    assert env.index.release_read(lookup.lease_id, ENGINE) == 4
+
+
+def test_prefetch_whose_lookup_lease_ended_leaves_chunks_unlocked(env: Env) -> None:
+    keys = [key(i) for i in range(3)]
+    env.commit(keys[:1])
+    env.stage(env.disk, keys)
+    lookup = env.index.lock_read(keys, ENGINE, prefix=True)
+    pf = env.prefetcher([env.disk])
+    env.index.release_read(lookup.lease_id, ENGINE)  # the engine retrieved and finished
+    job = pf.start(ENGINE, keys, [CHUNK] * 3, 1, lookup.lease_id)
+    wait_done(job)
+    assert job is not None and job.lease_id == 0
+    assert env.pool_holds(keys)
+    assert env.index.stats().read_leases == 0
+
+
+def test_no_space_ends_the_run(env: Env) -> None:
+    keys = [key(i) for i in range(5)]
+    env.stage(env.disk, keys)
+    env.commit([key(f"filler-{i}") for i in range(POOL_CHUNKS - 3)])
+    pf = env.prefetcher([env.disk])
+    job = pf.start(ENGINE, keys, [CHUNK] * 5, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 3
+    assert env.index.contains(keys) == [True, True, True, False, False]
+    assert pf.stats.failed == {}  # no space is not a tier failure
+    assert pf.stats.loaded_chunks == {"disk": 3}
+    assert env.index.stats().used == env.pool.size
+    env.index.release_read(job.lease_id, ENGINE)
+
+
+@pytest.mark.parametrize(
+    ("kind", "hits", "failed"),
+    [
+        ("corrupt", 1, {"corrupt": 1}),
+        ("missing", 1, {"missing": 1}),  # contains() said yes, load() found nothing
+        ("error", 1, {"error": 1}),
+        ("raise", 0, {"error": 1}),  # the whole batch fails
+        ("short", 0, {"error": 1}),  # a tier answering too few results
+        ("disk-bitflip", 1, {"corrupt": 1}),  # a real damaged file
+    ],
+)
+def test_a_failing_chunk_ends_the_prefix_and_frees_its_slot(
+    env: Env, kind: str, hits: int, failed: dict[str, int]
+) -> None:
+    keys = [key(i) for i in range(4)]
+    mem = MemTier()
+    mem.put(keys)
+    tier: Tier = mem
+    if kind == "corrupt":
+        mem.load_status[keys[1]] = LoadStatus.CORRUPT
+    elif kind == "missing":
+        del mem.data[keys[1]]
+        mem.phantom.add(keys[1])
+    elif kind == "error":
+        mem.load_status[keys[1]] = LoadStatus.ERROR
+    elif kind == "raise":
+        mem.raise_on_load = True
+    elif kind == "short":
+        mem.short_answers = True
+    else:
+        env.stage(env.disk, keys)
+        with open(env.disk.file_path(keys[1]), "r+b") as fh:
+            fh.seek(1000)
+            byte = fh.read(1)
+            fh.seek(1000)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        tier = env.disk
+    pf = env.prefetcher([tier])
+    job = pf.start(ENGINE, keys, [CHUNK] * 4, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == hits
+    assert pf.stats.failed == {tier.name: failed}
+    assert pf.stats.loaded_chunks == {tier.name: hits}
+    assert env.index.contains(keys) == [i < hits for i in range(4)]
+    st = env.index.stats()
+    assert st.used == hits * CHUNK and st.writing == 0 and st.write_leases == 0
+    if hits:
+        assert env.lease_holds(job.lease_id, ENGINE, keys[:hits])
+        env.index.release_read(job.lease_id, ENGINE)
+    else:
+        assert job.lease_id == 0
+
+
+def test_max_inflight_rejects(env: Env) -> None:
+    mem = MemTier()
+    keys = [key(i) for i in range(2)]
+    mem.put(keys)
+    gate = mem.hold()
+    pf = env.prefetcher([mem], max_inflight=1)
+    first = pf.start(ENGINE, keys, [CHUNK] * 2, 0, 0)
+    assert first is not None and mem.entered.wait(WAIT)
+    assert pf.start(OTHER_ENGINE, keys, [CHUNK] * 2, 0, 0) is None
+    assert pf.stats.rejected == 1 and pf.stats.inflight == 1 and pf.stats.started == 1
+    gate.set()
+    wait_done(first)
+    assert pf.stats.inflight == 0
+    again = pf.start(OTHER_ENGINE, keys, [CHUNK] * 2, 0, 0)  # a slot is free again
+    wait_done(again)
+    assert again is not None and again.hits == 2
+    assert mem.loads == Counter({k: 1 for k in keys})  # the second found them in the pool
+    env.index.release_read(first.lease_id, ENGINE)
+    env.index.release_read(again.lease_id, OTHER_ENGINE)
+
+
+def test_nothing_to_prefetch_starts_no_job(env: Env) -> None:
+    keys = [key(i) for i in range(2)]
+    assert env.prefetcher([]).start(ENGINE, keys, [CHUNK] * 2, 0, 0) is None
+    assert env.prefetcher([env.disk]).start(ENGINE, keys, [CHUNK] * 2, 2, 0) is None
+
+
+def test_a_timed_out_job_is_done_with_the_pools_hits_and_leaves_its_chunks_unlocked(
+    env: Env,
+) -> None:
+    now = [1000.0]
+    mem = MemTier()
+    keys = [key(i) for i in range(4)]
+    mem.put(keys)
+    env.commit(keys[:1])
+    lookup = env.index.lock_read(keys, ENGINE, prefix=True)  # the pool's hit: chunk 0
+    gate = mem.hold()
+    pf = env.prefetcher([mem], timeout=5.0, clock=lambda: now[0])
+    job = pf.start(ENGINE, keys, [CHUNK] * 4, 1, lookup.lease_id)
+    assert job is not None and mem.entered.wait(WAIT)
+    assert not pf.poll(job)
+    now[0] += 6.0  # past the deadline
+    assert pf.poll(job) and job.cancelled and pf.stats.timed_out == 1
+    assert job.hits == 1  # what the pool had
+    assert pf.poll(job) and pf.stats.timed_out == 1  # counted once
+
+    gate.set()  # the tier answers late
+    wait_done(job)
+    assert job.hits == 1 and job.lease_id == 0
+    assert env.lease_holds(lookup.lease_id, ENGINE, keys[:1])  # nothing added to the lookup
+    env.index.release_read(lookup.lease_id, ENGINE)
+    assert env.pool_holds(keys)  # the late chunks stay in the pool for the next lookup
+    st = env.index.stats()
+    assert st.read_locked == 0 and st.read_leases == 0 and st.evictable == 4
+
+
+def test_concurrent_prefetches_of_one_prefix_load_each_chunk_once(env: Env) -> None:
+    """The second job waits for the chunks the first is loading, then loads only what the
+    first did not cover; both end with the whole prefix locked."""
+    mem = MemTier()
+    keys = [key(i) for i in range(5)]
+    mem.put(keys)
+    gate = mem.hold()
+    pf = env.prefetcher([mem])
+    first = pf.start(ENGINE, keys[:3], [CHUNK] * 3, 0, 0)
+    assert first is not None and mem.entered.wait(WAIT)
+    second = pf.start(OTHER_ENGINE, keys, [CHUNK] * 5, 0, 0)
+    gate.set()
+    wait_done(first, second)
+    assert first is not None and second is not None
+    assert first.hits == 3 and second.hits == 5
+    assert mem.loads == Counter({k: 1 for k in keys})
+    assert pf.stats.loaded_chunks == {"mem": 5}
+    assert env.lease_holds(first.lease_id, ENGINE, keys[:3])
+    assert env.lease_holds(second.lease_id, OTHER_ENGINE, keys)
+    env.index.release_read(first.lease_id, ENGINE)
+    env.index.release_read(second.lease_id, OTHER_ENGINE)
+    assert env.index.stats().read_locked == 0
+
+
+def test_prefetched_chunks_are_not_written_back_to_their_tier(env: Env) -> None:
+    """Wired as the server wires them: prefetch hands loaded chunks to write-behind with
+    their source, which writes them to the other tiers only."""
+    mem = MemTier()
+    keys = [key(i) for i in range(3)]
+    env.stage(env.disk, keys)
+    wb = env.write_behind([env.disk, mem])
+
+    def to_write_behind(committed: list[bytes], source: str) -> None:
+        wb.submit(committed, source_tier=source)
+
+    pf = env.prefetcher([env.disk, mem], on_committed=to_write_behind)
+    job = pf.start(ENGINE, keys, [CHUNK] * 3, 0, 0)
+    wait_done(job)
+    assert wb.wait_idle(WAIT)
+    assert job is not None and job.hits == 3
+    assert wb.stats.written_chunks == {"mem": 3}
+    assert set(mem.data) == set(keys) and not mem.loads
+    env.index.release_read(job.lease_id, ENGINE)
+
+
+def test_write_behind_and_prefetch_holders_leave_no_leases(env: Env) -> None:
+    """After a round trip (write-behind, clear, prefetch, release) neither controller's
+    holder id owns anything."""
+    keys = [key(i) for i in range(4)]
+    wb = env.write_behind([env.disk])
+    wb.submit(env.commit(keys))
+    assert wb.wait_idle(WAIT)
+    env.index.clear()
+    pf = env.prefetcher([env.disk])
+    job = pf.start(ENGINE, keys, [CHUNK] * 4, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 4
+    env.index.release_read(job.lease_id, ENGINE)
+    assert env.index.release_holder(WRITE_BEHIND_HOLDER) == (0, 0)
+    assert env.index.release_holder(PREFETCH_HOLDER) == (0, 0)
+    assert env.pool_holds(keys)
+
+
+# -- the hand-off to the service -----------------------------------------------------------
+def test_a_retrieve_that_took_the_lookups_locks_keeps_them_when_the_prefetch_lands(
+    env: Env,
+) -> None:
+    """Through the real service: LOOKUP hits chunk 0 in the pool and starts a prefetch of
+    chunks 1-3; the engine does not wait and PREPARE_RETRIEVEs chunk 0 at once; the prefetch
+    finishes while the engine still copies. Its completion must leave the retrieve's lease
+    alone: FINISH_RETRIEVE succeeds, and the slot stayed locked all along."""
+    from tierkv import keys as chunk_keys
+    from tierkv import protocol as p
+    from tierkv.config import ServerConfig
+    from tierkv.server.service import CacheService
+
+    mem = MemTier()
+    service = CacheService(ServerConfig(), env.pool, tiers=[mem])
+    try:
+        layout = p.Layout([256, CHUNK // 256 // 4], "float32", 0)
+        reg = service.handle(p.Register(1, p.PROTOCOL_VERSION, "m", layout))
+        assert isinstance(reg, p.Registered), reg
+        tokens = chunk_keys.pack_tokens(range(4 * 256))
+        ks = chunk_keys.chunk_keys(reg.namespace, tokens, 256, False)
+        sel = p.ChunkSelector(tokens=tokens)
+        slots = service.handle(p.PrepareStore(2, reg.client, sel))
+        assert isinstance(slots, p.StoreSlots) and len(slots.slots) == 4
+        assert isinstance(service.handle(p.CommitStore(3, reg.client, slots.lease)), p.Committed)
+        assert service.tiering.write_behind.wait_idle(WAIT) and set(mem.data) == set(ks)
+        service.index.delete(ks[1:])
+
+        gate = mem.hold()
+        found = service.handle(p.Lookup(4, reg.client, sel, "req"))
+        assert isinstance(found, p.LookupResult) and found.hits == 1 and found.prefetching
+        assert mem.entered.wait(WAIT)
+        got = service.handle(p.PrepareRetrieve(5, reg.client, request_id="req"))
+        assert isinstance(got, p.RetrieveSlots) and len(got.slots) == 1
+        gate.set()  # the prefetch lands while the engine holds the retrieve's lease
+        deadline = time.monotonic() + WAIT
+        while service.tiering.prefetcher.stats.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert service.tiering.prefetcher.stats.inflight == 0
+        assert service.index.stats().read_locked >= 1  # chunk 0 is still locked
+        done = service.handle(p.FinishRetrieve(6, reg.client, got.lease))
+        assert isinstance(done, p.Ok), done
+        service.handle(p.EndSession(7, reg.client, "req"))
+        st = service.index.stats()
+        assert st.read_locked == 0 and st.read_leases == 0
+        assert service.index.contains(ks) == [True] * 4  # loaded, unlocked, still cached
+        service.index.check()
+    finally:
+        service.stop()
