@@ -102,6 +102,17 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     write_behind_max_bytes: int = 2**30
     prefetch_max_inflight: int = 16
     prefetch_timeout: float = 10.0
+    cluster_seeds: str = ""
+    cluster_host: str = "127.0.0.1"
+    cluster_port: int = 8792
+    cluster_data_port: int = 0
+    cluster_advertise: str = ""
+    heartbeat_interval: float = 1.0
+    member_ttl: float = 5.0
+    directory_replicas: int = 2
+    ring_vnodes: int = 160
+    peer_connections: int = 16
+    peer_timeout: float = 2.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -148,6 +159,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"log_level {self.log_level!r}: use debug, info, warning, error or critical"
             )
+        if self.cluster_seeds:
+            self._validate_cluster()
         if self.rpc_tcp:
             host, _, port = self.rpc_tcp.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -158,6 +171,26 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     "(--auth-token or TIERKV_AUTH_TOKEN) or bind a loopback address"
                 )
         return self
+
+    def _validate_cluster(self) -> None:
+        for seed in self.cluster_seeds.split(","):
+            host, _, port = seed.strip().rpartition(":")
+            if seed.strip() and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+                raise ConfigError(f"cluster_seeds: {seed.strip()!r} is not HOST:PORT")
+        for name in ("cluster_port", "cluster_data_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} must be 0-65535")
+        if not (0 < self.heartbeat_interval < self.member_ttl and math.isfinite(self.member_ttl)):
+            raise ConfigError("need 0 < heartbeat_interval < member_ttl (seconds)")
+        if not (self.peer_timeout > 0 and math.isfinite(self.peer_timeout)):
+            raise ConfigError("peer_timeout must be a positive number of seconds")
+        if self.directory_replicas < 1 or self.ring_vnodes < 1 or self.peer_connections < 1:
+            raise ConfigError("directory_replicas, ring_vnodes and peer_connections must be >= 1")
+        if not is_loopback(self.cluster_host) and not self.auth_token:
+            raise ConfigError(
+                f"cluster_host {self.cluster_host!r} is reachable from other hosts: set "
+                "auth_token (--auth-token or TIERKV_AUTH_TOKEN), the cluster's shared secret"
+            )
 
 
 def is_loopback(host: str) -> bool:
@@ -198,6 +231,20 @@ FIELD_HELP: dict[str, str] = {
     "the tiers",
     "prefetch_max_inflight": "most prefetches from the tiers running at once",
     "prefetch_timeout": "seconds after which an unfinished prefetch is reported as done",
+    "cluster_seeds": "join a cluster of servers: HOST:PORT,... of some members' cluster ports "
+    "(the first server may list itself); empty: no cluster",
+    "cluster_host": "address the cluster control and data ports bind; a non-loopback address "
+    "requires --auth-token (the cluster's shared secret)",
+    "cluster_port": "port of the cluster control traffic (membership, directory)",
+    "cluster_data_port": "port of the cluster data plane (chunk transfers); 0: cluster_port + 1",
+    "cluster_advertise": "host peers reach this server at (default: cluster_host, or this "
+    "host's address when binding all interfaces)",
+    "heartbeat_interval": "seconds between cluster heartbeats",
+    "member_ttl": "seconds without a heartbeat after which a cluster member is declared dead",
+    "directory_replicas": "cluster members holding each directory entry",
+    "ring_vnodes": "virtual nodes per member on the directory's consistent-hash ring",
+    "peer_connections": "most data-plane connections to one peer",
+    "peer_timeout": "seconds a cluster request or transfer may stall before it counts as failed",
     "log_level": "debug, info, warning or error",
     "log_format": "text or json",
 }

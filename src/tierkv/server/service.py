@@ -118,6 +118,7 @@ class CacheService:
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
         self.tiering = Tiering(cfg, self.index, pool, tiers)
+        self.eviction.add_listener(self.tiering.on_evicted)
         self._clients: dict[int, Client] = {}
         self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token
         self._lock = threading.Lock()

@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tierkv import protocol as p
+from tierkv.cluster.node import start_cluster
 from tierkv.config import ServerConfig
-from tierkv.index import ObjectIndex
+from tierkv.index import Evicted, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import Tier, TierUsage, create_tier
 from tierkv.tiers.prefetch import Prefetcher, PrefetchJob
@@ -33,9 +34,17 @@ class Tiering:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self.tiers: list[Tier] = list(tiers) if tiers is not None else build_tiers(cfg)
+        # Cluster: other servers' pools are the last tier; publishing is its write-behind.
+        self.cluster = start_cluster(cfg, index, pool, self.tiers) if cfg.cluster_seeds else None
+        if self.cluster is not None:
+            self.tiers.append(self.cluster.tier)
         self.executor = ThreadPoolExecutor(cfg.tier_workers, thread_name_prefix="tierkv-tier")
-        self.write_behind = WriteBehind(
-            index, pool, self.tiers, self.executor, cfg.write_behind_max_bytes
+        self.write_behind = WriteBehind(  # publishing to peers first: it only records a checksum
+            index,
+            pool,
+            sorted(self.tiers, key=lambda t: t is not getattr(self.cluster, "tier", None)),
+            self.executor,
+            cfg.write_behind_max_bytes,
         )
         extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
         self.prefetcher = Prefetcher(
@@ -57,6 +66,11 @@ class Tiering:
         """Queue freshly committed engine chunks for every tier."""
         if self.tiers and keys:
             self.write_behind.submit(keys)
+
+    def on_evicted(self, batch: list[Evicted]) -> None:
+        """Eviction listener: evicted chunks leave the cluster directory (or go "on disk")."""
+        if self.cluster is not None:
+            self.cluster.on_evicted(batch)
 
     def _prefetched(self, keys: list[bytes], source: str) -> None:
         # Chunks loaded from a tier go to the other tiers, never back to their source.

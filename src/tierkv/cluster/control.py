@@ -1,0 +1,249 @@
+"""The cluster's control channel over ZMQ: a ROUTER server and a pooled DEALER client.
+
+The server binds ``tcp://HOST:PORT`` and answers each request on its own thread; handlers
+are small dict operations (membership, directory entries), so they run inline. A request
+that cannot be decoded or carries a wrong token gets :class:`Refused`, is counted, and
+changes nothing; messages above ``max_message_bytes`` are dropped by ZMQ itself.
+
+The client leases one DEALER socket per call from a per-peer pool (so directory lookups to
+one owner from several threads run concurrently) and returns it only after a clean call; a
+socket whose call timed out is closed, never reused, so a late reply can never be taken for
+the answer to a later request. :meth:`ControlClient.call_many` sends to several peers at
+once and waits for all replies together: one round trip, however many owners. A peer that
+timed out is *suspect* for a while, so callers can ask its replicas first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+import zmq
+
+from tierkv.cluster import messages as m
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100
+DEFAULT_MAX_MESSAGE = 64 * 2**20
+
+Handler = Callable[[Any], Any]
+
+
+def tcp(addr: str) -> str:
+    return f"tcp://{addr}"
+
+
+class ControlServer:
+    """Serves cluster requests on ``host:port`` (port 0: any free port) until :meth:`close`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        handlers: Mapping[type, Handler],
+        ctx: zmq.Context[Any] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+    ) -> None:
+        self.token = token
+        self.handlers = dict(handlers)
+        self.ctx = ctx or zmq.Context.instance()
+        self.refused = 0
+        self.malformed = 0
+        self.served = 0
+        self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self.sock.setsockopt(zmq.SNDHWM, 10_000)
+        self.sock.setsockopt(zmq.RCVHWM, 10_000)
+        try:
+            self.sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            raise OSError(f"cannot bind the cluster port {host}:{port}: {exc}") from None
+        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.port = int(endpoint.decode().rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._decode = m.request_decoder.decode
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="tierkv-cluster-ctl", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        self.sock.close(linger=0)
+
+    def _serve(self) -> None:
+        sock = self.sock
+        while not self._stop.is_set():
+            try:
+                if not sock.poll(POLL_MS):
+                    continue
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            if len(frames) < 2:
+                continue
+            reply = self._handle(frames[-1])
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([*frames[:-1], m.encode(reply)], zmq.NOBLOCK)
+
+    def _handle(self, payload: bytes) -> Any:
+        try:
+            req = self._decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.malformed += 1
+            return m.Refused(0, f"malformed cluster request: {exc}")
+        if not secrets.compare_digest(req.token.encode(), self.token.encode()):
+            self.refused += 1
+            log.warning("refused a cluster %s request with a wrong token", type(req).__name__)
+            return m.Refused(req.rid, "wrong or missing cluster token (--auth-token)")
+        handler = self.handlers.get(type(req))
+        if handler is None:
+            return m.Refused(req.rid, f"unsupported request {type(req).__name__}")
+        try:
+            reply = handler(req)
+        except Exception:
+            log.exception("cluster handler for %s failed", type(req).__name__)
+            return m.Refused(req.rid, "internal error")
+        self.served += 1
+        return reply
+
+
+class ControlClient:
+    """Calls peers' control servers; thread-safe (a socket is leased per call)."""
+
+    def __init__(
+        self,
+        token: str,
+        timeout: float,
+        ctx: zmq.Context[Any] | None = None,
+        max_idle_per_peer: int = 16,
+        suspect_for: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.token = token
+        self.timeout = timeout
+        self.ctx = ctx or zmq.Context.instance()
+        self.max_idle = max_idle_per_peer
+        self.suspect_for = suspect_for
+        self.clock = clock
+        self._idle: dict[str, list[zmq.Socket[Any]]] = {}
+        self._suspect: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
+        self._closed = False
+        self.timeouts = 0
+        self.calls = 0
+
+    # -- sockets ---------------------------------------------------------------------------
+    def _lease(self, addr: str) -> zmq.Socket[Any]:
+        with self._lock:
+            idle = self._idle.get(addr)
+            if idle:
+                return idle.pop()
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(tcp(addr))
+        return sock
+
+    def _give_back(self, addr: str, sock: zmq.Socket[Any], clean: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(addr, [])
+            if clean and not self._closed and len(idle) < self.max_idle:
+                idle.append(sock)
+                return
+        sock.close(linger=0)
+
+    def suspect(self, addr: str) -> bool:
+        """Whether ``addr`` timed out recently."""
+        until = self._suspect.get(addr)
+        return until is not None and self.clock() < until
+
+    def forget(self, addr: str) -> None:
+        """Drop pooled sockets to a peer that left (their connections would only retry)."""
+        with self._lock:
+            socks = self._idle.pop(addr, [])
+            self._suspect.pop(addr, None)
+        for sock in socks:
+            sock.close(linger=0)
+
+    # -- calls -----------------------------------------------------------------------------
+    def call(self, addr: str, msg: Any, timeout: float | None = None) -> Any | None:
+        """One request to one peer; the reply, or None on timeout (Refused is a reply)."""
+        return self.call_many({addr: msg}, timeout).get(addr)
+
+    def call_many(
+        self, requests: Mapping[str, Any], timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Send every request at once, wait for the replies together (up to ``timeout``);
+        returns the replies that came back, by address."""
+        if not requests:
+            return {}
+        deadline = self.clock() + (self.timeout if timeout is None else timeout)
+        pending: dict[zmq.Socket[Any], tuple[str, int]] = {}
+        replies: dict[str, Any] = {}
+        poller = zmq.Poller()
+        for addr, msg in requests.items():
+            msg.rid = next(self._rids)
+            sock = self._lease(addr)
+            try:
+                sock.send(m.encode(msg), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                self._give_back(addr, sock, clean=False)
+                continue
+            pending[sock] = (addr, msg.rid)
+            poller.register(sock, zmq.POLLIN)
+        self.calls += len(requests)
+        try:
+            while pending:
+                left = deadline - self.clock()
+                if left <= 0:
+                    break
+                for sock, _ in poller.poll(max(1, int(left * 1000))):
+                    addr, rid = pending[sock]
+                    try:
+                        reply = m.reply_decoder.decode(sock.recv(zmq.NOBLOCK))
+                    except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    if reply.rid != rid:
+                        continue  # cannot happen on a fresh lease; ignore defensively
+                    replies[addr] = reply
+                    poller.unregister(sock)
+                    del pending[sock]
+                    self._suspect.pop(addr, None)
+                    self._give_back(addr, sock, clean=True)
+        finally:
+            for sock, (addr, _) in pending.items():
+                self.timeouts += 1
+                self._suspect[addr] = self.clock() + self.suspect_for
+                self._give_back(addr, sock, clean=False)
+        return replies
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close(linger=0)

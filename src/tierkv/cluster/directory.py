@@ -1,0 +1,462 @@
+"""The directory: which node holds each chunk, and in which of its tiers (pool or disk).
+
+:class:`Directory` is what a node needs from any directory; :class:`HashDirectory` is the
+decentralised one: every member hosts a :class:`Shard` of it, and the consistent-hash ring
+(:mod:`tierkv.cluster.ring`) names the ``replicas`` owners of each key's entry. A controller
+based directory (one registry process, full sync on restart) can implement the same
+interface later.
+
+Writes are asynchronous: ``publish`` and ``unpublish`` only queue; a publisher thread drains
+the queue, groups the keys by owner and sends one batch per owner (all owners at once), so
+a commit never waits for the network. Entries held by this node's own shard are applied
+directly. Nothing is retried: a lost update is repaired by the next membership change (or
+shows up as a miss, which is safe).
+
+Reads are batched: :meth:`HashDirectory.resolve` asks each key's first owner (this node
+first when it is one, owners that timed out recently last), all owners in one round trip;
+keys still unresolved (owner dead or silent, entry not moved yet) are asked of the next
+replica, up to ``replicas`` rounds. Holders that are not live members are dropped.
+
+Membership changes rebalance: entries of departed or restarted holders are purged, entries
+move to the owners that are new for them (and leave a node that no longer owns them), and
+every node re-publishes what it holds to the owners that are new for those keys; so the
+directory heals itself after joins, leaves and restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, TypeVar
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.membership import Membership
+from tierkv.cluster.ring import Ring
+
+log = logging.getLogger(__name__)
+
+Where = m.Where
+MAX_HOLDERS = 4  # holders remembered per key (newest kept)
+BATCH = 65536  # entries per message
+
+_T = TypeVar("_T")
+
+
+class Location(NamedTuple):
+    holder: str
+    where: Where
+
+
+class Directory(ABC):
+    """Where chunks live in the cluster."""
+
+    @abstractmethod
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> None:
+        """Announce (asynchronously) that this node holds ``keys`` in ``where``."""
+
+    @abstractmethod
+    def unpublish(self, keys: Sequence[bytes]) -> None:
+        """Withdraw (asynchronously) this node's entries for ``keys``."""
+
+    @abstractmethod
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        """Live holders of each key (empty where none is known)."""
+
+    def start(self) -> None:  # noqa: B027 - optional hook
+        """Start background work."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work."""
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+
+class Shard:
+    """This node's part of the directory: key -> ((holder, incarnation, where), ...)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, tuple[tuple[str, int, int], ...]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, holder: str, incarnation: int, entries: Iterable[tuple[bytes, int]]) -> int:
+        n = 0
+        with self._lock:
+            table = self._entries
+            for key, where in entries:
+                old = table.get(key, ())
+                kept = tuple(e for e in old if e[0] != holder)[-(MAX_HOLDERS - 1) :]
+                table[key] = (*kept, (holder, incarnation, int(where)))
+                n += 1
+        return n
+
+    def put_many(self, entries: Iterable[tuple[bytes, str, int, int]]) -> int:
+        n = 0
+        with self._lock:
+            table = self._entries
+            for key, holder, incarnation, where in entries:
+                old = table.get(key, ())
+                if any(e[0] == holder and e[1] > incarnation for e in old):
+                    continue  # an entry of a previous life of that holder
+                kept = tuple(e for e in old if e[0] != holder)[-(MAX_HOLDERS - 1) :]
+                table[key] = (*kept, (holder, incarnation, where))
+                n += 1
+        return n
+
+    def remove(self, holder: str, keys: Iterable[bytes]) -> int:
+        n = 0
+        with self._lock:
+            table = self._entries
+            for key in keys:
+                old = table.get(key)
+                if not old:
+                    continue
+                kept = tuple(e for e in old if e[0] != holder)
+                if len(kept) != len(old):
+                    n += 1
+                    if kept:
+                        table[key] = kept
+                    else:
+                        del table[key]
+        return n
+
+    def get(self, keys: Sequence[bytes]) -> list[tuple[tuple[str, int, int], ...]]:
+        with self._lock:
+            table = self._entries
+            return [table.get(k, ()) for k in keys]
+
+    def purge(self, live: dict[str, int]) -> int:
+        """Drop entries whose holder is not live (``live``: node id -> incarnation)."""
+        n = 0
+        with self._lock:
+            table = self._entries
+            for key, old in list(table.items()):
+                kept = tuple(e for e in old if live.get(e[0]) == e[1])
+                if len(kept) != len(old):
+                    n += len(old) - len(kept)
+                    if kept:
+                        table[key] = kept
+                    else:
+                        del table[key]
+        return n
+
+    def items(self) -> list[tuple[bytes, tuple[tuple[str, int, int], ...]]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def drop(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._entries.pop(key, None)
+
+
+class HashDirectory(Directory):
+    """The consistent-hash directory of one node."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        client: ControlClient,
+        held: Callable[[], list[tuple[bytes, Where]]],
+        replicas: int = 2,
+        vnodes: int = 160,
+    ) -> None:
+        self.membership = membership
+        self.client = client
+        self.held = held
+        self.replicas = replicas
+        self.vnodes = vnodes
+        self.me = membership.me
+        self.shard = Shard()
+        self._members = membership.alive()
+        self.ring = Ring(self._members, vnodes, replicas)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to unpublish
+        self._changes: list[tuple[dict[str, m.MemberInfo], dict[str, m.MemberInfo]]] = []
+        self._stop = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.counts: dict[str, int] = {
+            "published": 0,
+            "unpublished": 0,
+            "publish_batches": 0,
+            "publish_failures": 0,
+            "resolves": 0,
+            "resolved_keys": 0,
+            "resolve_found": 0,
+            "resolve_rpcs": 0,
+            "served_resolves": 0,
+            "served_publish": 0,
+            "handoff_sent": 0,
+            "handoff_received": 0,
+            "republished": 0,
+            "purged": 0,
+            "rebalances": 0,
+        }
+        membership.add_listener(self._membership_changed)
+
+    # -- writes (queued) -------------------------------------------------------------------
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> None:
+        if not keys:
+            return
+        with self._cond:
+            for key in keys:
+                self._pending[key] = int(where)
+            self._cond.notify()
+
+    def unpublish(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        with self._cond:
+            for key in keys:
+                self._pending[key] = -1
+            self._cond.notify()
+
+    def _membership_changed(
+        self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
+    ) -> None:
+        with self._cond:
+            self._changes.append((old, new))
+            self._cond.notify()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the queue is empty and nothing is being sent (tests, benchmarks)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._pending and not self._changes and not self._busy, timeout
+            )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tierkv-cluster-pub", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._stop or self._pending or self._changes)
+                if self._stop:
+                    return
+                changes, self._changes = self._changes, []
+                pending, self._pending = self._pending, {}
+                self._busy = True
+            try:
+                for old, new in changes:
+                    self._rebalance(old, new)
+                if pending:
+                    self._send_updates(pending)
+            except Exception:
+                log.exception("directory publisher failed")
+
+    def _send_updates(self, pending: dict[bytes, int]) -> None:
+        keys = list(pending)
+        ring = self.ring
+        me = self.me.node_id
+        pubs: dict[str, list[tuple[bytes, int]]] = {}
+        unpubs: dict[str, list[bytes]] = {}
+        for key, owners in zip(keys, ring.owners_many(keys), strict=True):
+            where = pending[key]
+            for owner in owners:
+                if where < 0:
+                    unpubs.setdefault(owner, []).append(key)
+                else:
+                    pubs.setdefault(owner, []).append((key, where))
+        n_pub = sum(1 for w in pending.values() if w >= 0)
+        self.counts["published"] += n_pub
+        self.counts["unpublished"] += len(pending) - n_pub
+        local_pub = pubs.pop(me, None)
+        if local_pub:
+            self.shard.put(me, self.me.incarnation, local_pub)
+        local_unpub = unpubs.pop(me, None)
+        if local_unpub:
+            self.shard.remove(me, local_unpub)
+        token, inc = self.client.token, self.me.incarnation
+        self._send(
+            {o: [m.Publish(token, 0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()}
+        )
+        self._send(
+            {o: [m.Unpublish(token, 0, me, b) for b in _batches(k)] for o, k in unpubs.items()}
+        )
+
+    def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
+        """Send each owner its messages, every owner at once, one message each per round."""
+        members = self._members
+        rounds = max((len(v) for v in per_owner.values()), default=0)
+        for r in range(rounds):
+            calls: dict[str, m.Struct] = {}
+            for owner, msgs in per_owner.items():
+                info = members.get(owner)
+                if info is not None and r < len(msgs):
+                    calls[info.control] = msgs[r]
+            if not calls:
+                continue
+            self.counts["publish_batches"] += len(calls)
+            replies = self.client.call_many(calls)
+            failed = [a for a in calls if not isinstance(replies.get(a), m.Done)]
+            if failed:
+                self.counts["publish_failures"] += len(failed)
+                log.debug("directory update not acknowledged by %s", failed)
+
+    # -- membership changes ----------------------------------------------------------------
+    def _rebalance(self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]) -> None:
+        self.counts["rebalances"] += 1
+        old_ring = Ring(old, self.vnodes, self.replicas)
+        new_ring = Ring(new, self.vnodes, self.replicas)
+        self._members = dict(new)
+        self.ring = new_ring
+        for nid in set(old) - set(new):
+            self.client.forget(old[nid].control)
+        live = {nid: info.incarnation for nid, info in new.items()}
+        self.counts["purged"] += self.shard.purge(live)
+        me = self.me.node_id
+        fresh = {nid for nid in new if nid not in old or old[nid] != new[nid]}
+
+        def new_owners(key_owners_old: tuple[str, ...], key_owners: tuple[str, ...]) -> list[str]:
+            return [o for o in key_owners if o != me and (o in fresh or o not in key_owners_old)]
+
+        # 1. Entries this node's shard holds move to their new owners.
+        handoff: dict[str, list[tuple[bytes, str, int, int]]] = {}
+        items = self.shard.items()
+        keys = [k for k, _ in items]
+        dropped: list[bytes] = []
+        for (key, entries), o_old, o_new in zip(
+            items, old_ring.owners_many(keys), new_ring.owners_many(keys), strict=True
+        ):
+            for owner in new_owners(o_old, o_new):
+                handoff.setdefault(owner, []).extend((key, *e) for e in entries)
+            if me not in o_new:
+                dropped.append(key)
+        self.shard.drop(dropped)
+        token = self.client.token
+        self.counts["handoff_sent"] += sum(len(v) for v in handoff.values())
+        self._send({o: [m.Handoff(token, 0, b) for b in _batches(e)] for o, e in handoff.items()})
+
+        # 2. What this node holds is re-published to owners that are new for it.
+        held = self.held()
+        hkeys = [k for k, _ in held]
+        pubs: dict[str, list[tuple[bytes, int]]] = {}
+        mine: list[tuple[bytes, int]] = []
+        for (key, where), o_old, o_new in zip(
+            held, old_ring.owners_many(hkeys), new_ring.owners_many(hkeys), strict=True
+        ):
+            for owner in new_owners(o_old, o_new):
+                pubs.setdefault(owner, []).append((key, int(where)))
+            if me in o_new:
+                mine.append((key, int(where)))
+        self.shard.put(me, self.me.incarnation, mine)
+        inc = self.me.incarnation
+        self.counts["republished"] += sum(len(v) for v in pubs.values())
+        self._send(
+            {o: [m.Publish(token, 0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()}
+        )
+        log.info(
+            "directory rebalanced: %d entries kept, %d handed off, %d dropped, %d re-published",
+            len(self.shard),
+            sum(len(v) for v in handoff.values()),
+            len(dropped),
+            sum(len(v) for v in pubs.values()),
+        )
+
+    # -- reads -----------------------------------------------------------------------------
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        n = len(keys)
+        found: list[list[Location]] = [[] for _ in range(n)]
+        if not n:
+            return found
+        self.counts["resolves"] += 1
+        self.counts["resolved_keys"] += n
+        ring, members = self.ring, self._members
+        me = self.me.node_id
+        client = self.client
+
+        def order(owners: tuple[str, ...]) -> list[str]:
+            # This node first (no round trip), then owners not known to be failing.
+            return sorted(
+                owners,
+                key=lambda o: (
+                    o != me,
+                    o not in members or client.suspect(members[o].control),
+                ),
+            )
+
+        choices = [order(o) for o in ring.owners_many(keys)]
+        remaining = list(range(n))
+        for attempt in range(max(1, ring.replicas)):
+            groups: dict[str, list[int]] = {}
+            for i in remaining:
+                if attempt < len(choices[i]):
+                    groups.setdefault(choices[i][attempt], []).append(i)
+            if not groups:
+                break
+            local = groups.pop(me, None)
+            if local:
+                for i, entries in zip(local, self.shard.get([keys[i] for i in local]), strict=True):
+                    found[i] = [Location(h, Where(w)) for h, _, w in entries]
+            calls = {
+                members[o].control: m.Resolve(client.token, 0, [keys[i] for i in idx])
+                for o, idx in groups.items()
+                if o in members
+            }
+            by_addr = {members[o].control: idx for o, idx in groups.items() if o in members}
+            if calls:
+                self.counts["resolve_rpcs"] += len(calls)
+                for addr, reply in client.call_many(calls).items():
+                    if not isinstance(reply, m.Resolved):
+                        continue
+                    idx = by_addr[addr]
+                    for pos, h, w in reply.found:
+                        if 0 <= pos < len(idx) and 0 <= h < len(reply.holders):
+                            found[idx[pos]].append(Location(reply.holders[h], Where(w)))
+            remaining = [i for i in remaining if not found[i]]
+            if not remaining:
+                break
+        live = self.membership.alive()
+        out = [[loc for loc in locs if loc.holder in live] for locs in found]
+        self.counts["resolve_found"] += sum(1 for locs in out if locs)
+        return out
+
+    # -- control handlers (on the control server thread) -----------------------------------
+    def on_publish(self, req: m.Publish) -> m.Done:
+        self.counts["served_publish"] += 1
+        return m.Done(req.rid, self.shard.put(req.holder, req.incarnation, req.entries))
+
+    def on_unpublish(self, req: m.Unpublish) -> m.Done:
+        return m.Done(req.rid, self.shard.remove(req.holder, req.keys))
+
+    def on_handoff(self, req: m.Handoff) -> m.Done:
+        n = self.shard.put_many(req.entries)
+        self.counts["handoff_received"] += n
+        return m.Done(req.rid, n)
+
+    def on_resolve(self, req: m.Resolve) -> m.Resolved:
+        self.counts["served_resolves"] += 1
+        holders: dict[str, int] = {}
+        found: list[tuple[int, int, int]] = []
+        for pos, entries in enumerate(self.shard.get(req.keys)):
+            for holder, _, where in entries:
+                h = holders.setdefault(holder, len(holders))
+                found.append((pos, h, where))
+        return m.Resolved(req.rid, list(holders), found)
+
+    def stats(self) -> dict[str, object]:
+        return {"entries": len(self.shard), "owners": len(self.ring), **self.counts}
+
+
+def _batches(items: list[_T]) -> list[list[_T]]:
+    return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]

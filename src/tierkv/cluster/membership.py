@@ -1,0 +1,311 @@
+"""Membership with no single point of failure: seeds, join, heartbeat, member TTL, rejoin.
+
+Every node keeps the whole member list. Every ``interval`` seconds it sends a heartbeat to
+every member it believes alive, to its configured seeds, to members it has only heard of
+(gossip candidates) and to members that died recently; the heartbeat and its reply both
+carry the sender's live members. A member is *alive* only on direct evidence (a heartbeat
+from it, or its reply to ours) within the last ``ttl`` seconds; members learnt second-hand
+are merely probed, so gossip can never resurrect a dead node. Since every node holds the
+list and any live member answers a joiner with it, the list survives the loss of any node,
+the first seed included; a joiner needs one live seed.
+
+A node that restarts comes back with the same id and a new ``incarnation``: its peers see
+the change (its pool is empty, its entries must be re-published to it) and report it as a
+change of membership. Dead members and seeds keep being probed, so a restarted seed is found
+again even if its own seed list names nobody alive. A node that stops cleanly sends LEAVE.
+
+Changes are reported by ``on_change(old, new)`` (maps of node id to member info) from the
+membership thread, never under a lock, in the order they happened.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+
+log = logging.getLogger(__name__)
+
+ChangeListener = Callable[[dict[str, m.MemberInfo], dict[str, m.MemberInfo]], None]
+
+
+@dataclass(slots=True)
+class _Member:
+    info: m.MemberInfo
+    last_seen: float
+
+
+class Membership:
+    """This node's view of the cluster. Thread-safe."""
+
+    def __init__(
+        self,
+        me: m.MemberInfo,
+        seeds: Iterable[str],
+        client: ControlClient,
+        interval: float = 1.0,
+        ttl: float = 5.0,
+        on_change: ChangeListener | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (interval > 0 and ttl > interval):
+            raise ValueError("need 0 < heartbeat interval < member ttl")
+        self.me = me
+        self.seeds = [s.strip() for s in seeds if s.strip()]
+        self.client = client
+        self.interval = interval
+        self.ttl = ttl
+        self.clock = clock
+        self._listeners: list[ChangeListener] = [on_change] if on_change else []
+        self._lock = threading.Lock()
+        self._members: dict[str, _Member] = {}
+        self._candidates: dict[str, float] = {}  # control address -> until when to probe
+        self._dead: dict[str, tuple[m.MemberInfo, float]] = {}  # node id -> (info, when)
+        self._self_addrs: set[str] = {me.control}
+        self._reported: dict[str, m.MemberInfo] = {me.node_id: me}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.heartbeats_sent = 0
+        self.heartbeats_received = 0
+        self.changes = 0
+        self.refused_by_peers = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    def add_listener(self, listener: ChangeListener) -> None:
+        self._listeners.append(listener)
+
+    def alive(self) -> dict[str, m.MemberInfo]:
+        """Live members by node id, this node included."""
+        with self._lock:
+            out = {nid: mem.info for nid, mem in self._members.items()}
+        out[self.me.node_id] = self.me
+        return out
+
+    def get(self, node_id: str) -> m.MemberInfo | None:
+        if node_id == self.me.node_id:
+            return self.me
+        with self._lock:
+            mem = self._members.get(node_id)
+            return mem.info if mem else None
+
+    def describe(self) -> list[dict[str, object]]:
+        """Members with their heartbeat age (for status pages)."""
+        now = self.clock()
+        with self._lock:
+            rows: list[dict[str, object]] = [
+                {
+                    "node_id": mem.info.node_id,
+                    "control": mem.info.control,
+                    "data": mem.info.data,
+                    "incarnation": mem.info.incarnation,
+                    "last_seen_s": round(now - mem.last_seen, 3),
+                    "state": "alive",
+                }
+                for mem in self._members.values()
+            ]
+            rows += [
+                {
+                    "node_id": info.node_id,
+                    "control": info.control,
+                    "data": info.data,
+                    "incarnation": info.incarnation,
+                    "last_seen_s": round(now - when, 3),
+                    "state": "dead",
+                }
+                for info, when in self._dead.values()
+            ]
+        me = self.me
+        rows.append(
+            {
+                "node_id": me.node_id,
+                "control": me.control,
+                "data": me.data,
+                "incarnation": me.incarnation,
+                "last_seen_s": 0.0,
+                "state": "self",
+            }
+        )
+        return sorted(rows, key=lambda r: str(r["node_id"]))
+
+    # -- control handlers (on the control server thread) -----------------------------------
+    def on_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatAck:
+        self.heartbeats_received += 1
+        self._saw(req.sender)
+        self._gossip(req.members)
+        return m.HeartbeatAck(req.rid, self.me, self._live_infos())
+
+    def on_leave(self, req: m.Leave) -> m.Done:
+        info = req.sender
+        with self._lock:
+            mem = self._members.get(info.node_id)
+            gone = mem is not None and mem.info.incarnation == info.incarnation
+            if gone:
+                del self._members[info.node_id]
+                self._dead[info.node_id] = (info, self.clock())
+        if gone:
+            log.info("cluster member %s left", info.node_id)
+            self._wake.set()
+        return m.Done(req.rid, int(gone))
+
+    def on_get_members(self, req: m.GetMembers) -> m.MemberList:
+        return m.MemberList(req.rid, [*self._live_infos(), self.me])
+
+    # -- state changes ---------------------------------------------------------------------
+    def _live_infos(self) -> list[m.MemberInfo]:
+        with self._lock:
+            return [mem.info for mem in self._members.values()]
+
+    def _saw(self, info: m.MemberInfo) -> None:
+        """Direct evidence that ``info`` is alive."""
+        if info.node_id == self.me.node_id:
+            if info.control != self.me.control:
+                self._self_addrs.add(info.control)
+            return
+        now = self.clock()
+        with self._lock:
+            mem = self._members.get(info.node_id)
+            if mem is not None and info.incarnation < mem.info.incarnation:
+                return  # a late message of a previous life
+            if mem is None or mem.info != info:
+                self._members[info.node_id] = _Member(info, now)
+                changed = True
+            else:
+                mem.last_seen = now
+                changed = False
+            self._dead.pop(info.node_id, None)
+            self._candidates.pop(info.control, None)
+        if changed:
+            self._wake.set()
+
+    def _gossip(self, infos: Iterable[m.MemberInfo]) -> None:
+        """Members another node reports: probe the ones we do not know as alive."""
+        until = self.clock() + 3 * self.ttl
+        with self._lock:
+            for info in infos:
+                if info.node_id == self.me.node_id:
+                    continue
+                mem = self._members.get(info.node_id)
+                if mem is None or mem.info.incarnation < info.incarnation:
+                    self._candidates[info.control] = until
+
+    def _expire(self) -> None:
+        now = self.clock()
+        with self._lock:
+            for nid, mem in list(self._members.items()):
+                if now - mem.last_seen > self.ttl:
+                    del self._members[nid]
+                    self._dead[nid] = (mem.info, now)
+                    log.warning(
+                        "cluster member %s missed heartbeats for %.1f s: declared dead",
+                        nid,
+                        now - mem.last_seen,
+                    )
+            horizon = max(60.0, 20 * self.ttl)
+            for nid, (_, when) in list(self._dead.items()):
+                if now - when > horizon:
+                    del self._dead[nid]
+            for addr, until in list(self._candidates.items()):
+                if now > until:
+                    del self._candidates[addr]
+
+    def _report(self) -> None:
+        new = self.alive()
+        old = self._reported
+        if {k: v.incarnation for k, v in new.items()} == {k: v.incarnation for k, v in old.items()}:
+            return
+        self._reported = new
+        self.changes += 1
+        joined = sorted(set(new) - set(old))
+        left = sorted(set(old) - set(new))
+        restarted = sorted(k for k in set(new) & set(old) if new[k] != old[k])
+        log.info(
+            "cluster membership: %d members (joined %s, left %s, restarted %s)",
+            len(new),
+            joined or "-",
+            left or "-",
+            restarted or "-",
+        )
+        for listener in self._listeners:
+            try:
+                listener(old, new)
+            except Exception:
+                log.exception("membership listener failed")
+
+    # -- the heartbeat loop ----------------------------------------------------------------
+    def targets(self) -> list[str]:
+        with self._lock:
+            addrs = [mem.info.control for mem in self._members.values()]
+            addrs += list(self._candidates)
+            addrs += [info.control for info, _ in self._dead.values()]
+            addrs += self.seeds
+            known = set()
+            out: list[str] = []
+            for addr in addrs:
+                if addr not in known and addr not in self._self_addrs:
+                    known.add(addr)
+                    out.append(addr)
+            return out
+
+    def tick(self) -> None:
+        """One round: heartbeat every target, merge what they say, expire the silent."""
+        targets = self.targets()
+        if targets:
+            msg = m.Heartbeat(self.client.token, 0, self.me, self._live_infos())
+            self.heartbeats_sent += len(targets)
+            replies = self.client.call_many(
+                {addr: msg for addr in targets}, timeout=0.8 * self.interval
+            )
+            for addr, reply in replies.items():
+                if isinstance(reply, m.HeartbeatAck):
+                    if reply.sender.node_id == self.me.node_id:
+                        self._self_addrs.add(addr)
+                        continue
+                    self._saw(reply.sender)
+                    self._gossip(reply.members)
+                elif isinstance(reply, m.Refused):
+                    self.refused_by_peers += 1
+                    log.error("cluster peer %s refused our heartbeat: %s", addr, reply.reason)
+        self._expire()
+        self._report()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tierkv-cluster-hb", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = self.clock()
+            try:
+                self.tick()
+            except Exception:
+                log.exception("cluster heartbeat round failed")
+            # Sleep out the interval, but report a change seen by a handler at once.
+            while not self._stop.is_set():
+                left = started + self.interval - self.clock()
+                if left <= 0:
+                    break
+                if self._wake.wait(left):
+                    self._wake.clear()
+                    self._report()
+
+    def close(self, leave: bool = True) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if leave:
+            self.leave()
+
+    def leave(self) -> None:
+        """Tell every live member that this node is going away (best effort)."""
+        with self._lock:
+            addrs = [mem.info.control for mem in self._members.values()]
+        msg = m.Leave(self.client.token, 0, self.me)
+        self.client.call_many({a: msg for a in addrs}, timeout=min(0.5, self.interval))

@@ -1,0 +1,137 @@
+"""The cluster's control messages: typed msgspec structs over msgpack (never pickle).
+
+Every request carries the cluster's shared secret (``token``) and a request id the reply
+echoes; a request with a wrong token gets :class:`Refused` and changes nothing. Messages are
+tagged arrays, like the engine protocol, and are only ever extended by appending fields with
+defaults. Directory entries name a chunk's holder by node id and its tier as a small int.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
+    """Base of every cluster message."""
+
+
+class Where(enum.IntEnum):
+    """Where a holder keeps a chunk: in its pool (served at once) or on its disk tier (the
+    holder promotes it into its pool before sending)."""
+
+    POOL = 0
+    DISK = 1
+
+
+class MemberInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """How to reach one server of the cluster. ``incarnation`` changes on every start, so a
+    restarted node (same id) is told apart from its previous life."""
+
+    node_id: str
+    control: str  # HOST:PORT of its control socket (ZMQ)
+    data: str  # HOST:PORT of its data-plane listener (TCP)
+    incarnation: int
+
+
+# -- membership --------------------------------------------------------------------------
+class Heartbeat(Struct, tag="hb"):
+    token: str
+    rid: int
+    sender: MemberInfo
+    members: list[MemberInfo]  # the sender's live members (gossip: candidates to probe)
+
+
+class HeartbeatAck(Struct, tag="hb_ack"):
+    rid: int
+    sender: MemberInfo
+    members: list[MemberInfo]
+
+
+class Leave(Struct, tag="leave"):
+    token: str
+    rid: int
+    sender: MemberInfo
+
+
+class GetMembers(Struct, tag="members"):
+    token: str
+    rid: int
+
+
+class MemberList(Struct, tag="member_list"):
+    rid: int
+    members: list[MemberInfo]  # live members, the answering node included
+
+
+# -- directory ---------------------------------------------------------------------------
+class Publish(Struct, tag="publish"):
+    """Entries of one holder: ``(key, Where)`` pairs."""
+
+    token: str
+    rid: int
+    holder: str
+    incarnation: int
+    entries: list[tuple[bytes, int]]
+
+
+class Unpublish(Struct, tag="unpublish"):
+    token: str
+    rid: int
+    holder: str
+    keys: list[bytes]
+
+
+class Handoff(Struct, tag="handoff"):
+    """Entries an owner passes to a new owner after a membership change:
+    ``(key, holder, incarnation, Where)``."""
+
+    token: str
+    rid: int
+    entries: list[tuple[bytes, str, int, int]]
+
+
+class Resolve(Struct, tag="resolve"):
+    token: str
+    rid: int
+    keys: list[bytes]
+
+
+class Resolved(Struct, tag="resolved"):
+    """For the keys found: ``(position in the request, holder index, Where)``, one tuple per
+    holder; ``holders`` is the table the indexes point into."""
+
+    rid: int
+    holders: list[str]
+    found: list[tuple[int, int, int]]
+
+
+class GetStatus(Struct, tag="status"):
+    token: str
+    rid: int
+
+
+class NodeStatus(Struct, tag="node_status"):
+    """A node's cluster figures (see ``ClusterNode.stats``)."""
+
+    rid: int
+    stats: dict[str, object]
+
+
+class Done(Struct, tag="done"):
+    rid: int
+    count: int = 0
+
+
+class Refused(Struct, tag="refused"):
+    rid: int
+    reason: str
+
+
+Request = Heartbeat | Leave | GetMembers | Publish | Unpublish | Handoff | Resolve | GetStatus
+Reply = HeartbeatAck | MemberList | Resolved | NodeStatus | Done | Refused
+
+encode = msgspec.msgpack.Encoder().encode
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)

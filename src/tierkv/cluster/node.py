@@ -1,0 +1,366 @@
+"""One server's place in the cluster: control server, membership, directory, data plane and
+the peer tier, wired over the server's pool and index.
+
+The node is also the data plane's :class:`~tierkv.cluster.transport.ChunkSource`: a fetch
+read-locks the requested chunks in the index (only committed chunks can be named; a chunk
+on this node's disk tier is promoted into the pool first) and hands out read-only views of
+their slots with the checksums recorded when they were published. Keys it no longer has at
+all are withdrawn from the directory on the spot, so stale entries heal when used.
+
+Publishing: the write-behind gives the peer tier every committed chunk (read-locked), the
+node records each chunk's blake3 checksum and queues the keys for the directory. Eviction
+withdraws a chunk's entry, or marks it "on disk" when the node's disk tier has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient, ControlServer
+from tierkv.cluster.directory import HashDirectory, Where
+from tierkv.cluster.membership import Membership
+from tierkv.cluster.peer_tier import PeerTier
+from tierkv.cluster.transport import Served, TcpTransport
+from tierkv.index import Evicted, LeaseNotFound, ObjectIndex
+from tierkv.pool import ShmPool
+from tierkv.tiers.base import LoadStatus, Tier, checksum
+
+log = logging.getLogger(__name__)
+
+SERVE_HOLDER = -3  # index holder id of chunks locked while a peer reads them
+PROMOTE_HOLDER = -4  # index holder id of disk promotions for a peer
+DEFAULT_PORT = 8792
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    seeds: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_port: int = 0  # 0: port + 1
+    advertise: str = ""
+    token: str = ""
+    heartbeat_interval: float = 1.0
+    member_ttl: float = 5.0
+    replicas: int = 2
+    vnodes: int = 160
+    connections: int = 16
+    timeout: float = 2.0
+
+    @property
+    def advertise_host(self) -> str:
+        if self.advertise:
+            return self.advertise
+        if self.host not in ("0.0.0.0", "::", ""):
+            return self.host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return socket.gethostname()
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ClusterSettings:
+        """From a :class:`tierkv.config.ServerConfig`."""
+        seeds = tuple(s.strip() for s in str(cfg.cluster_seeds).split(",") if s.strip())
+        return cls(
+            seeds=seeds,
+            host=cfg.cluster_host,
+            port=cfg.cluster_port,
+            data_port=cfg.cluster_data_port,
+            advertise=cfg.cluster_advertise,
+            token=cfg.auth_token,
+            heartbeat_interval=cfg.heartbeat_interval,
+            member_ttl=cfg.member_ttl,
+            replicas=cfg.directory_replicas,
+            vnodes=cfg.ring_vnodes,
+            connections=cfg.peer_connections,
+            timeout=cfg.peer_timeout,
+        )
+
+
+class ClusterNode:
+    """Everything cluster-related of one server. Build, :meth:`start`, :meth:`close`."""
+
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        index: ObjectIndex,
+        pool: ShmPool,
+        local_tiers: Sequence[Tier] = (),
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.pool = pool
+        self.disk: Tier | None = next((t for t in local_tiers if t.name == "disk"), None)
+        host = settings.advertise_host
+        self.client = ControlClient(settings.token, settings.timeout)
+        self.control = ControlServer(settings.host, settings.port, settings.token, {})
+        try:
+            data_port = settings.data_port or (self.control.port + 1 if settings.port else 0)
+            self.transport = TcpTransport(
+                settings.host,
+                data_port,
+                host,
+                settings.token,
+                f"{host}:{self.control.port}",
+                connections_per_peer=settings.connections,
+                timeout=max(settings.timeout, 1.0),
+            )
+        except BaseException:
+            self.control.close()
+            raise
+        self.node_id = f"{host}:{self.control.port}"
+        self.me = m.MemberInfo(
+            self.node_id, f"{host}:{self.control.port}", self.transport.address, time.time_ns()
+        )
+        self.membership = Membership(
+            self.me,
+            settings.seeds,
+            self.client,
+            settings.heartbeat_interval,
+            settings.member_ttl,
+        )
+        self.directory = HashDirectory(
+            self.membership, self.client, self._held, settings.replicas, settings.vnodes
+        )
+        self.membership.add_listener(self._membership_changed)
+        self.tier = PeerTier(self)
+        self._lock = threading.Lock()
+        self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
+        self._on_disk: set[bytes] = set()
+        self.promoted = 0
+        self.stale_withdrawn = 0
+        self._closed = False
+        self.control.handlers.update(
+            {
+                m.Heartbeat: self.membership.on_heartbeat,
+                m.Leave: self.membership.on_leave,
+                m.GetMembers: self.membership.on_get_members,
+                m.Publish: self.directory.on_publish,
+                m.Unpublish: self.directory.on_unpublish,
+                m.Handoff: self.directory.on_handoff,
+                m.Resolve: self.directory.on_resolve,
+                m.GetStatus: lambda req: m.NodeStatus(req.rid, self.stats()),
+            }
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> ClusterNode:
+        self.control.start()
+        self.transport.serve(self)
+        self.directory.start()
+        self.membership.start()
+        log.info(
+            "cluster node %s: control %s, data %s, seeds %s",
+            self.node_id,
+            self.me.control,
+            self.me.data,
+            ",".join(self.settings.seeds) or "-",
+        )
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Stop answering first, so no peer sees this node alive again after its LEAVE.
+        self.membership.close(leave=False)
+        self.control.close()
+        self.membership.leave()
+        self.directory.close()
+        self.transport.close()
+        self.client.close()
+
+    def _membership_changed(
+        self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
+    ) -> None:
+        for nid, info in old.items():
+            if nid != self.node_id and new.get(nid) != info:
+                self.transport.forget(info)
+
+    # -- publishing this node's chunks -----------------------------------------------------
+    def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
+        """Record checksums of committed chunks (read-locked views) and publish them."""
+        sums = [(key, checksum(view), len(view)) for key, view in items]
+        with self._lock:
+            for key, digest, length in sums:
+                self._published[key] = (digest, length)
+                self._on_disk.discard(key)
+        self.directory.publish([key for key, _, _ in sums], Where.POOL)
+
+    def withdraw(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            gone = [k for k in keys if self._published.pop(k, None) is not None]
+            gone += [k for k in keys if k in self._on_disk]
+            self._on_disk.difference_update(keys)
+        self.directory.unpublish(gone)
+        return len(gone)
+
+    def on_evicted(self, batch: list[Evicted]) -> None:
+        """Eviction listener: withdraw evicted chunks, or mark them as on this node's disk."""
+        with self._lock:
+            keys = [e.key for e in batch if self._published.pop(e.key, None) is not None]
+        if not keys:
+            return
+        on_disk = self._disk_has(keys)
+        disk_keys = [k for k, has in zip(keys, on_disk, strict=True) if has]
+        gone = [k for k, has in zip(keys, on_disk, strict=True) if not has]
+        with self._lock:
+            self._on_disk.update(disk_keys)
+        self.directory.publish(disk_keys, Where.DISK)
+        self.directory.unpublish(gone)
+
+    def _disk_has(self, keys: Sequence[bytes]) -> list[bool]:
+        if self.disk is None or not keys:
+            return [False] * len(keys)
+        try:
+            return self.disk.contains(keys)
+        except Exception:
+            log.exception("disk tier contains failed")
+            return [False] * len(keys)
+
+    def _held(self) -> list[tuple[bytes, Where]]:
+        """What this node holds now (for re-publishing after a membership change)."""
+        with self._lock:
+            pool_keys = list(self._published)
+            disk_keys = list(self._on_disk)
+        present = self.index.contains(pool_keys)
+        out = [(k, Where.POOL) for k, has in zip(pool_keys, present, strict=True) if has]
+        on_disk = self._disk_has(disk_keys)
+        out += [(k, Where.DISK) for k, has in zip(disk_keys, on_disk, strict=True) if has]
+        stale = [k for k, has in zip(pool_keys, present, strict=True) if not has]
+        if stale:  # deleted or cleared without an eviction: forget them
+            with self._lock:
+                for k in stale:
+                    self._published.pop(k, None)
+        return out
+
+    def published_usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._published), sum(n for _, n in self._published.values())
+
+    # -- the data plane's chunk source -----------------------------------------------------
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served:
+        present = self.index.contains(keys)
+        absent = [i for i, has in enumerate(present) if not has]
+        if absent:
+            self._promote([keys[i] for i in absent], [lengths[i] for i in absent])
+        lock = self.index.lock_read(keys, SERVE_HOLDER, prefix=False)
+        views: list[memoryview | None] = [None] * len(keys)
+        sums: list[bytes] = [b""] * len(keys)
+        unknown: list[int] = []
+        with self._lock:
+            for i, offset, length in lock.slots:
+                views[i] = self.pool.view(offset, length).toreadonly()
+                rec = self._published.get(keys[i])
+                if rec is not None and rec[1] == length:
+                    sums[i] = rec[0]
+                else:
+                    unknown.append(i)
+        for i in unknown:  # in the pool but never published here (e.g. fetched from a peer)
+            view = views[i]
+            assert view is not None
+            sums[i] = checksum(view)
+        if lock.missing:
+            self._forget_missing([keys[i] for i in lock.missing])
+        return Served(views, sums, lock.lease_id)
+
+    def release(self, served: Served) -> None:
+        served.views.clear()
+        if served.handle:
+            try:
+                self.index.release_read(served.handle, SERVE_HOLDER)
+            except LeaseNotFound:
+                log.warning("a peer read outlived its read lock (read_ttl too short?)")
+
+    def _promote(self, keys: list[bytes], lengths: list[int]) -> None:
+        """Load chunks a peer wants from this node's disk tier into its pool."""
+        if self.disk is None:
+            return
+        on_disk = self._disk_has(keys)
+        want = [i for i, has in enumerate(on_disk) if has]
+        if not want:
+            return
+        keys = [keys[i] for i in want]
+        lengths = [lengths[i] for i in want]
+        res = self.index.reserve_write(keys, lengths, PROMOTE_HOLDER, tier=self.disk.name)
+        if not res.slots:
+            return
+        items = [(keys[i], self.pool.view(off, n)) for i, off, n in res.slots]
+        try:
+            statuses = self.disk.load(items)
+        except Exception:
+            log.exception("disk tier failed a promotion batch")
+            statuses = [LoadStatus.ERROR] * len(items)
+        if len(statuses) != len(items):
+            statuses = [LoadStatus.ERROR] * len(items)
+        good = [p for p, st in enumerate(statuses) if st is LoadStatus.OK]
+        sums = [(items[p][0], checksum(items[p][1]), len(items[p][1])) for p in good]
+        del items
+        result = self.index.commit(res.lease_id, PROMOTE_HOLDER, good)
+        committed = set(result.committed_keys)
+        with self._lock:
+            for key, digest, length in sums:
+                if key in committed:
+                    self._published[key] = (digest, length)
+                    self._on_disk.discard(key)
+        self.promoted += len(committed)
+        self.directory.publish(list(committed), Where.POOL)
+
+    def _forget_missing(self, keys: list[bytes]) -> None:
+        """A peer asked for chunks this node no longer has: withdraw their entries."""
+        on_disk = self._disk_has(keys)
+        gone = [k for k, has in zip(keys, on_disk, strict=True) if not has]
+        with self._lock:
+            for k in gone:
+                self._published.pop(k, None)
+                self._on_disk.discard(k)
+        if gone:
+            self.stale_withdrawn += len(gone)
+            self.directory.unpublish(gone)
+
+    # -- figures ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            published, on_disk = len(self._published), len(self._on_disk)
+        ms = self.membership
+        return {
+            "node_id": self.node_id,
+            "incarnation": self.me.incarnation,
+            "members": ms.describe(),
+            "membership": {
+                "alive": len(ms.alive()),
+                "changes": ms.changes,
+                "heartbeats_sent": ms.heartbeats_sent,
+                "heartbeats_received": ms.heartbeats_received,
+                "refused_by_peers": ms.refused_by_peers,
+            },
+            "directory": self.directory.stats(),
+            "published": published,
+            "on_disk": on_disk,
+            "promoted": self.promoted,
+            "stale_withdrawn": self.stale_withdrawn,
+            "control": {
+                "served": self.control.served,
+                "refused": self.control.refused,
+                "malformed": self.control.malformed,
+                "calls": self.client.calls,
+                "timeouts": self.client.timeouts,
+            },
+            "transport": self.transport.stats(),
+            "peer_tier": {"resolved": self.tier.resolved, "found": self.tier.found},
+        }
+
+
+def start_cluster(
+    cfg: Any, index: ObjectIndex, pool: ShmPool, local_tiers: Sequence[Tier]
+) -> ClusterNode:
+    """Build and start the cluster node of a server from its configuration."""
+    return ClusterNode(ClusterSettings.from_config(cfg), index, pool, local_tiers).start()

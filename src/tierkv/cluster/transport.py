@@ -1,0 +1,575 @@
+"""The data plane: moving chunk bytes from a holder's pool into a reader's reserved slots.
+
+:class:`Transport` is the interface (an RDMA transport, NIXL or UCX, can implement it with
+one-sided reads); :class:`TcpTransport` is the default.
+
+TCP wire format (little-endian, fixed-size headers):
+
+- hello, reader -> holder: ``"TKVD"``, version, token length, node id length, then the token
+  and the reader's node id. The holder answers one status byte (+7 padding): OK, or
+  UNAUTHORIZED / VERSION and closes. Nothing else is accepted before an OK hello.
+- request: ``"TKVR"``, chunk count (at most ``MAX_CHUNKS``), then per chunk its 32-byte key
+  and the length the reader expects.
+- reply, per chunk in request order: a 32-byte header (status, length, 16-byte blake3
+  checksum), then ``length`` payload bytes when the status is OK.
+
+Holder side: every request read-locks the chunks in the pool (only committed chunks, only
+at their own offsets and lengths: nothing else can be named), sends each header and payload
+straight from the pool's memory (``sendmsg`` on a memoryview of the slot, no copy in user
+space), then releases the locks. The checksum it sends was computed when the chunk was
+published, so bytes that changed in its pool since then fail verification at the reader.
+
+Reader side: a bounded pool of connections per peer (default 16), reused across requests
+and returned only after a clean exchange; each request carries several chunks; a batch to
+one peer is split into a few streams over separate connections, and streams to all peers
+run in parallel. Payloads are received with ``recv_into`` straight into the reserved slot
+views and verified with blake3 (which releases the GIL, so streams hash in parallel). Any
+failure marks the affected chunks ERROR (or CORRUPT) and closes that connection; nothing
+raises to the caller and nothing waits longer than the socket timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import secrets
+import socket
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tierkv.cluster import messages as m
+from tierkv.tiers.base import LoadStatus, checksum
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+HELLO = struct.Struct("<4sHHH6x")
+HELLO_REPLY = struct.Struct("<B7x")
+REQUEST = struct.Struct("<4sI")
+ITEM = struct.Struct("<32sQ")
+CHUNK = struct.Struct("<B7xQ16s")
+MAX_CHUNKS = 4096
+MAX_TOKEN = 1024
+MAX_NODE_ID = 256
+
+HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
+SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
+
+
+class PeerRefused(Exception):
+    """The holder refused our hello (wrong token or version)."""
+
+
+@dataclass
+class Served:
+    """What a :class:`ChunkSource` hands out for one request: per chunk a read-only view of
+    its pool slot and its checksum, or None where it is not served."""
+
+    views: list[memoryview | None]
+    checksums: list[bytes]
+    handle: Any = None  # whatever release() needs (a lease id)
+
+
+class ChunkSource(Protocol):
+    """The holder's pool, as the data plane sees it."""
+
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served: ...
+
+    def release(self, served: Served) -> None: ...
+
+
+@dataclass
+class PeerFigures:
+    """Per-peer data-plane counters (reader side: received; holder side: sent)."""
+
+    requests: int = 0
+    chunks: int = 0
+    bytes: int = 0
+    missing: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=512)
+    )
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(
+        self,
+        seconds: float,
+        chunks: int,
+        nbytes: int,
+        missing: int = 0,
+        corrupt: int = 0,
+        errors: int = 0,
+        requests: int = 1,
+    ) -> None:
+        with self.lock:
+            self.requests += requests
+            self.chunks += chunks
+            self.bytes += nbytes
+            self.missing += missing
+            self.corrupt += corrupt
+            self.errors += errors
+            self.seconds += seconds
+            if requests:
+                self.latencies.append(seconds)
+
+    def as_dict(self) -> dict[str, object]:
+        with self.lock:
+            lat = sorted(self.latencies)
+
+        def pick(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 3) if lat else None
+
+        return {
+            "requests": self.requests,
+            "chunks": self.chunks,
+            "bytes": self.bytes,
+            "missing": self.missing,
+            "corrupt": self.corrupt,
+            "errors": self.errors,
+            "gbps": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
+            "latency_ms_p50": pick(0.5),
+            "latency_ms_p99": pick(0.99),
+        }
+
+
+class Transport(ABC):
+    """Moves chunks between pools of cluster members."""
+
+    address: str  # HOST:PORT peers reach this node's data plane at
+
+    @abstractmethod
+    def serve(self, source: ChunkSource) -> None:
+        """Start answering peers' fetches from ``source``."""
+
+    @abstractmethod
+    def fetch_many(
+        self, batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]]
+    ) -> list[list[LoadStatus]]:
+        """Fill each (key, writable view) from its batch's holder, all holders in parallel;
+        a status per item, in order."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, object]:
+        return {}
+
+
+# -- socket helpers ----------------------------------------------------------------------
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    pos, n = 0, len(view)
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        pos += got
+
+
+def _recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _send_all(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
+    """sendmsg the parts (no copy of the payload), continuing after partial sends."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# -- the TCP transport -------------------------------------------------------------------
+class _Conn:
+    __slots__ = ("reused", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reused = False
+
+
+class _PeerPool:
+    """Bounded connections to one peer (one incarnation of it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.slots = threading.BoundedSemaphore(limit)
+        self.idle: list[_Conn] = []
+        self.lock = threading.Lock()
+
+
+class TcpTransport(Transport):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        advertise_host: str,
+        token: str,
+        node_id: str,
+        connections_per_peer: int = 16,
+        streams_per_fetch: int = 4,
+        timeout: float = 5.0,
+        max_serving: int = 512,
+        corrupt_hook: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self.token = token.encode()
+        self.node_id = node_id.encode()
+        self.limit = connections_per_peer
+        self.streams = max(1, min(streams_per_fetch, connections_per_peer))
+        self.timeout = timeout
+        self.max_serving = max_serving
+        self.corrupt_hook = corrupt_hook  # tests only: flip sent bytes of chosen keys
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self.address = f"{advertise_host}:{self.port}"
+        self._pools: dict[tuple[str, int], _PeerPool] = {}
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(
+            max(8, 4 * self.streams), thread_name_prefix="tierkv-peer-io"
+        )
+        self._source: ChunkSource | None = None
+        self._stop = threading.Event()
+        self._serving: set[socket.socket] = set()
+        self._accept_thread: threading.Thread | None = None
+        self.received: dict[str, PeerFigures] = {}
+        self.sent: dict[str, PeerFigures] = {}
+        self.refused_hellos = 0
+        self.refused_by_peers = 0
+
+    # -- holder side -----------------------------------------------------------------------
+    def serve(self, source: ChunkSource) -> None:
+        self._source = source
+        self._listener.settimeout(0.2)
+        self._accept_thread = threading.Thread(
+            target=self._accept, name="tierkv-peer-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            with self._lock:
+                full = len(self._serving) >= self.max_serving
+                if not full:
+                    self._serving.add(sock)
+            if full:
+                log.warning("refusing a peer connection: %d already open", self.max_serving)
+                sock.close()
+                continue
+            threading.Thread(
+                target=self._serve_conn, args=(sock,), name="tierkv-peer-serve", daemon=True
+            ).start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        try:
+            _tune(sock)
+            sock.settimeout(self.timeout)
+            peer = self._handshake(sock)
+            if peer is None:
+                return
+            sock.settimeout(None)  # pooled: idle until the reader's next request
+            figures = self._figures(self.sent, peer)
+            head = bytearray(REQUEST.size)
+            while not self._stop.is_set():
+                try:
+                    _recv_exact(sock, memoryview(head))
+                except (ConnectionError, OSError):
+                    return
+                magic, count = REQUEST.unpack(head)
+                if magic != b"TKVR" or not 0 < count <= MAX_CHUNKS:
+                    log.warning("closing a peer connection from %s: bad request header", peer)
+                    return
+                sock.settimeout(self.timeout)
+                raw = _recv_bytes(sock, count * ITEM.size)
+                items = [ITEM.unpack_from(raw, i * ITEM.size) for i in range(count)]
+                self._answer(sock, peer, figures, items)
+                sock.settimeout(None)
+        except (ConnectionError, OSError) as exc:
+            log.debug("peer connection ended: %s", exc)
+        except Exception:
+            log.exception("serving a peer connection failed")
+        finally:
+            with self._lock:
+                self._serving.discard(sock)
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def _handshake(self, sock: socket.socket) -> str | None:
+        magic, version, token_len, node_len = HELLO.unpack(_recv_bytes(sock, HELLO.size))
+        if magic != b"TKVD" or token_len > MAX_TOKEN or node_len > MAX_NODE_ID:
+            self.refused_hellos += 1
+            return None
+        token = _recv_bytes(sock, token_len)
+        node = _recv_bytes(sock, node_len).decode(errors="replace")
+        if version != VERSION:
+            sock.sendall(HELLO_REPLY.pack(HELLO_VERSION))
+            self.refused_hellos += 1
+            return None
+        if not secrets.compare_digest(token, self.token):
+            sock.sendall(HELLO_REPLY.pack(HELLO_UNAUTHORIZED))
+            self.refused_hellos += 1
+            log.warning("refused a data-plane connection with a wrong token (claims %r)", node)
+            return None
+        sock.sendall(HELLO_REPLY.pack(HELLO_OK))
+        return node
+
+    def _answer(
+        self,
+        sock: socket.socket,
+        peer: str,
+        figures: PeerFigures,
+        items: list[tuple[bytes, int]],
+    ) -> None:
+        assert self._source is not None
+        started = time.perf_counter()
+        keys = [k for k, _ in items]
+        served = self._source.acquire(keys, [n for _, n in items])
+        sent_bytes = chunks = missing = 0
+        try:
+            for i, (key, want) in enumerate(items):
+                view = served.views[i]
+                if view is None:
+                    missing += 1
+                    _send_all(sock, [CHUNK.pack(SENT_MISSING, 0, bytes(16))])
+                elif len(view) != want:
+                    missing += 1
+                    _send_all(sock, [CHUNK.pack(SENT_LENGTH, len(view), bytes(16))])
+                else:
+                    digest = served.checksums[i]
+                    if self.corrupt_hook is not None and self.corrupt_hook(key):
+                        digest = bytes(b ^ 0xFF for b in digest)
+                    _send_all(sock, [CHUNK.pack(SENT_OK, len(view), digest), view])
+                    sent_bytes += len(view)
+                    chunks += 1
+                view = None
+        finally:
+            self._source.release(served)
+        figures.add(time.perf_counter() - started, chunks, sent_bytes, missing=missing)
+
+    # -- reader side -----------------------------------------------------------------------
+    def _pool(self, peer: m.MemberInfo) -> _PeerPool:
+        key = (peer.data, peer.incarnation)
+        with self._lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                pool = self._pools[key] = _PeerPool(self.limit)
+            return pool
+
+    def forget(self, peer: m.MemberInfo) -> None:
+        """Close pooled connections to a peer that left or restarted."""
+        with self._lock:
+            pools = [p for k, p in self._pools.items() if k[0] == peer.data]
+            for k in [k for k in self._pools if k[0] == peer.data]:
+                del self._pools[k]
+        for pool in pools:
+            with pool.lock:
+                conns, pool.idle = pool.idle, []
+            for conn in conns:
+                with contextlib.suppress(OSError):
+                    conn.sock.close()
+
+    def _connect(self, peer: m.MemberInfo) -> _Conn:
+        host, port = split_host_port(peer.data)
+        sock = socket.create_connection((host, port), timeout=self.timeout)
+        try:
+            _tune(sock)
+            sock.sendall(
+                HELLO.pack(b"TKVD", VERSION, len(self.token), len(self.node_id))
+                + self.token
+                + self.node_id
+            )
+            (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
+        except BaseException:
+            sock.close()
+            raise
+        if status != HELLO_OK:
+            sock.close()
+            self.refused_by_peers += 1
+            raise PeerRefused(
+                f"peer {peer.node_id} refused our data-plane hello "
+                f"({'wrong cluster token' if status == HELLO_UNAUTHORIZED else 'version'})"
+            )
+        return _Conn(sock)
+
+    def fetch_many(
+        self, batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]]
+    ) -> list[list[LoadStatus]]:
+        out: list[list[LoadStatus]] = [[LoadStatus.ERROR] * len(items) for _, items in batches]
+        jobs = []
+        for b, (peer, items) in enumerate(batches):
+            if not items:
+                continue
+            total = sum(len(v) for _, v in items)
+            streams = max(1, min(self.streams, len(items), math.ceil(total / (4 * 2**20))))
+            bounds = [round(s * len(items) / streams) for s in range(streams + 1)]
+            for s in range(streams):
+                lo, hi = bounds[s], bounds[s + 1]
+                for start in range(lo, hi, MAX_CHUNKS):
+                    end = min(hi, start + MAX_CHUNKS)
+                    jobs.append((b, start, peer, list(items[start:end])))
+        if len(jobs) == 1:
+            b, start, peer, part = jobs[0]
+            out[b][start : start + len(part)] = self._stream(peer, part)
+            return out
+        futures = [(b, start, len(part), self._executor.submit(self._stream, peer, part))
+                   for b, start, peer, part in jobs]  # fmt: skip
+        for b, start, n, fut in futures:
+            out[b][start : start + n] = fut.result()
+        return out
+
+    def _stream(
+        self, peer: m.MemberInfo, items: list[tuple[bytes, memoryview]]
+    ) -> list[LoadStatus]:
+        """One request on one pooled connection; a status per item."""
+        figures = self._figures(self.received, peer.node_id)
+        statuses = [LoadStatus.ERROR] * len(items)
+        pool = self._pool(peer)
+        if not pool.slots.acquire(timeout=self.timeout):
+            figures.add(0.0, 0, 0, errors=len(items), requests=0)
+            return statuses
+        started = time.perf_counter()
+        try:
+            for attempt in range(2):
+                conn: _Conn | None = None
+                try:
+                    with pool.lock:
+                        conn = pool.idle.pop() if pool.idle else None
+                    if conn is None:
+                        conn = self._connect(peer)
+                    self._exchange(conn.sock, items, statuses)
+                    conn.reused = True
+                    with pool.lock:
+                        pool.idle.append(conn)
+                    conn = None
+                    break
+                except PeerRefused as exc:
+                    log.error("%s", exc)
+                    break
+                except (OSError, ConnectionError) as exc:
+                    # A pooled connection the peer dropped while idle fails before any reply:
+                    # retry once on a fresh one. Anything else ends the request.
+                    untouched = all(st is LoadStatus.ERROR for st in statuses)
+                    stale = conn is not None and conn.reused and untouched and attempt == 0
+                    if not stale:
+                        log.warning("fetch from %s failed: %s", peer.node_id, exc)
+                        break
+                finally:
+                    if conn is not None:
+                        with contextlib.suppress(OSError):
+                            conn.sock.close()
+        finally:
+            pool.slots.release()
+        ok = [len(v) for (_, v), st in zip(items, statuses, strict=True) if st is LoadStatus.OK]
+        figures.add(
+            time.perf_counter() - started,
+            len(ok),
+            sum(ok),
+            missing=statuses.count(LoadStatus.MISSING),
+            corrupt=statuses.count(LoadStatus.CORRUPT),
+            errors=statuses.count(LoadStatus.ERROR),
+        )
+        if LoadStatus.CORRUPT in statuses:
+            log.warning(
+                "%d chunks from %s failed their checksum: dropped",
+                statuses.count(LoadStatus.CORRUPT),
+                peer.node_id,
+            )
+        return statuses
+
+    def _figures(self, table: dict[str, PeerFigures], peer: str) -> PeerFigures:
+        figures = table.get(peer)
+        if figures is None:
+            with self._lock:
+                figures = table.setdefault(peer, PeerFigures())
+        return figures
+
+    def _exchange(
+        self,
+        sock: socket.socket,
+        items: list[tuple[bytes, memoryview]],
+        statuses: list[LoadStatus],
+    ) -> None:
+        """Send one request, receive every chunk into its view and set its status (the
+        connection is clean only if this returns normally)."""
+        sock.settimeout(self.timeout)
+        request = [REQUEST.pack(b"TKVR", len(items))]
+        request += [ITEM.pack(key, len(view)) for key, view in items]
+        _send_all(sock, [b"".join(request)])
+        head = bytearray(CHUNK.size)
+        hview = memoryview(head)
+        for i, (_, view) in enumerate(items):
+            _recv_exact(sock, hview)
+            status, length, digest = CHUNK.unpack(head)
+            if status == SENT_OK:
+                if length != len(view):
+                    raise ConnectionError(f"peer sent {length} bytes for a {len(view)}-byte slot")
+                target = view.cast("B") if view.format != "B" else view
+                _recv_exact(sock, target)
+                ok = checksum(target) == digest
+                statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
+            else:
+                statuses[i] = LoadStatus.MISSING
+
+    # -- lifecycle and figures -------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        if self._accept_thread is not None:
+            self._accept_thread.join(2.0)
+        with self._lock:
+            serving = list(self._serving)
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for sock in serving:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for pool in pools:
+            for conn in pool.idle:
+                with contextlib.suppress(OSError):
+                    conn.sock.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "address": self.address,
+            "received": {peer: f.as_dict() for peer, f in list(self.received.items())},
+            "sent": {peer: f.as_dict() for peer, f in list(self.sent.items())},
+            "serving_connections": len(self._serving),
+            "refused_hellos": self.refused_hellos,
+            "refused_by_peers": self.refused_by_peers,
+        }

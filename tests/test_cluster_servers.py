@@ -1,0 +1,218 @@
+"""Cluster tests with real servers on loopback: every server its own process, pool, runtime
+dir and ports; short heartbeat/TTL options. Asynchronous effects are awaited by bounded
+polling, never by timing assertions."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from clusterkit import (
+    TOKEN,
+    Node,
+    call,
+    converged,
+    free_ports,
+    start_node,
+    status,
+    wait_for,
+)
+from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from tierkv import keys as tk
+from tierkv.client import Client
+from tierkv.cluster import messages as m
+from tierkv.cluster.transport import TcpTransport
+from tierkv.tiers.base import LoadStatus
+
+Factory = Callable[..., ServerProcess]
+
+
+def tokens_for(seed: int, chunks: int) -> list[int]:
+    return list(range(seed * 100_000, seed * 100_000 + 256 * chunks))
+
+
+def chunk_keys(client: Client, tokens: list[int]) -> list[bytes]:
+    assert client.registration is not None
+    packed = np.asarray(tokens, dtype="<u4").tobytes()
+    return tk.chunk_keys(client.registration.namespace, packed, 256)
+
+
+def store(node: Node, tokens: list[int], chunks: int) -> list[bytes]:
+    with node.client() as c:
+        register(c)
+        res = c.store(tokens, [chunk_data(tokens, i) for i in range(chunks)])
+        assert res.stored == list(range(chunks))
+        return chunk_keys(c, tokens)
+
+
+def located(nodes: list[Node], keys: list[bytes]) -> list[set[str]]:
+    """Holders of each key, asked of every node's shard (a test's view of the directory)."""
+    out: list[set[str]] = [set() for _ in keys]
+    for node in nodes:
+        reply = call(node.addr, m.Resolve(TOKEN, 0, keys))
+        assert isinstance(reply, m.Resolved)
+        for pos, h, _ in reply.found:
+            out[pos].add(reply.holders[h])
+    return out
+
+
+def fetch(node: Node, tokens: list[int], chunks: int, rid: str = "r") -> tuple[int, list[int]]:
+    """Look up on ``node`` (waiting for the prefetch), retrieve, check bytes; (hits, ok)."""
+    with node.client() as c:
+        register(c)
+        hits = c.lookup(tokens, request_id=rid, wait=True).hits
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(chunks)]
+        got = c.retrieve(request_id=rid, out=out)
+        for i in got.retrieved:
+            np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
+        return hits, got.retrieved
+
+
+def peer_tier(node: Node) -> dict[str, object]:
+    with node.client() as c:
+        stats = c.stats()
+    tier = next(t for t in stats.tiers if t.name == "peer")
+    return {
+        "loaded": tier.loaded_chunks,
+        "failures": dict(tier.load_failures),
+        "published": tier.written_chunks,
+    }
+
+
+@pytest.fixture
+def trio(server_factory: Factory) -> list[Node]:
+    """Three servers: A seeds itself, B and C join through A."""
+    pa, pb, pc = free_ports(3)
+    a = start_node(server_factory, pa, [pa])
+    b = start_node(server_factory, pb, [pa, pb])
+    c = start_node(server_factory, pc, [pa, pc])
+    nodes = [a, b, c]
+    wait_for(lambda: converged(nodes))
+    return nodes
+
+
+def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> None:
+    a, b, c = trio
+    tokens = tokens_for(1, 6)
+    keys = store(a, tokens, 6)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    hits, retrieved = fetch(b, tokens, 6)
+    assert hits == 6 and retrieved == list(range(6))
+    figures = peer_tier(b)
+    assert figures["loaded"] == 6 and not figures["failures"]
+    assert peer_tier(a)["published"] == 6
+    # B's copies are local now; C can still fetch from A.
+    assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
+    sent = status(a)["transport"]["sent"]
+    assert sum(p["chunks"] for p in sent.values()) == 12
+
+
+def test_directory_owner_killed_replicas_answer(trio: list[Node]) -> None:
+    a, b, c = trio
+    tokens = tokens_for(2, 8)
+    keys = store(a, tokens, 8)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    c.server.kill()  # C owns entries of most keys (2 replicas of 3 members)
+    hits, retrieved = fetch(b, tokens, 8)
+    assert hits == 8 and retrieved == list(range(8))
+
+
+def test_data_holder_killed_is_a_clean_miss_then_recompute(trio: list[Node]) -> None:
+    a, b, c = trio
+    tokens = tokens_for(3, 4)
+    keys = store(a, tokens, 4)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    a.server.kill()
+    hits, retrieved = fetch(b, tokens, 4)  # entries still name A: the fetch fails fast
+    assert hits == 0 and retrieved == []
+    assert store(b, tokens, 4) == keys  # the engine recomputes and stores
+    assert fetch(b, tokens, 4, rid="again") == (4, list(range(4)))
+    # Once A is declared dead, C finds the chunks at B.
+    wait_for(lambda: members_of(c) == {b.node_id, c.node_id})
+    wait_for(lambda: fetch(c, tokens, 4, rid="c")[0] == 4)
+
+
+def members_of(node: Node) -> set[str]:
+    reply = call(node.addr, m.GetMembers(TOKEN, 0))
+    assert isinstance(reply, m.MemberList)
+    return {info.node_id for info in reply.members}
+
+
+def test_node_joins_entries_rebalance_and_lookups_hit(
+    trio: list[Node], server_factory: Factory
+) -> None:
+    a, b, _ = trio
+    tokens = tokens_for(4, 16)
+    keys = store(a, tokens, 16)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    (pd,) = free_ports(1)
+    d = start_node(server_factory, pd, [b.port])  # joins through a seed other than the first
+    nodes = [*trio, d]
+    wait_for(lambda: converged(nodes))
+    # D now owns some entries: they moved to it (handoff and re-publish).
+    wait_for(lambda: status(d)["directory"]["entries"] > 0)
+    assert all(holders == {a.node_id} for holders in located(nodes, keys))
+    assert fetch(d, tokens, 16) == (16, list(range(16)))
+    stats = status(d)["directory"]
+    assert stats["handoff_received"] + stats["served_publish"] > 0
+
+
+def test_corrupt_transfer_is_detected_and_counted(trio: list[Node]) -> None:
+    a, b, _ = trio
+    tokens = tokens_for(5, 3)
+    keys = store(a, tokens, 3)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+
+    # Flip bytes of chunk 1 in A's pool after its checksum was published.
+    def flip(chunk: int, src: np.ndarray) -> None:
+        if chunk == 1:
+            raw = src.view(np.uint8).reshape(-1)
+            raw[:64] ^= 0xFF
+
+    with a.client() as ca:
+        register(ca)
+        assert ca.retrieve(tokens, scatter=flip).retrieved == [0, 1, 2]
+    hits, retrieved = fetch(b, tokens, 3)
+    assert hits == 1 and retrieved == [0]  # chunk 1 is a miss, which ends the prefix
+    figures = peer_tier(b)
+    assert figures["failures"] == {"corrupt": 1}
+    received = status(b)["transport"]["received"][a.node_id]
+    assert received["corrupt"] == 1
+
+
+def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
+    a, b, _ = trio
+    tokens = tokens_for(6, 2)
+    keys = store(a, tokens, 2)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    # Control plane: a wrong token is refused and changes nothing.
+    for msg in (
+        m.Resolve("", 0, keys),
+        m.GetMembers("wrong", 0),
+        m.Heartbeat("wrong", 0, m.MemberInfo("intruder:1", "127.0.0.1:1", "127.0.0.1:2", 1), []),
+        m.Unpublish("wrong", 0, a.node_id, keys),
+    ):
+        reply = call(b.addr, msg, token=msg.token)
+        assert isinstance(reply, m.Refused), reply
+    assert "intruder:1" not in members_of(b)
+    assert all(holders == {a.node_id} for holders in located(trio, keys))
+    assert status(b)["control"]["refused"] >= 4
+    # Data plane: a hello with a wrong token gets no bytes.
+    intruder = TcpTransport("127.0.0.1", 0, "127.0.0.1", "wrong", "intruder:1", timeout=2.0)
+    try:
+        info = m.MemberInfo(a.node_id, a.addr, f"127.0.0.1:{a.port + 1}", 0)
+        view = memoryview(bytearray(2 * 256 * 16 * 4))
+        assert intruder.fetch_many([(info, [(keys[0], view)])]) == [[LoadStatus.ERROR]]
+        assert not any(view)
+    finally:
+        intruder.close()
+    assert status(a)["transport"]["refused_hellos"] >= 1
+
+
+def test_servers_stop_cleanly_and_leave(trio: list[Node]) -> None:
+    a, b, c = trio
+    assert c.server.stop(signal.SIGTERM) == 0
+    wait_for(lambda: converged([a, b]))
