@@ -4,8 +4,10 @@ tampered data."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +143,71 @@ def test_cli_with_server_runs_and_stops_its_own_server(tmp_path: Path) -> None:
     assert ": 0 failures" in done.stdout
     assert "server stopped cleanly" in done.stdout
     assert not list(tmp_path.glob("tierkv-demo-*")), "temporary directory left behind"
+
+
+# -- with a disk tier and a pool smaller than the working set ------------------------------
+TIER_WORKLOAD_ARGS = ["--documents", "6", "--doc-tokens", str(6 * CHUNK_TOKENS + 50)]
+
+
+def test_demo_with_a_disk_tier_gets_hits_from_disk(
+    server_factory: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """A 2 MiB pool (32 tiny chunks) for a ~40-chunk working set, with a disk tier: the
+    repeat questions find their documents evicted and load them back from disk, byte-exact."""
+    workload = Workload(documents=6, doc_tokens=6 * CHUNK_TOKENS + 50, queries_per_doc=2)
+    chunk = TINY_MODEL.bytes_per_token * CHUNK_TOKENS
+    assert workload.distinct_chunks(CHUNK_TOKENS) * chunk > 2 << 20
+    srv = server_factory(
+        pool_size="2MiB",
+        extra=[
+            "--tier", f"disk:path={tmp_path / 'disk'}",
+            "--write-behind-max-bytes", "2MiB",
+        ],
+    )  # fmt: skip
+    report = run_demo(
+        srv.endpoint, workload, TINY_MODEL, engines=2, progress=False, settle_tiers=True
+    )
+    assert report.ok, report.format()
+    assert report.corrupt_chunks == 0
+    from_disk = report.count("tier_hit_chunks")
+    assert from_disk > 0, report.format()
+    assert report.count("retrieved_chunks") == report.count("hit_chunks")
+    stats = report.server_stats
+    assert stats is not None and [t.name for t in stats.tiers] == ["disk"]
+    assert stats.evictions > 0
+    assert stats.tiers[0].loaded_chunks >= from_disk  # hits from disk were loaded from disk
+    assert stats.tiers[0].load_failures == {}
+    assert stats.read_locked == 0 and stats.read_leases == 0 and stats.write_leases == 0
+    text = report.format()
+    assert f"slower tiers {from_disk} " in text and "tier disk" in text
+
+
+def test_cli_with_a_disk_tier_and_again_on_the_same_directory(tmp_path: Path) -> None:
+    """`tierkv demo --with-server --disk-tier DIR`: some hits come from disk, nothing fails
+    verification; a second run on the same directory (a new server) finds the first run's
+    chunks on disk, already for the first questions."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = [
+        sys.executable, "-m", "tierkv.cli", "demo", "--with-server",
+        "--disk-tier", str(tmp_path / "disk"), *TIER_WORKLOAD_ARGS,
+        "--engines", "2", *TINY_MODEL_ARGS,
+    ]  # fmt: skip
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert ": 0 failures" in done.stdout and "server stopped cleanly" in done.stdout
+        assert "disk tier" in done.stderr and "tier disk" in done.stdout
+        outputs.append(done.stdout)
+    first, second = (_hits(out) for out in outputs)
+    assert first["tiers"] > 0, outputs[0]
+    # Second run: the first questions (no repeat yet) hit, from disk.
+    assert second["all"] > second["repeat"] and second["tiers"] > 0, outputs[1]
+    assert not list(tmp_path.glob("tierkv-demo-*")), "temporary directory left behind"
+
+
+def _hits(report: str) -> dict[str, int]:
+    hits = re.search(r"chunk hits +(\d+) of \d+ looked up \([^)]*\); (\d+) of", report)
+    tiers = re.search(r"slower tiers (\d+) ", report)
+    assert hits and tiers, report
+    return {"all": int(hits[1]), "repeat": int(hits[2]), "tiers": int(tiers[1])}

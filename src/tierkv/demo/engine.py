@@ -3,7 +3,11 @@
 This is the integration an engine connector makes, written out with numpy:
 
 1. ``lookup(tokens, request_id=...)``: how many leading chunks of the prompt are cached
-   (the server read-locks them for this request);
+   (the server read-locks them for this request). When the pool holds only part of the
+   prefix and the server has slower tiers (disk, Redis, S3), it prefetches the following
+   chunks into the pool; ``wait_prefetch`` returns the final count (this is what
+   ``lookup(..., wait=True)`` does, in two steps so that the engine knows how many hits
+   the pool had and how many the tiers added);
 2. ``retrieve(request_id=..., scatter=...)``: copy those chunks straight from the server's
    shared-memory pool into the request's paged KV blocks (one copy, no staging buffer);
 3. prefill the rest of the prompt (here: compute the deterministic KV of :mod:`.kv`);
@@ -92,18 +96,25 @@ class RequestRecord:
     engine: int
     tokens: int = 0
     full_chunks: int = 0
-    hit_chunks: int = 0  # lookup: leading chunks available
+    hit_chunks: int = 0  # lookup: leading chunks available (after the prefetch)
+    pool_hit_chunks: int = 0  # of those, in the pool at lookup time (the rest: from tiers)
     retrieved_chunks: int = 0  # loaded into the paged cache
     stored_chunks: int = 0
     present_chunks: int = 0  # at store time, already stored by another engine
     no_space_chunks: int = 0  # the pool was full
     prefill_tokens: int = 0
-    lookup_s: float = 0.0
+    lookup_s: float = 0.0  # includes waiting for the prefetch
+    prefetch_s: float = 0.0  # waiting for the prefetch from the tiers
     retrieve_s: float = 0.0
     prefill_s: float = 0.0
     store_s: float = 0.0
     verify_s: float = 0.0
     corrupt_chunks: list[int] = field(default_factory=list)  # failed verification
+
+    @property
+    def tier_hit_chunks(self) -> int:
+        """Hits the tiers supplied: prefetched into the pool during the lookup."""
+        return self.hit_chunks - self.pool_hit_chunks
 
 
 class SimEngine:
@@ -139,7 +150,12 @@ class SimEngine:
 
         try:
             t0 = time.perf_counter()
-            rec.hit_chunks = self.client.lookup(tokens, request_id=rid).hits
+            found = self.client.lookup(tokens, request_id=rid)
+            rec.pool_hit_chunks = rec.hit_chunks = found.hits
+            if found.prefetching:
+                tp = time.perf_counter()
+                rec.hit_chunks = self.client.wait_prefetch(rid)
+                rec.prefetch_s = time.perf_counter() - tp
             t1 = time.perf_counter()
             rec.lookup_s = t1 - t0
 
@@ -213,10 +229,22 @@ class EngineSettings:
     model: SimModel
     engines: int
     timeout: float = 30.0
+    # Between rounds, engine 0 waits (bounded) until the server's write-behind has written
+    # the round's chunks to its tiers: later questions come after the tier caught up.
+    settle_tiers: bool = False
 
 
 # Messages an engine process puts on the event queue: (kind, engine index, payload).
-RECORD, DONE, FAILED = "record", "done", "failed"
+RECORD, DONE, FAILED, SETTLED = "record", "done", "failed", "settled"
+
+
+def settle_tiers(client: Client, timeout: float) -> float:
+    """Wait until the server's write-behind queue is empty (or ``timeout``); seconds waited."""
+    t0 = time.perf_counter()
+    deadline = t0 + timeout
+    while client.stats().write_behind_queued and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 def engine_main(index: int, settings: EngineSettings, events: Any, barrier: Any) -> None:
@@ -229,10 +257,13 @@ def engine_main(index: int, settings: EngineSettings, events: Any, barrier: Any)
         with Client(settings.endpoint, timeout=settings.timeout) as client:
             engine = SimEngine(client, settings.model, cache, index)
             engine.register()
-            for round_ in workload.rounds(settings.engines):
+            rounds = workload.rounds(settings.engines)
+            for number, round_ in enumerate(rounds):
                 for request in round_[index]:
                     record = engine.serve(request, workload.prompt(request))
                     events.put((RECORD, index, record))
+                if settings.settle_tiers and index == 0 and number + 1 < len(rounds):
+                    events.put((SETTLED, index, settle_tiers(client, 4 * settings.timeout)))
                 barrier.wait()
         events.put((DONE, index, None))
     except BaseException as exc:

@@ -2,8 +2,9 @@
 
 It runs as a subprocess with the built-in defaults (``TIERKV_*`` variables of the caller's
 environment are not passed on), its own instance name, a temporary runtime directory and
-a pool sized for the demo. :meth:`LocalServer.stop` sends SIGTERM and checks that the server
-exited cleanly and removed its shared-memory segment.
+a pool sized for the demo, plus any extra server flags the demo asks for (its tiers).
+:meth:`LocalServer.stop` sends SIGTERM and checks that the server exited cleanly and
+removed its shared-memory segment.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 from tierkv.client import Client, ServerUnavailableError
 from tierkv.config import ServerConfig
@@ -26,8 +28,9 @@ class LocalServerError(RuntimeError):
 
 
 class LocalServer:
-    def __init__(self, pool_size: int) -> None:
+    def __init__(self, pool_size: int, extra_args: Sequence[str] = ()) -> None:
         self.pool_size = pool_size
+        self.extra_args = list(extra_args)  # e.g. ["--tier", "disk:path=...,capacity=..."]
         self.instance = f"demo-{os.getpid()}"
         self.tmpdir = tempfile.mkdtemp(prefix="tierkv-demo-")
         self.runtime_dir = os.path.join(self.tmpdir, "run")
@@ -48,11 +51,15 @@ class LocalServer:
             "--instance", self.instance,
             "--runtime-dir", self.runtime_dir,
             "--pool-size", str(self.pool_size),
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self, timeout: float = 30.0) -> LocalServer:
         """Start the server and wait until it answers a ping."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIERKV_")}
+        # No HTTP server: its fixed default port may be taken (by the server the demo would
+        # otherwise talk to, or another demo), and the demo prints its own report.
+        env["TIERKV_HTTP_PORT"] = "0"
         with open(self.log_path, "wb") as log:
             # Its own session: a Ctrl-C of the demo reaches the engines, and the demo then
             # stops the server itself, last.

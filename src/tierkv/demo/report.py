@@ -27,6 +27,7 @@ class DemoReport:
     engines: int
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    settle_s: float = 0.0  # waited between rounds for the write-behind to the tiers
     engine_failures: list[str] = field(default_factory=list)
     server_stats: p.Stats | None = None
 
@@ -75,6 +76,7 @@ class DemoReport:
             f"  chunk hits    {hits} of {looked_up} looked up ({_pct(hits, looked_up)}); "
             f"{repeat_hits} of {repeat_chunks} ({_pct(repeat_hits, repeat_chunks)}) for the "
             "2nd and later questions",
+            *self._tier_hits(hits),
             f"  token hits    {loaded_tokens} of {prompt_tokens} prompt tokens "
             f"({_pct(loaded_tokens, prompt_tokens)})",
             "  retrieve      " + _moved(loaded, cb, self.seconds("retrieve_s")),
@@ -94,6 +96,27 @@ class DemoReport:
         if self.server_stats is not None:
             lines += ["", format_server_stats(self.server_stats)]
         return "\n".join(lines)
+
+    def _tier_hits(self, hits: int) -> list[str]:
+        """Where the hits came from: the pool, or the tiers (prefetched during the lookup),
+        split per tier by what the server loaded from each."""
+        tiers = self.server_stats.tiers if self.server_stats is not None else []
+        from_tiers = self.count("tier_hit_chunks")
+        if not tiers and not from_tiers:
+            return []
+        from_pool = hits - from_tiers
+        per_tier = ", ".join(f"{t.name} loaded {t.loaded_chunks}" for t in tiers)
+        return [
+            f"  hits by tier  pool {from_pool} ({_pct(from_pool, hits)}), slower tiers "
+            f"{from_tiers} ({_pct(from_tiers, hits)})"
+            + (f" [server: {per_tier}]" if per_tier else "")
+            + f"; {self.seconds('prefetch_s'):.2f} s waiting for prefetches"
+            + (
+                f", {self.settle_s:.2f} s between rounds for the write-behind"
+                if self.settle_s
+                else ""
+            )
+        ]
 
 
 def _pct(part: float, whole: float) -> str:
@@ -125,6 +148,20 @@ def format_server_stats(s: p.Stats) -> str:
         f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks",
         f"  requests      {requests}",
     ]
+    for t in s.tiers:
+        cap = f" of {format_bytes(t.capacity)}" if t.capacity else ""
+        failures = ", ".join(f"{k} {v}" for k, v in sorted(t.load_failures.items())) or "none"
+        lines.append(
+            f"  tier {t.name:<8} {t.objects} chunks, {format_bytes(t.bytes_used)}{cap}; "
+            f"written {t.written_chunks} ({t.write_failures} failed); loaded "
+            f"{t.loaded_chunks} ({format_bytes(t.loaded_bytes)}); load failures: {failures}"
+        )
+    if s.tiers:
+        lines.append(
+            f"  tiering       prefetches {s.prefetch_started} ({s.prefetch_rejected} rejected, "
+            f"{s.prefetch_timed_out} timed out); write-behind queue {s.write_behind_queued} "
+            f"({s.write_behind_dropped} dropped)"
+        )
     if s.errors:
         errors = ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items()))
         lines.append(f"  errors        {errors}")

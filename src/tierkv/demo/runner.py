@@ -4,6 +4,11 @@ The engines are separate processes (``multiprocessing``, spawn context), as engi
 are in production: each has its own client, its own paged cache, and shares only the
 server and its pool with the others. They report every finished request on a queue (for
 the progress bar and the report) and meet at a barrier after each round of questions.
+
+With ``--disk-tier DIR`` the server started by ``--with-server`` gets a disk tier and, by
+default, a pool of about half the working set: chunks evicted from the pool come back from
+disk when a later question looks them up, and the report splits the hits into pool and
+tier hits. The directory is kept, so a second run finds the first run's chunks on disk.
 """
 
 from __future__ import annotations
@@ -18,7 +23,14 @@ import time
 
 from tierkv.client import Client, TierKVError, default_endpoint
 from tierkv.config import ConfigError, parse_size
-from tierkv.demo.engine import CHUNK_TOKENS, DONE, RECORD, EngineSettings, engine_main
+from tierkv.demo.engine import (
+    CHUNK_TOKENS,
+    DONE,
+    RECORD,
+    SETTLED,
+    EngineSettings,
+    engine_main,
+)
 from tierkv.demo.kv import SimModel
 from tierkv.demo.local_server import LocalServer, LocalServerError
 from tierkv.demo.report import DemoReport, ProgressBar
@@ -27,6 +39,8 @@ from tierkv.pool import SHM_DIR, format_bytes
 
 HIGH_WATERMARK = 0.8  # the server's default: eviction starts above this pool usage
 MIN_POOL = 256 * 2**20
+MIB = 2**20
+GIB = 2**30
 
 
 def _positive_int(text: str) -> int:
@@ -66,6 +80,19 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="pool of the --with-server server, e.g. 4GiB (default: the workload's chunks, "
         "with room to spare)",
     )
+    s.add_argument(
+        "--disk-tier",
+        metavar="DIR",
+        help="with --with-server: give the server a disk tier in DIR (created if missing, kept "
+        "afterwards) and, unless --pool-size is given, a pool of about half the working set, "
+        "so that evicted chunks come back from disk",
+    )
+    s.add_argument(
+        "--disk-tier-size",
+        metavar="SIZE",
+        help="capacity of the --disk-tier, e.g. 20GiB (default: twice the working set, at "
+        "least 1GiB)",
+    )
     s.add_argument("--endpoint", help="RPC endpoint of a running server")
     s.add_argument("--instance", default="default", help="instance name of a running server")
     s.add_argument("--timeout", type=float, default=30.0, help="RPC timeout in seconds (30)")
@@ -79,12 +106,16 @@ def run_demo(
     *,
     timeout: float = 30.0,
     progress: bool = True,
+    settle_tiers: bool = False,
 ) -> DemoReport:
-    """Run the workload on ``engines`` engine processes against the server at ``endpoint``."""
+    """Run the workload on ``engines`` engine processes against the server at ``endpoint``.
+
+    With ``settle_tiers`` each round of questions starts once the server's write-behind has
+    written the previous round's chunks to its tiers (bounded wait)."""
     ctx = multiprocessing.get_context("spawn")
     events = ctx.Queue()
     barrier = ctx.Barrier(engines)
-    settings = EngineSettings(endpoint, workload, model, engines, timeout)
+    settings = EngineSettings(endpoint, workload, model, engines, timeout, settle_tiers)
     procs = [
         ctx.Process(
             target=engine_main,
@@ -122,6 +153,8 @@ def run_demo(
                 if progress:
                     hits, looked_up = report.count("hit_chunks"), report.count("full_chunks")
                     bar.update(len(report.records), f"chunk hits {hits}/{looked_up}")
+            elif kind == SETTLED:
+                report.settle_s += payload
             elif kind == DONE:
                 running.discard(index)
             else:
@@ -147,10 +180,26 @@ def run_demo(
     return report
 
 
+def working_set_bytes(workload: Workload, model: SimModel) -> int:
+    """Bytes of all the different chunks the workload stores."""
+    return workload.distinct_chunks(CHUNK_TOKENS) * model.bytes_per_token * CHUNK_TOKENS
+
+
+def tiered_pool_size(workload: Workload, model: SimModel) -> int:
+    """A pool of about half the working set (in MiB): the rest lives on the tier.
+
+    At least large enough that the space above the eviction watermark holds a whole
+    document: a prefetch loads into free pool space and does not evict to make room (the
+    eviction controller keeps usage under the high watermark in the background)."""
+    document = (workload.doc_tokens // CHUNK_TOKENS) * model.bytes_per_token * CHUNK_TOKENS
+    wanted = max(working_set_bytes(workload, model) // 2, int(document / (1 - HIGH_WATERMARK)))
+    return max(MIB, -(-wanted // MIB) * MIB)
+
+
 def auto_pool_size(workload: Workload, model: SimModel) -> tuple[int, str]:
     """A pool that holds the whole working set below the eviction watermark, rounded up to
     256 MiB; smaller, with a note, when /dev/shm cannot hold that much."""
-    working_set = workload.distinct_chunks(CHUNK_TOKENS) * model.bytes_per_token * CHUNK_TOKENS
+    working_set = working_set_bytes(workload, model)
     wanted = int(working_set / (HIGH_WATERMARK - 0.05))
     size = max(MIN_POOL, -(-wanted // MIN_POOL) * MIN_POOL)
     try:
@@ -173,20 +222,56 @@ def run_demo_command(args: argparse.Namespace) -> int:
     workload = Workload(args.documents, args.doc_tokens, args.queries_per_doc, args.seed)
     model = SimModel(args.layers, args.kv_heads, args.head_dim)
     server: LocalServer | None = None
+    if (args.disk_tier or args.disk_tier_size) and not args.with_server:
+        print(
+            "tierkv demo: --disk-tier configures the server that --with-server starts; a "
+            "running server has its own tiers (`tierkv server --tier disk:path=DIR`)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.disk_tier_size and not args.disk_tier:
+        print("tierkv demo: --disk-tier-size needs --disk-tier DIR", file=sys.stderr)
+        return 2
     if args.with_server:
         try:
             pool_size = parse_size(args.pool_size) if args.pool_size else None
+            tier_size = parse_size(args.disk_tier_size) if args.disk_tier_size else None
         except ConfigError as exc:
-            print(f"tierkv demo: --pool-size: {exc}", file=sys.stderr)
+            print(f"tierkv demo: {exc}", file=sys.stderr)
             return 2
+        extra: list[str] = []
+        described = ""
+        if args.disk_tier:
+            path = os.path.abspath(args.disk_tier)
+            if "," in path:
+                print(f"tierkv demo: --disk-tier {path!r}: no commas, please", file=sys.stderr)
+                return 2
+            working_set = working_set_bytes(workload, model)
+            if tier_size is None:
+                tier_size = max(GIB, 2 * working_set)
+            described = f", disk tier {path} of up to {format_bytes(tier_size)}"
+            if pool_size is None:
+                pool_size = tiered_pool_size(workload, model)
+                print(
+                    f"note: a pool of {format_bytes(pool_size)} for a working set of "
+                    f"{format_bytes(working_set)}: evicted chunks come back from the disk tier",
+                    file=sys.stderr,
+                )
+            # The write-behind queue may hold the whole pool: chunks wait for the disk
+            # instead of being dropped (queued chunks stay locked in the pool, so when the
+            # disk falls behind, stores into a full pool are skipped instead).
+            extra = [
+                "--tier", f"disk:path={path},capacity={tier_size}",
+                "--write-behind-max-bytes", str(pool_size),
+            ]  # fmt: skip
         if pool_size is None:
             pool_size, note = auto_pool_size(workload, model)
             if note:
                 print(note, file=sys.stderr)
-        server = LocalServer(pool_size)
+        server = LocalServer(pool_size, extra)
         print(
             f"starting a tierkv server (instance {server.instance}, pool "
-            f"{format_bytes(pool_size)}) ...",
+            f"{format_bytes(pool_size)}{described}) ...",
             file=sys.stderr,
         )
         try:
@@ -215,7 +300,14 @@ def run_demo_command(args: argparse.Namespace) -> int:
     report: DemoReport | None = None
     stopped = ""
     try:
-        report = run_demo(endpoint, workload, model, args.engines, timeout=args.timeout)
+        report = run_demo(
+            endpoint,
+            workload,
+            model,
+            args.engines,
+            timeout=args.timeout,
+            settle_tiers=bool(args.disk_tier),
+        )
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         status = 130
