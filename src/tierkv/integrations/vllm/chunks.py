@@ -1,0 +1,111 @@
+"""vLLM blocks and tierkv chunks: keys, ranges, and the load/store plans the scheduler sends.
+
+A chunk is ``chunk_size`` tokens; a vLLM block is ``block_size`` tokens; chunk ``c`` covers
+blocks ``c * bpc .. (c + 1) * bpc - 1`` of the request's block table, with ``bpc =
+chunk_size // block_size`` (the chunk size must be a multiple of the block size).
+
+Chunk keys come either from token ids (the server hashes them, prefix-chained) or from vLLM's
+block hashes: those are prefix-chained too (each one covers every token before it, plus the
+cache salt, LoRA and multimodal inputs), so the hash of a chunk's last block identifies the
+whole prefix up to the end of that chunk.
+
+Everything here is plain Python (no vLLM, no torch), sent between processes with pickle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
+    """``chunk_size // block_size``; raises ValueError unless it divides evenly."""
+    if block_size <= 0 or chunk_size <= 0 or chunk_size % block_size:
+        raise ValueError(
+            f"tierkv chunk size {chunk_size} is not a multiple of the vLLM block size "
+            f"{block_size}: choose --block-size dividing the chunk size (or change the "
+            "server's --chunk-size and the connector's chunk_size together)"
+        )
+    return chunk_size // block_size
+
+
+def chunk_hashes(
+    block_hashes: Sequence[bytes], num_chunks: int, chunk_size: int, hash_block_size: int
+) -> list[bytes] | None:
+    """The key hash of each of the first ``num_chunks`` chunks: the hash of the chunk's last
+    hashed block. None when the block hashes do not cover that many chunks or the chunk size
+    is not a multiple of the hashing granularity."""
+    if hash_block_size <= 0 or chunk_size % hash_block_size:
+        return None
+    stride = chunk_size // hash_block_size
+    if len(block_hashes) < num_chunks * stride:
+        return None
+    return [bytes(block_hashes[(c + 1) * stride - 1]) for c in range(num_chunks)]
+
+
+def chunks_touching(start_block: int, end_block: int, bpc: int) -> range:
+    """The chunks that hold at least one block of ``[start_block, end_block)``."""
+    if end_block <= start_block:
+        return range(0)
+    return range(start_block // bpc, -(-end_block // bpc))
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load blocks ``[start_block, end_block)`` of a request from the chunks its lookup locked
+    (retrieve by request id). ``block_ids[i]`` is the vLLM block of block ``start_block + i``.
+    Blocks before ``start_block`` were computed by vLLM itself and are never written (other
+    requests may be reading them)."""
+
+    request_id: str
+    start_block: int
+    end_block: int
+    block_ids: tuple[int, ...]
+
+    def blocks_of(self, chunk: int, bpc: int) -> list[tuple[int, int]]:
+        """(position of the block within the chunk, vLLM block id) for every block of
+        ``chunk`` that this load writes."""
+        out = []
+        for j in range(bpc):
+            block = chunk * bpc + j
+            if self.start_block <= block < self.end_block:
+                out.append((j, self.block_ids[block - self.start_block]))
+        return out
+
+    def failed_blocks(self, loaded_chunks: set[int], bpc: int) -> list[int]:
+        """vLLM block ids of every block in range whose chunk was not loaded completely."""
+        return [
+            self.block_ids[block - self.start_block]
+            for block in range(self.start_block, self.end_block)
+            if block // bpc not in loaded_chunks
+        ]
+
+    def first_failed_block(self, loaded_chunks: set[int], bpc: int) -> int | None:
+        for block in range(self.start_block, self.end_block):
+            if block // bpc not in loaded_chunks:
+                return block
+        return None
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Store chunks ``[first_chunk, end_chunk)`` of a request from its blocks, after this
+    step's forward pass computed them. Keys: ``hashes`` (one per chunk from chunk 0) or
+    ``tokens`` (packed token ids of chunks ``[0, end_chunk)``). ``block_ids`` lists the
+    blocks of chunks ``[first_chunk, end_chunk)`` in order."""
+
+    request_id: str
+    first_chunk: int
+    end_chunk: int
+    block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...] | None = None
+    tokens: bytes | None = None
+    salt: str = ""
+
+    def blocks_of(self, chunk: int, bpc: int) -> tuple[int, ...]:
+        start = (chunk - self.first_chunk) * bpc
+        return self.block_ids[start : start + bpc]
+
+
+def full_chunks(num_tokens: int, chunk_size: int) -> int:
+    return max(0, num_tokens) // chunk_size

@@ -1,0 +1,278 @@
+"""``TierKVConnector``: vLLM's KV connector V1 interface over a tierkv server.
+
+vLLM creates one connector in the scheduler (role SCHEDULER) and one in every worker (role
+WORKER); this class reads the configuration both share and hands each call to
+:class:`SchedulerSide` or :class:`WorkerSide`.
+
+Configuration comes from vLLM: the engine id (``kv_transfer_config.engine_id``, the same in
+the scheduler and every worker of one instance, unique per instance), ``kv_role`` (a
+``kv_consumer`` never stores, a ``kv_producer`` never loads), the model, the parallel layout,
+and ``kv_connector_extra_config`` (see :mod:`tierkv.integrations.vllm.settings`).
+
+A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
+``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
+never do).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
+from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
+from tierkv.integrations.vllm.scheduler import SchedulerSide
+from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("vllm.tierkv")
+
+# Block hash functions whose values differ between processes unless PYTHONHASHSEED is set.
+_PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
+_SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+
+
+class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        can_save = bool(transfer.is_kv_producer)
+        can_load = bool(transfer.is_kv_consumer)
+        engine_id = str(transfer.engine_id)
+        model_id = self.settings.model_id or _model_identity(vllm_config)
+        self._spec = _attention_spec(kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                log.info("tierkv: kv_load_failure_policy set to 'recompute' (was %r)",
+                         transfer.kv_load_failure_policy)  # fmt: skip
+                transfer.kv_load_failure_policy = "recompute"
+            block_size, hash_block_size = _block_sizes(vllm_config, kv_cache_config)
+            self._scheduler = SchedulerSide(
+                self.settings,
+                model_id=model_id,
+                engine_id=engine_id,
+                block_size=block_size,
+                hash_block_size=hash_block_size,
+                use_block_hashes=_use_block_hashes(self.settings, vllm_config, hash_block_size),
+                can_load=can_load,
+                can_save=can_save,
+            )
+            log.info(
+                "tierkv scheduler: engine %s, model %r, server %s, chunks of %d tokens, keys "
+                "from %s, %s",
+                engine_id,
+                model_id,
+                self.settings.endpoint,
+                self.settings.chunk_size,
+                "vLLM block hashes" if self._scheduler.use_block_hashes else "token ids",
+                transfer.kv_role,
+            )
+        else:
+            parallel = vllm_config.parallel_config
+            world_size = int(parallel.world_size)
+            self._worker = WorkerSide(
+                self.settings,
+                model_id=model_id,
+                engine_id=engine_id,
+                world_size=world_size,
+                rank=int(parallel.rank) % world_size,
+                can_load=can_load,
+                can_save=can_save,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a future miss, never a lost hand-off
+
+    # -- worker role -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        worker = self._require_worker()
+        spec = self._spec
+        block_size = int(spec.block_size) if spec is not None else 0
+        if spec is None:
+            raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
+        heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
+        geometry = CacheGeometry(block_size, heads, int(spec.head_size))
+        worker.register_kv_caches(
+            kv_caches,
+            geometry,
+            _backend_names(self._vllm_config, kv_caches),
+            self.settings.kv_layout,
+        )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._require_worker().start_load_kv(self._metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv, before vLLM schedules the request
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole chunks are stored after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._require_worker().wait_for_save(self._metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._require_worker().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._require_worker().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._require_worker().build_worker_meta()
+
+    # -- scheduler role --------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()
+        if len(block_ids) != 1:
+            raise UnsupportedLayoutError("tierkv supports models with one KV cache group only")
+        self._require_scheduler().update_state_after_alloc(
+            request, block_ids[0], num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._require_scheduler().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        self._require_scheduler().update_connector_output(meta)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._require_scheduler().request_finished(request) or None
+
+    # -- both ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _metadata(self) -> TierKVConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TierKVConnectorMetadata):
+            raise TypeError(f"unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    def _require_worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("worker-role method called on the scheduler connector")
+        return self._worker
+
+    def _require_scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("scheduler-role method called on a worker connector")
+        return self._scheduler
+
+
+# -- configuration helpers ---------------------------------------------------------------------
+def _model_identity(vllm_config: Any) -> str:
+    """Model name or path, revision and quantization: what makes weights (and KV) differ."""
+    mc = vllm_config.model_config
+    ident = str(mc.model)
+    if getattr(mc, "revision", None):
+        ident += f"@{mc.revision}"
+    if getattr(mc, "quantization", None):
+        ident += f"|quant={mc.quantization}"
+    return ident
+
+
+def _attention_spec(kv_cache_config: Any) -> Any:
+    """The one attention spec tierkv supports (full attention, one KV cache group)."""
+    if kv_cache_config is None:
+        return None
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedLayoutError(
+            f"tierkv supports models with one KV cache group, this one has {len(groups)} "
+            "(hybrid or sliding-window attention)"
+        )
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    if specs:
+        spec = next(iter(specs.values()))
+    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
+        raise UnsupportedLayoutError(
+            f"tierkv supports full attention only, not {type(spec).__name__}"
+        )
+    head_size_v = getattr(spec, "head_size_v", None)
+    if head_size_v not in (None, spec.head_size):
+        raise UnsupportedLayoutError("tierkv needs the same head size for K and V")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if quant not in _SUPPORTED_QUANT_MODES:
+        raise UnsupportedLayoutError(f"tierkv does not support KV quantization mode {quant}")
+    return spec
+
+
+def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:
+    """(scheduler block size, block hash granularity)."""
+    block_size = int(vllm_config.cache_config.block_size)
+    if kv_cache_config is None:
+        return block_size, block_size
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        scheduler_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        return int(scheduler_bs), int(hash_bs)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return block_size, block_size
+
+
+def _use_block_hashes(settings: ConnectorSettings, vllm_config: Any, hash_block_size: int) -> bool:
+    if settings.hashes == "tokens":
+        return False
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    per_process = algo in _PER_PROCESS_HASHES and os.environ.get("PYTHONHASHSEED") is None
+    if settings.hashes == "vllm":
+        if per_process:
+            log.warning(
+                "tierkv: vLLM block hashes (%s) differ between processes unless PYTHONHASHSEED "
+                "is set: engines will not share KV",
+                algo,
+            )
+        return True
+    return not per_process and settings.chunk_size % hash_block_size == 0
+
+
+def _backend_names(vllm_config: Any, kv_caches: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each layer's attention backend name, from the layers vLLM registered, with the kernel
+    variant where the block format depends on it (``CPU_ATTN/amx``)."""
+    context = getattr(vllm_config.compilation_config, "static_forward_context", {}) or {}
+    names: dict[str, str] = {}
+    for layer_name in kv_caches:
+        layer = context.get(layer_name)
+        backend = getattr(layer, "attn_backend", None)
+        try:
+            name = str(backend.get_name()) if backend is not None else ""
+        except Exception:
+            name = ""
+        isa = getattr(layer, "isa", None)  # set on CPU attention layers by their builder
+        names[layer_name] = f"{name}/{isa}" if name == "CPU_ATTN" and isa else name
+    return names

@@ -1,0 +1,347 @@
+"""How an attention backend lays out vLLM's paged KV cache, and block <-> chunk copies.
+
+vLLM hands the connector one tensor per attention layer. Their shapes and the meaning of
+their contents depend on the vLLM version and the attention backend:
+
+- vLLM >= 0.32, every backend: a ``[blocks, kv_heads, tokens, 2 * head_size]`` view per
+  layer (strides follow the cache layout, e.g. LBHNC). What the last two axes hold is the
+  backend's business:
+
+  * ``split_last`` (``FLASH_ATTN``, ``TRITON_ATTN``, ``FLEX_ATTENTION``): per token and
+    head, K in the first ``head_size`` values of the last axis and V in the rest;
+  * ``native`` (``CPU_ATTN``): per block and head, a region of K followed by a region of V
+    in a format that depends on the CPU kernel (ISA): K transposed for ``vec``, K and V
+    packed in pairs for ``amx``. tierkv moves these regions as they are, tagged with the
+    backend, its ISA and the block size, so that only engines storing KV the same way share.
+
+- older vLLM: five-dimensional tensors with an explicit K/V axis, ``[2, blocks, tokens,
+  heads, head_size]`` (FlashAttention) or ``[blocks, 2, tokens, heads, head_size]``
+  (FlashInfer), possibly with permuted strides.
+
+Detection checks shapes and strides against the cache spec (block size, KV heads, head size)
+and the backend's name, and refuses anything it cannot map with certainty (MLA caches, unknown
+backends, mixed layer shapes) with an error that says what it saw.
+
+Chunk formats in the pool (``format_tag`` goes into the namespace with the chunk shape):
+
+- ``kv_2lhtd`` for backends whose K/V positions are known: ``[2, layers, kv_heads,
+  chunk_size, head_size]`` (K/V, layer, head, token, dim; token axis 3), the same for every
+  such backend, so engines on different backends share chunks;
+- ``native:...`` for the others: ``[layers, kv_heads, chunk_size, 2 * head_size]``, each
+  block's per-head region as the backend stores it, blocks in token order (token axis 2).
+
+Copies go straight between the paged blocks and the pool's slot view: one ``copy_`` per
+block for all layers at once when the layers sit in one allocation at a constant stride
+(vLLM's usual case), else one per layer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy.typing as npt
+import torch
+
+NATIVE = "native"
+SPLIT_LAST = "split_last"
+KV_FIRST = "kv_first"
+BLOCK_FIRST = "block_first"
+CONTENT_KINDS = (NATIVE, SPLIT_LAST)
+CANONICAL_FORMAT = "kv_2lhtd"
+
+# Backends whose four-dimensional cache contents are known (checked against their kernels).
+BACKEND_CONTENT = {
+    "CPU_ATTN": NATIVE,
+    "FLASH_ATTN": SPLIT_LAST,
+    "TRITON_ATTN": SPLIT_LAST,
+    "FLEX_ATTENTION": SPLIT_LAST,
+}
+# Backends whose native block format depends on a kernel variant (named after a "/").
+VARIANT_BACKENDS = ("CPU_ATTN",)
+
+
+class UnsupportedLayoutError(ValueError):
+    """The KV cache tensors are not in a layout tierkv can map; the message says why."""
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What the cache spec promises: tokens per vLLM block, KV heads (this rank), head size."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclass
+class PagedKVLayout:
+    """A detected layout and per-layer zero-copy views of the blocks: ``[kernel_blocks, 2,
+    heads, tokens, head_size]`` (canonical kinds) or ``[kernel_blocks, heads, tokens,
+    2 * head_size]`` as vLLM gave them (native)."""
+
+    kind: str
+    layer_names: tuple[str, ...]
+    geometry: CacheGeometry
+    kernel_block_size: int  # tokens per block of the tensors (divides geometry.block_size)
+    dtype: torch.dtype
+    views: tuple[torch.Tensor, ...]
+    stacked: torch.Tensor | None  # [layers, *view shape] over all layers, when possible
+    backend: str = ""
+
+    @property
+    def native(self) -> bool:
+        return self.kind == NATIVE
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.views)
+
+    @property
+    def num_blocks(self) -> int:
+        """vLLM blocks (the scheduler's block ids range over these)."""
+        return int(self.views[0].shape[0]) // self.sub_blocks
+
+    @property
+    def sub_blocks(self) -> int:
+        """Tensor blocks per vLLM block (kernel block splitting; usually 1)."""
+        return self.geometry.block_size // self.kernel_block_size
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_axis(self) -> int:
+        return 2 if self.native else 3
+
+    @property
+    def layer_axis(self) -> int:
+        return 0 if self.native else 1
+
+    @property
+    def format_tag(self) -> str:
+        """What the chunk bytes mean, beyond shape and dtype (part of the namespace)."""
+        if not self.native:
+            return CANONICAL_FORMAT
+        return f"native:{self.backend}:bs{self.geometry.block_size}:kb{self.kernel_block_size}"
+
+    def chunk_shape(self, chunk_size: int) -> list[int]:
+        g = self.geometry
+        if self.native:
+            return [self.num_layers, g.num_kv_heads, chunk_size, int(self.views[0].shape[-1])]
+        return [2, self.num_layers, g.num_kv_heads, chunk_size, g.head_size]
+
+    def describe(self) -> str:
+        g = self.geometry
+        return (
+            f"{self.kind} layout ({self.backend or 'backend unknown'}), {self.num_layers} "
+            f"layers, {self.num_blocks} blocks of {g.block_size} tokens, {g.num_kv_heads} KV "
+            f"heads x {g.head_size}, {self.dtype_name}; chunk format {self.format_tag}"
+        )
+
+    # -- copies ----------------------------------------------------------------------------
+    def read_block(self, block_id: int, chunk: torch.Tensor, token_offset: int) -> None:
+        """Copy vLLM block ``block_id`` into the chunk's tokens ``[token_offset, +block)``."""
+        for kb, t0 in self._kernel_blocks(block_id, token_offset):
+            if self.stacked is not None:
+                self._chunk_part(chunk, t0).copy_(self._stacked_block(kb))
+            else:
+                for layer, view in enumerate(self.views):
+                    self._chunk_part(chunk, t0, layer).copy_(view[kb])
+
+    def write_block(self, block_id: int, chunk: torch.Tensor, token_offset: int) -> None:
+        """Copy the chunk's tokens ``[token_offset, +block)`` into vLLM block ``block_id``."""
+        for kb, t0 in self._kernel_blocks(block_id, token_offset):
+            if self.stacked is not None:
+                self._stacked_block(kb).copy_(self._chunk_part(chunk, t0))
+            else:
+                for layer, view in enumerate(self.views):
+                    view[kb].copy_(self._chunk_part(chunk, t0, layer))
+
+    def _kernel_blocks(self, block_id: int, token_offset: int) -> list[tuple[int, int]]:
+        n = self.kernel_block_size
+        return [
+            (block_id * self.sub_blocks + k, token_offset + k * n) for k in range(self.sub_blocks)
+        ]
+
+    def _chunk_part(self, chunk: torch.Tensor, t0: int, layer: int | None = None) -> torch.Tensor:
+        index: list[Any] = [slice(None)] * chunk.dim()
+        index[self.token_axis] = slice(t0, t0 + self.kernel_block_size)
+        if layer is not None:
+            index[self.layer_axis] = layer
+        return chunk[tuple(index)]
+
+    def _stacked_block(self, kb: int) -> torch.Tensor:
+        assert self.stacked is not None
+        block = self.stacked[:, kb]  # [layers, 2, heads, tokens, dim] or native [layers, ...]
+        return block if self.native else block.transpose(0, 1)
+
+    def chunk_tensor(self, slot: npt.NDArray[Any]) -> torch.Tensor:
+        """A pool slot view (numpy, chunk-shaped) as a torch tensor of the KV dtype: no copy.
+        (numpy has no bfloat16/fp8: the client hands out same-size unsigned ints.)"""
+        tensor = torch.from_numpy(slot)
+        if tensor.dtype != self.dtype:
+            tensor = tensor.view(self.dtype)
+        return tensor
+
+
+# -- detection -------------------------------------------------------------------------------
+def detect_layout(
+    kv_caches: Mapping[str, torch.Tensor],
+    geometry: CacheGeometry,
+    backends: Mapping[str, str] | None = None,
+    content: str = "auto",
+) -> PagedKVLayout:
+    """Map vLLM's per-layer KV cache tensors to block views.
+
+    ``backends`` names each layer's attention backend (``AttentionBackend.get_name()``,
+    then ``/variant`` where the block format depends on one: ``CPU_ATTN/amx``);
+    ``content`` overrides what a four-dimensional cache holds (``native`` or ``split_last``)
+    for backends this module does not know. Layers that share one tensor (cross-layer KV
+    sharing) are kept once. Raises :class:`UnsupportedLayoutError`.
+    """
+    if not kv_caches:
+        raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
+    if content not in ("auto", *CONTENT_KINDS):
+        raise UnsupportedLayoutError(
+            f"kv_layout must be 'auto', 'native' or 'split_last', not {content!r}"
+        )
+    names: list[str] = []
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name in sorted(kv_caches, key=_layer_order):
+        t = kv_caches[name]
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
+        if identity in seen:
+            continue  # a layer that reuses another layer's KV
+        seen.add(identity)
+        names.append(name)
+    first = kv_caches[names[0]]
+    for name in names[1:]:
+        t = kv_caches[name]
+        if t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
+            raise UnsupportedLayoutError(
+                f"KV cache layers differ ({names[0]}: {tuple(first.shape)} {first.dtype}, "
+                f"{name}: {tuple(t.shape)} {t.dtype}): hybrid or per-layer caches are not "
+                "supported"
+            )
+    kinds = {_content_kind(name, kv_caches[name], backends or {}, content) for name in names}
+    if len(kinds) != 1:
+        raise UnsupportedLayoutError(f"layers use different attention backends: {kinds}")
+    kind = kinds.pop()
+    backend_names = {(backends or {}).get(name, "") for name in names}
+    backend = backend_names.pop() if len(backend_names) == 1 else ""
+    if kind == NATIVE:
+        if not backend:
+            raise UnsupportedLayoutError("a native KV layout needs the attention backend's name")
+        if backend.split("/")[0] in VARIANT_BACKENDS and "/" not in backend:
+            raise UnsupportedLayoutError(
+                f"the {backend} block format depends on its kernel variant (ISA), which vLLM "
+                "did not tell: refusing, since engines with other variants would read the "
+                "bytes wrongly"
+            )
+    views = tuple(_block_view(kv_caches[name], geometry, kind, name) for name in names)
+    kernel_block_size = int(views[0].shape[-2] if kind == NATIVE else views[0].shape[3])
+    if views[0].device.type == "meta":
+        raise UnsupportedLayoutError("KV cache tensors are on the meta device")
+    return PagedKVLayout(
+        kind=kind,
+        layer_names=tuple(names),
+        geometry=geometry,
+        kernel_block_size=kernel_block_size,
+        dtype=first.dtype,
+        views=views,
+        stacked=_stack(views),
+        backend=backend,
+    )
+
+
+def _layer_order(name: str) -> tuple[Any, ...]:
+    """Natural order: model.layers.2 before model.layers.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def _content_kind(
+    name: str, tensor: torch.Tensor, backends: Mapping[str, str], content: str
+) -> str:
+    if tensor.dim() == 5:
+        return BLOCK_FIRST if _is_block_first(tensor, backends.get(name, "")) else KV_FIRST
+    if tensor.dim() != 4:
+        raise UnsupportedLayoutError(
+            f"layer {name}: KV cache of shape {tuple(tensor.shape)} is not a paged K/V cache "
+            "(MLA and other latent caches are not supported)"
+        )
+    if content != "auto":
+        return content
+    backend = backends.get(name, "")
+    kind = BACKEND_CONTENT.get(backend.split("/")[0])
+    if kind is None:
+        raise UnsupportedLayoutError(
+            f"layer {name}: attention backend {backend or 'unknown'!r} with a KV cache of shape "
+            f"{tuple(tensor.shape)}: tierkv does not know where K and V are in it (known: "
+            f"{sorted(BACKEND_CONTENT)}); set kv_connector_extra_config.kv_layout to 'split_last' "
+            "if K and V are the halves of the last axis, or 'native' to store blocks as they are"
+        )
+    return kind
+
+
+def _is_block_first(tensor: torch.Tensor, backend: str) -> bool:
+    if tensor.shape[0] == 2 and tensor.shape[1] != 2:
+        return False
+    if tensor.shape[1] == 2 and tensor.shape[0] != 2:
+        return True
+    return backend.upper().startswith("FLASHINFER")
+
+
+def _block_view(t: torch.Tensor, geometry: CacheGeometry, kind: str, name: str) -> torch.Tensor:
+    """The per-layer block view (see :class:`PagedKVLayout`) over ``t``'s memory, never a
+    copy."""
+    heads, head_size, block_size = geometry.num_kv_heads, geometry.head_size, geometry.block_size
+    shape = tuple(int(d) for d in t.shape)
+    if kind in (KV_FIRST, BLOCK_FIRST):
+        view = t.permute(1, 0, 3, 2, 4) if kind == KV_FIRST else t.permute(0, 1, 3, 2, 4)
+        _, two, h, n, d = view.shape
+        if two != 2 or h != heads or d != head_size or n <= 0 or block_size % n:
+            raise _mismatch(name, shape, kind, geometry)
+        return view
+    blocks, h, n, c = shape
+    if h != heads or c != 2 * head_size or n <= 0 or block_size % n:
+        raise _mismatch(name, shape, kind, geometry)
+    if kind == NATIVE:
+        return t  # blocks move as they are: [blocks, heads, tokens, 2 * head_size]
+    s_block, s_head, s_token, s_content = t.stride()
+    # SPLIT_LAST: K then V along the last axis
+    sizes = (blocks, 2, h, n, head_size)
+    strides = (s_block, head_size * s_content, s_head, s_token, s_content)
+    return t.as_strided(sizes, strides, t.storage_offset())
+
+
+def _mismatch(
+    name: str, shape: tuple[int, ...], kind: str, geometry: CacheGeometry
+) -> UnsupportedLayoutError:
+    return UnsupportedLayoutError(
+        f"layer {name}: KV cache of shape {shape} does not match a {kind} cache with "
+        f"{geometry.num_kv_heads} KV heads of size {geometry.head_size} and blocks of "
+        f"{geometry.block_size} tokens"
+    )
+
+
+def _stack(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """All layers as one view ``[layers, ...]`` when they lie in one storage at a constant
+    stride (one copy call per block instead of one per layer), else None."""
+    first = views[0]
+    if len(views) == 1:
+        return first.unsqueeze(0)
+    ptr = first.untyped_storage().data_ptr()
+    offsets = [v.storage_offset() for v in views]
+    step = offsets[1] - offsets[0]
+    if step <= 0 or any(
+        v.untyped_storage().data_ptr() != ptr or v.stride() != first.stride() for v in views
+    ):
+        return None
+    if any(b - a != step for a, b in itertools.pairwise(offsets)):
+        return None
+    return first.as_strided((len(views), *first.shape), (step, *first.stride()), offsets[0])

@@ -1,0 +1,136 @@
+"""The engine's connection to the tierkv server: short timeouts, back-off, re-registration.
+
+The engine must never wait long on the cache, nor fail because of it. :class:`ServerLink`
+runs every RPC with the connector's (short) timeout; when one fails (server down, killed,
+overloaded) it logs once and stays away for ``retry_interval`` seconds, during which every
+call returns its fallback at once, i.e. the cache behaves as a miss. When the server answers
+that it does not know the client (it restarted), the link registers again, once, and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from tierkv.client import (
+    Client,
+    LeaseExpiredError,
+    NotRegisteredError,
+    ServerError,
+    TierKVError,
+)
+from tierkv.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("vllm.tierkv")
+
+T = TypeVar("T")
+
+
+class ServerLink:
+    """A registered :class:`Client` behind a circuit breaker. Thread-safe."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        register: Callable[[Client], None],
+        what: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self._register = register
+        self.what = what  # "scheduler" or "worker rank N", for log lines
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._registered = False
+        self._down_until = 0.0
+        self._down_since: float | None = None
+        self.failures = 0
+
+    def client(self) -> Client | None:
+        """The registered client, or None while the server is considered down."""
+        with self._lock:
+            if self._clock() < self._down_until:
+                return None
+            if self._client is None:
+                self._client = Client(
+                    self.settings.endpoint,
+                    timeout=self.settings.timeout,
+                    auth_token=self.settings.auth_token,
+                )
+            client = self._client
+            if not self._registered:
+                try:
+                    self._register(client)
+                except Exception as exc:
+                    self._failed(exc, "register")
+                    return None
+                self._registered = True
+                if self._down_since is not None:
+                    log.info(
+                        "tierkv %s: server at %s is back after %.1f s",
+                        self.what,
+                        self.settings.endpoint,
+                        self._clock() - self._down_since,
+                    )
+                    self._down_since = None
+            return client
+
+    def call(self, what: str, fn: Callable[[Client], T], fallback: T) -> T:
+        """``fn(client)``, or ``fallback`` if the server is down or the call fails."""
+        for attempt in range(2):
+            client = self.client()
+            if client is None:
+                return fallback
+            try:
+                return fn(client)
+            except NotRegisteredError:
+                with self._lock:
+                    self._registered = False  # the server restarted: register again, once
+                if attempt:
+                    return fallback
+            except ServerError as exc:
+                # The server answered: this request failed (an expired lock, a bad key), the
+                # server itself is fine.
+                level = logging.DEBUG if isinstance(exc, LeaseExpiredError) else logging.WARNING
+                log.log(level, "tierkv %s: %s failed: %s", self.what, what, exc)
+                return fallback
+            except Exception as exc:
+                with self._lock:
+                    self._failed(exc, what)
+                return fallback
+        return fallback
+
+    def _failed(self, exc: BaseException, what: str) -> None:
+        """Mark the server down (lock held)."""
+        self.failures += 1
+        self._registered = False
+        self._down_until = self._clock() + self.settings.retry_interval
+        if self._down_since is None:
+            self._down_since = self._clock()
+            kind = "unavailable" if isinstance(exc, TierKVError) else "failing"
+            log.warning(
+                "tierkv %s: server at %s %s (%s during %s); serving without the cache, "
+                "retrying every %.1f s",
+                self.what,
+                self.settings.endpoint,
+                kind,
+                exc,
+                what,
+                self.settings.retry_interval,
+            )
+        else:
+            log.debug("tierkv %s: %s failed again: %s", self.what, what, exc)
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+            self._registered = False
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:  # closing is best effort
+                log.debug("tierkv %s: close failed: %s", self.what, exc)

@@ -1,0 +1,352 @@
+"""The connector's scheduler role: look prefixes up, plan loads and stores, end sessions.
+
+Per request, in vLLM's order:
+
+1. ``get_num_new_matched_tokens``: one LOOKUP under the vLLM request id covers every rank of
+   this engine (the workers registered with the same ``engine_id``) and read-locks the hit
+   chunks for each rank's retrieve. While the server still prefetches from slower tiers the
+   answer is None (vLLM asks again next step). The count is chunk-aligned and only what lies
+   beyond vLLM's own prefix-cache hit; loads are asynchronous (vLLM schedules the request
+   once the load is reported, with any failed blocks already cut off, so wrong KV never
+   reaches attention).
+2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
+   without, free the lookup's locks (vLLM computes those chunks itself).
+3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
+   complete after this step's forward pass and not already known to be cached.
+4. ``update_connector_output``: what the workers loaded; chunks that failed are stored again
+   once recomputed.
+5. ``request_finished``: end the server session; report the request's figures in
+   ``kv_transfer_params["tierkv"]``.
+
+Every RPC goes through :class:`ServerLink`: a slow or dead server is a miss, never a stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierkv import keys
+from tierkv.client import Client
+from tierkv.integrations.vllm.chunks import (
+    LoadSpec,
+    StoreSpec,
+    blocks_per_chunk,
+    chunk_hashes,
+    full_chunks,
+)
+from tierkv.integrations.vllm.link import ServerLink
+from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("vllm.tierkv")
+
+# Lookup phases of a request.
+NEW, PREFETCHING, LOOKED_UP, ALLOCATED = "new", "prefetching", "looked_up", "allocated"
+
+
+@dataclass
+class RequestState:
+    """What the scheduler role knows about one request."""
+
+    request: Any  # vllm.v1.request.Request (block hashes grow as tokens are added)
+    salt: str
+    prompt_chunks: int  # full chunks in the prompt: the only ones looked up and stored
+    cacheable: bool
+    phase: str = NEW
+    lookup_chunks: int = 0
+    hits: int = 0  # leading chunks tierkv holds (locked for this request)
+    max_hits: int = 0  # the most any lookup of this request found (reported)
+    session: bool = False  # the server holds a lookup session under the request id
+    prefetch_deadline: float = 0.0
+    local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup was answered
+    pending_load: LoadSpec | None = None
+    external_tokens: int = 0  # tokens vLLM agreed to load from tierkv
+    loaded_tokens: int = 0  # tokens the workers reported loaded
+    failed_from: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks known cached in tierkv or already handed out for store
+    stored_chunks: int = 0  # chunks handed to the workers for store
+
+
+class SchedulerSide:
+    """The scheduler role of :class:`TierKVConnector`."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        model_id: str,
+        engine_id: str,
+        block_size: int,
+        hash_block_size: int,
+        use_block_hashes: bool,
+        can_load: bool,
+        can_save: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size
+        self.use_block_hashes = use_block_hashes
+        self.can_load = can_load
+        self.can_save = can_save
+        self.chunk_size = settings.chunk_size
+        self.bpc = blocks_per_chunk(self.chunk_size, block_size)
+        self._clock = clock
+        self.requests: dict[str, RequestState] = {}
+        self.link = ServerLink(settings, self._register, "scheduler")
+
+    def _register(self, client: Client) -> None:
+        reg = client.register_scheduler(
+            self.model_id, self.engine_id, name=f"vllm-scheduler-{self.engine_id[:8]}"
+        )
+        if reg.chunk_size != self.chunk_size:
+            raise RuntimeError(
+                f"the server's chunk size is {reg.chunk_size}, the connector's chunk_size is "
+                f"{self.chunk_size}: set kv_connector_extra_config.chunk_size to "
+                f"{reg.chunk_size}"
+            )
+
+    # -- keys ------------------------------------------------------------------------------
+    def _state(self, request: Any) -> RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            prompt = request.prompt_token_ids
+            cacheable = (
+                prompt is not None
+                and getattr(request, "prompt_embeds", None) is None
+                and (self.use_block_hashes or not _needs_block_hashes(request))
+            )
+            state = RequestState(
+                request=request,
+                salt=request.cache_salt or "",
+                prompt_chunks=full_chunks(request.num_prompt_tokens, self.chunk_size),
+                cacheable=cacheable,
+            )
+            self.requests[request.request_id] = state
+        return state
+
+    def _selector(self, state: RequestState, num_chunks: int) -> dict[str, Any] | None:
+        """Keys of chunks ``[0, num_chunks)``: ``hashes=`` or ``tokens=`` for the client."""
+        request = state.request
+        if self.use_block_hashes:
+            hashes = chunk_hashes(
+                request.block_hashes, num_chunks, self.chunk_size, self.hash_block_size
+            )
+            return None if hashes is None else {"hashes": hashes}
+        prompt = request.prompt_token_ids
+        return {"tokens": keys.pack_tokens(prompt[: num_chunks * self.chunk_size])}
+
+    # -- lookup ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        state = self._state(request)  # stores need it even when nothing is looked up
+        if (
+            not self.can_load
+            or getattr(request, "skip_reading_prefix_cache", False)
+            or not state.cacheable
+            or state.prompt_chunks == 0
+        ):
+            state.hits = 0
+            state.phase = LOOKED_UP
+            return 0, False
+        if state.phase == ALLOCATED:
+            # Asked again after an allocation: the request was preempted, or its load failed
+            # completely. Look up afresh (the old locks were used or freed).
+            self._end_session(state)
+            state.phase = NEW
+        if state.phase == NEW:
+            hits = self._lookup(state)
+            if hits is None:
+                return None, False
+        elif state.phase == PREFETCHING:
+            hits = self._poll_prefetch(state)
+            if hits is None:
+                return None, False
+        else:
+            hits = state.hits
+        if state.failed_from is not None:
+            # A load of this request failed before: recompute rather than try again.
+            hits = min(hits, state.failed_from // self.chunk_size)
+        state.hits = hits
+        state.max_hits = max(state.max_hits, hits)
+        state.phase = LOOKED_UP
+        state.local_tokens = num_computed_tokens
+        external = hits * self.chunk_size - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        return external, True
+
+    def _lookup(self, state: RequestState) -> int | None:
+        """Hit chunks now, or None while a prefetch runs."""
+        rid = state.request.request_id
+        state.lookup_chunks = state.prompt_chunks
+        selector = self._selector(state, state.lookup_chunks)
+        if selector is None:
+            state.cacheable = False
+            return 0
+        result = self.link.call(
+            "lookup",
+            lambda c: c.lookup(**selector, request_id=rid, salt=state.salt),
+            None,
+        )
+        if result is None:
+            return 0
+        state.session = True
+        if result.prefetching:
+            state.phase = PREFETCHING
+            state.hits = result.hits
+            state.prefetch_deadline = self._clock() + 4 * self.settings.timeout
+            return None
+        return int(result.hits)
+
+    def _poll_prefetch(self, state: RequestState) -> int | None:
+        rid = state.request.request_id
+        status = self.link.call("query_prefetch", lambda c: c.query_prefetch(rid), None)
+        if status is None:
+            return 0
+        if status.done:
+            return int(status.hits)
+        if self._clock() > state.prefetch_deadline:
+            return int(status.hits)  # stop waiting: take what the pool holds now
+        return None
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        state = self.requests.get(request.request_id)
+        if state is None or state.phase == ALLOCATED:
+            return  # a second call once an asynchronous load is done: nothing new
+        state.block_ids = list(block_ids)
+        state.saved_chunks = state.hits
+        if num_external_tokens > 0 and state.hits > 0:
+            start = state.local_tokens
+            end = start + num_external_tokens
+            start_block, end_block = start // self.block_size, -(-end // self.block_size)
+            state.pending_load = LoadSpec(
+                request.request_id,
+                start_block,
+                end_block,
+                tuple(block_ids[start_block:end_block]),
+            )
+            state.external_tokens = num_external_tokens
+        elif state.session:
+            self._free_locks(state)
+        state.phase = ALLOCATED
+
+    # -- per-step metadata -----------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
+        meta = TierKVConnectorMetadata()
+        for waiting in self.requests.values():
+            if waiting.pending_load is not None:
+                meta.loads.append(waiting.pending_load)
+                waiting.pending_load = None
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._plan_store(state, computed, meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+            self._plan_store(state, computed, meta)
+        return meta
+
+    def _plan_store(
+        self, state: RequestState, computed: int, meta: TierKVConnectorMetadata
+    ) -> None:
+        """Store the prompt chunks that are complete once this step has run."""
+        if not self.can_save or not state.cacheable:
+            return
+        done = min(state.prompt_chunks, full_chunks(computed, self.chunk_size))
+        first = state.saved_chunks
+        if done <= first or len(state.block_ids) < done * self.bpc:
+            return
+        selector = self._selector(state, done)
+        if selector is None:
+            return
+        meta.stores.append(
+            StoreSpec(
+                state.request.request_id,
+                first,
+                done,
+                tuple(state.block_ids[first * self.bpc : done * self.bpc]),
+                hashes=tuple(selector["hashes"]) if "hashes" in selector else None,
+                tokens=selector.get("tokens"),
+                salt=state.salt,
+            )
+        )
+        state.stored_chunks += done - first
+        state.saved_chunks = done
+
+    def update_connector_output(self, worker_meta: Any) -> None:
+        if not isinstance(worker_meta, TierKVWorkerMetadata):
+            return
+        for rid, tokens in worker_meta.loaded_tokens.items():
+            state = self.requests.get(rid)
+            if state is not None:
+                state.loaded_tokens = tokens
+        for rid, token in worker_meta.failed_from.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            state.failed_from = token
+            # What failed is recomputed by vLLM: store it again once it is.
+            state.saved_chunks = min(state.saved_chunks, token // self.chunk_size)
+
+    # -- end of a request ------------------------------------------------------------------
+    def request_finished(self, request: Any) -> dict[str, Any]:
+        state = self.requests.pop(request.request_id, None)
+        if state is None:
+            return {}
+        self._end_session(state)
+        return {
+            "tierkv": {
+                "hit_tokens": state.max_hits * self.chunk_size,
+                "external_tokens": state.external_tokens,
+                "loaded_tokens": state.loaded_tokens,
+                "load_failed_from": state.failed_from,
+                "stored_chunks": state.stored_chunks,
+            }
+        }
+
+    def _free_locks(self, state: RequestState) -> None:
+        rid = state.request.request_id
+        self.link.call("free_lookup_locks", lambda c: c.free_lookup_locks(rid), 0)
+
+    def _end_session(self, state: RequestState) -> None:
+        if not state.session:
+            return
+        state.session = False
+        rid = state.request.request_id
+        self.link.call("end_session", lambda c: c.end_session(rid), 0)
+
+    def shutdown(self) -> None:
+        for state in list(self.requests.values()):
+            self._end_session(state)
+        self.requests.clear()
+        self.link.close()
+
+
+def _needs_block_hashes(request: Any) -> bool:
+    """Whether token ids alone would not identify this request's KV (multimodal inputs,
+    LoRA adapters): such requests are only cached with vLLM's block hashes as keys."""
+    return bool(getattr(request, "mm_features", None)) or request.lora_request is not None

@@ -1,0 +1,104 @@
+"""Connector settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is optional::
+
+    endpoint        tierkv RPC endpoint (default: $TIERKV_ENDPOINT, else the default
+                    instance's local socket)
+    auth_token      the server's shared secret, if it has one
+    chunk_size      tokens per chunk; must equal the server's --chunk-size (default 256)
+    timeout         seconds one RPC may take before the engine treats it as a miss
+                    (default 2.0: the engine never waits long on the cache)
+    retry_interval  after a failed RPC, seconds during which the server is not asked again
+                    (default 5.0); every request in between is a plain miss
+    hashes          chunk keys from "vllm" block hashes, "tokens" (token ids hashed by the
+                    server), or "auto" (block hashes when they are usable, default)
+    model_id        the model identity in the namespace (default: the model path or name,
+                    plus its revision)
+    tenant          an extra namespace salt: engines with different tenants never share KV
+    kv_layout       for attention backends tierkv does not know: "split_last" (K then V along
+                    the last axis of a [blocks, heads, tokens, 2*head_size] cache) or "native"
+                    (blocks stored as they are, shared only with identical engines);
+                    default "auto" (known backends only)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.client import default_endpoint
+
+HASH_MODES = ("auto", "vllm", "tokens")
+KV_LAYOUTS = ("auto", "native", "split_last")
+
+
+class SettingsError(ValueError):
+    """A bad value in kv_connector_extra_config; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    endpoint: str
+    auth_token: str = ""
+    chunk_size: int = 256
+    timeout: float = 2.0
+    retry_interval: float = 5.0
+    hashes: str = "auto"
+    model_id: str = ""
+    tenant: str = ""
+    kv_layout: str = "auto"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Validate the extra config; unknown keys are an error (a typo must not pass)."""
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise SettingsError(
+                f"unknown tierkv connector option(s) {unknown} in kv_connector_extra_config; "
+                f"known: {sorted(known)}"
+            )
+        endpoint = str(extra.get("endpoint") or os.environ.get("TIERKV_ENDPOINT") or "")
+        settings = cls(
+            endpoint=endpoint or default_endpoint(),
+            auth_token=str(extra.get("auth_token", "")),
+            chunk_size=_number(extra, "chunk_size", 256, int),
+            timeout=_number(extra, "timeout", 2.0, float),
+            retry_interval=_number(extra, "retry_interval", 5.0, float),
+            hashes=str(extra.get("hashes", "auto")),
+            model_id=str(extra.get("model_id", "")),
+            tenant=str(extra.get("tenant", "")),
+            kv_layout=str(extra.get("kv_layout", "auto")),
+        )
+        if settings.chunk_size <= 0:
+            raise SettingsError("kv_connector_extra_config.chunk_size must be positive")
+        if settings.timeout <= 0:
+            raise SettingsError("kv_connector_extra_config.timeout must be positive")
+        if settings.retry_interval < 0:
+            raise SettingsError("kv_connector_extra_config.retry_interval must be >= 0")
+        if settings.hashes not in HASH_MODES:
+            raise SettingsError(
+                f"kv_connector_extra_config.hashes must be one of {HASH_MODES}, "
+                f"not {settings.hashes!r}"
+            )
+        if settings.kv_layout not in KV_LAYOUTS:
+            raise SettingsError(
+                f"kv_connector_extra_config.kv_layout must be one of {KV_LAYOUTS}, "
+                f"not {settings.kv_layout!r}"
+            )
+        return settings
+
+
+def _number(extra: Mapping[str, Any], key: str, default: float, kind: type) -> Any:
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        raise SettingsError(f"kv_connector_extra_config.{key} must be a number, not {value!r}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise SettingsError(
+            f"kv_connector_extra_config.{key} must be a number, not {value!r}"
+        ) from None

