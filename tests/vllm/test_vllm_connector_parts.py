@@ -1,0 +1,329 @@
+"""The connector's parts without the engine: block/chunk mapping, settings, and the scheduler
+and worker roles driven by hand against a real tierkv server and real vLLM CPU KV caches.
+
+The role tests play vLLM's part: they call the scheduler side the way vLLM's scheduler does
+(lookup, allocation, per-step metadata) and hand the metadata to worker sides that own real
+paged caches, then check the bytes that land in the blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+try:
+    import torch
+
+    from tierkv.integrations.vllm.chunks import (
+        LoadSpec,
+        StoreSpec,
+        blocks_per_chunk,
+        chunk_hashes,
+        chunks_touching,
+    )
+    from tierkv.integrations.vllm.layout import CacheGeometry
+    from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
+    from tierkv.integrations.vllm.scheduler import SchedulerSide
+    from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
+    from tierkv.integrations.vllm.worker import WorkerSide
+except ImportError:  # the conftest fails every test with the reason
+    pass
+
+pytestmark = pytest.mark.vllm
+
+CHUNK, BLOCK, BPC = 256, 128, 2
+LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32
+
+
+# -- mapping -------------------------------------------------------------------------------------
+def test_chunk_hashes_take_every_chunks_last_block_hash() -> None:
+    hashes = [bytes([i]) * 32 for i in range(9)]  # 9 blocks of 128 tokens hashed
+    assert chunk_hashes(hashes, 4, CHUNK, BLOCK) == [hashes[1], hashes[3], hashes[5], hashes[7]]
+    assert chunk_hashes(hashes, 5, CHUNK, BLOCK) is None  # not enough blocks hashed
+    assert chunk_hashes(hashes, 2, CHUNK, 96) is None  # 256 is not a multiple of 96
+    assert chunk_hashes(hashes[:4], 1, CHUNK, 64) == [hashes[3]]  # finer hashing: stride 4
+
+
+def test_blocks_per_chunk_needs_a_multiple() -> None:
+    assert blocks_per_chunk(256, 16) == 16
+    with pytest.raises(ValueError, match="multiple"):
+        blocks_per_chunk(256, 96)
+
+
+def test_load_spec_writes_only_blocks_vllm_does_not_have() -> None:
+    # vLLM holds block 0 (its own prefix cache); tierkv has chunks 0-1 (blocks 0-3).
+    spec = LoadSpec("r", start_block=1, end_block=4, block_ids=(11, 12, 13))
+    assert list(chunks_touching(1, 4, BPC)) == [0, 1]
+    assert spec.blocks_of(0, BPC) == [(1, 11)]  # chunk 0: only its second block
+    assert spec.blocks_of(1, BPC) == [(0, 12), (1, 13)]
+    assert spec.blocks_of(2, BPC) == []
+    assert spec.failed_blocks({0, 1}, BPC) == []
+    assert spec.failed_blocks({0}, BPC) == [12, 13]
+    assert spec.failed_blocks(set(), BPC) == [11, 12, 13]
+    assert spec.first_failed_block({0}, BPC) == 2
+
+
+def test_store_spec_maps_chunks_to_their_blocks() -> None:
+    spec = StoreSpec("r", first_chunk=1, end_chunk=3, block_ids=(7, 3, 9, 4), tokens=b"")
+    assert spec.blocks_of(1, BPC) == (7, 3)
+    assert spec.blocks_of(2, BPC) == (9, 4)
+
+
+def test_worker_metadata_counts_a_token_only_if_every_rank_loaded_it() -> None:
+    a = TierKVWorkerMetadata({"r1": 512, "r2": 256}, {})
+    b = TierKVWorkerMetadata({"r1": 256, "r2": 256}, {"r1": 256})
+    merged = a.aggregate(b)
+    assert isinstance(merged, TierKVWorkerMetadata)
+    assert merged.loaded_tokens == {"r1": 256, "r2": 256}
+    assert merged.failed_from == {"r1": 256}
+
+
+# -- settings ------------------------------------------------------------------------------------
+def test_settings_defaults_and_validation() -> None:
+    s = ConnectorSettings.from_extra_config({"endpoint": "ipc:///x.sock"})
+    assert (s.endpoint, s.chunk_size, s.timeout, s.hashes) == ("ipc:///x.sock", 256, 2.0, "auto")
+    with pytest.raises(SettingsError, match="unknown"):
+        ConnectorSettings.from_extra_config({"endpiont": "x"})
+    with pytest.raises(SettingsError, match="hashes"):
+        ConnectorSettings.from_extra_config({"hashes": "md5"})
+    with pytest.raises(SettingsError, match="timeout"):
+        ConnectorSettings.from_extra_config({"timeout": "soon"})
+    with pytest.raises(SettingsError, match="kv_layout"):
+        ConnectorSettings.from_extra_config({"kv_layout": "rows"})
+
+
+# -- roles against a real server -----------------------------------------------------------------
+def cpu_caches() -> dict[str, Any]:
+    """Per-layer CPU KV caches allocated by vLLM, filled with distinct random values."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+    page = spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    tensor = KVCacheTensor(
+        size=LAYERS * NUM_BLOCKS * page,
+        layers=names,
+        layer_stride=NUM_BLOCKS * page,
+        block_stride=page,
+    )
+    config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape))
+    return caches
+
+
+@dataclass
+class Engine:
+    """One engine instance as vLLM would wire it: a scheduler side and one worker side."""
+
+    scheduler: SchedulerSide
+    worker: WorkerSide
+    caches: dict[str, Any]
+    free: list[int] = field(default_factory=lambda: list(range(NUM_BLOCKS)))
+
+    def blocks(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def block_bytes(self, block_id: int) -> list[Any]:
+        return [t[block_id].clone() for _, t in sorted(self.caches.items())]
+
+
+def make_engine(
+    endpoint: str, engine_id: str, role: str = "kv_both", timeout: float = 5.0
+) -> Engine:
+    settings = ConnectorSettings.from_extra_config({"endpoint": endpoint, "timeout": timeout})
+    can_load, can_save = role != "kv_producer", role != "kv_consumer"
+    scheduler = SchedulerSide(
+        settings,
+        model_id="parts-model",
+        engine_id=engine_id,
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        use_block_hashes=False,
+        can_load=can_load,
+        can_save=can_save,
+    )
+    worker = WorkerSide(
+        settings,
+        model_id="parts-model",
+        engine_id=engine_id,
+        world_size=1,
+        rank=0,
+        can_load=can_load,
+        can_save=can_save,
+    )
+    caches = cpu_caches()
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    backend = f"CPU_ATTN/{_get_attn_isa(torch.float32, BLOCK, HEAD)}"
+    worker.register_kv_caches(
+        caches, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in caches}
+    )
+    return Engine(scheduler, worker, caches)
+
+
+def request(rid: str, tokens: list[int]) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        num_tokens=len(tokens),
+        block_hashes=[],
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+        skip_reading_prefix_cache=False,
+    )
+
+
+def step_output(new: list[tuple[str, list[int], int, int]]) -> Any:
+    """A SchedulerOutput with new requests (id, block ids, computed before, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+            for rid, blocks, computed, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={rid: n for rid, _, _, n in new},
+    )
+
+
+def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
+    """A request that misses: vLLM computes it all (here: the blocks already hold "KV"), then
+    the worker stores its full chunks after the forward pass."""
+    req = request(rid, tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = engine.blocks(-(-len(tokens) // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = engine.scheduler.build_connector_meta(step_output([(rid, blocks, 0, len(tokens))]))
+    assert [(s.first_chunk, s.end_chunk) for s in meta.stores] == [(0, len(tokens) // CHUNK)]
+    engine.worker.wait_for_save(meta)
+    engine.scheduler.request_finished(req)
+    return blocks
+
+
+def load(engine: Engine, rid: str, tokens: list[int], local: int = 0) -> tuple[Any, list[int]]:
+    """The scheduler's lookup and allocation, then the step that loads."""
+    req = request(rid, tokens)
+    external, load_async = engine.scheduler.get_num_new_matched_tokens(req, local)
+    assert external is not None and load_async == (external > 0)
+    blocks = engine.blocks(-(-len(tokens) // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, blocks, external)
+    return req, blocks
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Any]) -> Any:
+    return server_factory(pool_size="64MiB")
+
+
+def test_chunks_computed_by_one_engine_load_into_another_engines_blocks(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(1000, 1000 + 700))  # 2 full chunks + a tail
+    a_blocks = compute_and_store(a, "a-1", tokens)
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_finished() == (None, {"b-1"})
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for i in range(4):  # one copy from A's blocks through the pool into B's
+        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
+            assert torch.equal(x, y)
+    b.scheduler.update_connector_output(b.worker.build_worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+
+
+def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(5, 5 + 600))
+    compute_and_store(a, "a-1", tokens)
+
+    req = request("b-1", tokens)
+    # vLLM's own prefix cache holds the first block: tierkv adds the next three.
+    assert b.scheduler.get_num_new_matched_tokens(req, BLOCK) == (2 * CHUNK - BLOCK, True)
+    blocks = b.blocks(5)
+    before = b.block_bytes(blocks[0])
+    b.scheduler.update_state_after_alloc(req, blocks, 2 * CHUNK - BLOCK)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(1, 4)]
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for x, y in zip(before, b.block_bytes(blocks[0]), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_retrieve_that_fails_reports_every_block_it_should_have_written(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(9, 9 + 800))
+    compute_and_store(a, "a-1", tokens)
+
+    req, blocks = load(b, "b-1", tokens)
+    # The session (and its locks) are gone before the worker retrieves: nothing can load.
+    b.scheduler.link.call("end_session", lambda c: c.end_session("b-1"), 0)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_finished() == (None, {"b-1"})  # finished, so vLLM moves on ...
+    assert b.worker.get_block_ids_with_load_errors() == set(blocks[:6])  # ... and recomputes
+    worker_meta = b.worker.build_worker_meta()
+    assert worker_meta is not None and worker_meta.failed_from == {"b-1": 0}
+    b.scheduler.update_connector_output(worker_meta)
+    # Asked again (vLLM reschedules it with nothing computed): no second load attempt.
+    assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_consumer_never_stores_and_producer_never_loads(server: Any) -> None:
+    producer = make_engine(server.endpoint, "engine-p", role="kv_producer")
+    consumer = make_engine(server.endpoint, "engine-c", role="kv_consumer")
+    tokens = list(range(20, 20 + 520))
+    compute_and_store(producer, "p-1", tokens)
+    assert producer.scheduler.get_num_new_matched_tokens(request("p-2", tokens), 0) == (0, False)
+
+    other = list(range(3000, 3000 + 520))
+    req = request("c-1", other)
+    assert consumer.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = consumer.blocks(5)
+    consumer.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = consumer.scheduler.build_connector_meta(step_output([("c-1", blocks, 0, 520)]))
+    assert meta.stores == []
+    assert consumer.scheduler.get_num_new_matched_tokens(request("c-2", tokens), 0) == (
+        2 * CHUNK,
+        True,
+    )
+
+
+def test_a_dead_server_is_a_miss_not_a_stall(server: Any) -> None:
+    engine = make_engine(server.endpoint, "engine-a", timeout=0.5)
+    server.kill()
+    tokens = list(range(40, 40 + 600))
+    req = request("r-1", tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # one timeout
+    # Down now: the next calls return at once, for retry_interval.
+    assert engine.scheduler.link.client() is None
+    meta = TierKVConnectorMetadata(stores=[StoreSpec("r-1", 0, 2, (0, 1, 2, 3), tokens=b"")])
+    engine.worker.wait_for_save(meta)  # the worker learns on its own and skips
