@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
@@ -131,13 +132,16 @@ class Shard:
             table = self._entries
             return [table.get(k, ()) for k in keys]
 
-    def purge(self, live: dict[str, int]) -> int:
-        """Drop entries whose holder is not live (``live``: node id -> incarnation)."""
+    def purge(self, gone: dict[str, int]) -> int:
+        """Drop entries of holders that are gone (``gone``: node id -> the incarnation that
+        ended; entries of that holder with that incarnation or older go)."""
+        if not gone:
+            return 0
         n = 0
         with self._lock:
             table = self._entries
             for key, old in list(table.items()):
-                kept = tuple(e for e in old if live.get(e[0]) == e[1])
+                kept = tuple(e for e in old if e[0] not in gone or e[1] > gone[e[0]])
                 if len(kept) != len(old):
                     n += len(old) - len(kept)
                     if kept:
@@ -166,20 +170,28 @@ class HashDirectory(Directory):
         held: Callable[[], list[tuple[bytes, Where]]],
         replicas: int = 2,
         vnodes: int = 160,
+        settle: float = 0.1,
+        republish_interval: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.membership = membership
+        self.settle = settle
+        self.republish_interval = republish_interval
+        self.clock = clock
         self.client = client
         self.held = held
         self.replicas = replicas
         self.vnodes = vnodes
         self.me = membership.me
         self.shard = Shard()
-        self._members = membership.alive()
-        self.ring = Ring(self._members, vnodes, replicas)
+        self._applied = membership.alive()  # the view the last rebalance moved entries for
+        self._ring_cache: tuple[int, dict[str, m.MemberInfo], Ring] | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to unpublish
-        self._changes: list[tuple[dict[str, m.MemberInfo], dict[str, m.MemberInfo]]] = []
+        self._target: dict[str, m.MemberInfo] | None = None  # newest view, not yet applied
+        self._changed_at = 0.0
+        self._next_republish = clock() + republish_interval
         self._stop = False
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -202,6 +214,19 @@ class HashDirectory(Directory):
         }
         membership.add_listener(self._membership_changed)
 
+    def current(self) -> tuple[dict[str, m.MemberInfo], Ring]:
+        """Live members and their ring, as membership sees them now (rebuilt on change)."""
+        version, members = self.membership.view()
+        cached = self._ring_cache
+        if cached is None or cached[0] != version:
+            cached = (version, members, Ring(members, self.vnodes, self.replicas))
+            self._ring_cache = cached
+        return cached[1], cached[2]
+
+    @property
+    def ring(self) -> Ring:
+        return self.current()[1]
+
     # -- writes (queued) -------------------------------------------------------------------
     def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> None:
         if not keys:
@@ -223,14 +248,15 @@ class HashDirectory(Directory):
         self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
     ) -> None:
         with self._cond:
-            self._changes.append((old, new))
+            self._target = dict(new)
+            self._changed_at = self.clock()
             self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the queue is empty and nothing is being sent (tests, benchmarks)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._pending and not self._changes and not self._busy, timeout
+                lambda: not self._pending and self._target is None and not self._busy, timeout
             )
 
     def start(self) -> None:
@@ -250,23 +276,51 @@ class HashDirectory(Directory):
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                self._cond.wait_for(lambda: self._stop or self._pending or self._changes)
-                if self._stop:
+                view = self._next_work()
+                if view is None and self._stop:
                     return
-                changes, self._changes = self._changes, []
                 pending, self._pending = self._pending, {}
                 self._busy = True
             try:
-                for old, new in changes:
-                    self._rebalance(old, new)
+                if view is not None:
+                    # Bursts of changes (a joiner learning the members one by one) are
+                    # applied once, from the last applied view to the settled one.
+                    self._rebalance(self._applied, view)
                 if pending:
                     self._send_updates(pending)
+                if self.clock() >= self._next_republish:
+                    self._next_republish = self.clock() + self.republish_interval
+                    self._republish_all()
             except Exception:
                 log.exception("directory publisher failed")
 
+    def _next_work(self) -> dict[str, m.MemberInfo] | None:
+        """Wait (lock held) for queued updates, a settled membership view or the periodic
+        re-publish; returns the view to apply, if it settled."""
+        while not self._stop:
+            now = self.clock()
+            if self._target is not None and now >= self._changed_at + self.settle:
+                view, self._target = self._target, None
+                return view
+            if self._pending or now >= self._next_republish:
+                return None
+            wake = self._next_republish
+            if self._target is not None:
+                wake = min(wake, self._changed_at + self.settle)
+            self._cond.wait(max(0.001, wake - now))
+        return None
+
+    def _republish_all(self) -> None:
+        """Anti-entropy: publish everything this node holds to every owner (repairs
+        updates lost to timeouts or to racing membership views)."""
+        held = self.held()
+        if held:
+            self._send_updates({key: int(where) for key, where in held})
+            log.debug("re-published %d entries", len(held))
+
     def _send_updates(self, pending: dict[bytes, int]) -> None:
         keys = list(pending)
-        ring = self.ring
+        _, ring = self.current()
         me = self.me.node_id
         pubs: dict[str, list[tuple[bytes, int]]] = {}
         unpubs: dict[str, list[bytes]] = {}
@@ -296,7 +350,7 @@ class HashDirectory(Directory):
 
     def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
         """Send each owner its messages, every owner at once, one message each per round."""
-        members = self._members
+        members, _ = self.current()
         rounds = max((len(v) for v in per_owner.values()), default=0)
         for r in range(rounds):
             calls: dict[str, m.Struct] = {}
@@ -314,16 +368,19 @@ class HashDirectory(Directory):
                 log.debug("directory update not acknowledged by %s", failed)
 
     # -- membership changes ----------------------------------------------------------------
-    def _rebalance(self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]) -> None:
+    def _rebalance(self, old: dict[str, m.MemberInfo], settled: dict[str, m.MemberInfo]) -> None:
+        new, new_ring = self.current()  # at least as new as ``settled``
+        if old == new:
+            return
         self.counts["rebalances"] += 1
+        self._applied = dict(new)
         old_ring = Ring(old, self.vnodes, self.replicas)
-        new_ring = Ring(new, self.vnodes, self.replicas)
-        self._members = dict(new)
-        self.ring = new_ring
         for nid in set(old) - set(new):
             self.client.forget(old[nid].control)
-        live = {nid: info.incarnation for nid, info in new.items()}
-        self.counts["purged"] += self.shard.purge(live)
+        # Entries of holders that left or restarted are stale (their pools are gone);
+        # entries of holders this node has not heard of yet are kept.
+        gone = {nid: info.incarnation for nid, info in old.items() if new.get(nid) != info}
+        self.counts["purged"] += self.shard.purge(gone)
         me = self.me.node_id
         fresh = {nid for nid in new if nid not in old or old[nid] != new[nid]}
 
@@ -347,18 +404,18 @@ class HashDirectory(Directory):
         self.counts["handoff_sent"] += sum(len(v) for v in handoff.values())
         self._send({o: [m.Handoff(token, 0, b) for b in _batches(e)] for o, e in handoff.items()})
 
-        # 2. What this node holds is re-published to owners that are new for it.
+        # 2. What this node holds is re-published to every owner: publishes made while the
+        # views of the members differed may have gone to owners that no longer are.
         held = self.held()
         hkeys = [k for k, _ in held]
         pubs: dict[str, list[tuple[bytes, int]]] = {}
         mine: list[tuple[bytes, int]] = []
-        for (key, where), o_old, o_new in zip(
-            held, old_ring.owners_many(hkeys), new_ring.owners_many(hkeys), strict=True
-        ):
-            for owner in new_owners(o_old, o_new):
-                pubs.setdefault(owner, []).append((key, int(where)))
-            if me in o_new:
-                mine.append((key, int(where)))
+        for (key, where), owners in zip(held, new_ring.owners_many(hkeys), strict=True):
+            for owner in owners:
+                if owner == me:
+                    mine.append((key, int(where)))
+                else:
+                    pubs.setdefault(owner, []).append((key, int(where)))
         self.shard.put(me, self.me.incarnation, mine)
         inc = self.me.incarnation
         self.counts["republished"] += sum(len(v) for v in pubs.values())
@@ -381,7 +438,7 @@ class HashDirectory(Directory):
             return found
         self.counts["resolves"] += 1
         self.counts["resolved_keys"] += n
-        ring, members = self.ring, self._members
+        members, ring = self.current()
         me = self.me.node_id
         client = self.client
 
@@ -426,7 +483,7 @@ class HashDirectory(Directory):
             remaining = [i for i in remaining if not found[i]]
             if not remaining:
                 break
-        live = self.membership.alive()
+        _, live = self.membership.view()
         out = [[loc for loc in locs if loc.holder in live] for locs in found]
         self.counts["resolve_found"] += sum(1 for locs in out if locs)
         return out
@@ -455,7 +512,7 @@ class HashDirectory(Directory):
         return m.Resolved(req.rid, list(holders), found)
 
     def stats(self) -> dict[str, object]:
-        return {"entries": len(self.shard), "owners": len(self.ring), **self.counts}
+        return {"entries": len(self.shard), "members": len(self.ring), **self.counts}
 
 
 def _batches(items: list[_T]) -> list[list[_T]]:

@@ -68,6 +68,8 @@ class Membership:
         self._dead: dict[str, tuple[m.MemberInfo, float]] = {}  # node id -> (info, when)
         self._self_addrs: set[str] = {me.control}
         self._reported: dict[str, m.MemberInfo] = {me.node_id: me}
+        self._view: dict[str, m.MemberInfo] | None = None
+        self._version = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,17 +77,29 @@ class Membership:
         self.heartbeats_received = 0
         self.changes = 0
         self.refused_by_peers = 0
+        self.left = 0  # members that said LEAVE
 
     # -- queries ---------------------------------------------------------------------------
     def add_listener(self, listener: ChangeListener) -> None:
         self._listeners.append(listener)
 
     def alive(self) -> dict[str, m.MemberInfo]:
-        """Live members by node id, this node included."""
+        """Live members by node id, this node included (a copy)."""
+        return dict(self.view()[1])
+
+    def view(self) -> tuple[int, dict[str, m.MemberInfo]]:
+        """(version, live members including this node); the version changes whenever the
+        set changes, and the mapping must not be modified."""
         with self._lock:
-            out = {nid: mem.info for nid, mem in self._members.items()}
-        out[self.me.node_id] = self.me
-        return out
+            if self._view is None:
+                view = {nid: mem.info for nid, mem in self._members.items()}
+                view[self.me.node_id] = self.me
+                self._view = view
+            return self._version, self._view
+
+    def _changed_locked(self) -> None:
+        self._view = None
+        self._version += 1
 
     def get(self, node_id: str) -> m.MemberInfo | None:
         if node_id == self.me.node_id:
@@ -147,8 +161,10 @@ class Membership:
             gone = mem is not None and mem.info.incarnation == info.incarnation
             if gone:
                 del self._members[info.node_id]
+                self._changed_locked()
                 self._dead[info.node_id] = (info, self.clock())
         if gone:
+            self.left += 1
             log.info("cluster member %s left", info.node_id)
             self._wake.set()
         return m.Done(req.rid, int(gone))
@@ -174,6 +190,7 @@ class Membership:
                 return  # a late message of a previous life
             if mem is None or mem.info != info:
                 self._members[info.node_id] = _Member(info, now)
+                self._changed_locked()
                 changed = True
             else:
                 mem.last_seen = now
@@ -200,6 +217,7 @@ class Membership:
             for nid, mem in list(self._members.items()):
                 if now - mem.last_seen > self.ttl:
                     del self._members[nid]
+                    self._changed_locked()
                     self._dead[nid] = (mem.info, now)
                     log.warning(
                         "cluster member %s missed heartbeats for %.1f s: declared dead",
@@ -308,4 +326,4 @@ class Membership:
         with self._lock:
             addrs = [mem.info.control for mem in self._members.values()]
         msg = m.Leave(self.client.token, 0, self.me)
-        self.client.call_many({a: msg for a in addrs}, timeout=min(0.5, self.interval))
+        self.client.call_many({a: msg for a in addrs}, timeout=1.0)

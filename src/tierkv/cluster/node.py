@@ -128,7 +128,12 @@ class ClusterNode:
             settings.member_ttl,
         )
         self.directory = HashDirectory(
-            self.membership, self.client, self._held, settings.replicas, settings.vnodes
+            self.membership,
+            self.client,
+            self._held,
+            settings.replicas,
+            settings.vnodes,
+            settle=2 * settings.heartbeat_interval,
         )
         self.membership.add_listener(self._membership_changed)
         self.tier = PeerTier(self)
