@@ -60,9 +60,8 @@ def main(config_path: str) -> None:
     if config.get("kill_before_first_load"):
         kill_server_before_first_load(int(config["kill_before_first_load"]))
 
-    from vllm.inputs import TokensPrompt
-
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = {}
     if config.get("endpoint"):

@@ -159,9 +159,12 @@ class SchedulerSide:
             return 0, False
         if state.phase == ALLOCATED:
             # Asked again after an allocation: the request was preempted, or its load failed
-            # completely. Look up afresh (the old locks were used or freed).
-            self._end_session(state)
+            # completely. Look up afresh (the server's new lookup replaces the old session).
             state.phase = NEW
+        if state.failed_from is not None and state.failed_from < self.chunk_size:
+            state.hits = 0  # its load failed from the start: recompute, do not ask again
+            state.phase = LOOKED_UP
+            return 0, False
         if state.phase == NEW:
             hits = self._lookup(state)
             if hits is None:
