@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
-MISSING = [
-    m
-    for m in ("vllm", "torch", "transformers", "tokenizers")
-    if importlib.util.find_spec(m) is None
-]
+
+def _installed(name: str) -> bool:
+    """A real package (this directory, tests/vllm, would pass as a namespace package)."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
+MISSING = [m for m in ("vllm", "torch", "transformers", "tokenizers") if not _installed(m)]
 
 
 def pytest_configure(config: pytest.Config) -> None:
