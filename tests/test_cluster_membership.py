@@ -13,7 +13,7 @@ import pytest
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient, ControlServer
-from tierkv.cluster.directory import HashDirectory, Where
+from tierkv.cluster.directory import DirectoryReader, HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
 
@@ -263,3 +263,22 @@ def test_resolve_falls_back_to_a_replica_when_an_owner_is_silent(
     found = reader.directory.resolve(keys)
     assert all(locs and locs[0].holder == nodes[0].addr for locs in found)
     assert reader.client.timeouts > 0
+
+
+def test_outside_reader_resolves_like_a_member(spawn: Callable[..., Mini]) -> None:
+    nodes = cluster(spawn, 3)
+    keys = [os.urandom(32) for _ in range(64)]
+    nodes[0].publish(keys[:32])
+    wait_for(lambda: stored_on_owners(nodes, keys[:32]))
+    reader = DirectoryReader(nodes[1].addr, TOKEN, timeout=1.0)
+    try:
+        assert set(reader.refresh()) == {n.addr for n in nodes}
+        found = reader.resolve(keys)
+        assert [[loc.holder for loc in locs] for locs in found] == [
+            [loc.holder for loc in locs] for locs in nodes[2].directory.resolve(keys)
+        ]
+        assert all(found[:32]) and not any(found[32:])
+    finally:
+        reader.close()
+    with pytest.raises(PermissionError):
+        DirectoryReader(nodes[1].addr, "wrong").refresh()

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 from tierkv.cluster import messages as m
@@ -432,59 +432,17 @@ class HashDirectory(Directory):
 
     # -- reads -----------------------------------------------------------------------------
     def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
-        n = len(keys)
-        found: list[list[Location]] = [[] for _ in range(n)]
-        if not n:
-            return found
-        self.counts["resolves"] += 1
-        self.counts["resolved_keys"] += n
+        if not keys:
+            return []
         members, ring = self.current()
-        me = self.me.node_id
-        client = self.client
-
-        def order(owners: tuple[str, ...]) -> list[str]:
-            # This node first (no round trip), then owners not known to be failing.
-            return sorted(
-                owners,
-                key=lambda o: (
-                    o != me,
-                    o not in members or client.suspect(members[o].control),
-                ),
-            )
-
-        choices = [order(o) for o in ring.owners_many(keys)]
-        remaining = list(range(n))
-        for attempt in range(max(1, ring.replicas)):
-            groups: dict[str, list[int]] = {}
-            for i in remaining:
-                if attempt < len(choices[i]):
-                    groups.setdefault(choices[i][attempt], []).append(i)
-            if not groups:
-                break
-            local = groups.pop(me, None)
-            if local:
-                for i, entries in zip(local, self.shard.get([keys[i] for i in local]), strict=True):
-                    found[i] = [Location(h, Where(w)) for h, _, w in entries]
-            calls = {
-                members[o].control: m.Resolve(client.token, 0, [keys[i] for i in idx])
-                for o, idx in groups.items()
-                if o in members
-            }
-            by_addr = {members[o].control: idx for o, idx in groups.items() if o in members}
-            if calls:
-                self.counts["resolve_rpcs"] += len(calls)
-                for addr, reply in client.call_many(calls).items():
-                    if not isinstance(reply, m.Resolved):
-                        continue
-                    idx = by_addr[addr]
-                    for pos, h, w in reply.found:
-                        if 0 <= pos < len(idx) and 0 <= h < len(reply.holders):
-                            found[idx[pos]].append(Location(reply.holders[h], Where(w)))
-            remaining = [i for i in remaining if not found[i]]
-            if not remaining:
-                break
+        found, rpcs = resolve_keys(
+            keys, members, ring, self.client, self.me.node_id, self.shard.get
+        )
         _, live = self.membership.view()
         out = [[loc for loc in locs if loc.holder in live] for locs in found]
+        self.counts["resolves"] += 1
+        self.counts["resolved_keys"] += len(keys)
+        self.counts["resolve_rpcs"] += rpcs
         self.counts["resolve_found"] += sum(1 for locs in out if locs)
         return out
 
@@ -517,3 +475,107 @@ class HashDirectory(Directory):
 
 def _batches(items: list[_T]) -> list[list[_T]]:
     return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def resolve_keys(
+    keys: Sequence[bytes],
+    members: Mapping[str, m.MemberInfo],
+    ring: Ring,
+    client: ControlClient,
+    me: str = "",
+    local: Callable[[Sequence[bytes]], list[tuple[tuple[str, int, int], ...]]] | None = None,
+) -> tuple[list[list[Location]], int]:
+    """Holders of each key, and the number of owner round trips it took.
+
+    Each key is asked of its first owner (``me`` first when it is one: ``local`` answers
+    without a round trip; then owners not known to be failing), every owner in one parallel
+    round trip; keys still unresolved are asked of the next replica, up to ``replicas``
+    rounds."""
+    n = len(keys)
+    found: list[list[Location]] = [[] for _ in range(n)]
+    orders: dict[tuple[str, ...], list[str]] = {}
+
+    def order(owners: tuple[str, ...]) -> list[str]:
+        ranked = orders.get(owners)
+        if ranked is None:
+            ranked = orders[owners] = sorted(
+                owners,
+                key=lambda o: (
+                    o != me,
+                    o not in members or client.suspect(members[o].control),
+                ),
+            )
+        return ranked
+
+    choices = [order(o) for o in ring.owners_many(keys)]
+    remaining = list(range(n))
+    rpcs = 0
+    for attempt in range(max(1, ring.replicas)):
+        groups: dict[str, list[int]] = {}
+        for i in remaining:
+            if attempt < len(choices[i]):
+                groups.setdefault(choices[i][attempt], []).append(i)
+        if not groups:
+            break
+        mine = groups.pop(me, None)
+        if mine and local is not None:
+            for i, entries in zip(mine, local([keys[i] for i in mine]), strict=True):
+                found[i] = [Location(h, Where(w)) for h, _, w in entries]
+        asked = {o: idx for o, idx in groups.items() if o in members}
+        calls = {
+            members[o].control: m.Resolve(client.token, 0, [keys[i] for i in idx])
+            for o, idx in asked.items()
+        }
+        by_addr = {members[o].control: idx for o, idx in asked.items()}
+        if calls:
+            rpcs += len(calls)
+            for addr, reply in client.call_many(calls).items():
+                if not isinstance(reply, m.Resolved):
+                    continue
+                idx = by_addr[addr]
+                for pos, h, w in reply.found:
+                    if 0 <= pos < len(idx) and 0 <= h < len(reply.holders):
+                        found[idx[pos]].append(Location(reply.holders[h], Where(w)))
+        remaining = [i for i in remaining if not found[i]]
+        if not remaining:
+            break
+    return found, rpcs
+
+
+class DirectoryReader:
+    """Read-only access to a cluster's directory from outside the cluster (tools,
+    benchmarks, dashboards): the member list comes from a seed, lookups go straight to the
+    owners, exactly as a member's own lookups do."""
+
+    def __init__(
+        self,
+        seed: str,
+        token: str,
+        timeout: float = 2.0,
+        replicas: int = 2,
+        vnodes: int = 160,
+    ) -> None:
+        self.seed = seed
+        self.client = ControlClient(token, timeout)
+        self.replicas = replicas
+        self.vnodes = vnodes
+        self.members: dict[str, m.MemberInfo] = {}
+        self.ring = Ring((), vnodes, replicas)
+
+    def refresh(self) -> dict[str, m.MemberInfo]:
+        reply = self.client.call(self.seed, m.GetMembers(self.client.token, 0))
+        if isinstance(reply, m.Refused):
+            raise PermissionError(f"{self.seed} refused: {reply.reason}")
+        if not isinstance(reply, m.MemberList):
+            raise TimeoutError(f"no member list from {self.seed}")
+        self.members = {info.node_id: info for info in reply.members}
+        self.ring = Ring(self.members, self.vnodes, self.replicas)
+        return self.members
+
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        if not self.members:
+            self.refresh()
+        return resolve_keys(keys, self.members, self.ring, self.client)[0]
+
+    def close(self) -> None:
+        self.client.close()

@@ -45,8 +45,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import blake3
+
 from tierkv.cluster import messages as m
-from tierkv.tiers.base import LoadStatus, checksum
+from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ CHUNK = struct.Struct("<B7xQ16s")
 MAX_CHUNKS = 4096
 MAX_TOKEN = 1024
 MAX_NODE_ID = 256
+HASH_STEP = 256 * 1024
 
 HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
 SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
@@ -174,6 +177,24 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if not got:
             raise ConnectionError("peer closed the connection")
         pos += got
+
+
+def _recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
+    """Receive into ``view`` and return its checksum, hashing each piece as it lands (while
+    it is still in the CPU cache) instead of reading the whole chunk again afterwards."""
+    hasher = blake3.blake3(max_threads=1)
+    pos, n = 0, len(view)
+    pending = 0  # received but not yet hashed: hash in pieces of at least HASH_STEP
+    while pos < n:
+        got = sock.recv_into(view[pos:], n - pos)
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        pos += got
+        if pos - pending >= HASH_STEP or pos == n:
+            hasher.update(view[pending:pos])
+            pending = pos
+    digest: bytes = hasher.digest(length=16)
+    return digest
 
 
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:
@@ -538,8 +559,7 @@ class TcpTransport(Transport):
                 if length != len(view):
                     raise ConnectionError(f"peer sent {length} bytes for a {len(view)}-byte slot")
                 target = view.cast("B") if view.format != "B" else view
-                _recv_exact(sock, target)
-                ok = checksum(target) == digest
+                ok = _recv_hashed(sock, target) == digest
                 statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
             else:
                 statuses[i] = LoadStatus.MISSING

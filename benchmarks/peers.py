@@ -1,0 +1,313 @@
+"""Cross-node sharing on loopback: a peer fetch through the full engine path, against raw TCP.
+
+Two real servers (A and B) form a cluster on loopback. An engine on A stores ``--chunks``
+chunks of ``--chunk-mib`` MiB; an engine on B then runs the whole read path: LOOKUP (B's
+pool misses, the prefetch resolves the keys through the directory and fetches the chunks
+from A's pool straight into reserved slots of B's pool, verifying checksums), polls
+QUERY_PREFETCH, and retrieves the chunks into its own (pre-touched) buffers. Between
+repetitions B's pool is cleared, so every repetition crosses the network again. The bound,
+measured in the same run: one raw TCP stream of the same number of bytes between two
+processes (``sendall`` from a touched buffer, ``recv_into`` a touched buffer).
+
+Directory lookup latency: an outside reader (the benchmark process, not a member, so every
+entry is a round trip away, one per owner, all owners in parallel) resolves the keys of a
+512-chunk prefix that A published; p50 over ``--lookups`` lookups.
+
+    python benchmarks/peers.py [--chunks 32] [--chunk-mib 8] [--repeat 5] [--lookups 300]
+
+The last line is machine-readable:
+``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B`` (A: fetch throughput over raw TCP
+throughput, best of the repetitions for each; goals A >= 0.8, B <= 2000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from tierkv import keys as tk
+from tierkv.client import Client, ServerUnavailableError
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.directory import DirectoryReader
+from tierkv.config import ServerConfig
+
+MIB = 1 << 20
+TOKEN = "peers-bench"
+CHUNK_TOKENS = 256
+
+
+def free_port_pair() -> int:
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return int(port)
+
+
+class Server:
+    def __init__(self, root: str, name: str, port: int, seed: int, pool: int) -> None:
+        self.name = name
+        self.port = port
+        self.runtime = os.path.join(root, name)
+        self.pool_name = f"tierkv-bench-{uuid.uuid4().hex[:8]}"
+        cmd = [
+            sys.executable, "-m", "tierkv.cli", "server",
+            "--instance", f"bench-{name}",
+            "--runtime-dir", self.runtime,
+            "--pool-name", self.pool_name,
+            "--pool-size", str(pool),
+            "--prefault",
+            "--auth-token", TOKEN,
+            "--cluster-seeds", f"127.0.0.1:{seed}",
+            "--cluster-port", str(port),
+            "--heartbeat-interval", "0.2",
+            "--member-ttl", "2",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if "http_port" in {f.name for f in msgspec.structs.fields(ServerConfig)}:
+            cmd += ["--http-port", "0"]
+        self.log = open(os.path.join(root, f"{name}.log"), "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.endpoint = f"ipc://{self.runtime}/rpc.sock"
+        deadline = time.monotonic() + 60
+        with Client(self.endpoint, timeout=0.5) as probe:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server {name} exited; see {self.log.name}")
+                try:
+                    probe.ping(timeout=0.5)
+                    break
+                except ServerUnavailableError:
+                    if time.monotonic() > deadline:
+                        raise
+        self.addr = f"127.0.0.1:{port}"
+
+    def client(self) -> Client:
+        # populate: map the whole pool up front, as an engine that reads it often would.
+        return Client(self.endpoint, timeout=60.0, auth_token=TOKEN, populate=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def members(addr: str) -> set[str]:
+    client = ControlClient(TOKEN, 1.0)
+    try:
+        reply = client.call(addr, m.GetMembers(TOKEN, 0))
+        return {i.node_id for i in reply.members} if isinstance(reply, m.MemberList) else set()
+    finally:
+        client.close()
+
+
+def wait_for(what: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark setup did not converge")
+        time.sleep(0.05)
+
+
+def chunk_keys(client: Client, tokens: np.ndarray[Any, Any]) -> list[bytes]:
+    assert client.registration is not None
+    return tk.chunk_keys(client.registration.namespace, tokens.astype("<u4").tobytes(), 256)
+
+
+# -- raw TCP bound -----------------------------------------------------------------------
+def raw_sender(port: int, nbytes: int, rounds: int) -> None:
+    buf = np.random.default_rng(7).integers(0, 256, size=nbytes, dtype=np.uint8)
+    view = memoryview(buf)
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                if conn.recv(1) != b"g":
+                    return
+                conn.sendall(view)
+
+
+def raw_tcp_seconds(nbytes: int, rounds: int) -> list[float]:
+    port = free_port_pair()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--raw-sender", str(port), str(nbytes), str(rounds)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        dst = np.ones(nbytes, dtype=np.uint8)  # touched
+        view = memoryview(dst)
+        times = []
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                sock.sendall(b"g")
+                got = 0
+                while got < nbytes:
+                    n = sock.recv_into(view[got:], nbytes - got)
+                    if not n:
+                        raise ConnectionError("raw sender closed early")
+                    got += n
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        child.wait(30)
+
+
+# -- the peer fetch ----------------------------------------------------------------------
+def fetch_seconds(
+    b: Server, tokens: np.ndarray[Any, Any], shape: tuple[int, ...], src: list[Any], rounds: int
+) -> list[float]:
+    n = len(src)
+    out = [np.ones(shape, np.float32) for _ in range(n)]  # the engine's (touched) buffers
+    times = []
+    with b.client() as engine:
+        engine.register("bench-model", shape, "float32", token_axis=1)
+        for r in range(rounds):
+            engine.clear()  # B's pool forgets the chunks: this round fetches them from A
+            rid = f"bench-{r}"
+            t0 = time.perf_counter()
+            result = engine.lookup(tokens, request_id=rid)
+            hits = result.hits
+            if result.prefetching:
+                while True:  # an engine polls; this one every 0.5 ms
+                    status = engine.query_prefetch(rid)
+                    if status.done:
+                        hits = status.hits
+                        break
+                    time.sleep(0.0005)
+            got = engine.retrieve(request_id=rid, out=out)
+            times.append(time.perf_counter() - t0)
+            if hits != n or len(got.retrieved) != n:
+                raise RuntimeError(f"round {r}: {hits} hits, {len(got.retrieved)} retrieved of {n}")
+            for i in range(n):
+                if not np.array_equal(out[i], src[i]):
+                    raise RuntimeError(f"round {r}: chunk {i} differs")
+            for arr in out:
+                arr.fill(1.0)
+    return times
+
+
+def lookup_latencies(a: Server, count: int, lookups: int) -> list[float]:
+    """Store ``count`` small chunks on A, then time outside resolves of all their keys."""
+    tokens = np.arange(10_000_000, 10_000_000 + count * CHUNK_TOKENS, dtype=np.uint32)
+    shape = (2, CHUNK_TOKENS, 2)
+    with a.client() as engine:
+        engine.register("bench-lookup-model", shape, "float32", token_axis=1)
+        data = [np.full(shape, i, np.float32) for i in range(count)]
+        stored = engine.store(tokens, data)
+        if len(stored.stored) != count:
+            raise RuntimeError(f"stored {len(stored.stored)} of {count} lookup chunks")
+        keys = chunk_keys(engine, tokens)
+    reader = DirectoryReader(a.addr, TOKEN)
+    try:
+        reader.refresh()
+        wait_for(lambda: all(reader.resolve(keys)))
+        times = []
+        for _ in range(lookups):
+            t0 = time.perf_counter()
+            found = reader.resolve(keys)
+            times.append(time.perf_counter() - t0)
+            if not all(found):
+                raise RuntimeError("a published key did not resolve")
+        return times
+    finally:
+        reader.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--chunks", type=int, default=32, help="chunks fetched per round")
+    ap.add_argument("--chunk-mib", type=int, default=8, help="MiB per chunk")
+    ap.add_argument("--repeat", type=int, default=5, help="rounds of each measurement")
+    ap.add_argument("--lookups", type=int, default=300, help="directory lookups timed")
+    ap.add_argument("--raw-sender", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.raw_sender:
+        raw_sender(*args.raw_sender)
+        return
+
+    chunk_bytes = args.chunk_mib * MIB
+    per = chunk_bytes // (2 * CHUNK_TOKENS * 4)
+    shape = (2, CHUNK_TOKENS, per)
+    nbytes = args.chunks * chunk_bytes
+    pool = int(nbytes * 1.6) + 64 * MIB
+    root = tempfile.mkdtemp(prefix="tierkv-peers-")
+    servers: list[Server] = []
+    try:
+        pa, pb = free_port_pair(), free_port_pair()
+        a = Server(root, "a", pa, pa, pool)
+        servers.append(a)
+        b = Server(root, "b", pb, pa, pool)
+        servers.append(b)
+        wait_for(lambda: members(a.addr) == members(b.addr) == {a.addr, b.addr})
+        time.sleep(1.0)  # let both directories settle on the two-member ring
+
+        rng = np.random.default_rng(1)
+        src = [rng.random(shape, dtype=np.float32) for _ in range(args.chunks)]
+        tokens = np.arange(args.chunks * CHUNK_TOKENS, dtype=np.uint32)
+        with a.client() as engine:
+            engine.register("bench-model", shape, "float32", token_axis=1)
+            stored = engine.store(tokens, src)
+            if len(stored.stored) != args.chunks:
+                raise RuntimeError(f"A stored {len(stored.stored)} of {args.chunks} chunks")
+            keys = chunk_keys(engine, tokens)
+        reader = DirectoryReader(a.addr, TOKEN)
+        wait_for(lambda: all(reader.resolve(keys)))
+        reader.close()
+
+        fetch = fetch_seconds(b, tokens, shape, src, args.repeat)
+        raw = raw_tcp_seconds(nbytes, args.repeat)
+        lookups = lookup_latencies(a, 512, args.lookups)
+    finally:
+        for srv in servers:
+            srv.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    fetch_gbps = nbytes / min(fetch) / 1e9
+    raw_gbps = nbytes / min(raw) / 1e9
+    p50_us = statistics.median(lookups) * 1e6
+    p99_us = sorted(lookups)[int(0.99 * (len(lookups) - 1))] * 1e6
+    print(
+        f"peer fetch (LOOKUP + prefetch from A + retrieve on B): {args.chunks} x "
+        f"{args.chunk_mib} MiB, best {min(fetch) * 1e3:.1f} ms = {fetch_gbps:.2f} GB/s "
+        f"(median {statistics.median(fetch) * 1e3:.1f} ms)"
+    )
+    print(
+        f"raw TCP stream, same bytes, two processes: best {min(raw) * 1e3:.1f} ms = "
+        f"{raw_gbps:.2f} GB/s (median {statistics.median(raw) * 1e3:.1f} ms)"
+    )
+    print(
+        f"directory lookup, 512-chunk prefix, outside reader: p50 {p50_us:.0f} us, "
+        f"p99 {p99_us:.0f} us"
+    )
+    ratio = fetch_gbps / raw_gbps
+    print(f"peers fetch_vs_raw_tcp={ratio:.3f} directory_lookup512_p50_us={p50_us:.0f}")
+
+
+if __name__ == "__main__":
+    main()
