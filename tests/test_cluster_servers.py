@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -50,12 +51,17 @@ def store(node: Node, tokens: list[int], chunks: int) -> list[bytes]:
 
 def located(nodes: list[Node], keys: list[bytes]) -> list[set[str]]:
     """Holders of each key, asked of every node's shard (a test's view of the directory)."""
-    out: list[set[str]] = [set() for _ in keys]
+    return [{holder for holder, _ in entries} for entries in entries_of(nodes, keys)]
+
+
+def entries_of(nodes: list[Node], keys: list[bytes]) -> list[set[tuple[str, m.Where]]]:
+    """(holder, where) entries of each key, from every node's shard."""
+    out: list[set[tuple[str, m.Where]]] = [set() for _ in keys]
     for node in nodes:
         reply = call(node.addr, m.Resolve(TOKEN, 0, keys))
         assert isinstance(reply, m.Resolved)
-        for pos, h, _ in reply.found:
-            out[pos].add(reply.holders[h])
+        for pos, h, where in reply.found:
+            out[pos].add((reply.holders[h], m.Where(where)))
     return out
 
 
@@ -210,6 +216,44 @@ def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
     finally:
         intruder.close()
     assert status(a)["transport"]["refused_hellos"] >= 1
+
+
+def test_chunk_on_the_holders_disk_is_promoted_before_sending(
+    server_factory: Factory, tmp_path: Path
+) -> None:
+    pa, pb = free_ports(2)
+    # A: a 2 MiB pool (64 chunks of 32 KiB) over a disk tier, so old chunks go to disk.
+    disk = ["--tier", f"disk:path={tmp_path / 'disk-a'}"]
+    a = start_node(server_factory, pa, [pa], pool_size="2MiB", extra=disk)
+    b = start_node(server_factory, pb, [pa])
+    nodes = [a, b]
+    wait_for(lambda: converged(nodes))
+    tokens = tokens_for(7, 8)
+    keys = store(a, tokens, 8)
+    wait_for(lambda: all(e == {(a.node_id, m.Where.POOL)} for e in entries_of(nodes, keys)))
+    wait_for(lambda: disk_written(a) >= 8)
+    for batch in range(6):  # newer chunks push the first ones out of A's pool
+        filler = tokens_for(100 + batch, 10)
+        with a.client() as c:
+            register(c)
+            c.store(filler, [chunk_data(filler, i) for i in range(10)])
+        wait_for(lambda: pool_fraction(a) < 0.8)
+    # Evicted from the pool but on A's disk: the entries say so.
+    wait_for(lambda: all(e == {(a.node_id, m.Where.DISK)} for e in entries_of(nodes, keys)))
+    assert fetch(b, tokens, 8) == (8, list(range(8)))  # A promotes, then sends
+    assert status(a)["promoted"] >= 8
+    wait_for(lambda: all(e == {(a.node_id, m.Where.POOL)} for e in entries_of(nodes, keys)))
+
+
+def disk_written(node: Node) -> int:
+    with node.client() as c:
+        return next(t.written_chunks for t in c.stats().tiers if t.name == "disk")
+
+
+def pool_fraction(node: Node) -> float:
+    with node.client() as c:
+        s = c.stats()
+    return s.used / s.capacity
 
 
 def test_servers_stop_cleanly_and_leave(trio: list[Node]) -> None:
