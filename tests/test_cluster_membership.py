@@ -16,6 +16,7 @@ from tierkv.cluster.control import ControlClient, ControlServer
 from tierkv.cluster.directory import DirectoryReader, HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
+from tierkv.config import ConfigError
 
 TOKEN = "s3cret"
 INTERVAL, TTL = 0.05, 0.5
@@ -28,7 +29,7 @@ def bind(port: int, token: str) -> ControlServer:
     while True:
         try:
             return ControlServer("127.0.0.1", port, token, {})
-        except OSError:
+        except ConfigError:
             if not port or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)

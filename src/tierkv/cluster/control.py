@@ -28,6 +28,7 @@ import msgspec
 import zmq
 
 from tierkv.cluster import messages as m
+from tierkv.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class ControlServer:
             self.sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             self.sock.close(linger=0)
-            raise OSError(f"cannot bind the cluster port {host}:{port}: {exc}") from None
+            raise ConfigError(
+                f"cannot bind the cluster port {host}:{port}: {exc} (choose another "
+                "--cluster-port, or stop the server using it)"
+            ) from None
         endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
         assert isinstance(endpoint, bytes)
         self.port = int(endpoint.decode().rsplit(":", 1)[1])

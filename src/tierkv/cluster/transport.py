@@ -48,6 +48,7 @@ from typing import Any, Protocol
 import blake3
 
 from tierkv.cluster import messages as m
+from tierkv.config import ConfigError
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ MAX_CHUNKS = 4096
 MAX_TOKEN = 1024
 MAX_NODE_ID = 256
 HASH_STEP = 256 * 1024
+MAX_CHUNK_BYTES = 1 << 34
 
 HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
 SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
@@ -266,7 +268,13 @@ class TcpTransport(Transport):
         self.timeout = timeout
         self.max_serving = max_serving
         self.corrupt_hook = corrupt_hook  # tests only: flip sent bytes of chosen keys
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        try:
+            self._listener = socket.create_server((host, port), backlog=128)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot bind the cluster data port {host}:{port}: {exc} (choose another "
+                "--cluster-data-port, or stop the server using it)"
+            ) from None
         self.port = self._listener.getsockname()[1]
         self.address = f"{advertise_host}:{self.port}"
         self._pools: dict[tuple[str, int], _PeerPool] = {}
@@ -337,6 +345,9 @@ class TcpTransport(Transport):
                 sock.settimeout(self.timeout)
                 raw = _recv_bytes(sock, count * ITEM.size)
                 items = [ITEM.unpack_from(raw, i * ITEM.size) for i in range(count)]
+                if any(not 0 < n <= MAX_CHUNK_BYTES for _, n in items):
+                    log.warning("closing a peer connection from %s: bad chunk length", peer)
+                    return
                 self._answer(sock, peer, figures, items)
                 sock.settimeout(None)
         except (ConnectionError, OSError) as exc:
