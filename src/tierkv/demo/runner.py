@@ -96,6 +96,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--endpoint", help="RPC endpoint of a running server")
     s.add_argument("--instance", default="default", help="instance name of a running server")
     s.add_argument("--timeout", type=float, default=30.0, help="RPC timeout in seconds (30)")
+    s.add_argument(
+        "--nodes",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="with --with-server: 2 starts two servers in a cluster; node A's engines run the "
+        "workload, then node B's engines run it again and hit node A's chunks remotely",
+    )
 
 
 def run_demo(
@@ -232,6 +240,21 @@ def run_demo_command(args: argparse.Namespace) -> int:
     if args.disk_tier_size and not args.disk_tier:
         print("tierkv demo: --disk-tier-size needs --disk-tier DIR", file=sys.stderr)
         return 2
+    if args.nodes == 2:
+        if not args.with_server or args.disk_tier:
+            print(
+                "tierkv demo: --nodes 2 needs --with-server (and no --disk-tier)", file=sys.stderr
+            )
+            return 2
+        from tierkv.demo.cluster import run_two_node_demo
+
+        try:
+            size = parse_size(args.pool_size) if args.pool_size else 0
+        except ConfigError as exc:
+            print(f"tierkv demo: {exc}", file=sys.stderr)
+            return 2
+        size = size or auto_pool_size(workload, model)[0]
+        return run_two_node_demo(workload, model, args.engines, size, args.timeout)
     if args.with_server:
         try:
             pool_size = parse_size(args.pool_size) if args.pool_size else None
