@@ -13,7 +13,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh
-	$(PY) -m pip install -q -e '.[http,redis,s3,test]'
+	$(PY) -m pip install -q -e '.[redis,s3,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -100,6 +100,7 @@ def start_server(run_dir: Path, pool_bytes: int, prefault: bool) -> ServerProc:
         "--pool-name", pool_name,
         "--pool-size", str(pool_bytes),
         "--log-level", "warning",
+        "--http-port", "0",
         "--prefault" if prefault else "--no-prefault",
     ]  # fmt: skip
     with open(log_path, "wb") as log:

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Install the system programs that tierkv's tests run for real (Redis today), using the
-# system package manager, only when they are missing. Idempotent and silent when everything
-# is present; run by `make venv` / `make test` before the Python dependencies.
+# Install the system programs that tierkv's tests run for real (Redis, and headless Chromium
+# for the dashboard test), using the system package manager, only when they are missing.
+# Idempotent and silent when everything is present; run by `make venv` / `make test` before
+# the Python dependencies.
 #
 # To require another program, add one line to REQUIRED: "<command on PATH> <apt package>".
 set -euo pipefail
 
 REQUIRED=(
   "redis-server redis-server"
+  "chromium chromium"
 )
 
 have() {

@@ -45,6 +45,7 @@ class ServerProcess:
             "--pool-name", self.pool_name,
             "--pool-size", self.pool_size,
             "--log-level", "debug",
+            "--http-port", "0",  # tests that want HTTP pass a free port in extra
             *self.extra,
         ]  # fmt: skip
 

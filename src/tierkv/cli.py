@@ -39,8 +39,17 @@ def _status(args: argparse.Namespace) -> int:
     except TierKVError as exc:
         print(f"tierkv status: {exc}", file=sys.stderr)
         return 1
+    if args.json:
+        import msgspec
+
+        figures = msgspec.structs.asdict(s)  # an object, not the wire's array
+        del figures["rid"]
+        print(msgspec.json.encode(figures).decode())
+        return 0
     pct = 100.0 * s.used / s.capacity if s.capacity else 0.0
     print(f"tierkv {s.server_version}, up {s.uptime_s:.0f} s, pool {s.pool_name}")
+    if s.http_url:
+        print(f"  dashboard {s.http_url}/")
     print(
         f"  pool      {format_bytes(s.used)} of {format_bytes(s.capacity)} used ({pct:.1f}%), "
         f"largest free block {format_bytes(s.largest_free)}"
@@ -56,6 +65,20 @@ def _status(args: argparse.Namespace) -> int:
     print(
         f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
         f"{s.expired_write_slots} store slots, {s.expired_read_locks} read locks"
+    )
+    hits, misses = sum(s.lookup_hits.values()), sum(s.lookup_misses.values())
+    if hits + misses:
+        where = ", ".join(f"{k} {v}" for k, v in s.lookup_hits.items() if v) or "none"
+        why = ", ".join(f"{k} {v}" for k, v in s.lookup_misses.items() if v) or "none"
+        print(
+            f"  lookups   {hits + misses} chunks, {100.0 * hits / (hits + misses):.1f}% hit "
+            f"(hits: {where}; misses: {why})"
+        )
+    else:
+        print("  lookups   none yet")
+    print(
+        f"  traffic   {format_bytes(s.stored_bytes)} stored, "
+        f"{format_bytes(s.retrieved_bytes)} retrieved"
     )
     for t in s.tiers:
         cap = f" of {format_bytes(t.capacity)}" if t.capacity else ""
@@ -75,6 +98,16 @@ def _status(args: argparse.Namespace) -> int:
     print(f"  requests  {reqs}")
     if s.errors:
         print("  errors    " + ", ".join(f"{k} {v}" for k, v in sorted(s.errors.items())))
+    print(f"  engines   {len(s.engines)}" + (":" if s.engines else ""))
+    for e in s.engines:
+        role = f" {e.role}" if e.role != "worker" else ""
+        group = f" engine {e.engine_id}" if e.engine_id else ""
+        tenant = f" tenant {e.tenant}" if e.tenant else ""
+        print(
+            f"    {e.name or '-'} (pid {e.pid}){role}{group}: {e.model}, {e.layout}, rank "
+            f"{e.rank}/{e.world_size}{tenant}; {e.sessions} sessions, idle {e.idle_s:.1f} s, "
+            f"namespace {e.namespace}"
+        )
     return 0
 
 
@@ -85,13 +118,14 @@ def _clear(args: argparse.Namespace) -> int:
         if not sys.stdin.isatty():
             print("tierkv clear: refusing without --yes (stdin is not a terminal)", file=sys.stderr)
             return 2
-        answer = input("Remove every cached chunk from the server's pool? [y/N] ")
+        answer = input(
+            "Remove every cached chunk from the server's pool (tiers keep theirs)? [y/N] "
+        )
         if answer.strip().lower() not in ("y", "yes"):
             print("cancelled")
             return 1
     try:
         with _client_for(args) as client:
-            client.register("tierkv-admin", [1], "uint8", name="tierkv clear")  # admin session
             removed = client.clear()
     except TierKVError as exc:
         print(f"tierkv clear: {exc}", file=sys.stderr)
@@ -124,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="print a summary of a running server")
     _add_client_args(status)
+    status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     status.set_defaults(func=_status)
 
     clear = sub.add_parser("clear", help="remove every cached chunk from a running server")

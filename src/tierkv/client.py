@@ -527,7 +527,10 @@ class Client:
         return self._call(p.GetStats(self._rid(), client, self.auth_token))  # type: ignore[no-any-return]
 
     def clear(self) -> int:
-        reply: p.Ok = self._call(p.Clear(self._rid(), self._token()))
+        """Remove every object from the server's pool. An admin request: it needs a
+        registration or, on a server that has one, the auth token."""
+        client = self.registration.client if self.registration else 0
+        reply: p.Ok = self._call(p.Clear(self._rid(), client, self.auth_token))
         return reply.count
 
     def close(self) -> None:

@@ -83,6 +83,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runtime_dir: str = ""
     rpc_tcp: str = ""
     auth_token: str = ""
+    http_host: str = "127.0.0.1"
+    http_port: int = 8791
     pool_name: str = ""
     pool_size: int = 2 * 2**30
     prefault: bool = False
@@ -170,7 +172,25 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     f"rpc_tcp {self.rpc_tcp!r} is reachable from other hosts: set auth_token "
                     "(--auth-token or TIERKV_AUTH_TOKEN) or bind a loopback address"
                 )
+        if not 0 <= self.http_port < 65536:
+            raise ConfigError(f"http_port {self.http_port}: use 1-65535, or 0 to disable HTTP")
+        if self.http_port and not self.http_host:
+            raise ConfigError("http_host must name an address to bind (e.g. 127.0.0.1)")
+        if self.http_port and not is_loopback(self.http_host) and not self.auth_token:
+            raise ConfigError(
+                f"http_host {self.http_host!r} is reachable from other hosts: set auth_token "
+                "(--auth-token or TIERKV_AUTH_TOKEN; POST endpoints then need 'Authorization: "
+                "Bearer TOKEN') or bind a loopback address"
+            )
         return self
+
+    @property
+    def http_url(self) -> str:
+        """Where the HTTP server listens ("" when disabled)."""
+        if not self.http_port:
+            return ""
+        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        return f"http://{host}:{self.http_port}"
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):
@@ -209,7 +229,11 @@ FIELD_HELP: dict[str, str] = {
     "INSTANCE or /tmp/tierkv-UID/tierkv/INSTANCE)",
     "rpc_tcp": "serve RPC on TCP HOST:PORT instead of the local ipc socket; a non-loopback "
     "host requires --auth-token",
-    "auth_token": "shared secret clients must present (required for non-loopback TCP)",
+    "auth_token": "shared secret clients must present (required for non-loopback TCP and "
+    "HTTP; HTTP admin requests send it as 'Authorization: Bearer TOKEN')",
+    "http_host": "address of the HTTP server (health, status, metrics, dashboard); a "
+    "non-loopback address requires --auth-token",
+    "http_port": "port of the HTTP server; 0 disables it",
     "pool_name": "name of the shared-memory segment (default tierkv-UID-INSTANCE)",
     "pool_size": "size of the shared-memory pool, e.g. 512MiB, 8GiB",
     "prefault": "allocate and map every page of the pool at start-up",

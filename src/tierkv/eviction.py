@@ -80,6 +80,10 @@ class EvictionController:
                     log.exception("eviction listener %r failed", listener)
         return evicted
 
+    def alive(self) -> bool:
+        """Whether the controller thread is running (for health checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         if self._thread is not None:
             return

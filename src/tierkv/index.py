@@ -110,6 +110,7 @@ class CommitResult:
     aborted: int = 0
     cleared: int = 0  # reserved slots whose key was deleted meanwhile: freed, not committed
     committed_keys: list[bytes] = field(default_factory=list)
+    committed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,9 @@ class ObjectIndex:
         self._expired_read_locks = 0
         self._evictions = 0
         self._evicted_bytes = 0
+        # Called, under the index lock, with the keys of objects whose store expired before
+        # its commit (so that lookups can tell "expired" from "never stored"); must be cheap.
+        self.on_write_expired: Callable[[list[bytes]], None] | None = None
 
     # -- writes ----------------------------------------------------------------------------
     def reserve_write(
@@ -237,6 +241,7 @@ class ObjectIndex:
                     entry.state = State.READY
                     ready.append(entry)
                     result.committed_keys.append(entry.key)
+                    result.committed_bytes += entry.length
             result.committed = len(ready)
             self._touch(ready)
             return result
@@ -351,11 +356,12 @@ class ObjectIndex:
                     n += 1
             return n
 
-    def clear(self) -> int:
-        """Remove every object. Locked ones vanish from lookups at once and free their slots
+    def clear(self, prefix: bytes = b"") -> int:
+        """Remove every object (with ``prefix``: every object whose key starts with it, e.g.
+        one namespace's digest). Locked ones vanish from lookups at once and free their slots
         when their leases end. Returns how many objects were removed."""
         with self._lock:
-            entries = list(self._entries.values())
+            entries = [e for e in self._entries.values() if e.key.startswith(prefix)]
             for entry in entries:
                 self._unmap(entry)
             return len(entries)
@@ -575,6 +581,8 @@ class ObjectIndex:
             if lease.deadline > now:
                 break
             self._remove_lease(leases, lease)
+            if self.on_write_expired is not None:
+                self.on_write_expired([e.key for e in lease.entries if e.live])
             for entry in lease.entries:
                 self._drop_writing(entry)
             freed += len(lease.entries)

@@ -151,8 +151,12 @@ class EndSession(Struct, tag="end_session"):
 
 
 class Clear(Struct, tag="clear"):
+    """Remove every object from the pool. From a registered client, or (``client`` 0) with
+    the server's auth token when it has one."""
+
     rid: int
     client: int
+    auth_token: str = ""
 
 
 class Ping(Struct, tag="ping"):
@@ -280,6 +284,28 @@ class TierStats(msgspec.Struct, forbid_unknown_fields=True):
     load_failures: dict[str, int]
 
 
+class EngineInfo(msgspec.Struct):
+    """A registered client as status reports show it. ``tenant`` is a short hash of the
+    tenant salt ("" without one): it tells tenants apart without revealing the salt.
+    ``namespace`` is the hex digest every key of this client starts with."""
+
+    name: str
+    pid: int
+    role: str
+    engine_id: str
+    model: str
+    dtype: str
+    layout: str
+    world_size: int
+    rank: int
+    tenant: str
+    namespace: str
+    chunk_bytes: int
+    registered_s: float  # seconds since REGISTER
+    idle_s: float  # seconds since its last request
+    sessions: int  # open lookup sessions
+
+
 class Stats(Struct, tag="stats_result"):
     rid: int
     server_version: str
@@ -309,6 +335,12 @@ class Stats(Struct, tag="stats_result"):
     prefetch_rejected: int = 0
     prefetch_timed_out: int = 0
     prefetch_inflight: int = 0
+    engines: list[EngineInfo] = []
+    lookup_hits: dict[str, int] = {}  # chunks, by the tier that had them ("pool", tier names)
+    lookup_misses: dict[str, int] = {}  # chunks, by reason (absent, evicted, expired, ...)
+    stored_bytes: int = 0  # committed into the pool by engines
+    retrieved_bytes: int = 0  # handed to engines to copy out of the pool
+    http_url: str = ""  # the dashboard, "" when HTTP is off
 
 
 Reply = (

@@ -51,6 +51,7 @@ class LocalServer:
             "--instance", self.instance,
             "--runtime-dir", self.runtime_dir,
             "--pool-size", str(self.pool_size),
+            "--http-port", "0",  # a throw-away server: no HTTP port to collide with another's
             *self.extra_args,
         ]  # fmt: skip
 

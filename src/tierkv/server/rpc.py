@@ -71,6 +71,7 @@ class RpcServer:
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self._stop = threading.Event()
         self._stopped = threading.Event()
+        self.last_tick = service.clock()  # when the loop last went round (health checks)
         self._executor = ThreadPoolExecutor(service.cfg.workers, thread_name_prefix="tierkv-rpc")
         self._results_addr = f"inproc://tierkv-results-{id(self)}"
         self._local = threading.local()
@@ -122,6 +123,7 @@ class RpcServer:
                 if self.sock in events:
                     self._drain_requests()
                 now = self.service.clock()
+                self.last_tick = now
                 if now - last_sweep >= 1.0:
                     last_sweep = now
                     self.service.expire_sessions()
@@ -148,8 +150,8 @@ class RpcServer:
         try:
             req = self._decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            reply: Any = self.service.error(
-                _lenient_rid(payload), p.ErrorCode.BAD_REQUEST, _describe_malformed(payload, exc)
+            reply: Any = self.service.malformed(
+                _lenient_rid(payload), _describe_malformed(payload, exc)
             )
             self._send(envelope, reply)
             return
@@ -190,6 +192,14 @@ class RpcServer:
     def stop(self) -> None:
         """Ask the loop to finish (safe from signal handlers and other threads)."""
         self._stop.set()
+
+    def alive(self, stall: float) -> bool:
+        """Whether the loop is serving and went round within the last ``stall`` seconds."""
+        return (
+            not self._stop.is_set()
+            and not self._stopped.is_set()
+            and self.service.clock() - self.last_tick < stall
+        )
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)

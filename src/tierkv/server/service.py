@@ -17,6 +17,7 @@ offsets, and the engine copies.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import secrets
@@ -37,6 +38,8 @@ from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.server.lookups import LookupAccounting
+from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.tiering import Tiering
 from tierkv.tiers.base import Tier
 from tierkv.tiers.prefetch import PrefetchJob
@@ -117,7 +120,9 @@ class CacheService:
         self.eviction = EvictionController(
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
-        self.tiering = Tiering(cfg, self.index, pool, tiers)
+        self.metrics = ServiceMetrics(self.eviction)
+        self.lookups = LookupAccounting(self.metrics, self.index, self.eviction)
+        self.tiering = Tiering(cfg, self.index, pool, tiers, lookups=self.lookups)
         self.eviction.add_listener(self.tiering.on_evicted)
         self._clients: dict[int, Client] = {}
         self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token
@@ -153,7 +158,19 @@ class CacheService:
 
     # -- dispatch --------------------------------------------------------------------------
     def handle(self, req: Any) -> Any:
-        """Run the handler for ``req``; map failures to error replies."""
+        """Run the handler for ``req``; map failures to error replies; count and time it."""
+        start = time.perf_counter()
+        reply = self._dispatch(req)
+        self.metrics.request_done(type(req), reply, time.perf_counter() - start)
+        return reply
+
+    def malformed(self, rid: int, message: str) -> p.Error:
+        """The reply to a message that could not be decoded (counted as "malformed")."""
+        reply = self.error(rid, p.ErrorCode.BAD_REQUEST, message)
+        self.metrics.request_done(type(None), reply, 0.0)
+        return reply
+
+    def _dispatch(self, req: Any) -> Any:
         name = p.request_name(req)
         self.requests[name] += 1
         try:
@@ -412,6 +429,7 @@ class CacheService:
         except IndexError_ as exc:  # `only` positions out of range
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         self.tiering.after_commit(res.committed_keys)
+        self.metrics.stored(res.committed, res.committed_bytes)
         return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
 
     def abort_store(self, req: p.AbortStore) -> p.Ok:
@@ -430,6 +448,7 @@ class CacheService:
                 if not present:
                     break
                 hits += 1
+            self.lookups.record(ks, hits)
             return p.LookupResult(req.rid, hits, len(ks))
         self._drop_session(client, req.request_id)
         session = self._open_session(client, req.request_id, ks, lengths)
@@ -455,6 +474,8 @@ class CacheService:
                 lock.lease_id,
                 lambda job: self._prefetch_done(client, request_id, session, job),
             )
+        else:
+            self.lookups.record(ks, hits)  # with a prefetch, the tiering counts it when done
         return session
 
     def _group_lookup(self, scheduler: Client, req: p.Lookup) -> p.LookupResult:
@@ -491,6 +512,7 @@ class CacheService:
             if not present:
                 break
             hits += 1
+        self.lookups.record(ks, hits)
         return hits
 
     def _prefetch_done(
@@ -649,10 +671,52 @@ class CacheService:
 
     # -- administration --------------------------------------------------------------------
     def clear(self, req: p.Clear) -> p.Ok:
-        self._client(req.client)
-        removed = self.index.clear()
-        log.info("cleared the cache (%d objects)", removed)
-        return p.Ok(req.rid, removed)
+        # From a registered client, or from an admin tool (client 0) that carries the auth
+        # token when the server has one (without one, the 0600 socket trusts local callers).
+        if req.client:
+            self._client(req.client)
+        elif self.cfg.auth_token and not secrets.compare_digest(
+            req.auth_token, self.cfg.auth_token
+        ):
+            raise RequestError(p.ErrorCode.UNAUTHORIZED, "clear needs a client or the auth token")
+        return p.Ok(req.rid, self.clear_cache())
+
+    def clear_cache(self, namespace: bytes = b"", via: str = "RPC") -> int:
+        """Remove every object from the pool, or one namespace's (its 16-byte digest, the
+        first half of each of its keys). Tiers keep theirs."""
+        removed = self.index.clear(namespace)
+        what = f"namespace {namespace.hex()}" if namespace else "the cache"
+        log.info("cleared %s over %s (%d objects)", what, via, removed)
+        return removed
+
+    def uptime(self) -> float:
+        return self.clock() - self.started
+
+    def clients_snapshot(self) -> list[p.EngineInfo]:
+        """The registered clients as status reports show them (the tenant salt hashed)."""
+        now = self.clock()
+        with self._lock:
+            clients = [(c, len(c.sessions) + len(c.group_sessions)) for c in self._clients.values()]
+        return [
+            p.EngineInfo(
+                name=c.name,
+                pid=c.pid,
+                role=c.role,
+                engine_id=c.engine_id,
+                model=c.namespace.model,
+                dtype=c.namespace.kv_dtype,
+                layout=c.namespace.layout,
+                world_size=c.namespace.world_size,
+                rank=c.namespace.rank,
+                tenant=_tenant_tag(c.namespace.tenant_salt),
+                namespace=c.digest.hex(),
+                chunk_bytes=c.chunk_bytes,
+                registered_s=now - c.registered_at,
+                idle_s=now - c.last_seen,
+                sessions=sessions,
+            )
+            for c, sessions in clients
+        ]
 
     def ping(self, req: p.Ping) -> p.Ok:
         return p.Ok(req.rid)
@@ -666,6 +730,9 @@ class CacheService:
         ):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         s = self.index.stats()
+        tiers = self.tiering.tier_stats()
+        hits, misses = self.metrics.lookup_counts([t.name for t in tiers])
+        pool_bytes = self.metrics.pool_bytes.snapshot()
         wb = self.tiering.write_behind.stats
         pf = self.tiering.prefetcher.stats
         return p.Stats(
@@ -690,14 +757,25 @@ class CacheService:
             evicted_bytes=s.evicted_bytes,
             requests=dict(self.requests),
             errors=dict(self.errors),
-            tiers=self.tiering.tier_stats(),
+            tiers=tiers,
             write_behind_queued=wb.queued_chunks,
             write_behind_dropped=wb.dropped_chunks,
             prefetch_started=pf.started,
             prefetch_rejected=pf.rejected,
             prefetch_timed_out=pf.timed_out,
             prefetch_inflight=pf.inflight,
+            engines=self.clients_snapshot(),
+            lookup_hits=hits,
+            lookup_misses=misses,
+            stored_bytes=pool_bytes.get("stored_bytes", 0),
+            retrieved_bytes=pool_bytes.get("retrieved_bytes", 0),
+            http_url=self.cfg.http_url,
         )
+
+
+def _tenant_tag(salt: str) -> str:
+    """Tells tenants apart in status reports without showing their salt ("" for none)."""
+    return "sha256:" + hashlib.sha256(salt.encode()).hexdigest()[:12] if salt else ""
 
 
 # Dtypes numpy does not know by these names but engines use.

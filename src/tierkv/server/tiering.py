@@ -2,7 +2,8 @@
 
 The service calls :meth:`Tiering.after_commit` when chunks become ready and
 :meth:`Tiering.prefetch` on a lookup that did not hit the whole prefix; everything else
-happens on the tier threads. With no tiers configured both are no-ops.
+happens on the tier threads. With no tiers configured both are no-ops. With ``lookups``, every
+prefetch's outcome is counted when it finishes (or at once when it cannot start).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv import protocol as p
 from tierkv.cluster.node import start_cluster
@@ -20,6 +21,9 @@ from tierkv.pool import ShmPool
 from tierkv.tiers.base import Tier, TierUsage, create_tier
 from tierkv.tiers.prefetch import Prefetcher, PrefetchJob
 from tierkv.tiers.write_behind import WriteBehind
+
+if TYPE_CHECKING:
+    from tierkv.server.lookups import LookupAccounting
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,9 @@ class Tiering:
         pool: ShmPool,
         tiers: Sequence[Tier] | None = None,
         clock: Callable[[], float] | None = None,
+        lookups: LookupAccounting | None = None,
     ) -> None:
+        self.lookups = lookups
         self.tiers: list[Tier] = list(tiers) if tiers is not None else build_tiers(cfg)
         # Cluster: other servers' pools are the last tier; publishing is its write-behind.
         self.cluster = start_cluster(cfg, index, pool, self.tiers) if cfg.cluster_seeds else None
@@ -87,16 +93,28 @@ class Tiering:
     ) -> PrefetchJob | None:
         if not self.tiers:
             return None
-        return self.prefetcher.start(holder, keys, lengths, first, lease_id, on_done)
+        lookups = self.lookups
+        if lookups is None:
+            return self.prefetcher.start(holder, keys, lengths, first, lease_id, on_done)
 
-    def tier_stats(self) -> list[p.TierStats]:
-        """Per-tier figures (``usage()`` may ask the medium: not for hot paths)."""
+        def done(job: PrefetchJob) -> None:
+            lookups.record_prefetch(keys, job)
+            on_done(job)
+
+        job = self.prefetcher.start(holder, keys, lengths, first, lease_id, done)
+        if job is None:  # too many in flight: the lookup gets what the pool had
+            lookups.record(keys, first)
+        return job
+
+    def tier_stats(self, usage_of: Callable[[Tier], TierUsage] | None = None) -> list[p.TierStats]:
+        """Per-tier figures. ``usage()`` may ask the medium (a Redis SCAN, an S3 listing):
+        not for hot paths; ``usage_of`` may answer from a cache instead."""
         wb = self.write_behind.stats
         pf = self.prefetcher.stats
         out: list[p.TierStats] = []
         for tier in self.tiers:
             try:
-                usage = tier.usage()
+                usage = usage_of(tier) if usage_of is not None else tier.usage()
             except Exception:
                 log.exception("tier %s usage failed", tier.name)
                 usage = TierUsage(0, 0, 0)

@@ -67,6 +67,11 @@ class PrefetchJob:
         self.done = threading.Event()
         self.cancelled = False
         self.per_tier: dict[str, int] = {}
+        # For lookup accounting: where each chunk of the loaded prefix came from (a tier's
+        # name, or "pool" if it was there already), and why the prefix ended early when the
+        # job knows ("corrupt", "error", "expired"; "" otherwise).
+        self.sources: list[str] = []
+        self.miss_reason = ""
 
     @property
     def hits(self) -> int:
@@ -143,15 +148,17 @@ class Prefetcher:
             for other in older:
                 other.done.wait(max(0.0, job.deadline - self.clock()))
             run = self._locate(keys[job.first :])
-            loaded = self._load(keys, lengths, job.first, run)
+            loaded = self._load(keys, lengths, job.first, run, job)
             if loaded and not job.cancelled:
                 want = keys[job.first : job.first + loaded]
                 lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.into_lease)
                 job.lease_id = 0 if job.into_lease else lock.lease_id
                 job.loaded = len(lock.slots)
         except LeaseNotFound:
+            job.miss_reason = "expired"
             log.debug("lookup lease ended before its prefetch finished")
         except Exception:
+            job.miss_reason = "error"
             log.exception("prefetch failed")
         finally:
             with self._lock:
@@ -205,7 +212,14 @@ class Prefetcher:
             run.append(tier_or_none)
         return run
 
-    def _load(self, keys: list[bytes], lengths: list[int], first: int, run: list[Tier]) -> int:
+    def _load(
+        self,
+        keys: list[bytes],
+        lengths: list[int],
+        first: int,
+        run: list[Tier],
+        job: PrefetchJob | None = None,
+    ) -> int:
         """Load the run into the pool; returns the length of the prefix now in the pool."""
         done = 0
         pos = 0
@@ -215,7 +229,7 @@ class Prefetcher:
             while end < len(run) and run[end] is tier:
                 end += 1
             got = self._load_group(
-                tier, keys[first + pos : first + end], lengths[first + pos : first + end]
+                tier, keys[first + pos : first + end], lengths[first + pos : first + end], job
             )
             done += got
             if got < end - pos:
@@ -223,7 +237,9 @@ class Prefetcher:
             pos = end
         return done
 
-    def _load_group(self, tier: Tier, keys: list[bytes], lengths: list[int]) -> int:
+    def _load_group(
+        self, tier: Tier, keys: list[bytes], lengths: list[int], job: PrefetchJob | None = None
+    ) -> int:
         """Load consecutive chunks from one tier; returns the intact prefix length."""
         res = self.index.reserve_write(keys, lengths, PREFETCH_HOLDER, tier=tier.name)
         stop = res.no_space[0] if res.no_space else len(keys)
@@ -245,8 +261,14 @@ class Prefetcher:
             st = status_of.get(i, LoadStatus.OK)  # not reserved = already in the pool
             if st is not LoadStatus.OK:
                 self._count_failure(tier.name, st)
+                if job is not None and st is not LoadStatus.MISSING:
+                    job.miss_reason = st.name.lower()
                 break
             prefix += 1
+            if job is not None:
+                job.sources.append(tier.name if i in status_of else "pool")
+        if job is not None and prefix == stop < len(keys):
+            job.miss_reason = "error"  # no room in the pool to load the rest into
         commit_pos = [p for p, (i, _, _) in enumerate(reserved) if i < prefix]
         nbytes = sum(reserved[p][2] for p in commit_pos)
         if res.lease_id:

@@ -1,0 +1,182 @@
+"""Prometheus export of the figures the server already keeps, read at scrape time.
+
+Pool usage, objects by state, leases, lock expiries, evictions, tier contents, write-behind
+and prefetch figures, and the lookup and transfer counts of
+:class:`~tierkv.server.metrics.ServiceMetrics` all come from one
+:meth:`~tierkv.server.status.StatusReader.status` document per scrape, so the request path
+pays nothing for them. Request counts and latencies are ordinary prometheus-client metrics
+in the same registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+from tierkv.server.status import StatusReader
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _labelled(
+    cls: type[CounterMetricFamily] | type[GaugeMetricFamily],
+    name: str,
+    doc: str,
+    label: str,
+    values: dict[str, Any],
+) -> Metric:
+    family = cls(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
+class StatsCollector(Collector):
+    """Exports a :class:`StatusReader`'s document as Prometheus metrics."""
+
+    def __init__(self, reader: StatusReader) -> None:
+        self.reader = reader
+
+    def collect(self) -> Iterator[Metric]:
+        st = self.reader.status()
+        server, pool, objects, locks = st["server"], st["pool"], st["objects"], st["locks"]
+        info = InfoMetricFamily("tierkv_build", "tierkv version")
+        info.add_metric([], {"version": server["version"]})
+        yield info
+        yield _gauge(
+            "tierkv_uptime_seconds", "Seconds since the server started", server["uptime_s"]
+        )
+        yield _gauge(
+            "tierkv_pool_capacity_bytes", "Size of the shared-memory pool", pool["capacity"]
+        )
+        yield _gauge(
+            "tierkv_pool_used_bytes", "Bytes of the pool allocated to objects", pool["used"]
+        )
+        yield _gauge(
+            "tierkv_pool_largest_free_bytes", "Largest free block of the pool", pool["largest_free"]
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "tierkv_objects",
+            "Objects in the pool by state (writing: reserved by a store, not committed; "
+            "ready: committed and evictable; read_locked: held by readers)",
+            "state",
+            {k: objects[k] for k in ("writing", "ready", "read_locked")},
+        )
+        yield _gauge("tierkv_engines", "Registered engine clients", len(st["engines"]))
+        yield _gauge("tierkv_lookup_sessions", "Open lookup sessions", locks["sessions"])
+        yield _labelled(
+            GaugeMetricFamily,
+            "tierkv_leases",
+            "Open lock leases (one per store or retrieve batch)",
+            "kind",
+            {"write": locks["write_leases"], "read": locks["read_leases"]},
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "tierkv_lock_expiries",
+            "Locks that reached their TTL (write: store slots reclaimed uncommitted; "
+            "read: read locks released by expiry)",
+            "kind",
+            {"write": locks["expired_write_slots"], "read": locks["expired_read_locks"]},
+        )
+        ev = st["evictions"]
+        yield _counter("tierkv_evictions", "Objects evicted from the pool", ev["objects"])
+        yield _counter("tierkv_evicted_bytes", "Pool bytes freed by eviction", ev["bytes"])
+        yield self._lookups(st["lookups"])
+        for direction, doc in (
+            ("stored", "written (pool: committed by engines; a tier: by write-behind)"),
+            ("retrieved", "read (pool: handed to engines; a tier: loaded by prefetch)"),
+        ):
+            per_tier = st["transfers"][direction]
+            for unit in ("bytes", "chunks"):
+                yield _labelled(
+                    CounterMetricFamily,
+                    f"tierkv_{direction}_{unit}",
+                    f"Chunk {unit} {doc}",
+                    "tier",
+                    {tier: v[unit] for tier, v in per_tier.items()},
+                )
+        yield from self._tiers(st["tiers"], st["tiering"])
+
+    @staticmethod
+    def _lookups(lookups: dict[str, dict[str, int]]) -> Metric:
+        family = CounterMetricFamily(
+            "tierkv_lookup_chunks",
+            "Chunks looked up: hits by the tier that had them, misses by reason "
+            "(absent, evicted, expired, corrupt, timeout, error)",
+        )
+        name = "tierkv_lookup_chunks_total"
+        for tier, n in lookups["hits"].items():
+            family.samples.append(Sample(name, {"result": "hit", "tier": tier}, n))
+        for reason, n in lookups["misses"].items():
+            family.samples.append(Sample(name, {"result": "miss", "reason": reason}, n))
+        return family
+
+    @staticmethod
+    def _tiers(tiers: list[dict[str, Any]], tiering: dict[str, int]) -> Iterator[Metric]:
+        for field, name, doc in (
+            ("objects", "tierkv_tier_objects", "Chunks held by a tier"),
+            ("bytes_used", "tierkv_tier_used_bytes", "Bytes held by a tier"),
+            ("capacity", "tierkv_tier_capacity_bytes", "Capacity of a tier (0: unbounded)"),
+        ):
+            yield _labelled(
+                GaugeMetricFamily, name, doc, "tier", {t["name"]: t[field] for t in tiers}
+            )
+        yield _labelled(
+            CounterMetricFamily,
+            "tierkv_tier_write_failures",
+            "Chunks a tier failed to store",
+            "tier",
+            {t["name"]: t["write_failures"] for t in tiers},
+        )
+        failures = CounterMetricFamily(
+            "tierkv_tier_load_failures",
+            "Chunk loads that failed, by tier and reason (missing, corrupt, error)",
+            labels=["tier", "reason"],
+        )
+        for t in tiers:
+            for reason, n in sorted(t["load_failures"].items()):
+                failures.add_metric([t["name"], reason], n)
+        yield failures
+        yield _gauge(
+            "tierkv_write_behind_queued_chunks",
+            "Chunks waiting to be written to the tiers",
+            tiering["write_behind_queued"],
+        )
+        yield _counter(
+            "tierkv_write_behind_dropped_chunks",
+            "Chunks not written to the tiers because the write-behind queue was full",
+            tiering["write_behind_dropped"],
+        )
+        yield _gauge(
+            "tierkv_prefetches_inflight",
+            "Prefetches from the tiers running now",
+            tiering["prefetch_inflight"],
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "tierkv_prefetches",
+            "Prefetches from the tiers: started, rejected (too many in flight), timed out",
+            "outcome",
+            {
+                "started": tiering["prefetch_started"],
+                "rejected": tiering["prefetch_rejected"],
+                "timed_out": tiering["prefetch_timed_out"],
+            },
+        )

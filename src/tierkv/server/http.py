@@ -1,0 +1,223 @@
+"""The HTTP server inside `tierkv server`: health, status, metrics, cache clearing, dashboard.
+
+FastAPI on uvicorn, served from one thread of the server process (handlers that read the
+service run on uvicorn's worker threads, so the event loop never waits for a lock). The
+socket is bound when the server is built, so a port in use fails start-up with a clear
+error instead of a dead HTTP thread.
+
+Endpoints:
+
+- ``GET /`` the dashboard (one self-contained page; it polls ``/status``)
+- ``GET /healthcheck`` 200 when the RPC loop and the eviction thread are alive, else 503
+- ``GET /status`` the state document (:mod:`tierkv.server.status`)
+- ``GET /metrics`` Prometheus text format
+- ``POST /clear-cache`` remove every object from the pool; an optional JSON body
+  ``{"namespace": "<32 hex digits>"}`` (an engine's namespace from /status) removes only
+  that namespace's objects. Tiers are not touched.
+
+Authorization: POST endpoints need ``Authorization: Bearer <auth_token>`` when the server is
+bound beyond loopback (configuration refuses that without a token). On loopback a token is
+optional, but a wrong one is refused all the same. Errors are JSON: ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from importlib import resources
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from tierkv.config import ServerConfig, is_loopback
+from tierkv.server.rpc import EndpointInUseError
+from tierkv.server.service import CacheService
+from tierkv.server.status import StatusReader
+
+log = logging.getLogger(__name__)
+
+NAMESPACE_HEX = 32  # a namespace digest is 16 bytes
+MAX_BODY = 4096
+# The dashboard may talk to this server and nothing else.
+DASHBOARD_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'"
+)
+
+
+def dashboard_html() -> str:
+    return resources.files("tierkv.server").joinpath("dashboard.html").read_text("utf-8")
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def create_app(
+    service: CacheService,
+    reader: StatusReader,
+    health: Callable[[], dict[str, bool]],
+    auth_token: str = "",
+    require_token: bool = False,
+) -> FastAPI:
+    """The FastAPI application of one server."""
+    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+    page = dashboard_html()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Unknown paths and wrong methods answer like every other error here (405 keeps
+        # its Allow header).
+        return _error(exc.status_code, str(exc.detail), dict(exc.headers or {}))
+
+    def authorize(request: Request) -> JSONResponse | None:
+        header = request.headers.get("authorization")
+        if header is None:
+            if require_token:
+                return _error(
+                    401,
+                    "this endpoint needs 'Authorization: Bearer <auth_token>'",
+                    {"WWW-Authenticate": "Bearer"},
+                )
+            return None
+        if not auth_token:
+            return None  # nothing to check against (loopback only: see config validation)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), auth_token.encode()
+        ):
+            return _error(403, "wrong token", {"WWW-Authenticate": "Bearer"})
+        return None
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse(
+            page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
+        )
+
+    @app.get("/healthcheck")
+    def healthcheck() -> JSONResponse:
+        checks = health()
+        ok = all(checks.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "checks": checks},
+            status_code=200 if ok else 503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    @app.get("/status")
+    def status() -> JSONResponse:
+        return JSONResponse(reader.status(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/clear-cache")
+    async def clear_cache(request: Request) -> JSONResponse:
+        denied = authorize(request)
+        if denied is not None:
+            return denied
+        body = b""
+        async for chunk in request.stream():  # bounded: never buffer a huge body
+            body += chunk
+            if len(body) > MAX_BODY:
+                return _error(413, f"body larger than {MAX_BODY} bytes")
+        try:
+            prefix = _parse_clear_body(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        removed = await run_in_threadpool(service.clear_cache, prefix, "HTTP")
+        return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
+
+    return app
+
+
+def _parse_clear_body(body: bytes) -> bytes:
+    """The namespace prefix a /clear-cache body names (b"" for everything)."""
+    if not body.strip():
+        return b""
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ValueError('body must be a JSON object, e.g. {"namespace": "<hex>"}')
+    unknown = sorted(set(doc) - {"namespace"})
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; the only field is 'namespace'")
+    ns = doc.get("namespace")
+    if ns is None:
+        return b""
+    if not isinstance(ns, str) or len(ns) != NAMESPACE_HEX:
+        raise ValueError(f"namespace must be {NAMESPACE_HEX} hex digits (see /status engines)")
+    try:
+        return bytes.fromhex(ns)
+    except ValueError:
+        raise ValueError(f"namespace must be {NAMESPACE_HEX} hex digits") from None
+
+
+class HttpServer:
+    """uvicorn serving an app on a pre-bound socket, on its own thread."""
+
+    def __init__(self, cfg: ServerConfig, app: FastAPI) -> None:
+        self.host, self.port = cfg.http_host, cfg.http_port
+        self.url = cfg.http_url
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            self.sock = socket.create_server((self.host, self.port), family=family)
+        except OSError as exc:
+            raise EndpointInUseError(
+                f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc}; pick "
+                "another --http-port (0 disables HTTP)"
+            ) from None
+        self.sock.set_inheritable(False)
+        config = uvicorn.Config(
+            app,
+            log_config=None,  # keep the server's logging set-up
+            access_log=False,  # a dashboard polls every second: no line per request
+            lifespan="off",
+            server_header=False,
+            ws="none",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+            logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # start-up chatter
+        self._thread: threading.Thread | None = None
+        self.loopback = is_loopback(self.host)
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Serve in a thread; returns once uvicorn accepts connections."""
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="tierkv-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the HTTP server thread ended at start-up (see the log)")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start in time")
+            time.sleep(0.01)
+        log.info("HTTP on %s (dashboard, /status, /metrics, /healthcheck)", self.url)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self.close()
+
+    def close(self) -> None:
+        """Release the socket (also when the server never started)."""
+        self.sock.close()
