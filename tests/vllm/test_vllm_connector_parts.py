@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import vllm_support
 
 try:
     import torch
@@ -34,6 +35,12 @@ except ImportError:  # the conftest fails every test with the reason
     pass
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_support.require_vllm()
+
 
 CHUNK, BLOCK, BPC = 256, 128, 2
 LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32

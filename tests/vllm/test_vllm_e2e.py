@@ -25,12 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import vllm_support
 
-pytestmark = pytest.mark.vllm
+# Engines start in ~10 s each here; a loaded 2-core CI machine gets ample headroom.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_support.require_vllm()
+
 
 CHUNK = 256  # the server's chunk size (its default)
 BLOCK = 128  # vLLM's CPU block size (its default)
-ENGINE_TIMEOUT = 420.0  # seconds; an engine that hangs fails the test instead of CI
+ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
 RUNNER = Path(__file__).with_name("engine_run.py")
 
 
@@ -122,6 +130,11 @@ def engines(tmp_path: Path) -> Any:
     yield start
     for engine in started:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vllm_support.tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

