@@ -8,6 +8,7 @@ paged caches, then check the bytes that land in the blocks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -217,11 +218,22 @@ def step_output(new: list[tuple[str, list[int], int, int]]) -> Any:
     )
 
 
+def ask(engine: Engine, req: Any, local: int = 0) -> tuple[int | None, bool]:
+    """get_num_new_matched_tokens as vLLM calls it: again every step while it says None
+    (a prefetch from a slower tier is running)."""
+    deadline = time.monotonic() + 30
+    while True:
+        answer = engine.scheduler.get_num_new_matched_tokens(req, local)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.01)
+
+
 def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
     """A request that misses: vLLM computes it all (here: the blocks already hold "KV"), then
     the worker stores its full chunks after the forward pass."""
     req = request(rid, tokens)
-    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ask(engine, req) == (0, False)
     blocks = engine.blocks(-(-len(tokens) // BLOCK))
     engine.scheduler.update_state_after_alloc(req, blocks, 0)
     meta = engine.scheduler.build_connector_meta(step_output([(rid, blocks, 0, len(tokens))]))
@@ -334,3 +346,36 @@ def test_a_dead_server_is_a_miss_not_a_stall(server: Any) -> None:
     assert engine.scheduler.link.client() is None
     meta = TierKVConnectorMetadata(stores=[StoreSpec("r-1", 0, 2, (0, 1, 2, 3), tokens=b"")])
     engine.worker.wait_for_save(meta)  # the worker learns on its own and skips
+
+
+def test_chunks_only_in_a_slower_tier_are_prefetched_before_vllm_is_answered(
+    server_factory: Callable[..., Any], tmp_path: Any
+) -> None:
+    server = server_factory(
+        pool_size="64MiB", extra=["--tier", f"disk:path={tmp_path / 'disk'},capacity=64MiB"]
+    )
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(70, 70 + 600))
+    compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        deadline = time.monotonic() + 30
+        while sum(t.written_chunks for t in admin.stats().tiers) < 2:  # write-behind
+            assert time.monotonic() < deadline, "write-behind never reached the disk tier"
+            time.sleep(0.05)
+        assert admin.clear() >= 2  # the pool forgets them; the disk tier keeps them
+
+    req = request("b-1", tokens)
+    answers = [b.scheduler.get_num_new_matched_tokens(req, 0)]
+    deadline = time.monotonic() + 30
+    while answers[-1][0] is None:  # vLLM asks again every step while the prefetch runs
+        assert time.monotonic() < deadline, "the prefetch never finished"
+        time.sleep(0.01)
+        answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+    assert answers[-1] == (2 * CHUNK, True)
+    assert all(answer == (None, False) for answer in answers[:-1])
+    blocks = b.blocks(5)
+    b.scheduler.update_state_after_alloc(req, blocks, 2 * CHUNK)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    assert b.worker.get_finished() == (None, {"b-1"})
