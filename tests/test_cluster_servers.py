@@ -5,6 +5,8 @@ polling, never by timing assertions."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,6 +116,17 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> Non
     assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
     sent = status(a)["transport"]["sent"]
     assert sum(p["chunks"] for p in sent.values()) == 12
+    # The same figures reach engines (RPC stats) and `tierkv status`.
+    with b.client() as cb:
+        figures = cb.stats().cluster
+    assert figures["node_id"] == b.node_id
+    assert figures["transport"]["received"][a.node_id]["chunks"] == 6
+    cmd = [sys.executable, "-m", "tierkv.cli", "status", "--endpoint", b.server.endpoint]
+    out = subprocess.run(
+        [*cmd, "--auth-token", TOKEN], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    assert f"cluster   node {b.node_id}: 3 members" in out
+    assert f"from {a.node_id}: 6 chunks" in out
 
 
 def test_directory_owner_killed_replicas_answer(trio: list[Node]) -> None:

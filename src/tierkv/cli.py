@@ -94,6 +94,11 @@ def _status(args: argparse.Namespace) -> int:
             f"dropped); prefetches {s.prefetch_started} ({s.prefetch_inflight} running, "
             f"{s.prefetch_rejected} rejected, {s.prefetch_timed_out} timed out)"
         )
+    if s.cluster:
+        from tierkv.cluster.report import summary_lines
+
+        for line in summary_lines(s.cluster):
+            print(f"  {line}")
     reqs = ", ".join(f"{k} {v}" for k, v in sorted(s.requests.items())) or "none"
     print(f"  requests  {reqs}")
     if s.errors:

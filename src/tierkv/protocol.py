@@ -17,6 +17,7 @@ at REGISTER; a client of another major protocol version is refused with a clear 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -341,6 +342,7 @@ class Stats(Struct, tag="stats_result"):
     stored_bytes: int = 0  # committed into the pool by engines
     retrieved_bytes: int = 0  # handed to engines to copy out of the pool
     http_url: str = ""  # the dashboard, "" when HTTP is off
+    cluster: dict[str, Any] = {}  # the cluster node's figures ({} when not in a cluster)
 
 
 Reply = (

@@ -770,6 +770,7 @@ class CacheService:
             stored_bytes=pool_bytes.get("stored_bytes", 0),
             retrieved_bytes=pool_bytes.get("retrieved_bytes", 0),
             http_url=self.cfg.http_url,
+            cluster=self.tiering.cluster.stats() if self.tiering.cluster is not None else {},
         )
 
 
