@@ -122,7 +122,14 @@ class CacheService:
         )
         self.metrics = ServiceMetrics(self.eviction)
         self.lookups = LookupAccounting(self.metrics, self.index, self.eviction)
-        self.tiering = Tiering(cfg, self.index, pool, tiers, lookups=self.lookups)
+        self.tiering = Tiering(
+            cfg,
+            self.index,
+            pool,
+            tiers,
+            lookups=self.lookups,
+            wake_eviction=self.eviction.wake_if_needed,
+        )
         self.eviction.add_listener(self.tiering.on_evicted)
         self._clients: dict[int, Client] = {}
         self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token

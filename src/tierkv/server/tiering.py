@@ -37,6 +37,7 @@ class Tiering:
         tiers: Sequence[Tier] | None = None,
         clock: Callable[[], float] | None = None,
         lookups: LookupAccounting | None = None,
+        wake_eviction: Callable[[], None] | None = None,
     ) -> None:
         self.lookups = lookups
         self.tiers: list[Tier] = list(tiers) if tiers is not None else build_tiers(cfg)
@@ -61,6 +62,7 @@ class Tiering:
             cfg.prefetch_max_inflight,
             cfg.prefetch_timeout,
             on_committed=self._prefetched,
+            on_reserved=wake_eviction,
             **extra,
         )
 

@@ -89,6 +89,8 @@ class Prefetcher:
         timeout: float,
         on_committed: Callable[[list[bytes], str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        on_reserved: Callable[[], None] | None = None,
     ) -> None:
         self.index = index
         self.pool = pool
@@ -97,6 +99,7 @@ class Prefetcher:
         self.max_inflight = max_inflight
         self.timeout = timeout
         self.on_committed = on_committed
+        self.on_reserved = on_reserved  # e.g. wake the eviction thread: the pool just filled
         self.clock = clock
         self.stats = PrefetchStats()
         self._lock = threading.Lock()
@@ -242,6 +245,8 @@ class Prefetcher:
     ) -> int:
         """Load consecutive chunks from one tier; returns the intact prefix length."""
         res = self.index.reserve_write(keys, lengths, PREFETCH_HOLDER, tier=tier.name)
+        if self.on_reserved is not None:
+            self.on_reserved()
         stop = res.no_space[0] if res.no_space else len(keys)
         reserved = [(i, off, n) for i, off, n in res.slots if i < stop]
         items = [(keys[i], self.pool.view(off, n)) for i, off, n in reserved]

@@ -56,28 +56,37 @@ class WriteBehind:
         self._idle = threading.Condition(self._lock)
 
     def submit(self, keys: Sequence[bytes], source_tier: str = "") -> int:
-        """Lock ``keys`` (just committed) and queue them; returns how many were queued."""
+        """Lock ``keys`` (just committed) and queue them; returns how many were queued.
+
+        A full queue drops the chunks before they are locked, so they keep their place in
+        the pool's LRU order (locking and releasing would make them most recently used)."""
         tiers = [t for t in self.tiers if t.name != source_tier]
         if not tiers or not keys:
             return 0
+        with self._lock:
+            if self.stats.queued_bytes >= self.max_queued_bytes:
+                self.stats.dropped_chunks += len(keys)
+                log.debug("write-behind queue full: %d chunks not written to tiers", len(keys))
+                return 0
         lock = self.index.lock_read(keys, WRITE_BEHIND_HOLDER, prefix=False)
         if not lock.slots:
             return 0
         nbytes = sum(length for _, _, length in lock.slots)
-        with self._lock:
-            if self.stats.queued_bytes + nbytes > self.max_queued_bytes:
-                self.stats.dropped_chunks += len(lock.slots)
-                accepted = False
-            else:
-                self.stats.queued_bytes += nbytes
-                self.stats.queued_chunks += len(lock.slots)
-                accepted = True
-        if not accepted:
-            self._release(lock.lease_id)
-            log.debug("write-behind queue full: %d chunks not written to tiers", len(lock.slots))
-            return 0
         items = [(keys[i], offset, length) for i, offset, length in lock.slots]
-        self.executor.submit(self._write, lock.lease_id, items, tiers, nbytes)
+        with self._lock:
+            self.stats.queued_bytes += nbytes
+            self.stats.queued_chunks += len(items)
+        try:
+            self.executor.submit(self._write, lock.lease_id, items, tiers, nbytes)
+        except RuntimeError:  # the executor is shutting down: the server is stopping
+            self._release(lock.lease_id)
+            with self._lock:
+                self.stats.queued_bytes -= nbytes
+                self.stats.queued_chunks -= len(items)
+                self.stats.dropped_chunks += len(items)
+                if self.stats.queued_chunks == 0:
+                    self._idle.notify_all()
+            return 0
         return len(items)
 
     def _write(
