@@ -600,17 +600,14 @@ class CacheService:
             if session is None:
                 raise RequestError(
                     p.ErrorCode.NOT_FOUND,
-                    f"no lookup session {req.request_id!r} (never looked up, ended or expired)",
-                )
-            if session.handed_out:
-                raise RequestError(
-                    p.ErrorCode.NOT_FOUND,
-                    f"the locks of lookup {req.request_id!r} were already taken by a retrieve; "
-                    "look up again",
+                    f"no lookup session {req.request_id!r} (never looked up, already "
+                    "retrieved, ended or expired): look up again",
                 )
             lease, session.lease = session.lease, 0
             session.handed_out = True
-            session.touched = self.clock()
+            # The retrieve takes the session over: its lease ends with FINISH_RETRIEVE, so
+            # nothing is left to keep (engines need not send END_SESSION for it).
+            del client.sessions[req.request_id]
         if lease == 0:
             return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         try:
