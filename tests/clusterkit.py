@@ -75,13 +75,24 @@ def cluster_args(port: int, seeds: list[int], token: str = TOKEN) -> list[str]:
 
 def start_node(
     factory: Callable[..., ServerProcess],
-    port: int,
     seeds: list[int],
     pool_size: str = "64MiB",
     extra: list[str] | None = None,
+    seed_self: bool = False,
 ) -> Node:
-    srv = factory(pool_size=pool_size, extra=cluster_args(port, seeds) + list(extra or []))
-    return Node(srv, port)
+    """Start a server on a free port pair, joining through ``seeds`` (and itself with
+    ``seed_self``). Ports are probed free, but another process on the machine may take one
+    before the server binds it: then the start is retried on fresh ports."""
+    for attempt in range(5):
+        (port,) = free_ports(1)
+        own = [port] if seed_self else []
+        args = cluster_args(port, [*seeds, *own]) + list(extra or [])
+        try:
+            return Node(factory(pool_size=pool_size, extra=args), port)
+        except RuntimeError as exc:
+            if "cannot bind the cluster" not in str(exc) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
 
 
 def call(addr: str, msg: Any, token: str = TOKEN, timeout: float = 2.0) -> Any:

@@ -18,7 +18,6 @@ from clusterkit import (
     Node,
     call,
     converged,
-    free_ports,
     start_node,
     status,
     wait_for,
@@ -93,10 +92,9 @@ def peer_tier(node: Node) -> dict[str, object]:
 @pytest.fixture
 def trio(server_factory: Factory) -> list[Node]:
     """Three servers: A seeds itself, B and C join through A."""
-    pa, pb, pc = free_ports(3)
-    a = start_node(server_factory, pa, [pa])
-    b = start_node(server_factory, pb, [pa, pb])
-    c = start_node(server_factory, pc, [pa, pc])
+    a = start_node(server_factory, [], seed_self=True)
+    b = start_node(server_factory, [a.port], seed_self=True)
+    c = start_node(server_factory, [a.port], seed_self=True)
     nodes = [a, b, c]
     wait_for(lambda: converged(nodes))
     return nodes
@@ -167,8 +165,7 @@ def test_node_joins_entries_rebalance_and_lookups_hit(
     tokens = tokens_for(4, 16)
     keys = store(a, tokens, 16)
     wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
-    (pd,) = free_ports(1)
-    d = start_node(server_factory, pd, [b.port])  # joins through a seed other than the first
+    d = start_node(server_factory, [b.port])  # joins through a seed other than the first
     nodes = [*trio, d]
     wait_for(lambda: converged(nodes))
     # D now owns some entries: they moved to it (handoff and re-publish).
@@ -234,11 +231,10 @@ def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
 def test_chunk_on_the_holders_disk_is_promoted_before_sending(
     server_factory: Factory, tmp_path: Path
 ) -> None:
-    pa, pb = free_ports(2)
     # A: a 2 MiB pool (64 chunks of 32 KiB) over a disk tier, so old chunks go to disk.
     disk = ["--tier", f"disk:path={tmp_path / 'disk-a'}"]
-    a = start_node(server_factory, pa, [pa], pool_size="2MiB", extra=disk)
-    b = start_node(server_factory, pb, [pa])
+    a = start_node(server_factory, [], pool_size="2MiB", extra=disk, seed_self=True)
+    b = start_node(server_factory, [a.port])
     nodes = [a, b]
     wait_for(lambda: converged(nodes))
     tokens = tokens_for(7, 8)
