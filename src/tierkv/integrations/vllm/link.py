@@ -10,6 +10,7 @@ that it does not know the client (it restarted), the link registers again, once,
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from tierkv.client import (
     LeaseExpiredError,
     NotRegisteredError,
     ServerError,
+    ServerUnavailableError,
     TierKVError,
 )
 from tierkv.integrations.vllm.settings import ConnectorSettings
@@ -64,6 +66,10 @@ class ServerLink:
             client = self._client
             if not self._registered:
                 try:
+                    if not _socket_present(self.settings.endpoint):
+                        raise ServerUnavailableError(
+                            f"no socket at {self.settings.endpoint}: is the server running?"
+                        )
                     self._register(client)
                 except Exception as exc:
                     self._failed(exc, "register")
@@ -134,3 +140,12 @@ class ServerLink:
                 client.close()
             except Exception as exc:  # closing is best effort
                 log.debug("tierkv %s: close failed: %s", self.what, exc)
+
+
+def _socket_present(endpoint: str) -> bool:
+    """False when a local (ipc) endpoint has no socket file: no server, no need to wait for
+    a reply that cannot come. Other transports are assumed present."""
+    if not endpoint.startswith("ipc://"):
+        return True
+    path = endpoint[len("ipc://") :]
+    return path.startswith("@") or os.path.exists(path)  # "@": Linux abstract socket
