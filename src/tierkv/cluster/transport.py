@@ -290,6 +290,7 @@ class TcpTransport(Transport):
         self.sent: dict[str, PeerFigures] = {}
         self.refused_hellos = 0
         self.refused_by_peers = 0
+        self.connections_opened = 0  # reader side: pooled connections are reused
 
     # -- holder side -----------------------------------------------------------------------
     def serve(self, source: ChunkSource) -> None:
@@ -455,6 +456,7 @@ class TcpTransport(Transport):
                 f"peer {peer.node_id} refused our data-plane hello "
                 f"({'wrong cluster token' if status == HELLO_UNAUTHORIZED else 'version'})"
             )
+        self.connections_opened += 1
         return _Conn(sock)
 
     def fetch_many(
@@ -603,4 +605,5 @@ class TcpTransport(Transport):
             "serving_connections": len(self._serving),
             "refused_hellos": self.refused_hellos,
             "refused_by_peers": self.refused_by_peers,
+            "connections_opened": self.connections_opened,
         }

@@ -1,0 +1,169 @@
+"""The TCP data plane in one process: real sockets on loopback, a dict-backed chunk source."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.transport import Served, TcpTransport
+from tierkv.tiers.base import LoadStatus, checksum
+
+TOKEN = "data-plane-secret"
+
+
+class DictSource:
+    """Committed chunks: key -> bytes; counts what is locked."""
+
+    def __init__(self, chunks: dict[bytes, bytes]) -> None:
+        self.chunks = {k: bytearray(v) for k, v in chunks.items()}
+        self.sums = {k: checksum(v) for k, v in chunks.items()}
+        self.locked = 0
+        self.lock = threading.Lock()
+
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served:
+        views: list[memoryview | None] = []
+        for key in keys:
+            data = self.chunks.get(key)
+            views.append(memoryview(data).toreadonly() if data is not None else None)
+        with self.lock:
+            self.locked += 1
+        return Served(views, [self.sums.get(k, b"") for k in keys])
+
+    def release(self, served: Served) -> None:
+        served.views.clear()
+        with self.lock:
+            self.locked -= 1
+
+
+def holder(chunks: dict[bytes, bytes], port: int = 0, **kw: object) -> TcpTransport:
+    t = TcpTransport("127.0.0.1", port, "127.0.0.1", TOKEN, f"holder-{port}", **kw)  # type: ignore[arg-type]
+    t.serve(DictSource(chunks))
+    return t
+
+
+def info(t: TcpTransport, incarnation: int = 1) -> m.MemberInfo:
+    return m.MemberInfo(t.address, t.address, t.address, incarnation)
+
+
+def chunks(n: int, size: int = 256 * 1024) -> dict[bytes, bytes]:
+    return {os.urandom(32): os.urandom(size) for _ in range(n)}
+
+
+@pytest.fixture
+def reader() -> Iterator[TcpTransport]:
+    t = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", connections_per_peer=4)
+    yield t
+    t.close()
+
+
+def slots(data: dict[bytes, bytes]) -> list[tuple[bytes, memoryview]]:
+    return [(k, memoryview(bytearray(len(v)))) for k, v in data.items()]
+
+
+def test_several_chunks_from_two_holders_in_parallel(reader: TcpTransport) -> None:
+    da, db = chunks(12), chunks(5)
+    ha, hb = holder(da), holder(db)
+    try:
+        ia, ib = slots(da), slots(db)
+        out = reader.fetch_many([(info(ha), ia), (info(hb), ib)])
+        assert out == [[LoadStatus.OK] * 12, [LoadStatus.OK] * 5]
+        assert all(bytes(v) == da[k] for k, v in ia) and all(bytes(v) == db[k] for k, v in ib)
+        figures = reader.stats()["received"]
+        assert figures[ha.address]["chunks"] == 12 and figures[hb.address]["chunks"] == 5
+        assert ha.stats()["sent"]["reader"]["bytes"] == sum(len(v) for v in da.values())
+    finally:
+        ha.close()
+        hb.close()
+
+
+def test_missing_wrong_length_and_corrupt_chunks(reader: TcpTransport) -> None:
+    data = chunks(3)
+    keys = list(data)
+    h = holder(data, corrupt_hook=lambda key: key == keys[2])
+    try:
+        items = [
+            (keys[0], memoryview(bytearray(len(data[keys[0]])))),
+            (os.urandom(32), memoryview(bytearray(10))),  # not held
+            (keys[1], memoryview(bytearray(7))),  # the holder's chunk has another length
+            (keys[2], memoryview(bytearray(len(data[keys[2]])))),
+        ]
+        statuses = reader.fetch_many([(info(h), items)])[0]
+        assert statuses == [
+            LoadStatus.OK,
+            LoadStatus.MISSING,
+            LoadStatus.MISSING,
+            LoadStatus.CORRUPT,
+        ]
+        assert reader.stats()["received"][h.address]["corrupt"] == 1
+        assert h._source is not None and h._source.locked == 0  # type: ignore[attr-defined]
+    finally:
+        h.close()
+
+
+def test_connections_are_pooled_bounded_and_reused(reader: TcpTransport) -> None:
+    data = chunks(8, size=64 * 1024)
+    h = holder(data)
+    try:
+        for _ in range(20):
+            assert reader.fetch_many([(info(h), slots(data))])[0] == [LoadStatus.OK] * 8
+        opened = reader.connections_opened
+        assert opened <= 4  # one request per stream, streams reuse pooled connections
+        errors: list[BaseException] = []
+
+        def hammer() -> None:
+            try:
+                for _ in range(10):
+                    got = reader.fetch_many([(info(h), slots(data))])[0]
+                    assert got == [LoadStatus.OK] * 8
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert reader.connections_opened <= 4  # never more than connections_per_peer
+    finally:
+        h.close()
+
+
+def test_a_pooled_connection_the_holder_dropped_is_replaced(reader: TcpTransport) -> None:
+    data = chunks(2)
+    h = holder(data)
+    port = h.port
+    assert reader.fetch_many([(info(h), slots(data))])[0] == [LoadStatus.OK] * 2
+    h.close()  # the idle pooled connection dies with it
+    h2 = holder(data, port=port)
+    try:
+        assert reader.fetch_many([(info(h2), slots(data))])[0] == [LoadStatus.OK] * 2
+    finally:
+        h2.close()
+
+
+def test_a_dead_holder_is_an_error_not_a_hang(reader: TcpTransport) -> None:
+    data = chunks(2)
+    h = holder(data)
+    peer = info(h)
+    h.close()
+    assert reader.fetch_many([(peer, slots(data))])[0] == [LoadStatus.ERROR] * 2
+
+
+def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:
+    data = chunks(1)
+    h = holder(data)
+    intruder = TcpTransport("127.0.0.1", 0, "127.0.0.1", "guess", "intruder")
+    try:
+        items = slots(data)
+        assert intruder.fetch_many([(info(h), items)])[0] == [LoadStatus.ERROR]
+        assert not any(items[0][1])
+        assert h.stats()["refused_hellos"] == 1
+        assert intruder.stats()["refused_by_peers"] == 1
+    finally:
+        intruder.close()
+        h.close()
