@@ -61,8 +61,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if transfer.kv_load_failure_policy != "recompute":
-                log.info("tierkv: kv_load_failure_policy set to 'recompute' (was %r)",
-                         transfer.kv_load_failure_policy)  # fmt: skip
+                was = transfer.kv_load_failure_policy
+                log.info("tierkv: kv_load_failure_policy set to 'recompute' (was %r)", was)
                 transfer.kv_load_failure_policy = "recompute"
             block_size, hash_block_size = _block_sizes(vllm_config, kv_cache_config)
             self._scheduler = SchedulerSide(
