@@ -369,13 +369,13 @@ class TcpTransport(Transport):
         token = _recv_bytes(sock, token_len)
         node = _recv_bytes(sock, node_len).decode(errors="replace")
         if version != VERSION:
+            self.refused_hellos += 1  # counted before the answer: a test may look at once
             sock.sendall(HELLO_REPLY.pack(HELLO_VERSION))
-            self.refused_hellos += 1
             return None
         if not secrets.compare_digest(token, self.token):
-            sock.sendall(HELLO_REPLY.pack(HELLO_UNAUTHORIZED))
             self.refused_hellos += 1
             log.warning("refused a data-plane connection with a wrong token (claims %r)", node)
+            sock.sendall(HELLO_REPLY.pack(HELLO_UNAUTHORIZED))
             return None
         sock.sendall(HELLO_REPLY.pack(HELLO_OK))
         return node
