@@ -4,9 +4,11 @@ polling, never by timing assertions."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from clusterkit import (
     Node,
     call,
     converged,
+    free_ports,
     start_node,
     status,
     wait_for,
@@ -196,6 +199,16 @@ def test_corrupt_transfer_is_detected_and_counted(trio: list[Node]) -> None:
     assert figures["failures"] == {"corrupt": 1}
     received = status(b)["transport"]["received"][a.node_id]
     assert received["corrupt"] == 1
+
+
+def test_cluster_in_the_http_status(server_factory: Factory) -> None:
+    (http_port,) = free_ports(1)
+    a = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(http_port)])
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as resp:
+        doc = json.load(resp)
+    assert doc["cluster"]["node_id"] == a.node_id
+    assert [m["state"] for m in doc["cluster"]["members"]] == ["self"]
+    assert any(t["name"] == "peer" for t in doc["tiers"])
 
 
 def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:

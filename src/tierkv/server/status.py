@@ -135,5 +135,7 @@ class StatusReader:
                 "prefetch_inflight": pf.inflight,
             },
             "engines": [msgspec.to_builtins(e) for e in engines],
+            # Membership, directory, per-peer transfers (None when not in a cluster).
+            "cluster": svc.tiering.cluster.stats() if svc.tiering.cluster is not None else None,
             "config": as_dict(cfg),
         }
