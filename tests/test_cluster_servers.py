@@ -201,14 +201,28 @@ def test_corrupt_transfer_is_detected_and_counted(trio: list[Node]) -> None:
     assert received["corrupt"] == 1
 
 
-def test_cluster_in_the_http_status(server_factory: Factory) -> None:
+def test_cluster_in_the_http_status_and_metrics(server_factory: Factory) -> None:
     (http_port,) = free_ports(1)
     a = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(http_port)])
-    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=10) as resp:
+    b = start_node(server_factory, [a.port])
+    wait_for(lambda: converged([a, b]))
+    tokens = tokens_for(8, 2)
+    keys = store(b, tokens, 2)
+    wait_for(lambda: all(holders == {b.node_id} for holders in located([a, b], keys)))
+    assert fetch(a, tokens, 2) == (2, [0, 1])
+    url = f"http://127.0.0.1:{http_port}"
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as resp:
         doc = json.load(resp)
     assert doc["cluster"]["node_id"] == a.node_id
-    assert [m["state"] for m in doc["cluster"]["members"]] == ["self"]
-    assert any(t["name"] == "peer" for t in doc["tiers"])
+    assert sorted(m["state"] for m in doc["cluster"]["members"]) == ["alive", "self"]
+    assert doc["cluster"]["transport"]["received"][b.node_id]["chunks"] == 2
+    assert doc["lookups"]["hits"].get("peer") == 2  # remote hits are their own tier
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        metrics = resp.read().decode()
+    assert 'tierkv_cluster_members{state="alive"} 1.0' in metrics
+    line = f'tierkv_cluster_peer_chunks_total{{direction="received",peer="{b.node_id}"}} 2.0'
+    assert line in metrics
+    assert 'tierkv_lookup_chunks_total{result="hit",tier="peer"} 2.0' in metrics
 
 
 def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:

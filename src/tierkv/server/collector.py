@@ -113,6 +113,8 @@ class StatsCollector(Collector):
                     {tier: v[unit] for tier, v in per_tier.items()},
                 )
         yield from self._tiers(st["tiers"], st["tiering"])
+        if st.get("cluster"):
+            yield from self._cluster(st["cluster"])
 
     @staticmethod
     def _lookups(lookups: dict[str, dict[str, int]]) -> Metric:
@@ -180,3 +182,69 @@ class StatsCollector(Collector):
                 "timed_out": tiering["prefetch_timed_out"],
             },
         )
+
+    @staticmethod
+    def _cluster(cluster: dict[str, Any]) -> Iterator[Metric]:
+        """Membership, directory and per-peer data-plane figures of the cluster node."""
+        states: dict[str, int] = {}
+        for member in cluster["members"]:
+            states[member["state"]] = states.get(member["state"], 0) + 1
+        yield _labelled(
+            GaugeMetricFamily,
+            "tierkv_cluster_members",
+            "Cluster members this node knows, by state (self, alive, dead: recently lost)",
+            "state",
+            states,
+        )
+        directory = dict(cluster["directory"])
+        yield _gauge(
+            "tierkv_cluster_directory_entries",
+            "Directory entries held by this node's shard",
+            directory.pop("entries"),
+        )
+        directory.pop("members", None)
+        yield _labelled(
+            CounterMetricFamily,
+            "tierkv_cluster_directory_ops",
+            "Directory operations (published/unpublished keys, resolves, owner round trips, "
+            "entries handed off or re-published, rebalances, ...)",
+            "op",
+            directory,
+        )
+        yield _gauge(
+            "tierkv_cluster_published_chunks",
+            "Chunks of this node's pool published to the directory",
+            cluster["published"],
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "tierkv_cluster_refused",
+            "Cluster requests refused (wrong or missing shared secret, malformed)",
+            "plane",
+            {
+                "control": cluster["control"]["refused"] + cluster["control"]["malformed"],
+                "data": cluster["transport"]["refused_hellos"],
+            },
+        )
+        counters = {
+            name: CounterMetricFamily(
+                f"tierkv_cluster_peer_{name}",
+                f"Data-plane {name} per peer (received: fetched by this node; sent: served)",
+                labels=["peer", "direction"],
+            )
+            for name in ("bytes", "chunks", "requests", "missing", "corrupt", "errors")
+        }
+        latency = GaugeMetricFamily(
+            "tierkv_cluster_peer_request_seconds",
+            "Data-plane request latency per peer, over the last 512 requests",
+            labels=["peer", "direction", "quantile"],
+        )
+        for direction in ("received", "sent"):
+            for peer, figures in cluster["transport"][direction].items():
+                for name, family in counters.items():
+                    family.add_metric([peer, direction], figures[name])
+                for q, key in (("0.5", "latency_ms_p50"), ("0.99", "latency_ms_p99")):
+                    if figures[key] is not None:
+                        latency.add_metric([peer, direction, q], figures[key] / 1e3)
+        yield from counters.values()
+        yield latency
