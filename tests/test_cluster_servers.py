@@ -26,6 +26,7 @@ from clusterkit import (
     wait_for,
 )
 from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from test_dashboard import Figures, run_chromium
 from tierkv import keys as tk
 from tierkv.client import Client
 from tierkv.cluster import messages as m
@@ -201,7 +202,9 @@ def test_corrupt_transfer_is_detected_and_counted(trio: list[Node]) -> None:
     assert received["corrupt"] == 1
 
 
-def test_cluster_in_the_http_status_and_metrics(server_factory: Factory) -> None:
+def test_cluster_in_the_http_status_metrics_and_dashboard(
+    server_factory: Factory, tmp_path: Path
+) -> None:
     (http_port,) = free_ports(1)
     a = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(http_port)])
     b = start_node(server_factory, [a.port])
@@ -223,6 +226,11 @@ def test_cluster_in_the_http_status_and_metrics(server_factory: Factory) -> None
     line = f'tierkv_cluster_peer_chunks_total{{direction="received",peer="{b.node_id}"}} 2.0'
     assert line in metrics
     assert 'tierkv_lookup_chunks_total{result="hit",tier="peer"} 2.0' in metrics
+    # The dashboard shows the membership and what came from each peer.
+    page = Figures()
+    page.feed(run_chromium(tmp_path / "chromium", url + "/", "--dump-dom").stdout)
+    assert page.num("cluster-alive") == 2 and page.num("cluster-entries") >= 0  # a and b
+    assert f"member-{b.node_id}" in page.ids and f"member-{a.node_id}" in page.ids
 
 
 def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
