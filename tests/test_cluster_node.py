@@ -15,7 +15,7 @@ from tierkv.allocator import Allocator
 from tierkv.cluster.directory import Where
 from tierkv.cluster.node import ClusterNode, ClusterSettings, start_cluster
 from tierkv.config import ConfigError, from_mapping
-from tierkv.index import Evicted, ObjectIndex
+from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.disk import DiskTier
 
@@ -84,7 +84,7 @@ def test_publish_evict_to_disk_and_withdraw(pool: ShmPool, tmp_path: Path) -> No
         node.index.release_read(lock.lease_id, 99)
         evicted = node.index.evict(4 * CHUNK)
         assert {e.key for e in evicted} == set(keys)
-        node.on_evicted(evicted)
+        node.on_removed([e.key for e in evicted])
         assert node.directory.flush()
         found = node.directory.resolve(keys)
         assert [locs[0].where for locs in found[:2]] == [Where.DISK] * 2
@@ -109,7 +109,7 @@ def test_publish_evict_to_disk_and_withdraw(pool: ShmPool, tmp_path: Path) -> No
 def test_eviction_of_unpublished_chunks_is_ignored(pool: ShmPool) -> None:
     node = make_node(pool)
     try:
-        node.on_evicted([Evicted(os.urandom(32), CHUNK, "peer")])
+        node.on_removed([os.urandom(32)])
         assert node.directory.flush()
         assert node.directory.stats()["unpublished"] == 0
     finally:

@@ -130,6 +130,18 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> Non
     assert f"from {a.node_id}: 6 chunks" in out
 
 
+def test_a_clear_withdraws_the_nodes_entries(trio: list[Node]) -> None:
+    a, b, _ = trio
+    tokens = tokens_for(9, 3)
+    keys = store(a, tokens, 3)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    with a.client() as ca:
+        register(ca)
+        assert ca.clear() == 3
+    wait_for(lambda: all(holders == set() for holders in located(trio, keys)))
+    assert fetch(b, tokens, 3) == (0, [])  # a clean miss, nothing asked of A
+
+
 def test_directory_owner_killed_replicas_answer(trio: list[Node]) -> None:
     a, b, c = trio
     tokens = tokens_for(2, 8)

@@ -360,11 +360,15 @@ class ObjectIndex:
         """Remove every object (with ``prefix``: every object whose key starts with it, e.g.
         one namespace's digest). Locked ones vanish from lookups at once and free their slots
         when their leases end. Returns how many objects were removed."""
+        return len(self.clear_keys(prefix))
+
+    def clear_keys(self, prefix: bytes = b"") -> list[bytes]:
+        """:meth:`clear`, returning the keys removed."""
         with self._lock:
             entries = [e for e in self._entries.values() if e.key.startswith(prefix)]
             for entry in entries:
                 self._unmap(entry)
-            return len(entries)
+            return [e.key for e in entries]
 
     def evict(self, nbytes: int) -> list[Evicted]:
         """Evict least recently used unlocked objects until ``nbytes`` (aligned) are freed or

@@ -28,7 +28,7 @@ from tierkv.cluster.directory import HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
 from tierkv.cluster.transport import Served, TcpTransport
-from tierkv.index import Evicted, LeaseNotFound, ObjectIndex
+from tierkv.index import LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier, checksum
 
@@ -208,10 +208,11 @@ class ClusterNode:
         self.directory.unpublish(gone)
         return len(gone)
 
-    def on_evicted(self, batch: list[Evicted]) -> None:
-        """Eviction listener: withdraw evicted chunks, or mark them as on this node's disk."""
+    def on_removed(self, removed: Sequence[bytes]) -> None:
+        """Chunks left the pool (evicted, cleared): withdraw them from the directory, or mark
+        them as on this node's disk when its disk tier has them."""
         with self._lock:
-            keys = [e.key for e in batch if self._published.pop(e.key, None) is not None]
+            keys = [k for k in removed if self._published.pop(k, None) is not None]
         if not keys:
             return
         on_disk = self._disk_has(keys)

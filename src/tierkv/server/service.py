@@ -688,10 +688,11 @@ class CacheService:
     def clear_cache(self, namespace: bytes = b"", via: str = "RPC") -> int:
         """Remove every object from the pool, or one namespace's (its 16-byte digest, the
         first half of each of its keys). Tiers keep theirs."""
-        removed = self.index.clear(namespace)
+        removed = self.index.clear_keys(namespace)
+        self.tiering.on_removed(removed)
         what = f"namespace {namespace.hex()}" if namespace else "the cache"
-        log.info("cleared %s over %s (%d objects)", what, via, removed)
-        return removed
+        log.info("cleared %s over %s (%d objects)", what, via, len(removed))
+        return len(removed)
 
     def uptime(self) -> float:
         return self.clock() - self.started

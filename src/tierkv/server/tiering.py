@@ -78,7 +78,12 @@ class Tiering:
     def on_evicted(self, batch: list[Evicted]) -> None:
         """Eviction listener: evicted chunks leave the cluster directory (or go "on disk")."""
         if self.cluster is not None:
-            self.cluster.on_evicted(batch)
+            self.cluster.on_removed([e.key for e in batch])
+
+    def on_removed(self, keys: list[bytes]) -> None:
+        """Chunks deleted from the pool (a clear) leave the cluster directory likewise."""
+        if self.cluster is not None and keys:
+            self.cluster.on_removed(keys)
 
     def _prefetched(self, keys: list[bytes], source: str) -> None:
         # Chunks loaded from a tier go to the other tiers, never back to their source.
