@@ -55,6 +55,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bookkeeping.py
 	$(PY) benchmarks/prefault.py
 	$(PY) benchmarks/shm_path.py
+	$(PY) benchmarks/tiers.py
+	$(PY) benchmarks/peers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
