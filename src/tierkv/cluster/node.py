@@ -8,7 +8,7 @@ their slots with the checksums recorded when they were published. Keys it no lon
 all are withdrawn from the directory on the spot, so stale entries heal when used.
 
 Publishing: the write-behind gives the peer tier every committed chunk (read-locked), the
-node records each chunk's blake3 checksum and queues the keys for the directory. Eviction
+node records each chunk's checksum and queues the keys for the directory. Eviction
 withdraws a chunk's entry, or marks it "on disk" when the node's disk tier has it.
 """
 

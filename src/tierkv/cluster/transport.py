@@ -10,7 +10,7 @@ TCP wire format (little-endian, fixed-size headers):
   UNAUTHORIZED / VERSION and closes. Nothing else is accepted before an OK hello.
 - request: ``"TKVR"``, chunk count (at most ``MAX_CHUNKS``), then per chunk its 32-byte key
   and the length the reader expects.
-- reply, per chunk in request order: a 32-byte header (status, length, 16-byte blake3
+- reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
   checksum), then ``length`` payload bytes when the status is OK.
 
 Holder side: every request read-locks the chunks in the pool (only committed chunks, only
@@ -23,7 +23,7 @@ Reader side: a bounded pool of connections per peer (default 16), reused across 
 and returned only after a clean exchange; each request carries several chunks; a batch to
 one peer is split into a few streams over separate connections, and streams to all peers
 run in parallel. Payloads are received with ``recv_into`` straight into the reserved slot
-views and verified with blake3 (which releases the GIL, so streams hash in parallel). Any
+views and verified with XXH3-128 (which releases the GIL, so streams hash in parallel). Any
 failure marks the affected chunks ERROR (or CORRUPT) and closes that connection; nothing
 raises to the caller and nothing waits longer than the socket timeout.
 """
@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import blake3
+import xxhash
 
 from tierkv.cluster import messages as m
 from tierkv.config import ConfigError
@@ -184,7 +184,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
     """Receive into ``view`` and return its checksum, hashing each piece as it lands (while
     it is still in the CPU cache) instead of reading the whole chunk again afterwards."""
-    hasher = blake3.blake3(max_threads=1)
+    hasher = xxhash.xxh3_128()
     pos, n = 0, len(view)
     pending = 0  # received but not yet hashed: hash in pieces of at least HASH_STEP
     while pos < n:
@@ -195,7 +195,7 @@ def _recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
         if pos - pending >= HASH_STEP or pos == n:
             hasher.update(view[pending:pos])
             pending = pos
-    digest: bytes = hasher.digest(length=16)
+    digest: bytes = hasher.digest()
     return digest
 
 

@@ -13,7 +13,7 @@ user space) to a temporary file next to the final one, optionally ``fsync``-ed, 
 leaves at most a temporary file, which the next start removes. Keys already held are skipped.
 
 Load. ``os.readv`` reads the header into a 64-byte buffer and the payload straight into the
-caller's writable slot view; the header (magic, version, key, length) and the blake3
+caller's writable slot view; the header (magic, version, key, length) and the
 checksum of the view are then verified. Anything inconsistent is ``CORRUPT``: the file is
 deleted and counted, and the bytes left in the slot must not be used. A missing file is
 ``MISSING``, an I/O error ``ERROR``; nothing raises for a single chunk. A view whose length
@@ -293,7 +293,7 @@ class DiskTier(Tier):
         return (
             "store: 0 extra copies (writev of header + pool view into the page cache); "
             "load: 0 extra copies (readv from the page cache straight into the slot); "
-            "each side makes one blake3 pass over the slot, in place"
+            "each side makes one checksum pass over the slot, in place"
         )
 
     # -- extras ----------------------------------------------------------------------------

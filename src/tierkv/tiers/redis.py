@@ -403,9 +403,9 @@ class RedisTier(Tier):
     def copies(self) -> str:
         return (
             "store: no copy of the payload (header and pool view go to sendall as separate "
-            "buffers of one SET); one blake3 read pass for the header. "
+            "buffers of one SET); one checksum read pass for the header. "
             "load: 3 copies (hiredis reader buffer, the reply's bytes object, into the slot) "
-            "plus one blake3 read pass; transient memory: the replies of one pipeline "
+            "plus one checksum read pass; transient memory: the replies of one pipeline "
             "(max_pipeline_bytes)."
         )
 

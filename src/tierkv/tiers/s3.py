@@ -13,7 +13,7 @@ any buffer). A load reads the body straight into the reserved slot with
 ``http.client.HTTPResponse.readinto`` when the response is the usual urllib3-over-http.client
 one; otherwise it falls back to botocore's ``StreamingBody.readinto``, which urllib3
 implements with a ``read`` into a temporary ``bytes`` (one copy). botocore's own CRC
-checksums are left off (``when_required``): the record header's blake3 checksum covers the
+checksums are left off (``when_required``): the record header's checksum covers the
 chunk end to end, and the CRC would cost a pass (and over https a framing copy) per chunk.
 
 Every chunk of a batch is one request, run in parallel on a small thread pool
@@ -429,8 +429,8 @@ class S3Tier(Tier):
         return (
             "store: no copy of the payload (a file-like body returns memoryview slices of the "
             "pool to sendall; over http botocore reads it once more for the SigV4 hash) plus "
-            "one blake3 read pass. load: no copy (http.client readinto straight into the "
-            "slot; 1 copy on the fallback StreamingBody.readinto path) plus one blake3 pass."
+            "one checksum read pass. load: no copy (http.client readinto straight into the "
+            "slot; 1 copy on the fallback StreamingBody.readinto path) plus one checksum pass."
         )
 
 
