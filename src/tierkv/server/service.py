@@ -23,7 +23,6 @@ import math
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,8 +133,6 @@ class CacheService:
         self._clients: dict[int, Client] = {}
         self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token
         self._lock = threading.Lock()
-        self.requests: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
         self.handlers: dict[type, Handler] = {
             p.Register: self.register,
             p.Unregister: self.unregister,
@@ -179,7 +176,6 @@ class CacheService:
 
     def _dispatch(self, req: Any) -> Any:
         name = p.request_name(req)
-        self.requests[name] += 1
         try:
             return self.handlers[type(req)](req)
         except RequestError as exc:
@@ -193,8 +189,18 @@ class CacheService:
             return self.error(req.rid, p.ErrorCode.INTERNAL, f"internal error handling {name}")
 
     def error(self, rid: int, code: p.ErrorCode, message: str) -> p.Error:
-        self.errors[code.value] += 1
         return p.Error(rid, code, message)
+
+    def request_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(requests by type, error replies by code), from the metrics' request counts."""
+        requests: dict[str, int] = {}
+        errors: dict[str, int] = {}
+        for name, outcomes in self.metrics.request_totals().items():
+            requests[name] = sum(outcomes.values())
+            for outcome, n in outcomes.items():
+                if outcome != "ok":
+                    errors[outcome] = errors.get(outcome, 0) + n
+        return requests, errors
 
     # -- registration ----------------------------------------------------------------------
     def register(self, req: p.Register) -> p.Registered:
@@ -450,13 +456,7 @@ class CacheService:
             return self._group_lookup(client, req)
         ks, lengths = self._keys(client, req.chunks)
         if not req.request_id:
-            hits = 0
-            for present in self.index.contains(ks):
-                if not present:
-                    break
-                hits += 1
-            self.lookups.record(ks, hits)
-            return p.LookupResult(req.rid, hits, len(ks))
+            return p.LookupResult(req.rid, self._prefix_hits(ks), len(ks))
         self._drop_session(client, req.request_id)
         session = self._open_session(client, req.request_id, ks, lengths)
         return p.LookupResult(
@@ -495,7 +495,7 @@ class CacheService:
             total = len(self._keys(workers[0], req.chunks)[0]) if workers else 0
             return p.LookupResult(req.rid, 0, total)
         if not req.request_id:
-            hits = min(self._prefix_hits(w, req.chunks) for w in workers)
+            hits = min(self._prefix_hits(self._keys(w, req.chunks)[0]) for w in workers)
             return p.LookupResult(req.rid, hits, len(self._keys(workers[0], req.chunks)[0]))
         self._drop_session(scheduler, req.request_id)
         members: list[tuple[Client, Session]] = []
@@ -512,8 +512,8 @@ class CacheService:
         prefetching = any(session.prefetch is not None for _, session in members)
         return p.LookupResult(req.rid, hits, group.total, prefetching=prefetching)
 
-    def _prefix_hits(self, client: Client, sel: p.ChunkSelector) -> int:
-        ks, _ = self._keys(client, sel)
+    def _prefix_hits(self, ks: list[bytes]) -> int:
+        """Leading chunks in the pool now (a lookup without locks); counted in the metrics."""
         hits = 0
         for present in self.index.contains(ks):
             if not present:
@@ -735,6 +735,7 @@ class CacheService:
         ):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         s = self.index.stats()
+        requests, errors = self.request_counts()
         tiers = self.tiering.tier_stats()
         hits, misses = self.metrics.lookup_counts([t.name for t in tiers])
         pool_bytes = self.metrics.pool_bytes.snapshot()
@@ -760,8 +761,8 @@ class CacheService:
             expired_read_locks=s.expired_read_locks,
             evictions=s.evictions,
             evicted_bytes=s.evicted_bytes,
-            requests=dict(self.requests),
-            errors=dict(self.errors),
+            requests=requests,
+            errors=errors,
             tiers=tiers,
             write_behind_queued=wb.queued_chunks,
             write_behind_dropped=wb.dropped_chunks,
