@@ -196,9 +196,10 @@ class CacheService:
         requests: dict[str, int] = {}
         errors: dict[str, int] = {}
         for name, outcomes in self.metrics.request_totals().items():
-            requests[name] = sum(outcomes.values())
+            if sum(outcomes.values()):
+                requests[name] = sum(outcomes.values())
             for outcome, n in outcomes.items():
-                if outcome != "ok":
+                if outcome != "ok" and n:
                     errors[outcome] = errors.get(outcome, 0) + n
         return requests, errors
 
