@@ -200,6 +200,37 @@ def test_invalid_values_name_the_option(option: str, value: str) -> None:
     assert option in str(exc.value), str(exc.value)
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("tier_workers", "0"),
+        ("prefetch_timeout", "0"),
+        ("prefetch_timeout", "nan"),
+        ("prefetch_max_inflight", "-1"),
+        ("write_behind_max_bytes", "lots"),
+        ("write_behind_max_bytes", "-5"),
+        ("tiers", "disk:path"),
+        ("tiers", ":x=1"),
+        ("cluster_seeds", "nohost"),
+        ("cluster_seeds", "127.0.0.1:0"),
+        ("cluster_port", "70000"),
+        ("heartbeat_interval", "0"),
+        ("member_ttl", "0.5"),  # not above the default heartbeat interval
+        ("peer_timeout", "nan"),
+        ("directory_replicas", "0"),
+        ("ring_vnodes", "0"),
+        ("peer_connections", "0"),
+        ("cluster_host", "0.0.0.0"),  # beyond loopback without auth_token
+    ],
+)
+def test_invalid_tier_and_cluster_values_name_the_option(option: str, value: str) -> None:
+    env = {"TIERKV_CLUSTER_SEEDS": "127.0.0.1:8792", f"TIERKV_{option.upper()}": value}
+    with pytest.raises(ConfigError) as exc:
+        config.load(env=env)
+    message = str(exc.value)
+    assert option in message or option.rstrip("s") in message, message
+
+
 def test_rpc_tcp_beyond_loopback_needs_an_auth_token() -> None:
     for addr in ("0.0.0.0:5555", "10.1.2.3:5555", "[::]:5555", "node7.example:5555"):
         with pytest.raises(ConfigError, match="auth_token"):

@@ -145,14 +145,22 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("chunk_size must be positive")
         if not 0.0 < self.low_watermark <= self.high_watermark <= 1.0:
             raise ConfigError("watermarks must satisfy 0 < low_watermark <= high_watermark <= 1")
-        for name in ("eviction_interval", "write_ttl", "read_ttl", "session_ttl"):
+        for name in (
+            "eviction_interval",
+            "write_ttl",
+            "read_ttl",
+            "session_ttl",
+            "prefetch_timeout",
+        ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # NaN and inf too
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if self.workers < 1 or self.tier_workers < 1:
             raise ConfigError("workers and tier_workers must be at least 1")
-        if self.prefetch_max_inflight < 0 or self.prefetch_timeout <= 0:
-            raise ConfigError("prefetch_max_inflight >= 0 and prefetch_timeout > 0")
+        if self.prefetch_max_inflight < 0:
+            raise ConfigError("prefetch_max_inflight must be >= 0 (0: no prefetch)")
+        if self.write_behind_max_bytes < 0:
+            raise ConfigError("write_behind_max_bytes must be >= 0 (0: no write-behind)")
         if self.max_message_bytes < 4096 or self.max_chunks_per_request < 1:
             raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
         if self.log_format not in ("text", "json"):
