@@ -34,15 +34,13 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from tierkv import keys as tk
-from tierkv.client import Client, ServerUnavailableError
+from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import DirectoryReader
-from tierkv.config import ServerConfig
 
 MIB = 1 << 20
 TOKEN = "peers-bench"
@@ -81,22 +79,13 @@ class Server:
             "--member-ttl", "2",
             "--log-level", "warning",
         ]  # fmt: skip
-        if "http_port" in {f.name for f in msgspec.structs.fields(ServerConfig)}:
-            cmd += ["--http-port", "0"]
+        cmd += ["--http-port", "0"]
         self.log = open(os.path.join(root, f"{name}.log"), "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.endpoint = f"ipc://{self.runtime}/rpc.sock"
-        deadline = time.monotonic() + 60
-        with Client(self.endpoint, timeout=0.5) as probe:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server {name} exited; see {self.log.name}")
-                try:
-                    probe.ping(timeout=0.5)
-                    break
-                except ServerUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise
+        proc = self.proc
+        if not wait_for_server(self.endpoint, 60, lambda: proc.poll() is not None):
+            raise RuntimeError(f"server {name} exited; see {self.log.name}")
         self.addr = f"127.0.0.1:{port}"
 
     def client(self) -> Client:

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tierkv.client import Client, ServerUnavailableError
+from tierkv.client import Client, ServerUnavailableError, wait_for_server
 from tierkv.pool import segment_exists
 
 MIB = 1 << 20
@@ -106,18 +106,13 @@ def start_server(run_dir: Path, pool_bytes: int, prefault: bool) -> ServerProc:
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     srv = ServerProc(proc, f"ipc://{runtime_dir / 'rpc.sock'}", pool_name, log_path)
-    deadline = time.monotonic() + 60.0
-    with Client(srv.endpoint, timeout=0.5) as probe:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited at start-up:\n{srv.log()}")
-            try:
-                probe.ping(timeout=0.5)
-                return srv
-            except ServerUnavailableError:
-                if time.monotonic() > deadline:
-                    stop_process(proc)
-                    raise RuntimeError(f"server did not answer:\n{srv.log()}") from None
+    try:
+        if not wait_for_server(srv.endpoint, 60.0, lambda: proc.poll() is not None):
+            raise RuntimeError(f"server exited at start-up:\n{srv.log()}")
+    except ServerUnavailableError:
+        stop_process(proc)
+        raise RuntimeError(f"server did not answer:\n{srv.log()}") from None
+    return srv
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:

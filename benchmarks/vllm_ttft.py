@@ -47,7 +47,7 @@ MODEL = {
 
 
 def start_server(workdir: Path, pool_size: str) -> tuple[subprocess.Popen[bytes], str]:
-    from tierkv.client import Client, ServerUnavailableError
+    from tierkv.client import ServerUnavailableError, wait_for_server
 
     instance = f"bench-{uuid.uuid4().hex[:8]}"
     runtime = workdir / "run"
@@ -65,17 +65,12 @@ def start_server(workdir: Path, pool_size: str) -> tuple[subprocess.Popen[bytes]
         stdout=log,
         stderr=subprocess.STDOUT,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    with Client(endpoint, timeout=0.5) as probe:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"tierkv server exited:\n{(workdir / 'server.log').read_text()}")
-            try:
-                probe.ping(timeout=0.5)
-                return proc, endpoint
-            except ServerUnavailableError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("tierkv server did not answer") from None
+    try:
+        if not wait_for_server(endpoint, 30, lambda: proc.poll() is not None):
+            raise SystemExit(f"tierkv server exited:\n{(workdir / 'server.log').read_text()}")
+    except ServerUnavailableError:
+        raise SystemExit("tierkv server did not answer") from None
+    return proc, endpoint
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.client import Client, ServerUnavailableError
+from tierkv.client import Client, ServerUnavailableError, wait_for_server
 from tierkv.pool import segment_exists
 
 
@@ -53,17 +53,13 @@ class ServerProcess:
         self.log_path = self.runtime_dir.parent / f"{self.instance}-{time.monotonic_ns()}.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        with Client(self.endpoint, timeout=0.5) as probe:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited at start-up:\n{self.log()}")
-                try:
-                    probe.ping(timeout=0.5)
-                    return self
-                except ServerUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server did not answer:\n{self.log()}") from None
+        proc = self.proc
+        try:
+            if not wait_for_server(self.endpoint, timeout, lambda: proc.poll() is not None):
+                raise RuntimeError(f"server exited at start-up:\n{self.log()}")
+        except ServerUnavailableError:
+            raise RuntimeError(f"server did not answer:\n{self.log()}") from None
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""

@@ -117,6 +117,27 @@ class Registration:
     layout: p.Layout
 
 
+def wait_for_server(
+    endpoint: str,
+    timeout: float,
+    exited: Callable[[], bool] = lambda: False,
+    auth_token: str = "",
+) -> bool:
+    """Ping ``endpoint`` until the server answers (True) or its process has ``exited()``
+    (False); raises :class:`ServerUnavailableError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with Client(endpoint, timeout=0.5, auth_token=auth_token) as probe:
+        while True:
+            if exited():
+                return False
+            try:
+                probe.ping(timeout=0.5)
+                return True
+            except ServerUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+
+
 def default_endpoint(instance: str = "default") -> str:
     """The endpoint a server started with the same instance name listens on."""
     env = os.environ.get("TIERKV_ENDPOINT")

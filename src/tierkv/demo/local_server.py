@@ -15,10 +15,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 
-from tierkv.client import Client, ServerUnavailableError
+from tierkv.client import ServerUnavailableError, wait_for_server
 from tierkv.config import ServerConfig
 from tierkv.pool import segment_exists
 
@@ -71,21 +70,17 @@ class LocalServer:
                 env=env,
                 start_new_session=True,
             )
-        deadline = time.monotonic() + timeout
-        with Client(self.endpoint, timeout=0.5) as probe:
-            while True:
-                if self.proc.poll() is not None:
-                    raise LocalServerError(f"the server exited at start-up:\n{self.log_tail()}")
-                try:
-                    probe.ping(timeout=0.5)
-                    return self
-                except ServerUnavailableError:
-                    if time.monotonic() > deadline:
-                        self.proc.kill()
-                        self.proc.wait()
-                        raise LocalServerError(
-                            f"the server did not answer within {timeout:.0f} s:\n{self.log_tail()}"
-                        ) from None
+        proc = self.proc
+        try:
+            if not wait_for_server(self.endpoint, timeout, lambda: proc.poll() is not None):
+                raise LocalServerError(f"the server exited at start-up:\n{self.log_tail()}")
+        except ServerUnavailableError:
+            proc.kill()
+            proc.wait()
+            raise LocalServerError(
+                f"the server did not answer within {timeout:.0f} s:\n{self.log_tail()}"
+            ) from None
+        return self
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM, then check for exit status 0 and a removed pool segment."""
