@@ -23,6 +23,7 @@ throughput, best of the repetitions for each; goals A >= 0.8, B <= 2000).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import socket
@@ -30,8 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -41,6 +44,7 @@ from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import DirectoryReader
+from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
 
 MIB = 1 << 20
 TOKEN = "peers-bench"
@@ -124,46 +128,77 @@ def chunk_keys(client: Client, tokens: np.ndarray[Any, Any]) -> list[bytes]:
 
 
 # -- raw TCP bound -----------------------------------------------------------------------
-def raw_sender(port: int, nbytes: int, rounds: int) -> None:
+def stream_bounds(nbytes: int, streams: int) -> list[tuple[int, int]]:
+    cuts = [nbytes * s // streams for s in range(streams + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def raw_sender(port: int, nbytes: int, rounds: int, streams: int) -> None:
+    """Serve ``streams`` connections; each round, each sends its share of the bytes."""
     buf = np.random.default_rng(7).integers(0, 256, size=nbytes, dtype=np.uint8)
     view = memoryview(buf)
-    with socket.create_server(("127.0.0.1", port)) as srv:
-        print("ready", flush=True)
-        conn, _ = srv.accept()
+
+    def serve(conn: socket.socket, lo: int, hi: int) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(rounds):
                 if conn.recv(1) != b"g":
                     return
-                conn.sendall(view)
+                conn.sendall(view[lo:hi])
+
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        print("ready", flush=True)
+        conns = [srv.accept()[0] for _ in range(streams)]
+    threads = [
+        threading.Thread(target=serve, args=(c, lo, hi))
+        for c, (lo, hi) in zip(conns, stream_bounds(nbytes, streams), strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
-def raw_tcp_seconds(nbytes: int, rounds: int) -> list[float]:
+def raw_tcp_seconds(nbytes: int, rounds: int, streams: int = 1) -> list[float]:
+    """Rounds of ``nbytes`` from a sender process over ``streams`` parallel connections
+    (``recv_into`` a touched buffer, one receiving thread per connection)."""
     port = free_port_pair()
     child = subprocess.Popen(
-        [sys.executable, __file__, "--raw-sender", str(port), str(nbytes), str(rounds)],
+        [sys.executable, __file__, "--raw-sender", str(port), str(nbytes), str(rounds),
+         str(streams)],
         stdout=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
+    socks: list[socket.socket] = []
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         dst = np.ones(nbytes, dtype=np.uint8)  # touched
         view = memoryview(dst)
-        times = []
-        with socket.create_connection(("127.0.0.1", port)) as sock:
+        for _ in range(streams):
+            sock = socket.create_connection(("127.0.0.1", port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socks.append(sock)
+
+        def receive(sock: socket.socket, lo: int, hi: int) -> None:
+            sock.sendall(b"g")
+            while lo < hi:
+                n = sock.recv_into(view[lo:hi], hi - lo)
+                if not n:
+                    raise ConnectionError("raw sender closed early")
+                lo += n
+
+        times = []
+        with ThreadPoolExecutor(streams) as pool:
+            parts = list(zip(socks, stream_bounds(nbytes, streams), strict=True))
             for _ in range(rounds):
                 t0 = time.perf_counter()
-                sock.sendall(b"g")
-                got = 0
-                while got < nbytes:
-                    n = sock.recv_into(view[got:], nbytes - got)
-                    if not n:
-                        raise ConnectionError("raw sender closed early")
-                    got += n
+                for fut in [pool.submit(receive, s, lo, hi) for s, (lo, hi) in parts]:
+                    fut.result()
                 times.append(time.perf_counter() - t0)
         return times
     finally:
+        for sock in socks:
+            sock.close()
         child.wait(30)
 
 
@@ -189,8 +224,14 @@ def fetch_seconds(
                         hits = status.hits
                         break
                     time.sleep(0.0005)
+            t1 = time.perf_counter()
             got = engine.retrieve(request_id=rid, out=out)
             times.append(time.perf_counter() - t0)
+            print(
+                f"  round {r}: LOOKUP + prefetch {(t1 - t0) * 1e3:.1f} ms, "
+                f"retrieve {(time.perf_counter() - t1) * 1e3:.1f} ms",
+                flush=True,
+            )
             if hits != n or len(got.retrieved) != n:
                 raise RuntimeError(f"round {r}: {hits} hits, {len(got.retrieved)} retrieved of {n}")
             for i in range(n):
@@ -234,7 +275,7 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=8, help="MiB per chunk")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each measurement")
     ap.add_argument("--lookups", type=int, default=300, help="directory lookups timed")
-    ap.add_argument("--raw-sender", nargs=3, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-sender", nargs=4, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_sender:
         raw_sender(*args.raw_sender)
@@ -271,6 +312,8 @@ def main() -> None:
 
         fetch = fetch_seconds(b, tokens, shape, src, args.repeat)
         raw = raw_tcp_seconds(nbytes, args.repeat)
+        streams = DEFAULT_STREAMS_PER_FETCH
+        raw_par = raw_tcp_seconds(nbytes, args.repeat, streams)
         lookups = lookup_latencies(a, 512, args.lookups)
     finally:
         for srv in servers:
@@ -289,6 +332,12 @@ def main() -> None:
     print(
         f"raw TCP stream, same bytes, two processes: best {min(raw) * 1e3:.1f} ms = "
         f"{raw_gbps:.2f} GB/s (median {statistics.median(raw) * 1e3:.1f} ms)"
+    )
+    raw_par_gbps = nbytes / min(raw_par) / 1e9
+    print(
+        f"raw TCP, {streams} parallel streams (as many as a peer fetch uses), same bytes: "
+        f"best {min(raw_par) * 1e3:.1f} ms = {raw_par_gbps:.2f} GB/s "
+        f"(fetch / this = {fetch_gbps / raw_par_gbps:.2f})"
     )
     print(
         f"directory lookup, 512-chunk prefix, outside reader: p50 {p50_us:.0f} us, "

@@ -7,7 +7,8 @@ same run, measures:
   ``np.copyto`` per chunk into its slot view -> COMMIT_STORE), in GB/s (1e9 bytes/s);
 - retrieve: the same chunks through ``client.retrieve`` into preallocated numpy arrays
   (PREPARE_RETRIEVE -> one copy per chunk out of its slot view -> FINISH_RETRIEVE);
-- memcpy, the bound: ``np.copyto`` of the same bytes, chunk by chunk, between preallocated,
+- memcpy, the bound: ``np.copyto`` of the same bytes, chunk by chunk, with the client's copy
+  threads (``--copy-threads``, the same batching as the client), between preallocated,
   already-touched private buffers, in the direction of each path (store-shaped: the same
   source chunks into a buffer as large as the bytes moved; retrieve-shaped: back out of it
   into the same destination arrays). Store is compared with the first, retrieve with the
@@ -59,6 +60,7 @@ import numpy as np
 import zmq
 
 from tierkv.client import Client, ServerUnavailableError, wait_for_server
+from tierkv.copier import Copier, default_threads
 from tierkv.pool import segment_exists
 
 MIB = 1 << 20
@@ -238,24 +240,28 @@ def timed(fn: Callable[[], None]) -> float:
 # -- the measured paths --------------------------------------------------------------------
 
 
-def memcpy_store(w: Workload) -> None:
-    buf, size = w.bound_buf, w.chunk_bytes
+def memcpy_store(w: Workload, copier: Copier) -> None:
+    """Per request, the request's chunks into the next part of a private buffer, with the
+    client's copy threads (the same ``Copier`` batching as ``client.store``)."""
+    size = w.chunk_bytes
     srcs = [s.reshape(-1).view(np.uint8) for s in w.sources]
-    off = 0
-    for _ in range(w.requests):
-        for src in srcs:
-            np.copyto(buf[off : off + size], src)
-            off += size
+    sizes = [size] * len(srcs)
+    for r in range(w.requests):
+        base = r * len(srcs) * size
+        pairs = [(w.bound_buf[base + i * size : base + (i + 1) * size], src)
+                 for i, src in enumerate(srcs)]  # fmt: skip
+        copier.run(lambda pair: np.copyto(*pair), pairs, sizes)
 
 
-def memcpy_retrieve(w: Workload) -> None:
-    buf, size = w.bound_buf, w.chunk_bytes
+def memcpy_retrieve(w: Workload, copier: Copier) -> None:
+    size = w.chunk_bytes
     dsts = [d.reshape(-1).view(np.uint8) for d in w.outs]
-    off = 0
-    for _ in range(w.requests):
-        for dst in dsts:
-            np.copyto(dst, buf[off : off + size])
-            off += size
+    sizes = [size] * len(dsts)
+    for r in range(w.requests):
+        base = r * len(dsts) * size
+        pairs = [(dst, w.bound_buf[base + i * size : base + (i + 1) * size])
+                 for i, dst in enumerate(dsts)]  # fmt: skip
+        copier.run(lambda pair: np.copyto(*pair), pairs, sizes)
 
 
 def tierkv_store(client: Client, w: Workload) -> None:
@@ -300,16 +306,23 @@ class Series:
 
 
 def run_throughput(
-    client: Client, pc: PickleClient, w: Workload, rounds: int, pickle_rounds: int
+    client: Client,
+    pc: PickleClient,
+    w: Workload,
+    rounds: int,
+    pickle_rounds: int,
+    copy_threads: int,
 ) -> dict[str, Series]:
+    copier = Copier(copy_threads)
     results = {k: Series() for k in ("memcpy_store", "store", "memcpy_retrieve", "retrieve")}
     results["pickle"] = Series()
     total = w.total_bytes
     for rnd in range(rounds + 1):
         first = rnd == 0
-        results["memcpy_store"].add(gbps(total, timed(lambda: memcpy_store(w))), first)
+        results["memcpy_store"].add(gbps(total, timed(lambda: memcpy_store(w, copier))), first)
         results["store"].add(gbps(total, timed(lambda: tierkv_store(client, w))), first)
-        results["memcpy_retrieve"].add(gbps(total, timed(lambda: memcpy_retrieve(w))), first)
+        bound = timed(lambda: memcpy_retrieve(w, copier))
+        results["memcpy_retrieve"].add(gbps(total, bound), first)
         for out in w.outs:
             out.fill(0)
         results["retrieve"].add(gbps(total, timed(lambda: tierkv_retrieve(client, w))), first)
@@ -321,6 +334,7 @@ def run_throughput(
         if rnd <= pickle_rounds:  # the slow baseline gets fewer rounds, to bound the run time
             results["pickle"].add(gbps(total, timed(lambda: pickle_store(pc, w))), first)
             pc.call("clear", [], [])
+    copier.close()
     return results
 
 
@@ -397,7 +411,7 @@ def report(
     print(
         f"pool {args.pool_gib} GiB, server {'--prefault' if args.prefault else '--no-prefault'}, "
         f"client populate={args.prefault}; cache cleared between rounds; {os.cpu_count()} CPUs; "
-        f"GB/s = 1e9 bytes/s"
+        f"{args.copy_threads} copy threads (client and memcpy bound alike); GB/s = 1e9 bytes/s"
     )
     print()
     print(f"{'path':<40}{'first':>9}{'median':>9}{'best':>9}  vs bound")
@@ -444,13 +458,13 @@ def report(
 
 @contextlib.contextmanager
 def server_and_clients(
-    run_dir: Path, pool_bytes: int, prefault: bool
+    run_dir: Path, pool_bytes: int, prefault: bool, copy_threads: int
 ) -> Iterator[tuple[ServerProc, Client, PickleClient]]:
     srv = start_server(run_dir, pool_bytes, prefault)
     client: Client | None = None
     pc: PickleClient | None = None
     try:
-        client = Client(srv.endpoint, timeout=60.0, populate=prefault)
+        client = Client(srv.endpoint, timeout=60.0, populate=prefault, copy_threads=copy_threads)
         pc = PickleClient(run_dir)
         yield srv, client, pc
     finally:
@@ -484,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="server --prefault and client populate=True (default: on)",
     )
+    parser.add_argument(
+        "--copy-threads",
+        type=int,
+        default=default_threads(),
+        help="client copy threads, also used by the memcpy bound (default: cores, max 4)",
+    )
     parser.add_argument("--pickle-server", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pickle_server:
@@ -499,11 +519,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--pool-gib must exceed the bytes per round (--total-gib) a little")
     with (
         tempfile.TemporaryDirectory(prefix="tierkv-bench-") as tmp,
-        server_and_clients(Path(tmp), pool_bytes, args.prefault) as (srv, client, pc),
+        server_and_clients(Path(tmp), pool_bytes, args.prefault, args.copy_threads) as (
+            srv,
+            client,
+            pc,
+        ),
     ):
         client.register("bench-shm-path", w.shape, "float16", token_axis=2)
         lat = run_lookups(srv.endpoint, args.lookup_reps)
-        res = run_throughput(client, pc, w, args.rounds, min(args.pickle_rounds, args.rounds))
+        pickle_rounds = min(args.pickle_rounds, args.rounds)
+        res = run_throughput(client, pc, w, args.rounds, pickle_rounds, args.copy_threads)
     report(args, w, res, lat, time.perf_counter() - t_start)
     return 0
 

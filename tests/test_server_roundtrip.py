@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from tierkv.client import LayoutError
 
 
 def test_store_lookup_retrieve_roundtrip(server: ServerProcess) -> None:
@@ -21,3 +23,52 @@ def test_store_lookup_retrieve_roundtrip(server: ServerProcess) -> None:
             np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
         stats = client.stats()
         assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
+
+
+@pytest.mark.parametrize(
+    ("copy_threads", "parallel_callbacks"), [(1, False), (3, False), (3, True)]
+)
+def test_large_batches_roundtrip_with_any_number_of_copy_threads(
+    server: ServerProcess, copy_threads: int, parallel_callbacks: bool
+) -> None:
+    """12 chunks of 1 MiB (above the copier's threshold): arrays and callbacks, byte-exact,
+    whether the copies run on one thread or several."""
+    shape = (2, 256, 512)  # float32: 1 MiB per chunk
+    rng = np.random.default_rng(copy_threads)
+    data = [rng.random(shape, dtype=np.float32) for _ in range(12)]
+    tokens = list(range(7, 7 + 256 * 12))
+    with server.client(copy_threads=copy_threads, parallel_callbacks=parallel_callbacks) as c:
+        c.register("big-model", shape, "float32", token_axis=1)
+        assert c.store(tokens[: 256 * 6], data[:6]).stored == list(range(6))
+
+        def gather(chunk: int, dst: np.ndarray) -> None:  # type: ignore[type-arg]
+            np.copyto(dst, data[chunk])
+
+        assert c.store(tokens, gather=gather, first_chunk=6).stored == list(range(6, 12))
+        out = [np.zeros(shape, np.float32) for _ in range(12)]
+        got = c.retrieve(tokens, out)
+        assert got.retrieved == list(range(12)) and got.complete
+        scattered: dict[int, np.ndarray] = {}  # type: ignore[type-arg]
+        c.retrieve(tokens, scatter=lambda chunk, src: scattered.__setitem__(chunk, src.copy()))
+        for i in range(12):
+            np.testing.assert_array_equal(out[i], data[i])
+            np.testing.assert_array_equal(scattered[i], data[i])
+        stats = c.stats()
+        assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
+
+
+def test_a_failing_copy_aborts_the_store_and_keeps_serving(server: ServerProcess) -> None:
+    """One chunk of a parallel batch does not fit its slot: the store raises, nothing of it
+    is committed, no lease stays behind, and the next store works."""
+    shape = (2, 256, 512)
+    tokens = list(range(256 * 8))
+    good = [np.ones(shape, np.float32) for _ in range(8)]
+    bad = list(good)
+    bad[5] = np.ones((2, 256, 256), np.float32)
+    with server.client(copy_threads=3) as c:
+        c.register("big-model", shape, "float32", token_axis=1)
+        with pytest.raises(LayoutError):
+            c.store(tokens, bad)
+        stats = c.stats()
+        assert stats.objects == 0 and stats.write_leases == 0
+        assert c.store(tokens, good).stored == list(range(8))

@@ -37,6 +37,7 @@ import zmq
 from tierkv import keys
 from tierkv import protocol as p
 from tierkv.config import default_runtime_dir
+from tierkv.copier import Copier
 from tierkv.pool import SHM_DIR, ShmPool
 
 T = TypeVar("T")
@@ -165,7 +166,13 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         auth_token: str = "",
         populate: bool = False,
+        copy_threads: int | None = None,
+        parallel_callbacks: bool = False,
     ) -> None:
+        """``copy_threads``: threads that copy a large batch (default: the cores, at most
+        4; 1 copies on the calling thread). Arrays given as ``chunks``/``out`` are always
+        copied by them; ``gather``/``scatter`` callbacks only with ``parallel_callbacks``
+        (then they are called from several threads at once, each chunk once)."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self.auth_token = auth_token
@@ -177,6 +184,8 @@ class Client:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.reply_decoder.decode
         self._executor: ThreadPoolExecutor | None = None
+        self._copier = Copier(copy_threads)
+        self.parallel_callbacks = parallel_callbacks
         self.pool: ShmPool | None = None
         self.registration: Registration | None = None
         self._np_dtype: np.dtype[Any] | None = None
@@ -456,14 +465,17 @@ class Client:
         result = StoreResult(present=slots.present, no_space=slots.no_space)
         if not slots.slots:
             return result
+        if gather is not None:
+            fill = gather
+        else:
+            assert chunks is not None
+            arrays = chunks
+
+            def fill(chunk: int, dst: npt.NDArray[Any]) -> None:
+                _copy_into(dst, arrays[chunk - first_chunk])
+
         try:
-            for slot in slots.slots:
-                dst = self.slot_view(slot)
-                if gather is not None:
-                    gather(slot.chunk, dst)
-                else:
-                    assert chunks is not None
-                    _copy_into(dst, chunks[slot.chunk - first_chunk])
+            self._each_slot(slots.slots, fill, parallel=gather is None)
         except BaseException:
             self._call(p.AbortStore(self._rid(), self._token(), slots.lease))
             raise
@@ -509,18 +521,36 @@ class Client:
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
             return result
+        if scatter is not None:
+            drain = scatter
+        else:
+            assert out is not None
+            arrays = out
+
+            def drain(chunk: int, src: npt.NDArray[Any]) -> None:
+                _copy_into(arrays[chunk - first_chunk], src)
+
         try:
-            for slot in slots.slots:
-                src = self.slot_view(slot)
-                if scatter is not None:
-                    scatter(slot.chunk, src)
-                else:
-                    assert out is not None
-                    _copy_into(out[slot.chunk - first_chunk], src)
-                result.retrieved.append(slot.chunk)
+            self._each_slot(slots.slots, drain, parallel=scatter is None)
+            result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
             self._call(p.FinishRetrieve(self._rid(), self._token(), slots.lease))
         return result
+
+    def _each_slot(
+        self,
+        slots: Sequence[p.Slot],
+        fn: Callable[[int, npt.NDArray[Any]], None],
+        parallel: bool,
+    ) -> None:
+        """``fn(chunk, view)`` for every slot; on the copy threads when ``parallel`` (or
+        the client allows parallel callbacks). Returns only when every call has ended."""
+        views = [(slot.chunk, self.slot_view(slot)) for slot in slots]
+        if not (parallel or self.parallel_callbacks):
+            for chunk, view in views:
+                fn(chunk, view)
+            return
+        self._copier.run(lambda cv: fn(*cv), views, [s.length for s in slots])
 
     # -- async variants --------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
@@ -559,6 +589,7 @@ class Client:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._copier.close()
         if self.registration is not None:
             with contextlib.suppress(TierKVError):
                 self.unregister()

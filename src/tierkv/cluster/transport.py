@@ -64,6 +64,7 @@ MAX_TOKEN = 1024
 MAX_NODE_ID = 256
 HASH_STEP = 256 * 1024
 MAX_CHUNK_BYTES = 1 << 34
+DEFAULT_STREAMS_PER_FETCH = 4  # connections one batch to one peer is split over
 
 HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
 SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
@@ -256,7 +257,7 @@ class TcpTransport(Transport):
         token: str,
         node_id: str,
         connections_per_peer: int = 16,
-        streams_per_fetch: int = 4,
+        streams_per_fetch: int = DEFAULT_STREAMS_PER_FETCH,
         timeout: float = 5.0,
         max_serving: int = 512,
         corrupt_hook: Callable[[bytes], bool] | None = None,

@@ -1,0 +1,100 @@
+"""Copying a batch of chunks with a few threads: the engine side's one copy, spread over cores.
+
+A store or retrieve of many chunks is a batch of independent copies (each chunk between its
+pool slot and the engine's array). One core copies at most ~7 GB/s on a typical server;
+two or more reach the memory bandwidth. ``np.copyto`` and ``torch`` copies release the GIL,
+so plain threads run them in parallel. :class:`Copier` splits a batch into ``threads``
+groups of about equal bytes, runs one group on the calling thread and the others on its
+pool, and returns only when every group has finished, also when one fails: a copy into or
+out of a slot must never outlive the lease that reserved the slot (a store's slot may be
+handed to someone else after its abort, a retrieve's after its finish).
+
+Small batches (under ``min_bytes``) are copied on the calling thread: a thread handoff costs
+tens of microseconds, a 1 MiB copy about 150.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+DEFAULT_MAX_THREADS = 4
+DEFAULT_MIN_BYTES = 4 << 20
+
+
+def default_threads() -> int:
+    """Copy threads for this machine: its cores, at most ``DEFAULT_MAX_THREADS``."""
+    return max(1, min(DEFAULT_MAX_THREADS, len(os.sched_getaffinity(0))))
+
+
+def split_by_size(sizes: Sequence[int], groups: int) -> list[list[int]]:
+    """Indexes of ``sizes`` in at most ``groups`` non-empty groups of about equal total size
+    (largest first onto the lightest group); each group keeps ascending index order."""
+    groups = max(1, min(groups, len(sizes)))
+    load = [0] * groups
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        g = min(range(groups), key=load.__getitem__)
+        out[g].append(i)
+        load[g] += sizes[i]
+    return [sorted(g) for g in out if g]
+
+
+class Copier:
+    """Runs one function over the items of a batch with up to ``threads`` threads."""
+
+    def __init__(self, threads: int | None = None, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
+        self.threads = default_threads() if threads is None else max(1, threads)
+        self.min_bytes = min_bytes
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="tierkv-copy")
+            return self._pool
+
+    def run(self, fn: Callable[[T], None], items: Sequence[T], sizes: Sequence[int]) -> None:
+        """Call ``fn(item)`` for every item (``sizes[i]``: the bytes item i moves).
+
+        Returns when every call has returned; re-raises the first exception (by item order
+        within a group, the calling thread's group first) after all groups have ended.
+        """
+        if self.threads == 1 or len(items) < 2 or sum(sizes) < self.min_bytes:
+            for item in items:
+                fn(item)
+            return
+        groups = split_by_size(sizes, self.threads)
+
+        def run_group(idx: list[int]) -> None:
+            for i in idx:
+                fn(items[i])
+
+        pool = self._executor()
+        futures: list[Future[None]] = [pool.submit(run_group, g) for g in groups[1:]]
+        error: BaseException | None = None
+        try:
+            run_group(groups[0])
+        except BaseException as exc:
+            error = exc
+        for fut in futures:  # wait for every group, even after a failure
+            failed = fut.exception()
+            if error is None and failed is not None:
+                error = failed
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+__all__ = ["Copier", "default_threads", "split_by_size"]

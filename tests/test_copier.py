@@ -1,0 +1,86 @@
+"""The batch copier: balanced groups, every item exactly once, and no copy outliving the call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tierkv.copier import Copier, split_by_size
+
+
+@given(st.lists(st.integers(0, 1 << 30), max_size=64), st.integers(1, 8))
+def test_split_by_size_covers_every_item_once_and_balances(sizes: list[int], groups: int) -> None:
+    out = split_by_size(sizes, groups)
+    flat = [i for g in out for i in g]
+    assert sorted(flat) == list(range(len(sizes)))
+    assert len(out) <= max(1, groups) and all(out)
+    assert all(g == sorted(g) for g in out)
+    if out:  # greedy largest-first: no group exceeds the mean by more than one item
+        loads = [sum(sizes[i] for i in g) for g in out]
+        assert max(loads) - min(loads) <= max(sizes)
+
+
+def test_run_copies_every_chunk_with_several_threads() -> None:
+    src = [np.random.default_rng(i).random(1 << 18) for i in range(9)]  # 2 MiB each
+    dst = [np.zeros_like(a) for a in src]
+    seen: set[str] = set()
+
+    def copy(i: int) -> None:
+        seen.add(threading.current_thread().name)
+        np.copyto(dst[i], src[i])
+
+    copier = Copier(threads=3, min_bytes=0)
+    try:
+        copier.run(copy, list(range(9)), [a.nbytes for a in src])
+    finally:
+        copier.close()
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+    assert len(seen) >= 2 and threading.current_thread().name in seen  # caller + pool
+
+
+def test_small_batches_stay_on_the_calling_thread() -> None:
+    names: list[str] = []
+    copier = Copier(threads=4, min_bytes=1 << 20)
+    copier.run(lambda _: names.append(threading.current_thread().name), [1, 2, 3], [1000] * 3)
+    copier.close()
+    assert names == [threading.current_thread().name] * 3
+
+
+def test_a_failure_is_raised_only_after_every_group_has_finished() -> None:
+    """A slot's copy must never outlive the request: a failing group waits for the others."""
+    finished: list[int] = []
+    main = threading.current_thread()
+
+    def work(i: int) -> None:
+        if threading.current_thread() is main:
+            raise ValueError(f"item {i} does not fit")
+        time.sleep(0.2)
+        finished.append(i)
+
+    copier = Copier(threads=2, min_bytes=0)
+    try:
+        with pytest.raises(ValueError, match="does not fit"):
+            copier.run(work, [0, 1], [10, 10])
+        assert len(finished) == 1  # the other group's item had ended before run() raised
+    finally:
+        copier.close()
+
+
+def test_the_first_error_of_a_pool_thread_is_raised() -> None:
+    main = threading.current_thread()
+
+    def work(i: int) -> None:
+        if threading.current_thread() is not main:
+            raise KeyError(i)
+
+    copier = Copier(threads=2, min_bytes=0)
+    try:
+        with pytest.raises(KeyError):
+            copier.run(work, [0, 1], [10, 10])
+    finally:
+        copier.close()
