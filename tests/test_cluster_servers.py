@@ -114,9 +114,14 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> Non
     figures = peer_tier(b)
     assert figures["loaded"] == 6 and not figures["failures"]
     assert peer_tier(a)["published"] == 6
-    # B's copies are local now; C can still fetch from A.
+    # B's copies are local now, and published: C fetches from A or B.
+    wait_for(lambda: all(holders == {a.node_id, b.node_id} for holders in located(trio, keys)))
     assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
-    wait_for(lambda: sum(p["chunks"] for p in status(a)["transport"]["sent"].values()) == 12)
+
+    def sent(node: Node) -> int:
+        return sum(int(p["chunks"]) for p in status(node)["transport"]["sent"].values())
+
+    wait_for(lambda: sent(a) + sent(b) == 12 and sent(a) >= 6)
     # The same figures reach engines (RPC stats) and `tierkv status`.
     with b.client() as cb:
         figures = cb.stats().cluster
@@ -128,6 +133,19 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> Non
     ).stdout
     assert f"cluster   node {b.node_id}: 3 members" in out
     assert f"from {a.node_id}: 6 chunks" in out
+
+
+def test_a_fetched_chunk_is_published_and_outlives_its_first_holder(trio: list[Node]) -> None:
+    a, b, c = trio
+    tokens = tokens_for(11, 5)
+    keys = store(a, tokens, 5)
+    wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
+    assert fetch(b, tokens, 5) == (5, list(range(5)))
+    wait_for(lambda: all(holders == {a.node_id, b.node_id} for holders in located(trio, keys)))
+    assert peer_tier(b)["published"] == 5
+    a.server.kill()  # the first holder is gone; entries still name it until it is declared dead
+    hits, retrieved = fetch(c, tokens, 5)
+    assert hits == 5 and retrieved == list(range(5))  # served by B (A, if tried, fails fast)
 
 
 def test_a_clear_withdraws_the_nodes_entries(trio: list[Node]) -> None:
@@ -297,7 +315,8 @@ def test_chunk_on_the_holders_disk_is_promoted_before_sending(
     wait_for(lambda: all(e == {(a.node_id, m.Where.DISK)} for e in entries_of(nodes, keys)))
     assert fetch(b, tokens, 8) == (8, list(range(8)))  # A promotes, then sends
     assert status(a)["promoted"] >= 8
-    wait_for(lambda: all(e == {(a.node_id, m.Where.POOL)} for e in entries_of(nodes, keys)))
+    both = {(a.node_id, m.Where.POOL), (b.node_id, m.Where.POOL)}  # B published its copies
+    wait_for(lambda: all(e == both for e in entries_of(nodes, keys)))
 
 
 def disk_written(node: Node) -> int:

@@ -9,12 +9,15 @@ LOOKUP / QUERY_PREFETCH flow serves remote chunks with no engine change; a chunk
 gone is a miss that ends the prefix, never an error.
 
 ``store`` is how this node's own chunks become visible to the cluster: the write-behind
-hands it every committed chunk (read-locked views of the pool), it records their checksums
-and publishes them. ``delete`` withdraws them.
+hands it every committed chunk (read-locked views of the pool), also the chunks this node
+just fetched from a peer (so a chunk read on several nodes has several holders, readers
+spread over them, and it outlives its first holder); it records their checksums and
+publishes them. ``delete`` withdraws them.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -49,8 +52,16 @@ class PeerTier(Tier):
 
     def _resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
         me = self.node.node_id
+        # Holders with the chunk in their pool first, then those that must promote it from
+        # disk; within each, in an order drawn at random once per call (so readers spread
+        # over the holders, while one call's chunks go to as few holders as possible).
+        draw: dict[str, float] = {}
+
+        def preference(loc: Location) -> tuple[int, float]:
+            return int(loc.where), draw.setdefault(loc.holder, random.random())
+
         found = [
-            sorted((loc for loc in locs if loc.holder != me), key=lambda loc: loc.where)
+            sorted((loc for loc in locs if loc.holder != me), key=preference)
             for locs in self.node.directory.resolve(keys)
         ]
         now = time.monotonic()

@@ -86,8 +86,11 @@ class Tiering:
             self.cluster.on_removed(keys)
 
     def _prefetched(self, keys: list[bytes], source: str) -> None:
-        # Chunks loaded from a tier go to the other tiers, never back to their source.
-        self.write_behind.submit(keys, source_tier=source)
+        # Chunks loaded from a tier go to the other tiers, never back to their source; except
+        # that chunks fetched from a peer are published: this node is one more holder of
+        # them (readers spread over the holders; the chunks survive the first holder's loss).
+        republish = self.cluster is not None and source == self.cluster.tier.name
+        self.write_behind.submit(keys, source_tier="" if republish else source)
 
     def prefetch(
         self,
