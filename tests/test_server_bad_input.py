@@ -8,6 +8,8 @@ socket, the way a buggy or hostile engine would send them.
 
 from __future__ import annotations
 
+import os
+import time
 import typing
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +23,7 @@ from conftest import CHUNK_BYTES, CHUNK_SHAPE, CHUNK_SIZE, ServerProcess, chunk_
 from tierkv import keys
 from tierkv import protocol as p
 from tierkv.client import Client, LayoutError, LeaseExpiredError, ServerUnavailableError
+from tierkv.liveness import process_scope
 
 MAX_CHUNKS = 8  # --max-chunks-per-request of the test server
 MAX_MESSAGE = 2**20  # --max-message-bytes of the test server
@@ -514,6 +517,15 @@ def test_bad_registrations(env: tuple[ServerProcess, Client]) -> None:
         # Dtypes engines use that numpy lacks are fine.
         for dtype in ("bfloat16", "float8_e4m3fn", "float16", "int8", "uint8"):
             assert isinstance(reg(layout=layout(list(CHUNK_SHAPE), dtype)), p.Registered)
+        # Pids and process scopes the server cannot watch register fine, unwatched (their
+        # locks end by TTL); a pid that does not exist is never "reaped" by mistake either.
+        before = keeper.stats().clients
+        for pid, scope in ((0, process_scope()), (-5, process_scope()), (2**62, "x" * 10_000),
+                           (2**31 - 1, process_scope()), (os.getpid(), "bad/scope")):  # fmt: skip
+            assert isinstance(reg(pid=pid, process_scope=scope), p.Registered)
+        time.sleep(1.5)  # the server looks for exited clients once a second
+        s = keeper.stats()
+        assert s.clients == before + 5 and s.clients_reaped == 0
     finally:
         raw.close()
 

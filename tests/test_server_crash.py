@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK_BYTES, CHUNK_SHAPE, CHUNK_SIZE, ServerProcess, chunk_data, register
+from httputil import free_port, request
 from tierkv.client import Client, NotRegisteredError, ServerUnavailableError
 from tierkv.pool import SHM_DIR, segment_exists
 
@@ -58,8 +59,18 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None
 
 
 # -- engines killed mid-request ----------------------------------------------------------
-def store_and_hang(endpoint: str, tokens: list[int], ready: Any) -> None:
+def unwatched() -> None:
+    """Register as an engine the server cannot watch (another pid namespace or host): its
+    locks end only by TTL."""
+    import tierkv.client
+
+    tierkv.client.process_scope = lambda: ""  # type: ignore[assignment]
+
+
+def store_and_hang(endpoint: str, tokens: list[int], ready: Any, watched: bool = False) -> None:
     """Prepare a store, write the first slot, tell the parent, then hang until killed."""
+    if not watched:
+        unwatched()
     client = Client(endpoint)
     register(client, model="crash")
 
@@ -71,8 +82,10 @@ def store_and_hang(endpoint: str, tokens: list[int], ready: Any) -> None:
     client.store(tokens, gather=gather)
 
 
-def retrieve_and_hang(endpoint: str, tokens: list[int], ready: Any) -> None:
+def retrieve_and_hang(endpoint: str, tokens: list[int], ready: Any, watched: bool = False) -> None:
     """Look up (locking), prepare the retrieve, tell the parent, then hang until killed."""
+    if not watched:
+        unwatched()
     client = Client(endpoint)
     register(client, model="crash")
     assert client.lookup(tokens, request_id="doomed").hits == len(tokens) // CHUNK_SIZE
@@ -84,11 +97,13 @@ def retrieve_and_hang(endpoint: str, tokens: list[int], ready: Any) -> None:
     client.retrieve(request_id="doomed", scatter=scatter)
 
 
-def kill_midway(target: Callable[..., None], endpoint: str, tokens: list[int]) -> None:
+def kill_midway(
+    target: Callable[..., None], endpoint: str, tokens: list[int], watched: bool = False
+) -> None:
     """Run ``target`` in a spawned process and SIGKILL it once it signals."""
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=target, args=(endpoint, tokens, ready), daemon=True)
+    proc = ctx.Process(target=target, args=(endpoint, tokens, ready, watched), daemon=True)
     proc.start()
     try:
         assert ready.wait(60), "the engine process never reached its callback"
@@ -96,6 +111,32 @@ def kill_midway(target: Callable[..., None], endpoint: str, tokens: list[int]) -
         os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
         proc.join(30)
     assert proc.exitcode == -signal.SIGKILL
+
+
+def test_watched_engines_killed_midway_are_dropped_at_once(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """Default TTLs (minutes): only noticing the exited process can free these locks fast."""
+    port = free_port()
+    srv = server_factory("16MiB", ["--http-port", str(port)])
+    with srv.client() as keeper:
+        register(keeper, model="crash")
+        doomed = toks(20_000, 4)
+        kill_midway(store_and_hang, srv.endpoint, doomed, watched=True)
+        wait_for(lambda: keeper.stats().write_leases == 0, "the exited engine's store dropped")
+        s = keeper.stats()
+        assert (s.writing, s.expired_write_slots, s.clients_reaped) == (0, 0, 1)
+        assert s.clients == 1 and s.used == 0
+        store_chunks(keeper, doomed, 4)  # the slots are usable again
+
+        kill_midway(retrieve_and_hang, srv.endpoint, doomed, watched=True)
+        wait_for(lambda: keeper.stats().read_leases == 0, "the exited engine's locks dropped")
+        s = keeper.stats()
+        assert (s.read_locked, s.expired_read_locks, s.clients_reaped) == (0, 0, 2)
+        assert s.clients == 1 and s.sessions == 0 and s.objects == 4
+        check_bytes(keeper, doomed, 4)
+    metrics = request("GET", f"http://127.0.0.1:{port}/metrics").text
+    assert "tierkv_clients_reaped_total 2.0" in metrics
 
 
 def test_engines_killed_mid_store_and_mid_retrieve(

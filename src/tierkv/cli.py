@@ -60,7 +60,8 @@ def _status(args: argparse.Namespace) -> int:
     )
     print(
         f"  clients   {s.clients} registered, {s.sessions} lookup sessions, "
-        f"{s.write_leases} store and {s.read_leases} read leases open"
+        f"{s.write_leases} store and {s.read_leases} read leases open; "
+        f"{s.clients_reaped} dropped after their process exited"
     )
     print(
         f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "

@@ -38,6 +38,7 @@ from tierkv import keys
 from tierkv import protocol as p
 from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
+from tierkv.liveness import process_scope
 from tierkv.pool import SHM_DIR, ShmPool
 
 T = TypeVar("T")
@@ -294,6 +295,7 @@ class Client:
                 self.auth_token,
                 engine_id,
                 role,
+                process_scope(),
             )
         )
         if self.pool is None or self.pool.name != reply.pool_name or self.pool.closed:

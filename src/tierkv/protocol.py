@@ -73,6 +73,9 @@ class Register(Struct, tag="register"):
     # LOOKUP covers every rank, locking each rank's chunks for that rank's retrieve.
     engine_id: str = ""
     role: str = "worker"
+    # tierkv.liveness.process_scope() of the engine: where it equals the server's, the
+    # server watches ``pid`` and drops the client's locks as soon as the process is gone.
+    process_scope: str = ""
 
 
 class Unregister(Struct, tag="unregister"):
@@ -343,6 +346,7 @@ class Stats(Struct, tag="stats_result"):
     retrieved_bytes: int = 0  # handed to engines to copy out of the pool
     http_url: str = ""  # the dashboard, "" when HTTP is off
     cluster: dict[str, Any] = {}  # the cluster node's figures ({} when not in a cluster)
+    clients_reaped: int = 0  # clients dropped because their process exited
 
 
 Reply = (

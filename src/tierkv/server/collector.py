@@ -95,6 +95,11 @@ class StatsCollector(Collector):
             "kind",
             {"write": locks["expired_write_slots"], "read": locks["expired_read_locks"]},
         )
+        yield _counter(
+            "tierkv_clients_reaped",
+            "Engine clients dropped (locks released) because their process exited",
+            locks["clients_reaped"],
+        )
         ev = st["evictions"]
         yield _counter("tierkv_evictions", "Objects evicted from the pool", ev["objects"])
         yield _counter("tierkv_evicted_bytes", "Pool bytes freed by eviction", ev["bytes"])

@@ -127,6 +127,7 @@ class RpcServer:
                 if now - last_sweep >= 1.0:
                     last_sweep = now
                     self.service.expire_sessions()
+                    self.service.reap_exited_clients()
             self._shutdown()
         finally:
             self._stopped.set()

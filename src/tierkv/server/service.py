@@ -36,6 +36,7 @@ from tierkv.allocator import Allocator
 from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
+from tierkv.liveness import Process, trackable
 from tierkv.pool import ShmPool
 from tierkv.server.lookups import LookupAccounting
 from tierkv.server.metrics import ServiceMetrics
@@ -91,6 +92,7 @@ class Client:
     last_seen: float
     engine_id: str = ""
     role: str = p.ROLE_WORKER
+    process: Process | None = None  # watched: the client is dropped when it is gone
     sessions: dict[str, Session] = field(default_factory=dict)
     group_sessions: dict[str, GroupSession] = field(default_factory=dict)
     salted: dict[str, bytes] = field(default_factory=dict)  # cache salt -> namespace digest
@@ -131,6 +133,7 @@ class CacheService:
         )
         self.eviction.add_listener(self.tiering.on_evicted)
         self._clients: dict[int, Client] = {}
+        self.clients_reaped = 0
         self._groups: dict[str, dict[int, Client]] = {}  # engine_id -> workers by token
         self._lock = threading.Lock()
         self.handlers: dict[type, Handler] = {
@@ -251,6 +254,7 @@ class CacheService:
             now,
             engine_id=req.engine_id,
             role=req.role,
+            process=trackable(req.pid, req.process_scope),
         )
         with self._lock:
             self._clients[token] = client
@@ -307,6 +311,40 @@ class CacheService:
 
     def unregister(self, req: p.Unregister) -> p.Ok:
         client = self._client(req.client)
+        freed, released = self._drop_client(client)
+        log.info(
+            "unregistered client %s (released %d write, %d read locks)",
+            client.name or "-",
+            freed,
+            released,
+        )
+        return p.Ok(req.rid, freed + released)
+
+    def reap_exited_clients(self) -> int:
+        """Drop the clients whose (watched) process has exited: their write reservations
+        and read locks are released now, not when their leases expire."""
+        with self._lock:
+            watched = [c for c in self._clients.values() if c.process is not None]
+        reaped = 0
+        for client in watched:
+            assert client.process is not None
+            if client.process.alive() or client.token not in self._clients:
+                continue
+            freed, released = self._drop_client(client)
+            reaped += 1
+            log.warning(
+                "client %s (pid %d) exited without unregistering: released %d write "
+                "reservations and %d read locks",
+                client.name or "-",
+                client.process.pid,
+                freed,
+                released,
+            )
+        self.clients_reaped += reaped
+        return reaped
+
+    def _drop_client(self, client: Client) -> tuple[int, int]:
+        """Forget a client: its sessions, registry entries and every lock it holds."""
         for request_id in list(client.group_sessions):
             self._drop_session(client, request_id)
         with self._lock:
@@ -316,14 +354,7 @@ class CacheService:
                 group.pop(client.token, None)
                 if not group:
                     del self._groups[client.engine_id]
-        freed, released = self.index.release_holder(client.token)
-        log.info(
-            "unregistered client %s (released %d write, %d read locks)",
-            client.name or "-",
-            freed,
-            released,
-        )
-        return p.Ok(req.rid, freed + released)
+        return self.index.release_holder(client.token)
 
     def _client(self, token: int) -> Client:
         client = self._clients.get(token)
@@ -772,6 +803,7 @@ class CacheService:
             prefetch_timed_out=pf.timed_out,
             prefetch_inflight=pf.inflight,
             engines=self.clients_snapshot(),
+            clients_reaped=self.clients_reaped,
             lookup_hits=hits,
             lookup_misses=misses,
             stored_bytes=pool_bytes.get("stored_bytes", 0),

@@ -112,6 +112,7 @@ class StatusReader:
                 "sessions": sum(e.sessions for e in engines),
                 "expired_write_slots": s.expired_write_slots,
                 "expired_read_locks": s.expired_read_locks,
+                "clients_reaped": svc.clients_reaped,
             },
             "evictions": {
                 "objects": s.evictions,
