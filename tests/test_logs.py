@@ -48,7 +48,7 @@ def test_json_lines_at_info_and_nothing_per_chunk(server_factory: Servers) -> No
     messages = [rec["msg"] for rec in records]
     # A handful of lifecycle lines, however many chunks moved (ROUNDS x 4 stored).
     assert len(records) < 12, messages
-    for expected in ("serving", "HTTP on", "registered client log-test", "cleared the cache"):
+    for expected in ("serving", "HTTP on", "registered client log-test", "cleared 1 namespace "):
         assert any(expected in msg for msg in messages), (expected, messages)
     assert "stopped" in messages[-1]
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
 from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register
-from tierkv.client import LayoutError
+from tierkv.client import LayoutError, ServerError
 
 
 def test_store_lookup_retrieve_roundtrip(server: ServerProcess) -> None:
@@ -72,3 +74,32 @@ def test_a_failing_copy_aborts_the_store_and_keeps_serving(server: ServerProcess
         stats = c.stats()
         assert stats.objects == 0 and stats.write_leases == 0
         assert c.store(tokens, good).stored == list(range(8))
+
+
+def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    srv = server_factory("64MiB", ["--auth-token", "admin-secret"])
+    tokens = list(range(5000, 5000 + 256 * 3))
+    with (
+        srv.client(auth_token="admin-secret") as a,
+        srv.client(auth_token="admin-secret") as b,
+        srv.client() as outsider,
+    ):
+        register(a, model="tenant-a")
+        register(b, model="tenant-b")
+        chunks = [chunk_data(tokens, i) for i in range(3)]
+        assert a.store(tokens, chunks).stored == [0, 1, 2]
+        assert b.store(tokens, chunks).stored == [0, 1, 2]
+        assert b.store(tokens, chunks, salt="user-7").stored == [0, 1, 2]
+        assert a.clear() == 3  # a's chunks only
+        assert a.lookup(tokens).hits == 0 and b.lookup(tokens).hits == 3
+        assert b.clear() == 6  # its namespace and the salted one it used
+        assert b.store(tokens, chunks).stored == [0, 1, 2]
+        # The whole pool: an admin request, refused without the token, all tenants with it.
+        with pytest.raises(ServerError, match="auth token"):
+            outsider.clear()
+        assert b.lookup(tokens).hits == 3
+        assert a.store(tokens, chunks).stored == [0, 1, 2]
+        assert a.clear(everything=True) == 6
+        assert b.lookup(tokens).hits == 0

@@ -579,11 +579,14 @@ class Client:
         client = self.registration.client if self.registration else 0
         return self._call(p.GetStats(self._rid(), client, self.auth_token))  # type: ignore[no-any-return]
 
-    def clear(self) -> int:
-        """Remove every object from the server's pool. An admin request: it needs a
-        registration or, on a server that has one, the auth token."""
+    def clear(self, everything: bool = False) -> int:
+        """Remove this client's chunks from the server's pool (its namespace, and those of
+        the cache salts it used); returns how many. With ``everything`` (or when not
+        registered) every tenant's chunks: that needs the auth token on a server that has
+        one. Slower tiers keep their copies either way."""
         client = self.registration.client if self.registration else 0
-        reply: p.Ok = self._call(p.Clear(self._rid(), client, self.auth_token))
+        req = p.Clear(self._rid(), client, self.auth_token, everything)
+        reply: p.Ok = self._call(req)
         return reply.count
 
     def close(self) -> None:

@@ -155,12 +155,15 @@ class EndSession(Struct, tag="end_session"):
 
 
 class Clear(Struct, tag="clear"):
-    """Remove every object from the pool. From a registered client, or (``client`` 0) with
-    the server's auth token when it has one."""
+    """Remove objects from the pool (tiers keep theirs). A registered client clears its own
+    namespaces (its model/layout/rank/tenant, and the cache salts it used); ``everything``
+    (or ``client`` 0, an admin tool) clears the whole pool and needs the server's auth token
+    when it has one."""
 
     rid: int
     client: int
     auth_token: str = ""
+    everything: bool = False
 
 
 class Ping(Struct, tag="ping"):

@@ -707,22 +707,40 @@ class CacheService:
 
     # -- administration --------------------------------------------------------------------
     def clear(self, req: p.Clear) -> p.Ok:
-        # From a registered client, or from an admin tool (client 0) that carries the auth
-        # token when the server has one (without one, the 0600 socket trusts local callers).
-        if req.client:
-            self._client(req.client)
-        elif self.cfg.auth_token and not secrets.compare_digest(
-            req.auth_token, self.cfg.auth_token
+        # A registered client clears its own namespaces. The whole pool is an admin request:
+        # it carries the auth token when the server has one (without one, the 0600 socket
+        # trusts local callers).
+        client = self._client(req.client) if req.client else None
+        if client is not None and not req.everything:
+            return p.Ok(req.rid, self.clear_cache(self._namespaces_of(client)))
+        if self.cfg.auth_token and not secrets.compare_digest(
+            req.auth_token.encode(), self.cfg.auth_token.encode()
         ):
-            raise RequestError(p.ErrorCode.UNAUTHORIZED, "clear needs a client or the auth token")
+            raise RequestError(
+                p.ErrorCode.UNAUTHORIZED,
+                "clearing the whole pool needs the auth token (--auth-token); a registered "
+                "client may clear its own namespace",
+            )
         return p.Ok(req.rid, self.clear_cache())
 
-    def clear_cache(self, namespace: bytes = b"", via: str = "RPC") -> int:
-        """Remove every object from the pool, or one namespace's (its 16-byte digest, the
-        first half of each of its keys). Tiers keep theirs."""
-        removed = self.index.clear_keys(namespace)
+    def _namespaces_of(self, client: Client) -> set[bytes]:
+        """A client's namespace digests: its own and its cache salts', and those of the other
+        ranks of its engine (one engine's cache is cleared as a whole)."""
+        with self._lock:
+            group = self._groups.get(client.engine_id, {}) if client.engine_id else {}
+            members = [client, *group.values()]
+            return {d for c in members for d in (c.digest, *c.salted.values())}
+
+    def clear_cache(self, namespaces: bytes | set[bytes] = b"", via: str = "RPC") -> int:
+        """Remove every object from the pool, or those of some namespaces (16-byte digests,
+        the first half of each key). Tiers keep theirs."""
+        if isinstance(namespaces, bytes):
+            removed = self.index.clear_keys(namespaces)
+            what = f"namespace {namespaces.hex()}" if namespaces else "the cache"
+        else:
+            removed = [k for ns in namespaces for k in self.index.clear_keys(ns)]
+            what = f"{len(namespaces)} namespace{'' if len(namespaces) == 1 else 's'}"
         self.tiering.on_removed(removed)
-        what = f"namespace {namespace.hex()}" if namespace else "the cache"
         log.info("cleared %s over %s (%d objects)", what, via, len(removed))
         return len(removed)
 
