@@ -142,7 +142,7 @@ def test_a_fetched_chunk_is_published_and_outlives_its_first_holder(trio: list[N
     wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
     assert fetch(b, tokens, 5) == (5, list(range(5)))
     wait_for(lambda: all(holders == {a.node_id, b.node_id} for holders in located(trio, keys)))
-    assert peer_tier(b)["published"] == 5
+    assert status(b)["published"] == 5  # published with the checksums verified on arrival
     a.server.kill()  # the first holder is gone; entries still name it until it is declared dead
     hits, retrieved = fetch(c, tokens, 5)
     assert hits == 5 and retrieved == list(range(5))  # served by B (A, if tried, fails fast)

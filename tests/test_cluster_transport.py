@@ -101,13 +101,16 @@ def test_missing_wrong_length_and_corrupt_chunks(reader: TcpTransport) -> None:
             (keys[1], memoryview(bytearray(7))),  # the holder's chunk has another length
             (keys[2], memoryview(bytearray(len(data[keys[2]])))),
         ]
-        statuses = reader.fetch_many([(info(h), items)])[0]
+        verified: dict[bytes, bytes] = {}
+        statuses = reader.fetch_many([(info(h), items)], verified)[0]
         assert statuses == [
             LoadStatus.OK,
             LoadStatus.MISSING,
             LoadStatus.MISSING,
             LoadStatus.CORRUPT,
         ]
+        # Only the intact chunk's checksum is handed back (to publish it without rehashing).
+        assert verified == {keys[0]: checksum(data[keys[0]])}
         assert reader.stats()["received"][h.address]["corrupt"] == 1
         source = h._source
         assert isinstance(source, DictSource)

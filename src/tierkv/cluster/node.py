@@ -193,12 +193,27 @@ class ClusterNode:
     # -- publishing this node's chunks -----------------------------------------------------
     def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Record checksums of committed chunks (read-locked views) and publish them."""
-        sums = [(key, checksum(view), len(view)) for key, view in items]
+        self.publish_known([(key, checksum(view), len(view)) for key, view in items])
+
+    def publish_known(self, sums: Sequence[tuple[bytes, bytes, int]]) -> None:
+        """Publish committed chunks whose (key, checksum, length) are known: chunks just
+        fetched from a peer, verified on arrival, need no second pass over their bytes.
+        Recorded first, then checked against the pool: a chunk evicted meanwhile is either
+        withdrawn by the eviction listener or dropped here, never published stale."""
+        if not sums:
+            return
         with self._lock:
             for key, digest, length in sums:
                 self._published[key] = (digest, length)
                 self._on_disk.discard(key)
-        self.directory.publish([key for key, _, _ in sums], Where.POOL)
+        keys = [key for key, _, _ in sums]
+        present = self.index.contains(keys)
+        gone = [key for key, has in zip(keys, present, strict=True) if not has]
+        if gone:
+            with self._lock:
+                for key in gone:
+                    self._published.pop(key, None)
+        self.directory.publish([k for k, has in zip(keys, present, strict=True) if has], Where.POOL)
 
     def withdraw(self, keys: Sequence[bytes]) -> int:
         with self._lock:

@@ -42,6 +42,7 @@ class PeerTier(Tier):
         self.node = node
         self._where: OrderedDict[bytes, tuple[float, list[Location]]] = OrderedDict()
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.resolved = 0
         self.found = 0
 
@@ -95,6 +96,10 @@ class PeerTier(Tier):
 
     # -- loads -----------------------------------------------------------------------------
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
+        # The checksums verified on arrival, for take_verified() after the commit; per
+        # thread, replaced by each load, so they never outlive the load they came from.
+        verified: dict[bytes, bytes] = {}
+        self._local.verified = {}
         statuses = [LoadStatus.MISSING] * len(items)
         choices = self._locations([key for key, _ in items])
         attempt = 0
@@ -113,14 +118,28 @@ class PeerTier(Tier):
                     continue
                 batches.append((info, [items[i] for i in idx]))
                 order.append(idx)
-            for idx, results in zip(order, self.node.transport.fetch_many(batches), strict=True):
+            fetched = self.node.transport.fetch_many(batches, verified)
+            for idx, results in zip(order, fetched, strict=True):
                 for i, st in zip(idx, results, strict=True):
                     statuses[i] = st
             attempt += 1
             todo = [
                 i for i in todo if statuses[i] is not LoadStatus.OK and attempt < len(choices[i])
             ]
+        self._local.verified = {
+            key: (verified[key], len(view))
+            for (key, view), st in zip(items, statuses, strict=True)
+            if st is LoadStatus.OK and key in verified
+        }
         return statuses
+
+    def take_verified(self, keys: Sequence[bytes]) -> list[tuple[bytes, bytes, int]]:
+        """(key, checksum, length) of those of ``keys`` this thread's last :meth:`load`
+        brought in intact (call it on the same thread, right after committing what that load
+        brought in); forgets everything that load verified."""
+        verified: dict[bytes, tuple[bytes, int]] = getattr(self._local, "verified", {})
+        self._local.verified = {}
+        return [(key, *verified[key]) for key in keys if key in verified]
 
     # -- this node's chunks ----------------------------------------------------------------
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:

@@ -160,10 +160,13 @@ class Transport(ABC):
 
     @abstractmethod
     def fetch_many(
-        self, batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]]
+        self,
+        batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
+        verified: dict[bytes, bytes] | None = None,
     ) -> list[list[LoadStatus]]:
         """Fill each (key, writable view) from its batch's holder, all holders in parallel;
-        a status per item, in order."""
+        a status per item, in order. ``verified``, if given, receives key -> checksum of
+        every chunk that arrived intact (so it need not be hashed again to publish it)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -461,7 +464,9 @@ class TcpTransport(Transport):
         return _Conn(sock)
 
     def fetch_many(
-        self, batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]]
+        self,
+        batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
+        verified: dict[bytes, bytes] | None = None,
     ) -> list[list[LoadStatus]]:
         out: list[list[LoadStatus]] = [[LoadStatus.ERROR] * len(items) for _, items in batches]
         jobs = []
@@ -478,16 +483,21 @@ class TcpTransport(Transport):
                     jobs.append((b, start, peer, list(items[start:end])))
         if len(jobs) == 1:
             b, start, peer, part = jobs[0]
-            out[b][start : start + len(part)] = self._stream(peer, part)
+            out[b][start : start + len(part)] = self._stream(peer, part, verified)
             return out
-        futures = [(b, start, len(part), self._executor.submit(self._stream, peer, part))
-                   for b, start, peer, part in jobs]  # fmt: skip
+        futures = [
+            (b, start, len(part), self._executor.submit(self._stream, peer, part, verified))
+            for b, start, peer, part in jobs
+        ]
         for b, start, n, fut in futures:
             out[b][start : start + n] = fut.result()
         return out
 
     def _stream(
-        self, peer: m.MemberInfo, items: list[tuple[bytes, memoryview]]
+        self,
+        peer: m.MemberInfo,
+        items: list[tuple[bytes, memoryview]],
+        verified: dict[bytes, bytes] | None = None,
     ) -> list[LoadStatus]:
         """One request on one pooled connection; a status per item."""
         figures = self._figures(self.received, peer.node_id)
@@ -505,7 +515,7 @@ class TcpTransport(Transport):
                         conn = pool.idle.pop() if pool.idle else None
                     if conn is None:
                         conn = self._connect(peer)
-                    self._exchange(conn.sock, items, statuses)
+                    self._exchange(conn.sock, items, statuses, verified)
                     conn.reused = True
                     with pool.lock:
                         pool.idle.append(conn)
@@ -557,6 +567,7 @@ class TcpTransport(Transport):
         sock: socket.socket,
         items: list[tuple[bytes, memoryview]],
         statuses: list[LoadStatus],
+        verified: dict[bytes, bytes] | None = None,
     ) -> None:
         """Send one request, receive every chunk into its view and set its status (the
         connection is clean only if this returns normally)."""
@@ -566,7 +577,7 @@ class TcpTransport(Transport):
         _send_all(sock, [b"".join(request)])
         head = bytearray(CHUNK.size)
         hview = memoryview(head)
-        for i, (_, view) in enumerate(items):
+        for i, (key, view) in enumerate(items):
             _recv_exact(sock, hview)
             status, length, digest = CHUNK.unpack(head)
             if status == SENT_OK:
@@ -575,6 +586,8 @@ class TcpTransport(Transport):
                 target = view.cast("B") if view.format != "B" else view
                 ok = _recv_hashed(sock, target) == digest
                 statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
+                if ok and verified is not None:
+                    verified[key] = digest  # one dict store: atomic under the GIL
             else:
                 statuses[i] = LoadStatus.MISSING
 

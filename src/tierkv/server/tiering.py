@@ -86,11 +86,13 @@ class Tiering:
             self.cluster.on_removed(keys)
 
     def _prefetched(self, keys: list[bytes], source: str) -> None:
-        # Chunks loaded from a tier go to the other tiers, never back to their source; except
-        # that chunks fetched from a peer are published: this node is one more holder of
-        # them (readers spread over the holders; the chunks survive the first holder's loss).
-        republish = self.cluster is not None and source == self.cluster.tier.name
-        self.write_behind.submit(keys, source_tier="" if republish else source)
+        # Chunks loaded from a tier go to the other tiers, never back to their source. Chunks
+        # fetched from a peer are also published: this node is one more holder of them
+        # (readers spread over the holders; a chunk outlives its first holder), with the
+        # checksums verified on arrival (on this thread, right after the commit).
+        self.write_behind.submit(keys, source_tier=source)
+        if self.cluster is not None and source == self.cluster.tier.name:
+            self.cluster.publish_known(self.cluster.tier.take_verified(keys))
 
     def prefetch(
         self,
