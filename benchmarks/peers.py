@@ -108,7 +108,7 @@ class Server:
 def members(addr: str) -> set[str]:
     client = ControlClient(TOKEN, 1.0)
     try:
-        reply = client.call(addr, m.GetMembers(TOKEN, 0))
+        reply = client.call(addr, m.GetMembers(0))
         return {i.node_id for i in reply.members} if isinstance(reply, m.MemberList) else set()
     finally:
         client.close()

@@ -98,20 +98,19 @@ def start_node(
 def call(addr: str, msg: Any, token: str = TOKEN, timeout: float = 2.0) -> Any:
     client = ControlClient(token, timeout)
     try:
-        msg.token = token
         return client.call(addr, msg)
     finally:
         client.close()
 
 
 def status(node: Node) -> dict[str, Any]:
-    reply = call(node.addr, m.GetStatus(TOKEN, 0))
+    reply = call(node.addr, m.GetStatus(0))
     assert isinstance(reply, m.NodeStatus), reply
     return dict(reply.stats)
 
 
 def members(node: Node) -> set[str]:
-    reply = call(node.addr, m.GetMembers(TOKEN, 0))
+    reply = call(node.addr, m.GetMembers(0))
     assert isinstance(reply, m.MemberList), reply
     return {info.node_id for info in reply.members}
 

@@ -8,12 +8,14 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from clusterkit import (
     TOKEN,
@@ -30,8 +32,9 @@ from test_dashboard import Figures, run_chromium
 from tierkv import keys as tk
 from tierkv.client import Client
 from tierkv.cluster import messages as m
-from tierkv.cluster.transport import TcpTransport
-from tierkv.tiers.base import LoadStatus
+from tierkv.cluster.auth import ControlSigner
+from tierkv.cluster.transport import Served, TcpTransport
+from tierkv.tiers.base import LoadStatus, checksum
 
 Factory = Callable[..., ServerProcess]
 
@@ -63,7 +66,7 @@ def entries_of(nodes: list[Node], keys: list[bytes]) -> list[set[tuple[str, m.Wh
     """(holder, where) entries of each key, from every node's shard."""
     out: list[set[tuple[str, m.Where]]] = [set() for _ in keys]
     for node in nodes:
-        reply = call(node.addr, m.Resolve(TOKEN, 0, keys))
+        reply = call(node.addr, m.Resolve(0, keys))
         assert isinstance(reply, m.Resolved)
         for pos, h, where in reply.found:
             out[pos].add((reply.holders[h], m.Where(where)))
@@ -186,7 +189,7 @@ def test_data_holder_killed_is_a_clean_miss_then_recompute(trio: list[Node]) -> 
 
 
 def members_of(node: Node) -> set[str]:
-    reply = call(node.addr, m.GetMembers(TOKEN, 0))
+    reply = call(node.addr, m.GetMembers(0))
     assert isinstance(reply, m.MemberList)
     return {info.node_id for info in reply.members}
 
@@ -268,18 +271,31 @@ def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
     tokens = tokens_for(6, 2)
     keys = store(a, tokens, 2)
     wait_for(lambda: all(holders == {a.node_id} for holders in located(trio, keys)))
-    # Control plane: a wrong token is refused and changes nothing.
-    for msg in (
-        m.Resolve("", 0, keys),
-        m.GetMembers("wrong", 0),
-        m.Heartbeat("wrong", 0, m.MemberInfo("intruder:1", "127.0.0.1:1", "127.0.0.1:2", 1), []),
-        m.Unpublish("wrong", 0, a.node_id, keys),
+    # Control plane: requests signed with another secret are refused and change nothing.
+    intruder_info = m.MemberInfo("intruder:1", "127.0.0.1:1", "127.0.0.1:2", 1)
+    for token, msg in (
+        ("", m.Resolve(0, keys)),
+        ("wrong", m.GetMembers(0)),
+        ("wrong", m.Heartbeat(0, intruder_info, [])),
+        ("wrong", m.Unpublish(0, a.node_id, keys)),
     ):
-        reply = call(b.addr, msg, token=msg.token)
-        assert isinstance(reply, m.Refused), reply
+        reply = call(b.addr, msg, token=token)
+        assert isinstance(reply, m.Refused) and "unauthenticated" in reply.reason, reply
+    # Unsigned (the bare payload), and correctly signed but replayed from long ago.
+    ctx = zmq.Context.instance()
+    with ctx.socket(zmq.DEALER) as raw:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(f"tcp://{b.addr}")
+        payload = m.encode(m.Unpublish(1, a.node_id, keys))
+        old = ControlSigner(TOKEN, clock_ns=lambda: time.time_ns() - 3600 * 10**9)
+        for frames in ([payload], [old.sign_request(payload), payload]):
+            raw.send_multipart(frames)
+            assert raw.poll(5000), "no answer"
+            reply = m.reply_decoder.decode(raw.recv_multipart()[-1])
+            assert isinstance(reply, m.Refused) and "unauthenticated" in reply.reason, reply
     assert "intruder:1" not in members_of(b)
     assert all(holders == {a.node_id} for holders in located(trio, keys))
-    assert status(b)["control"]["refused"] >= 4
+    assert status(b)["control"]["refused"] >= 6
     # Data plane: a hello with a wrong token gets no bytes.
     intruder = TcpTransport("127.0.0.1", 0, "127.0.0.1", "wrong", "intruder:1", timeout=2.0)
     try:
@@ -290,6 +306,32 @@ def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
     finally:
         intruder.close()
     wait_for(lambda: status(a)["transport"]["refused_hellos"] >= 1)
+    # And an impostor holder (another secret) cannot serve bytes to a member.
+    impostor = TcpTransport("127.0.0.1", 0, "127.0.0.1", "wrong", "impostor:1", timeout=2.0)
+    impostor.serve(FixedSource(keys[0], bytes([7]) * (2 * 256 * 16 * 4)))
+    member = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "member:1", timeout=2.0)
+    try:
+        info = m.MemberInfo("impostor:1", "127.0.0.1:1", impostor.address, 1)
+        view = memoryview(bytearray(2 * 256 * 16 * 4))
+        assert member.fetch_many([(info, [(keys[0], view)])]) == [[LoadStatus.ERROR]]
+        assert not any(view) and member.stats()["refused_by_peers"] == 1
+    finally:
+        member.close()
+        impostor.close()
+
+
+class FixedSource:
+    """A data-plane source serving one chunk (an impostor's)."""
+
+    def __init__(self, key: bytes, data: bytes) -> None:
+        self.key, self.data = key, data
+
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served:
+        views = [memoryview(self.data) if k == self.key else None for k in keys]
+        return Served(views, [checksum(self.data)] * len(keys))
+
+    def release(self, served: Served) -> None:
+        served.views.clear()
 
 
 def test_chunk_on_the_holders_disk_is_promoted_before_sending(

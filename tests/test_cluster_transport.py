@@ -177,8 +177,9 @@ def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:
         items = slots(data)
         assert intruder.fetch_many([(info(h), items)])[0] == [LoadStatus.ERROR]
         assert not any(items[0][1])
-        assert h.stats()["refused_hellos"] == 1
-        assert intruder.stats()["refused_by_peers"] == 1
+        assert intruder.stats()["refused_by_peers"] == 1  # it could not check the holder
+        # The holder counts the hello it never saw completed (the intruder hung up).
+        wait_for(lambda: h.stats()["refused_hellos"] == 1)
     finally:
         intruder.close()
         h.close()

@@ -1,9 +1,12 @@
 """The cluster's control channel over ZMQ: a ROUTER server and a pooled DEALER client.
 
 The server binds ``tcp://HOST:PORT`` and answers each request on its own thread; handlers
-are small dict operations (membership, directory entries), so they run inline. A request
-that cannot be decoded or carries a wrong token gets :class:`Refused`, is counted, and
-changes nothing; messages above ``max_message_bytes`` are dropped by ZMQ itself.
+are small dict operations (membership, directory entries), so they run inline. Requests and
+replies are signed with the cluster secret (:mod:`tierkv.cluster.auth`): a request whose
+signature is wrong is refused before it is even decoded; one that cannot be decoded gets
+:class:`Refused` too; both are counted and change nothing. Messages above
+``max_message_bytes`` are dropped by ZMQ itself. A reply whose signature does not match its
+request is ignored (counted), as if it never came.
 
 The client leases one DEALER socket per call from a per-peer pool (so directory lookups to
 one owner from several threads run concurrently) and returns it only after a clean call; a
@@ -18,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +30,7 @@ import msgspec
 import zmq
 
 from tierkv.cluster import messages as m
+from tierkv.cluster.auth import ControlSigner
 from tierkv.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ class ControlServer:
         ctx: zmq.Context[Any] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
     ) -> None:
-        self.token = token
+        self.signer = ControlSigner(token)
         self.handlers = dict(handlers)
         self.ctx = ctx or zmq.Context.instance()
         self.refused = 0
@@ -106,20 +109,24 @@ class ControlServer:
                 raise
             if len(frames) < 2:
                 continue
-            reply = self._handle(frames[-1])
+            # [identity, auth, payload] from our DEALERs; [identity, payload] is refused.
+            envelope, auth = (frames[:-2], frames[-2]) if len(frames) >= 3 else (frames[:1], b"")
+            payload = m.encode(self._handle(auth, frames[-1]))
+            reply = [*envelope, self.signer.sign_reply(auth, payload), payload]
             with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart([*frames[:-1], m.encode(reply)], zmq.NOBLOCK)
+                sock.send_multipart(reply, zmq.NOBLOCK)
 
-    def _handle(self, payload: bytes) -> Any:
+    def _handle(self, auth: bytes, payload: bytes) -> Any:
+        why = self.signer.check_request(auth, payload)
+        if why:
+            self.refused += 1
+            log.warning("refused a cluster request: %s", why)
+            return m.Refused(0, f"unauthenticated cluster request: {why} (--auth-token)")
         try:
             req = self._decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.malformed += 1
             return m.Refused(0, f"malformed cluster request: {exc}")
-        if not secrets.compare_digest(req.token.encode(), self.token.encode()):
-            self.refused += 1
-            log.warning("refused a cluster %s request with a wrong token", type(req).__name__)
-            return m.Refused(req.rid, "wrong or missing cluster token (--auth-token)")
         handler = self.handlers.get(type(req))
         if handler is None:
             return m.Refused(req.rid, f"unsupported request {type(req).__name__}")
@@ -144,7 +151,7 @@ class ControlClient:
         suspect_for: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.token = token
+        self.signer = ControlSigner(token)
         self.timeout = timeout
         self.ctx = ctx or zmq.Context.instance()
         self.max_idle = max_idle_per_peer
@@ -157,6 +164,7 @@ class ControlClient:
         self._closed = False
         self.timeouts = 0
         self.calls = 0
+        self.bad_replies = 0  # replies whose signature did not match (ignored)
 
     # -- sockets ---------------------------------------------------------------------------
     def _lease(self, addr: str) -> zmq.Socket[Any]:
@@ -205,18 +213,20 @@ class ControlClient:
         if not requests:
             return {}
         deadline = self.clock() + (self.timeout if timeout is None else timeout)
-        pending: dict[zmq.Socket[Any], tuple[str, int]] = {}
+        pending: dict[zmq.Socket[Any], tuple[str, int, bytes]] = {}
         replies: dict[str, Any] = {}
         poller = zmq.Poller()
         for addr, msg in requests.items():
             msg.rid = next(self._rids)
+            payload = m.encode(msg)
+            auth = self.signer.sign_request(payload)
             sock = self._lease(addr)
             try:
-                sock.send(m.encode(msg), zmq.NOBLOCK)
+                sock.send_multipart([auth, payload], zmq.NOBLOCK)
             except zmq.ZMQError:
                 self._give_back(addr, sock, clean=False)
                 continue
-            pending[sock] = (addr, msg.rid)
+            pending[sock] = (addr, msg.rid, auth)
             poller.register(sock, zmq.POLLIN)
         self.calls += len(requests)
         try:
@@ -225,11 +235,25 @@ class ControlClient:
                 if left <= 0:
                     break
                 for sock, _ in poller.poll(max(1, int(left * 1000))):
-                    addr, rid = pending[sock]
+                    addr, rid, auth = pending[sock]
                     try:
-                        reply = m.reply_decoder.decode(sock.recv(zmq.NOBLOCK))
-                    except (zmq.ZMQError, msgspec.DecodeError, msgspec.ValidationError):
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.ZMQError:
                         continue
+                    if len(frames) != 2:
+                        self.bad_replies += 1
+                        continue
+                    try:
+                        reply = m.reply_decoder.decode(frames[1])
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    # Unverifiable replies are ignored, except a refusal: a peer with another
+                    # secret cannot sign for us, and a forged refusal only fails this call.
+                    if not self.signer.check_reply(auth, *frames):
+                        self.bad_replies += 1
+                        if not isinstance(reply, m.Refused):
+                            continue
+                        reply.rid = rid
                     if reply.rid != rid:
                         continue  # cannot happen on a fresh lease; ignore defensively
                     replies[addr] = reply
@@ -238,7 +262,7 @@ class ControlClient:
                     self._suspect.pop(addr, None)
                     self._give_back(addr, sock, clean=True)
         finally:
-            for sock, (addr, _) in pending.items():
+            for sock, (addr, _, _) in pending.items():
                 self.timeouts += 1
                 self._suspect[addr] = self.clock() + self.suspect_for
                 self._give_back(addr, sock, clean=False)

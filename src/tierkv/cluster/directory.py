@@ -340,13 +340,9 @@ class HashDirectory(Directory):
         local_unpub = unpubs.pop(me, None)
         if local_unpub:
             self.shard.remove(me, local_unpub)
-        token, inc = self.client.token, self.me.incarnation
-        self._send(
-            {o: [m.Publish(token, 0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()}
-        )
-        self._send(
-            {o: [m.Unpublish(token, 0, me, b) for b in _batches(k)] for o, k in unpubs.items()}
-        )
+        inc = self.me.incarnation
+        self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
+        self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
 
     def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
         """Send each owner its messages, every owner at once, one message each per round."""
@@ -400,9 +396,8 @@ class HashDirectory(Directory):
             if me not in o_new:
                 dropped.append(key)
         self.shard.drop(dropped)
-        token = self.client.token
         self.counts["handoff_sent"] += sum(len(v) for v in handoff.values())
-        self._send({o: [m.Handoff(token, 0, b) for b in _batches(e)] for o, e in handoff.items()})
+        self._send({o: [m.Handoff(0, b) for b in _batches(e)] for o, e in handoff.items()})
 
         # 2. What this node holds is re-published to every owner: publishes made while the
         # views of the members differed may have gone to owners that no longer are.
@@ -419,9 +414,7 @@ class HashDirectory(Directory):
         self.shard.put(me, self.me.incarnation, mine)
         inc = self.me.incarnation
         self.counts["republished"] += sum(len(v) for v in pubs.values())
-        self._send(
-            {o: [m.Publish(token, 0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()}
-        )
+        self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
         log.info(
             "directory rebalanced: %d entries kept, %d handed off, %d dropped, %d re-published",
             len(self.shard),
@@ -523,8 +516,7 @@ def resolve_keys(
                 found[i] = [Location(h, Where(w)) for h, _, w in entries]
         asked = {o: idx for o, idx in groups.items() if o in members}
         calls = {
-            members[o].control: m.Resolve(client.token, 0, [keys[i] for i in idx])
-            for o, idx in asked.items()
+            members[o].control: m.Resolve(0, [keys[i] for i in idx]) for o, idx in asked.items()
         }
         by_addr = {members[o].control: idx for o, idx in asked.items()}
         if calls:
@@ -563,7 +555,7 @@ class DirectoryReader:
         self.ring = Ring((), vnodes, replicas)
 
     def refresh(self) -> dict[str, m.MemberInfo]:
-        reply = self.client.call(self.seed, m.GetMembers(self.client.token, 0))
+        reply = self.client.call(self.seed, m.GetMembers(0))
         if isinstance(reply, m.Refused):
             raise PermissionError(f"{self.seed} refused: {reply.reason}")
         if not isinstance(reply, m.MemberList):

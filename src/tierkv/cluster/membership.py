@@ -274,7 +274,7 @@ class Membership:
         """One round: heartbeat every target, merge what they say, expire the silent."""
         targets = self.targets()
         if targets:
-            msg = m.Heartbeat(self.client.token, 0, self.me, self._live_infos())
+            msg = m.Heartbeat(0, self.me, self._live_infos())
             self.heartbeats_sent += len(targets)
             replies = self.client.call_many(
                 {addr: msg for addr in targets}, timeout=0.8 * self.interval
@@ -325,5 +325,5 @@ class Membership:
         """Tell every live member that this node is going away (best effort)."""
         with self._lock:
             addrs = [mem.info.control for mem in self._members.values()]
-        msg = m.Leave(self.client.token, 0, self.me)
+        msg = m.Leave(0, self.me)
         self.client.call_many({a: msg for a in addrs}, timeout=1.0)

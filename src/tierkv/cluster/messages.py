@@ -1,7 +1,8 @@
 """The cluster's control messages: typed msgspec structs over msgpack (never pickle).
 
-Every request carries the cluster's shared secret (``token``) and a request id the reply
-echoes; a request with a wrong token gets :class:`Refused` and changes nothing. Messages are
+Every request carries a request id the reply echoes; requests and replies travel signed
+with the cluster's shared secret (see :mod:`tierkv.cluster.auth`, the secret itself never
+crosses the network), and a request that is not gets :class:`Refused`. Messages are
 tagged arrays, like the engine protocol, and are only ever extended by appending fields with
 defaults. Directory entries name a chunk's holder by node id and its tier as a small int.
 """
@@ -37,7 +38,6 @@ class MemberInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
 
 # -- membership --------------------------------------------------------------------------
 class Heartbeat(Struct, tag="hb"):
-    token: str
     rid: int
     sender: MemberInfo
     members: list[MemberInfo]  # the sender's live members (gossip: candidates to probe)
@@ -50,13 +50,11 @@ class HeartbeatAck(Struct, tag="hb_ack"):
 
 
 class Leave(Struct, tag="leave"):
-    token: str
     rid: int
     sender: MemberInfo
 
 
 class GetMembers(Struct, tag="members"):
-    token: str
     rid: int
 
 
@@ -69,7 +67,6 @@ class MemberList(Struct, tag="member_list"):
 class Publish(Struct, tag="publish"):
     """Entries of one holder: ``(key, Where)`` pairs."""
 
-    token: str
     rid: int
     holder: str
     incarnation: int
@@ -77,7 +74,6 @@ class Publish(Struct, tag="publish"):
 
 
 class Unpublish(Struct, tag="unpublish"):
-    token: str
     rid: int
     holder: str
     keys: list[bytes]
@@ -87,13 +83,11 @@ class Handoff(Struct, tag="handoff"):
     """Entries an owner passes to a new owner after a membership change:
     ``(key, holder, incarnation, Where)``."""
 
-    token: str
     rid: int
     entries: list[tuple[bytes, str, int, int]]
 
 
 class Resolve(Struct, tag="resolve"):
-    token: str
     rid: int
     keys: list[bytes]
 
@@ -108,7 +102,6 @@ class Resolved(Struct, tag="resolved"):
 
 
 class GetStatus(Struct, tag="status"):
-    token: str
     rid: int
 
 

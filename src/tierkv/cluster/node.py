@@ -374,6 +374,7 @@ class ClusterNode:
                 "malformed": self.control.malformed,
                 "calls": self.client.calls,
                 "timeouts": self.client.timeouts,
+                "bad_replies": self.client.bad_replies,
             },
             "transport": self.transport.stats(),
             "peer_tier": {"resolved": self.tier.resolved, "found": self.tier.found},

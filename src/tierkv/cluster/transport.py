@@ -5,9 +5,13 @@ one-sided reads); :class:`TcpTransport` is the default.
 
 TCP wire format (little-endian, fixed-size headers):
 
-- hello, reader -> holder: ``"TKVD"``, version, token length, node id length, then the token
-  and the reader's node id. The holder answers one status byte (+7 padding): OK, or
-  UNAUTHORIZED / VERSION and closes. Nothing else is accepted before an OK hello.
+- hello (a mutual challenge-response, see :mod:`tierkv.cluster.auth`; the secret never
+  crosses the network): reader -> holder ``"TKVD"``, version, node id length, the reader's
+  node id and a 16-byte nonce. Holder -> reader: a status byte (+7 padding), and when it is
+  OK the holder's nonce and its proof (a MAC over both nonces); a wrong version gets VERSION
+  and the connection closes. The reader checks the proof (an impostor holder is dropped
+  here) and sends its own; the holder answers OK, or UNAUTHORIZED and closes. Nothing else is
+  accepted before that OK.
 - request: ``"TKVR"``, chunk count (at most ``MAX_CHUNKS``), then per chunk its 32-byte key
   and the length the reader expects.
 - reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
@@ -32,9 +36,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import logging
 import math
-import secrets
 import socket
 import struct
 import threading
@@ -48,19 +52,19 @@ from typing import Any, Protocol
 import xxhash
 
 from tierkv.cluster import messages as m
+from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-HELLO = struct.Struct("<4sHHH6x")
+VERSION = 2
+HELLO = struct.Struct("<4sHH8x")
 HELLO_REPLY = struct.Struct("<B7x")
 REQUEST = struct.Struct("<4sI")
 ITEM = struct.Struct("<32sQ")
 CHUNK = struct.Struct("<B7xQ16s")
 MAX_CHUNKS = 4096
-MAX_TOKEN = 1024
 MAX_NODE_ID = 256
 HASH_STEP = 256 * 1024
 MAX_CHUNK_BYTES = 1 << 34
@@ -71,7 +75,8 @@ SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
 
 
 class PeerRefused(Exception):
-    """The holder refused our hello (wrong token or version)."""
+    """The hello failed: the holder refused us (another secret, or version), or could not
+    prove it knows the cluster secret."""
 
 
 @dataclass
@@ -265,7 +270,7 @@ class TcpTransport(Transport):
         max_serving: int = 512,
         corrupt_hook: Callable[[bytes], bool] | None = None,
     ) -> None:
-        self.token = token.encode()
+        self.key = derive_key(token)
         self.node_id = node_id.encode()
         self.limit = connections_per_peer
         self.streams = max(1, min(streams_per_fetch, connections_per_peer))
@@ -366,19 +371,31 @@ class TcpTransport(Transport):
                 sock.close()
 
     def _handshake(self, sock: socket.socket) -> str | None:
-        magic, version, token_len, node_len = HELLO.unpack(_recv_bytes(sock, HELLO.size))
-        if magic != b"TKVD" or token_len > MAX_TOKEN or node_len > MAX_NODE_ID:
+        magic, version, node_len = HELLO.unpack(_recv_bytes(sock, HELLO.size))
+        if magic != b"TKVD" or node_len > MAX_NODE_ID:
             self.refused_hellos += 1
             return None
-        token = _recv_bytes(sock, token_len)
-        node = _recv_bytes(sock, node_len).decode(errors="replace")
+        reader = _recv_bytes(sock, node_len)
+        theirs = _recv_bytes(sock, NONCE_BYTES)
+        node = reader.decode(errors="replace")
         if version != VERSION:
             self.refused_hellos += 1  # counted before the answer: a test may look at once
             sock.sendall(HELLO_REPLY.pack(HELLO_VERSION))
             return None
-        if not secrets.compare_digest(token, self.token):
+        mine = nonce()
+        proof = hello_proof(self.key, b"holder", mine, theirs, reader)
+        sock.sendall(HELLO_REPLY.pack(HELLO_OK) + mine + proof)
+        expected = hello_proof(self.key, b"reader", theirs, mine, reader)
+        try:
+            answer = _recv_bytes(sock, MAC_BYTES)
+        except (ConnectionError, OSError):
+            # A reader with another secret cannot check our proof and hangs up here.
             self.refused_hellos += 1
-            log.warning("refused a data-plane connection with a wrong token (claims %r)", node)
+            log.warning("a data-plane hello from %r was abandoned (another secret?)", node)
+            return None
+        if not hmac.compare_digest(answer, expected):
+            self.refused_hellos += 1
+            log.warning("refused a data-plane connection with a wrong secret (claims %r)", node)
             sock.sendall(HELLO_REPLY.pack(HELLO_UNAUTHORIZED))
             return None
         sock.sendall(HELLO_REPLY.pack(HELLO_OK))
@@ -444,12 +461,22 @@ class TcpTransport(Transport):
         sock = socket.create_connection((host, port), timeout=self.timeout)
         try:
             _tune(sock)
-            sock.sendall(
-                HELLO.pack(b"TKVD", VERSION, len(self.token), len(self.node_id))
-                + self.token
-                + self.node_id
-            )
+            mine = nonce()
+            hello = HELLO.pack(b"TKVD", VERSION, len(self.node_id))
+            sock.sendall(hello + self.node_id + mine)
             (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
+            if status == HELLO_OK:
+                theirs = _recv_bytes(sock, NONCE_BYTES)
+                proof = _recv_bytes(sock, MAC_BYTES)
+                expected = hello_proof(self.key, b"holder", theirs, mine, self.node_id)
+                if not hmac.compare_digest(proof, expected):
+                    self.refused_by_peers += 1
+                    raise PeerRefused(
+                        f"peer {peer.node_id} at {peer.data} could not prove the cluster "
+                        "secret (another --auth-token, or not a member): not reading from it"
+                    )
+                sock.sendall(hello_proof(self.key, b"reader", mine, theirs, self.node_id))
+                (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
         except BaseException:
             sock.close()
             raise
@@ -458,7 +485,7 @@ class TcpTransport(Transport):
             self.refused_by_peers += 1
             raise PeerRefused(
                 f"peer {peer.node_id} refused our data-plane hello "
-                f"({'wrong cluster token' if status == HELLO_UNAUTHORIZED else 'version'})"
+                f"({'another cluster secret' if status == HELLO_UNAUTHORIZED else 'version'})"
             )
         self.connections_opened += 1
         return _Conn(sock)

@@ -38,12 +38,12 @@ def _free_port_pair() -> int:
 
 
 def _members(client: ControlClient, addr: str) -> set[str]:
-    reply = client.call(addr, m.GetMembers(client.token, 0))
+    reply = client.call(addr, m.GetMembers(0))
     return {info.node_id for info in reply.members} if isinstance(reply, m.MemberList) else set()
 
 
 def _published(client: ControlClient, addr: str) -> int:
-    reply = client.call(addr, m.GetStatus(client.token, 0))
+    reply = client.call(addr, m.GetStatus(0))
     value = reply.stats.get("published") if isinstance(reply, m.NodeStatus) else None
     return value if isinstance(value, int) else -1
 
