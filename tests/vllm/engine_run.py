@@ -1,16 +1,22 @@
 """One vLLM engine instance in its own process, driven by the end-to-end tests.
 
-``python engine_run.py CONFIG.json`` reads a JSON config, builds ``vllm.LLM`` (single
-process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``), with
-the tierkv connector when the config names an endpoint, runs the prompts one by one with
-greedy sampling and writes the results (output token ids, vLLM's cached-token count and the
-connector's ``kv_transfer_params["tierkv"]`` per prompt) to the config's ``out`` path.
+``python engine_run.py CONFIG.json`` reads a JSON config, builds ``vllm.LLM`` (the engine core
+in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with one rank the worker too,
+``distributed_executor_backend="uni"``, with several one worker process per rank, ``"mp"``,
+talking over gloo), with the tierkv connector when the config names an endpoint, runs the
+prompts one by one with greedy sampling and writes the results (output token ids, vLLM's
+cached-token count and the connector's ``kv_transfer_params["tierkv"]`` per prompt) to the
+config's ``out`` path.
 
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
-prefix_caching, prompts ([{"tokens": [...], "salt": "..."|null}]), max_tokens, out,
-wait_for (a file to wait for before generating), done (a file to create after),
-kill_before_first_load (a pid to SIGKILL when the first tierkv load starts: the server dying
-between the lookup, which locked the chunks, and the retrieve).
+timeout (the connector's RPC timeout, default 2.0), tensor_parallel_size (default 1),
+prefix_caching, prompts ([{"tokens": [...], "salt": "..."|null}]), max_tokens, out, wait_for
+(a file to wait for before generating), done (a file to create after), report_clients (add
+``tierkv_clients`` to the output: the server's view of this engine's clients, its scheduler
+and one worker per rank, taken before the engine exits), kill_before_first_load (a pid to
+SIGKILL when the first tierkv load starts: the server dying between the lookup, which locked
+the chunks, and the retrieve; one rank only, as the patch applies to the worker in this
+process).
 """
 
 from __future__ import annotations
@@ -57,7 +63,10 @@ def _alive(pid: int) -> bool:
 
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
+    tp = int(config.get("tensor_parallel_size", 1))
     if config.get("kill_before_first_load"):
+        if tp > 1:
+            raise SystemExit("kill_before_first_load patches this process: one rank only")
         kill_server_before_first_load(int(config["kill_before_first_load"]))
 
     from vllm import LLM, SamplingParams
@@ -69,13 +78,17 @@ def main(config_path: str) -> None:
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",
             "kv_role": config.get("role", "kv_both"),
-            "kv_connector_extra_config": {"endpoint": config["endpoint"], "timeout": 2.0},
+            "kv_connector_extra_config": {
+                "endpoint": config["endpoint"],
+                "timeout": float(config.get("timeout", 2.0)),
+            },
         }
     llm = LLM(
         model=config["model"],
         dtype="float32",
         max_model_len=4096,
-        distributed_executor_backend="uni",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="uni" if tp == 1 else "mp",
         enforce_eager=True,
         seed=0,
         kv_cache_memory_bytes=64 << 20,
@@ -104,9 +117,25 @@ def main(config_path: str) -> None:
                 "tierkv": transfer.get("tierkv"),
             }
         )
-    Path(config["out"]).write_text(json.dumps({"results": results}))
+    report: dict[str, Any] = {"results": results}
+    if config.get("report_clients"):
+        report["tierkv_clients"] = engine_clients(
+            config["endpoint"], llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+        )
+    Path(config["out"]).write_text(json.dumps(report))
     if config.get("done"):
         Path(config["done"]).touch()
+
+
+def engine_clients(endpoint: str, engine_id: str) -> list[dict[str, Any]]:
+    """The clients the server has registered for engine ``engine_id`` (``Stats.engines``)."""
+    import msgspec
+
+    from tierkv.client import Client
+
+    with Client(endpoint, timeout=5.0) as client:
+        engines = client.stats().engines
+    return [msgspec.to_builtins(e) for e in engines if e.engine_id == engine_id]
 
 
 if __name__ == "__main__":

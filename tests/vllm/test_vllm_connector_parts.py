@@ -8,6 +8,8 @@ paged caches, then check the bytes that land in the blocks.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,10 +30,15 @@ try:
         chunks_touching,
     )
     from tierkv.integrations.vllm.layout import CacheGeometry
-    from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
+    from tierkv.integrations.vllm.metadata import (
+        RankReport,
+        TierKVConnectorMetadata,
+        TierKVWorkerMetadata,
+    )
     from tierkv.integrations.vllm.scheduler import SchedulerSide
     from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
     from tierkv.integrations.vllm.worker import WorkerSide
+    from tierkv.keys import pack_tokens
 except ImportError:  # the conftest fails every test with the reason
     pass
 
@@ -82,12 +89,16 @@ def test_store_spec_maps_chunks_to_their_blocks() -> None:
 
 
 def test_worker_metadata_counts_a_token_only_if_every_rank_loaded_it() -> None:
-    a = TierKVWorkerMetadata({"r1": 512, "r2": 256}, {})
-    b = TierKVWorkerMetadata({"r1": 256, "r2": 256}, {"r1": 256})
+    a = TierKVWorkerMetadata({0: RankReport({"r1": 512, "r2": 256}, {}, {"r3": 2})})
+    b = TierKVWorkerMetadata({1: RankReport({"r1": 256, "r2": 256}, {"r1": 256}, {"r3": 1})})
     merged = a.aggregate(b)
     assert isinstance(merged, TierKVWorkerMetadata)
     assert merged.loaded_tokens == {"r1": 256, "r2": 256}
     assert merged.failed_from == {"r1": 256}
+    assert {rank: r.written_chunks for rank, r in merged.ranks.items()} == {
+        0: {"r3": 2},
+        1: {"r3": 1},
+    }
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -140,25 +151,45 @@ def cpu_caches() -> dict[str, Any]:
 
 @dataclass
 class Engine:
-    """One engine instance as vLLM would wire it: a scheduler side and one worker side."""
+    """One engine instance as vLLM would wire it: a scheduler side and one worker side per
+    rank, each rank with its own paged cache (the block table is the same on every rank)."""
 
     scheduler: SchedulerSide
-    worker: WorkerSide
-    caches: dict[str, Any]
+    workers: list[WorkerSide]
+    caches: list[dict[str, Any]]
     free: list[int] = field(default_factory=lambda: list(range(NUM_BLOCKS)))
+
+    @property
+    def worker(self) -> WorkerSide:
+        return self.workers[0]
 
     def blocks(self, n: int) -> list[int]:
         taken, self.free = self.free[:n], self.free[n:]
         return taken
 
-    def block_bytes(self, block_id: int) -> list[Any]:
-        return [t[block_id].clone() for _, t in sorted(self.caches.items())]
+    def block_bytes(self, block_id: int, rank: int = 0) -> list[Any]:
+        return [t[block_id].clone() for _, t in sorted(self.caches[rank].items())]
+
+    def worker_meta(self) -> TierKVWorkerMetadata | None:
+        """The ranks' metadata of this step, aggregated as vLLM's executor does."""
+        merged: Any = None
+        for worker in self.workers:
+            meta = worker.build_worker_meta()
+            merged = meta if merged is None else (merged.aggregate(meta) if meta else merged)
+        return merged  # type: ignore[no-any-return]
 
 
 def make_engine(
-    endpoint: str, engine_id: str, role: str = "kv_both", timeout: float = 5.0
+    endpoint: str,
+    engine_id: str,
+    role: str = "kv_both",
+    timeout: float = 5.0,
+    world_size: int = 1,
+    retry_interval: float = 5.0,
 ) -> Engine:
-    settings = ConnectorSettings.from_extra_config({"endpoint": endpoint, "timeout": timeout})
+    settings = ConnectorSettings.from_extra_config(
+        {"endpoint": endpoint, "timeout": timeout, "retry_interval": retry_interval}
+    )
     can_load, can_save = role != "kv_producer", role != "kv_consumer"
     scheduler = SchedulerSide(
         settings,
@@ -169,24 +200,29 @@ def make_engine(
         use_block_hashes=False,
         can_load=can_load,
         can_save=can_save,
+        world_size=world_size,
     )
-    worker = WorkerSide(
-        settings,
-        model_id="parts-model",
-        engine_id=engine_id,
-        world_size=1,
-        rank=0,
-        can_load=can_load,
-        can_save=can_save,
-    )
-    caches = cpu_caches()
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     backend = f"CPU_ATTN/{_get_attn_isa(torch.float32, BLOCK, HEAD)}"
-    worker.register_kv_caches(
-        caches, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in caches}
-    )
-    return Engine(scheduler, worker, caches)
+    workers, caches = [], []
+    for rank in range(world_size):
+        worker = WorkerSide(
+            settings,
+            model_id="parts-model",
+            engine_id=engine_id,
+            world_size=world_size,
+            rank=rank,
+            can_load=can_load,
+            can_save=can_save,
+        )
+        cache = cpu_caches()
+        worker.register_kv_caches(
+            cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
+        )
+        workers.append(worker)
+        caches.append(cache)
+    return Engine(scheduler, workers, caches)
 
 
 def request(rid: str, tokens: list[int]) -> Any:
@@ -238,7 +274,9 @@ def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
     engine.scheduler.update_state_after_alloc(req, blocks, 0)
     meta = engine.scheduler.build_connector_meta(step_output([(rid, blocks, 0, len(tokens))]))
     assert [(s.first_chunk, s.end_chunk) for s in meta.stores] == [(0, len(tokens) // CHUNK)]
-    engine.worker.wait_for_save(meta)
+    for worker in engine.workers:
+        worker.wait_for_save(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
     engine.scheduler.request_finished(req)
     return blocks
 
@@ -379,3 +417,106 @@ def test_chunks_only_in_a_slower_tier_are_prefetched_before_vllm_is_answered(
     b.worker.start_load_kv(meta)
     assert b.worker.get_block_ids_with_load_errors() == set()
     assert b.worker.get_finished() == (None, {"b-1"})
+
+
+# -- tensor parallel: one worker side per rank ---------------------------------------------------
+def test_every_rank_stores_and_loads_its_own_chunks(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2)
+    tokens = list(range(2000, 2000 + 700))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.objects == 4  # 2 chunks on each of the 2 ranks, each under its own key
+    workers = [e for e in stats.engines if e.engine_id == "engine-a" and e.role == "worker"]
+    assert sorted((e.rank, e.world_size) for e in workers) == [(0, 2), (1, 2)]
+    assert len({e.namespace for e in workers}) == 2
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_finished() == (None, {"b-1"})
+        assert worker.get_block_ids_with_load_errors() == set()
+    for rank in (0, 1):  # each rank gets its own rank's KV back
+        for i in range(4):
+            got, want = b.block_bytes(b_blocks[i], rank), a.block_bytes(a_blocks[i], rank)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert not torch.equal(b.block_bytes(b_blocks[0], 0)[0], b.block_bytes(b_blocks[0], 1)[0])
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert report["ranks"] == [
+        {"rank": 0, "loaded_tokens": 512, "written_chunks": 0},
+        {"rank": 1, "loaded_tokens": 512, "written_chunks": 0},
+    ]
+
+
+def test_the_lookup_finds_only_what_every_rank_holds(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2)
+    tokens = list(range(4000, 4000 + 800))  # 3 full chunks
+    req = request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    blocks = a.blocks(7)
+    a.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = a.scheduler.build_connector_meta(step_output([("a-1", blocks, 0, len(tokens))]))
+    a.workers[0].wait_for_save(meta)
+    # Rank 1 stores only the first 2 chunks (its third did not fit, say).
+    (spec,) = meta.stores
+    a.workers[1].wait_for_save(
+        TierKVConnectorMetadata(
+            stores=[StoreSpec("a-1", 0, 2, spec.block_ids[:4], tokens=pack_tokens(tokens[:512]))]
+        )
+    )
+    a.scheduler.update_connector_output(a.worker_meta())
+    ranks = a.scheduler.request_finished(req)["tierkv"]["ranks"]
+    assert [r["written_chunks"] for r in ranks] == [3, 2]
+
+    # Chunk 2 exists for rank 0 only: B loads chunks 0-1, on both ranks.
+    req, _ = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert [r["loaded_tokens"] for r in report["ranks"]] == [512, 512]
+
+
+def test_ranks_that_time_out_on_a_stalled_server_still_serve_their_engine(server: Any) -> None:
+    """Every link of engine B gives up on a stalled server; once it answers again, B's next
+    requests load as before. (A link that registered again would leave two clients for its
+    rank in B's engine group: B's lookups would find nothing from then on.)"""
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2, timeout=0.5, retry_interval=0.0)
+    tokens = list(range(6000, 6000 + 600))
+    compute_and_store(a, "a-1", tokens)
+    assert b.scheduler.link.client() is not None  # registered (its workers are already)
+
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        compute_and_store(b, "b-0", list(range(8000, 8000 + 600)))  # every call times out
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert [link.failures for link in (b.scheduler.link, *(w.link for w in b.workers))] == [1] * 3
+
+    for rid in ("b-1", "b-2"):
+        req, _ = load(b, rid, tokens)
+        meta = b.scheduler.build_connector_meta(step_output([]))
+        for worker in b.workers:
+            worker.start_load_kv(meta)
+            assert worker.get_block_ids_with_load_errors() == set(), rid
+        b.scheduler.update_connector_output(b.worker_meta())
+        report = b.scheduler.request_finished(req)["tierkv"]
+        assert report["loaded_tokens"] == 512, (rid, report)
+    with server.client(timeout=5.0) as admin:
+        engine_b = [e for e in admin.stats().engines if e.engine_id == "engine-b"]
+    assert sorted((e.role, e.rank) for e in engine_b) == [
+        ("scheduler", 0),
+        ("worker", 0),
+        ("worker", 1),
+    ]

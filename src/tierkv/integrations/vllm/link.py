@@ -5,6 +5,12 @@ runs every RPC with the connector's (short) timeout; when one fails (server down
 overloaded) it logs once and stays away for ``retry_interval`` seconds, during which every
 call returns its fallback at once, i.e. the cache behaves as a miss. When the server answers
 that it does not know the client (it restarted), the link registers again, once, and retries.
+
+A call that failed without an answer (a timeout: the server stalled, or is gone) keeps the
+registration: the server, if it is still there, still holds this client, its engine group
+membership and its lookup sessions. Registering again would add a second client for the same
+rank to the engine group, and a group whose rank count does not match its world size serves
+no lookups; it would also orphan the sessions the scheduler opened for this rank.
 """
 
 from __future__ import annotations
@@ -64,25 +70,25 @@ class ServerLink:
                     auth_token=self.settings.auth_token,
                 )
             client = self._client
+            if (self._down_since is not None or not self._registered) and not _socket_present(
+                self.settings.endpoint
+            ):
+                what = "register" if not self._registered else "reconnect"
+                self._failed(
+                    ServerUnavailableError(
+                        f"no socket at {self.settings.endpoint}: is the server running?"
+                    ),
+                    what,
+                )
+                return None
             if not self._registered:
                 try:
-                    if not _socket_present(self.settings.endpoint):
-                        raise ServerUnavailableError(
-                            f"no socket at {self.settings.endpoint}: is the server running?"
-                        )
                     self._register(client)
                 except Exception as exc:
                     self._failed(exc, "register")
                     return None
                 self._registered = True
-                if self._down_since is not None:
-                    log.info(
-                        "tierkv %s: server at %s is back after %.1f s",
-                        self.what,
-                        self.settings.endpoint,
-                        self._clock() - self._down_since,
-                    )
-                    self._down_since = None
+                self._back()
             return client
 
     def call(self, what: str, fn: Callable[[Client], T], fallback: T) -> T:
@@ -92,7 +98,7 @@ class ServerLink:
             if client is None:
                 return fallback
             try:
-                return fn(client)
+                result = fn(client)
             except NotRegisteredError:
                 with self._lock:
                     self._registered = False  # the server restarted: register again, once
@@ -103,17 +109,35 @@ class ServerLink:
                 # server itself is fine.
                 level = logging.DEBUG if isinstance(exc, LeaseExpiredError) else logging.WARNING
                 log.log(level, "tierkv %s: %s failed: %s", self.what, what, exc)
+                self._answered()
                 return fallback
             except Exception as exc:
                 with self._lock:
                     self._failed(exc, what)
                 return fallback
+            self._answered()
+            return result
         return fallback
 
+    def _answered(self) -> None:
+        if self._down_since is not None:  # rare: take the lock only then
+            with self._lock:
+                self._back()
+
+    def _back(self) -> None:
+        """The server answered (lock held): log its return after an outage."""
+        if self._down_since is not None:
+            log.info(
+                "tierkv %s: server at %s is back after %.1f s",
+                self.what,
+                self.settings.endpoint,
+                self._clock() - self._down_since,
+            )
+            self._down_since = None
+
     def _failed(self, exc: BaseException, what: str) -> None:
-        """Mark the server down (lock held)."""
+        """Mark the server down (lock held). The registration stays: see the module doc."""
         self.failures += 1
-        self._registered = False
         self._down_until = self._clock() + self.settings.retry_interval
         if self._down_since is None:
             self._down_since = self._clock()

@@ -1,13 +1,16 @@
 """What the connector's two roles tell each other every engine step.
 
 Scheduler -> workers (:class:`TierKVConnectorMetadata`): the loads and stores of this step.
-Workers -> scheduler (:class:`TierKVWorkerMetadata`): what the loads actually delivered, so
-the scheduler can report it per request and store again what had to be recomputed. vLLM
-pickles both across processes and aggregates the workers' metadata over the ranks.
+Workers -> scheduler (:class:`TierKVWorkerMetadata`): what each rank's loads and stores
+actually did, so the scheduler can report it per request (and per rank) and store again what
+had to be recomputed. vLLM pickles both across processes; with several ranks its output
+aggregator merges the workers' metadata (:meth:`TierKVWorkerMetadata.aggregate`) before the
+scheduler sees it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -25,21 +28,46 @@ class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 @dataclass
-class TierKVWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Per request: tokens loaded from tierkv (contiguous from the load's start) and, for a
-    load that failed in part, the first token that was not loaded."""
+class RankReport:
+    """One rank's results in one step, per request id: tokens loaded from tierkv (contiguous
+    from the load's start), for a load that failed in part the first token not loaded, and
+    the chunks its stores wrote into the pool (new chunks; those already cached not counted)."""
 
     loaded_tokens: dict[str, int] = field(default_factory=dict)
     failed_from: dict[str, int] = field(default_factory=dict)
+    written_chunks: dict[str, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded_tokens or self.failed_from or self.written_chunks)
+
+
+@dataclass
+class TierKVWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """The reports of one step by rank (one rank's own metadata holds its rank only)."""
+
+    ranks: dict[int, RankReport] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Combine ranks: a token counts as loaded only if every rank loaded it."""
+        """Combine the ranks' metadata (vLLM calls this over the workers' outputs)."""
         if not isinstance(other, TierKVWorkerMetadata):
             return self
-        loaded = dict(self.loaded_tokens)
-        for rid, n in other.loaded_tokens.items():
-            loaded[rid] = min(n, loaded.get(rid, n))
-        failed = dict(self.failed_from)
-        for rid, n in other.failed_from.items():
-            failed[rid] = min(n, failed.get(rid, n))
-        return TierKVWorkerMetadata(loaded, failed)
+        return TierKVWorkerMetadata({**self.ranks, **other.ranks})
+
+    @property
+    def loaded_tokens(self) -> dict[str, int]:
+        """Per request: a token counts as loaded only if every rank that loaded for the
+        request loaded it (the smallest count)."""
+        return _smallest(report.loaded_tokens for report in self.ranks.values())
+
+    @property
+    def failed_from(self) -> dict[str, int]:
+        """Per request: the first token some rank failed to load."""
+        return _smallest(report.failed_from for report in self.ranks.values())
+
+
+def _smallest(per_rank: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for values in per_rank:
+        for rid, n in values.items():
+            out[rid] = min(n, out.get(rid, n))
+    return out

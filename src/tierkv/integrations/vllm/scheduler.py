@@ -13,10 +13,15 @@ Per request, in vLLM's order:
    without, free the lookup's locks (vLLM computes those chunks itself).
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
    complete after this step's forward pass and not already known to be cached.
-4. ``update_connector_output``: what the workers loaded; chunks that failed are stored again
-   once recomputed.
+4. ``update_connector_output``: what each rank loaded and wrote; chunks that failed (on any
+   rank) are stored again once recomputed.
 5. ``request_finished``: end the server session; report the request's figures in
-   ``kv_transfer_params["tierkv"]``.
+   ``kv_transfer_params["tierkv"]``: ``hit_tokens`` (chunk-aligned tokens the lookup found on
+   every rank), ``external_tokens`` (what vLLM agreed to load), ``loaded_tokens`` (what every
+   rank loaded), ``load_failed_from``, ``stored_chunks`` (chunks handed to the workers to
+   store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
+   wrote into the pool, not counting those already cached), as reported by the workers before
+   the request finished.
 
 Every RPC goes through :class:`ServerLink`: a slow or dead server is a miss, never a stall.
 """
@@ -65,7 +70,9 @@ class RequestState:
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup was answered
     pending_load: LoadSpec | None = None
     external_tokens: int = 0  # tokens vLLM agreed to load from tierkv
-    loaded_tokens: int = 0  # tokens the workers reported loaded
+    loaded_tokens: int = 0  # tokens the workers reported loaded (every rank)
+    rank_loaded: dict[int, int] = field(default_factory=dict)  # tokens loaded, by rank
+    rank_written: dict[int, int] = field(default_factory=dict)  # chunks written, by rank
     failed_from: int | None = None
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks known cached in tierkv or already handed out for store
@@ -86,9 +93,11 @@ class SchedulerSide:
         use_block_hashes: bool,
         can_load: bool,
         can_save: bool,
+        world_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.world_size = world_size  # ranks (workers) of this engine
         self.model_id = model_id
         self.engine_id = engine_id
         self.block_size = block_size
@@ -303,6 +312,15 @@ class SchedulerSide:
     def update_connector_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, TierKVWorkerMetadata):
             return
+        for rank, report in worker_meta.ranks.items():
+            for rid, tokens in report.loaded_tokens.items():
+                state = self.requests.get(rid)
+                if state is not None:
+                    state.rank_loaded[rank] = tokens
+            for rid, chunks in report.written_chunks.items():
+                state = self.requests.get(rid)
+                if state is not None:
+                    state.rank_written[rank] = state.rank_written.get(rank, 0) + chunks
         for rid, tokens in worker_meta.loaded_tokens.items():
             state = self.requests.get(rid)
             if state is not None:
@@ -328,6 +346,14 @@ class SchedulerSide:
                 "loaded_tokens": state.loaded_tokens,
                 "load_failed_from": state.failed_from,
                 "stored_chunks": state.stored_chunks,
+                "ranks": [
+                    {
+                        "rank": rank,
+                        "loaded_tokens": state.rank_loaded.get(rank, 0),
+                        "written_chunks": state.rank_written.get(rank, 0),
+                    }
+                    for rank in range(self.world_size)
+                ],
             }
         }
 

@@ -27,7 +27,11 @@ from tierkv.client import Client
 from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
 from tierkv.integrations.vllm.layout import CacheGeometry, PagedKVLayout, detect_layout
 from tierkv.integrations.vllm.link import ServerLink
-from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
+from tierkv.integrations.vllm.metadata import (
+    RankReport,
+    TierKVConnectorMetadata,
+    TierKVWorkerMetadata,
+)
 from tierkv.integrations.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.tierkv")
@@ -60,8 +64,7 @@ class WorkerSide:
         self.link = ServerLink(settings, self._register, f"worker rank {rank}")
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
-        self._loaded_tokens: dict[str, int] = {}
-        self._failed_from: dict[str, int] = {}
+        self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
         # Totals for this process (tests and logs read them).
         self.stats = {"loaded_chunks": 0, "failed_blocks": 0, "stored_chunks": 0}
@@ -144,12 +147,12 @@ class WorkerSide:
         failed = spec.failed_blocks(loaded, bpc)
         first_failed = spec.first_failed_block(loaded, bpc)
         end = spec.end_block if first_failed is None else first_failed
-        self._loaded_tokens[spec.request_id] = (end - spec.start_block) * block_size
+        self._report.loaded_tokens[spec.request_id] = (end - spec.start_block) * block_size
         self.stats["loaded_chunks"] += len(loaded)
         if failed:
             assert first_failed is not None
             self._load_errors.update(failed)
-            self._failed_from[spec.request_id] = first_failed * block_size
+            self._report.failed_from[spec.request_id] = first_failed * block_size
             self._failed_this_step.add(spec.request_id)
             self.stats["failed_blocks"] += len(failed)
             log.warning(
@@ -190,8 +193,10 @@ class WorkerSide:
             lambda c: c.store(**keys, gather=gather, first_chunk=spec.first_chunk, salt=spec.salt),
             None,
         )
-        if result is not None:
+        if result is not None and result.stored:
             self.stats["stored_chunks"] += len(result.stored)
+            written = self._report.written_chunks
+            written[spec.request_id] = written.get(spec.request_id, 0) + len(result.stored)
 
     # -- per-step results ------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
@@ -203,11 +208,9 @@ class WorkerSide:
         return errors
 
     def build_worker_meta(self) -> TierKVWorkerMetadata | None:
-        if not self._loaded_tokens and not self._failed_from:
-            return None
-        meta = TierKVWorkerMetadata(self._loaded_tokens, self._failed_from)
-        self._loaded_tokens, self._failed_from = {}, {}
-        return meta
+        """This step's loads and stores, under this rank (None when there were none)."""
+        report, self._report = self._report, RankReport()
+        return TierKVWorkerMetadata({self.rank: report}) if report else None
 
     def shutdown(self) -> None:
         self.link.close()
