@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK_SHAPE, CHUNK_SIZE, ServerProcess, chunk_data, register
-from tierkv.client import Client, ServerError
+from tierkv.client import Client, NotRegisteredError, ServerError
 
 TOKENS = list(range(7000, 7000 + 4 * CHUNK_SIZE + 17))
 
@@ -72,6 +72,36 @@ def test_scheduler_sees_nothing_until_every_rank_registered(server: ServerProces
     finally:
         rank0.close()
         sched.close()
+
+
+def test_a_rank_registering_again_replaces_its_earlier_registration(
+    server: ServerProcess,
+) -> None:
+    """A worker whose registration reply was lost registers again: the group keeps one
+    client per rank (the new one) and the scheduler's lookups keep working."""
+    ranks = workers(server, "engine-r")
+    sched = server.client()
+    again = server.client()
+    try:
+        sched.register_scheduler("test-model", "engine-r")
+        ranks[0].store(TOKENS, [rank_data(0, i) for i in range(4)])
+        ranks[1].store(TOKENS, [rank_data(1, i) for i in range(4)])
+        assert sched.lookup(TOKENS, request_id="before").hits == 4  # locks held by rank 0
+        register(again, world_size=2, rank=0, engine_id="engine-r", name="rank0-again")
+        stats = sched.stats()
+        # Scheduler, rank 1 and the new rank 0: the old rank 0 and its locks are gone.
+        assert stats.clients == 3 and stats.read_leases == 1
+        names = {e.name for e in stats.engines}
+        assert {"rank0-again", "rank1"} <= names and "rank0" not in names
+        with pytest.raises(NotRegisteredError):
+            ranks[0].lookup(TOKENS)
+        assert sched.lookup(TOKENS, request_id="after").hits == 4
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(4)]
+        assert again.retrieve(request_id="after", out=out).retrieved == [0, 1, 2, 3]
+        np.testing.assert_array_equal(out[3], rank_data(0, 3))
+    finally:
+        for c in [*ranks, sched, again]:
+            c.close()
 
 
 def test_scheduler_cannot_move_kv_and_needs_an_engine_id(server: ServerProcess) -> None:

@@ -257,9 +257,29 @@ class CacheService:
             process=trackable(req.pid, req.process_scope),
         )
         with self._lock:
+            group = self._groups.setdefault(req.engine_id, {}) if req.engine_id else {}
+            # One client per rank of an engine: a worker registering again (its first
+            # registration's reply was lost to a timeout, say) replaces the earlier one, which
+            # would otherwise leave the group with two clients for one rank and unservable.
+            replaced = (
+                [] if scheduler else [c for c in group.values() if c.namespace.rank == ns.rank]
+            )
             self._clients[token] = client
             if req.engine_id and not scheduler:
-                self._groups.setdefault(req.engine_id, {})[token] = client
+                group[token] = client
+            elif req.engine_id and not group:
+                del self._groups[req.engine_id]
+        for old in replaced:
+            freed, released = self._drop_client(old)
+            log.warning(
+                "client %s registered again as rank %d of engine %s: replaced its earlier "
+                "registration (released %d write, %d read locks)",
+                req.name or "-",
+                ns.rank,
+                req.engine_id,
+                freed,
+                released,
+            )
         log.info(
             "registered client %s (pid %d) model=%s rank=%d/%d layout=%s",
             req.name or "-",
