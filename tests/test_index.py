@@ -1,5 +1,6 @@
-"""Tests of the L1 object index: states, write/read leases, TTL expiry with a fake clock,
-prefix-aware LRU eviction, delete/clear of held objects, release_holder and stats. The index
+"""Tests of the L1 object index: states, write/read leases, pins (holds that leave the LRU
+order alone), TTL expiry with a fake clock, prefix-aware LRU eviction, delete/clear of held
+objects, release_holder and stats. The index
 under test runs ``check()`` after every call (successful or not), and a hypothesis state
 machine compares it with a plain model."""
 
@@ -53,6 +54,8 @@ _PUBLIC = (
     "abort",
     "lock_read",
     "release_read",
+    "pin",
+    "unpin",
     "lease_slots",
     "contains",
     "release_holder",
@@ -642,6 +645,142 @@ def test_an_object_returns_to_the_lru_only_when_its_last_reader_leaves() -> None
     assert evict_order(index) == [k(1), k(2), k(0)]
 
 
+# -- pins ----------------------------------------------------------------------------------
+def test_a_pin_keeps_the_lru_order_where_a_read_lock_refreshes_it() -> None:
+    pinned, _ = make()
+    read, _ = make()
+    for index in (pinned, read):
+        store(index, [k("old")])
+        store(index, [k("new")])
+    pin = pinned.pin([k("old")], ALICE)
+    assert pin.slots == [(0, pin.slots[0][1], BLOCK)] and pin.missing == []
+    assert pinned.unpin(pin.lease_id, ALICE) == 1
+    lock = read.lock_read([k("old")], ALICE)
+    read.release_read(lock.lease_id, ALICE)
+    assert evict_order(pinned) == [k("old"), k("new")]  # a pin is not a use
+    assert evict_order(read) == [k("new"), k("old")]  # a read is
+
+
+def test_eviction_steps_over_pinned_objects_and_they_keep_their_place() -> None:
+    index, _ = make()
+    for i in range(4):
+        store(index, [k(i)])  # k(0) oldest
+    pin = index.pin([k(0), k(2)], BOB)
+    figures(index, ready=4, read_locked=2, pinned=2, evictable=2, read_leases=1, pin_leases=1)
+    assert [e.key for e in index.evict(BLOCK)] == [k(1)]
+    assert [e.key for e in index.evict(BLOCK)] == [k(3)]
+    assert index.evict(BLOCK) == []  # only pinned objects left
+    store(index, [k(4)])
+    index.unpin(pin.lease_id, BOB)
+    assert evict_order(index) == [k(0), k(2), k(4)]
+
+
+def test_a_read_lock_on_a_pinned_object_is_a_use() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    store(index, [k(1)])
+    pin = index.pin([k(0)], BOB)
+    lock = index.lock_read([k(0)], ALICE)
+    figures(index, read_locked=1, pinned=1, evictable=1)
+    index.release_read(lock.lease_id, ALICE)  # k(0) is now the most recently used
+    figures(index, read_locked=1, pinned=1, evictable=1)
+    index.unpin(pin.lease_id, BOB)  # and stays so
+    assert evict_order(index) == [k(1), k(0)]
+
+
+def test_pin_skips_what_is_not_ready_and_repeats_count_twice() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    index.reserve_write([k(1)], BLOCK, ALICE)
+    pin = index.pin([k(1), k(0), k(9), k(0)], BOB)
+    assert [i for i, _, _ in pin.slots] == [1, 3] and pin.missing == [0, 2]
+    assert index.pin([k(1), k(9)], BOB).lease_id == 0
+    assert index.unpin(pin.lease_id, BOB) == 2
+    figures(index, pinned=0, evictable=1, read_leases=0)
+
+
+def test_pin_and_read_lock_leases_are_not_interchangeable() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    pin = index.pin([k(0)], ALICE)
+    lock = index.lock_read([k(0)], ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.release_read(pin.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.unpin(lock.lease_id, ALICE)
+    with pytest.raises(LeaseNotFound):
+        index.lock_read([k(0)], ALICE, into_lease=pin.lease_id)
+    with pytest.raises(LeaseNotOwned):
+        index.unpin(pin.lease_id, BOB)
+    assert index.lease_slots(pin.lease_id, ALICE) == index.lease_slots(lock.lease_id, ALICE)
+    assert index.unpin(pin.lease_id, ALICE) == 1
+    assert index.release_read(lock.lease_id, ALICE) == 1
+    with pytest.raises(LeaseNotFound):
+        index.unpin(pin.lease_id, ALICE)
+
+
+@pytest.mark.parametrize("unpin_first", [True, False])
+def test_delete_of_a_pinned_object_frees_when_the_last_hold_ends(unpin_first: bool) -> None:
+    index, _ = make(blocks=2)
+    store(index, [k(0)])
+    pin = index.pin([k(0)], BOB)
+    lock = index.lock_read([k(0)], ALICE)
+    offset = pin.slots[0][1]
+    assert index.delete([k(0)]) == 1
+    figures(index, used=BLOCK, objects=0, zombies=1, pinned=0, evictable=0)
+    res = index.reserve_write([k(1), k(2)], BLOCK, ALICE)  # the held slot is not handed out
+    assert [off for _, off, _ in res.slots] != [offset] and res.no_space == [1]
+    index.commit(res.lease_id, ALICE)
+    if unpin_first:
+        assert index.unpin(pin.lease_id, BOB) == 1
+        figures(index, used=2 * BLOCK, zombies=1)
+        index.release_read(lock.lease_id, ALICE)
+    else:
+        index.release_read(lock.lease_id, ALICE)
+        figures(index, used=2 * BLOCK, zombies=1)
+        assert index.unpin(pin.lease_id, BOB) == 1
+    figures(index, used=BLOCK, zombies=0, read_leases=0)
+
+
+def test_clear_of_pinned_unlocked_objects_frees_them_on_unpin() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1)])
+    pin = index.pin([k(0)], BOB)
+    assert index.clear() == 2
+    figures(index, used=BLOCK, zombies=1, objects=0, evictable=0, pinned=0)
+    assert index.evict(100 * BLOCK) == []
+    index.unpin(pin.lease_id, BOB)
+    figures(index, used=0, zombies=0, pin_leases=0)
+
+
+def test_an_expired_pin_leaves_the_lru_order_alone() -> None:
+    index, clock = make()
+    store(index, [k(0)])
+    store(index, [k(1)])
+    store(index, [k(2)])
+    pin = index.pin([k(0), k(2)], BOB)
+    index.delete([k(2)])
+    clock.advance(READ_TTL)
+    assert index.expire() == (0, 2)
+    figures(index, used=2 * BLOCK, zombies=0, pinned=0, expired_read_leases=1)
+    with pytest.raises(LeaseNotFound):
+        index.unpin(pin.lease_id, BOB)
+    assert evict_order(index) == [k(0), k(1)]
+
+
+def test_release_holder_ends_pins_without_moving_them() -> None:
+    index, _ = make()
+    store(index, [k(0)])
+    store(index, [k(1)])
+    index.pin([k(0)], BOB)
+    index.pin([k(0), k(1)], BOB)
+    index.lock_read([k(1)], ALICE)
+    assert index.release_holder(BOB) == (0, 3)
+    figures(index, pinned=0, pin_leases=0, read_locked=1, evictable=1)
+    index.release_holder(ALICE)
+    assert evict_order(index) == [k(0), k(1)]
+
+
 # -- delete, clear, zombies ----------------------------------------------------------------
 def test_delete_ready_unlocked_frees_at_once() -> None:
     index, _ = make()
@@ -787,10 +926,12 @@ def test_stats_figures() -> None:
         writing=0,
         ready=0,
         read_locked=0,
+        pinned=0,
         evictable=0,
         zombies=0,
         write_leases=0,
         read_leases=0,
+        pin_leases=0,
         expired_write_leases=0,
         expired_read_leases=0,
         expired_write_slots=0,
@@ -801,6 +942,7 @@ def test_stats_figures() -> None:
     store(index, [k(i) for i in range(6)], length=2 * BLOCK - 1)  # 12 blocks
     index.lock_read([k(0), k(1)], ALICE)
     index.lock_read([k(1)], BOB)
+    index.pin([k(1), k(2)], BOB)
     index.reserve_write([k(10)], BLOCK, ALICE)  # 13 blocks
     expiring = index.reserve_write([k(11)], BLOCK, BOB)  # 14 blocks
     index.delete([k(0)])  # read-locked: becomes a zombie
@@ -821,14 +963,16 @@ def test_stats_figures() -> None:
         writing=0,
         ready=4,
         read_locked=0,
+        pinned=0,
         evictable=4,
         zombies=0,
         write_leases=0,
         read_leases=0,
+        pin_leases=0,
         expired_write_leases=2,
-        expired_read_leases=2,
+        expired_read_leases=3,  # two read-lock leases and the pin lease
         expired_write_slots=2,
-        expired_read_locks=3,
+        expired_read_locks=5,  # three read locks and two pins
         evictions=1,
         evicted_bytes=2 * BLOCK,
     )
@@ -840,6 +984,7 @@ def test_stats_while_leases_are_held() -> None:
     index.lock_read([k(0), k(1)], ALICE)
     index.lock_read([k(1)], BOB)
     index.reserve_write([k(10), k(11)], BLOCK, ALICE)
+    index.pin([k(1), k(2), k(2)], BOB)  # k(1) is read-locked too
     index.delete([k(0), k(10)])
     figures(
         index,
@@ -847,11 +992,13 @@ def test_stats_while_leases_are_held() -> None:
         objects=4,  # k(1), k(2), k(3) ready, k(11) writing
         writing=1,
         ready=3,
-        read_locked=1,
-        evictable=2,
+        read_locked=2,  # k(1) (read-locked and pinned) and k(2) (pinned)
+        pinned=2,
+        evictable=1,  # k(3)
         zombies=2,
         write_leases=1,
-        read_leases=2,
+        read_leases=3,
+        pin_leases=1,
     )
 
 
@@ -867,13 +1014,14 @@ class MEntry:
     blocks: int
     ready: bool = False
     readers: int = 0
+    pins: int = 0
     live: bool = True
 
 
 @dataclasses.dataclass
 class MLease:
     holder: int
-    write: bool
+    kind: str  # "write", "read" or "pin"
     deadline: float
     entries: list[MEntry]
 
@@ -908,7 +1056,8 @@ class IndexModel(RuleBasedStateMachine):
         entry.live = False
         if entry in self.lru:
             self.lru.remove(entry)
-            self._free(entry)
+            if entry.pins == 0:
+                self._free(entry)
 
     def _drop_writing(self, entry: MEntry) -> None:
         if entry.live:
@@ -922,14 +1071,22 @@ class IndexModel(RuleBasedStateMachine):
             if entry.readers == 0:
                 if entry.live:
                     self.lru.append(entry)
-                else:
+                elif entry.pins == 0:
                     self._free(entry)
+
+    def _unpin(self, entries: list[MEntry]) -> None:
+        for entry in entries:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.readers == 0 and not entry.live:
+                self._free(entry)
 
     def _end(self, lease_id: int) -> MLease:
         lease = self.leases.pop(lease_id)
-        if lease.write:
+        if lease.kind == "write":
             for entry in lease.entries:
                 self._drop_writing(entry)
+        elif lease.kind == "pin":
+            self._unpin(lease.entries)
         else:
             self._unlock(lease.entries)
         return lease
@@ -939,10 +1096,10 @@ class IndexModel(RuleBasedStateMachine):
             if lease.deadline <= self.clock.now:
                 self._end(lease_id)
 
-    def _check_lease_call(self, lease_id: int, holder: int, write: bool) -> type[Exception] | None:
+    def _check_lease_call(self, lease_id: int, holder: int, kind: str) -> type[Exception] | None:
         self._expire()
         lease = self.leases.get(lease_id)
-        if lease is None or lease.write is not write:
+        if lease is None or lease.kind != kind:
             return LeaseNotFound
         if lease.holder != holder:
             return LeaseNotOwned
@@ -989,7 +1146,7 @@ class IndexModel(RuleBasedStateMachine):
             self.held.append(entry)
             entries.append(entry)
         if entries:
-            lease = MLease(holder, True, self.clock.now + WRITE_TTL, entries)
+            lease = MLease(holder, "write", self.clock.now + WRITE_TTL, entries)
             self.leases[res.lease_id] = lease
         else:
             assert res.lease_id == 0
@@ -1000,11 +1157,11 @@ class IndexModel(RuleBasedStateMachine):
         subset=st.none() | st.none() | st.lists(st.integers(0, 4), max_size=4),
     )
     def commit(self, pick: int, subset: list[int] | None) -> None:
-        lease_id, holder = self._pick(pick, write=True)
+        lease_id, holder = self._pick(pick, "write")
         self._commit(lease_id, holder, subset)
 
     def _commit(self, lease_id: int, holder: int, subset: list[int] | None) -> None:
-        error = self._check_lease_call(lease_id, holder, True)
+        error = self._check_lease_call(lease_id, holder, "write")
         if (
             error is None
             and subset is not None
@@ -1037,8 +1194,8 @@ class IndexModel(RuleBasedStateMachine):
 
     @rule(pick=st.integers(0, 10**6))
     def abort(self, pick: int) -> None:
-        lease_id, holder = self._pick(pick, write=True)
-        error = self._check_lease_call(lease_id, holder, True)
+        lease_id, holder = self._pick(pick, "write")
+        error = self._check_lease_call(lease_id, holder, "write")
         if error is not None:
             with pytest.raises(error):
                 self.index.abort(lease_id, holder)
@@ -1071,8 +1228,8 @@ class IndexModel(RuleBasedStateMachine):
     )
     def lock_into(self, pick: int, keys: list[bytes], prefix: bool) -> None:
         """Add locks to an existing read lease (a prefetch joining its lookup's lease)."""
-        lease_id, holder = self._pick(pick, write=False)
-        error = self._check_lease_call(lease_id, holder, False)
+        lease_id, holder = self._pick(pick, "read")
+        error = self._check_lease_call(lease_id, holder, "read")
         if lease_id == 0:
             error = None  # into_lease=0 means a new lease
         if error is not None:
@@ -1108,23 +1265,79 @@ class IndexModel(RuleBasedStateMachine):
                 self.leases[into].entries.extend(entries)
                 self.leases[into].deadline = self.clock.now + READ_TTL
         elif entries:
-            self.leases[result.lease_id] = MLease(holder, False, self.clock.now + READ_TTL, entries)
+            self.leases[result.lease_id] = MLease(
+                holder, "read", self.clock.now + READ_TTL, entries
+            )
         else:
             assert result.lease_id == 0
         return result.lease_id
 
     @rule(pick=st.integers(0, 10**6))
     def release_read(self, pick: int) -> None:
-        lease_id, holder = self._pick(pick, write=False)
+        lease_id, holder = self._pick(pick, "read")
         self._release_read(lease_id, holder)
 
     def _release_read(self, lease_id: int, holder: int) -> None:
-        error = self._check_lease_call(lease_id, holder, False)
+        error = self._check_lease_call(lease_id, holder, "read")
         if error is not None:
             with pytest.raises(error):
                 self.index.release_read(lease_id, holder)
             return
         assert self.index.release_read(lease_id, holder) == len(self._end(lease_id).entries)
+
+    @rule(
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5),
+        holder=st.sampled_from(HOLDERS),
+    )
+    def pin(self, keys: list[bytes], holder: int) -> None:
+        """A background hold (the write-behind): the LRU order must not change."""
+        self._pin(keys, holder)
+
+    @rule(pick=st.integers(0, 10**6), holder=st.sampled_from(HOLDERS), delete=st.booleans())
+    def hold_again(self, pick: int, holder: int, delete: bool) -> None:
+        """Pin what a read lease holds, or read-lock what a pin lease holds (the write-behind
+        and an engine on the same chunks), and maybe delete them then (zombies held both
+        ways): random keys alone rarely overlap like this."""
+        held = sorted(i for i, lease in self.leases.items() if lease.kind != "write")
+        if not held:
+            return
+        lease = self.leases[held[pick % len(held)]]
+        keys = [e.key for e in lease.entries]
+        if lease.kind == "read":
+            self._pin(keys, holder)
+        else:
+            self._lock_read(keys, holder, prefix=False)
+        if delete:
+            self.delete(keys)
+
+    def _pin(self, keys: list[bytes], holder: int) -> None:
+        self._expire()
+        result = self.index.pin(keys, holder)
+        entries: list[MEntry] = []
+        pinned: list[int] = []
+        for i, key in enumerate(keys):
+            entry = self.keymap.get(key)
+            if entry is None or not entry.ready:
+                continue
+            entry.pins += 1
+            entries.append(entry)
+            pinned.append(i)
+        assert [i for i, _, _ in result.slots] == pinned
+        assert result.missing == [i for i in range(len(keys)) if i not in pinned]
+        if entries:
+            self.leases[result.lease_id] = MLease(holder, "pin", self.clock.now + READ_TTL, entries)
+        else:
+            assert result.lease_id == 0
+
+    @rule(pick=st.integers(0, 10**6))
+    def unpin(self, pick: int) -> None:
+        lease_id, holder = self._pick(pick, "pin")
+        error = self._check_lease_call(lease_id, holder, "pin")
+        if error is not None:
+            with pytest.raises(error):
+                self.index.unpin(lease_id, holder)
+            return
+        assert self.index.unpin(lease_id, holder) == len(self._end(lease_id).entries)
 
     @rule(holder=st.sampled_from(HOLDERS))
     def release_holder(self, holder: int) -> None:
@@ -1133,7 +1346,7 @@ class IndexModel(RuleBasedStateMachine):
         for lease_id, lease in list(self.leases.items()):
             if lease.holder == holder:
                 self._end(lease_id)
-                if lease.write:
+                if lease.kind == "write":
                     freed += len(lease.entries)
                 else:
                     released += len(lease.entries)
@@ -1162,8 +1375,10 @@ class IndexModel(RuleBasedStateMachine):
     def evict(self, blocks: int) -> None:
         expected = []
         freed = 0
-        while self.lru and freed < blocks * BLOCK:
-            entry = self.lru.pop(0)
+        for entry in [e for e in self.lru if e.pins == 0]:  # oldest first, pinned skipped
+            if freed >= blocks * BLOCK:
+                break
+            self.lru.remove(entry)
             del self.keymap[entry.key]
             entry.live = False
             self._free(entry)
@@ -1180,10 +1395,10 @@ class IndexModel(RuleBasedStateMachine):
         self.index.expire()
         self._expire()
 
-    def _pick(self, pick: int, write: bool) -> tuple[int, int]:
+    def _pick(self, pick: int, kind: str) -> tuple[int, int]:
         """(lease id, holder): mostly a live lease of the right kind and its holder,
-        sometimes another holder, an id of the other kind or one never issued."""
-        ids = sorted(i for i, lease in self.leases.items() if lease.write is write)
+        sometimes another holder, an id of another kind or one never issued."""
+        ids = sorted(i for i, lease in self.leases.items() if lease.kind == kind)
         if not ids or pick % 10 == 0:
             return pick % 50, HOLDERS[pick % 2]
         lease_id = ids[pick % len(ids)]
@@ -1201,7 +1416,9 @@ class IndexModel(RuleBasedStateMachine):
         ]
         stats = self.index.stats()
         assert stats.zombies == sum(1 for e in self.held if not e.live)
-        assert stats.evictable == len(self.lru)
+        assert stats.evictable == sum(1 for e in self.lru if e.pins == 0)
+        assert stats.pinned == sum(1 for e in self.keymap.values() if e.pins)
+        assert stats.read_locked == stats.ready - stats.evictable
         assert stats.objects == len(self.keymap)
 
 

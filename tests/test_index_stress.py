@@ -1,12 +1,12 @@
-"""Concurrency stress of the object index: six threads reserve, commit, abort, read, delete,
-clear and evict a small set of colliding keys in a small pool while the eviction controller
+"""Concurrency stress of the object index: six threads reserve, commit, abort, read, pin,
+delete, clear and evict a small set of colliding keys in a small pool while the eviction controller
 runs, then every invariant and every byte of accounting is verified; a second variant has
 threads crash (drop their leases) while a fake clock runs past the TTLs, and expiry must
 reclaim everything.
 
 Writers stamp each reserved slot with its key in a shared buffer standing in for the pool; a
-reader that holds a read lock checks the stamp, so a slot freed or reused under a reader
-shows up as a wrong stamp. The thread interleavings vary from run to run; every assertion
+reader that holds a read lock or a pin checks the stamp, so a slot freed or reused under a
+reader shows up as a wrong stamp. The thread interleavings vary from run to run; every assertion
 holds for all of them (the random choices of each thread are seeded).
 """
 
@@ -81,6 +81,9 @@ class CountingController(EvictionController):
             assert self._cond.wait_for(lambda: self.passes >= target, GUARD), "thread hung"
 
 
+ReadHold = tuple[int, list[bytes], list[tuple[int, int, int]], bool]  # lease, keys, slots, pin
+
+
 class Worker(threading.Thread):
     """One engine connection doing random requests; in crash mode it sometimes forgets its
     leases instead of ending them, and moves the fake clock."""
@@ -105,7 +108,7 @@ class Worker(threading.Thread):
         self.clock = clock
         self.rng = random.Random(1000 + holder)
         self.writes: list[tuple[int, int]] = []  # (lease id, number of slots)
-        self.reads: list[tuple[int, list[bytes], list[tuple[int, int, int]]]] = []
+        self.reads: list[ReadHold] = []
         self.counts: Counter[str] = Counter()
         self.error: BaseException | None = None
 
@@ -158,7 +161,7 @@ class Worker(threading.Thread):
             freed, released = self.index.release_holder(self.holder)
             if not self.crash:
                 assert freed == sum(n for _, n in self.writes)
-                assert released == sum(len(slots) for _, _, slots in self.reads)
+                assert released == sum(len(slots) for _, _, slots, _ in self.reads)
             self.writes.clear()
             self.reads.clear()
         else:
@@ -224,27 +227,33 @@ class Worker(threading.Thread):
 
     # -- reads ---------------------------------------------------------------------------
     def read(self) -> None:
+        """A lookup's read lock, or (a quarter of the time) a write-behind's pin."""
         rng = self.rng
         keys = self.pick_keys(6)
-        lock = self.index.lock_read(keys, self.holder, prefix=rng.random() < 0.7)
+        pin = rng.random() < 0.25
+        if pin:
+            lock = self.index.pin(keys, self.holder)
+        else:
+            lock = self.index.lock_read(keys, self.holder, prefix=rng.random() < 0.7)
         locked = [i for i, _, _ in lock.slots]
         assert sorted(locked + lock.missing) == list(range(len(keys)))
-        self.counts["hits"] += len(lock.slots)
+        self.counts["pins" if pin else "hits"] += len(lock.slots)
         if not lock.slots:
             assert lock.lease_id == 0
             return
         self.verify(keys, lock.slots)
-        entry = (lock.lease_id, keys, lock.slots)
+        entry = (lock.lease_id, keys, lock.slots, pin)
         if len(self.reads) < MAX_HELD and rng.random() < 0.3:
             self.reads.append(entry)
         else:
             self.end_read(entry)
 
-    def end_read(self, lease: tuple[int, list[bytes], list[tuple[int, int, int]]]) -> None:
-        lease_id, keys, slots = lease
+    def end_read(self, lease: ReadHold) -> None:
+        lease_id, keys, slots, pin = lease
         self.verify(keys, slots)  # still ours, after everything the others did meanwhile
+        end = self.index.unpin if pin else self.index.release_read
         try:
-            assert self.index.release_read(lease_id, self.holder) == len(slots)
+            assert end(lease_id, self.holder) == len(slots)
         except LeaseNotFound:
             assert self.crash, "a live read lease vanished"
             self.counts["lost_read_leases"] += 1
@@ -274,6 +283,7 @@ def assert_settled(index: ObjectIndex) -> None:
     stats = index.stats()
     assert stats.write_leases == 0 and stats.read_leases == 0
     assert stats.read_locked == 0 and stats.writing == 0 and stats.zombies == 0
+    assert stats.pinned == 0 and stats.pin_leases == 0
     assert stats.evictable == stats.objects == stats.ready
     assert index.used == live_bytes(index)
     index.check()
@@ -332,6 +342,7 @@ def test_concurrent_clients_and_eviction_keep_the_index_consistent() -> None:
         controller.stop()
     # The workload really collided: all of these happen thousands of times in a run.
     assert counts["present"] and counts["no_space"] and counts["hits"] and counts["cleared"]
+    assert counts["pins"]
     assert index.stats().evictions > 0
     assert_settled(index)
 

@@ -242,8 +242,8 @@ def test_write_behind_writes_committed_chunks_to_every_tier(env: Env) -> None:
     assert st.read_locked == 0 and st.read_leases == 0 and st.evictable == 5
 
 
-def test_write_behind_read_locks_the_slots_until_the_tiers_are_done(env: Env) -> None:
-    """While a write is in flight its slots are read-locked: eviction skips them, and a
+def test_write_behind_pins_the_slots_until_the_tiers_are_done(env: Env) -> None:
+    """While a write is in flight its slots are pinned: eviction skips them, and a
     clear() leaves them allocated (zombies) until the write ends, so a new store cannot
     reuse a slot under the tier and the tier writes the committed bytes."""
     mem = MemTier()
@@ -254,9 +254,10 @@ def test_write_behind_read_locks_the_slots_until_the_tiers_are_done(env: Env) ->
     assert mem.entered.wait(WAIT)
 
     st = env.index.stats()
-    assert st.read_locked == 3 and st.read_leases == 1 and st.evictable == 0
+    assert st.read_locked == 3 and st.pinned == 3 and st.evictable == 0
+    assert st.read_leases == st.pin_leases == 1
     assert wb.stats.queued_chunks == 3 and wb.stats.queued_bytes == 3 * CHUNK
-    assert env.index.evict(env.pool.size) == []  # locked: nothing to evict
+    assert env.index.evict(env.pool.size) == []  # pinned: nothing to evict
 
     assert env.index.clear() == 3  # gone from lookups, slots still held by write-behind
     assert env.index.stats().zombies == 3
@@ -280,7 +281,7 @@ def test_write_behind_queue_bound_drops_and_counts(env: Env) -> None:
     assert wb.submit(committed[:2]) == 2
     assert wb.submit(committed[2:3]) == 0  # over the bound: dropped, not waited for
     assert wb.stats.dropped_chunks == 1
-    assert env.index.stats().read_locked == 2  # the dropped chunk is not held
+    assert env.index.stats().pinned == 2  # the dropped chunk is not held
 
     gate.set()
     assert wb.wait_idle(WAIT)
@@ -290,6 +291,56 @@ def test_write_behind_queue_bound_drops_and_counts(env: Env) -> None:
     assert set(mem.data) == {*keys[:2], keys[3]}
     assert wb.stats.dropped_chunks == 1 and wb.stats.written_chunks == {"mem": 3}
     assert env.index.stats().read_locked == 0
+
+
+def evict_order(index: ObjectIndex) -> list[bytes]:
+    """Evict everything evictable one chunk at a time; the keys in eviction order."""
+    order = []
+    while batch := index.evict(CHUNK):
+        assert len(batch) == 1
+        order.append(batch[0].key)
+    return order
+
+
+def test_write_behind_leaves_the_lru_order_to_the_engines(env: Env) -> None:
+    """A slow tier and a queue that drops: batch A is committed and queued, then B and C are
+    committed and dropped, and an engine reads a0 meanwhile. Only uses order the pool: once
+    A is written, eviction takes A's chunks in commit order (last chunk first) before B and
+    C, except a0, which was read. (Were the write-behind's holds uses, A would become the
+    most recent when the tier finished, and B and C would go first.)"""
+    mem = MemTier()
+    gate = mem.hold()
+    wb = env.write_behind([mem], max_bytes=3 * CHUNK)
+    a = [key(f"a{i}") for i in range(3)]
+    b = [key(f"b{i}") for i in range(2)]
+    c = [key(f"c{i}") for i in range(2)]
+    assert wb.submit(env.commit(a)) == 3
+    assert mem.entered.wait(WAIT)  # the tier holds A's write
+    assert wb.submit(env.commit(b)) == 0 and wb.submit(env.commit(c)) == 0
+    assert wb.stats.dropped_chunks == 4
+    read = env.index.lock_read(a[:1], ENGINE)
+    env.index.release_read(read.lease_id, ENGINE)
+
+    # While A is pinned, eviction steps over it, and A keeps its place.
+    assert [e.key for e in env.index.evict(CHUNK)] == [b[1]]
+    gate.set()
+    assert wb.wait_idle(WAIT)
+    assert set(mem.data) == set(a)
+    assert evict_order(env.index) == [a[2], a[1], b[0], c[1], c[0], a[0]]
+
+
+def test_write_behind_keeps_the_order_of_chunks_it_did_write(env: Env) -> None:
+    """Two batches whose writes finish in the opposite order of their commits: the pool
+    keeps commit order (the older batch is evicted first), not completion order."""
+    mem = MemTier()
+    wb = env.write_behind([mem])
+    old = env.commit([key(f"old{i}") for i in range(2)])
+    new = env.commit([key(f"new{i}") for i in range(2)])
+    assert wb.submit(new) == 2
+    assert wb.wait_idle(WAIT)
+    assert wb.submit(old) == 2
+    assert wb.wait_idle(WAIT)
+    assert evict_order(env.index) == [old[1], old[0], new[1], new[0]]
 
 
 def test_write_behind_counts_tier_errors_and_never_raises(env: Env) -> None:

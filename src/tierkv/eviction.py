@@ -1,10 +1,12 @@
 """Watermark eviction: a background thread that keeps the pool below its high watermark.
 
 When pool usage rises above ``high`` (a fraction of capacity, 0.8 by default) the controller
-evicts least-recently-used unlocked objects until usage is at or below ``low`` (0.7 by
-default). It also expires overdue leases, so a crashed engine's locks are reclaimed even when
-no request arrives. Stores never wait for it: a reservation that does not fit is skipped and
-the store path merely wakes the controller.
+evicts least-recently-used objects that no lease holds until usage is at or below ``low``
+(0.7 by default); read-locked objects are out of the LRU, pinned ones (queued for the
+write-behind) keep their place in it and are stepped over. It also expires overdue leases,
+so a crashed engine's locks are reclaimed even when no request arrives. Stores never wait
+for it: a reservation that does not fit is skipped and the store path merely wakes the
+controller.
 """
 
 from __future__ import annotations

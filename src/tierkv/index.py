@@ -8,17 +8,35 @@ gives its slots back, an expired read lease makes its objects evictable again. L
 kept in dicts in creation order (a renewed lease moves last), and a TTL is constant per kind,
 so each dict is in deadline order and expiry only ever looks at the oldest leases.
 
-Only ready, unlocked objects are evictable; they sit in an insertion-ordered dict used as an
-LRU list. A batch is (re)inserted last chunk first, so within a prefix the last chunks are
-the least recently used and are evicted before the first ones.
+Two kinds of read-side holds, with different effects on recency:
+
+- A *read lock* (:meth:`ObjectIndex.lock_read`) is a use: an engine's lookup or retrieve,
+  or a peer node fetching the chunk over the cluster data plane (a hit from anywhere in the
+  cluster is demand for the chunk, and chunks promoted from disk for a peer become most
+  recent on commit anyway). The object leaves the LRU while locked and goes back as the
+  most recently used when its last read lock ends.
+- A *pin* (:meth:`ObjectIndex.pin`) is not a use: a background holder (the write-behind,
+  which also carries the cluster's publishing through the peer tier) that needs the bytes
+  to stay put. A pinned object can be neither evicted nor freed, but keeps its place in
+  the LRU, and unpinning does not move it: its recency stays "when it was last used", not
+  "when a tier finished writing it".
+
+Ready objects that no read lock holds sit in an insertion-ordered dict used as an LRU list
+(pinned ones included); the evictable ones are those of them that no pin holds. A batch is
+(re)inserted last chunk first, so within a prefix the last chunks are the least recently
+used and are evicted before the first ones. Eviction scans from the oldest and steps over
+pinned objects, so one pass costs O(pinned + evicted). Only the write-behind pins, from a
+commit until the tiers have the chunks, so the pinned objects are its queue, bounded in
+bytes by ``write_behind_max_bytes`` (chunks beyond it are dropped, not pinned): the extra
+scanning is bounded by that queue's size, whatever the size of the pool.
 
 A lease is over at its deadline: every call that takes a lease id first expires overdue
 leases, so committing or releasing a lease after its deadline raises LeaseNotFound, whether
 or not anything had reclaimed it yet.
 
-Deleting or clearing an object that is locked removes it from the key map at once (new
-lookups miss) and frees its slot when the last lease on it ends, so a reader never sees its
-slot reused under it.
+Deleting or clearing an object that is locked or pinned removes it from the key map at once
+(new lookups miss) and frees its slot when the last lease on it ends, so a reader never sees
+its slot reused under it.
 
 Every public method takes the index lock once per batch; nothing in here does I/O.
 """
@@ -69,7 +87,8 @@ class Entry:
     offset: int
     length: int
     state: State
-    readers: int = 0
+    readers: int = 0  # read locks (uses): while > 0 the entry is out of the LRU
+    pins: int = 0  # pins (background holds): the entry keeps its LRU place, not evictable
     live: bool = True  # False once deleted/cleared/evicted from the key map
     tier: str = ""  # where the bytes came from ("" = written by an engine)
 
@@ -81,6 +100,7 @@ class Lease:
     deadline: float
     entries: list[Entry]
     write: bool
+    pin: bool = False  # a read-side lease of pins rather than read locks
 
 
 @dataclass(slots=True)
@@ -128,15 +148,17 @@ class IndexStats:
     objects: int
     writing: int
     ready: int
-    read_locked: int
+    read_locked: int  # ready but not evictable: held by a read lock or a pin
+    pinned: int  # ready objects held by a pin (some may also be read-locked)
     evictable: int
     zombies: int  # deleted but still held by a lease
     write_leases: int
-    read_leases: int
+    read_leases: int  # read-lock and pin leases
+    pin_leases: int  # of which pin leases
     expired_write_leases: int
-    expired_read_leases: int
+    expired_read_leases: int  # read-lock and pin leases
     expired_write_slots: int
-    expired_read_locks: int
+    expired_read_locks: int  # read locks and pins
     evictions: int
     evicted_bytes: int
 
@@ -260,18 +282,21 @@ class ObjectIndex:
         self, keys: Sequence[bytes], holder: int, prefix: bool = True, into_lease: int = 0
     ) -> ReadLock:
         """Read-lock ready objects. With ``prefix`` stop at the first key that is not ready
-        (a lookup); otherwise lock every ready key and report the rest as missing. Locked
-        objects leave the LRU; releasing the lease puts them back as most recently used.
+        (a lookup); otherwise lock every ready key and report the rest as missing. A read
+        lock is a use: locked objects leave the LRU, and releasing the lease puts them back
+        as most recently used (for a background hold that must not count as a use, see
+        :meth:`pin`).
 
         With ``into_lease`` (a live read lease of ``holder``) the new locks are appended to
         that lease instead of a new one (a prefetch adding to its lookup's locks): the result
         carries its id, and its deadline is renewed if anything was locked. An unknown or
-        foreign ``into_lease`` raises LeaseNotFound / LeaseNotOwned with nothing locked."""
+        foreign ``into_lease`` (or a pin lease) raises LeaseNotFound / LeaseNotOwned with
+        nothing locked."""
         with self._lock:
             now = self.clock()
             self._expire(now)
             if into_lease:
-                lease = self._lease(self._read_leases, into_lease, holder)
+                lease = self._read_lease(into_lease, holder, pin=False)
                 before = len(lease.entries)
             else:
                 lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False)
@@ -304,15 +329,56 @@ class ObjectIndex:
             return result
 
     def release_read(self, lease_id: int, holder: int) -> int:
-        """End a read lease. Returns the number of locks released."""
+        """End a read lease (not a pin lease: see :meth:`unpin`). Returns the number of
+        locks released."""
         with self._lock:
             self._expire(self.clock())
-            lease = self._take_lease(self._read_leases, lease_id, holder)
+            lease = self._read_lease(lease_id, holder, pin=False)
+            self._remove_lease(self._read_leases, lease)
             self._unlock(lease.entries)
             return len(lease.entries)
 
+    def pin(self, keys: Sequence[bytes], holder: int) -> ReadLock:
+        """Pin every ready key for a background holder and report the rest as missing.
+
+        A pin is a hold that is not a use: like a read lock it keeps the object from being
+        evicted and its slot from being freed or reused (a delete or clear defers the free
+        until the last lock or pin ends), but the object keeps its place in the LRU order
+        and :meth:`unpin` leaves it there. Pins are leases with the read TTL; they count in
+        the read-lease figures. Returns a new pin lease (0 if nothing was pinned)."""
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False, True)
+            result = ReadLock(lease.id)
+            entries = self._entries
+            for i, key in enumerate(keys):
+                entry = entries.get(key)
+                if entry is None or entry.state is not State.READY:
+                    result.missing.append(i)
+                    continue
+                entry.pins += 1
+                lease.entries.append(entry)
+                result.slots.append((i, entry.offset, entry.length))
+            if lease.entries:
+                self._add_lease(self._read_leases, lease)
+            else:
+                result.lease_id = 0
+            return result
+
+    def unpin(self, lease_id: int, holder: int) -> int:
+        """End a pin lease; the objects stay where they were in the LRU order (a pinned
+        object deleted meanwhile is freed now if nothing else holds it). Returns the number
+        of pins released."""
+        with self._lock:
+            self._expire(self.clock())
+            lease = self._read_lease(lease_id, holder, pin=True)
+            self._remove_lease(self._read_leases, lease)
+            self._unpin(lease.entries)
+            return len(lease.entries)
+
     def lease_slots(self, lease_id: int, holder: int) -> list[tuple[bytes, int, int]]:
-        """(key, offset, length) of every slot a live read lease holds."""
+        """(key, offset, length) of every slot a live read or pin lease holds."""
         with self._lock:
             self._expire(self.clock())
             lease = self._lease(self._read_leases, lease_id, holder)
@@ -326,8 +392,8 @@ class ObjectIndex:
 
     def release_holder(self, holder: int) -> tuple[int, int]:
         """End every lease of a holder (it unregistered or was declared dead).
-        Returns (write slots freed, read locks released), not counting leases that had
-        already expired (those count as expiries)."""
+        Returns (write slots freed, read locks and pins released), not counting leases that
+        had already expired (those count as expiries)."""
         with self._lock:
             self._expire(self.clock())
             freed = released = 0
@@ -340,7 +406,7 @@ class ObjectIndex:
                     freed += len(lease.entries)
                 else:
                     self._remove_lease(self._read_leases, lease)
-                    self._unlock(lease.entries)
+                    self._release(lease)
                     released += len(lease.entries)
             return freed, released
 
@@ -371,8 +437,10 @@ class ObjectIndex:
             return [e.key for e in entries]
 
     def evict(self, nbytes: int) -> list[Evicted]:
-        """Evict least recently used unlocked objects until ``nbytes`` (aligned) are freed or
-        nothing evictable is left."""
+        """Evict least recently used unlocked, unpinned objects until ``nbytes`` (aligned) are
+        freed or nothing evictable is left. Pinned objects in the LRU are stepped over, so a
+        call costs O(evicted + pinned); the pins are the write-behind's queue, which is
+        bounded (see the module docstring)."""
         with self._lock:
             victims: list[Entry] = []
             freed = 0
@@ -380,6 +448,8 @@ class ObjectIndex:
             for entry in self._lru:  # oldest first; collect, then mutate
                 if freed >= nbytes:
                     break
+                if entry.pins:
+                    continue
                 victims.append(entry)
                 freed += size_of(entry.offset) or 0
             evicted: list[Evicted] = []
@@ -394,7 +464,8 @@ class ObjectIndex:
             return evicted
 
     def expire(self) -> tuple[int, int]:
-        """Expire overdue leases now. Returns (write slots freed, read locks released)."""
+        """Expire overdue leases now. Returns (write slots freed, read locks and pins
+        released)."""
         with self._lock:
             return self._expire(self.clock())
 
@@ -415,6 +486,9 @@ class ObjectIndex:
             )
             objects = len(self._entries)
             ready = objects - writing
+            pin_leases = [lease for lease in self._read_leases.values() if lease.pin]
+            pinned = {e for lease in pin_leases for e in lease.entries if e.live}
+            evictable = len(self._lru) - sum(1 for e in pinned if e.readers == 0)
             return IndexStats(
                 capacity=self.allocator.capacity,
                 used=self.allocator.used,
@@ -422,11 +496,13 @@ class ObjectIndex:
                 objects=objects,
                 writing=writing,
                 ready=ready,
-                read_locked=ready - len(self._lru),
-                evictable=len(self._lru),
+                read_locked=ready - evictable,
+                pinned=len(pinned),
+                evictable=evictable,
                 zombies=self._zombies,
                 write_leases=len(self._write_leases),
                 read_leases=len(self._read_leases),
+                pin_leases=len(pin_leases),
                 expired_write_leases=self._expired_write_leases,
                 expired_read_leases=self._expired_read_leases,
                 expired_write_slots=self._expired_write_slots,
@@ -437,8 +513,9 @@ class ObjectIndex:
 
     def check(self) -> None:
         """Verify the accounting invariants (for tests): every allocated block belongs to
-        exactly one live entry or held zombie, reader counts match the leases, the LRU holds
-        exactly the evictable objects, the lease maps agree. Raises AssertionError on the
+        exactly one live entry or held zombie, reader and pin counts match the leases, pins
+        hold only committed objects, the LRU holds exactly the live ready objects without a
+        read lock (pinned or not), the lease maps agree. Raises AssertionError on the
         first violation (explicitly, so it works under ``python -O`` too)."""
 
         def require(ok: bool, what: str) -> None:
@@ -449,6 +526,7 @@ class ObjectIndex:
             alloc = self.allocator
             alloc.check()
             held: dict[Entry, int] = {}
+            pinned: dict[Entry, int] = {}
             writing: set[Entry] = set()
             n_writing = 0
             holders: dict[int, set[int]] = {}
@@ -457,6 +535,7 @@ class ObjectIndex:
                 for lease_id, lease in leases.items():
                     require(lease.id == lease_id, f"lease {lease_id} filed under a wrong id")
                     require(lease.write is write, f"lease {lease_id} in the wrong table")
+                    require(not (write and lease.pin), f"write lease {lease_id} marked a pin")
                     require(bool(lease.entries), f"lease {lease_id} holds nothing")
                     require(lease.deadline >= deadline, "leases not in deadline order")
                     require(self._next_expiry <= lease.deadline, "next expiry too late")
@@ -466,33 +545,39 @@ class ObjectIndex:
                         writing.update(lease.entries)
                         n_writing += len(lease.entries)
                     else:
+                        counts = pinned if lease.pin else held
                         for entry in lease.entries:
-                            held[entry] = held.get(entry, 0) + 1
+                            require(entry.state is State.READY, f"{entry.key!r} held unready")
+                            counts[entry] = counts.get(entry, 0) + 1
             require(n_writing == len(writing), "an object is in two write leases")
             require(holders == self._holder_leases, "holder -> leases map out of sync")
             slots: dict[int, Entry] = {}
-            for entry in [*self._entries.values(), *held, *writing]:
+            for entry in [*self._entries.values(), *held, *pinned, *writing]:
                 prev = slots.setdefault(entry.offset, entry)
                 require(prev is entry, f"two objects share offset {entry.offset}")
             for key, entry in self._entries.items():
                 require(entry.key == key and entry.live, f"key map wrong for {key!r}")
-            evictable = 0
+            in_lru = 0
             for entry in slots.values():
                 k = entry.key
                 require(entry.readers == held.get(entry, 0), f"reader count of {k!r}")
+                require(entry.pins == pinned.get(entry, 0), f"pin count of {k!r}")
                 require((entry.state is State.WRITING) == (entry in writing), f"state of {k!r}")
                 require(
                     alloc.size_of(entry.offset) == alloc.aligned(entry.length),
                     f"block of {k!r} missing or of the wrong size",
                 )
-                is_evictable = entry.live and entry.state is State.READY and entry.readers == 0
-                evictable += is_evictable
-                require((entry in self._lru) == is_evictable, f"LRU membership of {k!r}")
+                unlocked = entry.live and entry.state is State.READY and entry.readers == 0
+                in_lru += unlocked
+                require((entry in self._lru) == unlocked, f"LRU membership of {k!r}")
                 if entry.live:
                     require(self._entries.get(k) is entry, f"live {k!r} not in the key map")
                 else:
-                    require(entry in held or entry in writing, f"zombie {k!r} held by nothing")
-            require(len(self._lru) == evictable, "LRU holds objects that are not evictable")
+                    require(
+                        entry in held or entry in pinned or entry in writing,
+                        f"zombie {k!r} held by nothing",
+                    )
+            require(len(self._lru) == in_lru, "LRU holds objects that are not ready and unlocked")
             require(alloc.allocations == len(slots), "allocated blocks != objects")
             zombies = sum(1 for e in slots.values() if not e.live)
             require(zombies == self._zombies, f"zombie count {self._zombies} != {zombies}")
@@ -529,6 +614,15 @@ class ObjectIndex:
         self._remove_lease(leases, lease)
         return lease
 
+    def _read_lease(self, lease_id: int, holder: int, pin: bool) -> Lease:
+        """A live read lease of the given kind (a pin lease, or a read-lock lease); a lease
+        of the other kind is not found, whoever holds it (as with a write lease's id)."""
+        lease = self._read_leases.get(lease_id)
+        if lease is not None and lease.pin is not pin:
+            kind = "a pin" if lease.pin else "a read-lock"
+            raise LeaseNotFound(f"lease {lease_id} is {kind} lease")
+        return self._lease(self._read_leases, lease_id, holder)
+
     @staticmethod
     def _select(lease: Lease, only: Iterable[int] | None) -> set[int]:
         n = len(lease.entries)
@@ -548,6 +642,12 @@ class ObjectIndex:
             self._zombies -= 1
         self.allocator.free(entry.offset)
 
+    def _release(self, lease: Lease) -> None:
+        if lease.pin:
+            self._unpin(lease.entries)
+        else:
+            self._unlock(lease.entries)
+
     def _unlock(self, entries: list[Entry]) -> None:
         """Release one read lock on each entry; last chunk of the batch goes in LRU first."""
         lru = self._lru
@@ -556,9 +656,17 @@ class ObjectIndex:
             if entry.readers == 0:
                 if entry.live:
                     lru[entry] = None
-                else:
+                elif entry.pins == 0:
                     self.allocator.free(entry.offset)
                     self._zombies -= 1
+
+    def _unpin(self, entries: list[Entry]) -> None:
+        """Release one pin on each entry; the LRU order is left alone."""
+        for entry in entries:
+            entry.pins -= 1
+            if entry.pins == 0 and entry.readers == 0 and not entry.live:
+                self.allocator.free(entry.offset)
+                self._zombies -= 1
 
     def _touch(self, entries: list[Entry]) -> None:
         lru = self._lru
@@ -571,9 +679,10 @@ class ObjectIndex:
         entry.live = False
         if entry.state is State.READY and entry.readers == 0:
             del self._lru[entry]
-            self.allocator.free(entry.offset)
-        else:
-            self._zombies += 1
+            if entry.pins == 0:
+                self.allocator.free(entry.offset)
+                return
+        self._zombies += 1
 
     def _expire(self, now: float) -> tuple[int, int]:
         if now < self._next_expiry:
@@ -597,7 +706,7 @@ class ObjectIndex:
             if lease.deadline > now:
                 break
             self._remove_lease(leases, lease)
-            self._unlock(lease.entries)
+            self._release(lease)
             released += len(lease.entries)
             self._expired_read_leases += 1
         self._expired_write_slots += freed

@@ -1,9 +1,13 @@
 """Write-behind: after COMMIT_STORE, copy the new chunks from the pool to every tier.
 
-The RPC thread only read-locks the committed chunks (so eviction cannot reuse their slots)
-and queues one job per commit; tier threads write straight from the pool slots and release
-the lock. The queue is bounded in bytes: when tiers cannot keep up, new chunks are not
-written (counted as dropped) rather than making stores wait. A tier error is counted and
+The RPC thread only pins the committed chunks in the index (so eviction cannot take them
+and a delete cannot free their slots for reuse) and queues one job per commit; tier threads
+write straight from the pool slots and unpin them. A pin is not a use: the chunks keep their
+place in the pool's LRU order, so their recency stays that of their commit (or of the
+engine's last read), however long the tiers take, and chunks written and chunks dropped age
+alike. The queue is bounded in bytes: when tiers cannot keep up, new chunks are not
+written (counted as dropped) rather than making stores wait; the bound also bounds how many
+pinned chunks eviction has to step over. A tier error is counted and
 logged; it never reaches the engine and never stops the server. A chunk that came from a
 tier (a prefetch) is not written back to that tier.
 """
@@ -22,7 +26,7 @@ from tierkv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-WRITE_BEHIND_HOLDER = -1  # index holder id of the write-behind locks
+WRITE_BEHIND_HOLDER = -1  # index holder id of the write-behind pins
 
 
 @dataclass
@@ -56,10 +60,10 @@ class WriteBehind:
         self._idle = threading.Condition(self._lock)
 
     def submit(self, keys: Sequence[bytes], source_tier: str = "") -> int:
-        """Lock ``keys`` (just committed) and queue them; returns how many were queued.
+        """Pin ``keys`` (just committed) and queue them; returns how many were queued.
 
-        A full queue drops the chunks before they are locked, so they keep their place in
-        the pool's LRU order (locking and releasing would make them most recently used)."""
+        A full queue drops the chunks, not pinned; a pinned chunk keeps its place in the
+        LRU order too, so neither way changes when a chunk will be evicted."""
         tiers = [t for t in self.tiers if t.name != source_tier]
         if not tiers or not keys:
             return 0
@@ -68,7 +72,7 @@ class WriteBehind:
                 self.stats.dropped_chunks += len(keys)
                 log.debug("write-behind queue full: %d chunks not written to tiers", len(keys))
                 return 0
-        lock = self.index.lock_read(keys, WRITE_BEHIND_HOLDER, prefix=False)
+        lock = self.index.pin(keys, WRITE_BEHIND_HOLDER)
         if not lock.slots:
             return 0
         nbytes = sum(length for _, _, length in lock.slots)
@@ -132,9 +136,9 @@ class WriteBehind:
 
     def _release(self, lease_id: int) -> None:
         try:
-            self.index.release_read(lease_id, WRITE_BEHIND_HOLDER)
+            self.index.unpin(lease_id, WRITE_BEHIND_HOLDER)
         except LeaseNotFound:
-            log.warning("write-behind lock expired before the tiers finished (read_ttl too short?)")
+            log.warning("write-behind pin expired before the tiers finished (read_ttl too short?)")
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued (tests, shutdown)."""
