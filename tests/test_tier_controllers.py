@@ -407,6 +407,81 @@ def test_prefetch_takes_the_longest_run_across_tiers_in_order(env: Env) -> None:
     assert env.index.release_read(job.lease_id, ENGINE) == 3
 
 
+def test_prefetch_serves_pool_chunks_between_tier_chunks(env: Env) -> None:
+    """Chunk 0 in the pool (the lookup's hit), 1 only in the tier, 2 only in the pool (e.g.
+    not written yet), 3 only in the tier, 4 only in the pool: all five are hits; the tier
+    loads 1 and 3 in one batch and is asked nothing about 2 and 4."""
+    mem = MemTier()
+    keys = [key(i) for i in range(5)]
+    env.commit([keys[0]])
+    env.commit([keys[2], keys[4]])
+    mem.put([keys[1], keys[3]])
+    lookup = env.index.lock_read(keys, ENGINE, prefix=True)
+    assert len(lookup.slots) == 1
+    pf = env.prefetcher([env.disk, mem])
+    job = pf.start(ENGINE, keys, [CHUNK] * 5, 1, lookup.lease_id)
+    wait_done(job)
+    assert job is not None and job.hits == 5 and job.loaded == 4
+    assert job.sources == ["mem", "pool", "mem", "pool"] and job.miss_reason == ""
+    assert env.lease_holds(lookup.lease_id, ENGINE, keys)
+    assert mem.loads == Counter({keys[1]: 1, keys[3]: 1})
+    assert pf.stats.loaded_chunks == {"mem": 2} and pf.stats.failed == {}
+    assert env.index.release_read(lookup.lease_id, ENGINE) == 5
+
+
+def test_prefetch_of_a_run_that_starts_in_the_pool(env: Env) -> None:
+    """The lookup missed chunk 0, which is in the pool by the time the job runs (another
+    job brought it in): the run starts with pool chunks, then tier chunks."""
+    keys = [key(i) for i in range(3)]
+    env.stage(env.disk, keys[2:])
+    pf = env.prefetcher([env.disk])
+    env.commit(keys[:2])
+    job = pf.start(ENGINE, keys, [CHUNK] * 3, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 3 and job.sources == ["pool", "pool", "disk"]
+    assert job.lease_id and env.lease_holds(job.lease_id, ENGINE, keys)
+    assert pf.stats.loaded_chunks == {"disk": 1}
+    env.index.release_read(job.lease_id, ENGINE)
+
+
+class EvictingTier(MemTier):
+    """Deletes ``victim`` from the pool while the prefetch asks which chunks it holds: the
+    chunk was located in the pool a moment earlier."""
+
+    def __init__(self, index: ObjectIndex, victim: bytes) -> None:
+        super().__init__("evicting")
+        self.index = index
+        self.victim = victim
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self.index.delete([self.victim])
+        return super().contains(keys)
+
+
+@pytest.mark.parametrize("tier_has_it", [True, False])
+def test_a_pool_chunk_gone_before_the_load_is_loaded_from_the_tier_or_ends_the_prefix(
+    env: Env, tier_has_it: bool
+) -> None:
+    keys = [key(i) for i in range(4)]
+    env.commit([keys[0], keys[2]])
+    tier = EvictingTier(env.index, keys[2])
+    tier.put([keys[1], keys[3]] + ([keys[2]] if tier_has_it else []))
+    lookup = env.index.lock_read(keys, ENGINE, prefix=True)
+    pf = env.prefetcher([tier])
+    job = pf.start(ENGINE, keys, [CHUNK] * 4, 1, lookup.lease_id)
+    wait_done(job)
+    assert job is not None
+    if tier_has_it:
+        assert job.hits == 4 and job.sources == ["evicting"] * 3
+        assert env.lease_holds(lookup.lease_id, ENGINE, keys)
+    else:
+        assert job.hits == 2 and job.sources == ["evicting"]
+        assert pf.stats.failed == {"evicting": {"missing": 1}}
+        assert env.lease_holds(lookup.lease_id, ENGINE, keys[:2])
+        assert env.index.contains(keys) == [True, True, False, False]  # 3 never loaded
+    env.index.release_read(lookup.lease_id, ENGINE)
+
+
 def test_prefetch_after_a_pool_prefix_locks_into_the_lookups_lease(env: Env) -> None:
     """A lookup that hit chunk 0 in the pool passes its lease; the prefetched chunks are
     added to that lease, and the job reports no lease of its own (the lookup's lease may be

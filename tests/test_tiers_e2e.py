@@ -14,6 +14,8 @@ tier into the pool; the retrieve through shared memory is byte-exact. Around it:
   serving and stores keep working; it is used again once it is back;
 - chunks loaded from a tier are not written back to it;
 - two engine processes prefetching one prefix at once load each chunk once;
+- a chunk that only the pool has (never written to the tier) does not end the prefix that
+  the prefetch brings in from the tier around it;
 - every test ends with no locks or leases left (after the write-behind finished).
 
 Asynchronous effects are awaited by bounded polling; nothing asserts on time.
@@ -425,6 +427,41 @@ def test_two_engines_prefetching_one_prefix_load_each_chunk_once(
         assert result == {"hits": n, "retrieved": list(range(n)), "exact": [True] * n}
     s = assert_no_locks(client)
     assert s.tiers[0].loaded_chunks == n  # not 2n: the second waited for, or hit, the first
+
+
+def test_a_chunk_only_in_the_pool_continues_a_prefix_loaded_from_disk(
+    server_factory: Servers, engine: Callable[[ServerProcess], Client], tmp_path: Path
+) -> None:
+    """Chunk 0 in the pool, 1 only on disk, 2 only in the pool (its write-behind dropped),
+    3 only on disk: the lookup hits all four, 1 and 3 loaded from disk, 2 served from the
+    pool, and the retrieve is byte-exact."""
+    setup = disk_setup(tmp_path)
+    n = 4
+    tokens = doc_tokens(5, n)
+    first = server_factory(extra=setup.args())
+    with first.client(timeout=30.0) as writer:
+        register(writer)
+        assert store(writer, tokens[: 2 * CHUNK_SIZE]) == [0, 1]
+        assert store(writer, tokens, first_chunk=3) == [3]
+        wait_written(writer, 3)
+    assert first.stop(signal.SIGTERM) == 0
+
+    # A new pool over the same directory; its write-behind drops every chunk (no room).
+    srv = server_factory(extra=[*setup.args(), "--write-behind-max-bytes", "0"])
+    client = engine(srv)
+    assert tier_stats(client).objects == 3
+    assert store(client, tokens[:CHUNK_SIZE]) == [0]
+    assert store(client, tokens[: 3 * CHUNK_SIZE], first_chunk=2) == [2]
+    s = client.stats()
+    assert s.write_behind_dropped == 2 and s.tiers[0].objects == 3  # chunk 2 is not on disk
+    assert pool_hits(client, tokens) == 1
+
+    found = client.lookup(tokens, request_id="mixed", wait=True)
+    assert found.hits == n
+    assert retrieve_exact(client, tokens, "mixed") == list(range(n))
+    client.end_session("mixed")
+    s = assert_no_locks(client)
+    assert s.tiers[0].loaded_chunks == 2 and s.tiers[0].load_failures == {}
 
 
 # -- redis: down and back ------------------------------------------------------------------

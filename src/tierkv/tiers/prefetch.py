@@ -1,11 +1,14 @@
 """Prefetch: on LOOKUP, load the chunks that follow the pool's hit prefix from the tiers.
 
-A job runs on a tier thread: it asks the tiers, in configured order, which of the following
-chunks they hold, and takes the longest contiguous run (each chunk from the first tier that
-has it). It reserves pool slots for that run, loads the bytes straight into them, verifies
-them (the tiers check checksums), commits the ones that arrived intact and read-locks the
-prefix for the engine under the lookup's lease. The first chunk that is missing, does not
-fit, or fails to load ends the prefix there: the engine gets fewer hits, never wrong bytes.
+A job runs on a tier thread: it asks the pool which of the following chunks it already has
+ready (a chunk after the first miss may be there: not yet written to any tier, or dropped by
+one), then the tiers, in configured order, about the rest, and takes the longest contiguous
+run of chunks found somewhere (each from the pool if it is there, else from the first tier
+that has it). It reserves pool slots for the run's tier chunks, loads the bytes straight
+into them, verifies them (the tiers check checksums), commits the ones that arrived intact
+and read-locks the prefix (pool chunks included) for the engine under the lookup's lease.
+The first chunk that is missing, does not fit, or fails to load ends the prefix there: the
+engine gets fewer hits, never wrong bytes.
 
 At most ``max_inflight`` jobs run at once (a lookup beyond that just skips the prefetch), and
 a job that takes longer than ``timeout`` is reported to the engine as finished with what the
@@ -189,10 +192,12 @@ class Prefetcher:
                     older[id(other)] = other
         return claimed, list(older.values())
 
-    def _locate(self, keys: list[bytes]) -> list[Tier]:
-        """For the longest run of ``keys`` held by some tier, the tier to load each from."""
+    def _locate(self, keys: list[bytes]) -> list[Tier | None]:
+        """For the longest run of ``keys`` that the pool or some tier holds: None for a
+        chunk ready in the pool (no tier is asked about it), else the tier to load it from."""
         found: list[Tier | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
+        in_pool = self.index.contains(keys)  # no lock, LRU untouched
+        pending = [i for i, ready in enumerate(in_pool) if not ready]
         for tier in self.tiers:
             if not pending:
                 break
@@ -208,32 +213,37 @@ class Prefetcher:
                 else:
                     still.append(i)
             pending = still
-        run: list[Tier] = []
-        for tier_or_none in found:
-            if tier_or_none is None:
-                break
-            run.append(tier_or_none)
-        return run
+        end = pending[0] if pending else len(keys)  # the first chunk found nowhere
+        return found[:end]
 
     def _load(
         self,
         keys: list[bytes],
         lengths: list[int],
         first: int,
-        run: list[Tier],
+        run: list[Tier | None],
         job: PrefetchJob | None = None,
     ) -> int:
-        """Load the run into the pool; returns the length of the prefix now in the pool."""
+        """Load the run (see :meth:`_locate`) into the pool; returns the length of the
+        prefix now in the pool. Each group is the chunks of one tier with the pool's chunks
+        among and before them, loaded in one batch."""
         done = 0
         pos = 0
         while pos < len(run):
-            tier = run[pos]
+            tier: Tier | None = None
             end = pos
-            while end < len(run) and run[end] is tier:
+            while end < len(run) and (run[end] is None or tier is None or run[end] is tier):
+                if tier is None:
+                    tier = run[end]
                 end += 1
-            got = self._load_group(
-                tier, keys[first + pos : first + end], lengths[first + pos : first + end], job
-            )
+            if tier is None:  # only chunks the pool has: the final lock_read checks them
+                got = end - pos
+                if job is not None:
+                    job.sources.extend(["pool"] * got)
+            else:
+                got = self._load_group(
+                    tier, keys[first + pos : first + end], lengths[first + pos : first + end], job
+                )
             done += got
             if got < end - pos:
                 break
@@ -243,7 +253,10 @@ class Prefetcher:
     def _load_group(
         self, tier: Tier, keys: list[bytes], lengths: list[int], job: PrefetchJob | None = None
     ) -> int:
-        """Load consecutive chunks from one tier; returns the intact prefix length."""
+        """Load consecutive chunks from one tier; returns the intact prefix length. Chunks
+        the pool has (reserve_write reports them present) are not loaded and count as the
+        pool's; one that left the pool since it was located gets a slot and is asked of the
+        tier like the others (if the tier lacks it, it ends the prefix as a miss)."""
         res = self.index.reserve_write(keys, lengths, PREFETCH_HOLDER, tier=tier.name)
         if self.on_reserved is not None:
             self.on_reserved()
