@@ -7,8 +7,10 @@ on this node's disk tier is promoted into the pool first) and hands out read-onl
 their slots with the checksums recorded when they were published. Keys it no longer has at
 all are withdrawn from the directory on the spot, so stale entries heal when used.
 
-Publishing: the write-behind gives the peer tier every committed chunk (read-locked), the
-node records each chunk's checksum and queues the keys for the directory. Eviction
+Publishing: the write-behind gives the peer tier every committed engine chunk (pinned in the
+pool meanwhile), the node records each chunk's checksum and queues the keys for the
+directory; chunks fetched from peers are published right after their commit, with the
+checksums verified on arrival. Eviction
 withdraws a chunk's entry, or marks it "on disk" when the node's disk tier has it.
 """
 
@@ -192,7 +194,7 @@ class ClusterNode:
 
     # -- publishing this node's chunks -----------------------------------------------------
     def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
-        """Record checksums of committed chunks (read-locked views) and publish them."""
+        """Record checksums of committed chunks (views of pinned slots) and publish them."""
         self.publish_known([(key, checksum(view), len(view)) for key, view in items])
 
     def publish_known(self, sums: Sequence[tuple[bytes, bytes, int]]) -> None:

@@ -9,10 +9,11 @@ LOOKUP / QUERY_PREFETCH flow serves remote chunks with no engine change; a chunk
 gone is a miss that ends the prefix, never an error.
 
 ``store`` is how this node's own chunks become visible to the cluster: the write-behind
-hands it every committed chunk (read-locked views of the pool), also the chunks this node
-just fetched from a peer (so a chunk read on several nodes has several holders, readers
-spread over them, and it outlives its first holder); it records their checksums and
-publishes them. ``delete`` withdraws them.
+hands it every committed engine chunk (views of pinned pool slots); it records their
+checksums and publishes them. Chunks this node fetched from a peer are published too, right
+after their commit, with the checksums :meth:`take_verified` kept from their load (so a
+chunk read on several nodes has several holders, readers spread over them, and it outlives
+its first holder). ``delete`` withdraws them.
 """
 
 from __future__ import annotations
