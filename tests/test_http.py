@@ -126,6 +126,9 @@ def test_status_shows_engines_with_tenant_hashed_and_secrets_redacted(
         assert st["config"]["auth_token"] == "***"
         assert st["objects"]["total"] == 2 and st["objects"]["read_locked"] == 2
         assert st["locks"]["sessions"] == 1
+        # No tiers: nothing is pinned for a write-behind, and no engine exited.
+        locks = st["locks"]
+        assert (locks["pinned_objects"], locks["pin_leases"], locks["clients_reaped"]) == (0, 0, 0)
         # Another tenant with the same model: a different hash.
         with srv.client(auth_token="tok-s3cret") as other:
             register(other, model="model-a", tenant_salt="salt-of-tenant-y")

@@ -350,6 +350,7 @@ class Stats(Struct, tag="stats_result"):
     http_url: str = ""  # the dashboard, "" when HTTP is off
     cluster: dict[str, Any] = {}  # the cluster node's figures ({} when not in a cluster)
     clients_reaped: int = 0  # clients dropped because their process exited
+    pinned: int = 0  # of the read-locked objects: those the write-behind holds for the tiers
 
 
 Reply = (

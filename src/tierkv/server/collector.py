@@ -95,6 +95,12 @@ class StatsCollector(Collector):
             "kind",
             {"write": locks["expired_write_slots"], "read": locks["expired_read_locks"]},
         )
+        yield _gauge(
+            "tierkv_pinned_objects",
+            "Committed objects the write-behind holds until the tiers have them (counted in "
+            "objects{state=read_locked}; they keep their LRU place)",
+            locks["pinned_objects"],
+        )
         yield _counter(
             "tierkv_clients_reaped",
             "Engine clients dropped (locks released) because their process exited",

@@ -842,6 +842,7 @@ class CacheService:
             prefetch_inflight=pf.inflight,
             engines=self.clients_snapshot(),
             clients_reaped=self.clients_reaped,
+            pinned=s.pinned,
             lookup_hits=hits,
             lookup_misses=misses,
             stored_bytes=pool_bytes.get("stored_bytes", 0),

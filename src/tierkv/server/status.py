@@ -113,6 +113,8 @@ class StatusReader:
                 "expired_write_slots": s.expired_write_slots,
                 "expired_read_locks": s.expired_read_locks,
                 "clients_reaped": svc.clients_reaped,
+                "pinned_objects": s.pinned,
+                "pin_leases": s.pin_leases,
             },
             "evictions": {
                 "objects": s.evictions,
