@@ -467,17 +467,8 @@ class Client:
         result = StoreResult(present=slots.present, no_space=slots.no_space)
         if not slots.slots:
             return result
-        if gather is not None:
-            fill = gather
-        else:
-            assert chunks is not None
-            arrays = chunks
-
-            def fill(chunk: int, dst: npt.NDArray[Any]) -> None:
-                _copy_into(dst, arrays[chunk - first_chunk])
-
         try:
-            self._each_slot(slots.slots, fill, parallel=gather is None)
+            self._each_slot(slots.slots, gather, chunks, first_chunk, into_slots=True)
         except BaseException:
             self._call(p.AbortStore(self._rid(), self._token(), slots.lease))
             raise
@@ -523,17 +514,8 @@ class Client:
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
             return result
-        if scatter is not None:
-            drain = scatter
-        else:
-            assert out is not None
-            arrays = out
-
-            def drain(chunk: int, src: npt.NDArray[Any]) -> None:
-                _copy_into(arrays[chunk - first_chunk], src)
-
         try:
-            self._each_slot(slots.slots, drain, parallel=scatter is None)
+            self._each_slot(slots.slots, scatter, out, first_chunk, into_slots=False)
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
             self._call(p.FinishRetrieve(self._rid(), self._token(), slots.lease))
@@ -542,13 +524,28 @@ class Client:
     def _each_slot(
         self,
         slots: Sequence[p.Slot],
-        fn: Callable[[int, npt.NDArray[Any]], None],
-        parallel: bool,
+        callback: Callable[[int, npt.NDArray[Any]], None] | None,
+        arrays: Sequence[Any] | None,
+        first_chunk: int,
+        into_slots: bool,
     ) -> None:
-        """``fn(chunk, view)`` for every slot; on the copy threads when ``parallel`` (or
-        the client allows parallel callbacks). Returns only when every call has ended."""
+        """For every slot, ``callback(chunk, view)`` or one copy between the view and
+        ``arrays[chunk - first_chunk]`` (into the slots for a store). Array copies run on the
+        copy threads, callbacks only with ``parallel_callbacks``; returns only when every
+        call has ended."""
+        if callback is None:
+            assert arrays is not None
+
+            def copy(chunk: int, view: npt.NDArray[Any]) -> None:
+                array = arrays[chunk - first_chunk]
+                if into_slots:
+                    _copy_into(view, array)
+                else:
+                    _copy_into(array, view)
+
         views = [(slot.chunk, self.slot_view(slot)) for slot in slots]
-        if not (parallel or self.parallel_callbacks):
+        fn = callback or copy
+        if callback is not None and not self.parallel_callbacks:
             for chunk, view in views:
                 fn(chunk, view)
             return
