@@ -6,13 +6,14 @@ do, through each tier, and the same bytes through the plainest use of the same m
 
 - disk (a temporary directory; ``--dir`` to pick the filesystem): the tier's ``store`` /
   ``load`` against one plain file per chunk, ``os.write`` of the pool view / ``os.preadv``
-  into the pool view. The tier does not fsync by default (``fsync=false``: the temp-file +
-  rename already keeps torn files invisible), so **the ratio compares the tier with plain
-  writes without fsync**; plain writes + fsync and the tier with ``fsync=true`` are shown
-  beside it. Reads right after writing come from the page cache; when this process may
-  write ``/proc/sys/vm/drop_caches`` (root, outside a restricted container) cold reads are
-  measured too, each after ``sync`` and a drop, for the tier and the plain files alike (this
-  empties the page cache of the whole machine);
+  into the pool view, with as many threads as the tier uses (``--disk-threads``); every
+  write run starts after ``os.sync()``. The tier does not fsync by default (``fsync=false``:
+  the temp-file + rename already keeps torn files invisible), so **the ratio compares the
+  tier with plain writes without fsync**; plain writes + fsync and the tier with
+  ``fsync=true`` are shown beside it. Reads right after writing come from the page cache;
+  when this process may write ``/proc/sys/vm/drop_caches`` (root, outside a restricted
+  container) cold reads are measured too, each after ``sync`` and a drop, for the tier and
+  the plain files alike (this empties the page cache of the whole machine);
 - redis: a ``redis-server`` this script starts on a free loopback port, without persistence
   (skipped with a note when it is not installed): the tier's pipelined ``SET`` / ``GET``
   against raw redis-py ``SET`` / ``GET`` of the same bytes (``bytes`` objects prepared before
@@ -56,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.copier import Copier, default_threads
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, checksum
 from tierkv.tiers.disk import DiskTier
@@ -215,21 +217,29 @@ def read_file(path: str, view: memoryview) -> None:
         os.close(fd)
 
 
-def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> None:
+def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int, threads: int) -> None:
     n, size = chunks.n, chunks.n * chunks.chunk
     keys = [key(i, "disk") for i in range(n)]
     capacity = 4 * size
-    tier = DiskTier(path=os.path.join(workdir, "tier"), capacity=capacity)
-    synced = DiskTier(path=os.path.join(workdir, "tier-fsync"), capacity=capacity, fsync=True)
+    tier = DiskTier(path=os.path.join(workdir, "tier"), capacity=capacity, threads=threads)
+    synced = DiskTier(
+        path=os.path.join(workdir, "tier-fsync"), capacity=capacity, fsync=True, threads=threads
+    )
     raw_dir = os.path.join(workdir, "raw")
     os.makedirs(raw_dir)
     raw_paths = [os.path.join(raw_dir, f"{i}.bin") for i in range(n)]
+    # The plain-file bound does its files with as many threads as the tier does its chunks
+    # (the same batching), so the ratio is the tier's overhead, not a thread count.
+    batch = Copier(threads)
+    sizes = [chunks.chunk] * n
     try:
         store, load = chunks.store_items(keys), chunks.load_items(keys)
 
         def raw_write(fsync: bool) -> None:
-            for path, (_, view) in zip(raw_paths, store, strict=True):
-                write_file(path, view, fsync)
+            def one(i: int) -> None:
+                write_file(raw_paths[i], store[i][1], fsync)
+
+            batch.run(one, range(n), sizes)
 
         def raw_remove() -> None:
             for path in raw_paths:
@@ -237,8 +247,7 @@ def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> N
                     os.unlink(path)
 
         def raw_read() -> None:
-            for path, (_, view) in zip(raw_paths, load, strict=True):
-                read_file(path, view)
+            batch.run(lambda i: read_file(raw_paths[i], load[i][1]), range(n), sizes)
 
         def tier_store(t: DiskTier) -> Callable[[], None]:
             return lambda: expect_stored(t.store(store), "disk tier")
@@ -250,16 +259,19 @@ def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> N
         # them first; the raw files are removed first too, so both create new files).
         raw_s, tier_s, raw_sync_s, tier_sync_s = [], [], [], []
         for _ in range(repeat):
-            raw_s += measure(lambda: raw_write(False), 1, raw_remove)
-            tier_s += measure(tier_store(tier), 1, lambda: tier.delete(keys))
-            raw_sync_s += measure(lambda: raw_write(True), 1, raw_remove)
-            tier_sync_s += measure(tier_store(synced), 1, lambda: synced.delete(keys))
+            # os.sync() first: every write starts without a dirty-page backlog (the kernel
+            # throttles writers by it, which made single runs 5x apart on this VM).
+            raw_s += measure(lambda: raw_write(False), 1, lambda: (raw_remove(), os.sync()))
+            tier_s += measure(tier_store(tier), 1, lambda: (tier.delete(keys), os.sync()))
+            raw_sync_s += measure(lambda: raw_write(True), 1, lambda: (raw_remove(), os.sync()))
+            tier_sync_s += measure(tier_store(synced), 1, lambda: (synced.delete(keys), os.sync()))
         raw_write(False)  # leave the plain files of a no-fsync write for the reads
         tier.store(store)
-        base = res.add("disk", "write", "plain files, os.write, no fsync", raw_s, size, None)
+        t = f"{threads} thread{'s' if threads > 1 else ''}"
+        base = res.add("disk", "write", f"plain files, os.write, no fsync, {t}", raw_s, size, None)
         res.add("disk", "write", "disk tier (fsync=false, the default)", tier_s, size, base)
         base = res.add(
-            "disk", "write+fsync", "plain files, os.write + fsync", raw_sync_s, size, None
+            "disk", "write+fsync", f"plain files, os.write + fsync, {t}", raw_sync_s, size, None
         )
         res.add("disk", "write+fsync", "disk tier, fsync=true", tier_sync_s, size, base)
 
@@ -268,13 +280,13 @@ def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> N
             raw_r += measure(raw_read, 1, chunks.clear_dst)
             tier_r += measure(tier_load, 1, chunks.clear_dst)
         chunks.check_dst()
-        base = res.add("disk", "read", "plain files, preadv (page cache)", raw_r, size, None)
+        base = res.add("disk", "read", f"plain files, preadv (page cache), {t}", raw_r, size, None)
         res.add("disk", "read", "disk tier (page cache)", tier_r, size, base)
-        check = res.rows[0].gbps  # the checksum, measured first
+        check = res.rows[0].gbps * threads  # the checksum, measured first on one thread
         w, r = res.ratio_row("disk", "write"), res.ratio_row("disk", "read")
         res.notes.append(
-            "disk: the plain file I/O and one checksum pass in series would make "
-            f"{1 / (1 / w.gbps + 1 / check):.2f} GB/s write, "
+            f"disk: the plain file I/O and one checksum pass in series, {t}, would make "
+            f"at most {1 / (1 / w.gbps + 1 / check):.2f} GB/s write, "
             f"{1 / (1 / r.gbps + 1 / check):.2f} GB/s read (the tier's own bound here)"
         )
 
@@ -284,9 +296,8 @@ def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> N
                 cold_raw += measure(raw_read, 1, lambda: (chunks.clear_dst(), drop_page_cache()))
                 cold_tier += measure(tier_load, 1, lambda: (chunks.clear_dst(), drop_page_cache()))
             chunks.check_dst()
-            base = res.add(
-                "disk", "read cold", "plain files, preadv (cache dropped)", cold_raw, size, None
-            )
+            label = f"plain files, preadv (cache dropped), {t}"
+            base = res.add("disk", "read cold", label, cold_raw, size, None)
             res.add("disk", "read cold", "disk tier (cache dropped)", cold_tier, size, base)
             res.notes.append(
                 "disk: cold reads measured after sync + /proc/sys/vm/drop_caches before each run"
@@ -299,6 +310,7 @@ def bench_disk(res: Results, chunks: PoolChunks, workdir: str, repeat: int) -> N
     finally:
         tier.close()
         synced.close()
+        batch.close()
 
 
 # -- redis ---------------------------------------------------------------------------------
@@ -635,6 +647,12 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=int, default=8, help="chunk size in MiB (8)")
     ap.add_argument("--repeat", type=int, default=5, help="runs per figure; the median counts")
     ap.add_argument("--dir", default=None, help="directory for the disk files (a temp dir)")
+    ap.add_argument(
+        "--disk-threads",
+        type=int,
+        default=default_threads(),
+        help="the disk tier's threads, also used by the plain-file bound (default: cores, max 4)",
+    )
     args = ap.parse_args()
     chunk = args.chunk_mib * MIB
     s3_chunks = min(args.s3_chunks, args.chunks)
@@ -644,7 +662,7 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="tierkv-bench-tiers-", dir=args.dir)
     try:
         checksum_row(res, chunks, args.repeat)
-        bench_disk(res, chunks, workdir, args.repeat)
+        bench_disk(res, chunks, workdir, args.repeat, args.disk_threads)
         with redis_server(workdir) as url:
             if url is None:
                 res.notes.append("redis: redis-server is not installed; skipped")

@@ -368,6 +368,31 @@ def test_registry_and_options(tmp_path: Path) -> None:
         create_tier("disk", {"path": str(tmp_path / "e"), "capacity": 0})
     with pytest.raises(TierError, match="bad options"):
         create_tier("disk", {"path": str(tmp_path / "e"), "colour": "blue"})
+    for threads in ("0", "65", "-1", "many"):
+        with pytest.raises(TierError, match="threads"):
+            create_tier("disk", {"path": str(tmp_path / "e"), "threads": threads})
+    tier = create_tier("disk", {"path": str(tmp_path / "t"), "threads": "3"})
+    tier.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_large_batch_keeps_every_status_in_place(
+    make_tier: Callable[..., DiskTier], slots: Slots, threads: int
+) -> None:
+    """Batches above the parallel threshold: each chunk's own status, whichever thread ran
+    it; a damaged file in the middle is CORRUPT, an absent key MISSING, the rest exact."""
+    tier = make_tier(threads=threads)
+    keys = [key(f"batch-{i}") for i in range(12)]
+    assert tier.store([(k, slots.filled(k, MIB)) for k in keys]) == [True] * 12
+    Path(tier.file_path(keys[5])).write_bytes(b"\0" * (HEADER_SIZE + MIB))
+    wanted = [*keys[:8], key("absent"), *keys[8:]]
+    dst = [slots.blank(MIB) for _ in wanted]
+    statuses = tier.load(list(zip(wanted, dst, strict=True)))
+    expect = [LoadStatus.OK] * 13
+    expect[5], expect[8] = LoadStatus.CORRUPT, LoadStatus.MISSING
+    assert statuses == expect
+    for d, k, st in zip(dst, wanted, statuses, strict=True):
+        assert st is not LoadStatus.OK or same(d, k)
 
 
 def test_fsync_round_trip(make_tier: Callable[..., DiskTier], slots: Slots) -> None:
