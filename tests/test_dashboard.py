@@ -160,6 +160,7 @@ def test_dashboard_shows_live_figures(
 
     # Fixed figures: exactly the server's.
     assert page.num("pool-capacity") == before["pool"]["capacity"] == 8 * 2**20
+    assert 0 <= page.num("objects-pinned") <= page.num("objects-locked")
     assert page.num("engines-count") == LOADERS
     assert sorted(page.namespaces) == sorted(e["namespace"] for e in before["engines"])
     assert {"tier-pool", "tier-disk", "hits-pool", "hits-disk", "misses-evicted"} <= page.ids
