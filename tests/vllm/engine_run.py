@@ -9,14 +9,20 @@ cached-token count and the connector's ``kv_transfer_params["tierkv"]`` per prom
 config's ``out`` path.
 
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
-timeout (the connector's RPC timeout, default 2.0), tensor_parallel_size (default 1),
-prefix_caching, prompts ([{"tokens": [...], "salt": "..."|null}]), max_tokens, out, wait_for
-(a file to wait for before generating), done (a file to create after), report_clients (add
+timeout (the connector's RPC timeout, default 2.0), store_decode (the connector option),
+tensor_parallel_size (default 1), prefix_caching, prompts ([{"tokens": [...], "salt":
+"..."|null}], see below), max_tokens, out, wait_for (a file to wait for before generating),
+done (a file to create after), report_clients (add
 ``tierkv_clients`` to the output: the server's view of this engine's clients, its scheduler
 and one worker per rank, taken before the engine exits), kill_before_first_load (a pid to
 SIGKILL when the first tierkv load starts: the server dying between the lookup, which locked
 the chunks, and the retrieve; one rank only, as the patch applies to the worker in this
 process).
+
+A prompt may also set ``max_tokens`` and ``ignore_eos`` for itself, and continue an earlier
+answer (a next chat turn): with ``answer_of`` (an index) its tokens are ``tokens`` + the output
+tokens of that prompt (of this run, or of the engine whose output file ``answers`` names) +
+``then``. Each result holds ``prompt_len``.
 """
 
 from __future__ import annotations
@@ -74,14 +80,17 @@ def main(config_path: str) -> None:
 
     kwargs: dict[str, Any] = {}
     if config.get("endpoint"):
+        extra: dict[str, Any] = {
+            "endpoint": config["endpoint"],
+            "timeout": float(config.get("timeout", 2.0)),
+        }
+        if config.get("store_decode"):
+            extra["store_decode"] = True
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",
             "kv_role": config.get("role", "kv_both"),
-            "kv_connector_extra_config": {
-                "endpoint": config["endpoint"],
-                "timeout": float(config.get("timeout", 2.0)),
-            },
+            "kv_connector_extra_config": extra,
         }
     llm = LLM(
         model=config["model"],
@@ -102,16 +111,27 @@ def main(config_path: str) -> None:
                 raise SystemExit(f"gave up waiting for {config['wait_for']}")
             time.sleep(0.05)
 
-    params = SamplingParams(temperature=0.0, max_tokens=int(config.get("max_tokens", 8)))
-    results = []
+    results: list[dict[str, Any]] = []
     for prompt in config["prompts"]:
-        request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+        tokens = list(prompt["tokens"])
+        if "answer_of" in prompt:
+            answered = results
+            if prompt.get("answers"):
+                answered = json.loads(Path(prompt["answers"]).read_text())["results"]
+            tokens += answered[int(prompt["answer_of"])]["tokens"] + prompt.get("then", [])
+        request = TokensPrompt(prompt_token_ids=tokens)
         if prompt.get("salt"):
             request["cache_salt"] = prompt["salt"]
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=int(prompt.get("max_tokens", config.get("max_tokens", 8))),
+            ignore_eos=bool(prompt.get("ignore_eos", False)),
+        )
         (out,) = llm.generate([request], params, use_tqdm=False)
         transfer = out.kv_transfer_params or {}
         results.append(
             {
+                "prompt_len": len(tokens),
                 "tokens": list(out.outputs[0].token_ids),
                 "num_cached_tokens": out.num_cached_tokens,
                 "tierkv": transfer.get("tierkv"),

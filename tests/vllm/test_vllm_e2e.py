@@ -12,6 +12,8 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - ``kv_role`` is honoured: a producer never loads, a consumer never stores.
 - With tensor parallelism (2 ranks, one worker process each, gloo): every rank registers its
   own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
+- With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
+  (prompt + answer + new tokens) on another engine loads them.
 """
 
 from __future__ import annotations
@@ -83,6 +85,46 @@ def make_prompts(
         {"hit": 0, "loaded": 0},
     ]
     return a, b, expect
+
+
+def make_chat(vocab: int) -> list[dict[str, Any]]:
+    """Two conversations: a first prompt, its answer's length (greedy, EOS ignored) and what
+    the user adds in the next turn (``then``). Chunks of 256 tokens hold KV once computed."""
+    rng = random.Random(4321)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    return [
+        # 300 + 469 tokens, KV for the first 768: prompt chunk 0, then chunk 1 fills during
+        # the answer and chunk 2 in its final step.
+        {"tokens": tokens(300), "max_tokens": 469, "then": tokens(60)},
+        # No full prompt chunk; 200 + 312 = 512 tokens, but the last one sampled never gets
+        # KV: only chunk 0 (filled during the answer) can be stored.
+        {"tokens": tokens(200), "max_tokens": 312, "then": tokens(40)},
+    ]
+
+
+def first_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"tokens": c["tokens"], "max_tokens": c["max_tokens"], "ignore_eos": True} for c in chat
+    ]
+
+
+def next_turns(
+    chat: list[dict[str, Any]], answers: Path | None = None, first: int = 0
+) -> list[dict[str, Any]]:
+    """Prompt + answer + ``then``; the answers are results ``first``.. of this engine's run,
+    or of the engine whose output file is ``answers``."""
+    return [
+        {
+            "tokens": c["tokens"],
+            "answer_of": first + i,
+            "answers": str(answers) if answers else None,
+            "then": c["then"],
+        }
+        for i, c in enumerate(chat)
+    ]
 
 
 # -- engine processes ----------------------------------------------------------------------------
@@ -172,18 +214,36 @@ def workload(
 
 
 @pytest.fixture(scope="module")
-def reference(
-    tiny_model: Path, workload: Any, tmp_path_factory: pytest.TempPathFactory
+def chat(tiny_model: Path) -> list[dict[str, Any]]:
+    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+
+    return make_chat(tokenizer_size(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def reference_run(
+    tiny_model: Path,
+    workload: Any,
+    chat: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> list[list[int]]:
-    """B's prompts on an engine without tierkv: the tokens B must produce."""
+    """Output tokens on one engine without tierkv: B's prompts, the chat's first turns, then
+    its next turns (which reuse the answers' KV from vLLM's own prefix cache)."""
     _, prompts_b, _ = workload
+    prompts = prompts_b + first_turns(chat) + next_turns(chat, first=len(prompts_b))
     engine = Engine(
-        tmp_path_factory.mktemp("reference"), "reference", model=str(tiny_model), prompts=prompts_b
+        tmp_path_factory.mktemp("reference"), "reference", model=str(tiny_model), prompts=prompts
     )
     try:
         return [r["tokens"] for r in engine.results()]
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(workload: Any, reference_run: list[list[int]]) -> list[list[int]]:
+    """B's prompts on an engine without tierkv: the tokens B must produce."""
+    return reference_run[: len(workload[1])]
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -392,3 +452,72 @@ def test_tensor_parallel_instances_share_every_ranks_chunks(
     assert stats.objects == written and stats.stored_bytes == written * chunk
     assert stats.lookup_hits.get("pool") == 2 * hit_chunks
     assert stats.retrieved_bytes == 2 * hit_chunks * chunk
+
+
+def test_the_next_chat_turn_loads_the_answer_chunks_stored_while_decoding(
+    tiny_model: Path,
+    workload: Any,
+    chat: list[dict[str, Any]],
+    reference_run: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A (``store_decode``) answers two first turns; B (a fresh engine, default settings)
+    gets the next turns, prompt + A's answer + more: it loads the chunks A's answers filled."""
+    server = server_factory(pool_size="256MiB")
+    go = tmp_path / "b.go"
+    a = engines(
+        "A",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        store_decode=True,
+        prompts=first_turns(chat),
+    )
+    b = engines(
+        "B",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        prompts=next_turns(chat, a.out),
+        wait_for=str(go),
+    )
+    results_a = a.results()
+    with server.client(timeout=5.0) as client:
+        stored_by_a = client.stats().objects
+    go.touch()
+    results_b = b.results()
+
+    # Storing reads the paged cache only: A answers exactly as an engine without tierkv.
+    n = len(workload[1])
+    answers = reference_run[n : n + len(chat)]
+    assert [r["tokens"] for r in results_a] == answers
+    assert [len(t) for t in answers] == [c["max_tokens"] for c in chat]
+    # Chat 1: prompt chunk 0 and decode chunks 1-2; chat 2: decode chunk 0 only.
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [3, 1]
+    # (vLLM ends a request before it hands the connector its last step's worker reports: the
+    # pool's count shows chunk 2, the request's written_chunks does not.)
+    assert [r["tierkv"]["ranks"][0]["written_chunks"] for r in results_a] == [2, 1]
+    assert [r["tierkv"]["hit_tokens"] for r in results_a] == [0, 0]
+    assert stored_by_a == 4
+
+    # B's prompts: 829 and 552 tokens. Its hits go past the first turns' prompt chunks (1 and
+    # 0) into the answers; chat 2's chunk 1 ends with A's last token, which had no KV.
+    assert [r["prompt_len"] for r in results_b] == [829, 552]
+    for result, hit in zip(results_b, (3 * CHUNK, CHUNK), strict=True):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == hit, tierkv
+        assert tierkv["external_tokens"] == tierkv["loaded_tokens"] == hit, tierkv
+        assert tierkv["load_failed_from"] is None, tierkv
+        assert result["num_cached_tokens"] == hit
+    assert [r["tierkv"]["stored_chunks"] for r in results_b] == [0, 1]  # chat 2's chunk 1
+    # Chat 1: B and the reference's next turn start from the same KV for 768 tokens
+    # (computed while decoding, the same way in A and in the reference): the same tokens.
+    # Chat 2 is not compared: B prefills tokens 256-383, the reference reuses their decode KV,
+    # and those may differ in the last bits.
+    assert results_b[0]["tokens"] == reference_run[n + len(chat)]
+
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+    assert stats.objects == stored_by_a + 1
+    assert stats.lookup_hits.get("pool") == 4

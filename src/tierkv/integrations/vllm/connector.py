@@ -168,7 +168,11 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._require_scheduler().request_finished(request) or None
+        scheduler = self._require_scheduler()
+        params = scheduler.request_finished(request, block_ids)
+        # True: a last decode chunk is stored next step; the workers then report the request
+        # in get_finished (finished sending) and vLLM frees its blocks.
+        return scheduler.keeps_blocks(request.request_id), params or None
 
     # -- both ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -1,6 +1,8 @@
 """What the connector's two roles tell each other every engine step.
 
-Scheduler -> workers (:class:`TierKVConnectorMetadata`): the loads and stores of this step.
+Scheduler -> workers (:class:`TierKVConnectorMetadata`): the loads and stores of this step,
+and the finished requests whose blocks the scheduler kept for a last store (``release``: once
+this step's stores ran, each worker reports them to vLLM as finished sending).
 Workers -> scheduler (:class:`TierKVWorkerMetadata`): what each rank's loads and stores
 actually did, so the scheduler can report it per request (and per rank) and store again what
 had to be recomputed. vLLM pickles both across processes; with several ranks its output
@@ -25,6 +27,7 @@ from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec
 class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
 
 
 @dataclass

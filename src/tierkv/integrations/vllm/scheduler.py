@@ -12,7 +12,8 @@ Per request, in vLLM's order:
 2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
    without, free the lookup's locks (vLLM computes those chunks itself).
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
-   complete after this step's forward pass and not already known to be cached.
+   complete after this step's forward pass and not already known to be cached. With
+   ``store_decode`` also the chunks that fill up while the request decodes (see below).
 4. ``update_connector_output``: what each rank loaded and wrote; chunks that failed (on any
    rank) are stored again once recomputed.
 5. ``request_finished``: end the server session; report the request's figures in
@@ -22,6 +23,21 @@ Per request, in vLLM's order:
    store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
    wrote into the pool, not counting those already cached), as reported by the workers before
    the request finished.
+
+Decode chunks (``store_decode``). A chunk of the request's whole token sequence (prompt, then
+output tokens) is stored once every one of its tokens has KV in the paged cache and a known id:
+a token sampled in step t gets its KV in step t+1, so the chunk it completes is planned in step
+t+1 (with async scheduling, whose ids lag a step behind, in step t+2). The last sampled token
+never gets KV: the chunk it would complete is not stored. Keys are those of prompt chunks
+(vLLM's block hashes cover output blocks too; token ids come from ``request.all_token_ids``),
+so a later prompt that starts with this sequence hits them. Every chunk is handed out once: a
+preempted request keeps its count (what it stored stays valid); only a failed load lowers it,
+to the failure, as for prompt chunks (vLLM recomputes from there; the server skips a chunk it
+already holds). A request that finishes with a complete chunk no step planned (only with async
+scheduling) gets it planned into the next step by ``request_finished``; :meth:`keeps_blocks`
+then tells vLLM to keep its blocks, and the workers report it finished sending once that step's
+store ran, which frees them. Workers run steps in order: a store planned for a step reads its
+blocks before any later step can reuse them.
 
 Every RPC goes through :class:`ServerLink`: a slow or dead server is a miss, never a stall.
 """
@@ -59,7 +75,8 @@ class RequestState:
 
     request: Any  # vllm.v1.request.Request (block hashes grow as tokens are added)
     salt: str
-    prompt_chunks: int  # full chunks in the prompt: the only ones looked up and stored
+    prompt_chunks: int  # full chunks in the prompt: the only ones looked up (and stored,
+    # unless store_decode)
     cacheable: bool
     phase: str = NEW
     lookup_chunks: int = 0
@@ -69,6 +86,7 @@ class RequestState:
     prefetch_deadline: float = 0.0
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup was answered
     pending_load: LoadSpec | None = None
+    loading: bool = False  # a load was planned and no worker has reported it yet
     external_tokens: int = 0  # tokens vLLM agreed to load from tierkv
     loaded_tokens: int = 0  # tokens the workers reported loaded (every rank)
     rank_loaded: dict[int, int] = field(default_factory=dict)  # tokens loaded, by rank
@@ -106,9 +124,12 @@ class SchedulerSide:
         self.can_load = can_load
         self.can_save = can_save
         self.chunk_size = settings.chunk_size
+        self.store_decode = settings.store_decode
         self.bpc = blocks_per_chunk(self.chunk_size, block_size)
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
+        # Last stores of finished requests (and their release), for the next step.
+        self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler")
 
     def _register(self, client: Client) -> None:
@@ -149,8 +170,12 @@ class SchedulerSide:
                 request.block_hashes, num_chunks, self.chunk_size, self.hash_block_size
             )
             return None if hashes is None else {"hashes": hashes}
-        prompt = request.prompt_token_ids
-        return {"tokens": keys.pack_tokens(prompt[: num_chunks * self.chunk_size])}
+        end = num_chunks * self.chunk_size
+        if num_chunks <= state.prompt_chunks:
+            ids = request.prompt_token_ids[:end]
+        else:
+            ids = request.all_token_ids[:end]  # prompt then output tokens
+        return {"tokens": keys.pack_tokens(ids)}
 
     # -- lookup ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -237,7 +262,11 @@ class SchedulerSide:
         if state is None or state.phase == ALLOCATED:
             return  # a second call once an asynchronous load is done: nothing new
         state.block_ids = list(block_ids)
-        state.saved_chunks = state.hits
+        if self.store_decode:
+            # After a preemption: what was stored before is still valid, not stored again.
+            state.saved_chunks = max(state.hits, state.saved_chunks)
+        else:
+            state.saved_chunks = state.hits
         if num_external_tokens > 0 and state.hits > 0:
             start = state.local_tokens
             end = start + num_external_tokens
@@ -249,13 +278,14 @@ class SchedulerSide:
                 tuple(block_ids[start_block:end_block]),
             )
             state.external_tokens = num_external_tokens
+            state.loading = True
         elif state.session:
             self._free_locks(state)
         state.phase = ALLOCATED
 
     # -- per-step metadata -----------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
-        meta = TierKVConnectorMetadata()
+        meta, self._final = self._final, TierKVConnectorMetadata()
         for waiting in self.requests.values():
             if waiting.pending_load is not None:
                 meta.loads.append(waiting.pending_load)
@@ -284,17 +314,18 @@ class SchedulerSide:
 
     def _plan_store(
         self, state: RequestState, computed: int, meta: TierKVConnectorMetadata
-    ) -> None:
-        """Store the prompt chunks that are complete once this step has run."""
+    ) -> bool:
+        """Store the chunks that are complete once this step has run (``computed`` tokens have
+        KV): prompt chunks, and with ``store_decode`` output chunks too. True if planned."""
         if not self.can_save or not state.cacheable:
-            return
-        done = min(state.prompt_chunks, full_chunks(computed, self.chunk_size))
+            return False
+        done = self._storable_chunks(state, computed)
         first = state.saved_chunks
         if done <= first or len(state.block_ids) < done * self.bpc:
-            return
+            return False
         selector = self._selector(state, done)
         if selector is None:
-            return
+            return False
         meta.stores.append(
             StoreSpec(
                 state.request.request_id,
@@ -308,6 +339,19 @@ class SchedulerSide:
         )
         state.stored_chunks += done - first
         state.saved_chunks = done
+        return True
+
+    def _storable_chunks(self, state: RequestState, computed: int) -> int:
+        """Leading chunks whose tokens all have KV (``computed``) and known keys."""
+        if not self.store_decode:
+            return min(state.prompt_chunks, full_chunks(computed, self.chunk_size))
+        request = state.request
+        # Ids are known up to num_tokens: with async scheduling, not those of the step in
+        # flight; spec-decode drafts are never among them.
+        tokens = min(computed, request.num_tokens)
+        if self.use_block_hashes:
+            tokens = min(tokens, len(request.block_hashes) * self.hash_block_size)
+        return full_chunks(tokens, self.chunk_size)
 
     def update_connector_output(self, worker_meta: Any) -> None:
         if not isinstance(worker_meta, TierKVWorkerMetadata):
@@ -325,19 +369,24 @@ class SchedulerSide:
             state = self.requests.get(rid)
             if state is not None:
                 state.loaded_tokens = tokens
+                state.loading = False
         for rid, token in worker_meta.failed_from.items():
             state = self.requests.get(rid)
             if state is None:
                 continue
             state.failed_from = token
+            state.loading = False
             # What failed is recomputed by vLLM: store it again once it is.
             state.saved_chunks = min(state.saved_chunks, token // self.chunk_size)
 
     # -- end of a request ------------------------------------------------------------------
-    def request_finished(self, request: Any) -> dict[str, Any]:
+    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> dict[str, Any]:
+        """End the request; its figures for ``kv_transfer_params``. ``block_ids``: its blocks
+        as vLLM hands them over (for a last decode chunk, see :meth:`keeps_blocks`)."""
         state = self.requests.pop(request.request_id, None)
         if state is None:
             return {}
+        self._plan_last_store(state, block_ids)
         self._end_session(state)
         return {
             "tierkv": {
@@ -356,6 +405,23 @@ class SchedulerSide:
                 ],
             }
         }
+
+    def keeps_blocks(self, request_id: str) -> bool:
+        """Whether a finished request's blocks must outlive ``request_finished``: a store of
+        them is planned for the next step, whose workers then report the request finished."""
+        return request_id in self._final.release
+
+    def _plan_last_store(self, state: RequestState, block_ids: list[int] | None) -> None:
+        """Plan the complete chunks of a finished request that no step planned yet."""
+        if not self.store_decode or state.loading or state.phase != ALLOCATED:
+            return  # a request still loading is vLLM's to keep until the load is reported
+        request = state.request
+        # KV computed in steps already run (not a step still in flight with async scheduling).
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if block_ids is not None:
+            state.block_ids = list(block_ids)
+        if self._plan_store(state, computed, self._final):
+            self._final.release.append(request.request_id)
 
     def _free_locks(self, state: RequestState) -> None:
         rid = state.request.request_id

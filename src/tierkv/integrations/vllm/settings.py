@@ -19,6 +19,11 @@ Every key is optional::
                     the last axis of a [blocks, heads, tokens, 2*head_size] cache) or "native"
                     (blocks stored as they are, shared only with identical engines);
                     default "auto" (known backends only)
+    store_decode    also store the chunks that become full while the request decodes, keyed
+                    over prompt + output tokens, so that a later prompt continuing this
+                    conversation (the next chat turn) hits them (default false: prompt
+                    chunks only, like LMCache's save_decode_cache); lookups still cover
+                    only a request's prompt
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class ConnectorSettings:
     model_id: str = ""
     tenant: str = ""
     kv_layout: str = "auto"
+    store_decode: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -72,6 +78,7 @@ class ConnectorSettings:
             model_id=str(extra.get("model_id", "")),
             tenant=str(extra.get("tenant", "")),
             kv_layout=str(extra.get("kv_layout", "auto")),
+            store_decode=_flag(extra, "store_decode", False),
         )
         if settings.chunk_size <= 0:
             raise SettingsError("kv_connector_extra_config.chunk_size must be positive")
@@ -90,6 +97,13 @@ class ConnectorSettings:
                 f"not {settings.kv_layout!r}"
             )
         return settings
+
+
+def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise SettingsError(f"kv_connector_extra_config.{key} must be true or false, not {value!r}")
+    return value
 
 
 def _number(extra: Mapping[str, Any], key: str, default: float, kind: type) -> Any:

@@ -13,6 +13,8 @@ engine id its scheduler looks up with). Then, every step:
 - stores (``wait_for_save``, after the forward pass): reserve slots for the chunks the
   scheduler planned, copy each straight from the blocks into its slot, commit. Chunks the
   pool already holds are skipped by the server. A failed store is a future miss, nothing else.
+  Finished requests whose blocks the scheduler kept for a last store (``meta.release``) are
+  reported as finished sending once this step's stores ran, stored or not: vLLM frees them.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class WorkerSide:
         self.bpc = 0
         self.link = ServerLink(settings, self._register, f"worker rank {rank}")
         self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
@@ -168,12 +171,12 @@ class WorkerSide:
     # -- stores ----------------------------------------------------------------------------
     def wait_for_save(self, meta: TierKVConnectorMetadata) -> None:
         failed, self._failed_this_step = self._failed_this_step, set()
-        if not meta.stores or self.layout is None or not self.can_save:
-            return
-        for spec in meta.stores:
-            if spec.request_id in failed:
-                continue  # never store what was computed on top of a failed load
-            self._store(spec)
+        if meta.stores and self.layout is not None and self.can_save:
+            for spec in meta.stores:
+                if spec.request_id in failed:
+                    continue  # never store what was computed on top of a failed load
+                self._store(spec)
+        self._finished_sending.update(meta.release)  # their last store has run
 
     def _store(self, spec: StoreSpec) -> None:
         layout = self.layout
@@ -200,8 +203,10 @@ class WorkerSide:
 
     # -- per-step results ------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending: released after their last store, finished loading)."""
+        sent, self._finished_sending = self._finished_sending, set()
         done, self._finished_recving = self._finished_recving, set()
-        return None, (done or None)
+        return (sent or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
