@@ -3,7 +3,9 @@ and worker roles driven by hand against a real tierkv server and real vLLM CPU K
 
 The role tests play vLLM's part: they call the scheduler side the way vLLM's scheduler does
 (lookup, allocation, per-step metadata) and hand the metadata to worker sides that own real
-paged caches, then check the bytes that land in the blocks.
+paged caches, then check the bytes that land in the blocks. The ``store_decode`` tests also play
+decoding, step by step, in vLLM's synchronous order (the token sampled in a step is known when
+the next one is planned) and in its async-scheduling order (known one step later).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -186,9 +188,15 @@ def make_engine(
     timeout: float = 5.0,
     world_size: int = 1,
     retry_interval: float = 5.0,
+    store_decode: bool = False,
 ) -> Engine:
     settings = ConnectorSettings.from_extra_config(
-        {"endpoint": endpoint, "timeout": timeout, "retry_interval": retry_interval}
+        {
+            "endpoint": endpoint,
+            "timeout": timeout,
+            "retry_interval": retry_interval,
+            "store_decode": store_decode,
+        }
     )
     can_load, can_save = role != "kv_producer", role != "kv_consumer"
     scheduler = SchedulerSide(
@@ -231,6 +239,10 @@ def request(rid: str, tokens: list[int]) -> Any:
         prompt_token_ids=tokens,
         num_prompt_tokens=len(tokens),
         num_tokens=len(tokens),
+        all_token_ids=list(tokens),
+        num_computed_tokens=0,
+        num_in_flight_tokens=0,
+        blocks=[],  # the test's own record of the request's block table
         block_hashes=[],
         cache_salt=None,
         lora_request=None,
@@ -240,17 +252,26 @@ def request(rid: str, tokens: list[int]) -> Any:
     )
 
 
-def step_output(new: list[tuple[str, list[int], int, int]]) -> Any:
-    """A SchedulerOutput with new requests (id, block ids, computed before, scheduled)."""
+def step_output(
+    new: list[tuple[str, list[int], int, int]],
+    cached: Sequence[tuple[str, list[int], int, int]] = (),
+    resumed: Collection[str] = (),
+) -> Any:
+    """A SchedulerOutput with new requests (id, block ids, computed before, scheduled) and
+    running ones (id, new block ids, or all of them if ``resumed``, computed before,
+    scheduled)."""
     return SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
             for rid, blocks, computed, _ in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+            req_ids=[rid for rid, _, _, _ in cached],
+            resumed_req_ids=set(resumed),
+            new_block_ids=[(blocks,) if blocks else None for _, blocks, _, _ in cached],
+            num_computed_tokens=[computed for _, _, computed, _ in cached],
         ),
-        num_scheduled_tokens={rid: n for rid, _, _, n in new},
+        num_scheduled_tokens={rid: n for rid, _, _, n in [*new, *cached]},
     )
 
 
@@ -520,3 +541,226 @@ def test_ranks_that_time_out_on_a_stalled_server_still_serve_their_engine(server
         ("worker", 0),
         ("worker", 1),
     ]
+
+
+# -- decode chunks (store_decode) ----------------------------------------------------------------
+def start(engine: Engine, req: Any) -> int:
+    """The lookup and allocation of a request vLLM admits (all its blocks at once); the tokens
+    tierkv will load."""
+    external, _ = ask(engine, req)
+    assert external is not None
+    req.blocks = engine.blocks(-(-req.num_tokens // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, req.blocks, external)
+    return external
+
+
+def run_step(
+    engine: Engine,
+    req: Any,
+    computed: int,
+    scheduled: int,
+    *,
+    new: bool = False,
+    resumed: bool = False,
+) -> TierKVConnectorMetadata:
+    """One engine step in which ``req`` computes tokens ``[computed, computed + scheduled)``:
+    the scheduler output (with the blocks the step adds), the workers' loads and saves after
+    the forward pass, their reports."""
+    missing = -(-(computed + scheduled) // BLOCK) - len(req.blocks)
+    fresh = engine.blocks(missing) if missing > 0 else []
+    req.blocks += fresh
+    rid = req.request_id
+    if new:
+        output = step_output([(rid, req.blocks, computed, scheduled)])
+    else:
+        blocks = req.blocks if resumed else fresh
+        output = step_output([], [(rid, blocks, computed, scheduled)], {rid} if resumed else ())
+    meta = engine.scheduler.build_connector_meta(output)
+    for worker in engine.workers:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
+    req.num_computed_tokens = computed + scheduled
+    return meta
+
+
+def sample(req: Any) -> None:
+    """vLLM appends the token a step sampled (the next step computes its KV)."""
+    req.all_token_ids.append(9000 + req.num_tokens)
+    req.num_tokens += 1
+
+
+def planned(meta: TierKVConnectorMetadata) -> list[tuple[int, int]]:
+    return [(spec.first_chunk, spec.end_chunk) for spec in meta.stores]
+
+
+def decode(engine: Engine, req: Any, until: int, *, lag: bool = False) -> dict[int, Any]:
+    """Decode one token a step until ``req`` holds ``until`` known tokens. Per step that
+    planned stores, keyed by the tokens with KV after it: the chunk ranges. ``lag``: async
+    scheduling, where a step is planned before the previous step's token is known (its input
+    is a placeholder)."""
+    plans = {}
+    while req.num_tokens < until:
+        computed = req.num_tokens if lag else req.num_tokens - 1
+        meta = run_step(engine, req, computed, 1)
+        if meta.stores:
+            plans[computed + 1] = planned(meta)
+        sample(req)
+    return plans
+
+
+def assert_loads_blocks(server: Any, a: Engine, a_blocks: list[int], tokens: list[int]) -> None:
+    """A fresh engine whose prompt is ``tokens`` loads ``len(a_blocks)`` blocks: on every rank
+    the bytes of A's blocks."""
+    b = make_engine(server.endpoint, f"engine-b-{len(tokens)}", world_size=len(a.workers))
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(spec.start_block, spec.end_block) for spec in meta.loads] == [(0, len(a_blocks))]
+    for rank, worker in enumerate(b.workers):
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+        for a_block, b_block in zip(a_blocks, b_blocks, strict=False):
+            got, want = b.block_bytes(b_block, rank), a.block_bytes(a_block, rank)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    b.scheduler.request_finished(req)
+
+
+def test_store_decode_is_off_by_default_and_must_be_a_flag() -> None:
+    assert ConnectorSettings.from_extra_config({"endpoint": "x"}).store_decode is False
+    assert ConnectorSettings.from_extra_config({"store_decode": True}).store_decode is True
+    with pytest.raises(SettingsError, match="store_decode"):
+        ConnectorSettings.from_extra_config({"store_decode": "yes"})
+
+
+def test_decode_chunks_are_stored_once_each_in_the_step_that_fills_them(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2, store_decode=True)
+    req = request("a-1", list(range(100, 400)))  # 300 tokens: one full prompt chunk
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    # A token gets its KV in the step after the one that sampled it: chunk 1 is stored in the
+    # step whose input is token 511, chunk 2 in the last step (input 767, sampling token 768).
+    assert decode(a, req, 769) == {512: [(1, 2)], 768: [(2, 3)]}
+    report = a.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert not a.scheduler.keeps_blocks("a-1")  # nothing left to store
+    assert report["stored_chunks"] == 3
+    assert [rank["written_chunks"] for rank in report["ranks"]] == [3, 3]
+    assert a.scheduler.build_connector_meta(step_output([])) == TierKVConnectorMetadata()
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == 6  # 3 chunks per rank; token 768 had no KV
+
+    # The next turn, prompt + answer + more, loads all of it, each rank its own.
+    assert_loads_blocks(server, a, req.blocks[:6], req.all_token_ids + [5] * 60)
+
+
+def test_default_settings_store_prompt_chunks_only(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a")
+    req = request("a-1", list(range(100, 400)))
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    assert decode(a, req, 600) == {}
+    assert a.scheduler.request_finished(req, req.blocks)["tierkv"]["stored_chunks"] == 1
+    assert not a.scheduler.keeps_blocks("a-1")
+
+
+def test_a_chunk_completed_before_the_request_ends_unplanned_is_stored_before_its_blocks_go(
+    server: Any,
+) -> None:
+    """Async scheduling: each step is planned before the previous step's token is known, so
+    the chunk that the last computed token completes is planned by ``request_finished``, into
+    the next step; vLLM keeps the blocks until the workers report that step's store."""
+    a = make_engine(server.endpoint, "engine-a", world_size=2, store_decode=True)
+    req = request("a-1", list(range(100, 350)))  # 250 tokens: no full prompt chunk
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 250, new=True)) == []
+    # Token 255 gets its KV in the step that computes 256 tokens; its id is known a step later.
+    assert decode(a, req, 512, lag=True) == {257: [(0, 1)]}
+    # Token 511 got its KV in the last step, but its id came after that step was planned.
+    # max_tokens reached: vLLM schedules the request no more, then ends it.
+    assert planned(a.scheduler.build_connector_meta(step_output([]))) == []
+    sample(req)  # the last token, never computed
+    report = a.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 2
+    assert a.scheduler.keeps_blocks("a-1")  # the connector answers vLLM: do not free them
+    meta = a.scheduler.build_connector_meta(step_output([]))
+    assert planned(meta) == [(1, 2)] and meta.release == ["a-1"]
+    for worker in a.workers:
+        worker.wait_for_save(meta)
+        assert worker.get_finished() == ({"a-1"}, None)  # finished sending: vLLM frees them
+    assert not a.scheduler.keeps_blocks("a-1")
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == 4
+    assert_loads_blocks(server, a, req.blocks[:4], req.all_token_ids + [5] * 10)
+
+    # A request that ends while the step computing its last chunk's final token is still in
+    # flight (an EOS sampled the step before): that chunk is not stored, the blocks are freed.
+    req = request("a-2", list(range(2000, 2250)))
+    assert start(a, req) == 0
+    run_step(a, req, 0, 250, new=True)
+    assert decode(a, req, 511, lag=True) == {257: [(0, 1)]}
+    run_step(a, req, 511, 1)  # token 511 is this step's input, not known yet
+    req.num_in_flight_tokens = 1
+    sample(req)  # token 511 is EOS: vLLM ends the request, its last step still in flight
+    assert a.scheduler.request_finished(req, req.blocks)["tierkv"]["stored_chunks"] == 1
+    assert not a.scheduler.keeps_blocks("a-2")
+    assert a.scheduler.build_connector_meta(step_output([])) == TierKVConnectorMetadata()
+
+
+def test_a_preempted_request_does_not_store_its_chunks_again(server: Any) -> None:
+    engine = make_engine(server.endpoint, "engine-a", store_decode=True)
+    req = request("r-1", list(range(100, 400)))
+    assert start(engine, req) == 0
+    assert planned(run_step(engine, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    assert decode(engine, req, 520) == {512: [(1, 2)]}
+
+    # Preempted: vLLM frees its blocks and computes it again. Its lookup covers the prompt.
+    engine.free += req.blocks
+    req.blocks, req.num_computed_tokens = [], 0
+    assert start(engine, req) == CHUNK
+    meta = engine.scheduler.build_connector_meta(step_output([]))
+    assert [(spec.start_block, spec.end_block) for spec in meta.loads] == [(0, 2)]
+    assert meta.stores == []
+    for worker in engine.workers:
+        worker.start_load_kv(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
+    # Resumed: the rest of the prompt and the output so far in one step, chunk 1 complete again.
+    assert planned(run_step(engine, req, CHUNK, 520 - CHUNK, resumed=True)) == []
+    sample(req)
+    assert decode(engine, req, 769) == {768: [(2, 3)]}
+    report = engine.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 3 and report["loaded_tokens"] == CHUNK
+
+
+def test_nothing_is_stored_on_top_of_a_failed_load(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a")
+    b = make_engine(server.endpoint, "engine-b", store_decode=True)
+    tokens = list(range(3000, 3600))  # 2 full chunks
+    compute_and_store(a, "a-1", tokens)
+
+    req = request("b-1", tokens)
+    assert start(b, req) == 2 * CHUNK
+    b.scheduler.link.call("end_session", lambda c: c.end_session("b-1"), 0)  # locks gone
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert meta.stores == []  # vLLM does not run a request while it loads
+    # Were a chunk of it stored in the step its load fails, the worker would drop it.
+    stray = StoreSpec("b-1", 2, 3, tuple(req.blocks[4:6]), tokens=pack_tokens(tokens[:512] * 2))
+    meta.stores.append(stray)
+    with server.client(timeout=5.0) as admin:
+        objects = admin.stats().objects
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set(req.blocks[:4])
+    assert b.worker.stats["stored_chunks"] == 0
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == objects
+    b.scheduler.update_connector_output(b.worker.build_worker_meta())
+
+    # vLLM recomputes it all (the failure was at token 0), then decodes: every chunk is
+    # planned once, after the step that computed it.
+    assert planned(run_step(b, req, 0, 600, new=True)) == [(0, 2)]
+    sample(req)
+    assert decode(b, req, 769) == {768: [(2, 3)]}
+    report = b.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 3 and report["load_failed_from"] == 0
