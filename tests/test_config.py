@@ -354,7 +354,8 @@ def test_tcp_auth_token(tcp_server: TcpServerProcess) -> None:
     srv = tcp_server
     assert not (srv.runtime_dir / "rpc.sock").exists()  # TCP only, no ipc socket
     data = list(range(3, 3 + 2 * 256))
-    for token in ("", "wrong", TOKEN[:-1]):
+    # Non-ASCII text too: compared as bytes, just a wrong token (not an internal error).
+    for token in ("", "wrong", TOKEN[:-1], "pässwört-🔑"):
         with Client(srv.endpoint, auth_token=token, timeout=5.0) as client:
             client.ping()  # liveness needs no token
             with pytest.raises(NotRegisteredError, match="auth token") as exc:
@@ -371,7 +372,15 @@ def test_tcp_auth_token(tcp_server: TcpServerProcess) -> None:
         for i in range(2):
             np.testing.assert_array_equal(out[i], chunk_data(data, i))
         s = client.stats()
-        assert s.clients == 1 and s.errors.get("unauthorized", 0) == 6
+        assert s.clients == 1 and s.errors.get("unauthorized", 0) == 8
+        assert "internal" not in s.errors
+    # The whole pool is an admin request: a wrong token, non-ASCII or not, is refused.
+    for token in ("wrong", "пароль"):
+        with (
+            Client(srv.endpoint, auth_token=token, timeout=5.0) as admin,
+            pytest.raises(ServerError, match="auth token"),
+        ):
+            admin.clear()
 
 
 def test_ipc_socket_and_pool_modes(tmp_path: Path) -> None:

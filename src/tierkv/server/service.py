@@ -214,7 +214,7 @@ class CacheService:
                 f"client speaks protocol {req.protocol}, server {__version__} speaks "
                 f"{p.PROTOCOL_VERSION}: upgrade the older side",
             )
-        if self.cfg.auth_token and not secrets.compare_digest(req.auth_token, self.cfg.auth_token):
+        if not self._token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "wrong or missing auth token")
         if req.role not in (p.ROLE_WORKER, p.ROLE_SCHEDULER):
             raise RequestError(
@@ -733,9 +733,7 @@ class CacheService:
         client = self._client(req.client) if req.client else None
         if client is not None and not req.everything:
             return p.Ok(req.rid, self.clear_cache(self._namespaces_of(client)))
-        if self.cfg.auth_token and not secrets.compare_digest(
-            req.auth_token.encode(), self.cfg.auth_token.encode()
-        ):
+        if not self._token_ok(req.auth_token):
             raise RequestError(
                 p.ErrorCode.UNAUTHORIZED,
                 "clearing the whole pool needs the auth token (--auth-token); a registered "
@@ -793,16 +791,17 @@ class CacheService:
             for c, sessions in clients
         ]
 
+    def _token_ok(self, given: str) -> bool:
+        """Whether ``given`` is the server's auth token (always, on a server without one).
+        Compared as bytes in constant time: any text, non-ASCII included, is just wrong."""
+        token = self.cfg.auth_token
+        return not token or secrets.compare_digest(given.encode(), token.encode())
+
     def ping(self, req: p.Ping) -> p.Ok:
         return p.Ok(req.rid)
 
     def stats(self, req: p.GetStats) -> p.Stats:
-        token = self.cfg.auth_token
-        if (
-            token
-            and req.client not in self._clients
-            and not secrets.compare_digest(req.auth_token, token)
-        ):
+        if req.client not in self._clients and not self._token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         s = self.index.stats()
         requests, errors = self.request_counts()
