@@ -124,7 +124,8 @@ class ControlServer:
             return m.Refused(0, f"unauthenticated cluster request: {why} (--auth-token)")
         try:
             req = self._decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             self.malformed += 1
             return m.Refused(0, f"malformed cluster request: {exc}")
         handler = self.handlers.get(type(req))
@@ -176,7 +177,11 @@ class ControlClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.connect(tcp(addr))
+        try:
+            sock.connect(tcp(addr))
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
         return sock
 
     def _give_back(self, addr: str, sock: zmq.Socket[Any], clean: bool) -> None:
@@ -220,7 +225,13 @@ class ControlClient:
             msg.rid = next(self._rids)
             payload = m.encode(msg)
             auth = self.signer.sign_request(payload)
-            sock = self._lease(addr)
+            try:
+                sock = self._lease(addr)
+            except zmq.ZMQError as exc:
+                # An address ZMQ cannot parse (a bogus member's): no reply, like a timeout;
+                # the other requests of this call go on.
+                log.debug("cannot reach cluster peer %r: %s", addr, exc)
+                continue
             try:
                 sock.send_multipart([auth, payload], zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -245,7 +256,7 @@ class ControlClient:
                         continue
                     try:
                         reply = m.reply_decoder.decode(frames[1])
-                    except (msgspec.DecodeError, msgspec.ValidationError):
+                    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                         continue
                     # Unverifiable replies are ignored, except a refusal: a peer with another
                     # secret cannot sign for us, and a forged refusal only fails this call.

@@ -36,6 +36,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
+from tierkv.keys import KEY_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ MAX_HOLDERS = 4  # holders remembered per key (newest kept)
 BATCH = 65536  # entries per message
 
 _T = TypeVar("_T")
+_WHERE = frozenset(int(w) for w in Where)
+
+
+def _valid(key: bytes, where: int) -> bool:
+    """An entry the ring can place and a resolve can read back; a buggy member's others are
+    dropped (one key of another length would fail every later rebalance)."""
+    return len(key) == KEY_SIZE and where in _WHERE
 
 
 class Location(NamedTuple):
@@ -442,13 +450,14 @@ class HashDirectory(Directory):
     # -- control handlers (on the control server thread) -----------------------------------
     def on_publish(self, req: m.Publish) -> m.Done:
         self.counts["served_publish"] += 1
-        return m.Done(req.rid, self.shard.put(req.holder, req.incarnation, req.entries))
+        entries = [(k, w) for k, w in req.entries if _valid(k, w)]
+        return m.Done(req.rid, self.shard.put(req.holder, req.incarnation, entries))
 
     def on_unpublish(self, req: m.Unpublish) -> m.Done:
         return m.Done(req.rid, self.shard.remove(req.holder, req.keys))
 
     def on_handoff(self, req: m.Handoff) -> m.Done:
-        n = self.shard.put_many(req.entries)
+        n = self.shard.put_many([e for e in req.entries if _valid(e[0], e[3])])
         self.counts["handoff_received"] += n
         return m.Done(req.rid, n)
 

@@ -40,7 +40,8 @@ def _lenient_rid(payload: bytes | memoryview) -> int:
         raw = msgspec.msgpack.decode(payload)
     except Exception:
         return 0
-    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], int):
+    # Not a bool (an int subclass): echoed as msgpack true/false, no reply would decode.
+    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int:
         return raw[1]
     return 0
 
@@ -150,7 +151,8 @@ class RpcServer:
         payload = frames[-1].buffer  # decoded fields are copies: nothing outlives the frame
         try:
             req = self._decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             reply: Any = self.service.malformed(
                 _lenient_rid(payload), _describe_malformed(payload, exc)
             )
