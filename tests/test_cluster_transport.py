@@ -169,6 +169,23 @@ def test_a_dead_holder_is_an_error_not_a_hang(reader: TcpTransport) -> None:
     assert reader.fetch_many([(peer, slots(data))])[0] == [LoadStatus.ERROR] * 2
 
 
+def test_a_member_with_an_unusable_data_address_fails_only_its_own_batch(
+    reader: TcpTransport,
+) -> None:
+    data = chunks(2)
+    h = holder(data)
+    try:
+        for bad in ("garbage", "", "host:port", "127.0.0.1:99999", "127.0.0.1:0", "[::1"):
+            peer = m.MemberInfo("bogus", "127.0.0.1:1", bad, 1)
+            items = slots(data)
+            out = reader.fetch_many([(peer, [(os.urandom(32), memoryview(bytearray(8)))]),
+                                     (info(h), items)])  # fmt: skip
+            assert out == [[LoadStatus.ERROR], [LoadStatus.OK] * 2], bad
+            assert all(bytes(v) == data[k] for k, v in items)
+    finally:
+        h.close()
+
+
 def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:
     data = chunks(1)
     h = holder(data)

@@ -457,7 +457,14 @@ class TcpTransport(Transport):
                     conn.sock.close()
 
     def _connect(self, peer: m.MemberInfo) -> _Conn:
-        host, port = split_host_port(peer.data)
+        try:
+            host, port = split_host_port(peer.data)
+            if not 0 < port < 65536:
+                raise ValueError(port)
+        except ValueError:  # a member advertising nonsense: a failed fetch, like a dead one
+            raise ConnectionError(
+                f"peer {peer.node_id} advertises an unusable data address {peer.data!r}"
+            ) from None
         sock = socket.create_connection((host, port), timeout=self.timeout)
         try:
             _tune(sock)
