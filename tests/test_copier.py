@@ -84,3 +84,10 @@ def test_the_first_error_of_a_pool_thread_is_raised() -> None:
             copier.run(work, [0, 1], [10, 10])
     finally:
         copier.close()
+
+
+def test_fewer_than_one_thread_is_refused() -> None:
+    for threads in (0, -1):
+        with pytest.raises(ValueError, match="at least 1"):
+            Copier(threads=threads)
+    assert Copier(threads=None).threads >= 1

@@ -103,3 +103,8 @@ def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(
         assert a.store(tokens, chunks).stored == [0, 1, 2]
         assert a.clear(everything=True) == 6
         assert b.lookup(tokens).hits == 0
+
+
+def test_copy_threads_below_one_are_refused(server: ServerProcess) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        server.client(copy_threads=0)

@@ -49,7 +49,9 @@ class Copier:
     """Runs one function over the items of a batch with up to ``threads`` threads."""
 
     def __init__(self, threads: int | None = None, min_bytes: int = DEFAULT_MIN_BYTES) -> None:
-        self.threads = default_threads() if threads is None else max(1, threads)
+        if threads is not None and threads < 1:
+            raise ValueError(f"copy threads must be at least 1 (None: automatic), not {threads}")
+        self.threads = default_threads() if threads is None else threads
         self.min_bytes = min_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
