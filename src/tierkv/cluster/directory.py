@@ -197,7 +197,7 @@ class HashDirectory(Directory):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to unpublish
-        self._target: dict[str, m.MemberInfo] | None = None  # newest view, not yet applied
+        self._view_changed = False  # a membership change not yet applied
         self._changed_at = 0.0
         self._next_republish = clock() + republish_interval
         self._stop = False
@@ -256,7 +256,7 @@ class HashDirectory(Directory):
         self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
     ) -> None:
         with self._cond:
-            self._target = dict(new)
+            self._view_changed = True
             self._changed_at = self.clock()
             self._cond.notify()
 
@@ -264,7 +264,7 @@ class HashDirectory(Directory):
         """Wait until the queue is empty and nothing is being sent (tests, benchmarks)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._pending and self._target is None and not self._busy, timeout
+                lambda: not self._pending and not self._view_changed and not self._busy, timeout
             )
 
     def start(self) -> None:
@@ -284,16 +284,16 @@ class HashDirectory(Directory):
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                view = self._next_work()
-                if view is None and self._stop:
+                rebalance = self._next_work()
+                if self._stop:
                     return
                 pending, self._pending = self._pending, {}
                 self._busy = True
             try:
-                if view is not None:
+                if rebalance:
                     # Bursts of changes (a joiner learning the members one by one) are
-                    # applied once, from the last applied view to the settled one.
-                    self._rebalance(self._applied, view)
+                    # applied once, from the last applied view to the current one.
+                    self._rebalance()
                 if pending:
                     self._send_updates(pending)
                 if self.clock() >= self._next_republish:
@@ -302,21 +302,21 @@ class HashDirectory(Directory):
             except Exception:
                 log.exception("directory publisher failed")
 
-    def _next_work(self) -> dict[str, m.MemberInfo] | None:
-        """Wait (lock held) for queued updates, a settled membership view or the periodic
-        re-publish; returns the view to apply, if it settled."""
+    def _next_work(self) -> bool:
+        """Wait (lock held) for queued updates, a settled membership change or the periodic
+        re-publish; returns whether a membership change settled (and is taken)."""
         while not self._stop:
             now = self.clock()
-            if self._target is not None and now >= self._changed_at + self.settle:
-                view, self._target = self._target, None
-                return view
+            if self._view_changed and now >= self._changed_at + self.settle:
+                self._view_changed = False
+                return True
             if self._pending or now >= self._next_republish:
-                return None
+                return False
             wake = self._next_republish
-            if self._target is not None:
+            if self._view_changed:
                 wake = min(wake, self._changed_at + self.settle)
             self._cond.wait(max(0.001, wake - now))
-        return None
+        return False
 
     def _republish_all(self) -> None:
         """Anti-entropy: publish everything this node holds to every owner (repairs
@@ -327,30 +327,41 @@ class HashDirectory(Directory):
             log.debug("re-published %d entries", len(held))
 
     def _send_updates(self, pending: dict[bytes, int]) -> None:
-        keys = list(pending)
-        _, ring = self.current()
+        n_pub = sum(1 for w in pending.values() if w >= 0)
+        self.counts["published"] += n_pub
+        self.counts["unpublished"] += len(pending) - n_pub
+        pubs, unpubs = self._route(pending, self.current()[1])
+        self._send_publishes(pubs)
         me = self.me.node_id
+        self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
+
+    def _route(
+        self, updates: dict[bytes, int], ring: Ring
+    ) -> tuple[dict[str, list[tuple[bytes, int]]], dict[str, list[bytes]]]:
+        """Apply this node's own share of ``updates`` (key -> Where, or -1 to withdraw) to
+        its shard; return the rest by owner: (publishes, withdrawals)."""
+        keys = list(updates)
         pubs: dict[str, list[tuple[bytes, int]]] = {}
         unpubs: dict[str, list[bytes]] = {}
         for key, owners in zip(keys, ring.owners_many(keys), strict=True):
-            where = pending[key]
+            where = updates[key]
             for owner in owners:
                 if where < 0:
                     unpubs.setdefault(owner, []).append(key)
                 else:
                     pubs.setdefault(owner, []).append((key, where))
-        n_pub = sum(1 for w in pending.values() if w >= 0)
-        self.counts["published"] += n_pub
-        self.counts["unpublished"] += len(pending) - n_pub
+        me = self.me.node_id
         local_pub = pubs.pop(me, None)
         if local_pub:
             self.shard.put(me, self.me.incarnation, local_pub)
         local_unpub = unpubs.pop(me, None)
         if local_unpub:
             self.shard.remove(me, local_unpub)
-        inc = self.me.incarnation
+        return pubs, unpubs
+
+    def _send_publishes(self, pubs: dict[str, list[tuple[bytes, int]]]) -> None:
+        me, inc = self.me.node_id, self.me.incarnation
         self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
-        self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
 
     def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
         """Send each owner its messages, every owner at once, one message each per round."""
@@ -372,8 +383,9 @@ class HashDirectory(Directory):
                 log.debug("directory update not acknowledged by %s", failed)
 
     # -- membership changes ----------------------------------------------------------------
-    def _rebalance(self, old: dict[str, m.MemberInfo], settled: dict[str, m.MemberInfo]) -> None:
-        new, new_ring = self.current()  # at least as new as ``settled``
+    def _rebalance(self) -> None:
+        old = self._applied
+        new, new_ring = self.current()
         if old == new:
             return
         self.counts["rebalances"] += 1
@@ -404,31 +416,22 @@ class HashDirectory(Directory):
             if me not in o_new:
                 dropped.append(key)
         self.shard.drop(dropped)
-        self.counts["handoff_sent"] += sum(len(v) for v in handoff.values())
+        handed_off = sum(len(v) for v in handoff.values())
+        self.counts["handoff_sent"] += handed_off
         self._send({o: [m.Handoff(0, b) for b in _batches(e)] for o, e in handoff.items()})
 
         # 2. What this node holds is re-published to every owner: publishes made while the
         # views of the members differed may have gone to owners that no longer are.
-        held = self.held()
-        hkeys = [k for k, _ in held]
-        pubs: dict[str, list[tuple[bytes, int]]] = {}
-        mine: list[tuple[bytes, int]] = []
-        for (key, where), owners in zip(held, new_ring.owners_many(hkeys), strict=True):
-            for owner in owners:
-                if owner == me:
-                    mine.append((key, int(where)))
-                else:
-                    pubs.setdefault(owner, []).append((key, int(where)))
-        self.shard.put(me, self.me.incarnation, mine)
-        inc = self.me.incarnation
-        self.counts["republished"] += sum(len(v) for v in pubs.values())
-        self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
+        pubs, _ = self._route({key: int(where) for key, where in self.held()}, new_ring)
+        republished = sum(len(v) for v in pubs.values())
+        self.counts["republished"] += republished
+        self._send_publishes(pubs)
         log.info(
             "directory rebalanced: %d entries kept, %d handed off, %d dropped, %d re-published",
             len(self.shard),
-            sum(len(v) for v in handoff.values()),
+            handed_off,
             len(dropped),
-            sum(len(v) for v in pubs.values()),
+            republished,
         )
 
     # -- reads -----------------------------------------------------------------------------

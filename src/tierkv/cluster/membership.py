@@ -111,40 +111,21 @@ class Membership:
     def describe(self) -> list[dict[str, object]]:
         """Members with their heartbeat age (for status pages)."""
         now = self.clock()
-        with self._lock:
-            rows: list[dict[str, object]] = [
-                {
-                    "node_id": mem.info.node_id,
-                    "control": mem.info.control,
-                    "data": mem.info.data,
-                    "incarnation": mem.info.incarnation,
-                    "last_seen_s": round(now - mem.last_seen, 3),
-                    "state": "alive",
-                }
-                for mem in self._members.values()
-            ]
-            rows += [
-                {
-                    "node_id": info.node_id,
-                    "control": info.control,
-                    "data": info.data,
-                    "incarnation": info.incarnation,
-                    "last_seen_s": round(now - when, 3),
-                    "state": "dead",
-                }
-                for info, when in self._dead.values()
-            ]
-        me = self.me
-        rows.append(
-            {
-                "node_id": me.node_id,
-                "control": me.control,
-                "data": me.data,
-                "incarnation": me.incarnation,
-                "last_seen_s": 0.0,
-                "state": "self",
+
+        def row(info: m.MemberInfo, seen: float, state: str) -> dict[str, object]:
+            return {
+                "node_id": info.node_id,
+                "control": info.control,
+                "data": info.data,
+                "incarnation": info.incarnation,
+                "last_seen_s": round(now - seen, 3),
+                "state": state,
             }
-        )
+
+        with self._lock:
+            rows = [row(mem.info, mem.last_seen, "alive") for mem in self._members.values()]
+            rows += [row(info, when, "dead") for info, when in self._dead.values()]
+        rows.append(row(self.me, now, "self"))
         return sorted(rows, key=lambda r: str(r["node_id"]))
 
     # -- control handlers (on the control server thread) -----------------------------------
@@ -323,7 +304,5 @@ class Membership:
 
     def leave(self) -> None:
         """Tell every live member that this node is going away (best effort)."""
-        with self._lock:
-            addrs = [mem.info.control for mem in self._members.values()]
         msg = m.Leave(0, self.me)
-        self.client.call_many({a: msg for a in addrs}, timeout=1.0)
+        self.client.call_many({info.control: msg for info in self._live_infos()}, timeout=1.0)

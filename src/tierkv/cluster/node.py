@@ -104,6 +104,8 @@ class ClusterNode:
         host = settings.advertise_host
         self.client = ControlClient(settings.token, settings.timeout)
         self.control = ControlServer(settings.host, settings.port, settings.token, {})
+        # A node is named by the address of its control socket.
+        self.node_id = f"{host}:{self.control.port}"
         try:
             data_port = settings.data_port or (self.control.port + 1 if settings.port else 0)
             self.transport = TcpTransport(
@@ -111,17 +113,14 @@ class ClusterNode:
                 data_port,
                 host,
                 settings.token,
-                f"{host}:{self.control.port}",
+                self.node_id,
                 connections_per_peer=settings.connections,
                 timeout=max(settings.timeout, 1.0),
             )
         except BaseException:
             self.control.close()
             raise
-        self.node_id = f"{host}:{self.control.port}"
-        self.me = m.MemberInfo(
-            self.node_id, f"{host}:{self.control.port}", self.transport.address, time.time_ns()
-        )
+        self.me = m.MemberInfo(self.node_id, self.node_id, self.transport.address, time.time_ns())
         self.membership = Membership(
             self.me,
             settings.seeds,
