@@ -298,10 +298,13 @@ class Client:
                 process_scope(),
             )
         )
-        if self.pool is None or self.pool.name != reply.pool_name or self.pool.closed:
-            self._attach(reply.pool_name, reply.pool_size)
-        elif _segment_id(reply.pool_name) != self._segment:
+        if (
+            self.pool is None
+            or self.pool.name != reply.pool_name
+            or self.pool.closed
             # The server restarted and recreated the segment under the same name.
+            or _segment_id(reply.pool_name) != self._segment
+        ):
             self._attach(reply.pool_name, reply.pool_size)
         self.registration = Registration(
             reply.client,
@@ -474,10 +477,7 @@ class Client:
             raise
         done: p.Committed = self._call(p.CommitStore(self._rid(), self._token(), slots.lease))
         result.cleared = done.cleared
-        if done.cleared == 0:
-            result.stored = [s.chunk for s in slots.slots]
-        else:
-            result.stored = [s.chunk for s in slots.slots][: done.committed]
+        result.stored = [s.chunk for s in slots.slots[: done.committed]]
         return result
 
     # -- retrieve --------------------------------------------------------------------------

@@ -172,8 +172,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.cluster_seeds:
             self._validate_cluster()
         if self.rpc_tcp:
-            host, _, port = self.rpc_tcp.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            host = _host_of(self.rpc_tcp)
+            if host is None:
                 raise ConfigError(f"rpc_tcp {self.rpc_tcp!r}: expected HOST:PORT (port 1-65535)")
             if not is_loopback(host) and not self.auth_token:
                 raise ConfigError(
@@ -202,8 +202,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):
-            host, _, port = seed.strip().rpartition(":")
-            if seed.strip() and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+            if seed.strip() and _host_of(seed.strip()) is None:
                 raise ConfigError(f"cluster_seeds: {seed.strip()!r} is not HOST:PORT")
         for name in ("cluster_port", "cluster_data_port"):
             if not 0 <= getattr(self, name) < 65536:
@@ -219,6 +218,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"cluster_host {self.cluster_host!r} is reachable from other hosts: set "
                 "auth_token (--auth-token or TIERKV_AUTH_TOKEN), the cluster's shared secret"
             )
+
+
+def _host_of(address: str) -> str | None:
+    """The host of ``HOST:PORT`` (port 1-65535), or None when it is not one."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host
 
 
 def is_loopback(host: str) -> bool:

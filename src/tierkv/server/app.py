@@ -37,7 +37,7 @@ class Server:
         self.http: HttpServer | None = None
         try:
             self.service = CacheService(cfg, self.pool)
-            reader = StatusReader(self.service, cfg.http_url)
+            reader = StatusReader(self.service)
             self.service.metrics.registry.register(StatsCollector(reader))
             if cfg.http_port:  # bound now: a port in use fails start-up, before the RPC socket
                 health = Health(self, self.service.eviction)

@@ -38,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from tierkv.config import ServerConfig, is_loopback
+from tierkv.config import ServerConfig
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
 from tierkv.server.status import StatusReader
@@ -194,7 +194,6 @@ class HttpServer:
         if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
             logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # start-up chatter
         self._thread: threading.Thread | None = None
-        self.loopback = is_loopback(self.host)
 
     def start(self, timeout: float = 10.0) -> None:
         """Serve in a thread; returns once uvicorn accepts connections."""

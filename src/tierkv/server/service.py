@@ -199,8 +199,9 @@ class CacheService:
         requests: dict[str, int] = {}
         errors: dict[str, int] = {}
         for name, outcomes in self.metrics.request_totals().items():
-            if sum(outcomes.values()):
-                requests[name] = sum(outcomes.values())
+            total = sum(outcomes.values())
+            if total:
+                requests[name] = total
             for outcome, n in outcomes.items():
                 if outcome != "ok" and n:
                     errors[outcome] = errors.get(outcome, 0) + n
@@ -547,8 +548,9 @@ class CacheService:
             total = len(self._keys(workers[0], req.chunks)[0]) if workers else 0
             return p.LookupResult(req.rid, 0, total)
         if not req.request_id:
-            hits = min(self._prefix_hits(self._keys(w, req.chunks)[0]) for w in workers)
-            return p.LookupResult(req.rid, hits, len(self._keys(workers[0], req.chunks)[0]))
+            key_lists = [self._keys(w, req.chunks)[0] for w in workers]
+            hits = min(self._prefix_hits(ks) for ks in key_lists)
+            return p.LookupResult(req.rid, hits, len(key_lists[0]))
         self._drop_session(scheduler, req.request_id)
         members: list[tuple[Client, Session]] = []
         for worker in workers:
@@ -813,7 +815,7 @@ class CacheService:
         return p.Stats(
             rid=req.rid,
             server_version=__version__,
-            uptime_s=self.clock() - self.started,
+            uptime_s=self.uptime(),
             pool_name=self.pool.name,
             capacity=s.capacity,
             used=s.used,

@@ -35,12 +35,10 @@ class StatusReader:
     def __init__(
         self,
         service: CacheService,
-        http_url: str = "",
         usage_ttl: float = USAGE_TTL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.service = service
-        self.http_url = http_url
         self.usage_ttl = usage_ttl
         self.clock = clock
         self._lock = threading.Lock()
@@ -89,7 +87,7 @@ class StatusReader:
                 "uptime_s": svc.uptime(),
                 "pool_name": svc.pool.name,
                 "rpc_endpoint": cfg.rpc_endpoint,
-                "http_url": self.http_url,
+                "http_url": cfg.http_url,
                 "chunk_size": cfg.chunk_size,
             },
             "pool": {

@@ -2,8 +2,8 @@
 
 The service calls :meth:`Tiering.after_commit` when chunks become ready and
 :meth:`Tiering.prefetch` on a lookup that did not hit the whole prefix; everything else
-happens on the tier threads. With no tiers configured both are no-ops. With ``lookups``, every
-prefetch's outcome is counted when it finishes (or at once when it cannot start).
+happens on the tier threads. With no tiers configured both are no-ops. Every prefetch's
+outcome is counted when it finishes (or at once when it cannot start).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tierkv import protocol as p
 from tierkv.cluster.node import start_cluster
@@ -35,8 +35,8 @@ class Tiering:
         index: ObjectIndex,
         pool: ShmPool,
         tiers: Sequence[Tier] | None = None,
-        clock: Callable[[], float] | None = None,
-        lookups: LookupAccounting | None = None,
+        *,
+        lookups: LookupAccounting,
         wake_eviction: Callable[[], None] | None = None,
     ) -> None:
         self.lookups = lookups
@@ -53,7 +53,6 @@ class Tiering:
             self.executor,
             cfg.write_behind_max_bytes,
         )
-        extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
         self.prefetcher = Prefetcher(
             index,
             pool,
@@ -63,7 +62,6 @@ class Tiering:
             cfg.prefetch_timeout,
             on_committed=self._prefetched,
             on_reserved=wake_eviction,
-            **extra,
         )
 
     @property
@@ -105,17 +103,14 @@ class Tiering:
     ) -> PrefetchJob | None:
         if not self.tiers:
             return None
-        lookups = self.lookups
-        if lookups is None:
-            return self.prefetcher.start(holder, keys, lengths, first, lease_id, on_done)
 
         def done(job: PrefetchJob) -> None:
-            lookups.record_prefetch(keys, job)
+            self.lookups.record_prefetch(keys, job)
             on_done(job)
 
         job = self.prefetcher.start(holder, keys, lengths, first, lease_id, done)
         if job is None:  # too many in flight: the lookup gets what the pool had
-            lookups.record(keys, first)
+            self.lookups.record(keys, first)
         return job
 
     def tier_stats(self, usage_of: Callable[[Tier], TierUsage] | None = None) -> list[p.TierStats]:
