@@ -322,6 +322,37 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def _serving(
+    proc: subprocess.Popen[bytes],
+    port: int,
+    probe: bytes,
+    answer: bytes,
+    timeout: float,
+    interval: float,
+    what: str,
+) -> Iterator[None]:
+    """Wait until the server ``proc`` answers ``probe`` on ``port`` with a reply starting
+    with ``answer`` (a benchmark error after ``timeout`` s or if it exits), SIGTERM it after."""
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(probe)
+                    if s.recv(16).startswith(answer):
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"benchmark error: {what} did not start")
+            time.sleep(interval)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+
+
+@contextlib.contextmanager
 def redis_server(workdir: str) -> Iterator[str | None]:
     binary = shutil.which("redis-server")
     if binary is None:
@@ -333,23 +364,8 @@ def redis_server(workdir: str) -> Iterator[str | None]:
          "--dir", workdir, "--protected-mode", "yes"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("benchmark error: redis-server did not start")
-            time.sleep(0.02)
+    with _serving(proc, port, b"PING\r\n", b"+PONG", 20, 0.02, "redis-server"):
         yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
 
 
 class RespSocket:
@@ -518,23 +534,9 @@ def moto_server(workdir: str) -> Iterator[str | None]:
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=workdir, env=env,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"GET /moto-api/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                    if s.recv(16).startswith(b"HTTP/1."):
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("benchmark error: moto server did not start")
-            time.sleep(0.05)
+    probe = b"GET /moto-api/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with _serving(proc, port, probe, b"HTTP/1.", 30, 0.05, "moto server"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
 
 
 def bench_s3(res: Results, chunks: PoolChunks, endpoint: str, n: int, repeat: int) -> None:

@@ -85,6 +85,17 @@ class ServerProcess:
         return Client(self.endpoint, **kwargs)  # type: ignore[arg-type]
 
 
+def stop_and_clean(srv: ServerProcess) -> None:
+    """Stop a test's server and unlink its pool segment if it left one behind."""
+    try:
+        srv.stop()
+    finally:
+        if segment_exists(srv.pool_name):
+            from tierkv.pool import _posix_name, _shm_unlink
+
+            _shm_unlink(_posix_name(srv.pool_name))
+
+
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
     """Start real servers: ``server_factory(pool_size="64MiB", extra=[...])``."""
@@ -99,13 +110,7 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
 
     yield start
     for srv in servers:
-        try:
-            srv.stop()
-        finally:
-            if segment_exists(srv.pool_name):
-                from tierkv.pool import _posix_name, _shm_unlink
-
-                _shm_unlink(_posix_name(srv.pool_name))
+        stop_and_clean(srv)
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ controlling object, for tests that stop and restart the server. A missing ``redi
 fails the test (``make test`` installs it through ``scripts/ensure-system-deps.sh``).
 
 ``slots`` gives tier tests real pool memory: a fresh shared-memory pool (``ShmPool``) with a
-bump allocator handing out slot views, the same kind of views the server passes to tiers.
+bump allocator handing out slot views, the same kind of views the server passes to tiers;
+``store_random`` / ``load_into`` do a tier's batch round trip through such slots.
 """
 
 from __future__ import annotations
@@ -25,22 +26,17 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
 
+from httputil import free_port
 from tierkv.pool import ShmPool
+from tierkv.tiers.base import LoadStatus, Tier
 
 START_TIMEOUT = 30.0
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
@@ -59,6 +55,82 @@ def _log_tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+_ServiceT = TypeVar("_ServiceT", bound="_Service")
+
+
+class _Service:
+    """A server subprocess on 127.0.0.1 with its log in ``workdir``; ``stop``/``start`` keep
+    the port. Subclasses say how to run it (``_argv``, ``_env``) and what answer shows it is
+    ready (``_probe``: request bytes, expected reply prefix)."""
+
+    what = "server"
+    log_name = "server.log"
+    poll_interval = 0.05
+    _probe: tuple[bytes, bytes] = (b"", b"")
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / self.log_name
+
+    def _argv(self, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str] | None:
+        return None
+
+    def start(self: _ServiceT) -> _ServiceT:
+        """Start (or restart, on the same port) and wait until it answers the probe."""
+        attempts = 1 if self.port else 5  # a fresh port may be taken between probe and bind
+        for _ in range(attempts):
+            port = self.port or free_port()
+            log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
+            self.proc = subprocess.Popen(
+                self._argv(port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=self._env(),
+            )
+            log.close()
+            if self._wait_ready(port):
+                self.port = port
+                return self
+            _stop(self.proc)
+        raise RuntimeError(f"{self.what} did not start:\n{_log_tail(self.log_path)}")
+
+    def _wait_ready(self, port: int) -> bool:
+        assert self.proc is not None
+        request, answer = self._probe
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+                    s.sendall(request)
+                    if s.recv(64).startswith(answer):
+                        return True
+            except OSError:
+                pass
+            time.sleep(self.poll_interval)
+        return False
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def _running(service: type[_ServiceT], prefix: str) -> Iterator[_ServiceT]:
+    """A started ``service`` in a fresh temporary directory, stopped (and removed) after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as workdir:
+        server = service(Path(workdir))
+        try:
+            yield server.start()
+        finally:
+            server.stop()
 
 
 # -- pool slots ------------------------------------------------------------------------------
@@ -95,6 +167,29 @@ def slots() -> Iterator[Slots]:
         pool.close()
 
 
+# -- tier round trips ------------------------------------------------------------------------
+def new_key() -> bytes:
+    """A fresh random 32-byte chunk key."""
+    return os.urandom(32)
+
+
+def store_random(tier: Tier, slots: Slots, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
+    """Store one random chunk of each size under fresh keys (all must be stored): keys, data."""
+    keys = [new_key() for _ in sizes]
+    chunks = [slots.random(n) for n in sizes]
+    results = tier.store([(k, view) for k, (view, _) in zip(keys, chunks, strict=True)])
+    assert results == [True] * len(sizes)
+    return keys, [data for _, data in chunks]
+
+
+def load_into(
+    tier: Tier, slots: Slots, keys: list[bytes], sizes: list[int]
+) -> tuple[list[LoadStatus], list[memoryview]]:
+    """Load ``keys`` into fresh slots of ``sizes``: the statuses and the slots."""
+    views = [slots.take(n) for n in sizes]
+    return tier.load(list(zip(keys, views, strict=True))), views
+
+
 # -- redis -----------------------------------------------------------------------------------
 def redis_server_binary() -> str | None:
     found = shutil.which("redis-server")
@@ -106,8 +201,13 @@ def redis_server_binary() -> str | None:
     return None
 
 
-class RedisServer:
+class RedisServer(_Service):
     """A `redis-server` on 127.0.0.1 without persistence; ``stop``/``start`` keep the port."""
+
+    what = "redis-server"
+    log_name = "redis.log"
+    poll_interval = 0.02
+    _probe = (b"PING\r\n", b"+PONG")
 
     def __init__(self, workdir: Path) -> None:
         binary = redis_server_binary()
@@ -117,63 +217,24 @@ class RedisServer:
                 "(`make test` runs it for you)",
                 pytrace=False,
             )
+        super().__init__(workdir)
         self.binary = binary
-        self.workdir = workdir
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = workdir / "redis.log"
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> RedisServer:
-        """Start (or restart, on the same port) and wait until it answers PING."""
-        attempts = 1 if self.port else 5  # a fresh port may be taken between probe and bind
-        for _ in range(attempts):
-            port = self.port or free_port()
-            log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-            argv = [
-                self.binary,
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(self.workdir),
-                "--daemonize", "no",
-                "--protected-mode", "yes",
-            ]  # fmt: skip
-            self.proc = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-            )
-            log.close()
-            if self._wait_ready(port):
-                self.port = port
-                return self
-            _stop(self.proc)
-        raise RuntimeError(f"redis-server did not start:\n{_log_tail(self.log_path)}")
-
-    def _wait_ready(self, port: int) -> bool:
-        assert self.proc is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.02)
-        return False
-
-    def stop(self) -> None:
-        _stop(self.proc)
+    def _argv(self, port: int) -> list[str]:
+        return [
+            self.binary,
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.workdir),
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+        ]  # fmt: skip
 
     def command(self, *args: str | bytes) -> bytes:
         """Send one command over a fresh connection, return the raw reply (test setup)."""
@@ -187,12 +248,7 @@ class RedisServer:
 @pytest.fixture
 def redis_service() -> Iterator[RedisServer]:
     """A running real redis-server, stopped (and its files removed) after the test."""
-    with tempfile.TemporaryDirectory(prefix="tierkv-redis-") as workdir:
-        server = RedisServer(Path(workdir))
-        try:
-            yield server.start()
-        finally:
-            server.stop()
+    yield from _running(RedisServer, "tierkv-redis-")
 
 
 @pytest.fixture
@@ -202,61 +258,25 @@ def redis_server(redis_service: RedisServer) -> str:
 
 
 # -- S3 (moto server mode) -----------------------------------------------------------------
-class S3Server:
+class S3Server(_Service):
     """moto's S3-compatible HTTP server as a subprocess on 127.0.0.1 (state in memory)."""
 
     access_key_id = "testing"
     secret_access_key = "testing"
     region = "us-east-1"
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = workdir / "moto.log"
+    what = "moto server"
+    log_name = "moto.log"
+    _probe = (b"GET /moto-api/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"HTTP/1.")
 
     @property
     def endpoint_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> S3Server:
-        attempts = 1 if self.port else 5
-        for _ in range(attempts):
-            port = self.port or free_port()
-            log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process
-            env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.workdir,
-                env=env,
-            )
-            log.close()
-            if self._wait_ready(port):
-                self.port = port
-                return self
-            _stop(self.proc)
-        raise RuntimeError(f"moto server did not start:\n{_log_tail(self.log_path)}")
+    def _argv(self, port: int) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
 
-    def _wait_ready(self, port: int) -> bool:
-        assert self.proc is not None
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
-                    s.sendall(b"GET /moto-api/ HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-                    if s.recv(64).startswith(b"HTTP/1."):
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.05)
-        return False
-
-    def stop(self) -> None:
-        _stop(self.proc)
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
 
     def client(self) -> object:
         """A plain boto3 S3 client for this server (test setup and tampering)."""
@@ -285,12 +305,7 @@ class S3Server:
 @pytest.fixture(scope="module")
 def s3_service() -> Iterator[S3Server]:
     """A running moto S3 server shared by one test module (use a fresh bucket per test)."""
-    with tempfile.TemporaryDirectory(prefix="tierkv-s3-") as workdir:
-        server = S3Server(Path(workdir))
-        try:
-            yield server.start()
-        finally:
-            server.stop()
+    yield from _running(S3Server, "tierkv-s3-")
 
 
 @pytest.fixture(scope="module")
@@ -302,9 +317,4 @@ def s3_server(s3_service: S3Server) -> str:
 @pytest.fixture
 def s3_service_private() -> Iterator[S3Server]:
     """A moto S3 server for one test only (for tests that stop it)."""
-    with tempfile.TemporaryDirectory(prefix="tierkv-s3-") as workdir:
-        server = S3Server(Path(workdir))
-        try:
-            yield server.start()
-        finally:
-            server.stop()
+    yield from _running(S3Server, "tierkv-s3-")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -24,7 +23,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from conftest import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
+from httputil import free_port
 from tierkv import config
 from tierkv import protocol as p
 from tierkv.cli import build_parser
@@ -305,13 +305,6 @@ def test_env_and_yaml_reach_a_real_server(
 TOKEN = "correct horse battery staple"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclass
 class TcpServerProcess(ServerProcess):
     """A server on TCP: every interface, with an auth token; tests connect via loopback."""
@@ -321,16 +314,6 @@ class TcpServerProcess(ServerProcess):
     @property
     def endpoint(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
-
-
-def stop_and_clean(srv: ServerProcess) -> None:
-    try:
-        srv.stop()
-    finally:
-        if segment_exists(srv.pool_name):
-            from tierkv.pool import _posix_name, _shm_unlink
-
-            _shm_unlink(_posix_name(srv.pool_name))
 
 
 @pytest.fixture

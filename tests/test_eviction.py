@@ -33,6 +33,8 @@ class FakeClock:
 class CountingController(EvictionController):
     """Counts finished passes so that tests can wait for the thread deterministically."""
 
+    guard = GUARD  # seconds ``wait_for_fresh_pass`` waits before declaring the thread hung
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.started = 0
@@ -55,7 +57,7 @@ class CountingController(EvictionController):
         with self._cond:
             target = self.started + 1
             self.wake()
-            assert self._cond.wait_for(lambda: self.passes >= target, GUARD), "thread hung"
+            assert self._cond.wait_for(lambda: self.passes >= target, self.guard), "thread hung"
 
 
 def k(i: int) -> bytes:

@@ -32,14 +32,21 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from clusterkit import TOKEN, Node, call, members, start_node, status, wait_for
-from conftest import CHUNK_BYTES, CHUNK_SHAPE, CHUNK_SIZE, ServerProcess, chunk_data, register
+from conftest import (
+    CHUNK_BYTES,
+    CHUNK_SHAPE,
+    CHUNK_SIZE,
+    ServerProcess,
+    chunk_data,
+    register,
+    stop_and_clean,
+)
 from test_server_bad_input import Raw
 from tierkv import keys as tk
 from tierkv import protocol as p
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, ControlSigner, derive_key, hello_proof
 from tierkv.cluster.transport import HELLO, HELLO_REPLY, ITEM, REQUEST, VERSION, TcpTransport
-from tierkv.pool import segment_exists
 from tierkv.tiers.base import LoadStatus
 
 RPC_TOKEN = "fuzz-rpc-secret"
@@ -54,16 +61,6 @@ FUZZ = settings(
 
 
 # -- real servers shared by a module's examples ------------------------------------------
-def _stop(srv: ServerProcess) -> None:
-    try:
-        srv.stop()
-    finally:
-        if segment_exists(srv.pool_name):
-            from tierkv.pool import _posix_name, _shm_unlink
-
-            _shm_unlink(_posix_name(srv.pool_name))
-
-
 @pytest.fixture(scope="module")
 def factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
     servers: list[ServerProcess] = []
@@ -77,7 +74,7 @@ def factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
 
     yield start
     for srv in servers:
-        _stop(srv)
+        stop_and_clean(srv)
 
 
 class RpcEnv:

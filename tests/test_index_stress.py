@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import test_eviction
 from tierkv.allocator import Allocator
 from tierkv.eviction import EvictionController
 from tierkv.index import Evicted, LeaseNotFound, ObjectIndex
@@ -53,32 +54,16 @@ class FakeClock:
             self.now += seconds
 
 
-class CountingController(EvictionController):
-    """Counts passes so that the test can wait for one that started after a given moment."""
+class CountingController(test_eviction.CountingController):
+    """Counts passes so that the test can wait for one that started after a given moment, and
+    keeps what the passes evicted."""
+
+    guard = GUARD
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.started = 0
-        self.passes = 0
         self.evicted: list[Evicted] = []
-        self._cond = threading.Condition()
         self.add_listener(self.evicted.extend)
-
-    def run_once(self) -> list[Evicted]:
-        with self._cond:
-            self.started += 1
-        try:
-            return super().run_once()
-        finally:
-            with self._cond:
-                self.passes += 1
-                self._cond.notify_all()
-
-    def wait_for_fresh_pass(self) -> None:
-        with self._cond:
-            target = self.started + 1
-            self.wake()
-            assert self._cond.wait_for(lambda: self.passes >= target, GUARD), "thread hung"
 
 
 ReadHold = tuple[int, list[bytes], list[tuple[int, int, int]], bool]  # lease, keys, slots, pin

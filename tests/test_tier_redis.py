@@ -15,7 +15,7 @@ import redis
 from redis.connection import Connection, PythonRespSerializer
 
 import services
-from services import RedisServer, Slots
+from services import RedisServer, Slots, load_into, new_key, store_random
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
 from tierkv.tiers.base import HEADER_SIZE, pack_header
@@ -27,10 +27,6 @@ redis_service = services.redis_service
 slots = services.slots
 
 SIZES = [1, 100, 4096, 6001, 64 * 1024, 300 * 1024]
-
-
-def new_key() -> bytes:
-    return os.urandom(32)
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
@@ -76,24 +72,6 @@ def raw(redis_server: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server)
     yield client
     client.close()
-
-
-def store_random(
-    tier: RedisTier, slots: Slots, sizes: list[int]
-) -> tuple[list[bytes], list[bytes]]:
-    keys = [new_key() for _ in sizes]
-    chunks = [slots.random(n) for n in sizes]
-    assert tier.store([(k, view) for k, (view, _) in zip(keys, chunks, strict=True)]) == [
-        True
-    ] * len(sizes)
-    return keys, [data for _, data in chunks]
-
-
-def load_into(
-    tier: RedisTier, slots: Slots, keys: list[bytes], sizes: list[int]
-) -> tuple[list[LoadStatus], list[memoryview]]:
-    views = [slots.take(n) for n in sizes]
-    return tier.load(list(zip(keys, views, strict=True))), views
 
 
 # -- registry and options ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import services
-from services import S3Server, Slots
+from services import S3Server, Slots, load_into, new_key, store_random
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
 from tierkv.tiers import s3 as s3_module
@@ -29,10 +29,6 @@ s3_service_private = services.s3_service_private
 slots = services.slots
 
 SIZES = [1, 100, 16 * 1024, 16 * 1024 + 1, 300 * 1024]
-
-
-def new_key() -> bytes:
-    return os.urandom(32)
 
 
 def new_bucket(server: S3Server) -> str:
@@ -67,21 +63,6 @@ def tier(make_tier: Callable[..., S3Tier]) -> S3Tier:
 def raw(s3_service: S3Server) -> Any:
     """A plain boto3 client to look at and tamper with what the tier stored."""
     return s3_service.client()
-
-
-def store_random(tier: S3Tier, slots: Slots, sizes: list[int]) -> tuple[list[bytes], list[bytes]]:
-    keys = [new_key() for _ in sizes]
-    chunks = [slots.random(n) for n in sizes]
-    results = tier.store([(k, view) for k, (view, _) in zip(keys, chunks, strict=True)])
-    assert results == [True] * len(sizes)
-    return keys, [data for _, data in chunks]
-
-
-def load_into(
-    tier: S3Tier, slots: Slots, keys: list[bytes], sizes: list[int]
-) -> tuple[list[LoadStatus], list[memoryview]]:
-    views = [slots.take(n) for n in sizes]
-    return tier.load(list(zip(keys, views, strict=True))), views
 
 
 def get_body(raw: Any, tier: S3Tier, key: bytes) -> bytes:

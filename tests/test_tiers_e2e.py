@@ -28,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ import redis
 
 import services
 from conftest import CHUNK_BYTES, CHUNK_SHAPE, CHUNK_SIZE, ServerProcess, chunk_data, register
+from httputil import wait_for
 from services import RedisServer, S3Server
 from tierkv import keys as chunk_keys
 from tierkv import protocol as p
@@ -53,7 +53,6 @@ redis_service = services.redis_service
 s3_service = services.s3_service
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
-WAIT = 30.0  # bound of every poll for an asynchronous effect
 Servers = Callable[..., ServerProcess]
 
 
@@ -129,18 +128,6 @@ def child(srv: ServerProcess, mode: str, doc: int, n: int) -> dict[str, Any]:
 
 
 # -- polling -------------------------------------------------------------------------------
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = WAIT) -> Any:
-    """Poll ``probe()`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def tier_stats(client: Client) -> p.TierStats:
     stats = client.stats()
     assert len(stats.tiers) == 1, stats.tiers
