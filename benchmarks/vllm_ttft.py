@@ -22,11 +22,8 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -46,33 +43,6 @@ MODEL = {
 }
 
 
-def start_server(workdir: Path, pool_size: str) -> tuple[subprocess.Popen[bytes], str]:
-    from tierkv.client import ServerUnavailableError, wait_for_server
-
-    instance = f"bench-{uuid.uuid4().hex[:8]}"
-    runtime = workdir / "run"
-    endpoint = f"ipc://{runtime / 'rpc.sock'}"
-    log = open(workdir / "server.log", "wb")  # noqa: SIM115 - owned by the process
-    proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "tierkv.cli", "server",
-            "--instance", instance,
-            "--runtime-dir", str(runtime),
-            "--pool-name", f"tierkv-{instance}",
-            "--pool-size", pool_size,
-            "--http-port", "0",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        if not wait_for_server(endpoint, 30, lambda: proc.poll() is not None):
-            raise SystemExit(f"tierkv server exited:\n{(workdir / 'server.log').read_text()}")
-    except ServerUnavailableError:
-        raise SystemExit("tierkv server did not answer") from None
-    return proc, endpoint
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8300, help="prompt length (tokens)")
@@ -80,6 +50,8 @@ def main() -> None:
     parser.add_argument("--pool-size", default="1GiB")
     args = parser.parse_args()
 
+    from tierkv.config import parse_size
+    from tierkv.demo.local_server import LocalServer
     from tierkv.integrations.vllm.tiny_model import ModelSpec, build_model, tokenizer_size
 
     with tempfile.TemporaryDirectory(prefix="tierkv-vllm-ttft-") as tmp:
@@ -87,12 +59,12 @@ def main() -> None:
         t0 = time.perf_counter()
         model_dir = build_model(workdir / "model", ModelSpec(**MODEL))
         print(f"model: random-weight Llama {MODEL} built in {time.perf_counter() - t0:.1f} s")
-        server, endpoint = start_server(workdir, args.pool_size)
+        server = LocalServer(parse_size(args.pool_size)).start()
         try:
-            run(args, model_dir, tokenizer_size(model_dir), endpoint)
+            run(args, model_dir, tokenizer_size(model_dir), server.endpoint)
         finally:
-            server.terminate()
-            server.wait(30)
+            server.stop()
+            server.cleanup()
 
 
 def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) -> None:

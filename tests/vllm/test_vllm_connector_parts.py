@@ -120,32 +120,7 @@ def test_settings_defaults_and_validation() -> None:
 # -- roles against a real server -----------------------------------------------------------------
 def cpu_caches() -> dict[str, Any]:
     """Per-layer CPU KV caches allocated by vLLM, filled with distinct random values."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
-    )
-    page = spec.page_size_bytes
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    tensor = KVCacheTensor(
-        size=LAYERS * NUM_BLOCKS * page,
-        layers=names,
-        layer_stride=NUM_BLOCKS * page,
-        block_stride=page,
-    )
-    config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    caches = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    caches = vllm_support.vllm_cpu_caches(LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD)
     for t in caches.values():
         t.copy_(torch.randn(t.shape))
     return caches

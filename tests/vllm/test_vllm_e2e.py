@@ -199,6 +199,22 @@ def engines(tmp_path: Path) -> Any:
         engine.stop()
 
 
+def a_then_b(
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+    prompts_a: list[dict[str, Any]],
+    prompts_b: list[dict[str, Any]],
+    b_only: dict[str, Any] | None = None,
+    **config: Any,
+) -> tuple[Engine, Engine]:
+    """Start instance A on ``prompts_a`` and, at the same time, instance B, which runs
+    ``prompts_b`` once A is done. ``config`` goes to both, ``b_only`` to B."""
+    a_done = tmp_path / "a.done"
+    a = engines("A", **config, prompts=prompts_a, done=str(a_done))
+    b = engines("B", **config, **(b_only or {}), prompts=prompts_b, wait_for=str(a_done))
+    return a, b
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vllm_support.tiny_model_dir(tmp_path_factory)
@@ -257,16 +273,8 @@ def test_instance_b_loads_the_prefixes_instance_a_computed(
 ) -> None:
     prompts_a, prompts_b, expect = workload
     server = server_factory(pool_size="256MiB")
-    a_done = tmp_path / "a.done"
-    a = engines(
-        "A", model=str(tiny_model), endpoint=server.endpoint, prompts=prompts_a, done=str(a_done)
-    )
-    b = engines(
-        "B",
-        model=str(tiny_model),
-        endpoint=server.endpoint,
-        prompts=prompts_b,
-        wait_for=str(a_done),
+    a, b = a_then_b(
+        engines, tmp_path, prompts_a, prompts_b, model=str(tiny_model), endpoint=server.endpoint
     )
     results_a = a.results()
     results_b = b.results()
@@ -300,17 +308,14 @@ def test_server_killed_during_instance_b_is_recomputed_without_hanging(
 ) -> None:
     prompts_a, prompts_b, _ = workload
     server = server_factory(pool_size="256MiB")
-    a_done = tmp_path / "a.done"
-    a = engines(
-        "A", model=str(tiny_model), endpoint=server.endpoint, prompts=prompts_a, done=str(a_done)
-    )
-    b = engines(
-        "B",
+    a, b = a_then_b(
+        engines,
+        tmp_path,
+        prompts_a,
+        prompts_b,
+        {"kill_before_first_load": server.proc.pid},
         model=str(tiny_model),
         endpoint=server.endpoint,
-        prompts=prompts_b,
-        wait_for=str(a_done),
-        kill_before_first_load=server.proc.pid,
     )
     a.results()
     started = time.monotonic()
@@ -384,24 +389,15 @@ def test_tensor_parallel_instances_share_every_ranks_chunks(
     tp = {"model": str(tiny_model), "tensor_parallel_size": 2}
     # Nine engine processes share the two cores: an RPC must not turn into a miss by timing out.
     slow_ok = {"timeout": 60.0}
-    a_done = tmp_path / "a.done"
     reference = engines("reference-tp2", **tp, prompts=prompts_b)
-    a = engines(
-        "A",
+    a, b = a_then_b(
+        engines,
+        tmp_path,
+        prompts_a,
+        prompts_b,
         **tp,
         **slow_ok,
         endpoint=server.endpoint,
-        prompts=prompts_a,
-        done=str(a_done),
-        report_clients=1,
-    )
-    b = engines(
-        "B",
-        **tp,
-        **slow_ok,
-        endpoint=server.endpoint,
-        prompts=prompts_b,
-        wait_for=str(a_done),
         report_clients=1,
     )
     output_a, output_b = a.output(), b.output()

@@ -43,29 +43,7 @@ CHUNK = 64  # two blocks per chunk
 
 def vllm_cpu_caches(dtype: Any = None) -> dict[str, Any]:
     """Per-layer KV caches exactly as vLLM's CPU worker allocates them (LBHNC)."""
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=dtype or torch.float32
-    )
-    page = spec.page_size_bytes
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    tensor = KVCacheTensor(
-        size=LAYERS * BLOCKS * page, layers=names, layer_stride=BLOCKS * page, block_stride=page
-    )
-    config = KVCacheConfig(
-        num_blocks=BLOCKS,
-        kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBHNC)
+    return vllm_support.vllm_cpu_caches(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, dtype)
 
 
 def cpu_isa(dtype: Any) -> str:

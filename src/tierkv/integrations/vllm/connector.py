@@ -108,11 +108,10 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._require_worker()
         spec = self._spec
-        block_size = int(spec.block_size) if spec is not None else 0
         if spec is None:
             raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
         heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
-        geometry = CacheGeometry(block_size, heads, int(spec.head_size))
+        geometry = CacheGeometry(int(spec.block_size), heads, int(spec.head_size))
         worker.register_kv_caches(
             kv_caches,
             geometry,

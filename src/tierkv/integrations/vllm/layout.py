@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,27 +146,27 @@ class PagedKVLayout:
     # -- copies ----------------------------------------------------------------------------
     def read_block(self, block_id: int, chunk: torch.Tensor, token_offset: int) -> None:
         """Copy vLLM block ``block_id`` into the chunk's tokens ``[token_offset, +block)``."""
-        for kb, t0 in self._kernel_blocks(block_id, token_offset):
-            if self.stacked is not None:
-                self._chunk_part(chunk, t0).copy_(self._stacked_block(kb))
-            else:
-                for layer, view in enumerate(self.views):
-                    self._chunk_part(chunk, t0, layer).copy_(view[kb])
+        for paged, part in self._block_parts(block_id, chunk, token_offset):
+            part.copy_(paged)
 
     def write_block(self, block_id: int, chunk: torch.Tensor, token_offset: int) -> None:
         """Copy the chunk's tokens ``[token_offset, +block)`` into vLLM block ``block_id``."""
-        for kb, t0 in self._kernel_blocks(block_id, token_offset):
+        for paged, part in self._block_parts(block_id, chunk, token_offset):
+            paged.copy_(part)
+
+    def _block_parts(
+        self, block_id: int, chunk: torch.Tensor, token_offset: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(paged cache view, chunk view) pairs covering vLLM block ``block_id``: one per
+        kernel block for all layers at once (stacked), else one per kernel block and layer."""
+        n = self.kernel_block_size
+        for k in range(self.sub_blocks):
+            kb, t0 = block_id * self.sub_blocks + k, token_offset + k * n
             if self.stacked is not None:
-                self._stacked_block(kb).copy_(self._chunk_part(chunk, t0))
+                yield self._stacked_block(kb), self._chunk_part(chunk, t0)
             else:
                 for layer, view in enumerate(self.views):
-                    view[kb].copy_(self._chunk_part(chunk, t0, layer))
-
-    def _kernel_blocks(self, block_id: int, token_offset: int) -> list[tuple[int, int]]:
-        n = self.kernel_block_size
-        return [
-            (block_id * self.sub_blocks + k, token_offset + k * n) for k in range(self.sub_blocks)
-        ]
+                    yield view[kb], self._chunk_part(chunk, t0, layer)
 
     def _chunk_part(self, chunk: torch.Tensor, t0: int, layer: int | None = None) -> torch.Tensor:
         index: list[Any] = [slice(None)] * chunk.dim()

@@ -79,13 +79,11 @@ class RequestState:
     # unless store_decode)
     cacheable: bool
     phase: str = NEW
-    lookup_chunks: int = 0
     hits: int = 0  # leading chunks tierkv holds (locked for this request)
     max_hits: int = 0  # the most any lookup of this request found (reported)
     session: bool = False  # the server holds a lookup session under the request id
     prefetch_deadline: float = 0.0
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup was answered
-    pending_load: LoadSpec | None = None
     loading: bool = False  # a load was planned and no worker has reported it yet
     external_tokens: int = 0  # tokens vLLM agreed to load from tierkv
     loaded_tokens: int = 0  # tokens the workers reported loaded (every rank)
@@ -128,6 +126,7 @@ class SchedulerSide:
         self.bpc = blocks_per_chunk(self.chunk_size, block_size)
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
+        self._loads: dict[str, LoadSpec] = {}  # planned by allocations, for the next step
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler")
@@ -224,8 +223,7 @@ class SchedulerSide:
     def _lookup(self, state: RequestState) -> int | None:
         """Hit chunks now, or None while a prefetch runs."""
         rid = state.request.request_id
-        state.lookup_chunks = state.prompt_chunks
-        selector = self._selector(state, state.lookup_chunks)
+        selector = self._selector(state, state.prompt_chunks)
         if selector is None:
             state.cacheable = False
             return 0
@@ -271,7 +269,7 @@ class SchedulerSide:
             start = state.local_tokens
             end = start + num_external_tokens
             start_block, end_block = start // self.block_size, -(-end // self.block_size)
-            state.pending_load = LoadSpec(
+            self._loads[request.request_id] = LoadSpec(
                 request.request_id,
                 start_block,
                 end_block,
@@ -286,10 +284,8 @@ class SchedulerSide:
     # -- per-step metadata -----------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
         meta, self._final = self._final, TierKVConnectorMetadata()
-        for waiting in self.requests.values():
-            if waiting.pending_load is not None:
-                meta.loads.append(waiting.pending_load)
-                waiting.pending_load = None
+        meta.loads.extend(self._loads.values())
+        self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -384,6 +380,7 @@ class SchedulerSide:
         """End the request; its figures for ``kv_transfer_params``. ``block_ids``: its blocks
         as vLLM hands them over (for a last decode chunk, see :meth:`keeps_blocks`)."""
         state = self.requests.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
         if state is None:
             return {}
         self._plan_last_store(state, block_ids)
@@ -438,6 +435,7 @@ class SchedulerSide:
         for state in list(self.requests.values()):
             self._end_session(state)
         self.requests.clear()
+        self._loads.clear()
         self.link.close()
 
 

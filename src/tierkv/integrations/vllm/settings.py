@@ -67,19 +67,13 @@ class ConnectorSettings:
                 f"unknown tierkv connector option(s) {unknown} in kv_connector_extra_config; "
                 f"known: {sorted(known)}"
             )
-        endpoint = str(extra.get("endpoint") or os.environ.get("TIERKV_ENDPOINT") or "")
-        settings = cls(
-            endpoint=endpoint or default_endpoint(),
-            auth_token=str(extra.get("auth_token", "")),
-            chunk_size=_number(extra, "chunk_size", 256, int),
-            timeout=_number(extra, "timeout", 2.0, float),
-            retry_interval=_number(extra, "retry_interval", 5.0, float),
-            hashes=str(extra.get("hashes", "auto")),
-            model_id=str(extra.get("model_id", "")),
-            tenant=str(extra.get("tenant", "")),
-            kv_layout=str(extra.get("kv_layout", "auto")),
-            store_decode=_flag(extra, "store_decode", False),
-        )
+        endpoint = str(extra.pop("endpoint", None) or os.environ.get("TIERKV_ENDPOINT") or "")
+        # The other keys as their field's type; absent keys keep the field's default.
+        values = {
+            key: _parse(key, value, cls.__dataclass_fields__[key].default)
+            for key, value in extra.items()
+        }
+        settings = cls(endpoint=endpoint or default_endpoint(), **values)
         if settings.chunk_size <= 0:
             raise SettingsError("kv_connector_extra_config.chunk_size must be positive")
         if settings.timeout <= 0:
@@ -99,15 +93,17 @@ class ConnectorSettings:
         return settings
 
 
-def _flag(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if not isinstance(value, bool):
-        raise SettingsError(f"kv_connector_extra_config.{key} must be true or false, not {value!r}")
-    return value
-
-
-def _number(extra: Mapping[str, Any], key: str, default: float, kind: type) -> Any:
-    value = extra.get(key, default)
+def _parse(key: str, value: Any, default: Any) -> Any:
+    """``value`` as the type of the field's ``default`` (str, int, float or bool)."""
+    kind = type(default)
+    if kind is str:
+        return str(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SettingsError(
+                f"kv_connector_extra_config.{key} must be true or false, not {value!r}"
+            )
+        return value
     if isinstance(value, bool):
         raise SettingsError(f"kv_connector_extra_config.{key} must be a number, not {value!r}")
     try:

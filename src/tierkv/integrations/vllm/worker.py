@@ -147,13 +147,12 @@ class WorkerSide:
     def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
         block_size = self.layout.geometry.block_size if self.layout else 1
         bpc = max(self.bpc, 1)
-        failed = spec.failed_blocks(loaded, bpc)
         first_failed = spec.first_failed_block(loaded, bpc)
         end = spec.end_block if first_failed is None else first_failed
         self._report.loaded_tokens[spec.request_id] = (end - spec.start_block) * block_size
         self.stats["loaded_chunks"] += len(loaded)
-        if failed:
-            assert first_failed is not None
+        if first_failed is not None:
+            failed = spec.failed_blocks(loaded, bpc)
             self._load_errors.update(failed)
             self._report.failed_from[spec.request_id] = first_failed * block_size
             self._failed_this_step.add(spec.request_id)
@@ -189,7 +188,7 @@ class WorkerSide:
                 layout.read_block(block_id, tensor, j * block_size)
 
         keys: dict[str, Any] = (
-            {"hashes": list(spec.hashes)} if spec.hashes is not None else {"tokens": spec.tokens}
+            {"hashes": spec.hashes} if spec.hashes is not None else {"tokens": spec.tokens}
         )
         result = self.link.call(
             f"store of {spec.request_id}",
