@@ -97,18 +97,13 @@ class Allocator:
             if size <= 0:
                 raise AllocatorError(f"allocation size must be positive, got {size}")
         out: list[int] = []
-        done = False
-        try:
-            for size in sizes:
-                offset = self.allocate(size)
-                if offset is None:
-                    return None
-                out.append(offset)
-            done = True
-            return out
-        finally:
-            if not done:
+        for size in sizes:
+            offset = self.allocate(size)
+            if offset is None:
                 self.free_many(out)
+                return None
+            out.append(offset)
+        return out
 
     def free(self, offset: int, size: int | None = None) -> None:
         """Give a block back; ``size``, when given, must match what was allocated."""
@@ -142,15 +137,13 @@ class Allocator:
     # -- internals -------------------------------------------------------------------------
     def _take(self, start: int, have: int, need: int) -> None:
         del self._start_ending_at[start + have]
+        del self._size_at[start]
+        i = bisect.bisect_left(self._starts, start)
         if have == need:
-            del self._size_at[start]
-            i = bisect.bisect_left(self._starts, start)
             del self._starts[i]
         else:
             # The block keeps its place in the sorted list under its new start.
             new_start = start + need
-            del self._size_at[start]
-            i = bisect.bisect_left(self._starts, start)
             self._starts[i] = new_start
             self._size_at[new_start] = have - need
             self._start_ending_at[start + have] = new_start

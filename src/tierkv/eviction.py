@@ -63,7 +63,7 @@ class EvictionController:
         self._wake.set()
 
     def wake_if_needed(self) -> None:
-        if self.index.used > self._high_bytes:
+        if self.above_high_watermark():
             self._wake.set()
 
     def run_once(self) -> list[Evicted]:

@@ -235,7 +235,7 @@ class ObjectIndex:
                 lease.entries.append(entry)
                 result.slots.append((i, offset, length))
             if lease.entries:
-                self._add_lease(self._write_leases, lease)
+                self._add_lease(lease)
             else:
                 result.lease_id = 0
             return result
@@ -248,16 +248,15 @@ class ObjectIndex:
             self._expire(self.clock())
             lease = self._lease(self._write_leases, lease_id, holder)
             selected = self._select(lease, only)
-            self._remove_lease(self._write_leases, lease)
+            self._remove_lease(lease)
             result = CommitResult()
             ready: list[Entry] = []
             for pos, entry in enumerate(lease.entries):
                 if pos not in selected:
                     self._drop_writing(entry)
                     result.aborted += 1
-                elif not entry.live:
-                    self.allocator.free(entry.offset)
-                    self._zombies -= 1
+                elif not entry.live:  # deleted meanwhile: frees the zombie's slot
+                    self._drop_writing(entry)
                     result.cleared += 1
                 else:
                     entry.state = State.READY
@@ -272,10 +271,7 @@ class ObjectIndex:
         """Give back every slot of a write lease. Returns the number of slots freed."""
         with self._lock:
             self._expire(self.clock())
-            lease = self._take_lease(self._write_leases, lease_id, holder)
-            for entry in lease.entries:
-                self._drop_writing(entry)
-            return len(lease.entries)
+            return self._end(self._lease(self._write_leases, lease_id, holder))
 
     # -- reads -----------------------------------------------------------------------------
     def lock_read(
@@ -323,7 +319,7 @@ class ObjectIndex:
                     del self._read_leases[lease.id]
                     self._read_leases[lease.id] = lease
             elif lease.entries:
-                self._add_lease(self._read_leases, lease)
+                self._add_lease(lease)
             else:
                 result.lease_id = 0
             return result
@@ -333,10 +329,7 @@ class ObjectIndex:
         locks released."""
         with self._lock:
             self._expire(self.clock())
-            lease = self._read_lease(lease_id, holder, pin=False)
-            self._remove_lease(self._read_leases, lease)
-            self._unlock(lease.entries)
-            return len(lease.entries)
+            return self._end(self._read_lease(lease_id, holder, pin=False))
 
     def pin(self, keys: Sequence[bytes], holder: int) -> ReadLock:
         """Pin every ready key for a background holder and report the rest as missing.
@@ -361,7 +354,7 @@ class ObjectIndex:
                 lease.entries.append(entry)
                 result.slots.append((i, entry.offset, entry.length))
             if lease.entries:
-                self._add_lease(self._read_leases, lease)
+                self._add_lease(lease)
             else:
                 result.lease_id = 0
             return result
@@ -372,10 +365,7 @@ class ObjectIndex:
         of pins released."""
         with self._lock:
             self._expire(self.clock())
-            lease = self._read_lease(lease_id, holder, pin=True)
-            self._remove_lease(self._read_leases, lease)
-            self._unpin(lease.entries)
-            return len(lease.entries)
+            return self._end(self._read_lease(lease_id, holder, pin=True))
 
     def lease_slots(self, lease_id: int, holder: int) -> list[tuple[bytes, int, int]]:
         """(key, offset, length) of every slot a live read or pin lease holds."""
@@ -400,14 +390,9 @@ class ObjectIndex:
             for lease_id in list(self._holder_leases.get(holder, ())):
                 lease = self._write_leases.get(lease_id) or self._read_leases[lease_id]
                 if lease.write:
-                    self._remove_lease(self._write_leases, lease)
-                    for entry in lease.entries:
-                        self._drop_writing(entry)
-                    freed += len(lease.entries)
+                    freed += self._end(lease)
                 else:
-                    self._remove_lease(self._read_leases, lease)
-                    self._release(lease)
-                    released += len(lease.entries)
+                    released += self._end(lease)
             return freed, released
 
     # -- deletion, eviction, expiry --------------------------------------------------------
@@ -588,14 +573,14 @@ class ObjectIndex:
         self._next_lease += 1
         return lease_id
 
-    def _add_lease(self, leases: dict[int, Lease], lease: Lease) -> None:
-        leases[lease.id] = lease
+    def _add_lease(self, lease: Lease) -> None:
+        (self._write_leases if lease.write else self._read_leases)[lease.id] = lease
         if lease.deadline < self._next_expiry:
             self._next_expiry = lease.deadline
         self._holder_leases.setdefault(lease.holder, set()).add(lease.id)
 
-    def _remove_lease(self, leases: dict[int, Lease], lease: Lease) -> None:
-        del leases[lease.id]
+    def _remove_lease(self, lease: Lease) -> None:
+        del (self._write_leases if lease.write else self._read_leases)[lease.id]
         ids = self._holder_leases[lease.holder]
         ids.discard(lease.id)
         if not ids:
@@ -607,11 +592,6 @@ class ObjectIndex:
             raise LeaseNotFound(f"lease {lease_id} does not exist (never issued, ended or expired)")
         if lease.holder != holder:
             raise LeaseNotOwned(f"lease {lease_id} belongs to another client")
-        return lease
-
-    def _take_lease(self, leases: dict[int, Lease], lease_id: int, holder: int) -> Lease:
-        lease = self._lease(leases, lease_id, holder)
-        self._remove_lease(leases, lease)
         return lease
 
     def _read_lease(self, lease_id: int, holder: int, pin: bool) -> Lease:
@@ -642,11 +622,18 @@ class ObjectIndex:
             self._zombies -= 1
         self.allocator.free(entry.offset)
 
-    def _release(self, lease: Lease) -> None:
-        if lease.pin:
+    def _end(self, lease: Lease) -> int:
+        """Remove a lease from its table and give up what it holds (a write lease's slots,
+        a read lease's locks or pins). Returns how many entries it held."""
+        self._remove_lease(lease)
+        if lease.write:
+            for entry in lease.entries:
+                self._drop_writing(entry)
+        elif lease.pin:
             self._unpin(lease.entries)
         else:
             self._unlock(lease.entries)
+        return len(lease.entries)
 
     def _unlock(self, entries: list[Entry]) -> None:
         """Release one read lock on each entry; last chunk of the batch goes in LRU first."""
@@ -693,21 +680,16 @@ class ObjectIndex:
             lease = next(iter(leases.values()))
             if lease.deadline > now:
                 break
-            self._remove_lease(leases, lease)
             if self.on_write_expired is not None:
                 self.on_write_expired([e.key for e in lease.entries if e.live])
-            for entry in lease.entries:
-                self._drop_writing(entry)
-            freed += len(lease.entries)
+            freed += self._end(lease)
             self._expired_write_leases += 1
         leases = self._read_leases
         while leases:
             lease = next(iter(leases.values()))
             if lease.deadline > now:
                 break
-            self._remove_lease(leases, lease)
-            self._release(lease)
-            released += len(lease.entries)
+            released += self._end(lease)
             self._expired_read_leases += 1
         self._expired_write_slots += freed
         self._expired_read_locks += released

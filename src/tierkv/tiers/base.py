@@ -43,6 +43,15 @@ class LoadStatus(enum.IntEnum):
     ERROR = 3  # the medium failed (I/O error, connection lost, timeout)
 
 
+# The stats counter each load outcome counts in (tiers that keep a Counter of their results).
+STATUS_COUNTER = {
+    LoadStatus.OK: "loaded",
+    LoadStatus.MISSING: "missing",
+    LoadStatus.CORRUPT: "corrupt",
+    LoadStatus.ERROR: "errors",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class TierUsage:
     objects: int
@@ -65,6 +74,14 @@ def checksum(data: memoryview | bytes) -> bytes:
     could rewrite an unkeyed hash of any kind): ~25 GB/s on one core, releasing the GIL, so
     verifying costs a fraction of the copy it checks (blake3 ran at ~7 GB/s here)."""
     return xxhash.xxh3_128(data).digest()
+
+
+def byte_view(view: memoryview | bytes | bytearray) -> memoryview:
+    """``view`` as a flat unsigned-byte memoryview of the same memory (never a copy); pool
+    slices already are. Other shapes and formats are cast, which raises TypeError for memory
+    that is not C-contiguous."""
+    mv = view if isinstance(view, memoryview) else memoryview(view)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
 def pack_header(key: bytes, data: memoryview | bytes) -> bytes:

@@ -71,6 +71,7 @@ from tierkv.tiers.base import (
     Tier,
     TierError,
     TierUsage,
+    byte_view,
     pack_header,
     register_tier,
     unpack_header,
@@ -160,11 +161,11 @@ class _Counters:
 
 
 def _byte_view(view: memoryview | bytes | bytearray) -> memoryview:
-    """``view`` as a flat unsigned-byte memoryview of the same memory (never a copy)."""
-    mv = view if isinstance(view, memoryview) else memoryview(view)
-    if mv.ndim == 1 and mv.itemsize == 1 and mv.c_contiguous:
-        return mv
-    return mv.cast("B")  # TypeError for non-contiguous memory: the caller reports it
+    """:func:`byte_view`, contiguous (what ``writev``/``readv`` and the checksum need)."""
+    data = byte_view(view)
+    if not data.c_contiguous:
+        raise TypeError("memoryview is not C-contiguous")  # the caller reports it
+    return data
 
 
 def _write_all(fd: int, header: bytes, data: memoryview) -> None:
@@ -493,16 +494,13 @@ class DiskTier(Tier):
                 self._log_error("directory fsync", exc, key)
 
     def _write_failed(self, exc: Exception, key: bytes) -> None:
-        if isinstance(exc, OSError) and exc.errno in _DEGRADE_ERRNOS:
-            self._disable(f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})")
-            with self._lock:
-                self._c.store_failed += 1
-                self._c.errors += 1
-            return
         with self._lock:
             self._c.store_failed += 1
             self._c.errors += 1
-        self._log_error("store", exc, key)
+        if isinstance(exc, OSError) and exc.errno in _DEGRADE_ERRNOS:
+            self._disable(f"{exc.strerror or exc} ({errno.errorcode.get(exc.errno or 0, '?')})")
+        else:
+            self._log_error("store", exc, key)
 
     def _disable(self, reason: str) -> None:
         with self._lock:
@@ -733,14 +731,9 @@ class DiskTier(Tier):
                 self._index[key] = (size, self._seq)
                 self._bytes += size
             self._c.removed_at_start += removed
-            victims: list[bytes] = []
-            while self._bytes > self.capacity:  # capacity shrank since the last run
-                key, (size, _gen) = self._index.popitem(last=False)
-                self._busy[key] = _REMOVE
-                self._bytes -= size
-                self._c.evictions += 1
-                self._c.evicted_bytes += size
-                victims.append(key)
+            # Evict down to the capacity if it shrank since the last run (nothing is in
+            # flight yet, so this never returns None).
+            victims = self._make_room_locked(0) or []
         self._remove_files(victims)
         log.info(
             "disk tier %s: %d chunks, %d of %d bytes, indexed in %.3fs "

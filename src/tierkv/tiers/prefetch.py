@@ -69,7 +69,6 @@ class PrefetchJob:
         self.lease_id = 0
         self.done = threading.Event()
         self.cancelled = False
-        self.per_tier: dict[str, int] = {}
         # For lookup accounting: where each chunk of the loaded prefix came from (a tier's
         # name, or "pool" if it was there already), and why the prefix ended early when the
         # job knows ("corrupt", "error", "expired"; "" otherwise).
@@ -222,7 +221,7 @@ class Prefetcher:
         lengths: list[int],
         first: int,
         run: list[Tier | None],
-        job: PrefetchJob | None = None,
+        job: PrefetchJob,
     ) -> int:
         """Load the run (see :meth:`_locate`) into the pool; returns the length of the
         prefix now in the pool. Each group is the chunks of one tier with the pool's chunks
@@ -238,8 +237,7 @@ class Prefetcher:
                 end += 1
             if tier is None:  # only chunks the pool has: the final lock_read checks them
                 got = end - pos
-                if job is not None:
-                    job.sources.extend(["pool"] * got)
+                job.sources.extend(["pool"] * got)
             else:
                 got = self._load_group(
                     tier, keys[first + pos : first + end], lengths[first + pos : first + end], job
@@ -251,7 +249,7 @@ class Prefetcher:
         return done
 
     def _load_group(
-        self, tier: Tier, keys: list[bytes], lengths: list[int], job: PrefetchJob | None = None
+        self, tier: Tier, keys: list[bytes], lengths: list[int], job: PrefetchJob
     ) -> int:
         """Load consecutive chunks from one tier; returns the intact prefix length. Chunks
         the pool has (reserve_write reports them present) are not loaded and count as the
@@ -279,13 +277,12 @@ class Prefetcher:
             st = status_of.get(i, LoadStatus.OK)  # not reserved = already in the pool
             if st is not LoadStatus.OK:
                 self._count_failure(tier.name, st)
-                if job is not None and st is not LoadStatus.MISSING:
+                if st is not LoadStatus.MISSING:
                     job.miss_reason = st.name.lower()
                 break
             prefix += 1
-            if job is not None:
-                job.sources.append(tier.name if i in status_of else "pool")
-        if job is not None and prefix == stop < len(keys):
+            job.sources.append(tier.name if i in status_of else "pool")
+        if prefix == stop < len(keys):
             job.miss_reason = "error"  # no room in the pool to load the rest into
         commit_pos = [p for p, (i, _, _) in enumerate(reserved) if i < prefix]
         nbytes = sum(reserved[p][2] for p in commit_pos)

@@ -34,10 +34,12 @@ from typing import Any
 
 from tierkv.tiers.base import (
     HEADER_SIZE,
+    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
+    byte_view,
     pack_header,
     register_tier,
     unpack_header,
@@ -59,12 +61,6 @@ log = logging.getLogger(__name__)
 _BUFFER_CUTOFF = 6000
 _DEL_BATCH = 1000
 _SCAN_COUNT = 1000
-_STATUS_COUNTER = {
-    LoadStatus.OK: "loaded",
-    LoadStatus.MISSING: "missing",
-    LoadStatus.CORRUPT: "corrupt",
-    LoadStatus.ERROR: "errors",
-}
 
 
 # -- command packing -----------------------------------------------------------------------
@@ -86,7 +82,7 @@ def _encode(arg: object) -> bytes | memoryview:
     if isinstance(arg, bytes):
         return arg
     if isinstance(arg, memoryview):
-        return _byte_view(arg)
+        return byte_view(arg)
     if isinstance(arg, bytearray):
         return bytes(arg)
     if isinstance(arg, str):
@@ -134,11 +130,6 @@ class _GatherPacker:
             buf += b"\r\n"
         out.append(bytes(buf))
         return out
-
-
-def _byte_view(view: memoryview) -> memoryview:
-    """``view`` as a flat unsigned-byte view (pool slices already are)."""
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _glob_escape(text: bytes) -> bytes:
@@ -261,15 +252,15 @@ class RedisTier(Tier):
         results = [False] * len(items)
         commands: list[tuple[Any, ...]] = []
         positions: list[int] = []
+        ttl = () if self._ttl is None else ("EX", self._ttl)
         for i, (key, view) in enumerate(items):
             try:
-                data = _byte_view(view)
+                data = byte_view(view)
                 value = _Concat(pack_header(key, data), data)
             except (ValueError, TypeError) as exc:
                 log.warning("redis tier: not storing chunk %s: %s", key.hex()[:16], exc)
                 self._count(store_failed=1)
                 continue
-            ttl = () if self._ttl is None else ("EX", self._ttl)
             commands.append(("SET", self.redis_key(key), value, *ttl))
             positions.append(i)
         if not commands:
@@ -317,12 +308,11 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("load", exc, len(items))
             return [LoadStatus.ERROR] * len(items)
-        statuses = []
-        for (key, view), reply in zip(items, replies, strict=True):
-            status = self._fill(key, view, reply)
-            statuses.append(status)
-            self._count(**{_STATUS_COUNTER[status]: 1})
+        statuses = [
+            self._fill(key, view, reply) for (key, view), reply in zip(items, replies, strict=True)
+        ]
         replies.clear()
+        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
         return statuses
 
     def _fill(self, key: bytes, view: memoryview, reply: object) -> LoadStatus:
@@ -338,7 +328,7 @@ class RedisTier(Tier):
             return LoadStatus.ERROR
         if not isinstance(reply, bytes):
             return LoadStatus.ERROR
-        dest = _byte_view(view)
+        dest = byte_view(view)
         if len(reply) != HEADER_SIZE + dest.nbytes:
             log.warning(
                 "redis tier: %s is %d bytes, expected %d",

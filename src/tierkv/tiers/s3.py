@@ -34,10 +34,12 @@ from typing import Any, TypeVar
 
 from tierkv.tiers.base import (
     HEADER_SIZE,
+    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
+    byte_view,
     pack_header,
     register_tier,
     unpack_header,
@@ -121,9 +123,6 @@ class _RecordBody(io.RawIOBase):
             start = end
         return out
 
-    def close(self) -> None:
-        super().close()
-
 
 def _http_response(body: Any) -> http.client.HTTPResponse | None:
     """The ``http.client`` response under a botocore ``StreamingBody``, when readable directly.
@@ -152,10 +151,6 @@ def _read_exact(read_into: Callable[[memoryview], int | None], dest: memoryview)
             break
         done += n
     return done
-
-
-def _byte_view(view: memoryview) -> memoryview:
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class S3Tier(Tier):
@@ -295,7 +290,7 @@ class S3Tier(Tier):
     def _put(self, item: tuple[bytes, memoryview]) -> bool:
         key, view = item
         try:
-            payload = _byte_view(view)
+            payload = byte_view(view)
             body = _RecordBody(pack_header(key, payload), payload)
         except (ValueError, TypeError) as exc:
             log.warning("s3 tier: not storing chunk %s: %s", key.hex()[:16], exc)
@@ -309,22 +304,18 @@ class S3Tier(Tier):
                 ContentType="application/octet-stream",
             )
             return True
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-            self._error("PUT", key, exc)
-            return False
-        except OSError as exc:
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
             self._error("PUT", key, exc)
             return False
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         statuses = self._map(self._get, items)
-        for status in statuses:
-            self._count(**{_STATUS_COUNTER[status]: 1})
+        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
         return statuses
 
     def _get(self, item: tuple[bytes, memoryview]) -> LoadStatus:
         key, view = item
-        dest = _byte_view(view)
+        dest = byte_view(view)
         try:
             response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         except botocore.exceptions.ClientError as exc:
@@ -432,14 +423,6 @@ class S3Tier(Tier):
             "one checksum read pass. load: no copy (http.client readinto straight into the "
             "slot; 1 copy on the fallback StreamingBody.readinto path) plus one checksum pass."
         )
-
-
-_STATUS_COUNTER = {
-    LoadStatus.OK: "loaded",
-    LoadStatus.MISSING: "missing",
-    LoadStatus.CORRUPT: "corrupt",
-    LoadStatus.ERROR: "errors",
-}
 
 
 def _error_code(exc: Any) -> str:

@@ -83,13 +83,7 @@ class WriteBehind:
         try:
             self.executor.submit(self._write, lock.lease_id, items, tiers, nbytes)
         except RuntimeError:  # the executor is shutting down: the server is stopping
-            self._release(lock.lease_id)
-            with self._lock:
-                self.stats.queued_bytes -= nbytes
-                self.stats.queued_chunks -= len(items)
-                self.stats.dropped_chunks += len(items)
-                if self.stats.queued_chunks == 0:
-                    self._idle.notify_all()
+            self._finish(lock.lease_id, items, nbytes, dropped=True)
             return 0
         return len(items)
 
@@ -127,18 +121,24 @@ class WriteBehind:
                         )
             del views
         finally:
-            self._release(lease_id)
-            with self._lock:
-                self.stats.queued_bytes -= nbytes
-                self.stats.queued_chunks -= len(items)
-                if self.stats.queued_chunks == 0:
-                    self._idle.notify_all()
+            self._finish(lease_id, items, nbytes)
 
-    def _release(self, lease_id: int) -> None:
+    def _finish(
+        self, lease_id: int, items: list[tuple[bytes, int, int]], nbytes: int, dropped: bool = False
+    ) -> None:
+        """Unpin a queued job's chunks and take it off the queue (as dropped, if not run)."""
         try:
             self.index.unpin(lease_id, WRITE_BEHIND_HOLDER)
         except LeaseNotFound:
             log.warning("write-behind pin expired before the tiers finished (read_ttl too short?)")
+        with self._lock:
+            s = self.stats
+            s.queued_bytes -= nbytes
+            s.queued_chunks -= len(items)
+            if dropped:
+                s.dropped_chunks += len(items)
+            if s.queued_chunks == 0:
+                self._idle.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued (tests, shutdown)."""
