@@ -28,7 +28,9 @@ def bind(port: int, token: str) -> ControlServer:
     deadline = time.monotonic() + 10.0
     while True:
         try:
-            return ControlServer("127.0.0.1", port, token, {})
+            server = ControlServer("127.0.0.1", port, token, {})
+            server.bind()
+            return server
         except ConfigError:
             if not port or time.monotonic() > deadline:
                 raise

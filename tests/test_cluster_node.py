@@ -13,7 +13,7 @@ import pytest
 
 from tierkv.allocator import Allocator
 from tierkv.cluster.directory import Where
-from tierkv.cluster.node import ClusterNode, ClusterSettings, start_cluster
+from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ConfigError, from_mapping
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
@@ -32,7 +32,7 @@ def pool() -> Iterator[ShmPool]:
 def make_node(pool: ShmPool, disk: DiskTier | None = None) -> ClusterNode:
     index = ObjectIndex(Allocator(pool.size, 4096))
     settings = ClusterSettings(seeds=(), port=0, token="t", heartbeat_interval=0.1, member_ttl=1)
-    return ClusterNode(settings, index, pool, [disk] if disk else []).start()
+    return ClusterNode(settings, index, pool, disk).start()
 
 
 def put(node: ClusterNode, keys: list[bytes], commit: bool = True) -> int:
@@ -120,8 +120,10 @@ def test_busy_cluster_port_is_a_clear_error(pool: ShmPool) -> None:
     node = make_node(pool)
     try:
         settings = ClusterSettings(seeds=(), port=node.control.port, token="t")
+        other = ClusterNode(settings, node.index, pool)  # building opens nothing
         with pytest.raises(ConfigError, match="cluster port"):
-            ClusterNode(settings, node.index, pool)
+            other.start()
+        other.close()
     finally:
         node.close()
 
@@ -140,7 +142,7 @@ def test_settings_from_config(pool: ShmPool) -> None:
     assert settings.seeds == ("127.0.0.1:9000", "127.0.0.1:9002")
     assert (settings.connections, settings.replicas, settings.token) == (3, 1, "x")
     index = ObjectIndex(Allocator(pool.size, 4096))
-    node = start_cluster(cfg, index, pool, [])
+    node = ClusterNode(settings, index, pool).start()
     try:
         assert node.me.data.endswith(str(node.transport.port))
     finally:

@@ -450,7 +450,7 @@ def test_healthcheck_fails_when_a_part_stops(tmp_path: Path) -> None:
     """An in-process server: stopping its eviction thread turns the health check to 503,
     and stopping the RPC loop ends the HTTP server with it."""
     from tierkv.config import from_mapping
-    from tierkv.server.app import Server
+    from tierkv.server.wiring import Server
 
     port = free_port()
     instance = uuid.uuid4().hex[:10]
@@ -467,7 +467,7 @@ def test_healthcheck_fails_when_a_part_stops(tmp_path: Path) -> None:
     server = Server(cfg).start_background()
     try:
         wait_for("HTTP", lambda: _status_code(base + "/healthcheck") == 200)
-        server.service.eviction.stop()
+        server.eviction.stop()
         reply = request("GET", base + "/healthcheck")
         assert reply.status == 503
         assert reply.json() == {

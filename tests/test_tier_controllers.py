@@ -1,5 +1,5 @@
-"""In-process tests of the tier controllers: write-behind (:mod:`tierkv.tiers.write_behind`)
-and prefetch (:mod:`tierkv.tiers.prefetch`).
+"""In-process tests of the tier controllers: write-behind (:mod:`tierkv.server.tiering.write_behind`)
+and prefetch (:mod:`tierkv.server.tiering.prefetch`).
 
 They run on a real shared-memory pool, a real :class:`ObjectIndex` and a real
 :class:`DiskTier` in a temporary directory, next to :class:`MemTier`, a small tier defined
@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 
 from tierkv.allocator import Allocator
-from tierkv.index import ObjectIndex
+from tierkv.index import Holder, ObjectIndex
 from tierkv.pool import SHM_DIR, ShmPool
+from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
+from tierkv.server.tiering.write_behind import WriteBehind
 from tierkv.tiers.base import LoadStatus, Tier, TierUsage
 from tierkv.tiers.disk import DiskTier
-from tierkv.tiers.prefetch import PREFETCH_HOLDER, Prefetcher, PrefetchJob
-from tierkv.tiers.write_behind import WRITE_BEHIND_HOLDER, WriteBehind
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 
@@ -182,7 +182,7 @@ class Env:
         max_inflight: int = 8,
         timeout: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        on_committed: Callable[[list[bytes], str], None] | None = None,
+        on_committed: Callable[[Tier, list[bytes], list[Verified]], None] | None = None,
     ) -> Prefetcher:
         return Prefetcher(
             self.index, self.pool, tiers, self.executor, max_inflight, timeout, on_committed, clock
@@ -393,7 +393,7 @@ def test_prefetch_takes_the_longest_run_across_tiers_in_order(env: Env) -> None:
     env.stage(env.disk, keys[:2])
     b.put([keys[0], keys[2], keys[4]])
     committed: list[tuple[list[bytes], str]] = []
-    pf = env.prefetcher([env.disk, b], on_committed=lambda ks, src: committed.append((ks, src)))
+    pf = env.prefetcher([env.disk, b], on_committed=lambda src, ks, _: committed.append((ks, src.name)))
     job = pf.start(ENGINE, keys, [CHUNK] * 5, 0, 0)
     wait_done(job)
     assert job is not None and job.hits == 3 and job.loaded == 3
@@ -671,8 +671,8 @@ def test_prefetched_chunks_are_not_written_back_to_their_tier(env: Env) -> None:
     env.stage(env.disk, keys)
     wb = env.write_behind([env.disk, mem])
 
-    def to_write_behind(committed: list[bytes], source: str) -> None:
-        wb.submit(committed, source_tier=source)
+    def to_write_behind(source: Tier, committed: list[bytes], _: list[Verified]) -> None:
+        wb.submit(committed, source_tier=source.name)
 
     pf = env.prefetcher([env.disk, mem], on_committed=to_write_behind)
     job = pf.start(ENGINE, keys, [CHUNK] * 3, 0, 0)
@@ -697,8 +697,8 @@ def test_write_behind_and_prefetch_holders_leave_no_leases(env: Env) -> None:
     wait_done(job)
     assert job is not None and job.hits == 4
     env.index.release_read(job.lease_id, ENGINE)
-    assert env.index.release_holder(WRITE_BEHIND_HOLDER) == (0, 0)
-    assert env.index.release_holder(PREFETCH_HOLDER) == (0, 0)
+    assert env.index.release_holder(Holder.WRITE_BEHIND) == (0, 0)
+    assert env.index.release_holder(Holder.PREFETCH) == (0, 0)
     assert env.pool_holds(keys)
 
 
@@ -713,10 +713,13 @@ def test_a_retrieve_that_took_the_lookups_locks_keeps_them_when_the_prefetch_lan
     from tierkv import keys as chunk_keys
     from tierkv import protocol as p
     from tierkv.config import ServerConfig
-    from tierkv.server.service import CacheService
+    from tierkv.server.wiring import Server
 
     mem = MemTier()
-    service = CacheService(ServerConfig(), env.pool, tiers=[mem])
+    run = env.pool.name + "-svc"
+    cfg = ServerConfig(pool_name=run, pool_size=env.pool.size, http_port=0, instance=run[-20:])
+    server = Server(cfg, tiers=[mem]).start()
+    service = server.service
     try:
         layout = p.Layout([256, CHUNK // 256 // 4], "float32", 0)
         reg = service.handle(p.Register(1, p.PROTOCOL_VERSION, "m", layout))
@@ -750,4 +753,4 @@ def test_a_retrieve_that_took_the_lookups_locks_keeps_them_when_the_prefetch_lan
         assert service.index.contains(ks) == [True] * 4  # loaded, unlocked, still cached
         service.index.check()
     finally:
-        service.stop()
+        server.close()

@@ -96,6 +96,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     write_ttl: float = 600.0
     read_ttl: float = 300.0
     session_ttl: float = 300.0
+    client_idle_ttl: float = 3600.0
+    max_clients: int = 4096
+    client_reservation_share: float = 0.5
     max_message_bytes: int = 64 * 2**20
     max_chunks_per_request: int = 16384
     workers: int = 4
@@ -150,11 +153,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "write_ttl",
             "read_ttl",
             "session_ttl",
+            "client_idle_ttl",
             "prefetch_timeout",
         ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):  # NaN and inf too
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_clients < 1:
+            raise ConfigError("max_clients must be at least 1")
+        if not 0.0 < self.client_reservation_share <= 1.0:
+            raise ConfigError("client_reservation_share must be in (0, 1]")
         if self.workers < 1 or self.tier_workers < 1:
             raise ConfigError("workers and tier_workers must be at least 1")
         if self.prefetch_max_inflight < 0:
@@ -260,6 +268,11 @@ FIELD_HELP: dict[str, str] = {
     "write_ttl": "seconds before an uncommitted store reservation is reclaimed",
     "read_ttl": "seconds before an unreleased read lock expires",
     "session_ttl": "seconds an idle lookup session is kept",
+    "client_idle_ttl": "seconds after which a client the server cannot watch (another host "
+    "or pid namespace, pid 0) is dropped, with its locks, if it sent nothing",
+    "max_clients": "registered clients at most; REGISTER beyond it is refused",
+    "client_reservation_share": "fraction of the pool one client's open store reservations "
+    "may hold; chunks beyond it are refused like a full pool",
     "max_message_bytes": "largest request accepted (bigger ones are dropped by the transport)",
     "max_chunks_per_request": "most chunks one request may name",
     "workers": "threads for requests that may block",

@@ -57,6 +57,17 @@ DEFAULT_WRITE_TTL = 600.0
 DEFAULT_READ_TTL = 300.0
 
 
+class Holder(enum.IntEnum):
+    """The server's own lease holders. Engine clients hold leases under their registration
+    token (always positive); these background holders use negative ids, so the two never
+    collide."""
+
+    WRITE_BEHIND = -1  # pins of chunks being written to the tiers
+    PREFETCH = -2  # reservations of chunks loaded from the tiers
+    PEER_SERVE = -3  # read locks of chunks a peer node is fetching
+    PEER_PROMOTE = -4  # reservations of disk chunks promoted for a peer
+
+
 class IndexError_(Exception):
     """A request that refers to leases or slots the caller does not hold."""
 
@@ -200,11 +211,19 @@ class ObjectIndex:
 
     # -- writes ----------------------------------------------------------------------------
     def reserve_write(
-        self, keys: Sequence[bytes], lengths: Sequence[int] | int, holder: int, tier: str = ""
+        self,
+        keys: Sequence[bytes],
+        lengths: Sequence[int] | int,
+        holder: int,
+        tier: str = "",
+        holder_limit: int = 0,
     ) -> WriteReservation:
         """Reserve a slot for each new key. Present keys (ready, being written, or repeated
         within this batch) and keys that do not fit are skipped and reported; this never
-        waits for eviction. Raises ValueError, with nothing reserved, on a bad length."""
+        waits for eviction. With ``holder_limit`` (bytes), the holder's open reservations,
+        this batch's included, never exceed it: chunks beyond it are reported as not
+        fitting, like a full pool. Raises ValueError, with nothing reserved, on a bad
+        length."""
         if isinstance(lengths, int):
             if lengths <= 0 and keys:
                 raise ValueError(f"chunk lengths must be positive, got {lengths}")
@@ -221,11 +240,17 @@ class ObjectIndex:
             result = WriteReservation(lease.id)
             entries = self._entries
             allocate = self.allocator.allocate
+            room = holder_limit - self._reserved_by(holder) if holder_limit else -1
             for i, key in enumerate(keys):
                 if key in entries:
                     result.present.append(i)
                     continue
                 length = lengths[i]
+                if room >= 0:
+                    if length > room:
+                        result.no_space.append(i)
+                        continue
+                    room -= length
                 offset = allocate(length)
                 if offset is None:
                     result.no_space.append(i)
@@ -239,6 +264,12 @@ class ObjectIndex:
             else:
                 result.lease_id = 0
             return result
+
+    def _reserved_by(self, holder: int) -> int:
+        """Pool bytes the holder's open write leases hold (cleared entries included: their
+        slots are free only when the lease ends)."""
+        leases = (self._write_leases.get(lid) for lid in self._holder_leases.get(holder, ()))
+        return sum(e.length for lease in leases if lease for e in lease.entries)
 
     def commit(self, lease_id: int, holder: int, only: Iterable[int] | None = None) -> CommitResult:
         """Make the lease's objects ready; with ``only`` (positions within the lease's slots)

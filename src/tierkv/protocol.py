@@ -202,6 +202,7 @@ class ErrorCode(str, enum.Enum):
     VERSION = "version"  # protocol version mismatch
     NOT_FOUND = "not_found"  # lease or request id unknown (never issued, ended, expired)
     NOT_OWNED = "not_owned"  # lease of another client
+    LIMIT = "limit"  # a server-wide limit is reached (registered clients)
     SHUTTING_DOWN = "shutting_down"
     INTERNAL = "internal"
 
@@ -289,6 +290,7 @@ class TierStats(msgspec.Struct, forbid_unknown_fields=True):
     loaded_chunks: int
     loaded_bytes: int
     load_failures: dict[str, int]
+    usage_age_s: float = 0.0  # how old objects/bytes_used are (-1: not known yet)
 
 
 class EngineInfo(msgspec.Struct):
@@ -323,10 +325,10 @@ class Stats(Struct, tag="stats_result"):
     largest_free: int
     objects: int
     writing: int
-    ready: int
-    read_locked: int
+    ready: int  # committed and not locked by any reader (evictable unless pinned)
+    read_locked: int  # committed and held by readers or pins
     clients: int
-    sessions: int
+    sessions: int  # open lookup sessions (a scheduler's group session counts once)
     write_leases: int
     read_leases: int
     expired_write_slots: int
@@ -351,6 +353,25 @@ class Stats(Struct, tag="stats_result"):
     cluster: dict[str, Any] = {}  # the cluster node's figures ({} when not in a cluster)
     clients_reaped: int = 0  # clients dropped because their process exited
     pinned: int = 0  # of the read-locked objects: those the write-behind holds for the tiers
+    pin_leases: int = 0
+    clients_expired: int = 0  # unwatched clients dropped after client_idle_ttl
+    stored_chunks: int = 0
+    retrieved_chunks: int = 0
+    request_outcomes: dict[str, dict[str, int]] = {}  # request type -> outcome -> count
+    latency: dict[str, dict[str, float]] = {}  # request type -> count, mean_s
+    recent_evictions: list[EvictionEvent] = []
+    chunk_size: int = 0
+    rpc_endpoint: str = ""
+    time: float = 0.0  # unix time the figures were taken
+
+
+class EvictionEvent(msgspec.Struct):
+    """The eviction passes of about one second, merged."""
+
+    time: float  # unix time of the first pass
+    objects: int
+    bytes: int  # payload bytes
+    passes: int
 
 
 Reply = (

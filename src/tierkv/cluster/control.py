@@ -63,27 +63,38 @@ class ControlServer:
         self.refused = 0
         self.malformed = 0
         self.served = 0
-        self.sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 10_000)
-        self.sock.setsockopt(zmq.RCVHWM, 10_000)
-        try:
-            self.sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as exc:
-            self.sock.close(linger=0)
-            raise ConfigError(
-                f"cannot bind the cluster port {host}:{port}: {exc} (choose another "
-                "--cluster-port, or stop the server using it)"
-            ) from None
-        endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.port = int(endpoint.decode().rsplit(":", 1)[1])
+        self.host, self.port = host, port  # port 0: the one bind() got
+        self.max_message_bytes = max_message_bytes
+        self.sock: zmq.Socket[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._decode = m.request_decoder.decode
 
+    def bind(self) -> None:
+        """Open the listening socket (once); :attr:`port` is known from then on."""
+        if self.sock is not None:
+            return
+        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        try:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ConfigError(
+                f"cannot bind the cluster port {self.host}:{self.port}: {exc} (choose another "
+                "--cluster-port, or stop the server using it)"
+            ) from None
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)
+        self.port = int(endpoint.decode().rsplit(":", 1)[1])
+        self.sock = sock
+
     def start(self) -> None:
+        """Bind (if not yet) and serve on a thread."""
+        self.bind()
         self._thread = threading.Thread(target=self._serve, name="tierkv-cluster-ctl", daemon=True)
         self._thread.start()
 
@@ -92,10 +103,12 @@ class ControlServer:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
-        self.sock.close(linger=0)
+        if self.sock is not None:
+            self.sock.close(linger=0)
 
     def _serve(self) -> None:
         sock = self.sock
+        assert sock is not None
         while not self._stop.is_set():
             try:
                 if not sock.poll(POLL_MS):

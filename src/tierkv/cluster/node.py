@@ -30,14 +30,12 @@ from tierkv.cluster.directory import HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
 from tierkv.cluster.transport import Served, TcpTransport
-from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier, checksum
 
 log = logging.getLogger(__name__)
 
-SERVE_HOLDER = -3  # index holder id of chunks locked while a peer reads them
-PROMOTE_HOLDER = -4  # index holder id of disk promotions for a peer
 DEFAULT_PORT = 8792
 
 
@@ -88,38 +86,68 @@ class ClusterSettings:
 
 
 class ClusterNode:
-    """Everything cluster-related of one server. Build, :meth:`start`, :meth:`close`."""
+    """Everything cluster-related of one server. Build (opens nothing), :meth:`start` (binds
+    the control and data ports, learns this node's id, starts the threads), :meth:`close`.
+
+    The membership, directory and peer tier exist from :meth:`start` on: a node is named by
+    the address of its control socket, which is known only once it is bound."""
+
+    membership: Membership
+    directory: HashDirectory
+    tier: PeerTier
+    me: m.MemberInfo
 
     def __init__(
         self,
         settings: ClusterSettings,
         index: ObjectIndex,
         pool: ShmPool,
-        local_tiers: Sequence[Tier] = (),
+        disk: Tier | None = None,
     ) -> None:
+        """``disk``: this node's disk tier, if it has one (chunks evicted to it stay
+        available to peers, promoted back into the pool when one asks)."""
         self.settings = settings
         self.index = index
         self.pool = pool
-        self.disk: Tier | None = next((t for t in local_tiers if t.name == "disk"), None)
-        host = settings.advertise_host
+        self.disk = disk
         self.client = ControlClient(settings.token, settings.timeout)
         self.control = ControlServer(settings.host, settings.port, settings.token, {})
-        # A node is named by the address of its control socket.
-        self.node_id = f"{host}:{self.control.port}"
+        self.transport = TcpTransport(
+            settings.host,
+            settings.data_port,
+            settings.advertise_host,
+            settings.token,
+            "",
+            connections_per_peer=settings.connections,
+            timeout=max(settings.timeout, 1.0),
+        )
+        self.node_id = ""
+        self._lock = threading.Lock()
+        self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
+        self._on_disk: set[bytes] = set()
+        self.promoted = 0
+        self.stale_withdrawn = 0
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> ClusterNode:
+        """Bind, join the cluster, serve. On failure everything opened so far is closed."""
+        self._started = True
         try:
-            data_port = settings.data_port or (self.control.port + 1 if settings.port else 0)
-            self.transport = TcpTransport(
-                settings.host,
-                data_port,
-                host,
-                settings.token,
-                self.node_id,
-                connections_per_peer=settings.connections,
-                timeout=max(settings.timeout, 1.0),
-            )
+            self._start()
         except BaseException:
-            self.control.close()
+            self.close()
             raise
+        return self
+
+    def _start(self) -> None:
+        settings = self.settings
+        self.control.bind()
+        self.node_id = f"{settings.advertise_host}:{self.control.port}"
+        if not settings.data_port and settings.port:
+            self.transport.port = self.control.port + 1  # the default: next to control
+        self.transport.bind(self.node_id)
         self.me = m.MemberInfo(self.node_id, self.node_id, self.transport.address, time.time_ns())
         self.membership = Membership(
             self.me,
@@ -137,13 +165,9 @@ class ClusterNode:
             settle=2 * settings.heartbeat_interval,
         )
         self.membership.add_listener(self._membership_changed)
-        self.tier = PeerTier(self)
-        self._lock = threading.Lock()
-        self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
-        self._on_disk: set[bytes] = set()
-        self.promoted = 0
-        self.stale_withdrawn = 0
-        self._closed = False
+        self.tier = PeerTier(
+            self.node_id, self.directory, self.membership, self.transport, publisher=self
+        )
         self.control.handlers.update(
             {
                 m.Heartbeat: self.membership.on_heartbeat,
@@ -156,9 +180,6 @@ class ClusterNode:
                 m.GetStatus: lambda req: m.NodeStatus(req.rid, self.stats()),
             }
         )
-
-    # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> ClusterNode:
         self.control.start()
         self.transport.serve(self)
         self.directory.start()
@@ -168,19 +189,22 @@ class ClusterNode:
             self.node_id,
             self.me.control,
             self.me.data,
-            ",".join(self.settings.seeds) or "-",
+            ",".join(settings.seeds) or "-",
         )
-        return self
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or not self._started:
+            self._closed = True
             return
         self._closed = True
+        joined = hasattr(self, "membership")
         # Stop answering first, so no peer sees this node alive again after its LEAVE.
-        self.membership.close(leave=False)
+        if joined:
+            self.membership.close(leave=False)
         self.control.close()
-        self.membership.leave()
-        self.directory.close()
+        if joined:
+            self.membership.leave()
+            self.directory.close()
         self.transport.close()
         self.client.close()
 
@@ -223,6 +247,10 @@ class ClusterNode:
             self._on_disk.difference_update(keys)
         self.directory.unpublish(gone)
         return len(gone)
+
+    def on_evicted(self, batch: Sequence[Evicted]) -> None:
+        """Eviction listener: see :meth:`on_removed`."""
+        self.on_removed([e.key for e in batch])
 
     def on_removed(self, removed: Sequence[bytes]) -> None:
         """Chunks left the pool (evicted, cleared): withdraw them from the directory, or mark
@@ -274,7 +302,7 @@ class ClusterNode:
         absent = [i for i, has in enumerate(present) if not has]
         if absent:
             self._promote([keys[i] for i in absent], [lengths[i] for i in absent])
-        lock = self.index.lock_read(keys, SERVE_HOLDER, prefix=False)
+        lock = self.index.lock_read(keys, Holder.PEER_SERVE, prefix=False)
         views: list[memoryview | None] = [None] * len(keys)
         sums: list[bytes] = [b""] * len(keys)
         unknown: list[int] = []
@@ -298,7 +326,7 @@ class ClusterNode:
         served.views.clear()
         if served.handle:
             try:
-                self.index.release_read(served.handle, SERVE_HOLDER)
+                self.index.release_read(served.handle, Holder.PEER_SERVE)
             except LeaseNotFound:
                 log.warning("a peer read outlived its read lock (read_ttl too short?)")
 
@@ -312,7 +340,7 @@ class ClusterNode:
             return
         keys = [keys[i] for i in want]
         lengths = [lengths[i] for i in want]
-        res = self.index.reserve_write(keys, lengths, PROMOTE_HOLDER, tier=self.disk.name)
+        res = self.index.reserve_write(keys, lengths, Holder.PEER_PROMOTE, tier=self.disk.name)
         if not res.slots:
             return
         items = [(keys[i], self.pool.view(off, n)) for i, off, n in res.slots]
@@ -326,7 +354,7 @@ class ClusterNode:
         good = [p for p, st in enumerate(statuses) if st is LoadStatus.OK]
         sums = [(items[p][0], checksum(items[p][1]), len(items[p][1])) for p in good]
         del items
-        result = self.index.commit(res.lease_id, PROMOTE_HOLDER, good)
+        result = self.index.commit(res.lease_id, Holder.PEER_PROMOTE, good)
         committed = set(result.committed_keys)
         with self._lock:
             for key, digest, length in sums:
@@ -378,12 +406,5 @@ class ClusterNode:
                 "bad_replies": self.client.bad_replies,
             },
             "transport": self.transport.stats(),
-            "peer_tier": {"resolved": self.tier.resolved, "found": self.tier.found},
+            "peer_tier": self.tier.stats(),
         }
-
-
-def start_cluster(
-    cfg: Any, index: ObjectIndex, pool: ShmPool, local_tiers: Sequence[Tier]
-) -> ClusterNode:
-    """Build and start the cluster node of a server from its configuration."""
-    return ClusterNode(ClusterSettings.from_config(cfg), index, pool, local_tiers).start()

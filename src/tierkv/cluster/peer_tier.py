@@ -11,9 +11,12 @@ gone is a miss that ends the prefix, never an error.
 ``store`` is how this node's own chunks become visible to the cluster: the write-behind
 hands it every committed engine chunk (views of pinned pool slots); it records their
 checksums and publishes them. Chunks this node fetched from a peer are published too, right
-after their commit, with the checksums :meth:`take_verified` kept from their load (so a
-chunk read on several nodes has several holders, readers spread over them, and it outlives
-its first holder). ``delete`` withdraws them.
+after their commit: the prefetcher hands the checksums that :meth:`load_verified` returned
+back to :meth:`loaded_and_committed` (so a chunk read on several nodes has several holders,
+readers spread over them, and it outlives its first holder). ``delete`` withdraws them.
+
+The tier gets the collaborators it uses (directory, membership, data plane, and the
+node's record of what it published); it owns none of them, so closing it closes nothing.
 """
 
 from __future__ import annotations
@@ -23,27 +26,48 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tierkv.cluster.directory import Location, Where
+from tierkv.cluster.directory import Directory, Location, Where
+from tierkv.cluster.membership import Membership
+from tierkv.cluster.transport import Transport
 from tierkv.tiers.base import LoadStatus, Tier, TierUsage
-
-if TYPE_CHECKING:
-    from tierkv.cluster.node import ClusterNode
 
 NAME = "peer"
 CACHE_ENTRIES = 65536
 CACHE_SECONDS = 30.0
 
 
+class Publisher(Protocol):
+    """What this node has published to the directory (the cluster node keeps it)."""
+
+    def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None: ...
+
+    def publish_known(self, sums: Sequence[tuple[bytes, bytes, int]]) -> None: ...
+
+    def withdraw(self, keys: Sequence[bytes]) -> int: ...
+
+    def published_usage(self) -> tuple[int, int]: ...
+
+
 class PeerTier(Tier):
     name = NAME
 
-    def __init__(self, node: ClusterNode) -> None:
-        self.node = node
+    def __init__(
+        self,
+        node_id: str,
+        directory: Directory,
+        membership: Membership,
+        transport: Transport,
+        publisher: Publisher,
+    ) -> None:
+        self.node_id = node_id
+        self.directory = directory
+        self.membership = membership
+        self.transport = transport
+        self.publisher = publisher
         self._where: OrderedDict[bytes, tuple[float, list[Location]]] = OrderedDict()
         self._lock = threading.Lock()
-        self._local = threading.local()
         self.resolved = 0
         self.found = 0
 
@@ -53,7 +77,7 @@ class PeerTier(Tier):
         return [bool(locs) for locs in locations]
 
     def _resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
-        me = self.node.node_id
+        me = self.node_id
         # Holders with the chunk in their pool first, then those that must promote it from
         # disk; within each, in an order drawn at random once per call (so readers spread
         # over the holders, while one call's chunks go to as few holders as possible).
@@ -64,7 +88,7 @@ class PeerTier(Tier):
 
         found = [
             sorted((loc for loc in locs if loc.holder != me), key=preference)
-            for locs in self.node.directory.resolve(keys)
+            for locs in self.directory.resolve(keys)
         ]
         now = time.monotonic()
         with self._lock:
@@ -97,10 +121,14 @@ class PeerTier(Tier):
 
     # -- loads -----------------------------------------------------------------------------
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
-        # The checksums verified on arrival, for take_verified() after the commit; per
-        # thread, replaced by each load, so they never outlive the load they came from.
+        return self.load_verified(items)[0]
+
+    def load_verified(
+        self, items: Sequence[tuple[bytes, memoryview]]
+    ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
+        """Fetch from the holders; the checksums are those each chunk was verified against
+        as it arrived (the prefetcher hands them back to :meth:`loaded_and_committed`)."""
         verified: dict[bytes, bytes] = {}
-        self._local.verified = {}
         statuses = [LoadStatus.MISSING] * len(items)
         choices = self._locations([key for key, _ in items])
         attempt = 0
@@ -112,14 +140,14 @@ class PeerTier(Tier):
             batches = []
             order: list[list[int]] = []
             for holder, idx in by_holder.items():
-                info = self.node.membership.get(holder)
+                info = self.membership.get(holder)
                 if info is None:
                     for i in idx:
                         statuses[i] = LoadStatus.MISSING
                     continue
                 batches.append((info, [items[i] for i in idx]))
                 order.append(idx)
-            fetched = self.node.transport.fetch_many(batches, verified)
+            fetched = self.transport.fetch_many(batches, verified)
             for idx, results in zip(order, fetched, strict=True):
                 for i, st in zip(idx, results, strict=True):
                     statuses[i] = st
@@ -127,32 +155,32 @@ class PeerTier(Tier):
             todo = [
                 i for i in todo if statuses[i] is not LoadStatus.OK and attempt < len(choices[i])
             ]
-        self._local.verified = {
-            key: (verified[key], len(view))
-            for (key, view), st in zip(items, statuses, strict=True)
+        intact = {
+            key: verified[key]
+            for (key, _), st in zip(items, statuses, strict=True)
             if st is LoadStatus.OK and key in verified
         }
-        return statuses
+        return statuses, intact
 
-    def take_verified(self, keys: Sequence[bytes]) -> list[tuple[bytes, bytes, int]]:
-        """(key, checksum, length) of those of ``keys`` this thread's last :meth:`load`
-        brought in intact (call it on the same thread, right after committing what that load
-        brought in); forgets everything that load verified."""
-        verified: dict[bytes, tuple[bytes, int]] = getattr(self._local, "verified", {})
-        self._local.verified = {}
-        return [(key, *verified[key]) for key in keys if key in verified]
+    def loaded_and_committed(self, chunks: Sequence[tuple[bytes, bytes, int]]) -> None:
+        """Chunks fetched from peers are in this node's pool now: this node is one more
+        holder of them (readers spread over the holders; a chunk outlives its first one)."""
+        self.publisher.publish_known(chunks)
 
     # -- this node's chunks ----------------------------------------------------------------
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        self.node.publish_local(items)
+        self.publisher.publish_local(items)
         return [True] * len(items)
 
     def delete(self, keys: Sequence[bytes]) -> int:
-        return self.node.withdraw(keys)
+        return self.publisher.withdraw(keys)
 
     def usage(self) -> TierUsage:
-        objects, nbytes = self.node.published_usage()
+        objects, nbytes = self.publisher.published_usage()
         return TierUsage(objects, nbytes, 0)
+
+    def stats(self) -> dict[str, int]:
+        return {"resolved": self.resolved, "found": self.found}
 
     def copies(self) -> str:
         return (
@@ -160,9 +188,6 @@ class PeerTier(Tier):
             "load: none on the reader (recv_into the reserved slot), none on the holder "
             "(sendmsg from its pool)"
         )
-
-    def close(self) -> None:
-        self.node.close()
 
 
 __all__ = ["NAME", "PeerTier", "Where"]

@@ -157,7 +157,11 @@ class PeerFigures:
 class Transport(ABC):
     """Moves chunks between pools of cluster members."""
 
-    address: str  # HOST:PORT peers reach this node's data plane at
+    address: str  # HOST:PORT peers reach this node's data plane at (once bound)
+
+    @abstractmethod
+    def bind(self, node_id: str = "") -> None:
+        """Open the listener peers connect to; ``node_id`` names this node to them."""
 
     @abstractmethod
     def serve(self, source: ChunkSource) -> None:
@@ -277,15 +281,10 @@ class TcpTransport(Transport):
         self.timeout = timeout
         self.max_serving = max_serving
         self.corrupt_hook = corrupt_hook  # tests only: flip sent bytes of chosen keys
-        try:
-            self._listener = socket.create_server((host, port), backlog=128)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot bind the cluster data port {host}:{port}: {exc} (choose another "
-                "--cluster-data-port, or stop the server using it)"
-            ) from None
-        self.port = self._listener.getsockname()[1]
-        self.address = f"{advertise_host}:{self.port}"
+        self.host, self.port = host, port  # port 0: the one bind() got
+        self.advertise_host = advertise_host
+        self.address = ""  # advertise_host:port, once bound
+        self._listener: socket.socket | None = None
         self._pools: dict[tuple[str, int], _PeerPool] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(
@@ -302,7 +301,28 @@ class TcpTransport(Transport):
         self.connections_opened = 0  # reader side: pooled connections are reused
 
     # -- holder side -----------------------------------------------------------------------
+    def bind(self, node_id: str = "") -> None:
+        """Open the listening socket (once); :attr:`port` and :attr:`address` are known from
+        then on. ``node_id`` replaces the one given at construction (a node learns its id
+        when its control socket is bound)."""
+        if node_id:
+            self.node_id = node_id.encode()
+        if self._listener is not None:
+            return
+        try:
+            self._listener = socket.create_server((self.host, self.port), backlog=128)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot bind the cluster data port {self.host}:{self.port}: {exc} (choose "
+                "another --cluster-data-port, or stop the server using it)"
+            ) from None
+        self.port = self._listener.getsockname()[1]
+        self.address = f"{self.advertise_host}:{self.port}"
+
     def serve(self, source: ChunkSource) -> None:
+        """Bind (if not yet) and serve ``source``'s chunks to peers on a thread."""
+        self.bind()
+        assert self._listener is not None
         self._source = source
         self._listener.settimeout(0.2)
         self._accept_thread = threading.Thread(
@@ -311,9 +331,11 @@ class TcpTransport(Transport):
         self._accept_thread.start()
 
     def _accept(self) -> None:
+        listener = self._listener
+        assert listener is not None
         while not self._stop.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -628,8 +650,9 @@ class TcpTransport(Transport):
     # -- lifecycle and figures -------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._listener.close()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
         if self._accept_thread is not None:
             self._accept_thread.join(2.0)
         with self._lock:

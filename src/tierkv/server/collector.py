@@ -3,14 +3,14 @@
 Pool usage, objects by state, leases, lock expiries, evictions, tier contents, write-behind
 and prefetch figures, and the lookup and transfer counts of
 :class:`~tierkv.server.metrics.ServiceMetrics` all come from one
-:meth:`~tierkv.server.status.StatusReader.status` document per scrape, so the request path
+:func:`~tierkv.server.status.status_document` per scrape, so the request path
 pays nothing for them. Request counts and latencies are ordinary prometheus-client metrics
 in the same registry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client.metrics_core import (
@@ -21,8 +21,6 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
-
-from tierkv.server.status import StatusReader
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -47,13 +45,14 @@ def _labelled(
 
 
 class StatsCollector(Collector):
-    """Exports a :class:`StatusReader`'s document as Prometheus metrics."""
+    """Exports the status document (:func:`tierkv.server.status.status_document` of a fresh
+    snapshot) as Prometheus metrics."""
 
-    def __init__(self, reader: StatusReader) -> None:
-        self.reader = reader
+    def __init__(self, status_doc: Callable[[], dict[str, Any]]) -> None:
+        self.status_doc = status_doc
 
     def collect(self) -> Iterator[Metric]:
-        st = self.reader.status()
+        st = self.status_doc()
         server, pool, objects, locks = st["server"], st["pool"], st["objects"], st["locks"]
         info = InfoMetricFamily("tierkv_build", "tierkv version")
         info.add_metric([], {"version": server["version"]})
@@ -105,6 +104,12 @@ class StatsCollector(Collector):
             "tierkv_clients_reaped",
             "Engine clients dropped (locks released) because their process exited",
             locks["clients_reaped"],
+        )
+        yield _counter(
+            "tierkv_clients_expired",
+            "Engine clients the server cannot watch dropped (locks released) after "
+            "client_idle_ttl without a request",
+            locks["clients_expired"],
         )
         ev = st["evictions"]
         yield _counter("tierkv_evictions", "Objects evicted from the pool", ev["objects"])

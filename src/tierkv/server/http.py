@@ -2,8 +2,8 @@
 
 FastAPI on uvicorn, served from one thread of the server process (handlers that read the
 service run on uvicorn's worker threads, so the event loop never waits for a lock). The
-socket is bound when the server is built, so a port in use fails start-up with a clear
-error instead of a dead HTTP thread.
+socket is bound by :meth:`HttpServer.start` before the thread starts, so a port in use
+fails start-up with a clear error instead of a dead HTTP thread.
 
 Endpoints:
 
@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,7 +42,6 @@ from starlette.exceptions import HTTPException
 from tierkv.config import ServerConfig
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
-from tierkv.server.status import StatusReader
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 def create_app(
     service: CacheService,
-    reader: StatusReader,
+    status_doc: Callable[[], dict[str, Any]],
     health: Callable[[], dict[str, bool]],
     auth_token: str = "",
     require_token: bool = False,
@@ -116,7 +116,7 @@ def create_app(
 
     @app.get("/status")
     def status() -> JSONResponse:
-        return JSONResponse(reader.status(), headers={"Cache-Control": "no-store"})
+        return JSONResponse(status_doc(), headers={"Cache-Control": "no-store"})
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -172,15 +172,7 @@ class HttpServer:
     def __init__(self, cfg: ServerConfig, app: FastAPI) -> None:
         self.host, self.port = cfg.http_host, cfg.http_port
         self.url = cfg.http_url
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        try:
-            self.sock = socket.create_server((self.host, self.port), family=family)
-        except OSError as exc:
-            raise EndpointInUseError(
-                f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc}; pick "
-                "another --http-port (0 disables HTTP)"
-            ) from None
-        self.sock.set_inheritable(False)
+        self.sock: socket.socket | None = None
         config = uvicorn.Config(
             app,
             log_config=None,  # keep the server's logging set-up
@@ -196,7 +188,16 @@ class HttpServer:
         self._thread: threading.Thread | None = None
 
     def start(self, timeout: float = 10.0) -> None:
-        """Serve in a thread; returns once uvicorn accepts connections."""
+        """Bind, serve in a thread; returns once uvicorn accepts connections."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        try:
+            self.sock = socket.create_server((self.host, self.port), family=family)
+        except OSError as exc:
+            raise EndpointInUseError(
+                f"cannot serve HTTP on {self.host}:{self.port}: {exc.strerror or exc}; pick "
+                "another --http-port (0 disables HTTP)"
+            ) from None
+        self.sock.set_inheritable(False)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="tierkv-http", daemon=True
         )
@@ -219,4 +220,5 @@ class HttpServer:
 
     def close(self) -> None:
         """Release the socket (also when the server never started)."""
-        self.sock.close()
+        if self.sock is not None:
+            self.sock.close()

@@ -30,7 +30,6 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, get_args
 
@@ -85,21 +84,13 @@ class Tally:
             return dict(self._counts)
 
 
-@dataclass(frozen=True, slots=True)
-class EvictionEvent:
-    time: float  # unix time of the first pass
-    objects: int
-    bytes: int  # payload bytes
-    passes: int
-
-
 class EvictionLog:
     """Recent evictions, newest last: the passes of each second (a busy pool is evicted
     many times a second) merged into one event."""
 
     def __init__(self, size: int = RECENT_EVICTIONS, merge_s: float = 1.0) -> None:
         self.merge_s = merge_s
-        self._events: deque[EvictionEvent] = deque(maxlen=size)
+        self._events: deque[p.EvictionEvent] = deque(maxlen=size)
         self._lock = threading.Lock()
 
     def record(self, evicted: Sequence[Evicted]) -> None:
@@ -110,13 +101,13 @@ class EvictionLog:
         with self._lock:
             last = self._events[-1] if self._events else None
             if last is not None and now - last.time < self.merge_s:
-                self._events[-1] = EvictionEvent(
+                self._events[-1] = p.EvictionEvent(
                     last.time, last.objects + len(evicted), last.bytes + nbytes, last.passes + 1
                 )
             else:
-                self._events.append(EvictionEvent(now, len(evicted), nbytes, 1))
+                self._events.append(p.EvictionEvent(now, len(evicted), nbytes, 1))
 
-    def recent(self) -> list[EvictionEvent]:
+    def recent(self) -> list[p.EvictionEvent]:
         with self._lock:
             return list(self._events)
 

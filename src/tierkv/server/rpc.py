@@ -79,7 +79,15 @@ class RpcServer:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.request_decoder.decode
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+        self._bound = False
+
+    sock: zmq.Socket[Any]  # the ROUTER clients talk to, from start() on
+    results: zmq.Socket[Any]  # replies of requests run on the worker threads
+
+    def start(self) -> None:
+        """Bind the endpoint (the loop itself runs in :meth:`serve_forever`)."""
         self.sock = self._bind()
+        self._bound = True
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(self._results_addr)
 
@@ -112,6 +120,9 @@ class RpcServer:
 
     # -- loop ------------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        """Serve until :meth:`stop`, then answer what is queued and close the sockets."""
+        if not self._bound:
+            self.start()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.results, zmq.POLLIN)
@@ -127,8 +138,7 @@ class RpcServer:
                 self.last_tick = now
                 if now - last_sweep >= 1.0:
                     last_sweep = now
-                    self.service.expire_sessions()
-                    self.service.reap_exited_clients()
+                    self.service.housekeeping()
             self._shutdown()
         finally:
             self._stopped.set()
@@ -220,8 +230,18 @@ class RpcServer:
             if len(frames) >= 2:
                 rid = _lenient_rid(frames[-1])
                 self._send(frames[:-1], p.Error(rid, p.ErrorCode.SHUTTING_DOWN, "server stopping"))
+        self.close(linger_ms=500)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the sockets and remove the ipc socket file (once; also when the loop never
+        ran)."""
+        if not self._bound:
+            return
+        self._bound = False
+        self._stopped.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
         self.results.close(linger=0)
-        self.sock.close(linger=500)
+        self.sock.close(linger=linger_ms)
         if self._ipc_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._ipc_path)

@@ -1,142 +1,269 @@
-"""The server's state as one JSON document: what GET /status returns, the dashboard shows
-and the Prometheus collector exports.
+"""The server's figures, built in one place: every surface shows the same snapshot.
 
-Everything is read live through the service's thread-safe accessors (each takes its own
-lock briefly; the document is not one atomic snapshot, but every figure in it is
-consistent on its own), except tier usage: asking a Redis server or an S3 bucket how much
-it holds is a scan, so each tier's answer is reused for 100 times as long as it took to get
-(at most ``usage_ttl`` seconds): a disk tier's is live, an S3 listing's a few seconds old.
+:meth:`StatusBuilder.snapshot` reads the index, the client registry, the lookup sessions,
+the request metrics, the tiering and the cluster node once and returns a
+:class:`~tierkv.protocol.Stats`. The RPC STATS reply *is* that struct (``tierkv status``
+prints it); :func:`status_document` turns it into the JSON of GET /status (and the
+dashboard); the Prometheus collector exports that document. So "ready" (committed, no
+reader), "sessions" (every open lookup session, a scheduler's counting once) and every other
+figure mean the same thing everywhere.
+
+Each part is read through its own thread-safe accessor (each takes its own lock briefly):
+the snapshot is not one atomic cut across the parts, but every figure is consistent on its
+own.
+
+Tier usage: a tier whose ``usage()`` walks the medium (a Redis SCAN, an S3 listing:
+``Tier.usage_scans``) is never asked on a request's thread. Its last answer is shown with
+its age, and a refresh runs on a background thread when the answer is older than
+``usage_ttl`` (or than ten times what the last walk took), one walk per tier at a time.
+Tiers that keep counters (disk, peer) are read live.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from tierkv import __version__
-from tierkv.config import as_dict
-from tierkv.server.metrics import POOL
+from tierkv import protocol as p
+from tierkv.config import ServerConfig, as_dict
+from tierkv.index import ObjectIndex
+from tierkv.pool import ShmPool
+from tierkv.server.metrics import POOL, ServiceMetrics
+from tierkv.server.registry import ClientRegistry
+from tierkv.server.sessions import LookupSessions
+from tierkv.server.tiering import Tiering
 from tierkv.tiers.base import Tier, TierUsage
 
-if TYPE_CHECKING:
-    from tierkv.server.service import CacheService
+log = logging.getLogger(__name__)
 
 USAGE_TTL = 5.0
-USAGE_REUSE = 100  # an answer is reused for this many times its cost
+USAGE_REUSE = 10  # a walk's answer is reused for at least this many times its cost
 
 
-class StatusReader:
-    """Builds the status document of one service."""
+class TierUsageCache:
+    """Usage of tiers that must walk their medium to answer, refreshed off the caller's
+    thread; live for the others."""
+
+    def __init__(self, ttl: float = USAGE_TTL, clock: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._known: dict[str, tuple[float, float, TierUsage]] = {}  # tier -> (at, cost, usage)
+        self._walking: set[str] = set()
+        self.walks = 0
+
+    def usage(self, tier: Tier) -> tuple[TierUsage, float]:
+        """(usage, its age in seconds: 0 when live, -1 when not known yet)."""
+        if not tier.usage_scans:
+            return tier.usage(), 0.0
+        now = self.clock()
+        with self._lock:
+            known = self._known.get(tier.name)
+            stale = known is None or now - known[0] >= max(self.ttl, USAGE_REUSE * known[1])
+            start = stale and tier.name not in self._walking
+            if start:
+                self._walking.add(tier.name)
+        if start:
+            threading.Thread(
+                target=self._walk, args=(tier,), name="tierkv-tier-usage", daemon=True
+            ).start()
+        if known is None:
+            return TierUsage(0, 0, 0), -1.0
+        return known[2], now - known[0]
+
+    def _walk(self, tier: Tier) -> None:
+        start = self.clock()
+        try:
+            usage = tier.usage()
+        except Exception:
+            log.warning("tier %s could not report its usage", tier.name, exc_info=True)
+            with self._lock:
+                self._walking.discard(tier.name)
+            return
+        now = self.clock()
+        with self._lock:
+            self._known[tier.name] = (now, now - start, usage)
+            self._walking.discard(tier.name)
+            self.walks += 1
+
+
+class StatusBuilder:
+    """Builds the :class:`~tierkv.protocol.Stats` snapshot of one server."""
 
     def __init__(
         self,
-        service: CacheService,
-        usage_ttl: float = USAGE_TTL,
+        cfg: ServerConfig,
+        pool: ShmPool,
+        index: ObjectIndex,
+        registry: ClientRegistry,
+        sessions: LookupSessions,
+        metrics: ServiceMetrics,
+        tiering: Tiering,
+        cluster: Callable[[], dict[str, Any]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.service = service
-        self.usage_ttl = usage_ttl
+        """``cluster()`` gives the cluster node's figures (None: not in a cluster)."""
+        self.cfg = cfg
+        self.pool = pool
+        self.index = index
+        self.registry = registry
+        self.sessions = sessions
+        self.metrics = metrics
+        self.tiering = tiering
+        self.cluster = cluster
         self.clock = clock
-        self._lock = threading.Lock()
-        self._usage: dict[str, tuple[float, TierUsage]] = {}  # tier -> (valid until, usage)
+        self.started = clock()
+        self.usage = TierUsageCache(clock=clock)
 
-    def _tier_usage(self, tier: Tier) -> TierUsage:
-        start = self.clock()
-        with self._lock:
-            cached = self._usage.get(tier.name)
-        if cached is not None and start < cached[0]:
-            return cached[1]
-        usage = tier.usage()  # outside the lock: it may take a while
-        now = self.clock()
-        reuse = min(self.usage_ttl, USAGE_REUSE * (now - start))
-        with self._lock:
-            self._usage[tier.name] = (now + reuse, usage)
-        return usage
+    def uptime(self) -> float:
+        return self.clock() - self.started
 
-    def status(self) -> dict[str, Any]:
-        svc = self.service
-        cfg = svc.cfg
-        s = svc.index.stats()
-        engines = svc.clients_snapshot()
-        tiers = svc.tiering.tier_stats(self._tier_usage)
-        wb = svc.tiering.write_behind.stats
-        pf = svc.tiering.prefetcher.stats
-        m = svc.metrics
-        hits, misses = m.lookup_counts([t.name for t in tiers])
-        pool = m.pool_bytes.snapshot()
-        stored = {
-            POOL: {"chunks": pool.get("stored_chunks", 0), "bytes": pool.get("stored_bytes", 0)}
-        }
-        retrieved = {
-            POOL: {
-                "chunks": pool.get("retrieved_chunks", 0),
-                "bytes": pool.get("retrieved_bytes", 0),
-            }
-        }
+    def _tier_stats(self) -> list[p.TierStats]:
+        ages: dict[str, float] = {}
+
+        def usage_of(tier: Tier) -> TierUsage:
+            usage, ages[tier.name] = self.usage.usage(tier)
+            return usage
+
+        tiers = self.tiering.tier_stats(usage_of)
         for t in tiers:
-            stored[t.name] = {"chunks": t.written_chunks, "bytes": t.written_bytes}
-            retrieved[t.name] = {"chunks": t.loaded_chunks, "bytes": t.loaded_bytes}
-        return {
-            "server": {
-                "version": __version__,
-                "time": time.time(),
-                "uptime_s": svc.uptime(),
-                "pool_name": svc.pool.name,
-                "rpc_endpoint": cfg.rpc_endpoint,
-                "http_url": cfg.http_url,
-                "chunk_size": cfg.chunk_size,
-            },
-            "pool": {
-                "capacity": s.capacity,
-                "used": s.used,
-                "largest_free": s.largest_free,
-                "high_watermark": cfg.high_watermark,
-                "low_watermark": cfg.low_watermark,
-            },
-            # Disjoint states: ready = committed and unlocked (evictable).
-            "objects": {
-                "total": s.objects,
-                "writing": s.writing,
-                "ready": s.evictable,
-                "read_locked": s.read_locked,
-            },
-            "locks": {
-                "write_leases": s.write_leases,
-                "read_leases": s.read_leases,
-                "sessions": sum(e.sessions for e in engines),
-                "expired_write_slots": s.expired_write_slots,
-                "expired_read_locks": s.expired_read_locks,
-                "clients_reaped": svc.clients_reaped,
-                "pinned_objects": s.pinned,
-                "pin_leases": s.pin_leases,
-            },
-            "evictions": {
-                "objects": s.evictions,
-                "bytes": s.evicted_bytes,
-                "recent": [
-                    {"time": e.time, "objects": e.objects, "bytes": e.bytes, "passes": e.passes}
-                    for e in m.evictions.recent()
-                ],
-            },
-            "lookups": {"hits": hits, "misses": misses},
-            "transfers": {"stored": stored, "retrieved": retrieved},
-            "requests": m.request_totals(),
-            "latency": m.latency_means(),
-            "tiers": [msgspec.to_builtins(t) for t in tiers],
-            "tiering": {
-                "write_behind_queued": wb.queued_chunks,
-                "write_behind_dropped": wb.dropped_chunks,
-                "prefetch_started": pf.started,
-                "prefetch_rejected": pf.rejected,
-                "prefetch_timed_out": pf.timed_out,
-                "prefetch_inflight": pf.inflight,
-            },
-            "engines": [msgspec.to_builtins(e) for e in engines],
-            # Membership, directory, per-peer transfers (None when not in a cluster).
-            "cluster": svc.tiering.cluster.stats() if svc.tiering.cluster is not None else None,
-            "config": as_dict(cfg),
-        }
+            t.usage_age_s = ages.get(t.name, 0.0)
+        return tiers
+
+    def snapshot(self, rid: int = 0) -> p.Stats:
+        s = self.index.stats()
+        tiers = self._tier_stats()
+        m = self.metrics
+        hits, misses = m.lookup_counts([t.name for t in tiers])
+        outcomes = m.request_totals()
+        requests = {name: sum(o.values()) for name, o in outcomes.items() if sum(o.values())}
+        errors: dict[str, int] = {}
+        for per_outcome in outcomes.values():
+            for outcome, n in per_outcome.items():
+                if outcome != "ok" and n:
+                    errors[outcome] = errors.get(outcome, 0) + n
+        pool = m.pool_bytes.snapshot()
+        wb = self.tiering.write_behind.stats
+        pf = self.tiering.prefetcher.stats
+        return p.Stats(
+            rid=rid,
+            server_version=__version__,
+            uptime_s=self.uptime(),
+            pool_name=self.pool.name,
+            capacity=s.capacity,
+            used=s.used,
+            largest_free=s.largest_free,
+            objects=s.objects,
+            writing=s.writing,
+            ready=s.evictable,
+            read_locked=s.read_locked,
+            clients=len(self.registry),
+            sessions=self.sessions.count(),
+            write_leases=s.write_leases,
+            read_leases=s.read_leases,
+            expired_write_slots=s.expired_write_slots,
+            expired_read_locks=s.expired_read_locks,
+            evictions=s.evictions,
+            evicted_bytes=s.evicted_bytes,
+            requests=requests,
+            errors=errors,
+            tiers=tiers,
+            write_behind_queued=wb.queued_chunks,
+            write_behind_dropped=wb.dropped_chunks,
+            prefetch_started=pf.started,
+            prefetch_rejected=pf.rejected,
+            prefetch_timed_out=pf.timed_out,
+            prefetch_inflight=pf.inflight,
+            engines=self.registry.snapshot(),
+            lookup_hits=hits,
+            lookup_misses=misses,
+            stored_bytes=pool.get("stored_bytes", 0),
+            retrieved_bytes=pool.get("retrieved_bytes", 0),
+            http_url=self.cfg.http_url,
+            cluster=self.cluster() if self.cluster is not None else {},
+            clients_reaped=self.registry.reaped,
+            pinned=s.pinned,
+            pin_leases=s.pin_leases,
+            clients_expired=self.registry.expired,
+            stored_chunks=pool.get("stored_chunks", 0),
+            retrieved_chunks=pool.get("retrieved_chunks", 0),
+            request_outcomes=outcomes,
+            latency=m.latency_means(),
+            recent_evictions=m.evictions.recent(),
+            chunk_size=self.cfg.chunk_size,
+            rpc_endpoint=self.cfg.rpc_endpoint,
+            time=time.time(),
+        )
+
+
+def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
+    """GET /status: the snapshot ``s`` as one JSON document (the dashboard reads it)."""
+    stored = {POOL: {"chunks": s.stored_chunks, "bytes": s.stored_bytes}}
+    retrieved = {POOL: {"chunks": s.retrieved_chunks, "bytes": s.retrieved_bytes}}
+    for t in s.tiers:
+        stored[t.name] = {"chunks": t.written_chunks, "bytes": t.written_bytes}
+        retrieved[t.name] = {"chunks": t.loaded_chunks, "bytes": t.loaded_bytes}
+    return {
+        "server": {
+            "version": s.server_version,
+            "time": s.time,
+            "uptime_s": s.uptime_s,
+            "pool_name": s.pool_name,
+            "rpc_endpoint": s.rpc_endpoint,
+            "http_url": s.http_url,
+            "chunk_size": s.chunk_size,
+        },
+        "pool": {
+            "capacity": s.capacity,
+            "used": s.used,
+            "largest_free": s.largest_free,
+            "high_watermark": cfg.high_watermark,
+            "low_watermark": cfg.low_watermark,
+        },
+        # Disjoint states: ready = committed and unlocked (evictable).
+        "objects": {
+            "total": s.objects,
+            "writing": s.writing,
+            "ready": s.ready,
+            "read_locked": s.read_locked,
+        },
+        "locks": {
+            "write_leases": s.write_leases,
+            "read_leases": s.read_leases,
+            "sessions": s.sessions,
+            "expired_write_slots": s.expired_write_slots,
+            "expired_read_locks": s.expired_read_locks,
+            "clients_reaped": s.clients_reaped,
+            "clients_expired": s.clients_expired,
+            "pinned_objects": s.pinned,
+            "pin_leases": s.pin_leases,
+        },
+        "evictions": {
+            "objects": s.evictions,
+            "bytes": s.evicted_bytes,
+            "recent": [msgspec.to_builtins(e) for e in s.recent_evictions],
+        },
+        "lookups": {"hits": s.lookup_hits, "misses": s.lookup_misses},
+        "transfers": {"stored": stored, "retrieved": retrieved},
+        "requests": s.request_outcomes,
+        "latency": s.latency,
+        "tiers": [msgspec.to_builtins(t) for t in s.tiers],
+        "tiering": {
+            "write_behind_queued": s.write_behind_queued,
+            "write_behind_dropped": s.write_behind_dropped,
+            "prefetch_started": s.prefetch_started,
+            "prefetch_rejected": s.prefetch_rejected,
+            "prefetch_timed_out": s.prefetch_timed_out,
+            "prefetch_inflight": s.prefetch_inflight,
+        },
+        "engines": [msgspec.to_builtins(e) for e in s.engines],
+        # Membership, directory, per-peer transfers (None when not in a cluster).
+        "cluster": s.cluster or None,
+        "config": as_dict(cfg),
+    }

@@ -119,6 +119,9 @@ class Tier(ABC):
     """A store of chunks below the pool. Implementations must be thread-safe."""
 
     name: str
+    # Whether usage() walks the medium (a Redis SCAN, an S3 listing) rather than reading
+    # counters: status reports then show a cached answer, refreshed off the request path.
+    usage_scans: bool = False
 
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -131,6 +134,19 @@ class Tier(ABC):
     @abstractmethod
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         """Fill each writable view with the key's payload (same length), verified."""
+
+    def load_verified(
+        self, items: Sequence[tuple[bytes, memoryview]]
+    ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
+        """:meth:`load`, plus the checksum of each chunk the tier verified on the way in
+        (key -> checksum), for a caller that would otherwise hash the bytes again. Tiers that
+        do not hand their checksums out return an empty dict."""
+        return self.load(items), {}
+
+    def loaded_and_committed(self, chunks: Sequence[tuple[bytes, bytes, int]]) -> None:  # noqa: B027
+        """Chunks this tier just loaded are now committed in the pool: (key, checksum,
+        length) each, the checksum from :meth:`load_verified`. A hook for tiers that track
+        what the pool holds (the peer tier publishes them); the default does nothing."""
 
     @abstractmethod
     def delete(self, keys: Sequence[bytes]) -> int:

@@ -20,13 +20,11 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
-
-WRITE_BEHIND_HOLDER = -1  # index holder id of the write-behind pins
 
 
 @dataclass
@@ -72,7 +70,7 @@ class WriteBehind:
                 self.stats.dropped_chunks += len(keys)
                 log.debug("write-behind queue full: %d chunks not written to tiers", len(keys))
                 return 0
-        lock = self.index.pin(keys, WRITE_BEHIND_HOLDER)
+        lock = self.index.pin(keys, Holder.WRITE_BEHIND)
         if not lock.slots:
             return 0
         nbytes = sum(length for _, _, length in lock.slots)
@@ -128,7 +126,7 @@ class WriteBehind:
     ) -> None:
         """Unpin a queued job's chunks and take it off the queue (as dropped, if not run)."""
         try:
-            self.index.unpin(lease_id, WRITE_BEHIND_HOLDER)
+            self.index.unpin(lease_id, Holder.WRITE_BEHIND)
         except LeaseNotFound:
             log.warning("write-behind pin expired before the tiers finished (read_ttl too short?)")
         with self._lock:

@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
-from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier
 
 log = logging.getLogger(__name__)
 
-PREFETCH_HOLDER = -2  # index holder id of prefetch reservations
+Verified = tuple[bytes, bytes, int]  # (key, checksum verified on the way in, length)
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Prefetcher:
         executor: Executor,
         max_inflight: int,
         timeout: float,
-        on_committed: Callable[[list[bytes], str], None] | None = None,
+        on_committed: Callable[[Tier, list[bytes], list[Verified]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         *,
         on_reserved: Callable[[], None] | None = None,
@@ -255,14 +255,15 @@ class Prefetcher:
         the pool has (reserve_write reports them present) are not loaded and count as the
         pool's; one that left the pool since it was located gets a slot and is asked of the
         tier like the others (if the tier lacks it, it ends the prefix as a miss)."""
-        res = self.index.reserve_write(keys, lengths, PREFETCH_HOLDER, tier=tier.name)
+        res = self.index.reserve_write(keys, lengths, Holder.PREFETCH, tier=tier.name)
         if self.on_reserved is not None:
             self.on_reserved()
         stop = res.no_space[0] if res.no_space else len(keys)
         reserved = [(i, off, n) for i, off, n in res.slots if i < stop]
         items = [(keys[i], self.pool.view(off, n)) for i, off, n in reserved]
+        sums: dict[bytes, bytes] = {}
         try:
-            statuses = tier.load(items) if items else []
+            statuses, sums = tier.load_verified(items) if items else ([], {})
         except Exception:
             log.exception("tier %s failed a load batch", tier.name)
             statuses = [LoadStatus.ERROR] * len(items)
@@ -287,9 +288,13 @@ class Prefetcher:
         commit_pos = [p for p, (i, _, _) in enumerate(reserved) if i < prefix]
         nbytes = sum(reserved[p][2] for p in commit_pos)
         if res.lease_id:
-            result = self.index.commit(res.lease_id, PREFETCH_HOLDER, commit_pos)
+            result = self.index.commit(res.lease_id, Holder.PREFETCH, commit_pos)
             if self.on_committed and result.committed_keys:
-                self.on_committed(result.committed_keys, tier.name)
+                length_of = {keys[i]: n for i, _, n in reserved}
+                verified = [
+                    (key, sums[key], length_of[key]) for key in result.committed_keys if key in sums
+                ]
+                self.on_committed(tier, result.committed_keys, verified)
         with self._lock:
             s = self.stats
             s.loaded_chunks[tier.name] = s.loaded_chunks.get(tier.name, 0) + len(commit_pos)

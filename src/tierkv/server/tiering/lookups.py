@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from tierkv.eviction import EvictionController
 from tierkv.index import Evicted, ObjectIndex
 from tierkv.server.metrics import POOL, ServiceMetrics
-from tierkv.tiers.prefetch import PrefetchJob
+from tierkv.server.tiering.prefetch import PrefetchJob
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,72 @@
+"""A request's chunk selector turned into chunk keys and byte lengths, with its limits.
+
+Engines name chunks by token ids (the server hashes them into prefix-chained keys) or by
+their own chained hashes, under the client's namespace and an optional per-request cache
+salt. Everything about a selector that can be wrong is refused here with a clear
+:class:`RequestError`, before any key is computed or any lock taken.
+"""
+
+from __future__ import annotations
+
+from tierkv import keys
+from tierkv import protocol as p
+from tierkv.server.errors import RequestError
+from tierkv.server.registry import Registration
+
+MAX_SALT = 1024  # characters of a per-request cache salt
+
+
+class ChunkKeys:
+    """Keys and lengths of selected chunks, for one server's chunk size and limits."""
+
+    def __init__(self, chunk_size: int, max_chunks: int) -> None:
+        self.chunk_size = chunk_size
+        self.max_chunks = max_chunks
+
+    def of(
+        self, reg: Registration, sel: p.ChunkSelector, first_chunk: int = 0
+    ) -> tuple[list[bytes], list[int]]:
+        """Keys and byte lengths of the selected chunks of ``reg``, from ``first_chunk`` on."""
+        limit = self.max_chunks
+        chunk_size = self.chunk_size
+        if (sel.tokens is None) == (sel.hashes is None):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "give exactly one of tokens or hashes")
+        if first_chunk < 0:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
+        if len(sel.salt) > MAX_SALT:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, f"cache salt longer than {MAX_SALT}")
+        if sel.tokens is not None:
+            if len(sel.tokens) % 4:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "tokens must be packed uint32")
+            n_tokens = len(sel.tokens) // 4
+            n_chunks = n_tokens // chunk_size + bool(sel.partial_last and n_tokens % chunk_size)
+            if n_chunks > limit:
+                raise RequestError(
+                    p.ErrorCode.TOO_LARGE,
+                    f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
+                    f"{limit} (max_chunks_per_request)",
+                )
+            ks = keys.chunk_keys(reg.digest_for(sel.salt), sel.tokens, chunk_size, sel.partial_last)
+            lengths = [reg.chunk_bytes] * len(ks)
+            rest = n_tokens % chunk_size
+            if sel.partial_last and rest:
+                lengths[-1] = reg.chunk_bytes // chunk_size * rest
+        else:
+            assert sel.hashes is not None
+            if len(sel.hashes) > limit:
+                raise RequestError(
+                    p.ErrorCode.TOO_LARGE,
+                    f"{len(sel.hashes)} hashes is more than {limit} (max_chunks_per_request)",
+                )
+            if sel.partial_last:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, "partial_last needs tokens, not hashes")
+            try:
+                ks = keys.keys_from_hashes(reg.digest_for(sel.salt), sel.hashes)
+            except ValueError as exc:
+                raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
+            lengths = [reg.chunk_bytes] * len(ks)
+        if first_chunk > len(ks):
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"first_chunk {first_chunk} beyond {len(ks)} chunks"
+            )
+        return ks[first_chunk:], lengths[first_chunk:]

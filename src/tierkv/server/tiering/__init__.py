@@ -1,0 +1,13 @@
+"""Server-side controllers that move chunks between the pool and the tiers.
+
+``write_behind`` copies committed chunks from the pool to the tiers, ``prefetch`` loads the
+chunks that follow a lookup's hit prefix back into the pool, ``lookups`` counts every
+lookup's hits by tier and its misses by reason, and ``controller`` (:class:`Tiering`) puts
+the three together over the tiers the wiring built. The media themselves live in
+:mod:`tierkv.tiers`; the cluster's peer tier in :mod:`tierkv.cluster`.
+"""
+
+from tierkv.server.tiering.controller import Tiering
+from tierkv.server.tiering.lookups import LookupAccounting
+
+__all__ = ["LookupAccounting", "Tiering"]
