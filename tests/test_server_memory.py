@@ -54,7 +54,11 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None
 
 def test_partial_store_when_the_pool_is_full(server_factory: Callable[..., ServerProcess]) -> None:
     # high watermark 1.0: eviction never starts, so the pool stays exactly full.
-    srv = server_factory(POOL, ["--high-watermark", "1.0", "--low-watermark", "0.5"])
+    # One client fills the whole pool on purpose: lift the per-client reservation bound.
+    srv = server_factory(
+        POOL,
+        ["--high-watermark", "1.0", "--low-watermark", "0.5", "--client-reservation-share", "1"],
+    )
     with connect(srv) as client:
         seq = tokens(10, 6)
         res = client.store(seq, [data(seq, i) for i in range(6)])
@@ -88,7 +92,8 @@ def test_eviction_frees_space_for_a_later_store(
     server_factory: Callable[..., ServerProcess],
 ) -> None:
     # Default watermarks (0.8 / 0.7): above 3.2 MiB used, evict down to 2.8 MiB.
-    srv = server_factory(POOL, ["--eviction-interval", "0.05"])
+    # One client fills the whole pool on purpose: lift the per-client reservation bound.
+    srv = server_factory(POOL, ["--eviction-interval", "0.05", "--client-reservation-share", "1"])
     with connect(srv) as client:
         first = tokens(10, 6)
         res = client.store(first, [data(first, i) for i in range(6)])
@@ -122,7 +127,8 @@ def test_eviction_frees_space_for_a_later_store(
 
 
 def test_locked_chunks_are_not_evicted(server_factory: Callable[..., ServerProcess]) -> None:
-    srv = server_factory(POOL, ["--eviction-interval", "0.05"])
+    # One client fills the whole pool on purpose: lift the per-client reservation bound.
+    srv = server_factory(POOL, ["--eviction-interval", "0.05", "--client-reservation-share", "1"])
     with connect(srv) as client:
         held = tokens(10, 3)  # 3 MiB: below the high watermark (3.2 MiB)
         assert client.store(held, [data(held, i) for i in range(3)]).stored == [0, 1, 2]

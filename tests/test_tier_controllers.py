@@ -1,5 +1,5 @@
-"""In-process tests of the tier controllers: write-behind (:mod:`tierkv.server.tiering.write_behind`)
-and prefetch (:mod:`tierkv.server.tiering.prefetch`).
+"""In-process tests of the tier controllers: write-behind
+(:mod:`tierkv.server.tiering.write_behind`) and prefetch (:mod:`tierkv.server.tiering.prefetch`).
 
 They run on a real shared-memory pool, a real :class:`ObjectIndex` and a real
 :class:`DiskTier` in a temporary directory, next to :class:`MemTier`, a small tier defined
@@ -393,7 +393,9 @@ def test_prefetch_takes_the_longest_run_across_tiers_in_order(env: Env) -> None:
     env.stage(env.disk, keys[:2])
     b.put([keys[0], keys[2], keys[4]])
     committed: list[tuple[list[bytes], str]] = []
-    pf = env.prefetcher([env.disk, b], on_committed=lambda src, ks, _: committed.append((ks, src.name)))
+    pf = env.prefetcher(
+        [env.disk, b], on_committed=lambda src, ks, _: committed.append((ks, src.name))
+    )
     job = pf.start(ENGINE, keys, [CHUNK] * 5, 0, 0)
     wait_done(job)
     assert job is not None and job.hits == 3 and job.loaded == 3

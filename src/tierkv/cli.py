@@ -62,7 +62,8 @@ def _status(args: argparse.Namespace) -> int:
     print(
         f"  clients   {s.clients} registered, {s.sessions} lookup sessions, "
         f"{s.write_leases} store and {s.read_leases} read leases open; "
-        f"{s.clients_reaped} dropped after their process exited"
+        f"{s.clients_reaped} dropped after their process exited, {s.clients_expired} after "
+        "idling past client_idle_ttl"
     )
     print(
         f"  evictions {s.evictions} ({format_bytes(s.evicted_bytes)}); expired: "
@@ -85,8 +86,13 @@ def _status(args: argparse.Namespace) -> int:
     for t in s.tiers:
         cap = f" of {format_bytes(t.capacity)}" if t.capacity else ""
         fails = ", ".join(f"{k} {v}" for k, v in sorted(t.load_failures.items())) or "none"
+        held = f"{t.objects} chunks, {format_bytes(t.bytes_used)}{cap}"
+        if t.usage_age_s < 0:
+            held = "contents not counted yet"
+        elif t.usage_age_s >= 1:
+            held += f" (counted {t.usage_age_s:.0f} s ago)"
         print(
-            f"  tier {t.name:<5}{t.objects} chunks, {format_bytes(t.bytes_used)}{cap}; wrote "
+            f"  tier {t.name:<5}{held}; wrote "
             f"{t.written_chunks} ({t.write_failures} failed), loaded {t.loaded_chunks} "
             f"(failures: {fails})"
         )

@@ -285,6 +285,8 @@ class CacheService:
                 f"store lease {req.lease} is not open: never prepared, already committed or "
                 "aborted, or expired (write_ttl)",
             ) from None
+        except LeaseNotOwned:
+            raise  # an IndexError_ too: answered as NOT_OWNED by the dispatcher
         except IndexError_ as exc:  # `only` positions out of range
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         self.tiering.after_commit(res.committed_keys)

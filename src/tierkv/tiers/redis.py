@@ -155,6 +155,7 @@ class RedisTier(Tier):
     """
 
     name = "redis"
+    usage_scans = True  # usage() SCANs the keyspace and sizes every key
 
     def __init__(
         self,

@@ -166,6 +166,7 @@ class S3Tier(Tier):
     """
 
     name = "s3"
+    usage_scans = True  # usage() lists the whole bucket prefix
 
     def __init__(
         self,
