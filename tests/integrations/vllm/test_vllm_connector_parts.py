@@ -1,0 +1,742 @@
+"""The connector's parts without the engine: block/chunk mapping, settings, and the scheduler
+and worker roles driven by hand against a real tierkv server and real vLLM CPU KV caches.
+
+The role tests play vLLM's part: they call the scheduler side the way vLLM's scheduler does
+(lookup, allocation, per-step metadata) and hand the metadata to worker sides that own real
+paged caches, then check the bytes that land in the blocks. The ``store_decode`` tests also play
+decoding, step by step, in vLLM's synchronous order (the token sampled in a step is known when
+the next one is planned) and in its async-scheduling order (known one step later).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from support import vllm_engine
+
+try:
+    import torch
+
+    from tierkv.integrations.vllm.chunks import (
+        LoadSpec,
+        StoreSpec,
+        blocks_per_chunk,
+        chunk_hashes,
+        chunks_touching,
+    )
+    from tierkv.integrations.vllm.layout import CacheGeometry
+    from tierkv.integrations.vllm.metadata import (
+        RankReport,
+        TierKVConnectorMetadata,
+        TierKVWorkerMetadata,
+    )
+    from tierkv.integrations.vllm.scheduler import SchedulerSide
+    from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
+    from tierkv.integrations.vllm.worker import WorkerSide
+    from tierkv.keys import pack_tokens
+except ImportError:  # the conftest fails every test with the reason
+    pass
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_engine.require_vllm()
+
+
+CHUNK, BLOCK, BPC = 256, 128, 2
+LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32
+
+
+# -- mapping -------------------------------------------------------------------------------------
+def test_chunk_hashes_take_every_chunks_last_block_hash() -> None:
+    hashes = [bytes([i]) * 32 for i in range(9)]  # 9 blocks of 128 tokens hashed
+    assert chunk_hashes(hashes, 4, CHUNK, BLOCK) == [hashes[1], hashes[3], hashes[5], hashes[7]]
+    assert chunk_hashes(hashes, 5, CHUNK, BLOCK) is None  # not enough blocks hashed
+    assert chunk_hashes(hashes, 2, CHUNK, 96) is None  # 256 is not a multiple of 96
+    assert chunk_hashes(hashes[:4], 1, CHUNK, 64) == [hashes[3]]  # finer hashing: stride 4
+
+
+def test_blocks_per_chunk_needs_a_multiple() -> None:
+    assert blocks_per_chunk(256, 16) == 16
+    with pytest.raises(ValueError, match="multiple"):
+        blocks_per_chunk(256, 96)
+
+
+def test_load_spec_writes_only_blocks_vllm_does_not_have() -> None:
+    # vLLM holds block 0 (its own prefix cache); tierkv has chunks 0-1 (blocks 0-3).
+    spec = LoadSpec("r", start_block=1, end_block=4, block_ids=(11, 12, 13))
+    assert list(chunks_touching(1, 4, BPC)) == [0, 1]
+    assert spec.blocks_of(0, BPC) == [(1, 11)]  # chunk 0: only its second block
+    assert spec.blocks_of(1, BPC) == [(0, 12), (1, 13)]
+    assert spec.blocks_of(2, BPC) == []
+    assert spec.failed_blocks({0, 1}, BPC) == []
+    assert spec.failed_blocks({0}, BPC) == [12, 13]
+    assert spec.failed_blocks(set(), BPC) == [11, 12, 13]
+    assert spec.first_failed_block({0}, BPC) == 2
+
+
+def test_store_spec_maps_chunks_to_their_blocks() -> None:
+    spec = StoreSpec("r", first_chunk=1, end_chunk=3, block_ids=(7, 3, 9, 4), tokens=b"")
+    assert spec.blocks_of(1, BPC) == (7, 3)
+    assert spec.blocks_of(2, BPC) == (9, 4)
+
+
+def test_worker_metadata_counts_a_token_only_if_every_rank_loaded_it() -> None:
+    a = TierKVWorkerMetadata({0: RankReport({"r1": 512, "r2": 256}, {}, {"r3": 2})})
+    b = TierKVWorkerMetadata({1: RankReport({"r1": 256, "r2": 256}, {"r1": 256}, {"r3": 1})})
+    merged = a.aggregate(b)
+    assert isinstance(merged, TierKVWorkerMetadata)
+    assert merged.loaded_tokens == {"r1": 256, "r2": 256}
+    assert merged.failed_from == {"r1": 256}
+    assert {rank: r.written_chunks for rank, r in merged.ranks.items()} == {
+        0: {"r3": 2},
+        1: {"r3": 1},
+    }
+
+
+# -- settings ------------------------------------------------------------------------------------
+def test_settings_defaults_and_validation() -> None:
+    s = ConnectorSettings.from_extra_config({"endpoint": "ipc:///x.sock"})
+    assert (s.endpoint, s.chunk_size, s.timeout, s.hashes) == ("ipc:///x.sock", 256, 2.0, "auto")
+    with pytest.raises(SettingsError, match="unknown"):
+        ConnectorSettings.from_extra_config({"endpiont": "x"})
+    with pytest.raises(SettingsError, match="hashes"):
+        ConnectorSettings.from_extra_config({"hashes": "md5"})
+    with pytest.raises(SettingsError, match="timeout"):
+        ConnectorSettings.from_extra_config({"timeout": "soon"})
+    with pytest.raises(SettingsError, match="kv_layout"):
+        ConnectorSettings.from_extra_config({"kv_layout": "rows"})
+
+
+# -- roles against a real server -----------------------------------------------------------------
+def cpu_caches() -> dict[str, Any]:
+    """Per-layer CPU KV caches allocated by vLLM, filled with distinct random values."""
+    caches = vllm_engine.vllm_cpu_caches(LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape))
+    return caches
+
+
+@dataclass
+class Engine:
+    """One engine instance as vLLM would wire it: a scheduler side and one worker side per
+    rank, each rank with its own paged cache (the block table is the same on every rank)."""
+
+    scheduler: SchedulerSide
+    workers: list[WorkerSide]
+    caches: list[dict[str, Any]]
+    free: list[int] = field(default_factory=lambda: list(range(NUM_BLOCKS)))
+
+    @property
+    def worker(self) -> WorkerSide:
+        return self.workers[0]
+
+    def blocks(self, n: int) -> list[int]:
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def block_bytes(self, block_id: int, rank: int = 0) -> list[Any]:
+        return [t[block_id].clone() for _, t in sorted(self.caches[rank].items())]
+
+    def worker_meta(self) -> TierKVWorkerMetadata | None:
+        """The ranks' metadata of this step, aggregated as vLLM's executor does."""
+        merged: Any = None
+        for worker in self.workers:
+            meta = worker.build_worker_meta()
+            merged = meta if merged is None else (merged.aggregate(meta) if meta else merged)
+        return merged  # type: ignore[no-any-return]
+
+
+def make_engine(
+    endpoint: str,
+    engine_id: str,
+    role: str = "kv_both",
+    timeout: float = 5.0,
+    world_size: int = 1,
+    retry_interval: float = 5.0,
+    store_decode: bool = False,
+) -> Engine:
+    settings = ConnectorSettings.from_extra_config(
+        {
+            "endpoint": endpoint,
+            "timeout": timeout,
+            "retry_interval": retry_interval,
+            "store_decode": store_decode,
+        }
+    )
+    can_load, can_save = role != "kv_producer", role != "kv_consumer"
+    scheduler = SchedulerSide(
+        settings,
+        model_id="parts-model",
+        engine_id=engine_id,
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        use_block_hashes=False,
+        can_load=can_load,
+        can_save=can_save,
+        world_size=world_size,
+    )
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    backend = f"CPU_ATTN/{_get_attn_isa(torch.float32, BLOCK, HEAD)}"
+    workers, caches = [], []
+    for rank in range(world_size):
+        worker = WorkerSide(
+            settings,
+            model_id="parts-model",
+            engine_id=engine_id,
+            world_size=world_size,
+            rank=rank,
+            can_load=can_load,
+            can_save=can_save,
+        )
+        cache = cpu_caches()
+        worker.register_kv_caches(
+            cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
+        )
+        workers.append(worker)
+        caches.append(cache)
+    return Engine(scheduler, workers, caches)
+
+
+def request(rid: str, tokens: list[int]) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        num_tokens=len(tokens),
+        all_token_ids=list(tokens),
+        num_computed_tokens=0,
+        num_in_flight_tokens=0,
+        blocks=[],  # the test's own record of the request's block table
+        block_hashes=[],
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+        skip_reading_prefix_cache=False,
+    )
+
+
+def step_output(
+    new: list[tuple[str, list[int], int, int]],
+    cached: Sequence[tuple[str, list[int], int, int]] = (),
+    resumed: Collection[str] = (),
+) -> Any:
+    """A SchedulerOutput with new requests (id, block ids, computed before, scheduled) and
+    running ones (id, new block ids, or all of them if ``resumed``, computed before,
+    scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+            for rid, blocks, computed, _ in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid for rid, _, _, _ in cached],
+            resumed_req_ids=set(resumed),
+            new_block_ids=[(blocks,) if blocks else None for _, blocks, _, _ in cached],
+            num_computed_tokens=[computed for _, _, computed, _ in cached],
+        ),
+        num_scheduled_tokens={rid: n for rid, _, _, n in [*new, *cached]},
+    )
+
+
+def ask(engine: Engine, req: Any, local: int = 0) -> tuple[int | None, bool]:
+    """get_num_new_matched_tokens as vLLM calls it: again every step while it says None
+    (a prefetch from a slower tier is running)."""
+    deadline = time.monotonic() + 30
+    while True:
+        answer = engine.scheduler.get_num_new_matched_tokens(req, local)
+        if answer[0] is not None or time.monotonic() > deadline:
+            return answer
+        time.sleep(0.01)
+
+
+def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
+    """A request that misses: vLLM computes it all (here: the blocks already hold "KV"), then
+    the worker stores its full chunks after the forward pass."""
+    req = request(rid, tokens)
+    assert ask(engine, req) == (0, False)
+    blocks = engine.blocks(-(-len(tokens) // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = engine.scheduler.build_connector_meta(step_output([(rid, blocks, 0, len(tokens))]))
+    assert [(s.first_chunk, s.end_chunk) for s in meta.stores] == [(0, len(tokens) // CHUNK)]
+    for worker in engine.workers:
+        worker.wait_for_save(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
+    engine.scheduler.request_finished(req)
+    return blocks
+
+
+def load(engine: Engine, rid: str, tokens: list[int], local: int = 0) -> tuple[Any, list[int]]:
+    """The scheduler's lookup and allocation, then the step that loads."""
+    req = request(rid, tokens)
+    external, load_async = engine.scheduler.get_num_new_matched_tokens(req, local)
+    assert external is not None and load_async == (external > 0)
+    blocks = engine.blocks(-(-len(tokens) // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, blocks, external)
+    return req, blocks
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., Any]) -> Any:
+    return server_factory(pool_size="64MiB")
+
+
+def test_chunks_computed_by_one_engine_load_into_another_engines_blocks(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(1000, 1000 + 700))  # 2 full chunks + a tail
+    a_blocks = compute_and_store(a, "a-1", tokens)
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_finished() == (None, {"b-1"})
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for i in range(4):  # one copy from A's blocks through the pool into B's
+        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
+            assert torch.equal(x, y)
+    b.scheduler.update_connector_output(b.worker.build_worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+
+
+def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(5, 5 + 600))
+    compute_and_store(a, "a-1", tokens)
+
+    req = request("b-1", tokens)
+    # vLLM's own prefix cache holds the first block: tierkv adds the next three.
+    assert b.scheduler.get_num_new_matched_tokens(req, BLOCK) == (2 * CHUNK - BLOCK, True)
+    blocks = b.blocks(5)
+    before = b.block_bytes(blocks[0])
+    b.scheduler.update_state_after_alloc(req, blocks, 2 * CHUNK - BLOCK)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(1, 4)]
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for x, y in zip(before, b.block_bytes(blocks[0]), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_retrieve_that_fails_reports_every_block_it_should_have_written(server: Any) -> None:
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(9, 9 + 800))
+    compute_and_store(a, "a-1", tokens)
+
+    req, blocks = load(b, "b-1", tokens)
+    # The session (and its locks) are gone before the worker retrieves: nothing can load.
+    b.scheduler.link.call("end_session", lambda c: c.end_session("b-1"), 0)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_finished() == (None, {"b-1"})  # finished, so vLLM moves on ...
+    assert b.worker.get_block_ids_with_load_errors() == set(blocks[:6])  # ... and recomputes
+    worker_meta = b.worker.build_worker_meta()
+    assert worker_meta is not None and worker_meta.failed_from == {"b-1": 0}
+    b.scheduler.update_connector_output(worker_meta)
+    # Asked again (vLLM reschedules it with nothing computed): no second load attempt.
+    assert b.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_consumer_never_stores_and_producer_never_loads(server: Any) -> None:
+    producer = make_engine(server.endpoint, "engine-p", role="kv_producer")
+    consumer = make_engine(server.endpoint, "engine-c", role="kv_consumer")
+    tokens = list(range(20, 20 + 520))
+    compute_and_store(producer, "p-1", tokens)
+    assert producer.scheduler.get_num_new_matched_tokens(request("p-2", tokens), 0) == (0, False)
+
+    other = list(range(3000, 3000 + 520))
+    req = request("c-1", other)
+    assert consumer.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    blocks = consumer.blocks(5)
+    consumer.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = consumer.scheduler.build_connector_meta(step_output([("c-1", blocks, 0, 520)]))
+    assert meta.stores == []
+    assert consumer.scheduler.get_num_new_matched_tokens(request("c-2", tokens), 0) == (
+        2 * CHUNK,
+        True,
+    )
+
+
+def test_a_dead_server_is_a_miss_not_a_stall(server: Any) -> None:
+    engine = make_engine(server.endpoint, "engine-a", timeout=0.5)
+    server.kill()
+    tokens = list(range(40, 40 + 600))
+    req = request("r-1", tokens)
+    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # one timeout
+    # Down now: the next calls return at once, for retry_interval.
+    assert engine.scheduler.link.client() is None
+    meta = TierKVConnectorMetadata(stores=[StoreSpec("r-1", 0, 2, (0, 1, 2, 3), tokens=b"")])
+    engine.worker.wait_for_save(meta)  # the worker learns on its own and skips
+
+
+def test_chunks_only_in_a_slower_tier_are_prefetched_before_vllm_is_answered(
+    server_factory: Callable[..., Any], tmp_path: Any
+) -> None:
+    server = server_factory(
+        pool_size="64MiB", extra=["--tier", f"disk:path={tmp_path / 'disk'},capacity=64MiB"]
+    )
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(70, 70 + 600))
+    compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        deadline = time.monotonic() + 30
+        while sum(t.written_chunks for t in admin.stats().tiers) < 2:  # write-behind
+            assert time.monotonic() < deadline, "write-behind never reached the disk tier"
+            time.sleep(0.05)
+        assert admin.clear() >= 2  # the pool forgets them; the disk tier keeps them
+
+    req = request("b-1", tokens)
+    answers = [b.scheduler.get_num_new_matched_tokens(req, 0)]
+    deadline = time.monotonic() + 30
+    while answers[-1][0] is None:  # vLLM asks again every step while the prefetch runs
+        assert time.monotonic() < deadline, "the prefetch never finished"
+        time.sleep(0.01)
+        answers.append(b.scheduler.get_num_new_matched_tokens(req, 0))
+    assert answers[-1] == (2 * CHUNK, True)
+    assert all(answer == (None, False) for answer in answers[:-1])
+    blocks = b.blocks(5)
+    b.scheduler.update_state_after_alloc(req, blocks, 2 * CHUNK)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    assert b.worker.get_finished() == (None, {"b-1"})
+
+
+# -- tensor parallel: one worker side per rank ---------------------------------------------------
+def test_every_rank_stores_and_loads_its_own_chunks(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2)
+    tokens = list(range(2000, 2000 + 700))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.objects == 4  # 2 chunks on each of the 2 ranks, each under its own key
+    workers = [e for e in stats.engines if e.engine_id == "engine-a" and e.role == "worker"]
+    assert sorted((e.rank, e.world_size) for e in workers) == [(0, 2), (1, 2)]
+    assert len({e.namespace for e in workers}) == 2
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_finished() == (None, {"b-1"})
+        assert worker.get_block_ids_with_load_errors() == set()
+    for rank in (0, 1):  # each rank gets its own rank's KV back
+        for i in range(4):
+            got, want = b.block_bytes(b_blocks[i], rank), a.block_bytes(a_blocks[i], rank)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert not torch.equal(b.block_bytes(b_blocks[0], 0)[0], b.block_bytes(b_blocks[0], 1)[0])
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert report["ranks"] == [
+        {"rank": 0, "loaded_tokens": 512, "written_chunks": 0},
+        {"rank": 1, "loaded_tokens": 512, "written_chunks": 0},
+    ]
+
+
+def test_the_lookup_finds_only_what_every_rank_holds(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2)
+    tokens = list(range(4000, 4000 + 800))  # 3 full chunks
+    req = request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    blocks = a.blocks(7)
+    a.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = a.scheduler.build_connector_meta(step_output([("a-1", blocks, 0, len(tokens))]))
+    a.workers[0].wait_for_save(meta)
+    # Rank 1 stores only the first 2 chunks (its third did not fit, say).
+    (spec,) = meta.stores
+    a.workers[1].wait_for_save(
+        TierKVConnectorMetadata(
+            stores=[StoreSpec("a-1", 0, 2, spec.block_ids[:4], tokens=pack_tokens(tokens[:512]))]
+        )
+    )
+    a.scheduler.update_connector_output(a.worker_meta())
+    ranks = a.scheduler.request_finished(req)["tierkv"]["ranks"]
+    assert [r["written_chunks"] for r in ranks] == [3, 2]
+
+    # Chunk 2 exists for rank 0 only: B loads chunks 0-1, on both ranks.
+    req, _ = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(s.start_block, s.end_block) for s in meta.loads] == [(0, 4)]
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert [r["loaded_tokens"] for r in report["ranks"]] == [512, 512]
+
+
+def test_ranks_that_time_out_on_a_stalled_server_still_serve_their_engine(server: Any) -> None:
+    """Every link of engine B gives up on a stalled server; once it answers again, B's next
+    requests load as before. (A link that registered again would leave two clients for its
+    rank in B's engine group: B's lookups would find nothing from then on.)"""
+    a = make_engine(server.endpoint, "engine-a", world_size=2)
+    b = make_engine(server.endpoint, "engine-b", world_size=2, timeout=0.5, retry_interval=0.0)
+    tokens = list(range(6000, 6000 + 600))
+    compute_and_store(a, "a-1", tokens)
+    assert b.scheduler.link.client() is not None  # registered (its workers are already)
+
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        compute_and_store(b, "b-0", list(range(8000, 8000 + 600)))  # every call times out
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    assert [link.failures for link in (b.scheduler.link, *(w.link for w in b.workers))] == [1] * 3
+
+    for rid in ("b-1", "b-2"):
+        req, _ = load(b, rid, tokens)
+        meta = b.scheduler.build_connector_meta(step_output([]))
+        for worker in b.workers:
+            worker.start_load_kv(meta)
+            assert worker.get_block_ids_with_load_errors() == set(), rid
+        b.scheduler.update_connector_output(b.worker_meta())
+        report = b.scheduler.request_finished(req)["tierkv"]
+        assert report["loaded_tokens"] == 512, (rid, report)
+    with server.client(timeout=5.0) as admin:
+        engine_b = [e for e in admin.stats().engines if e.engine_id == "engine-b"]
+    assert sorted((e.role, e.rank) for e in engine_b) == [
+        ("scheduler", 0),
+        ("worker", 0),
+        ("worker", 1),
+    ]
+
+
+# -- decode chunks (store_decode) ----------------------------------------------------------------
+def start(engine: Engine, req: Any) -> int:
+    """The lookup and allocation of a request vLLM admits (all its blocks at once); the tokens
+    tierkv will load."""
+    external, _ = ask(engine, req)
+    assert external is not None
+    req.blocks = engine.blocks(-(-req.num_tokens // BLOCK))
+    engine.scheduler.update_state_after_alloc(req, req.blocks, external)
+    return external
+
+
+def run_step(
+    engine: Engine,
+    req: Any,
+    computed: int,
+    scheduled: int,
+    *,
+    new: bool = False,
+    resumed: bool = False,
+) -> TierKVConnectorMetadata:
+    """One engine step in which ``req`` computes tokens ``[computed, computed + scheduled)``:
+    the scheduler output (with the blocks the step adds), the workers' loads and saves after
+    the forward pass, their reports."""
+    missing = -(-(computed + scheduled) // BLOCK) - len(req.blocks)
+    fresh = engine.blocks(missing) if missing > 0 else []
+    req.blocks += fresh
+    rid = req.request_id
+    if new:
+        output = step_output([(rid, req.blocks, computed, scheduled)])
+    else:
+        blocks = req.blocks if resumed else fresh
+        output = step_output([], [(rid, blocks, computed, scheduled)], {rid} if resumed else ())
+    meta = engine.scheduler.build_connector_meta(output)
+    for worker in engine.workers:
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
+    req.num_computed_tokens = computed + scheduled
+    return meta
+
+
+def sample(req: Any) -> None:
+    """vLLM appends the token a step sampled (the next step computes its KV)."""
+    req.all_token_ids.append(9000 + req.num_tokens)
+    req.num_tokens += 1
+
+
+def planned(meta: TierKVConnectorMetadata) -> list[tuple[int, int]]:
+    return [(spec.first_chunk, spec.end_chunk) for spec in meta.stores]
+
+
+def decode(engine: Engine, req: Any, until: int, *, lag: bool = False) -> dict[int, Any]:
+    """Decode one token a step until ``req`` holds ``until`` known tokens. Per step that
+    planned stores, keyed by the tokens with KV after it: the chunk ranges. ``lag``: async
+    scheduling, where a step is planned before the previous step's token is known (its input
+    is a placeholder)."""
+    plans = {}
+    while req.num_tokens < until:
+        computed = req.num_tokens if lag else req.num_tokens - 1
+        meta = run_step(engine, req, computed, 1)
+        if meta.stores:
+            plans[computed + 1] = planned(meta)
+        sample(req)
+    return plans
+
+
+def assert_loads_blocks(server: Any, a: Engine, a_blocks: list[int], tokens: list[int]) -> None:
+    """A fresh engine whose prompt is ``tokens`` loads ``len(a_blocks)`` blocks: on every rank
+    the bytes of A's blocks."""
+    b = make_engine(server.endpoint, f"engine-b-{len(tokens)}", world_size=len(a.workers))
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert [(spec.start_block, spec.end_block) for spec in meta.loads] == [(0, len(a_blocks))]
+    for rank, worker in enumerate(b.workers):
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+        for a_block, b_block in zip(a_blocks, b_blocks, strict=False):
+            got, want = b.block_bytes(b_block, rank), a.block_bytes(a_block, rank)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    b.scheduler.request_finished(req)
+
+
+def test_store_decode_is_off_by_default_and_must_be_a_flag() -> None:
+    assert ConnectorSettings.from_extra_config({"endpoint": "x"}).store_decode is False
+    assert ConnectorSettings.from_extra_config({"store_decode": True}).store_decode is True
+    with pytest.raises(SettingsError, match="store_decode"):
+        ConnectorSettings.from_extra_config({"store_decode": "yes"})
+
+
+def test_decode_chunks_are_stored_once_each_in_the_step_that_fills_them(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2, store_decode=True)
+    req = request("a-1", list(range(100, 400)))  # 300 tokens: one full prompt chunk
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    # A token gets its KV in the step after the one that sampled it: chunk 1 is stored in the
+    # step whose input is token 511, chunk 2 in the last step (input 767, sampling token 768).
+    assert decode(a, req, 769) == {512: [(1, 2)], 768: [(2, 3)]}
+    report = a.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert not a.scheduler.keeps_blocks("a-1")  # nothing left to store
+    assert report["stored_chunks"] == 3
+    assert [rank["written_chunks"] for rank in report["ranks"]] == [3, 3]
+    assert a.scheduler.build_connector_meta(step_output([])) == TierKVConnectorMetadata()
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == 6  # 3 chunks per rank; token 768 had no KV
+
+    # The next turn, prompt + answer + more, loads all of it, each rank its own.
+    assert_loads_blocks(server, a, req.blocks[:6], req.all_token_ids + [5] * 60)
+
+
+def test_default_settings_store_prompt_chunks_only(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a")
+    req = request("a-1", list(range(100, 400)))
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    assert decode(a, req, 600) == {}
+    assert a.scheduler.request_finished(req, req.blocks)["tierkv"]["stored_chunks"] == 1
+    assert not a.scheduler.keeps_blocks("a-1")
+
+
+def test_a_chunk_completed_before_the_request_ends_unplanned_is_stored_before_its_blocks_go(
+    server: Any,
+) -> None:
+    """Async scheduling: each step is planned before the previous step's token is known, so
+    the chunk that the last computed token completes is planned by ``request_finished``, into
+    the next step; vLLM keeps the blocks until the workers report that step's store."""
+    a = make_engine(server.endpoint, "engine-a", world_size=2, store_decode=True)
+    req = request("a-1", list(range(100, 350)))  # 250 tokens: no full prompt chunk
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 250, new=True)) == []
+    # Token 255 gets its KV in the step that computes 256 tokens; its id is known a step later.
+    assert decode(a, req, 512, lag=True) == {257: [(0, 1)]}
+    # Token 511 got its KV in the last step, but its id came after that step was planned.
+    # max_tokens reached: vLLM schedules the request no more, then ends it.
+    assert planned(a.scheduler.build_connector_meta(step_output([]))) == []
+    sample(req)  # the last token, never computed
+    report = a.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 2
+    assert a.scheduler.keeps_blocks("a-1")  # the connector answers vLLM: do not free them
+    meta = a.scheduler.build_connector_meta(step_output([]))
+    assert planned(meta) == [(1, 2)] and meta.release == ["a-1"]
+    for worker in a.workers:
+        worker.wait_for_save(meta)
+        assert worker.get_finished() == ({"a-1"}, None)  # finished sending: vLLM frees them
+    assert not a.scheduler.keeps_blocks("a-1")
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == 4
+    assert_loads_blocks(server, a, req.blocks[:4], req.all_token_ids + [5] * 10)
+
+    # A request that ends while the step computing its last chunk's final token is still in
+    # flight (an EOS sampled the step before): that chunk is not stored, the blocks are freed.
+    req = request("a-2", list(range(2000, 2250)))
+    assert start(a, req) == 0
+    run_step(a, req, 0, 250, new=True)
+    assert decode(a, req, 511, lag=True) == {257: [(0, 1)]}
+    run_step(a, req, 511, 1)  # token 511 is this step's input, not known yet
+    req.num_in_flight_tokens = 1
+    sample(req)  # token 511 is EOS: vLLM ends the request, its last step still in flight
+    assert a.scheduler.request_finished(req, req.blocks)["tierkv"]["stored_chunks"] == 1
+    assert not a.scheduler.keeps_blocks("a-2")
+    assert a.scheduler.build_connector_meta(step_output([])) == TierKVConnectorMetadata()
+
+
+def test_a_preempted_request_does_not_store_its_chunks_again(server: Any) -> None:
+    engine = make_engine(server.endpoint, "engine-a", store_decode=True)
+    req = request("r-1", list(range(100, 400)))
+    assert start(engine, req) == 0
+    assert planned(run_step(engine, req, 0, 300, new=True)) == [(0, 1)]
+    sample(req)
+    assert decode(engine, req, 520) == {512: [(1, 2)]}
+
+    # Preempted: vLLM frees its blocks and computes it again. Its lookup covers the prompt.
+    engine.free += req.blocks
+    req.blocks, req.num_computed_tokens = [], 0
+    assert start(engine, req) == CHUNK
+    meta = engine.scheduler.build_connector_meta(step_output([]))
+    assert [(spec.start_block, spec.end_block) for spec in meta.loads] == [(0, 2)]
+    assert meta.stores == []
+    for worker in engine.workers:
+        worker.start_load_kv(meta)
+    engine.scheduler.update_connector_output(engine.worker_meta())
+    # Resumed: the rest of the prompt and the output so far in one step, chunk 1 complete again.
+    assert planned(run_step(engine, req, CHUNK, 520 - CHUNK, resumed=True)) == []
+    sample(req)
+    assert decode(engine, req, 769) == {768: [(2, 3)]}
+    report = engine.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 3 and report["loaded_tokens"] == CHUNK
+
+
+def test_nothing_is_stored_on_top_of_a_failed_load(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a")
+    b = make_engine(server.endpoint, "engine-b", store_decode=True)
+    tokens = list(range(3000, 3600))  # 2 full chunks
+    compute_and_store(a, "a-1", tokens)
+
+    req = request("b-1", tokens)
+    assert start(b, req) == 2 * CHUNK
+    b.scheduler.link.call("end_session", lambda c: c.end_session("b-1"), 0)  # locks gone
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    assert meta.stores == []  # vLLM does not run a request while it loads
+    # Were a chunk of it stored in the step its load fails, the worker would drop it.
+    stray = StoreSpec("b-1", 2, 3, tuple(req.blocks[4:6]), tokens=pack_tokens(tokens[:512] * 2))
+    meta.stores.append(stray)
+    with server.client(timeout=5.0) as admin:
+        objects = admin.stats().objects
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set(req.blocks[:4])
+    assert b.worker.stats["stored_chunks"] == 0
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == objects
+    b.scheduler.update_connector_output(b.worker.build_worker_meta())
+
+    # vLLM recomputes it all (the failure was at token 0), then decodes: every chunk is
+    # planned once, after the step that computed it.
+    assert planned(run_step(b, req, 0, 600, new=True)) == [(0, 2)]
+    sample(req)
+    assert decode(b, req, 769) == {768: [(2, 3)]}
+    report = b.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 3 and report["load_failed_from"] == 0

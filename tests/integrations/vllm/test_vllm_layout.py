@@ -1,0 +1,244 @@
+"""Layout detection and block <-> chunk copies on real torch tensors.
+
+The CPU cases use KV caches allocated by vLLM itself (``allocate_kv_cache``) and filled by
+the CPU attention backend's own kernel (``cpu_attn_reshape_and_cache``), whose block format
+depends on the ISA (K transposed for ``vec``, pair-packed for ``amx``): a block moved through
+a chunk must hold exactly what the kernel would have written there itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from support import vllm_engine
+
+try:
+    import torch
+
+    from tierkv.integrations.vllm.layout import (
+        BLOCK_FIRST,
+        KV_FIRST,
+        NATIVE,
+        SPLIT_LAST,
+        CacheGeometry,
+        PagedKVLayout,
+        UnsupportedLayoutError,
+        detect_layout,
+    )
+except ImportError:  # the conftest fails every test with the reason
+    pass
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_engine.require_vllm()
+
+
+LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 8, 32, 2, 32
+CHUNK = 64  # two blocks per chunk
+
+
+def vllm_cpu_caches(dtype: Any = None) -> dict[str, Any]:
+    """Per-layer KV caches exactly as vLLM's CPU worker allocates them (LBHNC)."""
+    return vllm_engine.vllm_cpu_caches(LAYERS, BLOCKS, BLOCK, HEADS, HEAD, dtype)
+
+
+def cpu_isa(dtype: Any) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, BLOCK, HEAD))
+
+
+def cpu_backend_write(cache: Any, key: Any, value: Any, blocks: list[int]) -> None:
+    """Write K/V of ``len(blocks) * BLOCK`` tokens into ``blocks`` with the CPU backend's
+    kernel, viewing the cache as the backend does."""
+    from vllm import _custom_ops as ops
+
+    n_blocks, heads, block, _ = cache.shape
+    k_cache, v_cache = cache.view(n_blocks, heads, block * 2, -1).chunk(2, dim=2)
+    slots = torch.tensor([b * block + t for b in blocks for t in range(block)], dtype=torch.long)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, cpu_isa(cache.dtype))
+
+
+def cpu_backends(dtype: Any) -> dict[str, str]:
+    return {f"model.layers.{i}.self_attn.attn": f"CPU_ATTN/{cpu_isa(dtype)}" for i in range(LAYERS)}
+
+
+GEOMETRY_ARGS = (BLOCK, HEADS, HEAD)
+
+
+def test_cpu_layout_is_native_tagged_with_its_isa_and_stacked() -> None:
+    caches = vllm_cpu_caches()
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), cpu_backends(torch.float32))
+    assert layout.kind == NATIVE
+    assert layout.num_layers == LAYERS
+    assert layout.num_blocks == BLOCKS
+    assert layout.stacked is not None  # one copy call per block for all layers
+    assert layout.chunk_shape(CHUNK) == [LAYERS, HEADS, CHUNK, 2 * HEAD]
+    assert layout.token_axis == 2
+    assert layout.format_tag == f"native:CPU_ATTN/{cpu_isa(torch.float32)}:bs{BLOCK}:kb{BLOCK}"
+    assert layout.dtype_name == "float32"
+    # Zero-copy views: they alias vLLM's memory.
+    name = layout.layer_names[1]
+    assert layout.views[1].data_ptr() == caches[name].data_ptr()
+
+
+def test_cpu_layout_without_its_isa_is_refused() -> None:
+    caches = vllm_cpu_caches()
+    backends = {name: "CPU_ATTN" for name in caches}
+    with pytest.raises(UnsupportedLayoutError, match="ISA"):
+        detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+
+
+def test_layers_are_ordered_naturally_and_shared_layers_kept_once() -> None:
+    caches = vllm_cpu_caches()
+    names = list(caches)
+    shuffled = {names[2]: caches[names[2]], names[0]: caches[names[0]], names[1]: caches[names[1]]}
+    shuffled["model.layers.10.self_attn.attn"] = caches[names[1]]  # KV sharing: same tensor
+    backend = f"CPU_ATTN/{cpu_isa(torch.float32)}"
+    layout = detect_layout(
+        shuffled, CacheGeometry(*GEOMETRY_ARGS), {name: backend for name in shuffled}
+    )
+    assert layout.layer_names == tuple(names)
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_cpu_blocks_moved_through_a_chunk_equal_what_the_kernel_writes(dtype_name: str) -> None:
+    """Engine X computes a chunk into blocks 5 and 2; it travels through a chunk into blocks
+    6 and 1 of engine Y; there it must equal what Y's kernel writes for the same K/V."""
+    dtype = getattr(torch, dtype_name)
+    x, y, reference = vllm_cpu_caches(dtype), vllm_cpu_caches(dtype), vllm_cpu_caches(dtype)
+    gen = torch.Generator().manual_seed(1)
+    for name in sorted(x):
+        key = torch.randn(CHUNK, HEADS, HEAD, generator=gen).to(dtype)
+        value = torch.randn(CHUNK, HEADS, HEAD, generator=gen).to(dtype)
+        cpu_backend_write(x[name], key, value, [5, 2])
+        cpu_backend_write(reference[name], key, value, [6, 1])
+
+    backends = cpu_backends(dtype)
+    lx = detect_layout(x, CacheGeometry(*GEOMETRY_ARGS), backends)
+    ly = detect_layout(y, CacheGeometry(*GEOMETRY_ARGS), backends)
+    chunk = torch.zeros(lx.chunk_shape(CHUNK), dtype=dtype)
+    lx.read_block(5, chunk, 0)
+    lx.read_block(2, chunk, BLOCK)
+    ly.write_block(6, chunk, 0)
+    ly.write_block(1, chunk, BLOCK)
+    for name in y:
+        assert torch.equal(y[name], reference[name])  # blocks 6, 1 right; the rest untouched
+
+
+def test_round_trip_through_a_numpy_slot_view() -> None:
+    """Chunks travel as numpy views of the pool (bfloat16 as uint16): no copy, exact bytes."""
+    import numpy as np
+
+    caches = vllm_cpu_caches(torch.bfloat16)
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), cpu_backends(torch.bfloat16))
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(t.dtype))
+    slot = np.zeros(layout.chunk_shape(CHUNK), dtype=np.uint16)
+    tensor = layout.chunk_tensor(slot)
+    assert tensor.dtype == torch.bfloat16 and tensor.data_ptr() == slot.ctypes.data
+    layout.read_block(3, tensor, 0)
+    layout.read_block(4, tensor, BLOCK)
+    copies = {name: t.clone() for name, t in caches.items()}
+    for t in caches.values():
+        t.zero_()
+    layout.write_block(3, layout.chunk_tensor(slot), 0)
+    layout.write_block(4, layout.chunk_tensor(slot), BLOCK)
+    for name, t in caches.items():
+        assert torch.equal(t[3:5], copies[name][3:5])
+
+
+def split_last_caches() -> dict[str, Any]:
+    """GPU-style 4-D caches: per token and head, K then V along the last axis (contiguous
+    per layer, as FlashAttention/Triton backends see them)."""
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(
+            BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=torch.Generator().manual_seed(10 + i)
+        )
+        for i in range(LAYERS)
+    }
+
+
+def test_split_last_layout_for_gpu_backends() -> None:
+    caches = split_last_caches()
+    backends = {name: "FLASH_ATTN" for name in caches}
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+    assert layout.kind == SPLIT_LAST
+    assert layout.stacked is None  # separate allocations: one copy per layer
+    chunk = torch.zeros(layout.chunk_shape(CHUNK))
+    layout.read_block(7, chunk, 0)
+    for layer, name in enumerate(layout.layer_names):
+        block = caches[name][7]  # [heads, tokens, 2 * head]
+        assert torch.equal(chunk[0, layer, :, :BLOCK], block[..., :HEAD])
+        assert torch.equal(chunk[1, layer, :, :BLOCK], block[..., HEAD:])
+
+
+def test_legacy_five_dimensional_layouts() -> None:
+    gen = torch.Generator().manual_seed(4)
+    kv_first = {"l.0": torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=gen)}
+    layout = detect_layout(kv_first, CacheGeometry(*GEOMETRY_ARGS))
+    assert layout.kind == KV_FIRST
+    chunk = torch.zeros(layout.chunk_shape(BLOCK))
+    layout.read_block(2, chunk, 0)
+    assert torch.equal(chunk[1, 0], kv_first["l.0"][1, 2].transpose(0, 1))
+
+    block_first = {"l.0": torch.randn(BLOCKS, 2, BLOCK, HEADS, HEAD, generator=gen)}
+    layout = detect_layout(block_first, CacheGeometry(*GEOMETRY_ARGS))
+    assert layout.kind == BLOCK_FIRST
+    layout.write_block(4, chunk, 0)
+    assert torch.equal(block_first["l.0"][4, 0], chunk[0, 0].transpose(0, 1))
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
+    """A vLLM block split into two kernel blocks of half the tokens."""
+    caches = {"l.0": torch.randn(2 * BLOCKS, HEADS, BLOCK // 2, 2 * HEAD)}
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), {"l.0": "TRITON_ATTN"})
+    assert layout.sub_blocks == 2 and layout.num_blocks == BLOCKS
+    chunk = torch.zeros(layout.chunk_shape(BLOCK))
+    layout.read_block(3, chunk, 0)
+    half = BLOCK // 2
+    assert torch.equal(chunk[0, 0, :, :half], caches["l.0"][6][..., :HEAD])
+    assert torch.equal(chunk[0, 0, :, half:], caches["l.0"][7][..., :HEAD])
+
+
+@pytest.mark.parametrize(
+    ("caches", "backends", "message"),
+    [
+        ({"l.0": (BLOCKS, BLOCK, 576)}, {}, "MLA"),
+        ({"l.0": (BLOCKS, HEADS, BLOCK, 2 * HEAD)}, {"l.0": "SOME_NEW_BACKEND"}, "does not know"),
+        ({"l.0": (BLOCKS, HEADS + 1, BLOCK, 2 * HEAD)}, {"l.0": "CPU_ATTN/vec"}, "not match"),
+        ({"l.0": (BLOCKS, HEADS, 24, 2 * HEAD)}, {"l.0": "TRITON_ATTN"}, "does not match"),
+        (
+            {"l.0": (BLOCKS, HEADS, BLOCK, 2 * HEAD), "l.1": (BLOCKS, HEADS, BLOCK // 2, 2 * HEAD)},
+            {"l.0": "CPU_ATTN/vec", "l.1": "CPU_ATTN/vec"},
+            "layers differ",
+        ),
+    ],
+)
+def test_unknown_layouts_are_refused(
+    caches: dict[str, tuple[int, ...]], backends: dict[str, str], message: str
+) -> None:
+    tensors = {name: torch.zeros(shape) for name, shape in caches.items()}
+    with pytest.raises(UnsupportedLayoutError, match=message):
+        detect_layout(tensors, CacheGeometry(*GEOMETRY_ARGS), backends)
+
+
+def test_override_names_the_content_of_an_unknown_backend() -> None:
+    caches = split_last_caches()
+    layout = detect_layout(
+        caches, CacheGeometry(*GEOMETRY_ARGS), {n: "SOME_NEW_BACKEND" for n in caches}, "split_last"
+    )
+    assert isinstance(layout, PagedKVLayout) and layout.kind == SPLIT_LAST
+
+
+def test_native_override_for_an_unknown_backend_tags_it() -> None:
+    caches = split_last_caches()
+    layout = detect_layout(
+        caches, CacheGeometry(*GEOMETRY_ARGS), {n: "SOME_NEW_BACKEND" for n in caches}, "native"
+    )
+    assert layout.format_tag.startswith("native:SOME_NEW_BACKEND:")

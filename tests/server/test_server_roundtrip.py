@@ -1,0 +1,110 @@
+"""A real server process and a client: register, store, look up, retrieve byte-exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from tierkv.client import LayoutError, ServerError
+
+
+def test_store_lookup_retrieve_roundtrip(server: ServerProcess) -> None:
+    tokens = list(range(1000, 1000 + 256 * 4 + 100))
+    with server.client() as client:
+        register(client)
+        stored = client.store(tokens, [chunk_data(tokens, i) for i in range(4)])
+        assert stored.stored == [0, 1, 2, 3] and not stored.no_space
+        assert client.lookup(tokens, request_id="r1").hits == 4
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(4)]
+        got = client.retrieve(request_id="r1", out=out)
+        assert got.retrieved == [0, 1, 2, 3] and got.complete
+        for i in range(4):
+            np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
+        stats = client.stats()
+        assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
+
+
+@pytest.mark.parametrize(
+    ("copy_threads", "parallel_callbacks"), [(1, False), (3, False), (3, True)]
+)
+def test_large_batches_roundtrip_with_any_number_of_copy_threads(
+    server: ServerProcess, copy_threads: int, parallel_callbacks: bool
+) -> None:
+    """12 chunks of 1 MiB (above the copier's threshold): arrays and callbacks, byte-exact,
+    whether the copies run on one thread or several."""
+    shape = (2, 256, 512)  # float32: 1 MiB per chunk
+    rng = np.random.default_rng(copy_threads)
+    data = [rng.random(shape, dtype=np.float32) for _ in range(12)]
+    tokens = list(range(7, 7 + 256 * 12))
+    with server.client(copy_threads=copy_threads, parallel_callbacks=parallel_callbacks) as c:
+        c.register("big-model", shape, "float32", token_axis=1)
+        assert c.store(tokens[: 256 * 6], data[:6]).stored == list(range(6))
+
+        def gather(chunk: int, dst: np.ndarray) -> None:  # type: ignore[type-arg]
+            np.copyto(dst, data[chunk])
+
+        assert c.store(tokens, gather=gather, first_chunk=6).stored == list(range(6, 12))
+        out = [np.zeros(shape, np.float32) for _ in range(12)]
+        got = c.retrieve(tokens, out)
+        assert got.retrieved == list(range(12)) and got.complete
+        scattered: dict[int, np.ndarray] = {}  # type: ignore[type-arg]
+        c.retrieve(tokens, scatter=lambda chunk, src: scattered.__setitem__(chunk, src.copy()))
+        for i in range(12):
+            np.testing.assert_array_equal(out[i], data[i])
+            np.testing.assert_array_equal(scattered[i], data[i])
+        stats = c.stats()
+        assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
+
+
+def test_a_failing_copy_aborts_the_store_and_keeps_serving(server: ServerProcess) -> None:
+    """One chunk of a parallel batch does not fit its slot: the store raises, nothing of it
+    is committed, no lease stays behind, and the next store works."""
+    shape = (2, 256, 512)
+    tokens = list(range(256 * 8))
+    good = [np.ones(shape, np.float32) for _ in range(8)]
+    bad = list(good)
+    bad[5] = np.ones((2, 256, 256), np.float32)
+    with server.client(copy_threads=3) as c:
+        c.register("big-model", shape, "float32", token_axis=1)
+        with pytest.raises(LayoutError):
+            c.store(tokens, bad)
+        stats = c.stats()
+        assert stats.objects == 0 and stats.write_leases == 0
+        assert c.store(tokens, good).stored == list(range(8))
+
+
+def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    srv = server_factory("64MiB", ["--auth-token", "admin-secret"])
+    tokens = list(range(5000, 5000 + 256 * 3))
+    with (
+        srv.client(auth_token="admin-secret") as a,
+        srv.client(auth_token="admin-secret") as b,
+        srv.client() as outsider,
+    ):
+        register(a, model="tenant-a")
+        register(b, model="tenant-b")
+        chunks = [chunk_data(tokens, i) for i in range(3)]
+        assert a.store(tokens, chunks).stored == [0, 1, 2]
+        assert b.store(tokens, chunks).stored == [0, 1, 2]
+        assert b.store(tokens, chunks, salt="user-7").stored == [0, 1, 2]
+        assert a.clear() == 3  # a's chunks only
+        assert a.lookup(tokens).hits == 0 and b.lookup(tokens).hits == 3
+        assert b.clear() == 6  # its namespace and the salted one it used
+        assert b.store(tokens, chunks).stored == [0, 1, 2]
+        # The whole pool: an admin request, refused without the token, all tenants with it.
+        with pytest.raises(ServerError, match="auth token"):
+            outsider.clear()
+        assert b.lookup(tokens).hits == 3
+        assert a.store(tokens, chunks).stored == [0, 1, 2]
+        assert a.clear(everything=True) == 6
+        assert b.lookup(tokens).hits == 0
+
+
+def test_copy_threads_below_one_are_refused(server: ServerProcess) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        server.client(copy_threads=0)

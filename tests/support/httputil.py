@@ -1,0 +1,87 @@
+"""Small HTTP helpers for tests of a server's HTTP endpoints, and Prometheus text parsing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode()
+
+
+def request(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+) -> Reply:
+    """One HTTP request; error statuses are returned, not raised."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return Reply(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
+    except urllib.error.HTTPError as exc:
+        return Reply(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+
+
+def get_json(url: str) -> Any:
+    reply = request("GET", url)
+    assert reply.status == 200, (reply.status, reply.body[:500])
+    return reply.json()
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll ``probe()`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(base: str) -> Samples:
+    reply = request("GET", base + "/metrics")
+    assert reply.status == 200, reply.body[:300]
+    assert reply.headers["content-type"].startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(reply.text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def val(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)

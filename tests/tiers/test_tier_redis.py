@@ -1,0 +1,427 @@
+"""The Redis/Valkey tier against a real redis-server, with slot views from a real shm pool:
+byte-exact batch round trips, contains, delete, TTL expiry, namespace separation, every kind
+of corrupted value, per-item server errors, a server that goes away and comes back, usage,
+and the zero-copy command packing of a store."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from redis.connection import Connection, PythonRespSerializer
+
+from support import services
+from support.services import RedisServer, Slots, load_into, new_key, store_random
+from tierkv.keys import Namespace, chunk_keys
+from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
+from tierkv.tiers.base import HEADER_SIZE, pack_header
+from tierkv.tiers.redis import RedisTier, _Concat, _GatherPacker
+
+# Fixtures of the real services (tests/conftest.py belongs to the server tests).
+redis_server = services.redis_server
+redis_service = services.redis_service
+slots = services.slots
+
+SIZES = [1, 100, 4096, 6001, 64 * 1024, 300 * 1024]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> bool:
+    """Poll ``cond()`` until true or ``timeout`` (waits for an effect, asserts no timing)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+@pytest.fixture
+def make_tier(redis_server: str) -> Iterator[Callable[..., RedisTier]]:
+    tiers: list[RedisTier] = []
+
+    def make(**options: object) -> RedisTier:
+        opts: dict[str, object] = {
+            "url": redis_server,
+            "key_prefix": f"test-{uuid.uuid4().hex[:8]}:",
+            "socket_timeout": 5.0,
+            "socket_connect_timeout": 2.0,
+            **options,
+        }
+        tier = create_tier("redis", opts)
+        assert isinstance(tier, RedisTier)
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.fixture
+def tier(make_tier: Callable[..., RedisTier]) -> RedisTier:
+    return make_tier()
+
+
+@pytest.fixture
+def raw(redis_server: str) -> Iterator[redis.Redis]:
+    """A plain client to look at and tamper with what the tier stored."""
+    client = redis.Redis.from_url(redis_server)
+    yield client
+    client.close()
+
+
+# -- registry and options ------------------------------------------------------------------
+def test_registered_as_redis_and_valkey(redis_server: str) -> None:
+    assert {"redis", "valkey"} <= set(tier_names())
+    tier = create_tier("valkey", {"url": redis_server})
+    try:
+        assert isinstance(tier, RedisTier)
+        assert tier.name == "valkey"
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"ttl": 0}, {"ttl": -5}, {"max_connections": 0}, {"retries": -1}, {"url": "http://x"}],
+)
+def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
+    with pytest.raises(TierError):
+        create_tier("redis", options)
+
+
+def test_unknown_option_is_a_tier_error() -> None:
+    with pytest.raises(TierError, match="bad options"):
+        create_tier("redis", {"bucket": "x"})
+
+
+# -- data path -----------------------------------------------------------------------------
+def test_batch_round_trip_is_byte_exact(tier: RedisTier, slots: Slots) -> None:
+    keys, expected = store_random(tier, slots, SIZES)
+    statuses, views = load_into(tier, slots, keys, SIZES)
+    assert statuses == [LoadStatus.OK] * len(SIZES)
+    assert [bytes(v) for v in views] == expected
+    assert tier.stats()["stored"] == len(SIZES)
+    assert tier.stats()["loaded"] == len(SIZES)
+
+
+def test_round_trip_over_several_pipelines(
+    make_tier: Callable[..., RedisTier],
+    slots: Slots,
+) -> None:
+    tier = make_tier(max_pipeline_bytes=100 * 1024)
+    sizes = [60 * 1024] * 5 + [200 * 1024, 10]
+    keys, expected = store_random(tier, slots, sizes)
+    statuses, views = load_into(tier, slots, keys, sizes)
+    assert statuses == [LoadStatus.OK] * len(sizes)
+    assert [bytes(v) for v in views] == expected
+
+
+def test_stored_value_is_header_then_payload(
+    make_tier: Callable[..., RedisTier], slots: Slots, raw: redis.Redis
+) -> None:
+    tier = make_tier(key_prefix="layout:")
+    keys, expected = store_random(tier, slots, [5000])
+    assert tier.redis_key(keys[0]) == b"layout:" + keys[0].hex().encode()
+    value = raw.get(tier.redis_key(keys[0]))
+    assert value == pack_header(keys[0], expected[0]) + expected[0]
+
+
+def test_contains(tier: RedisTier, slots: Slots) -> None:
+    keys, _ = store_random(tier, slots, [10, 20])
+    absent = new_key()
+    assert tier.contains([keys[0], absent, keys[1]]) == [True, False, True]
+    assert tier.contains([]) == []
+
+
+def test_missing_chunks_are_missing_and_leave_slots_alone(
+    tier: RedisTier,
+    slots: Slots,
+) -> None:
+    keys, expected = store_random(tier, slots, [128])
+    view = slots.take(64)
+    view[:] = b"\xaa" * 64
+    statuses, views = load_into(tier, slots, [new_key(), keys[0]], [64, 128])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK]
+    assert bytes(views[1]) == expected[0]
+    assert tier.stats()["missing"] == 1
+
+
+def test_delete(tier: RedisTier, slots: Slots) -> None:
+    keys, _ = store_random(tier, slots, [10, 20, 30])
+    assert tier.delete([keys[0], new_key(), keys[2]]) == 2
+    assert tier.contains(keys) == [False, True, False]
+    statuses, _ = load_into(tier, slots, keys, [10, 20, 30])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK, LoadStatus.MISSING]
+    assert tier.delete([]) == 0
+    assert tier.delete(keys) == 1
+
+
+def test_store_overwrites(tier: RedisTier, slots: Slots) -> None:
+    key = new_key()
+    first, _ = slots.random(256)
+    second, data = slots.random(256)
+    assert tier.store([(key, first)]) == [True]
+    assert tier.store([(key, second)]) == [True]
+    statuses, views = load_into(tier, slots, [key], [256])
+    assert statuses == [LoadStatus.OK]
+    assert bytes(views[0]) == data
+
+
+def test_ttl_expires_chunks(
+    make_tier: Callable[..., RedisTier],
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    tier = make_tier(ttl=1)
+    forever = make_tier()
+    keys, _ = store_random(tier, slots, [100, 200])
+    kept, _ = store_random(forever, slots, [100])
+    ttl_ms = raw.pttl(tier.redis_key(keys[0]))
+    assert 0 < ttl_ms <= 1000
+    assert raw.pttl(forever.redis_key(kept[0])) == -1  # no expiry without a ttl
+    assert wait_for(lambda: tier.contains(keys) == [False, False])
+    statuses, _ = load_into(tier, slots, keys, [100, 200])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
+    assert forever.contains(kept) == [True]
+
+
+def test_fractional_ttl_rounds_up(make_tier: Callable[..., RedisTier], raw: redis.Redis) -> None:
+    tier = make_tier(ttl=1.2)
+    key = new_key()
+    assert tier.store([(key, memoryview(b"x" * 10))]) == [True]
+    assert 1000 < raw.pttl(tier.redis_key(key)) <= 2000
+
+
+def test_namespaces_never_share_keys(tier: RedisTier, slots: Slots) -> None:
+    base = dict(model="m", kv_dtype="bfloat16", layout="2x256x8x128", world_size=2, rank=0)
+    namespaces = [
+        Namespace(**base),  # type: ignore[arg-type]
+        Namespace(**{**base, "model": "m2"}),  # type: ignore[arg-type]
+        Namespace(**{**base, "kv_dtype": "float16"}),  # type: ignore[arg-type]
+        Namespace(**{**base, "rank": 1}),  # type: ignore[arg-type]
+        Namespace(**base, tenant_salt="tenant-b"),  # type: ignore[arg-type]
+    ]
+    tokens = list(range(512))
+    keys = [chunk_keys(ns.digest(), tokens)[1] for ns in namespaces]
+    assert len({tier.redis_key(k) for k in keys}) == len(keys)
+    chunks = [slots.random(1024) for _ in keys]
+    assert tier.store([(k, v) for k, (v, _) in zip(keys, chunks, strict=True)]) == [True] * 5
+    statuses, views = load_into(tier, slots, keys, [1024] * 5)
+    assert statuses == [LoadStatus.OK] * 5
+    assert [bytes(v) for v in views] == [data for _, data in chunks]
+    # Removing one namespace's chunk leaves the others.
+    assert tier.delete([keys[0]]) == 1
+    assert tier.contains(keys) == [False, True, True, True, True]
+
+
+# -- corruption ----------------------------------------------------------------------------
+def _tamper(kind: str, value: bytes, other: bytes) -> bytes:
+    if kind == "garbage":
+        return os.urandom(len(value))
+    if kind == "flip_payload":
+        return value[:-1] + bytes([value[-1] ^ 0x01])
+    if kind == "flip_header_checksum":
+        return value[:63] + bytes([value[63] ^ 0x80]) + value[64:]
+    if kind == "bad_magic":
+        return b"XXXX" + value[4:]
+    if kind == "truncated":
+        return value[: len(value) // 2]
+    if kind == "header_only":
+        return value[:HEADER_SIZE]
+    if kind == "extended":
+        return value + b"\0"
+    if kind == "empty":
+        return b""
+    if kind == "other_key":
+        return other  # a valid record, of another key with a same-length payload
+    raise AssertionError(kind)
+
+
+CORRUPTIONS = [
+    "garbage",
+    "flip_payload",
+    "flip_header_checksum",
+    "bad_magic",
+    "truncated",
+    "header_only",
+    "extended",
+    "empty",
+    "other_key",
+]
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_corrupted_values_are_corrupt(
+    tier: RedisTier,
+    slots: Slots,
+    raw: redis.Redis,
+    kind: str,
+) -> None:
+    keys, expected = store_random(tier, slots, [4096, 4096, 4096])
+    victim, other, intact = keys
+    value = raw.get(tier.redis_key(victim))
+    other_value = raw.get(tier.redis_key(other))
+    assert isinstance(value, bytes) and isinstance(other_value, bytes)
+    raw.set(tier.redis_key(victim), _tamper(kind, value, other_value))
+    statuses, views = load_into(tier, slots, [victim, intact], [4096, 4096])
+    assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
+    assert bytes(views[1]) == expected[2]
+    assert tier.stats()["corrupt"] == 1
+
+
+def test_wrong_type_under_the_key_is_corrupt(
+    tier: RedisTier,
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    keys, expected = store_random(tier, slots, [64, 64])
+    raw.delete(tier.redis_key(keys[0]))
+    raw.hset(tier.redis_key(keys[0]), "field", "value")
+    statuses, views = load_into(tier, slots, keys, [64, 64])
+    assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
+    assert bytes(views[1]) == expected[1]
+
+
+def test_loading_into_a_slot_of_another_size_is_corrupt(
+    tier: RedisTier,
+    slots: Slots,
+) -> None:
+    keys, _ = store_random(tier, slots, [1000])
+    statuses, _ = load_into(tier, slots, keys, [999])
+    assert statuses == [LoadStatus.CORRUPT]
+
+
+# -- server failures -----------------------------------------------------------------------
+def test_server_errors_fail_single_items_without_raising(
+    tier: RedisTier,
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    keys, _ = store_random(tier, slots, [100])
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", 1)  # every write is now refused with OOM
+    try:
+        view, _ = slots.random(100)
+        assert tier.store([(new_key(), view), (new_key(), view)]) == [False, False]
+        assert tier.stats()["store_failed"] == 2
+        # Reads still work.
+        statuses, _ = load_into(tier, slots, keys, [100])
+        assert statuses == [LoadStatus.OK]
+    finally:
+        raw.config_set("maxmemory", 0)
+    assert tier.store([(new_key(), view)]) == [True]
+
+
+def test_lost_server_gives_errors_and_the_tier_recovers(
+    make_tier: Callable[..., RedisTier],
+    redis_service: RedisServer,
+    slots: Slots,
+) -> None:
+    tier = make_tier(socket_timeout=2.0, socket_connect_timeout=1.0, retries=1)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    before = tier.usage()
+    assert before.objects == 2
+
+    redis_service.stop()
+    view, _ = slots.random(1000)
+    assert tier.contains(keys) == [False, False]
+    assert tier.store([(new_key(), view)]) == [False]
+    statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+    assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+    assert tier.delete(keys) == 0
+    assert tier.usage() == before  # the last figures, not an exception
+    assert tier.stats()["errors"] >= 5
+
+    redis_service.start()  # same port, empty (no persistence)
+    assert tier.contains(keys) == [False, False]
+    statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
+    new_keys, expected = store_random(tier, slots, [1000, 3000])
+    statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
+    assert statuses == [LoadStatus.OK, LoadStatus.OK]
+    assert [bytes(v) for v in views] == expected
+
+
+@pytest.mark.processes
+def test_server_down_at_creation_is_not_fatal(slots: Slots) -> None:
+    from services import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    tier = create_tier("redis", {"url": url, "socket_connect_timeout": 1.0, "retries": 0})
+    try:
+        view, _ = slots.random(10)
+        assert tier.store([(new_key(), view)]) == [False]
+        assert tier.load([(new_key(), slots.take(10))]) == [LoadStatus.ERROR]
+        assert tier.usage() == TierUsage(0, 0, 0)
+    finally:
+        tier.close()
+
+
+# -- usage ---------------------------------------------------------------------------------
+def test_usage_counts_this_prefix_only(
+    make_tier: Callable[..., RedisTier],
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    tier = make_tier(key_prefix="usage*[x]?:")  # glob characters must not widen the scan
+    other = make_tier(key_prefix="usage-other:")
+    assert tier.usage() == TierUsage(0, 0, 0)
+    sizes = [100, 2000, 30000]
+    keys, _ = store_random(tier, slots, sizes)
+    store_random(other, slots, [500])
+    raw.set(b"usage-unrelated", b"x" * 100)
+    usage = tier.usage()
+    assert usage.objects == 3
+    assert usage.bytes_used == sum(sizes) + 3 * HEADER_SIZE
+    assert usage.capacity == 0
+    raw.config_set("maxmemory", 512 << 20)
+    try:
+        assert tier.usage().capacity == 512 << 20
+    finally:
+        raw.config_set("maxmemory", 0)
+    tier.delete(keys[:1])
+    assert tier.usage().objects == 2
+
+
+# -- zero-copy packing ---------------------------------------------------------------------
+def test_store_sends_the_pool_view_itself(slots: Slots) -> None:
+    """The payload view reaches sendall as the same object; the bytes on the wire equal a
+    standard RESP SET of the joined value."""
+    key = new_key()
+    view, data = slots.random(10_000)
+    header = pack_header(key, view)
+    command = ("SET", b"tierkv:" + key.hex().encode(), _Concat(header, view), "EX", 30)
+    conn = Connection(command_packer=_GatherPacker())  # type: ignore[no-untyped-call]
+    packed = conn.pack_commands([command, ("GET", b"k")])  # type: ignore[no-untyped-call]
+    assert any(piece is view for piece in packed)
+    reference = PythonRespSerializer(6000, lambda a: a.encode() if isinstance(a, str) else a)
+    pieces = [
+        *reference.pack("SET", b"tierkv:" + key.hex().encode(), header + data, "EX", b"30"),  # type: ignore[no-untyped-call]
+        *reference.pack("GET", b"k"),  # type: ignore[no-untyped-call]
+    ]
+    expected = b"".join(bytes(p) for p in pieces)
+    assert b"".join(bytes(p) for p in packed) == expected
+
+
+def test_packer_handles_ordinary_commands() -> None:
+    packer = _GatherPacker()
+    assert b"".join(packer.pack("CONFIG GET", "maxmemory")) == (
+        b"*3\r\n$6\r\nCONFIG\r\n$3\r\nGET\r\n$9\r\nmaxmemory\r\n"
+    )
+    assert (
+        b"".join(packer.pack("EXPIRE", b"k", 1.5))
+        == b"*3\r\n$6\r\nEXPIRE\r\n$1\r\nk\r\n$3\r\n1.5\r\n"
+    )
+    with pytest.raises(redis.DataError):
+        packer.pack("SET", b"k", True)
+    with pytest.raises(redis.DataError):
+        packer.pack("SET", b"k", object())
+
+
+def test_copies_is_documented(tier: RedisTier) -> None:
+    assert "store: no copy" in tier.copies()

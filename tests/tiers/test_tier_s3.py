@@ -1,0 +1,336 @@
+"""The S3 tier against a real S3-compatible HTTP server (moto's server mode on loopback), with
+slot views from a real shm pool: byte-exact batch round trips, contains, delete, namespace
+separation, corrupted objects, a server that goes away (and a new one), usage, and the
+zero-copy body and read paths."""
+
+from __future__ import annotations
+
+import http.client
+import io
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from support import services
+from support.services import S3Server, Slots, load_into, new_key, store_random
+from tierkv.keys import Namespace, chunk_keys
+from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
+from tierkv.tiers import s3 as s3_module
+from tierkv.tiers.base import HEADER_SIZE, pack_header
+from tierkv.tiers.s3 import S3Tier, _RecordBody
+
+# Fixtures of the real services (tests/conftest.py belongs to the server tests).
+s3_service = services.s3_service
+s3_server = services.s3_server
+s3_service_private = services.s3_service_private
+slots = services.slots
+
+SIZES = [1, 100, 16 * 1024, 16 * 1024 + 1, 300 * 1024]
+
+
+def new_bucket(server: S3Server) -> str:
+    name = f"tierkv-{uuid.uuid4().hex[:12]}"
+    server.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
+    return name
+
+
+@pytest.fixture
+def make_tier(s3_service: S3Server) -> Iterator[Callable[..., S3Tier]]:
+    tiers: list[S3Tier] = []
+
+    def make(bucket: str | None = None, server: S3Server | None = None, **extra: Any) -> S3Tier:
+        srv = server or s3_service
+        options = srv.tier_options(bucket or new_bucket(srv), **extra)
+        tier = create_tier("s3", options)
+        assert isinstance(tier, S3Tier)
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+@pytest.fixture
+def tier(make_tier: Callable[..., S3Tier]) -> S3Tier:
+    return make_tier()
+
+
+@pytest.fixture
+def raw(s3_service: S3Server) -> Any:
+    """A plain boto3 client to look at and tamper with what the tier stored."""
+    return s3_service.client()
+
+
+def get_body(raw: Any, tier: S3Tier, key: bytes) -> bytes:
+    body: bytes = raw.get_object(Bucket=tier.bucket, Key=tier.object_key(key))["Body"].read()
+    return body
+
+
+def put_body(raw: Any, tier: S3Tier, key: bytes, body: bytes) -> None:
+    raw.put_object(Bucket=tier.bucket, Key=tier.object_key(key), Body=body)
+
+
+# -- registry and options ------------------------------------------------------------------
+def test_registered(s3_server: str) -> None:
+    assert "s3" in tier_names()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"bucket": ""},
+        {"bucket": "b", "max_concurrency": 0},
+        {"bucket": "b", "access_key_id": "only-the-id"},
+        {"bucket": "b", "no_such_option": 1},
+    ],
+)
+def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
+    with pytest.raises(TierError):
+        create_tier("s3", options)
+
+
+def test_create_bucket_option(s3_service: S3Server, make_tier: Callable[..., S3Tier]) -> None:
+    name = f"tierkv-created-{uuid.uuid4().hex[:8]}"
+    tier = make_tier(bucket=name, create_bucket=True)
+    assert tier.store([(new_key(), memoryview(b"abc"))]) == [True]
+    make_tier(bucket=name, create_bucket=True)  # already there: fine
+
+
+# -- data path -----------------------------------------------------------------------------
+def test_batch_round_trip_is_byte_exact(tier: S3Tier, slots: Slots) -> None:
+    keys, expected = store_random(tier, slots, SIZES)
+    statuses, views = load_into(tier, slots, keys, SIZES)
+    assert statuses == [LoadStatus.OK] * len(SIZES)
+    assert [bytes(v) for v in views] == expected
+    assert tier.stats()["stored"] == len(SIZES)
+    assert tier.stats()["loaded"] == len(SIZES)
+
+
+def test_object_is_header_then_payload(tier: S3Tier, slots: Slots, raw: Any) -> None:
+    keys, expected = store_random(tier, slots, [5000])
+    key = keys[0]
+    assert tier.object_key(key) == f"tierkv/{key[:16].hex()}/{key[16:].hex()}"
+    assert get_body(raw, tier, key) == pack_header(key, expected[0]) + expected[0]
+
+
+def test_contains(tier: S3Tier, slots: Slots) -> None:
+    keys, _ = store_random(tier, slots, [10, 20])
+    assert tier.contains([keys[0], new_key(), keys[1]]) == [True, False, True]
+    assert tier.contains([]) == []
+
+
+def test_missing(tier: S3Tier, slots: Slots) -> None:
+    keys, expected = store_random(tier, slots, [128])
+    statuses, views = load_into(tier, slots, [new_key(), keys[0]], [64, 128])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK]
+    assert bytes(views[1]) == expected[0]
+    assert tier.stats()["missing"] == 1
+
+
+def test_delete(tier: S3Tier, slots: Slots) -> None:
+    keys, _ = store_random(tier, slots, [10, 20, 30])
+    assert tier.delete([keys[0], new_key(), keys[2]]) == 2
+    assert tier.contains(keys) == [False, True, False]
+    statuses, _ = load_into(tier, slots, keys, [10, 20, 30])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK, LoadStatus.MISSING]
+    assert tier.delete([]) == 0
+    assert tier.delete(keys) == 1
+
+
+def test_namespaces_never_share_objects(tier: S3Tier, slots: Slots) -> None:
+    base: dict[str, Any] = dict(
+        model="m", kv_dtype="bfloat16", layout="2x256x8x128", world_size=2, rank=0
+    )
+    namespaces = [
+        Namespace(**base),
+        Namespace(**{**base, "model": "m2"}),
+        Namespace(**{**base, "kv_dtype": "float16"}),
+        Namespace(**{**base, "rank": 1}),
+        Namespace(**base, tenant_salt="tenant-b"),
+    ]
+    keys = [chunk_keys(ns.digest(), list(range(512)))[1] for ns in namespaces]
+    assert len({tier.object_key(k) for k in keys}) == len(keys)
+    chunks = [slots.random(1024) for _ in keys]
+    assert tier.store([(k, v) for k, (v, _) in zip(keys, chunks, strict=True)]) == [True] * 5
+    statuses, views = load_into(tier, slots, keys, [1024] * 5)
+    assert statuses == [LoadStatus.OK] * 5
+    assert [bytes(v) for v in views] == [data for _, data in chunks]
+    assert tier.delete([keys[0]]) == 1
+    assert tier.contains(keys) == [False, True, True, True, True]
+
+
+def test_loads_read_straight_into_the_slot(
+    tier: S3Tier, slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path (http.client readinto on the slot) is the one taken against a real HTTP
+    server, and the connection is reused afterwards."""
+    seen: list[bool] = []
+    original = s3_module._http_response
+
+    def spy(body: Any) -> http.client.HTTPResponse | None:
+        fp = original(body)
+        seen.append(fp is not None)
+        return fp
+
+    monkeypatch.setattr(s3_module, "_http_response", spy)
+    keys, expected = store_random(tier, slots, [100_000, 5])
+    for _ in range(3):
+        statuses, views = load_into(tier, slots, keys, [100_000, 5])
+        assert statuses == [LoadStatus.OK, LoadStatus.OK]
+        assert [bytes(v) for v in views] == expected
+    assert seen == [True] * 6
+
+
+def test_fallback_read_path(tier: S3Tier, slots: Slots, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the http.client response, StreamingBody.readinto does the same job."""
+    monkeypatch.setattr(s3_module, "_http_response", lambda body: None)
+    keys, expected = store_random(tier, slots, [70_000, 3])
+    for _ in range(2):
+        statuses, views = load_into(tier, slots, keys, [70_000, 3])
+        assert statuses == [LoadStatus.OK, LoadStatus.OK]
+        assert [bytes(v) for v in views] == expected
+
+
+# -- corruption ----------------------------------------------------------------------------
+CORRUPTIONS = [
+    "garbage",
+    "flip_payload",
+    "flip_header_checksum",
+    "bad_magic",
+    "truncated",
+    "header_only",
+    "extended",
+    "empty",
+    "other_key",
+]
+
+
+def _tamper(kind: str, value: bytes, other: bytes) -> bytes:
+    cases: dict[str, Callable[[], bytes]] = {
+        "garbage": lambda: os.urandom(len(value)),
+        "flip_payload": lambda: value[:-1] + bytes([value[-1] ^ 0x01]),
+        "flip_header_checksum": lambda: value[:63] + bytes([value[63] ^ 0x80]) + value[64:],
+        "bad_magic": lambda: b"XXXX" + value[4:],
+        "truncated": lambda: value[: len(value) // 2],
+        "header_only": lambda: value[:HEADER_SIZE],
+        "extended": lambda: value + b"\0",
+        "empty": lambda: b"",
+        "other_key": lambda: other,
+    }
+    return cases[kind]()
+
+
+@pytest.mark.parametrize("kind", CORRUPTIONS)
+def test_corrupted_objects_are_corrupt(tier: S3Tier, slots: Slots, raw: Any, kind: str) -> None:
+    keys, expected = store_random(tier, slots, [4096, 4096, 4096])
+    victim, other, intact = keys
+    put_body(
+        raw, tier, victim, _tamper(kind, get_body(raw, tier, victim), get_body(raw, tier, other))
+    )
+    statuses, views = load_into(tier, slots, [victim, intact], [4096, 4096])
+    assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
+    assert bytes(views[1]) == expected[2]
+    assert tier.stats()["corrupt"] == 1
+    # The connection pool is still healthy after an abandoned response.
+    statuses, _ = load_into(tier, slots, [intact], [4096])
+    assert statuses == [LoadStatus.OK]
+
+
+def test_loading_into_a_slot_of_another_size_is_corrupt(tier: S3Tier, slots: Slots) -> None:
+    keys, _ = store_random(tier, slots, [1000])
+    statuses, _ = load_into(tier, slots, keys, [999])
+    assert statuses == [LoadStatus.CORRUPT]
+
+
+# -- server failures -----------------------------------------------------------------------
+def test_lost_server_gives_errors_without_raising(
+    make_tier: Callable[..., S3Tier], s3_service_private: S3Server, slots: Slots
+) -> None:
+    server = s3_service_private
+    bucket = new_bucket(server)
+    tier = make_tier(bucket=bucket, server=server, retries=0, connect_timeout=2, read_timeout=5)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    before = tier.usage()
+    assert before.objects == 2
+
+    server.stop()
+    view, _ = slots.random(1000)
+    assert tier.contains(keys) == [False, False]
+    assert tier.store([(new_key(), view), (new_key(), view)]) == [False, False]
+    statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+    assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+    assert tier.delete(keys) == 0
+    assert tier.usage() == before
+    assert tier.stats()["errors"] >= 7
+
+    # A new server on the same endpoint (moto keeps no state): the tier works again.
+    server.start()
+    server.client().create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+    statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
+    new_keys, expected = store_random(tier, slots, [1000, 3000])
+    statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
+    assert statuses == [LoadStatus.OK, LoadStatus.OK]
+    assert [bytes(v) for v in views] == expected
+
+
+def test_missing_bucket_gives_errors(make_tier: Callable[..., S3Tier], slots: Slots) -> None:
+    tier = make_tier(bucket=f"tierkv-absent-{uuid.uuid4().hex[:8]}")
+    view, _ = slots.random(10)
+    assert tier.store([(new_key(), view)]) == [False]
+    assert tier.load([(new_key(), slots.take(10))]) == [LoadStatus.ERROR]
+    assert tier.usage() == TierUsage(0, 0, 0)
+
+
+# -- usage ---------------------------------------------------------------------------------
+def test_usage_counts_this_prefix_only(
+    s3_service: S3Server, make_tier: Callable[..., S3Tier], slots: Slots, raw: Any
+) -> None:
+    bucket = new_bucket(s3_service)
+    tier = make_tier(bucket=bucket, prefix="cache-a/")
+    other = make_tier(bucket=bucket, prefix="cache-b/")
+    assert tier.usage() == TierUsage(0, 0, 0)
+    sizes = [100, 2000, 30000]
+    keys, _ = store_random(tier, slots, sizes)
+    store_random(other, slots, [500])
+    raw.put_object(Bucket=bucket, Key="unrelated", Body=b"x" * 100)
+    usage = tier.usage()
+    assert usage == TierUsage(3, sum(sizes) + 3 * HEADER_SIZE, 0)
+    tier.delete(keys[:1])
+    assert tier.usage().objects == 2
+
+
+# -- zero-copy body ------------------------------------------------------------------------
+def test_record_body_reads_are_views_of_the_pool(slots: Slots) -> None:
+    key = new_key()
+    view, data = slots.random(50_000)
+    header = pack_header(key, view)
+    body = _RecordBody(header, view)
+    assert len(body) == HEADER_SIZE + 50_000
+    pieces = []
+    while piece := body.read(16384):
+        pieces.append(piece)
+    assert b"".join(bytes(p) for p in pieces) == header + data
+    payload_pieces = pieces[1:]
+    assert bytes(pieces[0]) == header  # a read never spans the header and the payload
+    assert all(isinstance(p, memoryview) and p.obj is view.obj for p in payload_pieces)
+    # botocore seeks back after hashing and asks for the remaining length.
+    assert body.seek(0) == 0
+    assert body.seek(10, io.SEEK_CUR) == 10
+    assert len(body) == HEADER_SIZE + 50_000 - 10
+    assert body.seek(0, io.SEEK_END) == HEADER_SIZE + 50_000
+    assert body.read(100) == b""
+    body.seek(HEADER_SIZE - 4)
+    assert bytes(body.read()) == header[-4:] + data
+    buf = bytearray(10)
+    body.seek(0)
+    assert body.readinto(buf) == 10 and bytes(buf) == header[:10]
+
+
+def test_copies_is_documented(tier: S3Tier) -> None:
+    assert "store: no copy" in tier.copies()
