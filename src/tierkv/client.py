@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from tierkv import keys
+from tierkv import dtypes, keys
 from tierkv import protocol as p
 from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
@@ -146,15 +146,6 @@ def default_endpoint(instance: str = "default") -> str:
     if env:
         return env
     return f"ipc://{os.path.join(default_runtime_dir(instance), 'rpc.sock')}"
-
-
-def _numpy_dtype(name: str) -> np.dtype[Any]:
-    """The numpy dtype of a layout dtype; types numpy lacks (bfloat16, fp8) become raw
-    unsigned ints of the same size, so bytes still copy exactly."""
-    raw = {"bfloat16": np.uint16, "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
-    if name in raw:
-        return np.dtype(raw[name])
-    return np.dtype(name)
 
 
 class Client:
@@ -316,7 +307,7 @@ class Client:
             reply.namespace,
             layout,
         )
-        self._np_dtype = _numpy_dtype(layout.dtype)
+        self._np_dtype = dtypes.numpy_dtype(layout.dtype)
         return self.registration
 
     def _attach(self, name: str, size: int) -> None:

@@ -1,4 +1,13 @@
-"""The KV dtypes tierkv accepts, and how each maps to numpy (placeholder: see branch h4)."""
+"""The KV dtypes tierkv accepts, and how each maps to numpy: one table for server and client.
+
+The server refuses a layout whose dtype :func:`itemsize` does not know (so nothing is
+registered that a client could not then view), and the client views slots with
+:func:`numpy_dtype`. Plain numeric numpy dtypes are accepted by name (``float16``,
+``float32``, ``int8``, ...); the dtypes engines use that numpy lacks (``bfloat16`` and the
+float8 variants) are viewed as unsigned ints of the same size, so bytes copy exactly.
+Anything else (object, string, datetime, structured dtypes, odd strings numpy would parse)
+is refused: ``itemsize`` is 0 and ``numpy_dtype`` raises ValueError.
+"""
 
 from __future__ import annotations
 

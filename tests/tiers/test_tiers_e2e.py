@@ -39,7 +39,7 @@ import pytest
 import redis
 
 from support import services
-from support.httputil import wait_for
+from support.httputil import free_port, get_json, wait_for
 from support.servers import (
     CHUNK_BYTES,
     CHUNK_SHAPE,
@@ -532,3 +532,43 @@ def test_tier_options_from_the_command_line_get_their_declared_types(tmp_path: P
         create_tier("disk", {"path": str(tmp_path / "f"), "fsync": "maybe"})
     with pytest.raises(TierError, match="max_connections"):
         create_tier("redis", {"max_connections": "many"})
+
+
+def test_stats_never_wait_for_a_tier_to_count_its_contents(
+    server_factory: Callable[..., ServerProcess], redis_service: RedisServer, tmp_path: Path
+) -> None:
+    """Counting a Redis tier's contents is a SCAN of the keyspace: STATS requests (and
+    /status) show the last count with its age and never run one themselves; with the
+    redis-server frozen they still answer at once."""
+    port = free_port()
+    srv = server_factory(
+        extra=["--tier", f"redis:url={redis_service.url}", "--http-port", str(port)]
+    )
+    client = srv.client(timeout=3.0)
+    register(client)
+    tokens = list(range(3 * CHUNK_SIZE))
+    client.store(tokens, [chunk_data(tokens, i) for i in range(3)])
+    wait_for("tier count", lambda: client.stats().tiers[0].objects == 3)
+    scans = _scan_calls(redis_service)
+    for _ in range(20):
+        client.stats()
+        get_json(f"http://127.0.0.1:{port}/status")
+    # 40 status requests: at most one more walk (the count may have gone stale meanwhile).
+    assert _scan_calls(redis_service) - scans <= 1
+    assert redis_service.proc is not None
+    redis_service.proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(5):
+            st = client.stats().tiers[0]  # would time out if it waited for a SCAN
+            assert st.objects == 3 and st.usage_age_s >= 0
+        assert get_json(f"http://127.0.0.1:{port}/status")["tiers"][0]["objects"] == 3
+    finally:
+        redis_service.proc.send_signal(signal.SIGCONT)
+
+
+def _scan_calls(redis: RedisServer) -> int:
+    reply = redis.command("INFO", "commandstats").decode()
+    for line in reply.splitlines():
+        if line.startswith("cmdstat_scan:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0

@@ -81,7 +81,7 @@ def _as_blocks(chunk: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """A ``[K/V, layer, token, head, dim]`` chunk viewed as ``[K/V, layer, block, token in
     block, head, dim]``: the same memory, never a copy (assigning ``.shape`` raises rather than
     copy, which a silent copy of a slot view would turn into lost writes)."""
-    view = chunk.view()
+    view: npt.NDArray[Any] = chunk.view()
     two, layers, tokens, heads, dim = chunk.shape
     view.shape = (two, layers, tokens // BLOCK_TOKENS, BLOCK_TOKENS, heads, dim)
     return view

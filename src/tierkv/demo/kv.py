@@ -78,7 +78,8 @@ class KVFunction:
         x ^= x >> np.uint32(13)
         x *= np.uint32(0xC2B2AE35)
         x ^= x >> np.uint32(16)
-        return (x & np.uint32(0xFFFF)).astype(np.uint16)
+        out: npt.NDArray[np.uint16] = (x & np.uint32(0xFFFF)).astype(np.uint16)
+        return out
 
     def compute(
         self, tokens: npt.NDArray[np.integer], start: int, out: npt.NDArray[np.float16]
