@@ -1,0 +1,103 @@
+"""What one client can hold is bounded: registrations (count, name lengths, idle clients the
+server cannot watch) and open store reservations. Against real server processes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from support.raw_rpc import Raw
+from support.servers import (
+    CHUNK_BYTES,
+    CHUNK_SHAPE,
+    CHUNK_SIZE,
+    ServerProcess,
+    chunk_data,
+    register,
+)
+from tierkv import keys
+from tierkv import protocol as p
+
+Servers = Callable[..., ServerProcess]
+LAYOUT = p.Layout(list(CHUNK_SHAPE), "float32", 1)
+
+
+def _register(raw: Raw, **kw: Any) -> Any:
+    """REGISTER as an unwatched client (pid 0: another host or pid namespace)."""
+    return raw.call(p.Register(1, p.PROTOCOL_VERSION, kw.pop("model", "m"), LAYOUT, **kw))
+
+
+def _tokens(seed: int, chunks: int) -> p.ChunkSelector:
+    start = seed * 1_000_000
+    return p.ChunkSelector(tokens=keys.pack_tokens(range(start, start + chunks * CHUNK_SIZE)))
+
+
+def test_unwatched_clients_expire_when_idle_and_requests_keep_them(server_factory: Servers) -> None:
+    srv = server_factory(extra=["--client-idle-ttl", "1.5"])
+    keeper = srv.client()
+    register(keeper)
+    tokens = list(range(2 * CHUNK_SIZE))
+    keeper.store(tokens, [chunk_data(tokens, i) for i in range(2)])
+    idle, busy = Raw(srv.endpoint), Raw(srv.endpoint)
+    try:
+        gone = _register(idle, model="test-model").client
+        alive = _register(busy, model="test-model").client
+        sel = p.ChunkSelector(tokens=keys.pack_tokens(tokens))
+        assert idle.call(p.Lookup(2, gone, sel, "r")).hits == 2  # locks both chunks
+        assert keeper.stats().read_locked == 2
+        deadline = time.monotonic() + 20
+        while keeper.stats().clients_expired < 1 and time.monotonic() < deadline:
+            assert isinstance(busy.call(p.Ping(3)), p.Ok)
+            busy.call(p.Lookup(4, alive, sel))  # any request refreshes the client
+            time.sleep(0.2)
+        s = keeper.stats()
+        assert s.clients_expired == 1 and s.clients == 2  # the keeper and the busy one
+        assert s.read_locked == 0 and s.read_leases == 0  # its locks went with it
+        reply = idle.call(p.Lookup(5, gone, sel))
+        assert isinstance(reply, p.Error) and "register again" in reply.message
+        assert isinstance(busy.call(p.Lookup(6, alive, sel)), p.LookupResult)
+    finally:
+        idle.close()
+        busy.close()
+
+
+def test_registrations_are_bounded_in_number_and_name_length(server_factory: Servers) -> None:
+    srv = server_factory(extra=["--max-clients", "2"])
+    raw = Raw(srv.endpoint)
+    try:
+        first = _register(raw)
+        assert isinstance(_register(raw), p.Registered)
+        refused = _register(raw)
+        assert isinstance(refused, p.Error) and refused.code is p.ErrorCode.LIMIT
+        assert "--max-clients" in refused.message
+        assert isinstance(raw.call(p.Unregister(2, first.client)), p.Ok)
+        assert isinstance(_register(raw), p.Registered)  # room again
+        for field, size in (("name", 257), ("engine_id", 257), ("model", 1025)):
+            reply = _register(raw, **{field: "x" * size})
+            assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.BAD_REQUEST
+            assert field in reply.message
+        assert isinstance(raw.call(p.Ping(3)), p.Ok)
+    finally:
+        raw.close()
+
+
+def test_one_clients_open_reservations_are_bounded(server_factory: Servers) -> None:
+    # A 64 MiB pool, a quarter for one client: 512 chunks of 32 KiB.
+    srv = server_factory("64MiB", ["--client-reservation-share", "0.25"])
+    share = 64 * 2**20 // 4 // CHUNK_BYTES
+    raw = Raw(srv.endpoint)
+    try:
+        hog = _register(raw).client
+        other = _register(raw).client
+        held = raw.call(p.PrepareStore(2, hog, _tokens(1, share + 10)))
+        assert len(held.slots) == share and len(held.no_space) == 10  # refused like a full pool
+        more = raw.call(p.PrepareStore(3, hog, _tokens(2, 4)))
+        assert not more.slots and len(more.no_space) == 4
+        theirs = raw.call(p.PrepareStore(4, other, _tokens(3, 4)))
+        assert len(theirs.slots) == 4  # other clients still store
+        assert isinstance(raw.call(p.CommitStore(5, hog, held.lease)), p.Committed)
+        again = raw.call(p.PrepareStore(6, hog, _tokens(2, 4)))
+        assert len(again.slots) == 4  # committed chunks no longer count against it
+    finally:
+        raw.close()
