@@ -100,7 +100,7 @@ def test_status_summarises_pool_lookups_tiers_and_engines(
 
 
 def test_status_shows_the_dashboard_url(server_factory: Servers) -> None:
-    from httputil import free_port
+    from support.httputil import free_port
 
     port = free_port()
     srv = server_factory(extra=["--http-port", str(port)])

@@ -3,7 +3,7 @@
 Both listen on loopback only, on a free port, with their state in a temporary directory, and
 are stopped when the test ends. Use the fixtures from a test module with::
 
-    from services import redis_server, redis_service  # noqa: F401
+    from support.services import redis_server, redis_service  # noqa: F401
 
 ``redis_server`` / ``s3_server`` give the URL; ``redis_service`` / ``s3_service`` give the
 controlling object, for tests that stop and restart the server. A missing ``redis-server``

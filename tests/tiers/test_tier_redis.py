@@ -349,7 +349,7 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
 
 @pytest.mark.processes
 def test_server_down_at_creation_is_not_fatal(slots: Slots) -> None:
-    from services import free_port
+    from support.services import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     tier = create_tier("redis", {"url": url, "socket_connect_timeout": 1.0, "retries": 0})
