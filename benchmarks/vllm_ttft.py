@@ -50,9 +50,9 @@ def main() -> None:
     parser.add_argument("--pool-size", default="1GiB")
     args = parser.parse_args()
 
-    from tierkv.config import parse_size
     from tierkv.demo.local_server import LocalServer
     from tierkv.integrations.vllm.tiny_model import ModelSpec, build_model, tokenizer_size
+    from tierkv.options import parse_size
 
     with tempfile.TemporaryDirectory(prefix="tierkv-vllm-ttft-") as tmp:
         workdir = Path(tmp)

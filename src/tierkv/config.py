@@ -18,27 +18,12 @@ from typing import Any
 import msgspec
 import yaml
 
+from tierkv.options import OptionError, Size, convert
+from tierkv.tiers.base import TierError, tier_options
 
-class ConfigError(ValueError):
+
+class ConfigError(OptionError):
     """A configuration value is invalid; the message names the option."""
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
-
-
-def parse_size(value: str | int) -> int:
-    """Bytes from ``1073741824``, ``1GiB``, ``512MiB``, ``2G`` (binary), ``2GB`` (decimal)."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(value)
-    if not m:
-        raise ConfigError(f"not a size: {value!r} (examples: 512MiB, 4GiB, 1073741824)")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
-    prefix = unit[:1] if unit[:1] in "kmgt" else ""
-    binary = "i" in unit or (prefix and not unit.endswith("b"))
-    mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _UNITS[prefix]
-    return int(number * mult)
 
 
 def default_runtime_dir(instance: str) -> str:
@@ -86,10 +71,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     http_host: str = "127.0.0.1"
     http_port: int = 8791
     pool_name: str = ""
-    pool_size: int = 2 * 2**30
+    pool_size: Size = 2 * 2**30
     prefault: bool = False
     chunk_size: int = 256
-    alignment: int = 4096
+    alignment: Size = 4096
     high_watermark: float = 0.8
     low_watermark: float = 0.7
     eviction_interval: float = 0.1
@@ -99,12 +84,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     client_idle_ttl: float = 3600.0
     max_clients: int = 4096
     client_reservation_share: float = 0.5
-    max_message_bytes: int = 64 * 2**20
+    max_message_bytes: Size = 64 * 2**20
     max_chunks_per_request: int = 16384
     workers: int = 4
     tiers: list[TierSpec] = msgspec.field(default_factory=list)
     tier_workers: int = 4
-    write_behind_max_bytes: int = 2**30
+    write_behind_max_bytes: Size = 2**30
     prefetch_max_inflight: int = 16
     prefetch_timeout: float = 10.0
     cluster_seeds: str = ""
@@ -177,6 +162,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError(
                 f"log_level {self.log_level!r}: use debug, info, warning, error or critical"
             )
+        self._validate_tiers()
         if self.cluster_seeds:
             self._validate_cluster()
         if self.rpc_tcp:
@@ -207,6 +193,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return ""
         host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
         return f"http://{host}:{self.http_port}"
+
+    def _validate_tiers(self) -> None:
+        """Each tier's options checked and typed now, before anything is opened."""
+        seen: set[str] = set()
+        for spec in self.tiers:
+            if spec.name in seen:
+                raise ConfigError(
+                    f"tiers: {spec.name!r} is configured twice (each tier name once: tiers "
+                    "are reported and found by name)"
+                )
+            seen.add(spec.name)
+            try:
+                spec.options = tier_options(spec.name, spec.options)
+            except TierError as exc:
+                raise ConfigError(f"tiers: {exc}") from None
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):
@@ -301,29 +302,21 @@ FIELD_HELP: dict[str, str] = {
     "log_format": "text or json",
 }
 
-_SIZE_FIELDS = {"pool_size", "max_message_bytes", "alignment", "write_behind_max_bytes"}
+
+def _tier_specs(raw: Any) -> list[Any]:
+    """``tiers`` from flags (a list of specs), the environment (one string, specs separated
+    by ';') or YAML (a list of specs or mappings), as TierSpec builtins."""
+    if isinstance(raw, str):
+        raw = [part for part in raw.split(";") if part.strip()]
+    if not isinstance(raw, list):
+        raise ConfigError("tiers must be a list of NAME[:key=value,...] or mappings")
+    return [msgspec.to_builtins(parse_tier_spec(item)) for item in raw]
 
 
 def _fields() -> list[tuple[str, Any, Any]]:
     info = msgspec.inspect.type_info(ServerConfig)
     assert isinstance(info, msgspec.inspect.StructType)
     return [(f.name, f.type, f.default) for f in info.fields]
-
-
-def _coerce(name: str, raw: Any) -> Any:
-    """Values from env/flags arrive as strings; sizes accept units."""
-    if name in _SIZE_FIELDS and isinstance(raw, str):
-        try:
-            return parse_size(raw)
-        except ConfigError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-    if name == "tiers":
-        if isinstance(raw, str):  # environment: specs separated by ';'
-            raw = [part for part in raw.split(";") if part.strip()]
-        if not isinstance(raw, list):
-            raise ConfigError("tiers must be a list of NAME[:key=value,...] or mappings")
-        return [msgspec.to_builtins(parse_tier_spec(item)) for item in raw]
-    return raw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,11 +379,13 @@ def load(
 
 
 def from_mapping(values: Mapping[str, Any]) -> ServerConfig:
-    coerced = {k: _coerce(k, v) for k, v in values.items()}
+    given = dict(values)
+    if "tiers" in given:
+        given["tiers"] = _tier_specs(given["tiers"])
     try:
-        cfg = msgspec.convert(coerced, ServerConfig, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from exc
+        cfg = convert(given, ServerConfig, what="invalid configuration")
+    except OptionError as exc:
+        raise ConfigError(str(exc)) from None
     return cfg.validate()
 
 

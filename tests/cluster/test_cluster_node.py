@@ -14,7 +14,7 @@ import pytest
 from tierkv.allocator import Allocator
 from tierkv.cluster.directory import Where
 from tierkv.cluster.node import ClusterNode, ClusterSettings
-from tierkv.config import ConfigError, from_mapping
+from tierkv.config import ConfigError, ServerConfig, from_mapping
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.disk import DiskTier
@@ -31,7 +31,9 @@ def pool() -> Iterator[ShmPool]:
 
 def make_node(pool: ShmPool, disk: DiskTier | None = None) -> ClusterNode:
     index = ObjectIndex(Allocator(pool.size, 4096))
-    settings = ClusterSettings(seeds=(), port=0, token="t", heartbeat_interval=0.1, member_ttl=1)
+    settings = ClusterSettings.from_config(
+        ServerConfig(cluster_port=0, auth_token="t", heartbeat_interval=0.1, member_ttl=1)
+    )
     return ClusterNode(settings, index, pool, disk).start()
 
 
@@ -119,7 +121,9 @@ def test_eviction_of_unpublished_chunks_is_ignored(pool: ShmPool) -> None:
 def test_busy_cluster_port_is_a_clear_error(pool: ShmPool) -> None:
     node = make_node(pool)
     try:
-        settings = ClusterSettings(seeds=(), port=node.control.port, token="t")
+        settings = ClusterSettings.from_config(
+            ServerConfig(cluster_port=node.control.port, auth_token="t")
+        )
         other = ClusterNode(settings, node.index, pool)  # building opens nothing
         with pytest.raises(ConfigError, match="cluster port"):
             other.start()

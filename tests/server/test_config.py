@@ -29,7 +29,8 @@ from tierkv import config
 from tierkv import protocol as p
 from tierkv.cli import build_parser
 from tierkv.client import Client, NotRegisteredError, ServerError
-from tierkv.config import ConfigError, ServerConfig, parse_size
+from tierkv.config import ConfigError, ServerConfig
+from tierkv.options import parse_size
 from tierkv.pool import SHM_DIR, segment_exists
 
 GIB = 2**30
@@ -231,6 +232,49 @@ def test_invalid_tier_and_cluster_values_name_the_option(option: str, value: str
     assert option in message or option.rstrip("s") in message, message
 
 
+BAD_TIERS = [
+    ("floppy:size=1", "unknown tier 'floppy'"),
+    ("disk", "missing required option 'path'"),
+    ("disk:path=/tmp/tierkv-never,colour=blue", "unknown option 'colour'"),
+    ("disk:path=/tmp/tierkv-never,capacity=lots", "capacity"),
+    ("disk:path=/tmp/tierkv-never,fsync=perhaps", "fsync"),
+    ("disk:path=/tmp/tierkv-never,threads=0", "threads"),
+    ("redis:url=http://example.com", "bad url"),
+    ("redis:url=redis://h:notaport", "bad url"),
+    ("redis:ttl=-1", "ttl"),
+    ("s3:bucket=b,endpoint_url=localhost:9000", "endpoint_url"),
+    ("disk:path=/tmp/tierkv-a;disk:path=/tmp/tierkv-b", "configured twice"),
+]
+
+
+@pytest.mark.parametrize(("spec", "reason"), BAD_TIERS)
+def test_bad_tier_specifications_fail_validation_before_anything_opens(
+    spec: str, reason: str, tmp_path: Path
+) -> None:
+    yaml_file = tmp_path / "tiers.yaml"
+    yaml_file.write_text("tiers:\n" + "".join(f"  - {part!r}\n" for part in spec.split(";")))
+    for source in (
+        {"env": {"TIERKV_TIERS": spec}},  # the environment: specs separated by ';'
+        {"args": parse(*[f"--tier={part}" for part in spec.split(";")]), "env": {}},
+        {"env": {"TIERKV_CONFIG": str(yaml_file)}},
+    ):
+        with pytest.raises(ConfigError) as exc:
+            config.load(**source)  # type: ignore[arg-type]
+        assert reason in str(exc.value) and "tiers" in str(exc.value), str(exc.value)
+    assert not os.path.exists("/tmp/tierkv-never")  # validation opened nothing
+
+
+def test_tier_options_are_typed_at_validation() -> None:
+    cfg = config.from_mapping(
+        {"tiers": ["disk:path=/tmp/tierkv-never,capacity=2GiB,fsync=yes,threads=none"]}
+    )
+    options = cfg.tiers[0].options
+    assert options["capacity"] == 2 * GIB and options["fsync"] is True
+    assert options["threads"] is None and options["retry_interval"] == 30.0
+    mapping = config.from_mapping({"tiers": [{"name": "disk", "path": "/x", "capacity": 4096}]})
+    assert mapping.tiers[0].options["capacity"] == 4096
+
+
 def test_rpc_tcp_beyond_loopback_needs_an_auth_token() -> None:
     for addr in ("0.0.0.0:5555", "10.1.2.3:5555", "[::]:5555", "node7.example:5555"):
         with pytest.raises(ConfigError, match="auth_token"):
@@ -284,6 +328,31 @@ def test_cli_refuses_tcp_beyond_loopback_without_a_token(tmp_path: Path) -> None
     assert not segment_exists(name)
     res = cli("server", "--pool-size", "lots")
     assert res.returncode == 2 and "pool_size" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.processes
+def test_a_bad_tier_ends_the_server_with_one_line(tmp_path: Path) -> None:
+    name = f"tierkv-test-{uuid.uuid4().hex[:10]}"
+    yml = tmp_path / "server.yaml"
+    yml.write_text("tiers:\n  - name: redis\n    url: 'http://nowhere'\n")
+    common = ["--pool-name", name, "--pool-size", "4MiB", "--runtime-dir", str(tmp_path)]
+    for argv, env in (
+        (["--tier", "disk:path=/tmp/tierkv-never,capacity=lots"], {}),
+        (["--config", str(yml)], {}),
+        ([], {"TIERKV_TIERS": "floppy"}),
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "tierkv.cli", "server", *common, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, **env},
+        )
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2, res.stderr
+        assert len(lines) == 1 and lines[0].startswith("tierkv server: "), res.stderr
+        assert "tier" in lines[0]
+        assert not segment_exists(name)
 
 
 def test_env_and_yaml_reach_a_real_server(

@@ -366,8 +366,10 @@ def test_registry_and_options(tmp_path: Path) -> None:
         create_tier("disk", {"path": str(tmp_path / "e"), "capacity": "lots"})
     with pytest.raises(TierError, match="capacity"):
         create_tier("disk", {"path": str(tmp_path / "e"), "capacity": 0})
-    with pytest.raises(TierError, match="bad options"):
+    with pytest.raises(TierError, match="unknown option 'colour'"):
         create_tier("disk", {"path": str(tmp_path / "e"), "colour": "blue"})
+    with pytest.raises(TierError, match="missing required option 'path'"):
+        create_tier("disk", {"capacity": "1GiB"})
     for threads in ("0", "65", "-1", "many"):
         with pytest.raises(TierError, match="threads"):
             create_tier("disk", {"path": str(tmp_path / "e"), "threads": threads})

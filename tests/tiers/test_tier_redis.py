@@ -95,7 +95,7 @@ def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
 
 
 def test_unknown_option_is_a_tier_error() -> None:
-    with pytest.raises(TierError, match="bad options"):
+    with pytest.raises(TierError, match="unknown option 'bucket'"):
         create_tier("redis", {"bucket": "x"})
 
 

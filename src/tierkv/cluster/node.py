@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient, ControlServer
@@ -30,29 +29,31 @@ from tierkv.cluster.directory import HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
 from tierkv.cluster.transport import Served, TcpTransport
+from tierkv.config import ServerConfig
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier, checksum
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 8792
-
 
 @dataclass(frozen=True)
 class ClusterSettings:
+    """The cluster part of a server's configuration (:class:`tierkv.config.ServerConfig`,
+    where the defaults and help of each live), under the names the cluster code uses."""
+
     seeds: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_PORT
-    data_port: int = 0  # 0: port + 1
-    advertise: str = ""
-    token: str = ""
-    heartbeat_interval: float = 1.0
-    member_ttl: float = 5.0
-    replicas: int = 2
-    vnodes: int = 160
-    connections: int = 16
-    timeout: float = 2.0
+    host: str
+    port: int
+    data_port: int  # 0: port + 1
+    advertise: str
+    token: str
+    heartbeat_interval: float
+    member_ttl: float
+    replicas: int
+    vnodes: int
+    connections: int
+    timeout: float
 
     @property
     def advertise_host(self) -> str:
@@ -66,7 +67,7 @@ class ClusterSettings:
             return socket.gethostname()
 
     @classmethod
-    def from_config(cls, cfg: Any) -> ClusterSettings:
+    def from_config(cls, cfg: ServerConfig) -> ClusterSettings:
         """From a :class:`tierkv.config.ServerConfig`."""
         seeds = tuple(s.strip() for s in str(cfg.cluster_seeds).split(",") if s.strip())
         return cls(

@@ -22,7 +22,6 @@ import sys
 import time
 
 from tierkv.client import Client, TierKVError, default_endpoint
-from tierkv.config import ConfigError, parse_size
 from tierkv.demo.engine import (
     CHUNK_TOKENS,
     DONE,
@@ -35,6 +34,7 @@ from tierkv.demo.kv import SimModel
 from tierkv.demo.local_server import LocalServer, LocalServerError
 from tierkv.demo.report import DemoReport, ProgressBar
 from tierkv.demo.workload import Workload
+from tierkv.options import OptionError, parse_size
 from tierkv.pool import SHM_DIR, format_bytes
 
 HIGH_WATERMARK = 0.8  # the server's default: eviction starts above this pool usage
@@ -250,7 +250,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
         try:
             size = parse_size(args.pool_size) if args.pool_size else 0
-        except ConfigError as exc:
+        except OptionError as exc:
             print(f"tierkv demo: {exc}", file=sys.stderr)
             return 2
         size = size or auto_pool_size(workload, model)[0]
@@ -259,7 +259,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         try:
             pool_size = parse_size(args.pool_size) if args.pool_size else None
             tier_size = parse_size(args.disk_tier_size) if args.disk_tier_size else None
-        except ConfigError as exc:
+        except OptionError as exc:
             print(f"tierkv demo: {exc}", file=sys.stderr)
             return 2
         extra: list[str] = []

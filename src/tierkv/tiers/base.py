@@ -15,19 +15,17 @@ header carrying a magic, the format version, the payload length, the full 32-byt
 from __future__ import annotations
 
 import enum
-import inspect
 import logging
 import struct
-import types
-import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
 from tierkv.keys import KEY_SIZE
+from tierkv.options import OptionError, as_kwargs, convert, signature_struct
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +156,11 @@ class Tier(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 
+    @classmethod  # noqa: B027 - optional hook
+    def check_options(cls, **options: Any) -> None:
+        """Refuse options that have the right types but cannot work (a malformed URL),
+        with :class:`TierError`, before anything is opened; called with every option."""
+
     def copies(self) -> str:
         """What a store and a load cost in extra copies of the payload (for the README)."""
         return "unknown"
@@ -171,6 +174,7 @@ _REGISTRY: dict[str, TierFactory] = {}
 def register_tier(name: str, factory: TierFactory) -> None:
     """Make a tier available to configuration under ``name``."""
     _REGISTRY[name] = factory
+    _OPTION_STRUCTS.pop(name, None)
 
 
 def tier_names() -> list[str]:
@@ -178,69 +182,38 @@ def tier_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def create_tier(name: str, options: dict[str, Any] | None = None) -> Tier:
-    """Build the tier ``name`` with its options (keyword arguments of its factory).
+def tier_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The options of tier ``name``, checked and typed, without opening anything.
 
+    The tier's constructor signature declares its options, their types and defaults.
     Options from the command line or the environment (``--tier disk:path=...,fsync=false``)
-    arrive as strings; each string is converted to the type the factory's signature
-    declares for it (bool, int, float, None), so ``fsync=false`` means False, not a
-    non-empty (true) string. Values that already have a type (YAML) are passed as they are.
-    """
+    arrive as strings and become those types (``fsync=false`` is False, ``capacity=100GiB``
+    a byte count); typed values (YAML) are checked. An unknown tier, an unknown or missing
+    option, a value of the wrong type and what the tier's :meth:`Tier.check_options`
+    refuses (a malformed URL) raise :class:`TierError`."""
     _load_builtins()
     factory = _REGISTRY.get(name)
     if factory is None:
         raise TierError(f"unknown tier {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    opts = _coerce_options(name, factory, options or {})
+    struct = _OPTION_STRUCTS.get(name)
+    if struct is None:
+        struct = _OPTION_STRUCTS[name] = signature_struct(factory, f"{name}_options")
     try:
-        return factory(**opts)
-    except TypeError as exc:
-        raise TierError(f"bad options for tier {name!r}: {exc}") from exc
+        typed = as_kwargs(convert(dict(options or {}), struct, what=f"tier {name!r}"))
+    except OptionError as exc:
+        raise TierError(str(exc)) from None
+    check = getattr(factory, "check_options", None)
+    if check is not None:
+        check(**typed)
+    return typed
 
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
+def create_tier(name: str, options: Mapping[str, Any] | None = None) -> Tier:
+    """Build (connect, open) the tier ``name`` with its options (see :func:`tier_options`)."""
+    return _REGISTRY[name](**tier_options(name, options))
 
 
-def _coerce_options(name: str, factory: TierFactory, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with string values converted to the factory's declared parameter types."""
-    try:
-        params = inspect.signature(factory, eval_str=True).parameters
-    except Exception:  # no signature or unresolvable annotations: pass options unchanged
-        return dict(options)
-    hints = {n: p.annotation for n, p in params.items() if p.annotation is not p.empty}
-    out: dict[str, Any] = {}
-    for key, value in options.items():
-        hint = hints.get(key)
-        if isinstance(value, str) and hint is not None:
-            value = _coerce(name, key, value, hint)
-        out[key] = value
-    return out
-
-
-def _coerce(tier: str, key: str, value: str, hint: Any) -> Any:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        kinds = set(typing.get_args(hint))
-    else:
-        kinds = {hint}
-    if str in kinds or Any in kinds:
-        return value
-    text = value.strip().lower()
-    if type(None) in kinds and text in ("none", "null", ""):
-        return None
-    try:
-        if bool in kinds:
-            if text in _TRUE:
-                return True
-            if text in _FALSE:
-                return False
-            raise ValueError("expected true/false, yes/no, on/off or 1/0")
-        if int in kinds:
-            return int(text)
-        if float in kinds:
-            return float(text)
-    except ValueError as exc:
-        raise TierError(f"tier {tier!r}: option {key}={value!r}: {exc}") from None
-    return value
+_OPTION_STRUCTS: dict[str, type[Any]] = {}
 
 
 def _load_builtins() -> None:

@@ -61,10 +61,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from tierkv.config import ConfigError, parse_size
 from tierkv.copier import Copier
 from tierkv.keys import KEY_SIZE
+from tierkv.options import OptionError, Size, parse_size
 from tierkv.tiers.base import (
     HEADER_SIZE,
     LoadStatus,
@@ -216,21 +217,15 @@ class DiskTier(Tier):
         self,
         *,
         path: str | os.PathLike[str],
-        capacity: int | str = DEFAULT_CAPACITY,
+        capacity: Size | str = DEFAULT_CAPACITY,
         fsync: bool = False,
         retry_interval: float = DEFAULT_RETRY_INTERVAL,
         threads: int | None = None,
     ) -> None:
-        try:
-            cap = parse_size(capacity)
-        except (ConfigError, ValueError) as exc:
-            raise TierError(f"disk tier: bad capacity {capacity!r}: {exc}") from exc
-        if cap <= 0:
-            raise TierError(f"disk tier: capacity must be positive, got {capacity!r}")
-        if retry_interval < 0:
-            raise TierError(f"disk tier: retry_interval must be >= 0, got {retry_interval}")
-        if threads is not None and not 1 <= int(threads) <= 64:
-            raise TierError(f"disk tier: threads must be 1 to 64, got {threads}")
+        self.check_options(
+            path=path, capacity=capacity, retry_interval=retry_interval, threads=threads
+        )
+        cap = parse_size(capacity)
         self._batch = Copier(None if threads is None else int(threads))
         self.path = os.path.abspath(os.fspath(path))
         self.capacity = cap
@@ -313,6 +308,24 @@ class DiskTier(Tier):
         if fd is not None:
             os.close(fd)  # releases the flock
         self._batch.close()
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        if not os.fspath(options.get("path", "")):
+            raise TierError("disk tier: a path is required")
+        capacity = options.get("capacity", DEFAULT_CAPACITY)
+        try:
+            cap = parse_size(capacity)
+        except OptionError as exc:
+            raise TierError(f"disk tier: bad capacity {capacity!r}: {exc}") from None
+        if cap <= 0:
+            raise TierError(f"disk tier: capacity must be positive, got {capacity!r}")
+        retry_interval = options.get("retry_interval", 0)
+        if retry_interval < 0:
+            raise TierError(f"disk tier: retry_interval must be >= 0, got {retry_interval}")
+        threads = options.get("threads")
+        if threads is not None and not 1 <= int(threads) <= 64:
+            raise TierError(f"disk tier: threads must be 1 to 64, got {threads}")
 
     def copies(self) -> str:
         return (

@@ -169,14 +169,7 @@ class RedisTier(Tier):
         retries: int = 1,
         max_pipeline_bytes: int = 64 << 20,
     ) -> None:
-        if redis is None:
-            raise TierError("the redis tier needs redis-py: pip install 'tierkv[redis]'")
-        if ttl is not None and not ttl > 0:
-            raise TierError(f"redis tier: ttl must be positive seconds, got {ttl!r}")
-        if max_connections < 1:
-            raise TierError(f"redis tier: max_connections must be >= 1, got {max_connections}")
-        if retries < 0:
-            raise TierError(f"redis tier: retries must be >= 0, got {retries}")
+        self.check_options(url=url, ttl=ttl, max_connections=max_connections, retries=retries)
         self.url = url
         self._prefix = key_prefix.encode()
         # SET EX wants whole seconds; round up so a chunk never expires early.
@@ -203,6 +196,24 @@ class RedisTier(Tier):
         except RedisError as exc:
             # Not fatal: batches report ERROR until the server is reachable.
             log.warning("redis tier: %s is not reachable yet: %s", self._safe_url(), exc)
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        if redis is None:
+            raise TierError("the redis tier needs redis-py: pip install 'tierkv[redis]'")
+        url, ttl = options.get("url", ""), options.get("ttl")
+        try:
+            redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
+        except ValueError as exc:
+            raise TierError(f"redis tier: bad url {url!r}: {exc}") from None
+        if ttl is not None and not ttl > 0:
+            raise TierError(f"redis tier: ttl must be positive seconds, got {ttl!r}")
+        if options.get("max_connections", 1) < 1:
+            raise TierError(
+                f"redis tier: max_connections must be >= 1, got {options['max_connections']}"
+            )
+        if options.get("retries", 0) < 0:
+            raise TierError(f"redis tier: retries must be >= 0, got {options['retries']}")
 
     # -- helpers ---------------------------------------------------------------------------
     def _safe_url(self) -> str:

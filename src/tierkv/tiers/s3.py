@@ -27,6 +27,7 @@ import http.client
 import io
 import logging
 import threading
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -184,14 +185,14 @@ class S3Tier(Tier):
         addressing_style: str | None = None,
         create_bucket: bool = False,
     ) -> None:
-        if boto3 is None:
-            raise TierError("the s3 tier needs boto3: pip install 'tierkv[s3]'")
-        if not bucket:
-            raise TierError("s3 tier: a bucket is required")
-        if max_concurrency < 1:
-            raise TierError(f"s3 tier: max_concurrency must be >= 1, got {max_concurrency}")
-        if (access_key_id is None) != (secret_access_key is None):
-            raise TierError("s3 tier: give both access_key_id and secret_access_key, or neither")
+        self.check_options(
+            bucket=bucket,
+            endpoint_url=endpoint_url,
+            max_concurrency=max_concurrency,
+            access_key_id=access_key_id,
+            secret_access_key=secret_access_key,
+            addressing_style=addressing_style,
+        )
         self.bucket = bucket
         self.prefix = prefix
         style = addressing_style or ("path" if endpoint_url else "auto")
@@ -228,6 +229,31 @@ class S3Tier(Tier):
         self._last_usage = TierUsage(0, 0, 0)
         if create_bucket:
             self._ensure_bucket(region)
+
+    @classmethod
+    def check_options(cls, **options: Any) -> None:
+        if boto3 is None:
+            raise TierError("the s3 tier needs boto3: pip install 'tierkv[s3]'")
+        if not options.get("bucket"):
+            raise TierError("s3 tier: a bucket is required")
+        endpoint = options.get("endpoint_url")
+        if endpoint is not None:
+            parts = urllib.parse.urlsplit(endpoint)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise TierError(
+                    f"s3 tier: endpoint_url {endpoint!r} is not an http:// or https:// URL"
+                )
+        if options.get("max_concurrency", 1) < 1:
+            raise TierError(
+                f"s3 tier: max_concurrency must be >= 1, got {options['max_concurrency']}"
+            )
+        if (options.get("access_key_id") is None) != (options.get("secret_access_key") is None):
+            raise TierError("s3 tier: give both access_key_id and secret_access_key, or neither")
+        if options.get("addressing_style") not in (None, "auto", "path", "virtual"):
+            raise TierError(
+                f"s3 tier: addressing_style {options['addressing_style']!r}: use auto, path or "
+                "virtual"
+            )
 
     def _ensure_bucket(self, region: str | None) -> None:
         try:

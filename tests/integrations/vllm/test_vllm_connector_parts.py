@@ -604,8 +604,10 @@ def assert_loads_blocks(server: Any, a: Engine, a_blocks: list[int], tokens: lis
 def test_store_decode_is_off_by_default_and_must_be_a_flag() -> None:
     assert ConnectorSettings.from_extra_config({"endpoint": "x"}).store_decode is False
     assert ConnectorSettings.from_extra_config({"store_decode": True}).store_decode is True
+    # Strings read as every tierkv option does (tierkv.options): yes/no, on/off, true/false.
+    assert ConnectorSettings.from_extra_config({"store_decode": "yes"}).store_decode is True
     with pytest.raises(SettingsError, match="store_decode"):
-        ConnectorSettings.from_extra_config({"store_decode": "yes"})
+        ConnectorSettings.from_extra_config({"store_decode": "maybe"})
 
 
 def test_decode_chunks_are_stored_once_each_in_the_step_that_fills_them(server: Any) -> None:

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tierkv.client import default_endpoint
+from tierkv.options import OptionError, convert
 
 HASH_MODES = ("auto", "vllm", "tokens")
 KV_LAYOUTS = ("auto", "native", "split_last")
@@ -43,9 +45,8 @@ class SettingsError(ValueError):
     """A bad value in kv_connector_extra_config; the message names the key."""
 
 
-@dataclass(frozen=True)
-class ConnectorSettings:
-    endpoint: str
+class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    endpoint: str = ""
     auth_token: str = ""
     chunk_size: int = 256
     timeout: float = 2.0
@@ -59,21 +60,12 @@ class ConnectorSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Validate the extra config; unknown keys are an error (a typo must not pass)."""
-        extra = dict(extra or {})
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise SettingsError(
-                f"unknown tierkv connector option(s) {unknown} in kv_connector_extra_config; "
-                f"known: {sorted(known)}"
-            )
-        endpoint = str(extra.pop("endpoint", None) or os.environ.get("TIERKV_ENDPOINT") or "")
-        # The other keys as their field's type; absent keys keep the field's default.
-        values = {
-            key: _parse(key, value, cls.__dataclass_fields__[key].default)
-            for key, value in extra.items()
-        }
-        settings = cls(endpoint=endpoint or default_endpoint(), **values)
+        try:
+            settings = convert(dict(extra or {}), cls, what="kv_connector_extra_config")
+        except OptionError as exc:
+            raise SettingsError(str(exc)) from None
+        endpoint = settings.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint()
+        settings = msgspec.structs.replace(settings, endpoint=endpoint)
         if settings.chunk_size <= 0:
             raise SettingsError("kv_connector_extra_config.chunk_size must be positive")
         if settings.timeout <= 0:
@@ -91,24 +83,3 @@ class ConnectorSettings:
                 f"not {settings.kv_layout!r}"
             )
         return settings
-
-
-def _parse(key: str, value: Any, default: Any) -> Any:
-    """``value`` as the type of the field's ``default`` (str, int, float or bool)."""
-    kind = type(default)
-    if kind is str:
-        return str(value)
-    if kind is bool:
-        if not isinstance(value, bool):
-            raise SettingsError(
-                f"kv_connector_extra_config.{key} must be true or false, not {value!r}"
-            )
-        return value
-    if isinstance(value, bool):
-        raise SettingsError(f"kv_connector_extra_config.{key} must be a number, not {value!r}")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise SettingsError(
-            f"kv_connector_extra_config.{key} must be a number, not {value!r}"
-        ) from None

@@ -1,0 +1,170 @@
+"""Typed options from text: the one conversion behind the server's configuration, the tier
+options (``--tier disk:capacity=100GiB,fsync=false``) and the vLLM connector's settings.
+
+Options arrive as strings (flags, environment variables, ``--tier`` specifications) or
+already typed (YAML, JSON). :func:`convert` turns a mapping of them into a msgspec struct:
+strings become the field's type (``false``/``no``/``off``/``0`` for a bool, ``null`` or
+``none`` for an optional value, ``512MiB`` for a :data:`Size`), typed values are checked,
+unknown and missing options are refused. Errors name the option and the value.
+:func:`signature_struct` derives such a struct from a factory's keyword parameters, so a
+tier's constructor signature is the only place its options and their defaults are written.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+
+class OptionError(ValueError):
+    """An option is unknown, missing or not a value of its type; the message names it."""
+
+
+# A byte count that may be written with a unit: 1073741824, 1GiB, 512MiB, 2G (binary), 2GB.
+Size = Annotated[int, msgspec.Meta(ge=0, extra={"unit": "bytes"})]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_DECIMAL = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_NONE = frozenset({"", "none", "null"})
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``1073741824``, ``1GiB``, ``512MiB``, ``2G`` (binary), ``2GB`` (decimal)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise OptionError(f"not a size: {value!r} (examples: 512MiB, 4GiB, 1073741824)")
+    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    prefix = unit[:1] if unit[:1] in "kmgt" else ""
+    binary = "i" in unit or (prefix and not unit.endswith("b"))
+    mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _DECIMAL[prefix]
+    return int(number * mult)
+
+
+def convert(values: Mapping[str, Any], into: type[T], *, what: str) -> T:
+    """``values`` as an instance of the struct ``into``; raises :class:`OptionError`
+    prefixed with ``what`` (e.g. ``"tier 'disk'"``) for anything it cannot be."""
+    info = msgspec.inspect.type_info(into)
+    assert isinstance(info, msgspec.inspect.StructType)
+    kinds = {f.name: f.type for f in info.fields}
+    prepared: dict[str, Any] = {}
+    for name, value in values.items():
+        kind = kinds.get(name)
+        try:
+            prepared[name] = value if kind is None else _from_text(value, kind)
+        except OptionError as exc:
+            raise OptionError(f"{what}: {name}={value!r}: {exc}") from None
+    try:
+        return msgspec.convert(prepared, into, strict=False)
+    except msgspec.ValidationError as exc:
+        raise OptionError(f"{what}: {_readable(str(exc), values, kinds)}") from None
+
+
+def signature_struct(factory: Callable[..., Any], name: str) -> type[msgspec.Struct]:
+    """A struct whose fields are ``factory``'s keyword parameters, with their annotations
+    and defaults (annotations msgspec cannot check, like ``os.PathLike``, accept any
+    value and leave the check to the factory)."""
+    fields: list[tuple[str, Any] | tuple[str, Any, Any]] = []
+    target = factory.__init__ if inspect.isclass(factory) else factory
+    hints = typing.get_type_hints(target, include_extras=True)
+    for param in inspect.signature(factory).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        kind = _checkable(hints.get(param.name, Any))
+        if param.default is param.empty:
+            fields.append((param.name, kind))
+        else:
+            fields.append((param.name, kind, param.default))
+    return msgspec.defstruct(name, fields, kw_only=True, forbid_unknown_fields=True)
+
+
+def as_kwargs(options: msgspec.Struct) -> dict[str, Any]:
+    """The fields of a converted options struct, for calling the factory it describes."""
+    return msgspec.structs.asdict(options)
+
+
+# -- internals ---------------------------------------------------------------------------
+def _checkable(hint: Any) -> Any:
+    """``hint`` if msgspec can check values against it, else ``Any``."""
+    try:
+        msgspec.inspect.type_info(hint)
+    except TypeError:
+        return Any
+    return hint
+
+
+def _members(kind: msgspec.inspect.Type) -> tuple[msgspec.inspect.Type, ...]:
+    if isinstance(kind, msgspec.inspect.Metadata):
+        return _members(kind.type)
+    if isinstance(kind, msgspec.inspect.UnionType):
+        return tuple(m for t in kind.types for m in _members(t))
+    return (kind,)
+
+
+def _is_size(kind: msgspec.inspect.Type) -> bool:
+    if isinstance(kind, msgspec.inspect.Metadata):
+        return (kind.extra or {}).get("unit") == "bytes" or _is_size(kind.type)
+    if isinstance(kind, msgspec.inspect.UnionType):
+        return any(_is_size(t) for t in kind.types)
+    return False
+
+
+def _from_text(value: Any, kind: msgspec.inspect.Type) -> Any:
+    """A string ``value`` made the field's type where msgspec's own string conversion is
+    narrower than what operators write (units, yes/no, none); other values unchanged."""
+    if not isinstance(value, str):
+        return value
+    members = _members(kind)
+    text = value.strip().lower()
+    if text in _NONE and any(isinstance(m, msgspec.inspect.NoneType) for m in members):
+        return None
+    if _is_size(kind):
+        return parse_size(value)
+    if any(isinstance(m, msgspec.inspect.StrType | msgspec.inspect.AnyType) for m in members):
+        return value
+    if any(isinstance(m, msgspec.inspect.BoolType) for m in members):
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise OptionError("expected true/false, yes/no, on/off or 1/0")
+    return value.strip()
+
+
+_AT = re.compile(r"^(?P<msg>.*) - at `\$\.(?P<field>\w+)`$", re.DOTALL)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>\w+)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>\w+)`$")
+
+
+def _readable(message: str, values: Mapping[str, Any], kinds: Mapping[str, Any]) -> str:
+    """msgspec's validation message in the words of options."""
+    if m := _UNKNOWN.match(message):
+        return f"unknown option {m['field']!r}; known: {', '.join(sorted(kinds))}"
+    if m := _MISSING.match(message):
+        return f"missing required option {m['field']!r}"
+    if m := _AT.match(message):
+        field = m["field"]
+        detail = m["msg"].replace("`", "")
+        detail = detail[:1].lower() + detail[1:]
+        return f"{field}={values.get(field)!r}: {detail}"
+    return message
+
+
+__all__ = [
+    "OptionError",
+    "Size",
+    "as_kwargs",
+    "convert",
+    "parse_size",
+    "signature_struct",
+]
