@@ -22,6 +22,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,8 +51,10 @@ def main() -> None:
     parser.add_argument("--pool-size", default="1GiB")
     args = parser.parse_args()
 
+    # The random-weight model builder is test support (tests/support), not part of tierkv.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.tiny_model import ModelSpec, build_model, tokenizer_size
     from tierkv.demo.local_server import LocalServer
-    from tierkv.integrations.vllm.tiny_model import ModelSpec, build_model, tokenizer_size
     from tierkv.options import parse_size
 
     with tempfile.TemporaryDirectory(prefix="tierkv-vllm-ttft-") as tmp:

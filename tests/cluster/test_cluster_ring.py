@@ -87,9 +87,3 @@ def test_leave_moves_only_keys_the_member_owned(replicas: int) -> None:
             assert gone not in old
     expected = replicas / len(MEMBERS)
     assert 0.5 * expected < moved / len(KEYS) < 1.5 * expected
-
-
-def test_group_by_primary_covers_every_key() -> None:
-    ring = Ring(MEMBERS)
-    groups = ring.group_by_primary(KEYS[:512])
-    assert sorted(i for idx in groups.values() for i in idx) == list(range(512))

@@ -479,8 +479,10 @@ def test_bad_registrations(env: tuple[ServerProcess, Client]) -> None:
     try:
         for version in (0, p.PROTOCOL_VERSION + 1, -1):
             expect_error(reg(protocol=version), EC.VERSION, f"protocol {version}", "upgrade")
+        # "fp8" names no one format (e4m3? e5m2?): numpy cannot view it either, so it was
+        # once registered and then unusable by the client; it is refused at REGISTER.
         for dtype in ("float33", "", "object", "O", "U10", "S", "a", "f4,i4", "f4,,", "(3,",
-                      "datetime64", "V16", "[('a','f4')]"):  # fmt: skip
+                      "datetime64", "V16", "[('a','f4')]", "fp8"):  # fmt: skip
             expect_error(reg(layout=layout(list(CHUNK_SHAPE), dtype)), EC.BAD_REQUEST, "dtype")
         expect_error(reg(layout=layout([2, 128, 16])), EC.BAD_REQUEST, "chunk size is 256")
         expect_error(reg(layout=layout([2, 256, 16], axis=0)), EC.BAD_REQUEST, "chunk size")

@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama (head size 64, 2 KV heads) with its tokenizer, built
     once per session."""
     require_vllm()
-    from tierkv.integrations.vllm.tiny_model import build_model
+    from support.tiny_model import build_model
 
     return build_model(tmp_path_factory.getbasetemp() / "tiny-llama")
 

@@ -84,11 +84,3 @@ class Ring:
         pos[pos == len(self._points)] = 0
         owners = self._owners
         return [owners[i] for i in pos.tolist()]
-
-    def group_by_primary(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
-        """Positions of ``keys`` grouped by their primary owner."""
-        groups: dict[str, list[int]] = {}
-        for i, owners in enumerate(self.owners_many(keys)):
-            if owners:
-                groups.setdefault(owners[0], []).append(i)
-        return groups

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
+from tierkv.demo.engines import run_demo
 from tierkv.demo.kv import SimModel
 from tierkv.demo.local_server import LocalServer, LocalServerError
 from tierkv.demo.report import DemoReport
@@ -73,7 +74,6 @@ def run_two_node_demo(
     workload: Workload, model: SimModel, engines: int, pool_size: int, timeout: float
 ) -> int:
     """Run the workload on node A's engines, then on node B's; print both reports."""
-    from tierkv.demo.runner import run_demo  # the runner dispatches here: import late
 
     pa, pb = _free_port_pair(), _free_port_pair()
     fast = ["--heartbeat-interval", "0.5", "--member-ttl", "3"]

@@ -214,9 +214,6 @@ class RpcServer:
             and self.service.clock() - self.last_tick < stall
         )
 
-    def wait_stopped(self, timeout: float | None = None) -> bool:
-        return self._stopped.wait(timeout)
-
     def _shutdown(self) -> None:
         # Answer what is already queued: blocking work finishes and is delivered, requests
         # still arriving are refused with SHUTTING_DOWN.

@@ -56,7 +56,6 @@ class TierUsageCache:
         self._lock = threading.Lock()
         self._known: dict[str, tuple[float, float, TierUsage]] = {}  # tier -> (at, cost, usage)
         self._walking: set[str] = set()
-        self.walks = 0
 
     def usage(self, tier: Tier) -> tuple[TierUsage, float]:
         """(usage, its age in seconds: 0 when live, -1 when not known yet)."""
@@ -90,7 +89,6 @@ class TierUsageCache:
         with self._lock:
             self._known[tier.name] = (now, now - start, usage)
             self._walking.discard(tier.name)
-            self.walks += 1
 
 
 class StatusBuilder:

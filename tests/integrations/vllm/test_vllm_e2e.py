@@ -225,14 +225,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def workload(
     tiny_model: Path,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, int]]]:
-    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+    from support.tiny_model import tokenizer_size
 
     return make_prompts(tokenizer_size(tiny_model))
 
 
 @pytest.fixture(scope="module")
 def chat(tiny_model: Path) -> list[dict[str, Any]]:
-    from tierkv.integrations.vllm.tiny_model import tokenizer_size
+    from support.tiny_model import tokenizer_size
 
     return make_chat(tokenizer_size(tiny_model))
 

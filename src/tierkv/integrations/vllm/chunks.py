@@ -43,13 +43,6 @@ def chunk_hashes(
     return [bytes(block_hashes[(c + 1) * stride - 1]) for c in range(num_chunks)]
 
 
-def chunks_touching(start_block: int, end_block: int, bpc: int) -> range:
-    """The chunks that hold at least one block of ``[start_block, end_block)``."""
-    if end_block <= start_block:
-        return range(0)
-    return range(start_block // bpc, -(-end_block // bpc))
-
-
 @dataclass(frozen=True)
 class LoadSpec:
     """Load blocks ``[start_block, end_block)`` of a request from the chunks its lookup locked
