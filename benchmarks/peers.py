@@ -82,6 +82,8 @@ class Server:
             "--heartbeat-interval", "0.2",
             "--member-ttl", "2",
             "--log-level", "warning",
+            # One engine stores the whole working set (over half the pool) in one request.
+            "--client-reservation-share", "1",
         ]  # fmt: skip
         cmd += ["--http-port", "0"]
         self.log = open(os.path.join(root, f"{name}.log"), "wb")  # noqa: SIM115
