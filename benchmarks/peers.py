@@ -64,7 +64,9 @@ def free_port_pair() -> int:
 
 
 class Server:
-    def __init__(self, root: str, name: str, port: int, seed: int, pool: int) -> None:
+    def __init__(
+        self, root: str, name: str, port: int, seed: int, pool: int, extra: tuple[str, ...] = ()
+    ) -> None:
         self.name = name
         self.port = port
         self.runtime = os.path.join(root, name)
@@ -85,7 +87,7 @@ class Server:
             # One engine stores the whole working set (over half the pool) in one request.
             "--client-reservation-share", "1",
         ]  # fmt: skip
-        cmd += ["--http-port", "0"]
+        cmd += ["--http-port", "0", *extra]
         self.log = open(os.path.join(root, f"{name}.log"), "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.endpoint = f"ipc://{self.runtime}/rpc.sock"
@@ -271,12 +273,41 @@ def lookup_latencies(a: Server, count: int, lookups: int) -> list[float]:
         reader.close()
 
 
+def read_your_writes(a: Server, b: Server, rounds: int) -> tuple[int, list[float], list[float]]:
+    """Prompts of 2 small chunks stored on A (whose commits wait for the directory) and
+    looked up on B the moment each store returned, as a prefill/decode proxy does; the
+    same stores on B (whose commits do not wait). (prompts fully hit, A's store times, B's
+    store times)."""
+    shape = (2, CHUNK_TOKENS, 64)
+    full = 0
+    waited: list[float] = []
+    plain: list[float] = []
+    with a.client() as producer, b.client() as consumer:
+        producer.register("bench-pd-model", shape, "float32", token_axis=1)
+        consumer.register("bench-pd-model", shape, "float32", token_axis=1)
+        data = [np.ones(shape, np.float32)] * 2
+        for r in range(rounds):
+            tokens = np.arange(2 * CHUNK_TOKENS, dtype=np.uint32) + 20_000_000 + r * 1000
+            t0 = time.perf_counter()
+            producer.store(tokens, data)
+            waited.append(time.perf_counter() - t0)
+            hits = consumer.lookup(tokens, request_id=f"pd-{r}", wait=True).hits
+            consumer.end_session(f"pd-{r}")
+            full += hits == 2
+            tokens = tokens + 500  # B's own prompts: stored where commits do not wait
+            t0 = time.perf_counter()
+            consumer.store(tokens, data)
+            plain.append(time.perf_counter() - t0)
+    return full, waited, plain
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--chunks", type=int, default=32, help="chunks fetched per round")
     ap.add_argument("--chunk-mib", type=int, default=8, help="MiB per chunk")
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each measurement")
     ap.add_argument("--lookups", type=int, default=300, help="directory lookups timed")
+    ap.add_argument("--ryw-rounds", type=int, default=200, help="prompts stored then read")
     ap.add_argument("--raw-sender", nargs=4, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_sender:
@@ -294,7 +325,9 @@ def main() -> None:
         pa, pb = free_port_pair(), free_port_pair()
         a = Server(root, "a", pa, pa, pool)
         servers.append(a)
-        b = Server(root, "b", pb, pa, pool)
+        # B's commits do not wait for the directory: the cost of waiting is A's store time
+        # minus B's for the same stores.
+        b = Server(root, "b", pb, pa, pool, ("--commit-publish-timeout", "0"))
         servers.append(b)
         wait_for(lambda: members(a.addr) == members(b.addr) == {a.addr, b.addr})
         time.sleep(1.0)  # let both directories settle on the two-member ring
@@ -317,6 +350,7 @@ def main() -> None:
         streams = DEFAULT_STREAMS_PER_FETCH
         raw_par = raw_tcp_seconds(nbytes, args.repeat, streams)
         lookups = lookup_latencies(a, 512, args.lookups)
+        ryw_hits, ryw_wait, ryw_plain = read_your_writes(a, b, args.ryw_rounds)
     finally:
         for srv in servers:
             srv.stop()
@@ -345,8 +379,19 @@ def main() -> None:
         f"directory lookup, 512-chunk prefix, outside reader: p50 {p50_us:.0f} us, "
         f"p99 {p99_us:.0f} us"
     )
+    wait_us = statistics.median(ryw_wait) * 1e6
+    plain_us = statistics.median(ryw_plain) * 1e6
+    immediate = ryw_hits / args.ryw_rounds
+    print(
+        f"read-your-writes: {ryw_hits} of {args.ryw_rounds} prompts stored on A fully hit on B "
+        f"looked up right after the store; store of 2 x 64 KiB p50 {wait_us:.0f} us with the "
+        f"commit waiting for the directory, {plain_us:.0f} us without"
+    )
     ratio = fetch_gbps / raw_gbps
-    print(f"peers fetch_vs_raw_tcp={ratio:.3f} directory_lookup512_p50_us={p50_us:.0f}")
+    print(
+        f"peers fetch_vs_raw_tcp={ratio:.3f} directory_lookup512_p50_us={p50_us:.0f} "
+        f"immediate_remote_hit={immediate:.2f} commit_publish_wait_us={wait_us - plain_us:.0f}"
+    )
 
 
 if __name__ == "__main__":

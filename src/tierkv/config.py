@@ -103,6 +103,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ring_vnodes: int = 160
     peer_connections: int = 16
     peer_timeout: float = 2.0
+    commit_publish_timeout: float = 2.0
     log_level: str = "info"
     log_format: str = "text"
 
@@ -220,6 +221,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("need 0 < heartbeat_interval < member_ttl (seconds)")
         if not (self.peer_timeout > 0 and math.isfinite(self.peer_timeout)):
             raise ConfigError("peer_timeout must be a positive number of seconds")
+        if not (self.commit_publish_timeout >= 0 and math.isfinite(self.commit_publish_timeout)):
+            raise ConfigError("commit_publish_timeout must be >= 0 seconds (0: do not wait)")
         if self.directory_replicas < 1 or self.ring_vnodes < 1 or self.peer_connections < 1:
             raise ConfigError("directory_replicas, ring_vnodes and peer_connections must be >= 1")
         if not is_loopback(self.cluster_host) and not self.auth_token:
@@ -298,6 +301,10 @@ FIELD_HELP: dict[str, str] = {
     "ring_vnodes": "virtual nodes per member on the directory's consistent-hash ring",
     "peer_connections": "most data-plane connections to one peer",
     "peer_timeout": "seconds a cluster request or transfer may stall before it counts as failed",
+    "commit_publish_timeout": "in a cluster, seconds a store's commit waits until the "
+    "directory has its chunks, so that a lookup on any other node finds them as soon as the "
+    "store returns (read-your-writes, what prefill/decode disaggregation needs); 0: reply at "
+    "once, the chunks reach the directory moments later",
     "log_level": "debug, info, warning or error",
     "log_format": "text or json",
 }

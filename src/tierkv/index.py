@@ -141,6 +141,7 @@ class CommitResult:
     aborted: int = 0
     cleared: int = 0  # reserved slots whose key was deleted meanwhile: freed, not committed
     committed_keys: list[bytes] = field(default_factory=list)
+    committed_lengths: list[int] = field(default_factory=list)
     committed_bytes: int = 0
 
 
@@ -293,6 +294,7 @@ class ObjectIndex:
                     entry.state = State.READY
                     ready.append(entry)
                     result.committed_keys.append(entry.key)
+                    result.committed_lengths.append(entry.length)
                     result.committed_bytes += entry.length
             result.committed = len(ready)
             self._touch(ready)

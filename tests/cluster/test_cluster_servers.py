@@ -376,3 +376,30 @@ def test_servers_stop_cleanly_and_leave(trio: list[Node]) -> None:
     a, b, c = trio
     assert c.server.stop(signal.SIGTERM) == 0
     wait_for(lambda: converged([a, b]))
+
+
+def test_read_your_writes_across_nodes(server_factory: Factory) -> None:
+    """Prefill/decode disaggregation: as soon as a store on A returns, a lookup on B finds
+    every chunk (the commit waits for the directory, --commit-publish-timeout), 100 of 100
+    prompts, each looked up on B the moment its store returned."""
+    a = start_node(server_factory, [], seed_self=True)
+    b = start_node(server_factory, [a.port], seed_self=True)
+    wait_for(lambda: converged([a, b]))
+    chunks, rounds = 2, 100
+    hits: list[int] = []
+    with a.client() as producer, b.client() as consumer:
+        register(producer)
+        register(consumer)
+        for r in range(rounds):
+            tokens = tokens_for(1000 + r, chunks)
+            stored = producer.store(tokens, [chunk_data(tokens, i) for i in range(chunks)])
+            assert stored.stored == list(range(chunks))
+            rid = f"pd-{r}"
+            hits.append(consumer.lookup(tokens, request_id=rid, wait=True).hits)
+            out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(chunks)]
+            got = consumer.retrieve(request_id=rid, out=out)
+            for i in got.retrieved:
+                np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
+    assert hits == [chunks] * rounds, f"{sum(h == chunks for h in hits)} of {rounds} hit"
+    directory = status(a)["directory"]
+    assert directory["publish_waits"] >= rounds and directory["publish_wait_timeouts"] == 0

@@ -63,8 +63,15 @@ class Directory(ABC):
     """Where chunks live in the cluster."""
 
     @abstractmethod
-    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> None:
-        """Announce (asynchronously) that this node holds ``keys`` in ``where``."""
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
+        """Announce (asynchronously) that this node holds ``keys`` in ``where``; returns a
+        ticket for :meth:`wait_published`."""
+
+    @abstractmethod
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        """Wait until the publishes up to ``ticket`` have been sent to the keys' owners and
+        answered (acknowledged, refused or timed out); False if ``timeout`` passed first.
+        After True, a resolve from any node whose view of the members agrees finds them."""
 
     @abstractmethod
     def unpublish(self, keys: Sequence[bytes]) -> None:
@@ -197,6 +204,9 @@ class HashDirectory(Directory):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to unpublish
+        self._queued = 0  # publish() calls so far (their tickets)
+        self._sent = 0  # publish() calls whose updates have been sent and answered
+        self._taken = 0  # publish() calls in the batch being sent
         self._view_changed = False  # a membership change not yet applied
         self._changed_at = 0.0
         self._next_republish = clock() + republish_interval
@@ -208,6 +218,8 @@ class HashDirectory(Directory):
             "unpublished": 0,
             "publish_batches": 0,
             "publish_failures": 0,
+            "publish_waits": 0,  # commits that waited for their publish (read-your-writes)
+            "publish_wait_timeouts": 0,
             "resolves": 0,
             "resolved_keys": 0,
             "resolve_found": 0,
@@ -236,13 +248,23 @@ class HashDirectory(Directory):
         return self.current()[1]
 
     # -- writes (queued) -------------------------------------------------------------------
-    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> None:
-        if not keys:
-            return
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
         with self._cond:
+            if not keys:
+                return self._queued
             for key in keys:
                 self._pending[key] = int(where)
+            self._queued += 1
             self._cond.notify()
+            return self._queued
+
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._sent >= ticket or self._stop, timeout)
+            self.counts["publish_waits"] += 1
+            if not done:
+                self.counts["publish_wait_timeouts"] += 1
+            return done
 
     def unpublish(self, keys: Sequence[bytes]) -> None:
         if not keys:
@@ -283,11 +305,13 @@ class HashDirectory(Directory):
         while True:
             with self._cond:
                 self._busy = False
+                self._sent = self._taken
                 self._cond.notify_all()
                 rebalance = self._next_work()
                 if self._stop:
                     return
                 pending, self._pending = self._pending, {}
+                self._taken = self._queued
                 self._busy = True
             try:
                 if rebalance:

@@ -221,25 +221,45 @@ class ClusterNode:
         """Record checksums of committed chunks (views of pinned slots) and publish them."""
         self.publish_known([(key, checksum(view), len(view)) for key, view in items])
 
-    def publish_known(self, sums: Sequence[tuple[bytes, bytes, int]]) -> None:
+    def publish_known(self, sums: Sequence[tuple[bytes, bytes, int]]) -> int:
         """Publish committed chunks whose (key, checksum, length) are known: chunks just
         fetched from a peer, verified on arrival, need no second pass over their bytes.
         Recorded first, then checked against the pool: a chunk evicted meanwhile is either
-        withdrawn by the eviction listener or dropped here, never published stale."""
+        withdrawn by the eviction listener or dropped here, never published stale.
+
+        A checksum of ``b""`` means not computed yet (:meth:`publish_committed`): a fetch
+        computes it from the slot. Chunks already published only get their checksum filled
+        in. Returns the directory's ticket for :meth:`wait_published`."""
         if not sums:
-            return
+            return 0
+        fresh: list[bytes] = []
         with self._lock:
             for key, digest, length in sums:
-                self._published[key] = (digest, length)
+                known = self._published.get(key)
+                if known is None or known[1] != length:
+                    fresh.append(key)
+                if known is None or digest or known[1] != length:
+                    self._published[key] = (digest, length)
                 self._on_disk.discard(key)
-        keys = [key for key, _, _ in sums]
-        present = self.index.contains(keys)
-        gone = [key for key, has in zip(keys, present, strict=True) if not has]
+        present = self.index.contains(fresh)
+        gone = [key for key, has in zip(fresh, present, strict=True) if not has]
         if gone:
             with self._lock:
                 for key in gone:
                     self._published.pop(key, None)
-        self.directory.publish([k for k, has in zip(keys, present, strict=True) if has], Where.POOL)
+        return self.directory.publish(
+            [k for k, has in zip(fresh, present, strict=True) if has], Where.POOL
+        )
+
+    def publish_committed(self, keys: Sequence[bytes], lengths: Sequence[int]) -> int:
+        """Publish chunks an engine has just committed, before their checksums are known
+        (the write-behind computes them off the request path; a fetch that comes first
+        computes its own): what a COMMIT that waits for the directory sends."""
+        return self.publish_known([(k, b"", n) for k, n in zip(keys, lengths, strict=True)])
+
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        """Wait until the publishes up to ``ticket`` reached the directory's owners."""
+        return self.directory.wait_published(ticket, timeout)
 
     def withdraw(self, keys: Sequence[bytes]) -> int:
         with self._lock:
@@ -311,7 +331,7 @@ class ClusterNode:
             for i, offset, length in lock.slots:
                 views[i] = self.pool.view(offset, length).toreadonly()
                 rec = self._published.get(keys[i])
-                if rec is not None and rec[1] == length:
+                if rec is not None and rec[0] and rec[1] == length:
                     sums[i] = rec[0]
                 else:
                     unknown.append(i)

@@ -14,7 +14,7 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tierkv import __version__, dtypes, keys
 from tierkv import protocol as p
@@ -37,6 +37,14 @@ MAX_MODEL = 1024  # characters of a model identity or tenant salt
 
 Handler = Callable[[Any], Any]
 RemovedListener = Callable[[list[bytes]], None]
+
+
+class CommitPublisher(Protocol):
+    """Where committed chunks are announced to other nodes (the cluster node)."""
+
+    def publish_committed(self, keys: Sequence[bytes], lengths: Sequence[int]) -> int: ...
+
+    def wait_published(self, ticket: int, timeout: float) -> bool: ...
 
 
 class CacheService:
@@ -87,6 +95,17 @@ class CacheService:
         }
         # Requests that may take long (whole-index walks) run on the worker pool.
         self.blocking: frozenset[type] = frozenset({p.Clear, p.GetStats})
+        self._publisher: CommitPublisher | None = None
+        self._publish_timeout = 0.0
+
+    def publish_commits(self, publisher: CommitPublisher, timeout: float) -> None:
+        """Read-your-writes across nodes: a COMMIT announces its chunks through
+        ``publisher`` and replies once they are in the directory (or after ``timeout``
+        seconds), so a lookup on any node finds them as soon as the store has returned.
+        Commits then run on the worker pool: their wait is a network round trip."""
+        self._publisher = publisher
+        self._publish_timeout = timeout
+        self.blocking = self.blocking | {p.CommitStore}
 
     # -- dispatch --------------------------------------------------------------------------
     def handle(self, req: Any) -> Any:
@@ -291,6 +310,12 @@ class CacheService:
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         self.tiering.after_commit(res.committed_keys)
         self.metrics.stored(res.committed, res.committed_bytes)
+        publisher = self._publisher
+        if publisher is not None and res.committed_keys:
+            ticket = publisher.publish_committed(res.committed_keys, res.committed_lengths)
+            if not publisher.wait_published(ticket, self._publish_timeout):
+                log.debug("commit of %d chunks: directory not updated within %.1f s",
+                          res.committed, self._publish_timeout)  # fmt: skip
         return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
 
     def abort_store(self, req: p.AbortStore) -> p.Ok:

@@ -185,6 +185,8 @@ class Server:
         )
         if cluster is not None:
             self.service.removed_listeners.append(cluster.on_removed)
+            if cfg.commit_publish_timeout > 0:
+                self.service.publish_commits(cluster, cfg.commit_publish_timeout)
         metrics.registry.register(StatsCollector(self.document))
 
         # RPC: the engines' endpoint (ZMQ ROUTER; ipc 0600 by default).
