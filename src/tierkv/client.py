@@ -71,6 +71,19 @@ class NotRegisteredError(ServerError):
     """The server does not know this client (it restarted?): call :meth:`Client.register`."""
 
 
+class UnauthorizedError(ServerError):
+    """The server refused this client's auth token (wrong or missing): registering again
+    does not help; give the server's ``--auth-token`` (``auth_token=`` here, or
+    ``TIERKV_AUTH_TOKEN``)."""
+
+    def __init__(self, code: p.ErrorCode, message: str) -> None:
+        super().__init__(
+            code,
+            f"{message} (the server has an --auth-token: pass the same token as "
+            "auth_token= or TIERKV_AUTH_TOKEN)",
+        )
+
+
 class LeaseExpiredError(ServerError):
     """A lease or lookup session is gone (ended or expired)."""
 
@@ -81,8 +94,10 @@ class LayoutError(TierKVError, ValueError):
 
 def _raise_for(reply: p.Error) -> None:
     cls: type[ServerError] = ServerError
-    if reply.code is p.ErrorCode.UNAUTHORIZED:
+    if reply.code is p.ErrorCode.NOT_REGISTERED:
         cls = NotRegisteredError
+    elif reply.code is p.ErrorCode.UNAUTHORIZED:
+        cls = UnauthorizedError
     elif reply.code is p.ErrorCode.NOT_FOUND:
         cls = LeaseExpiredError
     raise cls(reply.code, reply.message)
@@ -647,5 +662,6 @@ __all__ = [
     "ServerUnavailableError",
     "StoreResult",
     "TierKVError",
+    "UnauthorizedError",
     "default_endpoint",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: NOT_REGISTERED split from UNAUTHORIZED
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -198,7 +198,8 @@ Request = (
 class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # malformed, unknown type, fields out of range
     TOO_LARGE = "too_large"  # more chunks or tokens than the server accepts in one request
-    UNAUTHORIZED = "unauthorized"  # unknown client token or wrong auth token
+    UNAUTHORIZED = "unauthorized"  # wrong or missing auth token
+    NOT_REGISTERED = "not_registered"  # unknown client token: register (again)
     VERSION = "version"  # protocol version mismatch
     NOT_FOUND = "not_found"  # lease or request id unknown (never issued, ended, expired)
     NOT_OWNED = "not_owned"  # lease of another client

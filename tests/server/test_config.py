@@ -28,7 +28,7 @@ from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, st
 from tierkv import config
 from tierkv import protocol as p
 from tierkv.cli import build_parser
-from tierkv.client import Client, NotRegisteredError, ServerError
+from tierkv.client import Client, ServerError, UnauthorizedError
 from tierkv.config import ConfigError, ServerConfig
 from tierkv.options import parse_size
 from tierkv.pool import SHM_DIR, segment_exists
@@ -413,9 +413,12 @@ def test_tcp_auth_token(tcp_server: TcpServerProcess) -> None:
     for token in ("", "wrong", TOKEN[:-1], "pässwört-🔑"):
         with Client(srv.endpoint, auth_token=token, timeout=5.0) as client:
             client.ping()  # liveness needs no token
-            with pytest.raises(NotRegisteredError, match="auth token") as exc:
+            # Its own error, not NotRegisteredError (which engines answer by registering
+            # again: with a wrong token they would retry forever).
+            with pytest.raises(UnauthorizedError, match="auth token") as exc:
                 register(client)
             assert exc.value.code is p.ErrorCode.UNAUTHORIZED
+            assert "TIERKV_AUTH_TOKEN" in str(exc.value)
             with pytest.raises(ServerError, match="auth token"):
                 client.stats()
             assert client.pool is None  # never got to attach the pool

@@ -263,7 +263,7 @@ class CacheService:
         reg = self.registry.get(token)
         if reg is None:
             raise RequestError(
-                p.ErrorCode.UNAUTHORIZED,
+                p.ErrorCode.NOT_REGISTERED,
                 "unknown client token: not registered, unregistered, or the server restarted "
                 "(register again)",
             )

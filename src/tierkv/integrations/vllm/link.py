@@ -29,6 +29,7 @@ from tierkv.client import (
     ServerError,
     ServerUnavailableError,
     TierKVError,
+    UnauthorizedError,
 )
 from tierkv.integrations.vllm.settings import ConnectorSettings
 
@@ -104,6 +105,12 @@ class ServerLink:
                     self._registered = False  # the server restarted: register again, once
                 if attempt:
                     return fallback
+            except UnauthorizedError as exc:
+                # A wrong auth token: registering again cannot help. Back off like an
+                # unavailable server (one WARNING naming the cause, then plain misses).
+                with self._lock:
+                    self._failed(exc, what)
+                return fallback
             except ServerError as exc:
                 # The server answered: this request failed (an expired lock, a bad key), the
                 # server itself is fine.
@@ -141,7 +148,10 @@ class ServerLink:
         self._down_until = self._clock() + self.settings.retry_interval
         if self._down_since is None:
             self._down_since = self._clock()
-            kind = "unavailable" if isinstance(exc, TierKVError) else "failing"
+            if isinstance(exc, UnauthorizedError):
+                kind = "refused this engine's auth token"
+            else:
+                kind = "unavailable" if isinstance(exc, TierKVError) else "failing"
             log.warning(
                 "tierkv %s: server at %s %s (%s during %s); serving without the cache, "
                 "retrying every %.1f s",
