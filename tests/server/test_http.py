@@ -205,13 +205,43 @@ def test_admin_token_required_beyond_loopback(server_factory: Servers) -> None:
         assert request("GET", base + path).status == 200, path
 
 
-def test_on_loopback_a_token_is_optional_but_checked(server_factory: Servers) -> None:
-    _srv, base = start_http(server_factory, "--auth-token", "tok")
-    assert request("POST", base + "/clear-cache").status == 200
-    good = {"Authorization": "Bearer tok"}
-    assert request("POST", base + "/clear-cache", headers=good).status == 200
-    bad = {"Authorization": "Bearer nope"}
-    assert request("POST", base + "/clear-cache", headers=bad).status == 403
+def test_with_a_token_clearing_needs_it_on_loopback_too(server_factory: Servers) -> None:
+    srv, base = start_http(server_factory, "--auth-token", "tok")
+    with srv.client(auth_token="tok") as client:
+        register(client)
+        store(client, tokens_of(1, 2))
+        missing = request("POST", base + "/clear-cache")
+        assert missing.status == 401 and "auth_token" in missing.text
+        bad = {"Authorization": "Bearer nope"}
+        assert request("POST", base + "/clear-cache", headers=bad).status == 403
+        assert client.lookup(tokens_of(1, 2)).hits == 2  # refused: nothing removed
+        good = {"Authorization": "Bearer tok"}
+        assert request("POST", base + "/clear-cache", headers=good).json()["removed"] == 2
+
+
+@pytest.mark.parametrize("token", ["", "tok"])
+def test_a_foreign_origin_is_refused_whatever_the_token(
+    server_factory: Servers, token: str
+) -> None:
+    """A web page of another site (or a sandboxed one, Origin: null) in a browser on the
+    node posts without a preflight: refused with and without a token; the server's own
+    origin is fine."""
+    srv, base = start_http(server_factory, *(["--auth-token", token] if token else []))
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    with srv.client(auth_token=token) as client:
+        register(client)
+        store(client, tokens_of(1, 2))
+        for origin in ("http://evil.example", "null", base.replace("127.0.0.1", "localhost"),
+                       base + "0", "https://" + base.split("://")[1]):  # fmt: skip
+            headers = {**auth, "Origin": origin, "Content-Type": "text/plain"}
+            reply = request("POST", base + "/clear-cache", headers=headers)
+            assert reply.status == 403 and "cross-origin" in reply.text, origin
+        assert client.lookup(tokens_of(1, 2)).hits == 2
+        own = request("POST", base + "/clear-cache", headers={**auth, "Origin": base})
+        assert own.status == 200 and own.json()["removed"] == 2
+    # Without a token, loopback clients without an Origin (curl, scripts) may clear.
+    if not token:
+        assert request("POST", base + "/clear-cache").status == 200
 
 
 def run_server(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,9 +15,16 @@ Endpoints:
   ``{"namespace": "<32 hex digits>"}`` (an engine's namespace from /status) removes only
   that namespace's objects. Tiers are not touched.
 
-Authorization: POST endpoints need ``Authorization: Bearer <auth_token>`` when the server is
-bound beyond loopback (configuration refuses that without a token). On loopback a token is
-optional, but a wrong one is refused all the same. Errors are JSON: ``{"error": "..."}``.
+Authorization of requests that change state (every POST, and PUT/DELETE when they exist):
+
+- with ``--auth-token`` they need ``Authorization: Bearer <auth_token>``, on loopback too
+  (any local user, or a web page in a browser on the node, could otherwise empty the pool);
+- without one (configuration allows that only on loopback) they need no token;
+- a request carrying an ``Origin`` other than this server's own (a web page of another
+  site, or ``null``) is refused either way: browsers send cross-site form and ``text/plain``
+  POSTs without a preflight, and the token would not stop a page on a node without one.
+
+Reading (GET) needs no token. Errors are JSON: ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -67,7 +74,6 @@ def create_app(
     status_doc: Callable[[], dict[str, Any]],
     health: Callable[[], dict[str, bool]],
     auth_token: str = "",
-    require_token: bool = False,
 ) -> FastAPI:
     """The FastAPI application of one server."""
     app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
@@ -80,17 +86,20 @@ def create_app(
         return _error(exc.status_code, str(exc.detail), dict(exc.headers or {}))
 
     def authorize(request: Request) -> JSONResponse | None:
+        """None if ``request`` may change state, else the refusal (see the module doc)."""
+        origin = request.headers.get("origin")
+        if origin is not None and not _same_origin(origin, request):
+            return _error(403, f"cross-origin request from {origin[:100]!r} refused")
+        if not auth_token:
+            return None  # loopback only (see config validation): local users may clear
         header = request.headers.get("authorization")
         if header is None:
-            if require_token:
-                return _error(
-                    401,
-                    "this endpoint needs 'Authorization: Bearer <auth_token>'",
-                    {"WWW-Authenticate": "Bearer"},
-                )
-            return None
-        if not auth_token:
-            return None  # nothing to check against (loopback only: see config validation)
+            return _error(
+                401,
+                "this endpoint needs 'Authorization: Bearer <auth_token>' (the server's "
+                "--auth-token)",
+                {"WWW-Authenticate": "Bearer"},
+            )
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), auth_token.encode()
@@ -140,6 +149,12 @@ def create_app(
         return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
 
     return app
+
+
+def _same_origin(origin: str, request: Request) -> bool:
+    """Whether ``origin`` (an Origin header) is this server as the client addressed it."""
+    host = request.headers.get("host")
+    return host is not None and origin.lower() == f"{request.url.scheme}://{host}".lower()
 
 
 def _parse_clear_body(body: bytes) -> bytes:

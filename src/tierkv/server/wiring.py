@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from tierkv import __version__
 from tierkv.allocator import Allocator
 from tierkv.cluster.node import ClusterNode, ClusterSettings
-from tierkv.config import ServerConfig, is_loopback
+from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
@@ -203,7 +203,6 @@ class Server:
                 self.document,
                 health.checks,
                 cfg.auth_token,
-                require_token=not is_loopback(cfg.http_host),
             )
             http = HttpServer(cfg, app)
             self._started_part("http", http.stop)
