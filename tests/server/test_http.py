@@ -505,3 +505,21 @@ def _status_code(url: str) -> int | None:
         return request("GET", url, timeout=2).status
     except OSError:
         return None
+
+
+def test_a_client_gone_in_the_middle_of_a_body_is_a_quiet_event(server_factory: Servers) -> None:
+    srv, base = start_http(server_factory)
+    port = int(base.rsplit(":", 1)[1])
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(
+                b"POST /clear-cache HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Length: 100000\r\n\r\n0123456789"
+            )
+    wait_for(
+        "three quiet disconnects in the log",
+        lambda: srv.log().count("the client disconnected in the body") == 3,
+    )
+    assert request("GET", base + "/status").status == 200
+    text = srv.log()
+    assert "Traceback" not in text and " ERROR " not in text, text[-2000:]

@@ -45,6 +45,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tierkv.config import ServerConfig
 from tierkv.server.rpc import EndpointInUseError
@@ -136,11 +137,9 @@ def create_app(
         denied = authorize(request)
         if denied is not None:
             return denied
-        body = b""
-        async for chunk in request.stream():  # bounded: never buffer a huge body
-            body += chunk
-            if len(body) > MAX_BODY:
-                return _error(413, f"body larger than {MAX_BODY} bytes")
+        body = await _read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             prefix = _parse_clear_body(body)
         except ValueError as exc:
@@ -149,6 +148,24 @@ def create_app(
         return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
 
     return app
+
+
+async def _read_body(request: Request) -> bytes | JSONResponse:
+    """The request body, at most ``MAX_BODY`` bytes (never buffers a huge one), or the reply
+    to send instead: 413 when it is larger, 400 when the client went away in the middle
+    (a quiet event: any local process can do that; the reply goes nowhere)."""
+    body = b""
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY:
+                return _error(413, f"body larger than {MAX_BODY} bytes")
+    except ClientDisconnect:
+        log.debug(
+            "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
+        )
+        return _error(400, "the client disconnected before the end of the body")
+    return body
 
 
 def _same_origin(origin: str, request: Request) -> bool:
