@@ -330,6 +330,7 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
     redis_service.stop()
     view, _ = slots.random(1000)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [None, None]  # not known absent: the check failed
     assert tier.store([(new_key(), view)]) == [False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
@@ -339,6 +340,7 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
 
     redis_service.start()  # same port, empty (no persistence)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [False, False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
     new_keys, expected = store_random(tier, slots, [1000, 3000])

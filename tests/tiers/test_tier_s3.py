@@ -261,6 +261,7 @@ def test_lost_server_gives_errors_without_raising(
     server.stop()
     view, _ = slots.random(1000)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [None, None]  # not known absent: the check failed
     assert tier.store([(new_key(), view), (new_key(), view)]) == [False, False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
@@ -273,6 +274,7 @@ def test_lost_server_gives_errors_without_raising(
     server.client().create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
+    assert tier.presence(keys) == [False, False]
     new_keys, expected = store_random(tier, slots, [1000, 3000])
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]

@@ -509,6 +509,38 @@ def test_redis_down_lookups_miss_and_the_server_keeps_serving(
     assert s.tiers[0].loaded_chunks == n
 
 
+def test_redis_killed_lookups_miss_as_errors(
+    redis_service: RedisServer,
+    server_factory: Servers,
+    engine: Callable[[ServerProcess], Client],
+    tmp_path: Path,
+) -> None:
+    """Chunks written behind to Redis, then the redis-server is killed: lookups of them
+    miss, and the misses count as ``error`` (the tier could not be asked), not ``absent``."""
+    setup = redis_setup(tmp_path, redis_service)
+    srv = server_factory(extra=setup.args())
+    client = engine(srv)
+    n, docs = 4, 10
+    for doc in range(docs):
+        assert store(client, doc_tokens(20 + doc, n)) == list(range(n))
+    wait_written(client, docs * n)
+    client.clear()
+    before = client.stats().lookup_misses
+
+    assert redis_service.proc is not None
+    redis_service.proc.kill()
+    redis_service.proc.wait()
+    for doc in range(docs):
+        found = client.lookup(doc_tokens(20 + doc, n), request_id=f"down-{doc}", wait=True)
+        assert found.hits == 0
+        client.end_session(f"down-{doc}")
+    after = client.stats().lookup_misses
+    missed = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in after}
+    assert missed["error"] == docs * n, missed
+    assert sum(missed.values()) == docs * n, missed
+    assert_no_locks(client)
+
+
 # -- tier options as the command line gives them -------------------------------------------
 def test_tier_options_from_the_command_line_get_their_declared_types(tmp_path: Path) -> None:
     """``--tier NAME:k=v`` hands every value over as a string: each is converted to the

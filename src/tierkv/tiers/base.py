@@ -127,6 +127,12 @@ class Tier(ABC):
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is (probably) held; a later load may still miss."""
 
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """:meth:`contains`, with None for a key the tier could not check (its medium
+        failed), so that a caller can tell "not held" from "could not ask". Tiers whose
+        checks can fail override it; the default trusts :meth:`contains`."""
+        return [bool(held) for held in self.contains(keys)]
+
     @abstractmethod
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         """Write each (key, payload view); True where stored. Never keeps the views."""

@@ -238,14 +238,17 @@ class RedisTier(Tier):
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(held) for held in self.presence(keys)]
+
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
         if not keys:
             return []
         try:
             replies = self._pipelined([("EXISTS", self.redis_key(k)) for k in keys])
         except (RedisError, OSError) as exc:
             self._failed("contains", exc, len(keys))
-            return [False] * len(keys)
-        return [r == 1 for r in replies]
+            return [None] * len(keys)
+        return [r == 1 if isinstance(r, int) else None for r in replies]
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         if not items:

@@ -269,19 +269,24 @@ class S3Tier(Tier):
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(held) for held in self.presence(keys)]
+
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
         return self._map(self._head, keys)
 
-    def _head(self, key: bytes) -> bool:
+    def _head(self, key: bytes) -> bool | None:
+        """Whether the object exists; None when the request failed."""
         try:
             self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
             return True
         except botocore.exceptions.ClientError as exc:
-            if _error_code(exc) not in _NOT_FOUND:
-                self._error("HEAD", key, exc)
-            return False
+            if _error_code(exc) in _NOT_FOUND:
+                return False
+            self._error("HEAD", key, exc)
+            return None
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             self._error("HEAD", key, exc)
-            return False
+            return None
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         results = self._map(self._put, items)
