@@ -5,6 +5,7 @@ and the zero-copy command packing of a store."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -347,6 +348,40 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]
     assert [bytes(v) for v in views] == expected
+
+
+def test_an_outage_is_logged_once_and_its_end_with_the_count(
+    make_tier: Callable[..., RedisTier],
+    redis_service: RedisServer,
+    slots: Slots,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every batch fails while Redis is down, but the log says so once (WARNING), and once
+    (INFO, with the failures counted) when Redis answers again."""
+    tier = make_tier(socket_timeout=2.0, socket_connect_timeout=1.0, retries=0)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    caplog.set_level(logging.INFO, "tierkv.tiers.redis")
+    redis_service.stop()
+    batches = 50
+    for _ in range(batches):
+        assert tier.presence(keys) == [None, None]
+        statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+        assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+        view, _ = slots.random(100)
+        assert tier.store([(new_key(), view)]) == [False]
+    tier.usage()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "redis tier 127.0.0.1:" in warnings[0].getMessage()
+    assert tier.outage.down
+
+    redis_service.start()
+    assert tier.presence(keys) == [False, False]
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
+    assert f"; {batches * 5 + 1} failures meanwhile" in infos[0]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 @pytest.mark.processes

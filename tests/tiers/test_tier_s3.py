@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -279,6 +280,42 @@ def test_lost_server_gives_errors_without_raising(
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]
     assert [bytes(v) for v in views] == expected
+
+
+def test_an_outage_is_logged_once_and_its_end_with_the_count(
+    make_tier: Callable[..., S3Tier],
+    s3_service_private: S3Server,
+    slots: Slots,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every request fails while the endpoint is down, but the log says so once (WARNING),
+    and once (INFO, with the failures counted) when a request works again."""
+    server = s3_service_private
+    bucket = new_bucket(server)
+    tier = make_tier(bucket=bucket, server=server, retries=0, connect_timeout=2, read_timeout=5)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    caplog.set_level(logging.INFO, "tierkv.tiers.s3")
+    server.stop()
+    batches = 20
+    for _ in range(batches):
+        assert tier.presence(keys) == [None, None]
+        statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+        assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+        view, _ = slots.random(100)
+        assert tier.store([(new_key(), view)]) == [False]
+    tier.usage()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert f"s3 tier {server.endpoint_url} bucket {bucket}" in warnings[0].getMessage()
+    assert tier.outage.down
+
+    server.start()
+    assert tier.presence(keys) == [False, False]  # a new, empty server: 404s, it works
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
+    assert f"; {batches * 5 + 1} failures meanwhile" in infos[0]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 def test_missing_bucket_gives_errors(make_tier: Callable[..., S3Tier], slots: Slots) -> None:

@@ -509,14 +509,16 @@ def test_redis_down_lookups_miss_and_the_server_keeps_serving(
     assert s.tiers[0].loaded_chunks == n
 
 
-def test_redis_killed_lookups_miss_as_errors(
+def test_redis_killed_lookups_miss_as_errors_and_the_outage_is_logged_once(
     redis_service: RedisServer,
     server_factory: Servers,
     engine: Callable[[ServerProcess], Client],
     tmp_path: Path,
 ) -> None:
     """Chunks written behind to Redis, then the redis-server is killed: lookups of them
-    miss, and the misses count as ``error`` (the tier could not be asked), not ``absent``."""
+    miss, and the misses count as ``error`` (the tier could not be asked), not ``absent``.
+    Every one of those lookups (and the stores meanwhile) fails a tier batch, but the server
+    logs the outage in one WARNING, and its end, with the failures counted, in one line."""
     setup = redis_setup(tmp_path, redis_service)
     srv = server_factory(extra=setup.args())
     client = engine(srv)
@@ -526,6 +528,7 @@ def test_redis_killed_lookups_miss_as_errors(
     wait_written(client, docs * n)
     client.clear()
     before = client.stats().lookup_misses
+    log_start = len(srv.log())
 
     assert redis_service.proc is not None
     redis_service.proc.kill()
@@ -538,7 +541,21 @@ def test_redis_killed_lookups_miss_as_errors(
     missed = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in after}
     assert missed["error"] == docs * n, missed
     assert sum(missed.values()) == docs * n, missed
+    assert store(client, doc_tokens(40, n)) == list(range(n))  # its write-behind fails too
+    wait_for("failed writes counted", lambda: client.stats().tiers[0].write_failures == n)
     assert_no_locks(client)
+
+    redis_service.start()
+    assert store(client, doc_tokens(41, n)) == list(range(n))
+    wait_written(client, (docs + 1) * n)  # a batch works: the outage is over
+    outage_log = srv.log()[log_start:].splitlines()
+    warnings = [line for line in outage_log if " WARNING " in line or " ERROR " in line]
+    assert len(warnings) == 1, warnings
+    assert "redis tier 127.0.0.1:" in warnings[0]
+    ends = [line for line in outage_log if " INFO " in line and "works again" in line]
+    assert len(ends) == 1, ends
+    failures = int(ends[0].split("; ")[-1].split()[0])
+    assert failures >= docs * n + n  # every lookup's check and every write counted
 
 
 # -- tier options as the command line gives them -------------------------------------------

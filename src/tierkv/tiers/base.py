@@ -28,6 +28,7 @@ from typing import Any
 import xxhash
 
 from tierkv.keys import KEY_SIZE
+from tierkv.tiers.outage import Outage
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,21 @@ class Tier(ABC):
     def copies(self) -> str:
         """What a store and a load cost in extra copies of the payload (for the README)."""
         return "unknown"
+
+    @property
+    def outage(self) -> Outage:
+        """This tier's failure state (see :mod:`tierkv.tiers.outage`): every site that sees
+        the tier fail or work reports here, so an outage is logged once, not per batch.
+        Logged by the logger of the tier's module; created on first use."""
+        found: Outage | None = self.__dict__.get("_outage")
+        if found is None:
+            new = Outage(self.outage_label(), logging.getLogger(type(self).__module__))
+            found = self.__dict__.setdefault("_outage", new)  # atomic: one per tier
+        return found
+
+    def outage_label(self) -> str:
+        """How the outage log lines name this tier (tiers add where their medium is)."""
+        return f"{self.name} tier"
 
 
 # -- registry ----------------------------------------------------------------------------

@@ -22,6 +22,8 @@ and copies the payload into the slot (see :meth:`RedisTier.copies`).
 Failures never raise out of a batch: a lost connection makes the whole batch ``ERROR`` /
 ``False`` (redis-py reconnects on the next call, so the tier recovers when Redis comes back);
 a per-command error (``OOM`` under ``maxmemory``, ``WRONGTYPE``) affects only its item.
+Failures are counted and logged through the tier's :class:`~tierkv.tiers.outage.Outage`: one
+WARNING when Redis stops answering, one INFO line with the count when it answers again.
 """
 
 from __future__ import annotations
@@ -132,6 +134,11 @@ class _GatherPacker:
         return out
 
 
+def _wrong_type(reply: Exception) -> bool:
+    """Whether a per-command error says that our key holds a value of another type."""
+    return str(reply).startswith("WRONGTYPE")
+
+
 def _glob_escape(text: bytes) -> bytes:
     """``text`` with Redis glob metacharacters escaped, for ``SCAN MATCH``."""
     out = bytearray()
@@ -202,7 +209,7 @@ class RedisTier(Tier):
             self._client.ping()
         except RedisError as exc:
             # Not fatal: batches report ERROR until the server is reachable.
-            log.warning("redis tier: %s is not reachable yet: %s", self._safe_url(), exc)
+            self.outage.failed("connect", exc, 0)
 
     # -- helpers ---------------------------------------------------------------------------
     def _safe_url(self) -> str:
@@ -210,6 +217,9 @@ class RedisTier(Tier):
         if "path" in kwargs:
             return f"unix://{kwargs['path']}"
         return f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
+
+    def outage_label(self) -> str:
+        return f"redis tier {self._safe_url()}"
 
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a chunk key."""
@@ -219,9 +229,9 @@ class RedisTier(Tier):
         with self._lock:
             self._counts.update(deltas)
 
-    def _failed(self, op: str, exc: Exception, items: int) -> None:
+    def _failed(self, op: str, exc: object, items: int) -> None:
         self._count(errors=items)
-        log.warning("redis tier: %s of %d chunk(s) failed: %s", op, items, exc)
+        self.outage.failed(op, exc, items)
 
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt, errors."""
@@ -234,7 +244,9 @@ class RedisTier(Tier):
         with self._client.pipeline(transaction=False) as pipe:
             for command in commands:
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            return pipe.execute(raise_on_error=False)
+            replies = pipe.execute(raise_on_error=False)
+        self.outage.ok()  # Redis answered (per-command errors are reported by the caller)
+        return replies
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -277,12 +289,15 @@ class RedisTier(Tier):
             return results
         finally:
             commands.clear()  # drop the references to the pool views
+        refused: list[Exception] = []
         for i, reply in zip(positions, replies, strict=True):
             if isinstance(reply, Exception):
-                log.warning("redis tier: SET %s failed: %s", items[i][0].hex()[:16], reply)
-                self._count(store_failed=1, errors=1)
+                refused.append(reply)  # e.g. OOM under maxmemory with noeviction
             else:
                 results[i] = bool(reply)
+        if refused:
+            self._count(store_failed=len(refused))
+            self._failed("SET", refused[0], len(refused))
         self._count(stored=sum(results))
         return results
 
@@ -315,6 +330,9 @@ class RedisTier(Tier):
         statuses = [
             self._fill(key, view, reply) for (key, view), reply in zip(items, replies, strict=True)
         ]
+        refused = [r for r in replies if isinstance(r, ResponseError) and not _wrong_type(r)]
+        if refused:
+            self.outage.failed("GET", refused[0], len(refused))
         replies.clear()
         self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
         return statuses
@@ -324,11 +342,11 @@ class RedisTier(Tier):
         if reply is None:
             return LoadStatus.MISSING
         if isinstance(reply, ResponseError):
-            # WRONGTYPE: something else lives under our key. Anything else: the server failed.
-            if str(reply).startswith("WRONGTYPE"):
+            # WRONGTYPE: something else lives under our key. Anything else: the server failed
+            # (counted and logged by the batch).
+            if _wrong_type(reply):
                 log.warning("redis tier: %s holds a non-string value", key.hex()[:16])
                 return LoadStatus.CORRUPT
-            log.warning("redis tier: GET %s failed: %s", key.hex()[:16], reply)
             return LoadStatus.ERROR
         if not isinstance(reply, bytes):
             return LoadStatus.ERROR
@@ -359,6 +377,8 @@ class RedisTier(Tier):
                 removed += int(self._client.delete(*batch))
             except (RedisError, OSError) as exc:
                 self._failed("delete", exc, len(batch))
+            else:
+                self.outage.ok()
         return removed
 
     def usage(self) -> TierUsage:
@@ -378,6 +398,7 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("usage", exc, 0)
             return self._last_usage
+        self.outage.ok()
         self._last_usage = TierUsage(objects, stored, capacity)
         return self._last_usage
 

@@ -18,7 +18,9 @@ chunk end to end, and the CRC would cost a pass (and over https a framing copy) 
 
 Every chunk of a batch is one request, run in parallel on a small thread pool
 (``max_concurrency``, also the size of the HTTP connection pool). Failures never raise out
-of a batch: each item reports its own status.
+of a batch: each item reports its own status. They are counted and logged through the
+tier's :class:`~tierkv.tiers.outage.Outage`: one WARNING when the endpoint starts failing,
+one INFO line with the count when a request works again.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ class S3Tier(Tier):
             raise TierError("s3 tier: give both access_key_id and secret_access_key, or neither")
         self.bucket = bucket
         self.prefix = prefix
+        self.endpoint_url = endpoint_url
         style = addressing_style or ("path" if endpoint_url else "auto")
         config_options: dict[str, Any] = {
             "max_pool_connections": max_concurrency,
@@ -237,7 +240,7 @@ class S3Tier(Tier):
             if _error_code(exc) not in _NOT_FOUND:
                 raise TierError(f"s3 tier: bucket {self.bucket!r}: {exc}") from exc
         except botocore.exceptions.BotoCoreError as exc:
-            log.warning("s3 tier: cannot reach the endpoint to check the bucket: %s", exc)
+            self.outage.failed("checking the bucket", exc, 0)
             return
         kwargs: dict[str, Any] = {"Bucket": self.bucket}
         if region and region != "us-east-1":
@@ -249,6 +252,9 @@ class S3Tier(Tier):
                 raise TierError(f"s3 tier: cannot create bucket {self.bucket!r}: {exc}") from exc
 
     # -- helpers ---------------------------------------------------------------------------
+    def outage_label(self) -> str:
+        return f"s3 tier {self.endpoint_url or 'AWS'} bucket {self.bucket}"
+
     def object_key(self, key: bytes) -> str:
         """The object name of a chunk key."""
         return f"{self.prefix}{key[:16].hex()}/{key[16:].hex()}"
@@ -278,15 +284,17 @@ class S3Tier(Tier):
         """Whether the object exists; None when the request failed."""
         try:
             self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
-            return True
         except botocore.exceptions.ClientError as exc:
             if _error_code(exc) in _NOT_FOUND:
+                self.outage.ok()
                 return False
             self._error("HEAD", key, exc)
             return None
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             self._error("HEAD", key, exc)
             return None
+        self.outage.ok()
+        return True
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         results = self._map(self._put, items)
@@ -309,10 +317,11 @@ class S3Tier(Tier):
                 ContentLength=len(body),
                 ContentType="application/octet-stream",
             )
-            return True
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
             self._error("PUT", key, exc)
             return False
+        self.outage.ok()
+        return True
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         statuses = self._map(self._get, items)
@@ -326,12 +335,14 @@ class S3Tier(Tier):
             response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         except botocore.exceptions.ClientError as exc:
             if _error_code(exc) in _NOT_FOUND:
+                self.outage.ok()
                 return LoadStatus.MISSING
             self._error("GET", key, exc)
             return LoadStatus.ERROR
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             self._error("GET", key, exc)
             return LoadStatus.ERROR
+        self.outage.ok()
         body = response["Body"]
         complete = False
         try:
@@ -385,11 +396,13 @@ class S3Tier(Tier):
                 OSError,
             ) as exc:
                 self._count(errors=len(batch))
-                log.warning("s3 tier: deleting %d chunk(s) failed: %s", len(batch), exc)
+                self.outage.failed("DeleteObjects", exc, len(batch))
                 continue
-            for error in reply.get("Errors", []):
-                self._count(errors=1)
-                log.warning("s3 tier: deleting %s failed: %s", error.get("Key"), error)
+            self.outage.ok()
+            errors = reply.get("Errors", [])
+            if errors:
+                self._count(errors=len(errors))
+                self.outage.failed("deleting " + str(errors[0].get("Key")), errors[0], len(errors))
         return held
 
     def usage(self) -> TierUsage:
@@ -409,14 +422,15 @@ class S3Tier(Tier):
             OSError,
         ) as exc:
             self._count(errors=1)
-            log.warning("s3 tier: usage listing failed: %s", exc)
+            self.outage.failed("listing the objects", exc, 0)
             return self._last_usage
+        self.outage.ok()
         self._last_usage = TierUsage(objects, stored, 0)
         return self._last_usage
 
     def _error(self, op: str, key: bytes, exc: BaseException) -> None:
         self._count(errors=1)
-        log.warning("s3 tier: %s %s failed: %s", op, key.hex()[:16], exc)
+        self.outage.failed(f"{op} {key.hex()[:16]}", exc)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -209,8 +209,8 @@ class Prefetcher:
                 break
             try:
                 present = tier.presence([keys[i] for i in pending])
-            except Exception:
-                log.exception("tier %s failed a contains batch", tier.name)
+            except Exception as exc:  # a tier should report failures, not raise them
+                tier.outage.failed("contains", exc, len(pending), exc_info=True)
                 present = [None] * len(pending)
             still: list[int] = []
             for i, has in zip(pending, present, strict=True):
@@ -273,11 +273,11 @@ class Prefetcher:
         sums: dict[bytes, bytes] = {}
         try:
             statuses, sums = tier.load_verified(items) if items else ([], {})
-        except Exception:
-            log.exception("tier %s failed a load batch", tier.name)
+        except Exception as exc:  # a tier should report failures, not raise them
+            tier.outage.failed("load", exc, len(items), exc_info=True)
             statuses = [LoadStatus.ERROR] * len(items)
         if len(statuses) != len(items):  # a broken tier: never leave the slots reserved
-            log.error("tier %s answered %d of %d loads", tier.name, len(statuses), len(items))
+            tier.outage.failed("load", f"answered {len(statuses)} of the loads", len(items))
             statuses = [LoadStatus.ERROR] * len(items)
         del items
         # The intact prefix: present-in-pool chunks count, the first failure ends it.
