@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 from redis.connection import Connection, PythonRespSerializer
+from redis.exceptions import ResponseError
 
 from support import services
 from support.services import RedisServer, Slots, load_into, new_key, store_random
@@ -272,7 +273,12 @@ def test_corrupted_values_are_corrupt(
     statuses, views = load_into(tier, slots, [victim, intact], [4096, 4096])
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[2]
-    assert tier.stats()["corrupt"] == 1
+    # Deleted by that one load: the next one is a miss, not the same bad value again.
+    assert raw.exists(tier.redis_key(victim)) == 0
+    assert raw.exists(tier.redis_key(other), tier.redis_key(intact)) == 2
+    statuses, _ = load_into(tier, slots, [victim], [4096])
+    assert statuses == [LoadStatus.MISSING]
+    assert tier.stats()["corrupt"] == 1 and tier.stats()["corrupt_deleted"] == 1
 
 
 def test_wrong_type_under_the_key_is_corrupt(
@@ -286,15 +292,37 @@ def test_wrong_type_under_the_key_is_corrupt(
     statuses, views = load_into(tier, slots, keys, [64, 64])
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[1]
+    assert raw.exists(tier.redis_key(keys[0])) == 0
+    assert tier.stats()["corrupt_deleted"] == 1
 
 
-def test_loading_into_a_slot_of_another_size_is_corrupt(
+def test_loading_into_a_slot_of_another_size_is_corrupt_and_keeps_the_chunk(
     tier: RedisTier,
     slots: Slots,
 ) -> None:
-    keys, _ = store_random(tier, slots, [1000])
+    keys, expected = store_random(tier, slots, [1000])
     statuses, _ = load_into(tier, slots, keys, [999])
     assert statuses == [LoadStatus.CORRUPT]
+    statuses, views = load_into(tier, slots, keys, [1000])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+
+
+def test_a_corrupt_value_replaced_before_its_deletion_is_kept(
+    tier: RedisTier,
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    """The deletion is of the value a load read: a fresh store that overtook it stays."""
+    keys, expected = store_random(tier, slots, [4096, 4096])
+    good, fresh = keys
+    bad = b"garbage" * 10
+    raw.set(tier.redis_key(good), bad)
+    tier._drop_corrupt([(fresh, bad), (good, b"another bad value")])  # both changed since
+    assert raw.exists(tier.redis_key(good), tier.redis_key(fresh)) == 2
+    tier._drop_corrupt([(good, bad), (fresh, ResponseError("WRONGTYPE"))])
+    assert raw.exists(tier.redis_key(good)) == 0
+    statuses, views = load_into(tier, slots, [fresh], [4096])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[1]
 
 
 # -- server failures -----------------------------------------------------------------------

@@ -237,15 +237,40 @@ def test_corrupted_objects_are_corrupt(tier: S3Tier, slots: Slots, raw: Any, kin
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[2]
     assert tier.stats()["corrupt"] == 1
+    # Deleted by that one load: the next one is a miss, not the same bad object again.
+    assert tier.contains(keys) == [False, True, True]
+    assert tier.stats()["corrupt_deleted"] == 1
     # The connection pool is still healthy after an abandoned response.
-    statuses, _ = load_into(tier, slots, [intact], [4096])
-    assert statuses == [LoadStatus.OK]
+    statuses, _ = load_into(tier, slots, [victim, intact], [4096, 4096])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK]
 
 
-def test_loading_into_a_slot_of_another_size_is_corrupt(tier: S3Tier, slots: Slots) -> None:
-    keys, _ = store_random(tier, slots, [1000])
+def test_a_corrupt_object_replaced_before_its_deletion_is_kept(
+    tier: S3Tier, slots: Slots, raw: Any
+) -> None:
+    """The deletion is of the object a load read (its ETag): a fresh store is kept."""
+    keys, expected = store_random(tier, slots, [4096])
+    name = tier.object_key(keys[0])
+    put_body(raw, tier, keys[0], b"garbage")
+    read = raw.head_object(Bucket=tier.bucket, Key=name)["ETag"]  # what a load found
+    put_body(raw, tier, keys[0], pack_header(keys[0], expected[0]) + expected[0])  # a store
+    tier._drop_corrupt(keys[0], read)
+    statuses, views = load_into(tier, slots, keys, [4096])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+    assert tier.stats().get("corrupt_deleted", 0) == 0
+    # The object a load did read is deleted.
+    tier._drop_corrupt(keys[0], raw.head_object(Bucket=tier.bucket, Key=name)["ETag"])
+    assert tier.contains(keys) == [False] and tier.stats()["corrupt_deleted"] == 1
+
+
+def test_loading_into_a_slot_of_another_size_is_corrupt_and_keeps_the_chunk(
+    tier: S3Tier, slots: Slots
+) -> None:
+    keys, expected = store_random(tier, slots, [1000])
     statuses, _ = load_into(tier, slots, keys, [999])
     assert statuses == [LoadStatus.CORRUPT]
+    statuses, views = load_into(tier, slots, keys, [1000])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
 
 
 # -- server failures -----------------------------------------------------------------------

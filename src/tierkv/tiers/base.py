@@ -9,7 +9,8 @@ they report it per item (``LoadStatus``) and count it.
 Record format: every chunk a tier holds is preceded (or accompanied) by a fixed 64-byte
 header carrying a magic, the format version, the payload length, the full 32-byte key and a
 16-byte XXH3-128 checksum of the payload; a load that finds anything inconsistent reports
-``CORRUPT`` and never hands the bytes to an engine.
+``CORRUPT`` and never hands the bytes to an engine. A tier removes a record it found
+corrupt, so that a bad copy is read once, not on every lookup.
 """
 
 from __future__ import annotations
@@ -106,6 +107,13 @@ def unpack_header(raw: bytes | memoryview) -> Header | None:
     if magic != MAGIC or version != FORMAT_VERSION:
         return None
     return Header(length, key, digest)
+
+
+def whole_record(header: Header | None, key: bytes, size: int) -> bool:
+    """Whether ``size`` stored bytes under ``header`` are a whole record of ``key`` (the
+    checksum is not checked). A load into a slot of another length finds such a record
+    CORRUPT but must keep it: the chunk is intact, the caller asked for the wrong size."""
+    return header is not None and header.key == key and HEADER_SIZE + header.length == size
 
 
 def verify(header: Header | None, key: bytes, data: memoryview) -> LoadStatus:
