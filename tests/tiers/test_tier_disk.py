@@ -2,10 +2,11 @@
 
 Covers: byte-exact round trips from and into pool views, skipping held keys, the capacity
 bound with LRU eviction, restart (index rebuilt from the directory, LRU order from mtimes,
-leftovers removed), every kind of damaged file reported as CORRUPT (never as OK), a full or
-read-only disk degrading to one log line and recovering, concurrent store/load/delete with
-consistent usage afterwards, and that no payload-sized ``bytes`` is allocated on the store
-and load paths.
+leftovers removed), every kind of damaged file reported as CORRUPT (never as OK) and
+removed, the same way running and after a restart, a directory or link at a chunk's name
+removed instead of keeping that chunk out for good, a full or read-only disk degrading to
+one log line and recovering, concurrent store/load/delete with consistent usage afterwards,
+and that no payload-sized ``bytes`` is allocated on the store and load paths.
 """
 
 from __future__ import annotations
@@ -428,7 +429,14 @@ def _zeroed(path: Path) -> None:
     path.write_bytes(bytes(path.stat().st_size))
 
 
+def _append(path: Path) -> None:
+    # A self-consistent record with trailing bytes: the file is not HEADER_SIZE + length.
+    with open(path, "ab") as f:
+        f.write(b"trailing garbage")
+
+
 DAMAGE: dict[str, Callable[[Path], None]] = {
+    "appended bytes": _append,
     "truncated": _truncate,
     "flipped payload byte": _flip_payload,
     "bad magic": _bad_magic,
@@ -505,6 +513,64 @@ def test_grown_file_after_restart_is_corrupt(
     # The file no longer matches its own header: removed, whatever view the load brings.
     assert second.load([(k, slots.blank(4096))]) == [LoadStatus.CORRUPT]
     assert not os.path.exists(second.file_path(k))
+
+
+def _directory_at(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    (path / "sub").mkdir(parents=True)
+    (path / "sub" / "file").write_bytes(b"not a chunk")
+
+
+def _symlink_at(path: Path) -> None:
+    # A link to a valid copy of the chunk: still not a chunk file of this tier.
+    target = path.with_name("elsewhere")
+    if path.exists():
+        path.rename(target)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b"x")
+    path.symlink_to(target.name)
+
+
+OBSTACLES: dict[str, Callable[[Path], None]] = {
+    "directory": _directory_at,
+    "symlink": _symlink_at,
+}
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["live", "after-restart"])
+@pytest.mark.parametrize("obstacle", sorted(OBSTACLES))
+def test_something_else_at_a_chunks_path_is_removed_not_blocking(
+    make_tier: Callable[..., DiskTier], slots: Slots, obstacle: str, restart: bool
+) -> None:
+    """Not a regular file at a chunk's name, where a chunk was (``held``) and where none
+    was yet (``fresh``): running or restarted, the chunk is stored and loaded again."""
+    n = 4096
+    tier = make_tier()
+    held, fresh = key("held"), key("fresh")
+    assert tier.store([(held, slots.filled(held, n))]) == [True]
+    for k in (held, fresh):
+        OBSTACLES[obstacle](Path(tier.file_path(k)))
+    if restart:
+        tier.close()
+        tier = make_tier()
+        assert tier.stats().removed_at_start >= 2
+        assert not os.path.lexists(tier.file_path(held))
+        assert tier.load([(held, slots.blank(n))]) == [LoadStatus.MISSING]
+    else:
+        assert tier.load([(held, slots.blank(n))]) == [LoadStatus.CORRUPT]
+        assert not os.path.lexists(tier.file_path(held))
+    assert tier.contains([held, fresh]) == [False, False]
+    assert tier.usage().objects == 0 and tier.usage().bytes_used == 0
+
+    assert tier.store([(k, slots.filled(k, n)) for k in (held, fresh)]) == [True, True]
+    for k in (held, fresh):
+        assert Path(tier.file_path(k)).is_file() and not Path(tier.file_path(k)).is_symlink()
+        dst = slots.blank(n)
+        assert tier.load([(k, dst)]) == [LoadStatus.OK] and same(dst, k)
+    tier.close()
+    again = make_tier()
+    assert again.contains([held, fresh]) == [True, True]
 
 
 def test_file_removed_behind_the_tiers_back_is_missing(

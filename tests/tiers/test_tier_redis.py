@@ -5,6 +5,7 @@ and the zero-copy command packing of a store."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 from redis.connection import Connection, PythonRespSerializer
+from redis.exceptions import ResponseError
 
 from support import services
 from support.services import RedisServer, Slots, load_into, new_key, store_random
@@ -271,7 +273,12 @@ def test_corrupted_values_are_corrupt(
     statuses, views = load_into(tier, slots, [victim, intact], [4096, 4096])
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[2]
-    assert tier.stats()["corrupt"] == 1
+    # Deleted by that one load: the next one is a miss, not the same bad value again.
+    assert raw.exists(tier.redis_key(victim)) == 0
+    assert raw.exists(tier.redis_key(other), tier.redis_key(intact)) == 2
+    statuses, _ = load_into(tier, slots, [victim], [4096])
+    assert statuses == [LoadStatus.MISSING]
+    assert tier.stats()["corrupt"] == 1 and tier.stats()["corrupt_deleted"] == 1
 
 
 def test_wrong_type_under_the_key_is_corrupt(
@@ -285,15 +292,37 @@ def test_wrong_type_under_the_key_is_corrupt(
     statuses, views = load_into(tier, slots, keys, [64, 64])
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[1]
+    assert raw.exists(tier.redis_key(keys[0])) == 0
+    assert tier.stats()["corrupt_deleted"] == 1
 
 
-def test_loading_into_a_slot_of_another_size_is_corrupt(
+def test_loading_into_a_slot_of_another_size_is_corrupt_and_keeps_the_chunk(
     tier: RedisTier,
     slots: Slots,
 ) -> None:
-    keys, _ = store_random(tier, slots, [1000])
+    keys, expected = store_random(tier, slots, [1000])
     statuses, _ = load_into(tier, slots, keys, [999])
     assert statuses == [LoadStatus.CORRUPT]
+    statuses, views = load_into(tier, slots, keys, [1000])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+
+
+def test_a_corrupt_value_replaced_before_its_deletion_is_kept(
+    tier: RedisTier,
+    slots: Slots,
+    raw: redis.Redis,
+) -> None:
+    """The deletion is of the value a load read: a fresh store that overtook it stays."""
+    keys, expected = store_random(tier, slots, [4096, 4096])
+    good, fresh = keys
+    bad = b"garbage" * 10
+    raw.set(tier.redis_key(good), bad)
+    tier._drop_corrupt([(fresh, bad), (good, b"another bad value")])  # both changed since
+    assert raw.exists(tier.redis_key(good), tier.redis_key(fresh)) == 2
+    tier._drop_corrupt([(good, bad), (fresh, ResponseError("WRONGTYPE"))])
+    assert raw.exists(tier.redis_key(good)) == 0
+    statuses, views = load_into(tier, slots, [fresh], [4096])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[1]
 
 
 # -- server failures -----------------------------------------------------------------------
@@ -330,6 +359,7 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
     redis_service.stop()
     view, _ = slots.random(1000)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [None, None]  # not known absent: the check failed
     assert tier.store([(new_key(), view)]) == [False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
@@ -339,12 +369,47 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
 
     redis_service.start()  # same port, empty (no persistence)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [False, False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
     new_keys, expected = store_random(tier, slots, [1000, 3000])
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]
     assert [bytes(v) for v in views] == expected
+
+
+def test_an_outage_is_logged_once_and_its_end_with_the_count(
+    make_tier: Callable[..., RedisTier],
+    redis_service: RedisServer,
+    slots: Slots,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every batch fails while Redis is down, but the log says so once (WARNING), and once
+    (INFO, with the failures counted) when Redis answers again."""
+    tier = make_tier(socket_timeout=2.0, socket_connect_timeout=1.0, retries=0)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    caplog.set_level(logging.INFO, "tierkv.tiers.redis")
+    redis_service.stop()
+    batches = 50
+    for _ in range(batches):
+        assert tier.presence(keys) == [None, None]
+        statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+        assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+        view, _ = slots.random(100)
+        assert tier.store([(new_key(), view)]) == [False]
+    tier.usage()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "redis tier 127.0.0.1:" in warnings[0].getMessage()
+    assert tier.outage.down
+
+    redis_service.start()
+    assert tier.presence(keys) == [False, False]
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
+    assert f"; {batches * 5 + 1} failures meanwhile" in infos[0]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 @pytest.mark.processes

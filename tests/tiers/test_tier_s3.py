@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -236,15 +237,40 @@ def test_corrupted_objects_are_corrupt(tier: S3Tier, slots: Slots, raw: Any, kin
     assert statuses == [LoadStatus.CORRUPT, LoadStatus.OK]
     assert bytes(views[1]) == expected[2]
     assert tier.stats()["corrupt"] == 1
+    # Deleted by that one load: the next one is a miss, not the same bad object again.
+    assert tier.contains(keys) == [False, True, True]
+    assert tier.stats()["corrupt_deleted"] == 1
     # The connection pool is still healthy after an abandoned response.
-    statuses, _ = load_into(tier, slots, [intact], [4096])
-    assert statuses == [LoadStatus.OK]
+    statuses, _ = load_into(tier, slots, [victim, intact], [4096, 4096])
+    assert statuses == [LoadStatus.MISSING, LoadStatus.OK]
 
 
-def test_loading_into_a_slot_of_another_size_is_corrupt(tier: S3Tier, slots: Slots) -> None:
-    keys, _ = store_random(tier, slots, [1000])
+def test_a_corrupt_object_replaced_before_its_deletion_is_kept(
+    tier: S3Tier, slots: Slots, raw: Any
+) -> None:
+    """The deletion is of the object a load read (its ETag): a fresh store is kept."""
+    keys, expected = store_random(tier, slots, [4096])
+    name = tier.object_key(keys[0])
+    put_body(raw, tier, keys[0], b"garbage")
+    read = raw.head_object(Bucket=tier.bucket, Key=name)["ETag"]  # what a load found
+    put_body(raw, tier, keys[0], pack_header(keys[0], expected[0]) + expected[0])  # a store
+    tier._drop_corrupt(keys[0], read)
+    statuses, views = load_into(tier, slots, keys, [4096])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+    assert tier.stats().get("corrupt_deleted", 0) == 0
+    # The object a load did read is deleted.
+    tier._drop_corrupt(keys[0], raw.head_object(Bucket=tier.bucket, Key=name)["ETag"])
+    assert tier.contains(keys) == [False] and tier.stats()["corrupt_deleted"] == 1
+
+
+def test_loading_into_a_slot_of_another_size_is_corrupt_and_keeps_the_chunk(
+    tier: S3Tier, slots: Slots
+) -> None:
+    keys, expected = store_random(tier, slots, [1000])
     statuses, _ = load_into(tier, slots, keys, [999])
     assert statuses == [LoadStatus.CORRUPT]
+    statuses, views = load_into(tier, slots, keys, [1000])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
 
 
 # -- server failures -----------------------------------------------------------------------
@@ -261,6 +287,7 @@ def test_lost_server_gives_errors_without_raising(
     server.stop()
     view, _ = slots.random(1000)
     assert tier.contains(keys) == [False, False]
+    assert tier.presence(keys) == [None, None]  # not known absent: the check failed
     assert tier.store([(new_key(), view), (new_key(), view)]) == [False, False]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
@@ -273,10 +300,47 @@ def test_lost_server_gives_errors_without_raising(
     server.client().create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
     statuses, _ = load_into(tier, slots, keys, [1000, 2000])
     assert statuses == [LoadStatus.MISSING, LoadStatus.MISSING]
+    assert tier.presence(keys) == [False, False]
     new_keys, expected = store_random(tier, slots, [1000, 3000])
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]
     assert [bytes(v) for v in views] == expected
+
+
+def test_an_outage_is_logged_once_and_its_end_with_the_count(
+    make_tier: Callable[..., S3Tier],
+    s3_service_private: S3Server,
+    slots: Slots,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every request fails while the endpoint is down, but the log says so once (WARNING),
+    and once (INFO, with the failures counted) when a request works again."""
+    server = s3_service_private
+    bucket = new_bucket(server)
+    tier = make_tier(bucket=bucket, server=server, retries=0, connect_timeout=2, read_timeout=5)
+    keys, _ = store_random(tier, slots, [1000, 2000])
+    caplog.set_level(logging.INFO, "tierkv.tiers.s3")
+    server.stop()
+    batches = 20
+    for _ in range(batches):
+        assert tier.presence(keys) == [None, None]
+        statuses, _ = load_into(tier, slots, keys, [1000, 2000])
+        assert statuses == [LoadStatus.ERROR, LoadStatus.ERROR]
+        view, _ = slots.random(100)
+        assert tier.store([(new_key(), view)]) == [False]
+    tier.usage()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert f"s3 tier {server.endpoint_url} bucket {bucket}" in warnings[0].getMessage()
+    assert tier.outage.down
+
+    server.start()
+    assert tier.presence(keys) == [False, False]  # a new, empty server: 404s, it works
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
+    assert f"; {batches * 5 + 1} failures meanwhile" in infos[0]
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
 
 
 def test_missing_bucket_gives_errors(make_tier: Callable[..., S3Tier], slots: Slots) -> None:

@@ -9,7 +9,7 @@ tier into the pool; the retrieve through shared memory is byte-exact. Around it:
 
 - the disk tier survives a server restart (SIGTERM, a new server on the same directory);
 - a corrupted chunk on the tier ends the prefix there: fewer hits, never wrong bytes, the
-  failure counted in ``load_failures``;
+  failure counted in ``load_failures``, the bad copy deleted from the tier by that lookup;
 - a tier that is down (redis-server stopped) makes lookups miss while the server keeps
   serving and stores keep working; it is used again once it is back;
 - chunks loaded from a tier are not written back to it;
@@ -178,6 +178,7 @@ class TierSetup:
     name: str
     spec: str
     corrupt: Callable[[bytes], None]  # damage the tier's copy of a chunk key
+    held: Callable[[bytes], bool]  # whether the tier holds a copy of a chunk key
     workdir: Path
     extra: list[str] = field(default_factory=list)
 
@@ -202,7 +203,10 @@ def disk_setup(workdir: Path) -> TierSetup:
         path = disk_file(directory, key)
         path.write_bytes(flip_byte(path.read_bytes(), 64 + CHUNK_BYTES // 2))
 
-    return TierSetup("disk", f"disk:path={directory},capacity=256MiB", corrupt, workdir)
+    def held(key: bytes) -> bool:
+        return bool(list(directory.glob(f"*/*/{key.hex()}.kv")))
+
+    return TierSetup("disk", f"disk:path={directory},capacity=256MiB", corrupt, held, workdir)
 
 
 def redis_setup(workdir: Path, server: RedisServer) -> TierSetup:
@@ -218,26 +222,39 @@ def redis_setup(workdir: Path, server: RedisServer) -> TierSetup:
         finally:
             raw.close()
 
+    def held(key: bytes) -> bool:
+        raw = redis.Redis.from_url(server.url)
+        try:
+            return bool(raw.exists(prefix.encode() + key.hex().encode()))
+        finally:
+            raw.close()
+
     spec = (
         f"redis:url={server.url},key_prefix={prefix},socket_timeout=2,"
         "socket_connect_timeout=1,retries=0"
     )
-    return TierSetup("redis", spec, corrupt, workdir)
+    return TierSetup("redis", spec, corrupt, held, workdir)
 
 
 def s3_setup(workdir: Path, server: S3Server) -> TierSetup:
     bucket = f"tierkv-e2e-{uuid.uuid4().hex[:8]}"
     s3: Any = server.client()
 
+    def name_of(key: bytes) -> str:
+        return f"tierkv/{key[:16].hex()}/{key[16:].hex()}"
+
     def corrupt(key: bytes) -> None:
-        name = f"tierkv/{key[:16].hex()}/{key[16:].hex()}"
-        value = s3.get_object(Bucket=bucket, Key=name)["Body"].read()
+        value = s3.get_object(Bucket=bucket, Key=name_of(key))["Body"].read()
         assert len(value) == 64 + CHUNK_BYTES
-        s3.put_object(Bucket=bucket, Key=name, Body=flip_byte(value, 64 + CHUNK_BYTES // 2))
+        s3.put_object(Bucket=bucket, Key=name_of(key), Body=flip_byte(value, 64 + CHUNK_BYTES // 2))
+
+    def held(key: bytes) -> bool:
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=name_of(key))
+        return bool(listed.get("Contents"))
 
     opts = server.tier_options(bucket, create_bucket=True)
     spec = "s3:" + ",".join(f"{k}={v}" for k, v in opts.items())
-    return TierSetup("s3", spec, corrupt, workdir)
+    return TierSetup("s3", spec, corrupt, held, workdir)
 
 
 @pytest.fixture(params=["disk", "redis", "s3"])
@@ -363,9 +380,9 @@ def test_a_corrupted_chunk_on_the_tier_ends_the_prefix(
     assert s.tiers[0].load_failures == {"corrupt": 1}
     assert s.tiers[0].loaded_chunks == 3
     assert pool_hits(client, tokens) == 3  # the damaged chunk never entered the pool
-    if tier.name == "disk":  # the disk tier removes a corrupt file
-        damaged = chunk_key_list(client, tokens)[3].hex()
-        assert not list((tier.workdir / "disk").glob(f"*/*/{damaged}.kv"))
+    keys = chunk_key_list(client, tokens)
+    assert not tier.held(keys[3])  # every tier deletes a copy it found corrupt
+    assert all(tier.held(k) for k in keys[:3] + keys[4:])
 
     # The engine recomputes chunks 3-5 and stores them: the tier has all six again.
     assert store(client, tokens, first_chunk=3) == [3, 4, 5]
@@ -507,6 +524,55 @@ def test_redis_down_lookups_miss_and_the_server_keeps_serving(
     client.end_session("back")
     s = assert_no_locks(client)
     assert s.tiers[0].loaded_chunks == n
+
+
+def test_redis_killed_lookups_miss_as_errors_and_the_outage_is_logged_once(
+    redis_service: RedisServer,
+    server_factory: Servers,
+    engine: Callable[[ServerProcess], Client],
+    tmp_path: Path,
+) -> None:
+    """Chunks written behind to Redis, then the redis-server is killed: lookups of them
+    miss, and the misses count as ``error`` (the tier could not be asked), not ``absent``.
+    Every one of those lookups (and the stores meanwhile) fails a tier batch, but the server
+    logs the outage in one WARNING, and its end, with the failures counted, in one line."""
+    setup = redis_setup(tmp_path, redis_service)
+    srv = server_factory(extra=setup.args())
+    client = engine(srv)
+    n, docs = 4, 10
+    for doc in range(docs):
+        assert store(client, doc_tokens(20 + doc, n)) == list(range(n))
+    wait_written(client, docs * n)
+    client.clear()
+    before = client.stats().lookup_misses
+    log_start = len(srv.log())
+
+    assert redis_service.proc is not None
+    redis_service.proc.kill()
+    redis_service.proc.wait()
+    for doc in range(docs):
+        found = client.lookup(doc_tokens(20 + doc, n), request_id=f"down-{doc}", wait=True)
+        assert found.hits == 0
+        client.end_session(f"down-{doc}")
+    after = client.stats().lookup_misses
+    missed = {reason: after.get(reason, 0) - before.get(reason, 0) for reason in after}
+    assert missed["error"] == docs * n, missed
+    assert sum(missed.values()) == docs * n, missed
+    assert store(client, doc_tokens(40, n)) == list(range(n))  # its write-behind fails too
+    wait_for("failed writes counted", lambda: client.stats().tiers[0].write_failures == n)
+    assert_no_locks(client)
+
+    redis_service.start()
+    assert store(client, doc_tokens(41, n)) == list(range(n))
+    wait_written(client, (docs + 1) * n)  # a batch works: the outage is over
+    outage_log = srv.log()[log_start:].splitlines()
+    warnings = [line for line in outage_log if " WARNING " in line or " ERROR " in line]
+    assert len(warnings) == 1, warnings
+    assert "redis tier 127.0.0.1:" in warnings[0]
+    ends = [line for line in outage_log if " INFO " in line and "works again" in line]
+    assert len(ends) == 1, ends
+    failures = int(ends[0].split("; ")[-1].split()[0])
+    assert failures >= docs * n + n  # every lookup's check and every write counted
 
 
 # -- tier options as the command line gives them -------------------------------------------

@@ -19,8 +19,8 @@ the engine, whatever its state):
   lookup's own locks ended (``read_ttl``, session ended) before its prefetch finished
 - ``corrupt``: a tier held it but the copy failed verification
 - ``timeout``: the prefetch was not done within ``prefetch_timeout``
-- ``error``: a tier failed to load it (I/O error, lost connection), or the pool had no room
-  to load it into
+- ``error``: a tier failed to load it (I/O error, lost connection), a tier that might hold
+  it could not be asked (it is down), or the pool had no room to load it into
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ Tiers that keep counters (disk, peer) are read live.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -39,8 +38,6 @@ from tierkv.server.registry import ClientRegistry
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
 from tierkv.tiers.base import Tier, TierUsage
-
-log = logging.getLogger(__name__)
 
 USAGE_TTL = 5.0
 USAGE_REUSE = 10  # a walk's answer is reused for at least this many times its cost
@@ -80,8 +77,8 @@ class TierUsageCache:
         start = self.clock()
         try:
             usage = tier.usage()
-        except Exception:
-            log.warning("tier %s could not report its usage", tier.name, exc_info=True)
+        except Exception as exc:  # a tier should report failures, not raise them
+            tier.outage.failed("usage", exc, 0, exc_info=True)
             with self._lock:
                 self._walking.discard(tier.name)
             return

@@ -9,7 +9,8 @@ they report it per item (``LoadStatus``) and count it.
 Record format: every chunk a tier holds is preceded (or accompanied) by a fixed 64-byte
 header carrying a magic, the format version, the payload length, the full 32-byte key and a
 16-byte XXH3-128 checksum of the payload; a load that finds anything inconsistent reports
-``CORRUPT`` and never hands the bytes to an engine.
+``CORRUPT`` and never hands the bytes to an engine. A tier removes a record it found
+corrupt, so that a bad copy is read once, not on every lookup.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import xxhash
 
 from tierkv.keys import KEY_SIZE
 from tierkv.options import OptionError, as_kwargs, convert, signature_struct
+from tierkv.tiers.outage import Outage
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,13 @@ def unpack_header(raw: bytes | memoryview) -> Header | None:
     return Header(length, key, digest)
 
 
+def whole_record(header: Header | None, key: bytes, size: int) -> bool:
+    """Whether ``size`` stored bytes under ``header`` are a whole record of ``key`` (the
+    checksum is not checked). A load into a slot of another length finds such a record
+    CORRUPT but must keep it: the chunk is intact, the caller asked for the wrong size."""
+    return header is not None and header.key == key and HEADER_SIZE + header.length == size
+
+
 def verify(header: Header | None, key: bytes, data: memoryview) -> LoadStatus:
     """Whether ``data`` is the intact payload of ``key`` under ``header``."""
     if header is None or header.key != key or header.length != len(data):
@@ -124,6 +133,12 @@ class Tier(ABC):
     @abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is (probably) held; a later load may still miss."""
+
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """:meth:`contains`, with None for a key the tier could not check (its medium
+        failed), so that a caller can tell "not held" from "could not ask". Tiers whose
+        checks can fail override it; the default trusts :meth:`contains`."""
+        return [bool(held) for held in self.contains(keys)]
 
     @abstractmethod
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
@@ -164,6 +179,21 @@ class Tier(ABC):
     def copies(self) -> str:
         """What a store and a load cost in extra copies of the payload (for the README)."""
         return "unknown"
+
+    @property
+    def outage(self) -> Outage:
+        """This tier's failure state (see :mod:`tierkv.tiers.outage`): every site that sees
+        the tier fail or work reports here, so an outage is logged once, not per batch.
+        Logged by the logger of the tier's module; created on first use."""
+        found: Outage | None = self.__dict__.get("_outage")
+        if found is None:
+            new = Outage(self.outage_label(), logging.getLogger(type(self).__module__))
+            found = self.__dict__.setdefault("_outage", new)  # atomic: one per tier
+        return found
+
+    def outage_label(self) -> str:
+        """How the outage log lines name this tier (tiers add where their medium is)."""
+        return f"{self.name} tier"
 
 
 # -- registry ----------------------------------------------------------------------------

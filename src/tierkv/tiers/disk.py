@@ -20,12 +20,21 @@ deleted and counted, and the bytes left in the slot must not be used. A missing 
 differs from a self-consistent file is also ``CORRUPT``, but that file is kept: the chunk
 is intact, the caller asked for the wrong size.
 
+One rule, running or restarted: a chunk file is exactly ``HEADER_SIZE`` plus its header's
+length. Loads check the size the file has *now* (``fstat``), not the size it was indexed
+with, so bytes appended to a file make it ``CORRUPT`` (and removed) whether they were added
+while the tier ran or before it started. Whatever is at a chunk's name and is not a regular
+file (a directory, a symbolic link, a FIFO) is not a chunk: a load reports it ``CORRUPT``
+and removes it, a store replaces it, and a start removes it, so it never keeps that chunk
+out of the tier.
+
 Index. An in-memory ``OrderedDict`` key -> (file size, generation) in LRU order bounds the
 tier to ``capacity`` bytes (header included); a store that does not fit evicts the least
 recently used files first, and loads move a key to the back (and bump its file's mtime, so
 the order survives a restart). At start the index is rebuilt from ``os.scandir`` (sizes and
-mtimes, no file is opened); leftover temporary files and files with foreign names inside the
-fan-out directories are removed, and headers are verified lazily, on load.
+mtimes, no file is opened); leftover temporary files, files with foreign names inside the
+fan-out directories and anything but a regular file under a chunk's name are removed, and
+headers are verified lazily, on load.
 
 Degradation. A write that fails because the medium cannot take writes (ENOSPC, EDQUOT,
 EROFS, EACCES, EPERM, ENOTDIR) disables *writes* with one log line at ERROR: stores return
@@ -56,6 +65,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -95,6 +105,9 @@ _DEGRADE_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR}
 )
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Loads open chunk files without following a symbolic link and without blocking on a FIFO
+# (no effect on a regular file); fstat then tells what was opened.
+_O_LOAD = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _CORRUPT_LOG_LIMIT = 10  # corrupt files logged at WARNING; later ones at DEBUG (see stats)
 
 _STORE = "store"
@@ -120,7 +133,7 @@ class DiskTierStats:
     evictions: int
     evicted_bytes: int
     deletes: int
-    removed_at_start: int  # leftover temporary files, foreign names, headerless files
+    removed_at_start: int  # leftover temporary files, foreign names, headerless, not files
     writes_disabled: bool
     disabled_reason: str
 
@@ -182,6 +195,20 @@ def _write_all(fd: int, header: bytes, data: memoryview) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write")
         done += n
+
+
+def _remove_path(path: str) -> None:
+    """Remove what is at ``path``: a file, a symbolic link or FIFO, or a directory tree
+    (something that took a chunk's name; the fan-out directories hold nothing else of
+    value)."""
+    try:
+        os.unlink(path)
+    except IsADirectoryError:
+        shutil.rmtree(path)
+    except PermissionError:  # what unlink() of a directory gives on some systems
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise
+        shutil.rmtree(path)
 
 
 def _read_all(fd: int, header: bytearray, data: memoryview) -> int:
@@ -485,7 +512,14 @@ class DiskTier(Tier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except IsADirectoryError:
+                # A directory took the chunk's name: not ours to keep, and it would refuse
+                # this chunk for good. (Files, links and FIFOs are simply replaced.)
+                log.warning("disk tier: removing the directory at chunk path %s", path)
+                _remove_path(path)
+                os.replace(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -549,18 +583,26 @@ class DiskTier(Tier):
                 self._c.misses += 1
                 return LoadStatus.MISSING
             self._index.move_to_end(key)
-        size, gen = entry
+        gen = entry[1]
         path = self.file_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+            fd = os.open(path, _O_LOAD)
         except FileNotFoundError:
             self._forget(key, gen)  # removed behind our back
             with self._lock:
                 self._c.misses += 1
             return LoadStatus.MISSING
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+                return self._corrupt(key, gen, "a symbolic link, not a chunk file")
             return self._load_error(exc, key)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return self._corrupt(key, gen, "not a regular file")
+            # The size the file has now, not the one it was indexed with: the same rule as
+            # after a restart, when the index is built from the sizes found.
+            size = st.st_size
             if size != HEADER_SIZE + data.nbytes:
                 return self._length_mismatch(fd, key, gen, data.nbytes, size)
             hdr = bytearray(HEADER_SIZE)
@@ -646,7 +688,7 @@ class DiskTier(Tier):
         errors = 0
         for key in keys:
             try:
-                os.unlink(self.file_path(key))
+                _remove_path(self.file_path(key))
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -716,9 +758,11 @@ class DiskTier(Tier):
                     continue
                 fanout = d1.name + d2.name
                 for f in self._scan(d2.path):
-                    if f.is_dir(follow_symlinks=False):
-                        continue
                     name = f.name
+                    if f.is_dir(follow_symlinks=False):
+                        if _NAME_RE.match(name):
+                            junk.append(f.path)  # in a chunk's way: a store would fail
+                        continue
                     if not (_NAME_RE.match(name) and name[32:36] == fanout):
                         junk.append(f.path)  # temporary file, or a name that is not a key
                         continue
@@ -733,7 +777,7 @@ class DiskTier(Tier):
         removed = 0
         for path in junk:
             try:
-                os.unlink(path)
+                _remove_path(path)
                 removed += 1
             except OSError as exc:
                 log.debug("disk tier: could not remove leftover %s: %s", path, exc)

@@ -19,9 +19,16 @@ that accepts a :class:`_Concat` argument. Replies are parsed by hiredis, which c
 reply into its reader buffer and then into a ``bytes`` object; the tier verifies that object
 and copies the payload into the slot (see :meth:`RedisTier.copies`).
 
+A value found corrupt (bad header, length or checksum, or not a string) is deleted, by a
+script that deletes it only if it is still the value that was read: a store that replaced it
+meanwhile is kept. A value of another length than the slot that is itself a whole record of
+the key is kept (the caller asked for the wrong size).
+
 Failures never raise out of a batch: a lost connection makes the whole batch ``ERROR`` /
 ``False`` (redis-py reconnects on the next call, so the tier recovers when Redis comes back);
 a per-command error (``OOM`` under ``maxmemory``, ``WRONGTYPE``) affects only its item.
+Failures are counted and logged through the tier's :class:`~tierkv.tiers.outage.Outage`: one
+WARNING when Redis stops answering, one INFO line with the count when it answers again.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from tierkv.tiers.base import (
     register_tier,
     unpack_header,
     verify,
+    whole_record,
 )
 
 try:
@@ -61,6 +69,19 @@ log = logging.getLogger(__name__)
 _BUFFER_CUTOFF = 6000
 _DEL_BATCH = 1000
 _SCAN_COUNT = 1000
+# Delete KEYS[1] if it still holds what a load found corrupt: ARGV[1] "string" and ARGV[2] the
+# value read, or ARGV[1] "other" for a value that was not a string.
+_DROP_CORRUPT = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if ARGV[1] == 'other' then
+  if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end
+  return 0
+end
+if t == 'string' and redis.call('GET', KEYS[1]) == ARGV[2] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
 
 
 # -- command packing -----------------------------------------------------------------------
@@ -132,6 +153,11 @@ class _GatherPacker:
         return out
 
 
+def _wrong_type(reply: Exception) -> bool:
+    """Whether a per-command error says that our key holds a value of another type."""
+    return str(reply).startswith("WRONGTYPE")
+
+
 def _glob_escape(text: bytes) -> bytes:
     """``text`` with Redis glob metacharacters escaped, for ``SCAN MATCH``."""
     out = bytearray()
@@ -195,7 +221,7 @@ class RedisTier(Tier):
             self._client.ping()
         except RedisError as exc:
             # Not fatal: batches report ERROR until the server is reachable.
-            log.warning("redis tier: %s is not reachable yet: %s", self._safe_url(), exc)
+            self.outage.failed("connect", exc, 0)
 
     @classmethod
     def check_options(cls, **options: Any) -> None:
@@ -222,6 +248,9 @@ class RedisTier(Tier):
             return f"unix://{kwargs['path']}"
         return f"{kwargs.get('host')}:{kwargs.get('port')}/{kwargs.get('db', 0)}"
 
+    def outage_label(self) -> str:
+        return f"redis tier {self._safe_url()}"
+
     def redis_key(self, key: bytes) -> bytes:
         """The Redis key of a chunk key."""
         return self._prefix + key.hex().encode()
@@ -230,12 +259,13 @@ class RedisTier(Tier):
         with self._lock:
             self._counts.update(deltas)
 
-    def _failed(self, op: str, exc: Exception, items: int) -> None:
+    def _failed(self, op: str, exc: object, items: int) -> None:
         self._count(errors=items)
-        log.warning("redis tier: %s of %d chunk(s) failed: %s", op, items, exc)
+        self.outage.failed(op, exc, items)
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: stored, store_failed, loaded, missing, corrupt, errors."""
+        """Counters since start: stored, store_failed, loaded, missing, corrupt,
+        corrupt_deleted, errors."""
         with self._lock:
             return dict(self._counts)
 
@@ -245,18 +275,23 @@ class RedisTier(Tier):
         with self._client.pipeline(transaction=False) as pipe:
             for command in commands:
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            return pipe.execute(raise_on_error=False)
+            replies = pipe.execute(raise_on_error=False)
+        self.outage.ok()  # Redis answered (per-command errors are reported by the caller)
+        return replies
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(held) for held in self.presence(keys)]
+
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
         if not keys:
             return []
         try:
             replies = self._pipelined([("EXISTS", self.redis_key(k)) for k in keys])
         except (RedisError, OSError) as exc:
             self._failed("contains", exc, len(keys))
-            return [False] * len(keys)
-        return [r == 1 for r in replies]
+            return [None] * len(keys)
+        return [r == 1 if isinstance(r, int) else None for r in replies]
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         if not items:
@@ -285,12 +320,15 @@ class RedisTier(Tier):
             return results
         finally:
             commands.clear()  # drop the references to the pool views
+        refused: list[Exception] = []
         for i, reply in zip(positions, replies, strict=True):
             if isinstance(reply, Exception):
-                log.warning("redis tier: SET %s failed: %s", items[i][0].hex()[:16], reply)
-                self._count(store_failed=1, errors=1)
+                refused.append(reply)  # e.g. OOM under maxmemory with noeviction
             else:
                 results[i] = bool(reply)
+        if refused:
+            self._count(store_failed=len(refused))
+            self._failed("SET", refused[0], len(refused))
         self._count(stored=sum(results))
         return results
 
@@ -320,44 +358,80 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("load", exc, len(items))
             return [LoadStatus.ERROR] * len(items)
-        statuses = [
-            self._fill(key, view, reply) for (key, view), reply in zip(items, replies, strict=True)
-        ]
+        statuses: list[LoadStatus] = []
+        bad: list[tuple[bytes, object]] = []  # (key, the corrupt reply) to delete
+        for (key, view), reply in zip(items, replies, strict=True):
+            status, drop = self._fill(key, view, reply)
+            statuses.append(status)
+            if drop:
+                bad.append((key, reply))
+        refused = [r for r in replies if isinstance(r, ResponseError) and not _wrong_type(r)]
+        if refused:
+            self.outage.failed("GET", refused[0], len(refused))
         replies.clear()
         self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
+        if bad:
+            self._drop_corrupt(bad)
         return statuses
 
-    def _fill(self, key: bytes, view: memoryview, reply: object) -> LoadStatus:
-        """Verify one GET reply and copy its payload into ``view``."""
+    def _fill(self, key: bytes, view: memoryview, reply: object) -> tuple[LoadStatus, bool]:
+        """Verify one GET reply and copy its payload into ``view``: the status, and whether
+        the stored value is corrupt (to be deleted)."""
         if reply is None:
-            return LoadStatus.MISSING
+            return LoadStatus.MISSING, False
         if isinstance(reply, ResponseError):
-            # WRONGTYPE: something else lives under our key. Anything else: the server failed.
-            if str(reply).startswith("WRONGTYPE"):
-                log.warning("redis tier: %s holds a non-string value", key.hex()[:16])
-                return LoadStatus.CORRUPT
-            log.warning("redis tier: GET %s failed: %s", key.hex()[:16], reply)
-            return LoadStatus.ERROR
+            # WRONGTYPE: something else lives under our key. Anything else: the server failed
+            # (counted and logged by the batch).
+            if _wrong_type(reply):
+                log.warning("redis tier: %s holds a non-string value; deleting it", key.hex()[:16])
+                return LoadStatus.CORRUPT, True
+            return LoadStatus.ERROR, False
         if not isinstance(reply, bytes):
-            return LoadStatus.ERROR
+            return LoadStatus.ERROR, False
         dest = byte_view(view)
-        if len(reply) != HEADER_SIZE + dest.nbytes:
-            log.warning(
-                "redis tier: %s is %d bytes, expected %d",
-                key.hex()[:16],
-                len(reply),
-                HEADER_SIZE + dest.nbytes,
-            )
-            return LoadStatus.CORRUPT
         with memoryview(reply) as raw:
+            header = unpack_header(raw[:HEADER_SIZE])
+            if len(reply) != HEADER_SIZE + dest.nbytes:
+                if whole_record(header, key, len(reply)):
+                    log.debug(
+                        "redis tier: %s holds %d payload bytes, load asked for %d; kept",
+                        key.hex()[:16],
+                        len(reply) - HEADER_SIZE,
+                        dest.nbytes,
+                    )
+                    return LoadStatus.CORRUPT, False
+                log.warning(
+                    "redis tier: %s is %d bytes, not a record of its key; deleting it",
+                    key.hex()[:16],
+                    len(reply),
+                )
+                return LoadStatus.CORRUPT, True
             payload = raw[HEADER_SIZE:]
-            status = verify(unpack_header(raw[:HEADER_SIZE]), key, payload)
+            status = verify(header, key, payload)
             if status is LoadStatus.OK:
                 dest[:] = payload
             else:
-                log.warning("redis tier: %s failed verification", key.hex()[:16])
+                log.warning("redis tier: %s failed verification; deleting it", key.hex()[:16])
             payload.release()
-        return status
+        return status, status is not LoadStatus.OK
+
+    def _drop_corrupt(self, bad: Sequence[tuple[bytes, object]]) -> None:
+        """Delete values a load found corrupt, each only if it is still the value read."""
+        commands = [
+            ("EVAL", _DROP_CORRUPT, 1, self.redis_key(key), "string", reply)
+            if isinstance(reply, bytes)
+            else ("EVAL", _DROP_CORRUPT, 1, self.redis_key(key), "other", "")
+            for key, reply in bad
+        ]
+        try:
+            replies = self._pipelined(commands)
+        except (RedisError, OSError) as exc:
+            self._failed("deleting corrupt values", exc, len(bad))
+            return
+        failed = [r for r in replies if isinstance(r, Exception)]
+        if failed:
+            self._failed("deleting corrupt values", failed[0], len(failed))
+        self._count(corrupt_deleted=sum(1 for r in replies if r == 1))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -367,6 +441,8 @@ class RedisTier(Tier):
                 removed += int(self._client.delete(*batch))
             except (RedisError, OSError) as exc:
                 self._failed("delete", exc, len(batch))
+            else:
+                self.outage.ok()
         return removed
 
     def usage(self) -> TierUsage:
@@ -386,6 +462,7 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("usage", exc, 0)
             return self._last_usage
+        self.outage.ok()
         self._last_usage = TierUsage(objects, stored, capacity)
         return self._last_usage
 

@@ -16,9 +16,16 @@ implements with a ``read`` into a temporary ``bytes`` (one copy). botocore's own
 checksums are left off (``when_required``): the record header's checksum covers the
 chunk end to end, and the CRC would cost a pass (and over https a framing copy) per chunk.
 
+An object found corrupt (bad header, length or checksum) is deleted, with ``If-Match`` on
+the ETag it was read with, so a store that replaced it meanwhile is kept (an endpoint that
+does not take conditional deletes gets a plain one). An object of another length than the
+slot that is itself a whole record of the key is kept (the caller asked for the wrong size).
+
 Every chunk of a batch is one request, run in parallel on a small thread pool
 (``max_concurrency``, also the size of the HTTP connection pool). Failures never raise out
-of a batch: each item reports its own status.
+of a batch: each item reports its own status. They are counted and logged through the
+tier's :class:`~tierkv.tiers.outage.Outage`: one WARNING when the endpoint starts failing,
+one INFO line with the count when a request works again.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from tierkv.tiers.base import (
     register_tier,
     unpack_header,
     verify,
+    whole_record,
 )
 
 try:
@@ -58,6 +66,8 @@ log = logging.getLogger(__name__)
 
 _DELETE_BATCH = 1000  # DeleteObjects' limit
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+# What an endpoint without conditional deletes answers to DeleteObject with If-Match.
+_NO_CONDITIONAL_DELETE = {"NotImplemented", "InvalidArgument", "InvalidRequest", "501"}
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -195,6 +205,7 @@ class S3Tier(Tier):
         )
         self.bucket = bucket
         self.prefix = prefix
+        self.endpoint_url = endpoint_url
         style = addressing_style or ("path" if endpoint_url else "auto")
         config_options: dict[str, Any] = {
             "max_pool_connections": max_concurrency,
@@ -227,6 +238,7 @@ class S3Tier(Tier):
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
         self._last_usage = TierUsage(0, 0, 0)
+        self._conditional_delete = True  # until the endpoint or botocore refuses If-Match
         if create_bucket:
             self._ensure_bucket(region)
 
@@ -263,7 +275,7 @@ class S3Tier(Tier):
             if _error_code(exc) not in _NOT_FOUND:
                 raise TierError(f"s3 tier: bucket {self.bucket!r}: {exc}") from exc
         except botocore.exceptions.BotoCoreError as exc:
-            log.warning("s3 tier: cannot reach the endpoint to check the bucket: %s", exc)
+            self.outage.failed("checking the bucket", exc, 0)
             return
         kwargs: dict[str, Any] = {"Bucket": self.bucket}
         if region and region != "us-east-1":
@@ -275,12 +287,16 @@ class S3Tier(Tier):
                 raise TierError(f"s3 tier: cannot create bucket {self.bucket!r}: {exc}") from exc
 
     # -- helpers ---------------------------------------------------------------------------
+    def outage_label(self) -> str:
+        return f"s3 tier {self.endpoint_url or 'AWS'} bucket {self.bucket}"
+
     def object_key(self, key: bytes) -> str:
         """The object name of a chunk key."""
         return f"{self.prefix}{key[:16].hex()}/{key[16:].hex()}"
 
     def stats(self) -> dict[str, int]:
-        """Counters since start: stored, store_failed, loaded, missing, corrupt, errors."""
+        """Counters since start: stored, store_failed, loaded, missing, corrupt,
+        corrupt_deleted, errors."""
         with self._lock:
             return dict(self._counts)
 
@@ -295,19 +311,26 @@ class S3Tier(Tier):
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [bool(held) for held in self.presence(keys)]
+
+    def presence(self, keys: Sequence[bytes]) -> list[bool | None]:
         return self._map(self._head, keys)
 
-    def _head(self, key: bytes) -> bool:
+    def _head(self, key: bytes) -> bool | None:
+        """Whether the object exists; None when the request failed."""
         try:
             self._client.head_object(Bucket=self.bucket, Key=self.object_key(key))
-            return True
         except botocore.exceptions.ClientError as exc:
-            if _error_code(exc) not in _NOT_FOUND:
-                self._error("HEAD", key, exc)
-            return False
+            if _error_code(exc) in _NOT_FOUND:
+                self.outage.ok()
+                return False
+            self._error("HEAD", key, exc)
+            return None
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             self._error("HEAD", key, exc)
-            return False
+            return None
+        self.outage.ok()
+        return True
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         results = self._map(self._put, items)
@@ -330,10 +353,11 @@ class S3Tier(Tier):
                 ContentLength=len(body),
                 ContentType="application/octet-stream",
             )
-            return True
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, OSError) as exc:
             self._error("PUT", key, exc)
             return False
+        self.outage.ok()
+        return True
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         statuses = self._map(self._get, items)
@@ -347,47 +371,104 @@ class S3Tier(Tier):
             response = self._client.get_object(Bucket=self.bucket, Key=self.object_key(key))
         except botocore.exceptions.ClientError as exc:
             if _error_code(exc) in _NOT_FOUND:
+                self.outage.ok()
                 return LoadStatus.MISSING
             self._error("GET", key, exc)
             return LoadStatus.ERROR
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             self._error("GET", key, exc)
             return LoadStatus.ERROR
+        self.outage.ok()
+        try:
+            status, corrupt = self._read_record(key, dest, response)
+        except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as exc:
+            self._error("GET", key, exc)
+            return LoadStatus.ERROR
+        if corrupt:
+            self._drop_corrupt(key, response.get("ETag"))
+        return status
+
+    def _read_record(
+        self, key: bytes, dest: memoryview, response: dict[str, Any]
+    ) -> tuple[LoadStatus, bool]:
+        """Read a GET response's record into ``dest`` and verify it: the status, and whether
+        the stored object is corrupt (to be deleted). Transfer errors raise."""
         body = response["Body"]
         complete = False
         try:
             length = response.get("ContentLength")
-            if length != HEADER_SIZE + dest.nbytes:
-                log.warning(
-                    "s3 tier: %s is %s bytes, expected %d",
-                    key.hex()[:16],
-                    length,
-                    HEADER_SIZE + dest.nbytes,
-                )
-                return LoadStatus.CORRUPT
             fp = _http_response(body)
             read_into: Callable[[memoryview], int | None] = (
                 fp.readinto if fp is not None else body.readinto
             )
             raw_header = memoryview(bytearray(HEADER_SIZE))
+            if length != HEADER_SIZE + dest.nbytes:
+                header = None
+                if isinstance(length, int) and length >= HEADER_SIZE:
+                    if _read_exact(read_into, raw_header) != HEADER_SIZE:
+                        raise ConnectionError("response body ended early")
+                    header = unpack_header(raw_header)
+                if isinstance(length, int) and whole_record(header, key, length):
+                    log.debug(
+                        "s3 tier: %s holds %d payload bytes, load asked for %d; kept",
+                        key.hex()[:16],
+                        length - HEADER_SIZE,
+                        dest.nbytes,
+                    )
+                    return LoadStatus.CORRUPT, False
+                log.warning(
+                    "s3 tier: %s is %s bytes, not a record of its key; deleting it",
+                    key.hex()[:16],
+                    length,
+                )
+                return LoadStatus.CORRUPT, True
             if _read_exact(read_into, raw_header) != HEADER_SIZE:
                 raise ConnectionError("response body ended early")
             header = unpack_header(raw_header)
             if header is None or header.key != key or header.length != dest.nbytes:
-                log.warning("s3 tier: %s has a bad record header", key.hex()[:16])
-                return LoadStatus.CORRUPT
+                log.warning("s3 tier: %s has a bad record header; deleting it", key.hex()[:16])
+                return LoadStatus.CORRUPT, True
             if _read_exact(read_into, dest) != dest.nbytes:
                 raise ConnectionError("response body ended early")
             complete = True
             status = verify(header, key, dest)
             if status is not LoadStatus.OK:
-                log.warning("s3 tier: %s failed verification", key.hex()[:16])
-            return status
-        except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as exc:
-            self._error("GET", key, exc)
-            return LoadStatus.ERROR
+                log.warning("s3 tier: %s failed verification; deleting it", key.hex()[:16])
+            return status, status is not LoadStatus.OK
         finally:
             _finish(body, complete)
+
+    def _drop_corrupt(self, key: bytes, etag: str | None) -> None:
+        """Delete an object a load found corrupt, if it is still the one read (``etag``)."""
+        request: dict[str, Any] = {"Bucket": self.bucket, "Key": self.object_key(key)}
+        conditional = bool(etag) and self._conditional_delete
+        if conditional:
+            request["IfMatch"] = etag
+        try:
+            self._client.delete_object(**request)
+        except botocore.exceptions.ParamValidationError as exc:
+            if conditional:  # a botocore without If-Match on DeleteObject
+                self._conditional_delete = False
+                self._drop_corrupt(key, None)
+            else:
+                self._error("DELETE", key, exc)
+            return
+        except botocore.exceptions.ClientError as exc:
+            code = _error_code(exc)
+            if code == "PreconditionFailed" or code in _NOT_FOUND:
+                log.debug("s3 tier: %s was replaced or removed meanwhile; kept", key.hex()[:16])
+                self.outage.ok()
+            elif conditional and code in _NO_CONDITIONAL_DELETE:
+                self._conditional_delete = False  # the endpoint has no conditional deletes
+                self._drop_corrupt(key, None)
+            else:
+                self._error("DELETE", key, exc)
+            return
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            self._error("DELETE", key, exc)
+            return
+        self.outage.ok()
+        self._count(corrupt_deleted=1)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -406,11 +487,13 @@ class S3Tier(Tier):
                 OSError,
             ) as exc:
                 self._count(errors=len(batch))
-                log.warning("s3 tier: deleting %d chunk(s) failed: %s", len(batch), exc)
+                self.outage.failed("DeleteObjects", exc, len(batch))
                 continue
-            for error in reply.get("Errors", []):
-                self._count(errors=1)
-                log.warning("s3 tier: deleting %s failed: %s", error.get("Key"), error)
+            self.outage.ok()
+            errors = reply.get("Errors", [])
+            if errors:
+                self._count(errors=len(errors))
+                self.outage.failed("deleting " + str(errors[0].get("Key")), errors[0], len(errors))
         return held
 
     def usage(self) -> TierUsage:
@@ -430,14 +513,15 @@ class S3Tier(Tier):
             OSError,
         ) as exc:
             self._count(errors=1)
-            log.warning("s3 tier: usage listing failed: %s", exc)
+            self.outage.failed("listing the objects", exc, 0)
             return self._last_usage
+        self.outage.ok()
         self._last_usage = TierUsage(objects, stored, 0)
         return self._last_usage
 
     def _error(self, op: str, key: bytes, exc: BaseException) -> None:
         self._count(errors=1)
-        log.warning("s3 tier: %s %s failed: %s", op, key.hex()[:16], exc)
+        self.outage.failed(f"{op} {key.hex()[:16]}", exc)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

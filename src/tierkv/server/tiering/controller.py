@@ -114,8 +114,8 @@ class Tiering:
         for tier in self.tiers:
             try:
                 usage = usage_of(tier)
-            except Exception:
-                log.exception("tier %s usage failed", tier.name)
+            except Exception as exc:  # a tier should report failures, not raise them
+                tier.outage.failed("usage", exc, 0, exc_info=True)
                 usage = TierUsage(0, 0, 0)
             out.append(
                 p.TierStats(

@@ -8,7 +8,9 @@ that has it). It reserves pool slots for the run's tier chunks, loads the bytes 
 into them, verifies them (the tiers check checksums), commits the ones that arrived intact
 and read-locks the prefix (pool chunks included) for the engine under the lookup's lease.
 The first chunk that is missing, does not fit, or fails to load ends the prefix there: the
-engine gets fewer hits, never wrong bytes.
+engine gets fewer hits, never wrong bytes. A chunk found nowhere because a tier failed to
+answer whether it holds it (:meth:`Tier.presence` gave None) ends it as an ``error``, not
+as a chunk known to be absent.
 
 At most ``max_inflight`` jobs run at once (a lookup beyond that just skips the prefetch), and
 a job that takes longer than ``timeout`` is reported to the engine as finished with what the
@@ -152,8 +154,10 @@ class Prefetcher:
             claimed, older = self._claim(keys[job.first :], job)
             for other in older:
                 other.done.wait(max(0.0, job.deadline - self.clock()))
-            run = self._locate(keys[job.first :])
+            run, unchecked = self._locate(keys[job.first :])
             loaded = self._load(keys, lengths, job.first, run, job)
+            if unchecked and loaded == len(run):
+                job.miss_reason = "error"  # the prefix ended at a chunk no tier could check
             if loaded and not job.cancelled:
                 want = keys[job.first : job.first + loaded]
                 lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.into_lease)
@@ -191,29 +195,34 @@ class Prefetcher:
                     older[id(other)] = other
         return claimed, list(older.values())
 
-    def _locate(self, keys: list[bytes]) -> list[Tier | None]:
+    def _locate(self, keys: list[bytes]) -> tuple[list[Tier | None], bool]:
         """For the longest run of ``keys`` that the pool or some tier holds: None for a
-        chunk ready in the pool (no tier is asked about it), else the tier to load it from."""
+        chunk ready in the pool (no tier is asked about it), else the tier to load it from;
+        and whether the run ends at a chunk that some tier failed to check (the tier is
+        down, not the chunk known absent)."""
         found: list[Tier | None] = [None] * len(keys)
         in_pool = self.index.contains(keys)  # no lock, LRU untouched
         pending = [i for i, ready in enumerate(in_pool) if not ready]
+        unchecked: set[int] = set()
         for tier in self.tiers:
             if not pending:
                 break
             try:
-                present = tier.contains([keys[i] for i in pending])
-            except Exception:
-                log.exception("tier %s failed a contains batch", tier.name)
-                continue
+                present = tier.presence([keys[i] for i in pending])
+            except Exception as exc:  # a tier should report failures, not raise them
+                tier.outage.failed("contains", exc, len(pending), exc_info=True)
+                present = [None] * len(pending)
             still: list[int] = []
             for i, has in zip(pending, present, strict=True):
                 if has:
                     found[i] = tier
                 else:
                     still.append(i)
+                    if has is None:
+                        unchecked.add(i)
             pending = still
         end = pending[0] if pending else len(keys)  # the first chunk found nowhere
-        return found[:end]
+        return found[:end], end in unchecked
 
     def _load(
         self,
@@ -264,11 +273,11 @@ class Prefetcher:
         sums: dict[bytes, bytes] = {}
         try:
             statuses, sums = tier.load_verified(items) if items else ([], {})
-        except Exception:
-            log.exception("tier %s failed a load batch", tier.name)
+        except Exception as exc:  # a tier should report failures, not raise them
+            tier.outage.failed("load", exc, len(items), exc_info=True)
             statuses = [LoadStatus.ERROR] * len(items)
         if len(statuses) != len(items):  # a broken tier: never leave the slots reserved
-            log.error("tier %s answered %d of %d loads", tier.name, len(statuses), len(items))
+            tier.outage.failed("load", f"answered {len(statuses)} of the loads", len(items))
             statuses = [LoadStatus.ERROR] * len(items)
         del items
         # The intact prefix: present-in-pool chunks count, the first failure ends it.

@@ -8,7 +8,8 @@ engine's last read), however long the tiers take, and chunks written and chunks 
 alike. The queue is bounded in bytes: when tiers cannot keep up, new chunks are not
 written (counted as dropped) rather than making stores wait; the bound also bounds how many
 pinned chunks eviction has to step over. A tier error is counted and
-logged; it never reaches the engine and never stops the server. A chunk that came from a
+logged (once per outage, see :mod:`tierkv.tiers.outage`); it never reaches the engine and
+never stops the server. A chunk that came from a
 tier (a prefetch) is not written back to that tier.
 """
 
@@ -99,12 +100,12 @@ class WriteBehind:
             for tier in tiers:
                 try:
                     results = tier.store(views)
-                except Exception:
-                    log.exception("tier %s failed a write-behind batch", tier.name)
+                except Exception as exc:  # a tier should report failures, not raise them
+                    tier.outage.failed("store", exc, len(views), exc_info=True)
                     results = [False] * len(views)
                 if len(results) != len(views):  # a broken tier: count the batch as failed
-                    log.error(
-                        "tier %s answered %d of %d writes", tier.name, len(results), len(views)
+                    tier.outage.failed(
+                        "store", f"answered {len(results)} of the writes", len(views)
                     )
                     results = [False] * len(views)
                 ok = sum(results)
