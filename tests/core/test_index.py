@@ -131,7 +131,9 @@ def test_store_read_evict_lifecycle() -> None:
     figures(index, objects=1, writing=1, ready=0, evictable=0, used=BLOCK, write_leases=1)
 
     result = index.commit(res.lease_id, ALICE)  # writing -> ready
-    assert result == CommitResult(committed=1, committed_keys=[key], committed_bytes=100)
+    assert result == CommitResult(
+        committed=1, committed_keys=[key], committed_lengths=[100], committed_bytes=100
+    )
     assert index.contains([key]) == [True]
     figures(index, objects=1, writing=0, ready=1, evictable=1, read_locked=0, write_leases=0)
 
@@ -245,7 +247,11 @@ def test_commit_only_commits_a_subset_and_aborts_the_rest() -> None:
     res = index.reserve_write(keys, BLOCK, ALICE)
     result = index.commit(res.lease_id, ALICE, only=[0, 2])
     assert result == CommitResult(
-        committed=2, aborted=2, committed_keys=[k(0), k(2)], committed_bytes=2 * BLOCK
+        committed=2,
+        aborted=2,
+        committed_keys=[k(0), k(2)],
+        committed_lengths=[BLOCK, BLOCK],
+        committed_bytes=2 * BLOCK,
     )
     assert index.contains(keys) == [True, False, True, False]
     figures(index, used=2 * BLOCK, objects=2, ready=2, writing=0, write_leases=0)
@@ -821,7 +827,11 @@ def test_delete_of_an_object_being_written_reports_cleared_on_commit() -> None:
     figures(index, used=3 * BLOCK, zombies=1)
     result = index.commit(res.lease_id, ALICE)
     assert result == CommitResult(
-        committed=1, cleared=1, committed_keys=[k(1)], committed_bytes=BLOCK
+        committed=1,
+        cleared=1,
+        committed_keys=[k(1)],
+        committed_lengths=[BLOCK],
+        committed_bytes=BLOCK,
     )
     figures(index, used=2 * BLOCK, zombies=0, writing=1)
     assert index.contains([k(0), k(1)]) == [False, True]
@@ -1187,6 +1197,7 @@ class IndexModel(RuleBasedStateMachine):
                 entry.ready = True
                 ready.append(entry)
                 expected.committed_keys.append(entry.key)
+                expected.committed_lengths.append(entry.blocks * BLOCK)
                 expected.committed_bytes += entry.blocks * BLOCK
         expected.committed = len(ready)
         self.lru.extend(reversed(ready))
