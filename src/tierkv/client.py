@@ -256,22 +256,27 @@ class Client:
         tenant_salt: str = "",
         name: str = "",
         engine_id: str = "",
+        chunk_tokens: int = 0,
     ) -> Registration:
         """Declare the namespace and chunk layout; attaches the pool (once).
 
         Workers of one engine instance (one client per tensor-parallel rank) pass the same
         ``engine_id`` so that the instance's scheduler (:meth:`register_scheduler`) can look
-        up for all of them at once."""
+        up for all of them at once. ``chunk_tokens``: 0 for chunks of the server's chunk
+        size; N for chunks of N tokens (an engine's own page size) that the client always
+        names by precomputed hashes."""
         return self._register(
             model, chunk_shape, dtype, token_axis, world_size, rank, tenant_salt, name,
-            engine_id, p.ROLE_WORKER,
+            engine_id, p.ROLE_WORKER, chunk_tokens,
         )  # fmt: skip
 
     def register_scheduler(self, model: str, engine_id: str, name: str = "") -> Registration:
         """Register as the scheduler of engine ``engine_id``: lookups only. A LOOKUP then
         covers every rank registered with that engine id (the smallest hit count) and locks
         each rank's chunks for that rank's retrieve by request id."""
-        return self._register(model, [1], "uint8", 0, 1, 0, "", name, engine_id, p.ROLE_SCHEDULER)
+        return self._register(
+            model, [1], "uint8", 0, 1, 0, "", name, engine_id, p.ROLE_SCHEDULER, 0
+        )
 
     def _register(
         self,
@@ -285,6 +290,7 @@ class Client:
         name: str,
         engine_id: str,
         role: str,
+        chunk_tokens: int,
     ) -> Registration:
         layout = p.Layout([int(d) for d in chunk_shape], str(dtype), token_axis)
         reply: p.Registered = self._call(
@@ -302,6 +308,7 @@ class Client:
                 engine_id,
                 role,
                 process_scope(),
+                chunk_tokens,
             )
         )
         if (

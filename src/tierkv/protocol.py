@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: NOT_REGISTERED split from UNAUTHORIZED
+PROTOCOL_VERSION = 3  # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -31,7 +31,7 @@ class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=Tr
 class Layout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Shape and dtype of one full chunk, as the engine stores it.
 
-    ``token_axis`` says which axis of ``shape`` counts tokens (it must equal the chunk size),
+    ``token_axis`` says which axis of ``shape`` counts tokens (the chunk's token count),
     so a partial last chunk has the same shape with fewer tokens on that axis.
     """
 
@@ -76,6 +76,11 @@ class Register(Struct, tag="register"):
     # tierkv.liveness.process_scope() of the engine: where it equals the server's, the
     # server watches ``pid`` and drops the client's locks as soon as the process is gone.
     process_scope: str = ""
+    # 0: the chunk holds the server's chunk size of tokens (``layout.shape[token_axis]`` must
+    # equal it) and may be named by token ids or hashes. N > 0: this client's chunks hold N
+    # tokens (an engine's own page size, e.g. SGLang's) and are named by precomputed hashes
+    # only, since the server's token hashing cuts chunks of its own size.
+    chunk_tokens: int = 0
 
 
 class Unregister(Struct, tag="unregister"):

@@ -499,6 +499,11 @@ def test_bad_registrations(env: tuple[ServerProcess, Client]) -> None:
         for world, rank in ((0, 0), (2, 2), (2, -1), (-1, 0), (1, 5)):
             expect_error(reg(world_size=world, rank=rank), EC.BAD_REQUEST, "world size")
         expect_error(reg(model=""), EC.BAD_REQUEST, "model")
+        # A client that cuts its own chunks (chunk_tokens) declares as many tokens as it has.
+        for bad in (-1, 1 << 21):
+            expect_error(reg(chunk_tokens=bad), EC.BAD_REQUEST, "chunk_tokens")
+        expect_error(reg(layout=layout([2, 64, 16]), chunk_tokens=32), EC.BAD_REQUEST,
+                     "64 tokens", "chunk_tokens is 32")  # fmt: skip
         # None of these registered anything.
         assert keeper.stats().clients == 1
         # Dtypes engines use that numpy lacks are fine.

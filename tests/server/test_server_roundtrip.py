@@ -108,3 +108,25 @@ def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(
 def test_copy_threads_below_one_are_refused(server: ServerProcess) -> None:
     with pytest.raises(ValueError, match="at least 1"):
         server.client(copy_threads=0)
+
+
+def test_a_client_with_its_own_chunk_size_names_chunks_by_hashes(server: ServerProcess) -> None:
+    """An engine whose pages are not the server's chunk size (SGLang's 64-token pages on a
+    server of 256-token chunks) registers ``chunk_tokens``: its chunks round-trip by
+    hashes; token ids are refused with the reason; it shares no key with a client of the
+    server's chunk size."""
+    shape = (2, 64, 8)
+    pages = [np.full(shape, i, np.float32) for i in range(3)]
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    with server.client() as own, server.client() as plain:
+        reg = own.register("paged", shape, "float32", token_axis=1, chunk_tokens=64)
+        assert reg.chunk_size == 64 and reg.chunk_bytes == pages[0].nbytes
+        assert own.store(hashes=hashes, chunks=pages).stored == [0, 1, 2]
+        out = [np.zeros(shape, np.float32) for _ in range(3)]
+        assert own.retrieve(hashes=hashes, out=out).complete
+        for i in range(3):
+            np.testing.assert_array_equal(out[i], pages[i])
+        with pytest.raises(ServerError, match="name them by hashes"):
+            own.lookup(list(range(128)))
+        plain.register("paged", (2, 256, 8), "float32", token_axis=1)
+        assert plain.lookup(hashes=hashes).hits == 0

@@ -36,6 +36,12 @@ class ChunkKeys:
         if len(sel.salt) > MAX_SALT:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"cache salt longer than {MAX_SALT}")
         if sel.tokens is not None:
+            if reg.chunk_tokens and reg.chunk_tokens != chunk_size:
+                raise RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"this client's chunks hold {reg.chunk_tokens} tokens, not the server's "
+                    f"chunk size {chunk_size}: name them by hashes, not token ids",
+                )
             if len(sel.tokens) % 4:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "tokens must be packed uint32")
             n_tokens = len(sel.tokens) // 4

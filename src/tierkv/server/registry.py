@@ -59,6 +59,7 @@ class Registration:
     role: str = p.ROLE_WORKER
     process: Process | None = None  # watched: dropped when the process is gone
     salted: dict[str, bytes] = field(default_factory=dict)  # cache salt -> namespace digest
+    chunk_tokens: int = 0  # tokens in one of its chunks (0: a scheduler, which has none)
 
     def digest_for(self, salt: str) -> bytes:
         """The namespace digest of this client's keys under a per-request cache salt."""

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 MAX_NAME = 256  # characters of a client name or engine id
 MAX_MODEL = 1024  # characters of a model identity or tenant salt
+MAX_CHUNK_TOKENS = 1 << 20  # tokens in one chunk of a client that cuts its own chunks
 
 Handler = Callable[[Any], Any]
 RemovedListener = Callable[[list[bytes]], None]
@@ -165,7 +166,7 @@ class CacheService:
         ):
             if len(value) > limit:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, f"{what} is longer than {limit}")
-        chunk_bytes = 0 if scheduler else self._check_layout(req.layout)
+        chunk_bytes = 0 if scheduler else self._check_layout(req.layout, req.chunk_tokens)
         if req.world_size < 1 or not 0 <= req.rank < req.world_size:
             raise RequestError(
                 p.ErrorCode.BAD_REQUEST, f"rank {req.rank} outside world size {req.world_size}"
@@ -194,6 +195,7 @@ class CacheService:
             engine_id=req.engine_id,
             role=req.role,
             process=trackable(req.pid, req.process_scope),
+            chunk_tokens=0 if scheduler else req.layout.shape[req.layout.token_axis],
         )
         try:
             self.registry.add(reg)
@@ -215,12 +217,12 @@ class CacheService:
             p.PROTOCOL_VERSION,
             self.pool.name,
             self.pool.size,
-            self.cfg.chunk_size,
+            reg.chunk_tokens or self.cfg.chunk_size,
             chunk_bytes,
             reg.digest,
         )
 
-    def _check_layout(self, layout: p.Layout) -> int:
+    def _check_layout(self, layout: p.Layout, chunk_tokens: int) -> int:
         itemsize = dtypes.itemsize(layout.dtype)
         if not itemsize:
             raise RequestError(
@@ -234,11 +236,18 @@ class CacheService:
             raise RequestError(
                 p.ErrorCode.BAD_REQUEST, f"token_axis {layout.token_axis} out of range"
             )
-        if layout.shape[layout.token_axis] != self.cfg.chunk_size:
+        tokens = layout.shape[layout.token_axis]
+        if chunk_tokens < 0 or chunk_tokens > MAX_CHUNK_TOKENS:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"chunk_tokens must be in 0..{MAX_CHUNK_TOKENS}"
+            )
+        expected = chunk_tokens or self.cfg.chunk_size
+        if tokens != expected:
+            what = "the client's chunk_tokens" if chunk_tokens else "this server's chunk size"
             raise RequestError(
                 p.ErrorCode.BAD_REQUEST,
-                f"chunk shape {layout.shape} has {layout.shape[layout.token_axis]} tokens on axis "
-                f"{layout.token_axis}; this server's chunk size is {self.cfg.chunk_size}",
+                f"chunk shape {layout.shape} has {tokens} tokens on axis "
+                f"{layout.token_axis}; {what} is {expected}",
             )
         chunk_bytes = math.prod(layout.shape) * itemsize
         if chunk_bytes > self.index.capacity:

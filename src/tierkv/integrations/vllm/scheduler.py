@@ -52,6 +52,7 @@ from typing import Any
 
 from tierkv import keys
 from tierkv.client import Client
+from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import (
     LoadSpec,
     StoreSpec,
@@ -59,7 +60,6 @@ from tierkv.integrations.vllm.chunks import (
     chunk_hashes,
     full_chunks,
 )
-from tierkv.integrations.vllm.link import ServerLink
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
 
@@ -129,7 +129,7 @@ class SchedulerSide:
         self._loads: dict[str, LoadSpec] = {}  # planned by allocations, for the next step
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
-        self.link = ServerLink(settings, self._register, "scheduler")
+        self.link = ServerLink(settings, self._register, "scheduler", log)
 
     def _register(self, client: Client) -> None:
         reg = client.register_scheduler(

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from tierkv.client import Client
+from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
 from tierkv.integrations.vllm.layout import CacheGeometry, PagedKVLayout, detect_layout
-from tierkv.integrations.vllm.link import ServerLink
 from tierkv.integrations.vllm.metadata import (
     RankReport,
     TierKVConnectorMetadata,
@@ -63,7 +63,7 @@ class WorkerSide:
         self.chunk_size = settings.chunk_size
         self.layout: PagedKVLayout | None = None
         self.bpc = 0
-        self.link = ServerLink(settings, self._register, f"worker rank {rank}")
+        self.link = ServerLink(settings, self._register, f"worker rank {rank}", log)
         self._finished_recving: set[str] = set()
         self._finished_sending: set[str] = set()
         self._load_errors: set[int] = set()

@@ -1,5 +1,5 @@
-"""The connector's server link (circuit breaker around a registered client), against a real
-server: needs no vllm."""
+"""The engine integrations' server link (circuit breaker around a registered client), against
+a real server: needs no engine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from support.servers import ServerProcess, register
 from tierkv.client import Client
-from tierkv.integrations.vllm.link import ServerLink
+from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.settings import ConnectorSettings
 
 
@@ -25,8 +25,8 @@ def test_a_wrong_auth_token_backs_off_instead_of_registering_again(
     def register_engine(client: Client) -> None:
         register(client)
 
-    link = ServerLink(settings, register_engine, "worker rank 0")
-    caplog.set_level(logging.DEBUG, logger="tierkv.integrations.vllm.link")
+    link = ServerLink(settings, register_engine, "worker rank 0", logging.getLogger("engine"))
+    caplog.set_level(logging.DEBUG, logger="engine")
     try:
         for _ in range(5):
             assert link.call("lookup", lambda c: 1, 0) == 0  # a miss, never an exception

@@ -1,4 +1,6 @@
-"""The engine's connection to the tierkv server: short timeouts, back-off, re-registration.
+"""An engine's connection to the tierkv server: short timeouts, back-off, re-registration.
+
+Shared by the engine integrations (the vLLM connector, the SGLang storage backend).
 
 The engine must never wait long on the cache, nor fail because of it. :class:`ServerLink`
 runs every RPC with the connector's (short) timeout; when one fails (server down, killed,
@@ -20,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from tierkv.client import (
     Client,
@@ -31,11 +33,21 @@ from tierkv.client import (
     TierKVError,
     UnauthorizedError,
 )
-from tierkv.integrations.vllm.settings import ConnectorSettings
-
-log = logging.getLogger("vllm.tierkv")
 
 T = TypeVar("T")
+
+
+class LinkSettings(Protocol):
+    """What a link needs of an integration's settings."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def auth_token(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def retry_interval(self) -> float: ...
 
 
 class ServerLink:
@@ -43,14 +55,18 @@ class ServerLink:
 
     def __init__(
         self,
-        settings: ConnectorSettings,
+        settings: LinkSettings,
         register: Callable[[Client], None],
         what: str,
+        log: logging.Logger,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``what`` names the engine side in log lines ("scheduler", "worker rank 0");
+        ``log`` is the engine's logger for tierkv (where its operators look)."""
         self.settings = settings
         self._register = register
-        self.what = what  # "scheduler" or "worker rank N", for log lines
+        self.what = what
+        self._log = log
         self._clock = clock
         self._lock = threading.Lock()
         self._client: Client | None = None
@@ -115,7 +131,7 @@ class ServerLink:
                 # The server answered: this request failed (an expired lock, a bad key), the
                 # server itself is fine.
                 level = logging.DEBUG if isinstance(exc, LeaseExpiredError) else logging.WARNING
-                log.log(level, "tierkv %s: %s failed: %s", self.what, what, exc)
+                self._log.log(level, "tierkv %s: %s failed: %s", self.what, what, exc)
                 self._answered()
                 return fallback
             except Exception as exc:
@@ -134,7 +150,7 @@ class ServerLink:
     def _back(self) -> None:
         """The server answered (lock held): log its return after an outage."""
         if self._down_since is not None:
-            log.info(
+            self._log.info(
                 "tierkv %s: server at %s is back after %.1f s",
                 self.what,
                 self.settings.endpoint,
@@ -152,7 +168,7 @@ class ServerLink:
                 kind = "refused this engine's auth token"
             else:
                 kind = "unavailable" if isinstance(exc, TierKVError) else "failing"
-            log.warning(
+            self._log.warning(
                 "tierkv %s: server at %s %s (%s during %s); serving without the cache, "
                 "retrying every %.1f s",
                 self.what,
@@ -163,7 +179,7 @@ class ServerLink:
                 self.settings.retry_interval,
             )
         else:
-            log.debug("tierkv %s: %s failed again: %s", self.what, what, exc)
+            self._log.debug("tierkv %s: %s failed again: %s", self.what, what, exc)
 
     def close(self) -> None:
         with self._lock:
@@ -173,7 +189,7 @@ class ServerLink:
             try:
                 client.close()
             except Exception as exc:  # closing is best effort
-                log.debug("tierkv %s: close failed: %s", self.what, exc)
+                self._log.debug("tierkv %s: close failed: %s", self.what, exc)
 
 
 def _socket_present(endpoint: str) -> bool:
