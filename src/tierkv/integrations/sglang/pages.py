@@ -1,0 +1,135 @@
+"""SGLang host-pool pages as tierkv chunks: geometry, views and keys.
+
+One SGLang page (``page_size`` tokens of every layer of one rank) is one tierkv chunk. The
+chunk holds the page's bytes in the host pool's own order: for each layout the shape of
+``get_data_page(index, flat=False)``, which is also the order of SGLang's flat data pages
+(the generic ``get``/``set`` calls), so the flat and zero-copy paths agree byte for byte::
+
+    MHA layer_first        [2, layers, page, heads, dim]   (K then V)
+    MHA page_first         [2, page, layers, heads, dim]
+    MHA page_first_direct  [2, 1, layers, page, heads, dim]
+    MHA page_head          [2, 1, heads, page, layers, dim]
+    MLA layer_first        [layers, page, 1, kv_dim]
+    MLA page_first         [page, layers, 1, kv_dim]
+    MLA page_first_direct  [1, layers, page, 1, kv_dim]
+
+Since layouts order the same bytes differently, the layout is part of the namespace, as are
+the pool kind, page size and dtype: pages are shared only where the bytes mean the same.
+A page's view is a view of the host pool's buffer, so moving it is one copy between the
+host pool and the tierkv slot.
+
+Keys: SGLang names pages by strings (the hex SHA-256 of a prefix-chained page hash, or
+backend-defined strings); :func:`page_hash` turns each into the bytes tierkv keys by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+# The axis of the page's tokens in get_data_page(index, flat=False), per kind and layout.
+TOKEN_AXIS = {
+    ("mha", "layer_first"): 2,
+    ("mha", "page_first"): 1,
+    ("mha", "page_first_direct"): 3,
+    ("mha", "page_head"): 3,
+    ("mla", "layer_first"): 1,
+    ("mla", "page_first"): 0,
+    ("mla", "page_first_direct"): 2,
+}
+
+
+class UnsupportedPoolError(ValueError):
+    """A host pool (class, layout or option) the tierkv backend cannot store."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """How one host pool's pages look as tierkv chunks."""
+
+    kind: str  # "mha" or "mla"
+    layout: str  # SGLang's host layout name
+    page_size: int  # tokens per page
+    shape: tuple[int, ...]  # one page, in the host pool's order
+    token_axis: int
+    dtype: str  # tierkv's name of the KV dtype (torch's, without "torch.")
+
+    @property
+    def format_tag(self) -> str:
+        """What the chunk bytes mean, for the namespace."""
+        return f"sglang-{self.kind}-{self.layout}-p{self.page_size}"
+
+
+def geometry_of(pool: Any) -> PageGeometry:
+    """The page geometry of an SGLang host pool; :class:`UnsupportedPoolError` names what
+    is not supported (hybrid pool groups, other pool classes, layouts, DCP sharding)."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    kinds = {MHATokenToKVPoolHost: "mha", MLATokenToKVPoolHost: "mla"}
+    kind = kinds.get(type(pool))
+    if kind is None:
+        raise UnsupportedPoolError(
+            f"tierkv stores SGLang's standard-attention (MHATokenToKVPoolHost) and MLA "
+            f"(MLATokenToKVPoolHost) host pools, not {type(pool).__name__}: hybrid models "
+            "(Mamba, SWA, sparse indexers, pool groups) are not supported"
+        )
+    layout = str(pool.layout)
+    if (kind, layout) not in TOKEN_AXIS:
+        supported = sorted(lay for k, lay in TOKEN_AXIS if k == kind)
+        raise UnsupportedPoolError(
+            f"tierkv does not support the {kind.upper()} host layout {layout!r}; use one of "
+            f"{supported} (--hicache-mem-layout)"
+        )
+    if getattr(pool, "dcp_size", 1) != 1:
+        raise UnsupportedPoolError("tierkv does not support decode context parallel (DCP) pools")
+    if getattr(pool, "kv_buffer", None) is None:
+        raise UnsupportedPoolError("the host pool has no KV buffer (allocator-only pool)")
+    page_size = int(pool.page_size)
+    view = pool.get_data_page(0, flat=False)
+    if view.untyped_storage().data_ptr() != pool.kv_buffer.untyped_storage().data_ptr():
+        raise UnsupportedPoolError(f"{kind} {layout}: a page is not a view of the host pool")
+    shape = tuple(int(d) for d in view.shape)
+    axis = TOKEN_AXIS[(kind, layout)]
+    if shape[axis] != page_size:
+        raise UnsupportedPoolError(
+            f"{kind} {layout}: page shape {shape} does not hold {page_size} tokens on axis {axis}"
+        )
+    dtype = str(pool.dtype).removeprefix("torch.")
+    return PageGeometry(kind, layout, page_size, shape, axis, dtype)
+
+
+def page_views(pool: Any, host_indices: Any, count: int) -> list[Any]:
+    """Views of the first ``count`` pages that ``host_indices`` (token indices, a page's
+    worth per page) name in ``pool``."""
+    page_size = int(pool.page_size)
+    if host_indices is None or int(host_indices.numel()) < count * page_size:
+        have = 0 if host_indices is None else int(host_indices.numel())
+        raise ValueError(f"{count} pages need {count * page_size} host indices, got {have}")
+    starts = host_indices[: count * page_size : page_size].tolist()
+    return [pool.get_data_page(int(start), flat=False) for start in starts]
+
+
+# Tags keep the three key forms apart, so no string of one form maps to the bytes of another.
+_HEX, _TEXT, _LONG = b"\x00", b"\x01", b"\x02"
+_MAX_TEXT = 63  # tierkv takes hashes of up to 64 bytes
+
+
+def page_hash(key: str) -> bytes:
+    """The hash bytes tierkv keys page ``key`` by: a 64-digit hex digest as its 32 bytes,
+    other strings as their UTF-8 (folded with blake3 when longer than 63 bytes)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"a page key must be a non-empty str, got {key!r}")
+    if len(key) == 64:
+        try:
+            digest = bytes.fromhex(key)
+        except ValueError:
+            digest = b""
+        if len(digest) == 32:  # (fromhex also skips whitespace)
+            return _HEX + digest
+    raw = key.encode("utf-8")
+    if len(raw) <= _MAX_TEXT:
+        return _TEXT + raw
+    return _LONG + blake3.blake3(raw).digest(32)

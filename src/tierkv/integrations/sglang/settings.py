@@ -1,0 +1,78 @@
+"""Backend settings, read from SGLang's ``--hicache-storage-backend-extra-config``.
+
+SGLang hands the backend the whole extra config; the keys SGLang itself reads there
+(``backend_name``, ``module_path``, ``class_name``, ``interface_v1``, ...) are left to it.
+Every other key is tierkv's, and optional::
+
+    endpoint        tierkv RPC endpoint (default: $TIERKV_ENDPOINT, else the default
+                    instance's local socket)
+    auth_token      the server's shared secret, if it has one (default: $TIERKV_AUTH_TOKEN)
+    timeout         seconds one RPC may take before the engine treats it as a miss
+                    (default 2.0: the engine never waits long on the cache); also the
+                    longest ``batch_exists`` waits for pages to come from tiers and peers
+    retry_interval  after a failed RPC, seconds during which the server is not asked again
+                    (default 5.0); every call in between is a plain miss
+    model_id        the model identity in the namespace (default: SGLang's model name)
+    tenant          an extra namespace salt: engines with different tenants never share KV
+                    (SGLang's per-request ``extra_key`` and cache salt already seed its page
+                    hashes, so requests of different keys never share pages either)
+
+A key tierkv does not know is an error: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from tierkv.client import default_endpoint
+from tierkv.options import OptionError, convert
+
+# Keys of the extra config that belong to SGLang (its backend factory and cache controller).
+SGLANG_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "interface_v2",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+    }
+)
+
+
+class SettingsError(ValueError):
+    """A bad value in the extra config; the message names the key."""
+
+
+class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    endpoint: str = ""
+    auth_token: str = ""
+    timeout: float = 2.0
+    retry_interval: float = 5.0
+    model_id: str = ""
+    tenant: str = ""
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
+        ours = {k: v for k, v in dict(extra or {}).items() if k not in SGLANG_KEYS}
+        try:
+            settings = convert(ours, cls, what="hicache-storage-backend-extra-config")
+        except OptionError as exc:
+            raise SettingsError(str(exc)) from None
+        settings = msgspec.structs.replace(
+            settings,
+            endpoint=settings.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
+            auth_token=settings.auth_token or os.environ.get("TIERKV_AUTH_TOKEN", ""),
+        )
+        if settings.timeout <= 0:
+            raise SettingsError("hicache-storage-backend-extra-config.timeout must be positive")
+        if settings.retry_interval < 0:
+            raise SettingsError("hicache-storage-backend-extra-config.retry_interval must be >= 0")
+        return settings

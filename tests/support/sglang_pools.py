@@ -1,0 +1,166 @@
+"""SGLang's real host KV pools and storage configs, built on the CPU, for the SGLang backend
+tests and benchmark.
+
+SGLang builds its host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``) from a
+description of the device pool's buffers; here those "device" buffers are CPU tensors, which
+is all the pools' storage paths touch (get/set of data pages, the page views). The tests run
+in the SGLang environment (``.venv-sglang``, ``scripts/install-sglang.sh``): without sglang
+every test fails with that message (:func:`require_sglang`), a missing engine must not pass
+as a skipped test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+ALL_LAYOUTS = [("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS]
+
+
+def _installed(name: str) -> bool:
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
+
+
+def require_sglang() -> None:
+    if not _installed("sglang"):
+        pytest.fail(
+            "sglang is not installed: the SGLang backend tests run in .venv-sglang "
+            "(`make test` creates it with scripts/install-sglang.sh)",
+            pytrace=False,
+        )
+
+
+def host_pool(
+    kind: str,
+    layout: str,
+    *,
+    layers: int = 4,
+    heads: int = 2,
+    head_dim: int = 16,
+    kv_dim: int = 48,
+    page_size: int = 64,
+    pages: int = 16,
+    dtype: Any = None,
+) -> Any:
+    """A real SGLang host pool of ``kind`` ("mha"/"mla") and ``layout``, ``pages`` pages of
+    ``page_size`` tokens (SGLang adds one padding page)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dtype = dtype or torch.bfloat16
+    tokens = page_size * pages
+    cpu = torch.device("cpu")
+
+    def ptrs(ts: tuple[Any, ...]) -> Any:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    common = {
+        "host_to_device_ratio": 1.0,
+        "host_size": 0,
+        "page_size": page_size,
+        "layout": layout,
+        "pin_memory": False,
+        "device": "cpu",
+        "device_capacity_tokens": tokens,
+        "start_layer": 0,
+        "end_layer": layers,
+    }
+    if kind == "mha":
+        k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+        buffers = KVBuffers(
+            k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
+        )
+        info = MHABufferInfo(
+            buffers=buffers, page_size=page_size, head_num=heads, head_dim=head_dim,
+            v_head_dim=head_dim, dtype=dtype, device=cpu,
+        )  # fmt: skip
+        return MHATokenToKVPoolHost(info, **common)
+    rows = tuple(torch.zeros(tokens, 1, kv_dim, dtype=dtype) for _ in range(layers))
+    minfo = MLABufferInfo(
+        buffers=rows, data_ptrs=ptrs(rows), layer_indices=tuple(range(layers)),
+        device_layer_num=layers, page_size=page_size, kv_lora_rank=kv_dim - 16,
+        qk_rope_head_dim=16, kv_cache_dim=kv_dim, dtype=dtype, device=cpu,
+    )  # fmt: skip
+    return MLATokenToKVPoolHost(minfo, target_layer_num=layers, **common)
+
+
+def fill_random(pool: Any, seed: int) -> None:
+    """Random bytes in the whole host buffer (bf16 values: every bit pattern but NaNs)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    buf = pool.kv_buffer
+    buf.copy_(torch.randn(buf.shape, generator=gen, dtype=torch.float32).to(buf.dtype))
+
+
+def indices(pool: Any, pages: list[int]) -> Any:
+    """Host token indices of whole pages (SGLang passes a page's worth per page)."""
+    import torch
+
+    ps = pool.page_size
+    return torch.tensor([t for p in pages for t in range(p * ps, (p + 1) * ps)], dtype=torch.int64)
+
+
+def page_bytes(pool: Any, page: int) -> bytes:
+    """The bytes of one page, in the pool's flat order."""
+    import torch
+
+    flat = pool.get_data_page(page * pool.page_size, flat=True).contiguous()
+    return bytes(flat.view(torch.uint8).numpy())
+
+
+def storage_config(
+    extra: dict[str, Any],
+    *,
+    model: str = "tiny-model",
+    mla: bool = False,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    page_first: bool = False,
+) -> Any:
+    """SGLang's storage config, as its cache controller builds it, for a dynamic tierkv
+    backend with ``extra`` (tierkv's keys) in its extra config."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=page_first,
+        model_name=model,
+        extra_config={
+            "backend_name": "tierkv",
+            "module_path": "tierkv.integrations.sglang",
+            "class_name": "TierKVStorage",
+            "interface_v1": 1,
+            **extra,
+        },
+    )
+
+
+def create_backend(config: Any, pool: Any) -> Any:
+    """The backend as SGLang's cache controller creates and attaches it: through its own
+    factory (``dynamic``), then ``register_mem_pool_host``."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
