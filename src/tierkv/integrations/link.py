@@ -60,9 +60,12 @@ class ServerLink:
         what: str,
         log: logging.Logger,
         clock: Callable[[], float] = time.monotonic,
+        parallel_callbacks: bool = False,
     ) -> None:
         """``what`` names the engine side in log lines ("scheduler", "worker rank 0");
-        ``log`` is the engine's logger for tierkv (where its operators look)."""
+        ``log`` is the engine's logger for tierkv (where its operators look);
+        ``parallel_callbacks`` is the client's (gather/scatter on its copy threads)."""
+        self.parallel_callbacks = parallel_callbacks
         self.settings = settings
         self._register = register
         self.what = what
@@ -85,6 +88,7 @@ class ServerLink:
                     self.settings.endpoint,
                     timeout=self.settings.timeout,
                     auth_token=self.settings.auth_token,
+                    parallel_callbacks=self.parallel_callbacks,
                 )
             client = self._client
             if (self._down_since is not None or not self._registered) and not _socket_present(

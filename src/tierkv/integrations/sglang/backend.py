@@ -48,9 +48,11 @@ from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.pages import (
     PageGeometry,
     UnsupportedPoolError,
+    copy_into,
     geometry_of,
     page_hash,
     page_views,
+    raw_array,
 )
 from tierkv.integrations.sglang.settings import BackendSettings
 
@@ -82,7 +84,8 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         what = f"tp rank {storage_config.tp_rank}"
         if storage_config.pp_size > 1:
             what += f" pp rank {storage_config.pp_rank}"
-        self.link = ServerLink(self.settings, self._register, what, log)
+        # Page copies run on the client's copy threads (numpy releases the GIL).
+        self.link = ServerLink(self.settings, self._register, what, log, parallel_callbacks=True)
         self._torch_dtype: torch.dtype | None = None
         # For get_stats(): pages per call and GB/s, drained by each get_stats() (bounded:
         # SGLang calls it only with storage metrics on).
@@ -185,10 +188,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         if prepared is None:
             return [False] * len(keys)
         hashes, views = prepared
-        to_slot = self._to_slot
 
         def store(client: Client) -> list[bool]:
-            done = client.store(hashes=hashes, gather=lambda c, dst: to_slot(dst).copy_(views[c]))
+            done = client.store(hashes=hashes, gather=lambda c, dst: copy_into(dst, views[c]))
             held = set(done.stored) | set(done.present)
             return [i in held for i in range(len(hashes))]
 
@@ -210,12 +212,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         if prepared is None:
             return [False] * len(keys)
         hashes, views = prepared
-        to_slot = self._to_slot
 
         def load(client: Client) -> list[bool]:
-            got = client.retrieve(
-                hashes=hashes, scatter=lambda c, src: views[c].copy_(to_slot(src))
-            )
+            got = client.retrieve(hashes=hashes, scatter=lambda c, src: copy_into(views[c], src))
             read = set(got.retrieved)
             return [i in read for i in range(len(hashes))]
 
@@ -250,12 +249,11 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
                 "tierkv %s: batch_get: targets do not match the keys' pages", self.link.what
             )
             return [None] * len(keys)
-        to_slot = self._to_slot
+        flats = [raw_array(t).reshape(-1) for t in targets]
 
         def load(client: Client) -> list[torch.Tensor | None]:
             got = client.retrieve(
-                hashes=hashes,
-                scatter=lambda c, src: targets[c].view(-1).copy_(to_slot(src).reshape(-1)),
+                hashes=hashes, scatter=lambda c, src: copy_into(flats[c], src.reshape(-1))
             )
             read = set(got.retrieved)
             return [targets[i] if i in read else None for i in range(len(keys))]
@@ -285,12 +283,11 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         if not hashes or len(pages) != len(keys) or not all(self._flat_fits(v) for v in pages):
             log.warning("tierkv %s: batch_set: values do not match the keys' pages", self.link.what)
             return False
-        to_slot = self._to_slot
+        flats = [raw_array(v).reshape(-1) for v in pages]
 
         def store(client: Client) -> bool:
             done = client.store(
-                hashes=hashes,
-                gather=lambda c, dst: to_slot(dst).view(-1).copy_(pages[c].reshape(-1)),
+                hashes=hashes, gather=lambda c, dst: copy_into(dst.reshape(-1), flats[c])
             )
             return len(done.stored) + len(done.present) == len(keys)
 
@@ -366,10 +363,6 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.link.close()
 
     # -- helpers ---------------------------------------------------------------------------
-    def _to_slot(self, view: npt.NDArray[Any]) -> torch.Tensor:
-        """A slot's zero-copy numpy view as a tensor of the pool's dtype."""
-        return torch.from_numpy(view).view(self._torch_dtype)
-
     def _hashes(self, what: str, keys: Sequence[str]) -> list[bytes]:
         try:
             return [page_hash(k) for k in keys]
@@ -379,7 +372,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _pages(
         self, what: str, keys: Sequence[str], host_indices: Any
-    ) -> tuple[list[bytes], list[torch.Tensor]] | None:
+    ) -> tuple[list[bytes], list[npt.NDArray[Any]]] | None:
         """Hashes of ``keys`` and views of their pages, or None (logged) for bad input."""
         hashes = self._hashes(what, keys)
         if not hashes:
