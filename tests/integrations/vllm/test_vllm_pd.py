@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation end to end: two clustered tierkv servers, two vLLM API
+servers and the proxy from ``examples/pd_proxy.py``, all real processes on loopback.
+
+Node A runs the producer (``kv_role: kv_producer``) on its tierkv server, node B the consumer
+(``kv_consumer``) on its own; the servers form a cluster. Each prompt goes to the proxy,
+which prefills it on the producer (one output token) and at once sends the whole request to
+the consumer. Prompts of 3 to 11 full chunks (and a partial one) are sent back to back, as
+completions and as a chat; every one must be answered with the tokens of a vLLM instance
+without tierkv (greedy), and the consumer must have loaded every full chunk of every prompt
+from tierkv: B's lookup finds them on A the moment A's store returned (the commit waits for
+the directory, ``--commit-publish-timeout``).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support import vllm_engine
+from support.clusterkit import TOKEN, Node, converged, start_node, status, wait_for
+from support.servers import ServerProcess
+from support.tiny_model import SENTENCES, tokenizer_size
+from support.vllm_serve import PDProxy, VllmServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(1200)]
+
+CHUNK = 256  # the servers' chunk size (their default)
+FULL_CHUNKS = [3, 11, 5, 8, 4, 6, 3]  # per completion prompt, each plus a partial chunk
+MAX_TOKENS = 16
+
+
+@pytest.fixture(autouse=True)
+def vllm_installed() -> None:
+    vllm_engine.require_vllm()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vllm_engine.tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def vllm_servers() -> Iterator[Callable[..., list[VllmServer]]]:
+    """Start vLLM API servers at the same time (``start([(model, kv_transfer_config)...])``),
+    each in its own short temporary directory; all are stopped and removed after the test."""
+    started: list[VllmServer] = []
+
+    def start(specs: list[tuple[Path, dict[str, Any] | None]]) -> list[VllmServer]:
+        servers = [
+            VllmServer(Path(tempfile.mkdtemp(prefix="tierkv-vllm-")), model, config)
+            for model, config in specs
+        ]
+        started.extend(servers)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            return list(pool.map(lambda s: s.start(), servers))
+
+    yield start
+    for server in started:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def pd_proxy() -> Iterator[Callable[[str, str], PDProxy]]:
+    started: list[PDProxy] = []
+
+    def start(producer: str, consumer: str) -> PDProxy:
+        proxy = PDProxy(Path(tempfile.mkdtemp(prefix="tierkv-pd-")), producer, consumer)
+        started.append(proxy)
+        return proxy.start()
+
+    yield start
+    for proxy in started:
+        proxy.stop()
+        shutil.rmtree(proxy.workdir, ignore_errors=True)
+
+
+def connector_config(node: Node, role: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"endpoint": node.server.endpoint, "auth_token": TOKEN},
+    }
+
+
+def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(path, body): completions of random token ids, then one chat of about 1350 tokens."""
+    rng = random.Random(2468)
+    vocab = tokenizer_size(model)
+    common = {
+        "model": str(model),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    requests: list[tuple[str, dict[str, Any]]] = []
+    for chunks in FULL_CHUNKS:
+        length = chunks * CHUNK + rng.randrange(1, CHUNK)
+        prompt = [rng.randrange(3, vocab) for _ in range(length)]
+        requests.append(("/v1/completions", {**common, "prompt": prompt}))
+    words = " ".join(SENTENCES).split()
+    text = " ".join(rng.choice(words) for _ in range(900))
+    chat = {**common, "messages": [{"role": "user", "content": text}]}
+    requests.append(("/v1/chat/completions", chat))
+    return requests
+
+
+def output_tokens(answer: dict[str, Any]) -> list[int]:
+    tokens: list[int] = answer["choices"][0]["token_ids"]
+    return tokens
+
+
+def test_consumer_loads_every_full_chunk_the_producer_prefilled(
+    tiny_model: Path,
+    server_factory: Callable[..., ServerProcess],
+    vllm_servers: Callable[..., list[VllmServer]],
+    pd_proxy: Callable[[str, str], PDProxy],
+) -> None:
+    a = start_node(server_factory, [], pool_size="256MiB", seed_self=True)
+    b = start_node(server_factory, [a.port], pool_size="256MiB", seed_self=True)
+    wait_for(lambda: converged([a, b]))
+    reference, producer, consumer = vllm_servers(
+        [
+            (tiny_model, None),
+            (tiny_model, connector_config(a, "kv_producer")),
+            (tiny_model, connector_config(b, "kv_consumer")),
+        ]
+    )
+    proxy = pd_proxy(producer.url, consumer.url)
+    requests = make_requests(tiny_model)
+
+    expected = [output_tokens(reference.post(path, body)) for path, body in requests]
+    reference.stop()  # its cores and memory go to the others
+
+    answers: list[dict[str, Any]] = []
+    seconds: list[float] = []
+    for path, body in requests:  # back to back, no pause
+        started = time.perf_counter()
+        answers.append(proxy.post(path, body))
+        seconds.append(time.perf_counter() - started)
+
+    full_chunks: list[int] = []
+    for i, answer in enumerate(answers):
+        prompt_tokens = answer["usage"]["prompt_tokens"]
+        assert prompt_tokens % CHUNK, (i, prompt_tokens)  # the last chunk is partial
+        full_chunks.append(prompt_tokens // CHUNK)
+        assert output_tokens(answer) == expected[i], i
+        tierkv = (answer.get("kv_transfer_params") or {}).get("tierkv")
+        assert tierkv is not None, (i, answer, consumer.log_tail())
+        loaded = full_chunks[i] * CHUNK
+        assert tierkv["hit_tokens"] == loaded, (i, tierkv)
+        assert tierkv["external_tokens"] == loaded, (i, tierkv)
+        assert tierkv["loaded_tokens"] == loaded, (i, tierkv)
+        assert tierkv["load_failed_from"] is None, (i, tierkv)
+        assert tierkv["stored_chunks"] == 0, (i, tierkv)  # a consumer never stores
+    assert full_chunks[:-1] == FULL_CHUNKS
+    assert full_chunks[-1] >= 3, full_chunks
+
+    with a.client() as client:
+        stats_a = client.stats()
+    with b.client() as client:
+        stats_b = client.stats()
+    # The producer stored every full chunk on A; B got every one of them from A.
+    assert stats_a.objects == sum(full_chunks), stats_a
+    assert stats_b.lookup_hits.get("peer") == sum(full_chunks), stats_b.lookup_hits
+    assert stats_a.errors == {} and stats_b.errors == {}, (stats_a.errors, stats_b.errors)
+    directory = status(a)["directory"]
+    assert directory["publish_waits"] >= len(requests), directory
+    assert directory["publish_wait_timeouts"] == 0, directory
+    print(
+        "pd: full chunks per prompt",
+        full_chunks,
+        "seconds per prompt (prefill + decode through the proxy)",
+        [round(s, 3) for s in seconds],
+    )
