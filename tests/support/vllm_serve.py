@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from support.httputil import request
+from support.httputil import Reply, request
 from support.services import REPO, _Service
 
 HEALTH_PROBE = (
@@ -44,6 +44,20 @@ class _HttpService(_Service):
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300.0) -> Any:
         """POST ``body`` as JSON; the JSON answer (a non-200 status fails the test)."""
+        return self._post(path, body, timeout).json()
+
+    def post_events(
+        self, path: str, body: dict[str, Any], timeout: float = 300.0
+    ) -> list[dict[str, Any]]:
+        """POST a streaming request (``"stream": true``); its server-sent events' JSON data,
+        up to ``[DONE]``, which must end the stream."""
+        reply = self._post(path, body, timeout)
+        assert reply.headers["content-type"].startswith("text/event-stream"), reply.headers
+        data = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+        assert data and data[-1] == "[DONE]", reply.text[-500:]
+        return [json.loads(d) for d in data[:-1]]
+
+    def _post(self, path: str, body: dict[str, Any], timeout: float) -> Reply:
         reply = request(
             "POST",
             self.url + path,
@@ -52,7 +66,7 @@ class _HttpService(_Service):
             timeout=timeout,
         )
         assert reply.status == 200, (self.what, path, reply.status, reply.body[:500])
-        return reply.json()
+        return reply
 
     def log_tail(self, lines: int = 60) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

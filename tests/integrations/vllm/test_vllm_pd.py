@@ -5,10 +5,10 @@ Node A runs the producer (``kv_role: kv_producer``) on its tierkv server, node B
 (``kv_consumer``) on its own; the servers form a cluster. Each prompt goes to the proxy,
 which prefills it on the producer (one output token) and at once sends the whole request to
 the consumer. Prompts of 3 to 11 full chunks (and a partial one) are sent back to back, as
-completions and as a chat; every one must be answered with the tokens of a vLLM instance
-without tierkv (greedy), and the consumer must have loaded every full chunk of every prompt
-from tierkv: B's lookup finds them on A the moment A's store returned (the commit waits for
-the directory, ``--commit-publish-timeout``).
+completions (one streamed) and as a chat; every one must be answered with the tokens of a
+vLLM instance without tierkv (greedy), and the consumer must have loaded every full chunk of
+every prompt from tierkv: B's lookup finds them on A the moment A's store returned (the
+commit waits for the directory, ``--commit-publish-timeout``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(1200)
 
 CHUNK = 256  # the servers' chunk size (their default)
 FULL_CHUNKS = [3, 11, 5, 8, 4, 6, 3]  # per completion prompt, each plus a partial chunk
+STREAMED = 3  # this completion is streamed (its answer carries no connector report)
 MAX_TOKENS = 16
 
 
@@ -93,7 +95,8 @@ def connector_config(node: Node, role: str) -> dict[str, Any]:
 
 
 def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(path, body): completions of random token ids, then one chat of about 1350 tokens."""
+    """(path, body): completions of random token ids (one of them streamed), then one chat
+    of about 1350 tokens."""
     rng = random.Random(2468)
     vocab = tokenizer_size(model)
     common = {
@@ -104,10 +107,12 @@ def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
         "return_token_ids": True,
     }
     requests: list[tuple[str, dict[str, Any]]] = []
-    for chunks in FULL_CHUNKS:
+    for i, chunks in enumerate(FULL_CHUNKS):
         length = chunks * CHUNK + rng.randrange(1, CHUNK)
-        prompt = [rng.randrange(3, vocab) for _ in range(length)]
-        requests.append(("/v1/completions", {**common, "prompt": prompt}))
+        body = {**common, "prompt": [rng.randrange(3, vocab) for _ in range(length)]}
+        if i == STREAMED:
+            body.update(stream=True, stream_options={"include_usage": True})
+        requests.append(("/v1/completions", body))
     words = " ".join(SENTENCES).split()
     text = " ".join(rng.choice(words) for _ in range(900))
     chat = {**common, "messages": [{"role": "user", "content": text}]}
@@ -115,9 +120,21 @@ def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
     return requests
 
 
-def output_tokens(answer: dict[str, Any]) -> list[int]:
-    tokens: list[int] = answer["choices"][0]["token_ids"]
-    return tokens
+@dataclass
+class Answer:
+    tokens: list[int]  # output token ids
+    prompt_tokens: int
+    tierkv: dict[str, Any] | None  # the connector's report; streamed answers have none
+
+
+def ask(service: VllmServer | PDProxy, path: str, body: dict[str, Any]) -> Answer:
+    if body.get("stream"):
+        events = service.post_events(path, body)
+        tokens = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+        return Answer(tokens, events[-1]["usage"]["prompt_tokens"], None)
+    answer = service.post(path, body)
+    tierkv = (answer.get("kv_transfer_params") or {}).get("tierkv")
+    return Answer(answer["choices"][0]["token_ids"], answer["usage"]["prompt_tokens"], tierkv)
 
 
 def test_consumer_loads_every_full_chunk_the_producer_prefilled(
@@ -139,40 +156,43 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
     proxy = pd_proxy(producer.url, consumer.url)
     requests = make_requests(tiny_model)
 
-    expected = [output_tokens(reference.post(path, body)) for path, body in requests]
+    expected = [ask(reference, path, body).tokens for path, body in requests]
     reference.stop()  # its cores and memory go to the others
 
-    answers: list[dict[str, Any]] = []
+    answers: list[Answer] = []
     seconds: list[float] = []
     for path, body in requests:  # back to back, no pause
         started = time.perf_counter()
-        answers.append(proxy.post(path, body))
+        answers.append(ask(proxy, path, body))
         seconds.append(time.perf_counter() - started)
 
-    full_chunks: list[int] = []
+    full_chunks = [answer.prompt_tokens // CHUNK for answer in answers]
+    assert all(answer.prompt_tokens % CHUNK for answer in answers)  # a partial last chunk
+    assert full_chunks[:-1] == FULL_CHUNKS and full_chunks[-1] >= 3, full_chunks
+    assert [answer.tokens for answer in answers] == expected
     for i, answer in enumerate(answers):
-        prompt_tokens = answer["usage"]["prompt_tokens"]
-        assert prompt_tokens % CHUNK, (i, prompt_tokens)  # the last chunk is partial
-        full_chunks.append(prompt_tokens // CHUNK)
-        assert output_tokens(answer) == expected[i], i
-        tierkv = (answer.get("kv_transfer_params") or {}).get("tierkv")
-        assert tierkv is not None, (i, answer, consumer.log_tail())
+        if i == STREAMED:
+            continue  # checked below, with the servers' counts
+        tierkv = answer.tierkv
+        assert tierkv is not None, (i, consumer.log_tail())
         loaded = full_chunks[i] * CHUNK
         assert tierkv["hit_tokens"] == loaded, (i, tierkv)
         assert tierkv["external_tokens"] == loaded, (i, tierkv)
         assert tierkv["loaded_tokens"] == loaded, (i, tierkv)
         assert tierkv["load_failed_from"] is None, (i, tierkv)
         assert tierkv["stored_chunks"] == 0, (i, tierkv)  # a consumer never stores
-    assert full_chunks[:-1] == FULL_CHUNKS
-    assert full_chunks[-1] >= 3, full_chunks
 
     with a.client() as client:
         stats_a = client.stats()
     with b.client() as client:
         stats_b = client.stats()
-    # The producer stored every full chunk on A; B got every one of them from A.
+    # The producer stored every full chunk on A; B found every one on A and the consumer
+    # retrieved every one (the streamed prompt's too).
     assert stats_a.objects == sum(full_chunks), stats_a
+    chunk_bytes = stats_a.stored_bytes // stats_a.objects
+    assert stats_a.stored_bytes == chunk_bytes * stats_a.objects, stats_a
     assert stats_b.lookup_hits.get("peer") == sum(full_chunks), stats_b.lookup_hits
+    assert stats_b.retrieved_bytes == chunk_bytes * sum(full_chunks), stats_b
     assert stats_a.errors == {} and stats_b.errors == {}, (stats_a.errors, stats_b.errors)
     directory = status(a)["directory"]
     assert directory["publish_waits"] >= len(requests), directory
