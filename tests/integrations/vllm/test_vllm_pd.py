@@ -8,7 +8,8 @@ the consumer. Prompts of 3 to 11 full chunks (and a partial one) are sent back t
 completions (one streamed) and as a chat; every one must be answered with the tokens of a
 vLLM instance without tierkv (greedy), and the consumer must have loaded every full chunk of
 every prompt from tierkv: B's lookup finds them on A the moment A's store returned (the
-commit waits for the directory, ``--commit-publish-timeout``).
+commit waits for the directory, ``--commit-publish-timeout``). Then the producer is stopped:
+the proxy still answers, the same tokens, from the consumer computing the prompt itself.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pytest
 
 from support import vllm_engine
 from support.clusterkit import TOKEN, Node, converged, start_node, status, wait_for
+from support.httputil import request
 from support.servers import ServerProcess
 from support.tiny_model import SENTENCES, tokenizer_size
 from support.vllm_serve import PDProxy, VllmServer
@@ -36,6 +38,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(1200)
 CHUNK = 256  # the servers' chunk size (their default)
 FULL_CHUNKS = [3, 11, 5, 8, 4, 6, 3]  # per completion prompt, each plus a partial chunk
 STREAMED = 3  # this completion is streamed (its answer carries no connector report)
+FALLBACK_CHUNKS = 4  # the prompt sent once the producer is down
 MAX_TOKENS = 16
 
 
@@ -94,9 +97,12 @@ def connector_config(node: Node, role: str) -> dict[str, Any]:
     }
 
 
-def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(path, body): completions of random token ids (one of them streamed), then one chat
-    of about 1350 tokens."""
+Request = tuple[str, dict[str, Any]]  # path, body
+
+
+def make_requests(model: Path) -> tuple[list[Request], Request]:
+    """Completions of random token ids (one of them streamed), then one chat of about 1350
+    tokens; and one more completion, for when the producer is down."""
     rng = random.Random(2468)
     vocab = tokenizer_size(model)
     common = {
@@ -106,18 +112,18 @@ def make_requests(model: Path) -> list[tuple[str, dict[str, Any]]]:
         "ignore_eos": True,
         "return_token_ids": True,
     }
-    requests: list[tuple[str, dict[str, Any]]] = []
-    for i, chunks in enumerate(FULL_CHUNKS):
-        length = chunks * CHUNK + rng.randrange(1, CHUNK)
-        body = {**common, "prompt": [rng.randrange(3, vocab) for _ in range(length)]}
-        if i == STREAMED:
-            body.update(stream=True, stream_options={"include_usage": True})
-        requests.append(("/v1/completions", body))
+
+    def completion(chunks: int) -> Request:
+        prompt = [rng.randrange(3, vocab) for _ in range(chunks * CHUNK + rng.randrange(1, CHUNK))]
+        return ("/v1/completions", {**common, "prompt": prompt})
+
+    requests = [completion(chunks) for chunks in FULL_CHUNKS]
+    requests[STREAMED][1].update(stream=True, stream_options={"include_usage": True})
     words = " ".join(SENTENCES).split()
     text = " ".join(rng.choice(words) for _ in range(900))
     chat = {**common, "messages": [{"role": "user", "content": text}]}
     requests.append(("/v1/chat/completions", chat))
-    return requests
+    return requests, completion(FALLBACK_CHUNKS)
 
 
 @dataclass
@@ -154,9 +160,9 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
         ]
     )
     proxy = pd_proxy(producer.url, consumer.url)
-    requests = make_requests(tiny_model)
+    requests, fallback = make_requests(tiny_model)
 
-    expected = [ask(reference, path, body).tokens for path, body in requests]
+    expected = [ask(reference, path, body).tokens for path, body in [*requests, fallback]]
     reference.stop()  # its cores and memory go to the others
 
     answers: list[Answer] = []
@@ -169,7 +175,7 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
     full_chunks = [answer.prompt_tokens // CHUNK for answer in answers]
     assert all(answer.prompt_tokens % CHUNK for answer in answers)  # a partial last chunk
     assert full_chunks[:-1] == FULL_CHUNKS and full_chunks[-1] >= 3, full_chunks
-    assert [answer.tokens for answer in answers] == expected
+    assert [answer.tokens for answer in answers] == expected[: len(requests)]
     for i, answer in enumerate(answers):
         if i == STREAMED:
             continue  # checked below, with the servers' counts
@@ -203,3 +209,11 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
         "seconds per prompt (prefill + decode through the proxy)",
         [round(s, 3) for s in seconds],
     )
+
+    # Without a producer the consumer computes the prompt itself: the same answer.
+    producer.stop()
+    assert request("GET", proxy.url + "/health").status == 503
+    answer = ask(proxy, *fallback)
+    assert answer.tokens == expected[-1]
+    assert answer.tierkv is not None and answer.tierkv["loaded_tokens"] == 0, answer.tierkv
+    assert "prefill failed" in proxy.log_tail()
