@@ -36,7 +36,6 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 log = logging.getLogger("pd_proxy")
 
@@ -99,10 +98,7 @@ class PDProxy:
         media_type = reply.headers.get("content-type")
         if body.get("stream"):
             return StreamingResponse(
-                reply.aiter_raw(),
-                status_code=reply.status_code,
-                media_type=media_type,
-                background=BackgroundTask(reply.aclose),
+                relay(reply), status_code=reply.status_code, media_type=media_type
             )
         try:
             content = await reply.aread()
@@ -118,6 +114,16 @@ class PDProxy:
             except httpx.HTTPError:
                 return False
         return True
+
+
+async def relay(reply: httpx.Response) -> AsyncIterator[bytes]:
+    """The consumer's streamed answer as it comes; its connection is released at the end,
+    also when the client goes away in the middle."""
+    try:
+        async for piece in reply.aiter_raw():
+            yield piece
+    finally:
+        await reply.aclose()
 
 
 def create_app(producer: str, consumer: str, timeout: float = 600.0) -> FastAPI:

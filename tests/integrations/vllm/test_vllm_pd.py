@@ -121,7 +121,13 @@ def make_requests(model: Path) -> tuple[list[Request], Request]:
     requests[STREAMED][1].update(stream=True, stream_options={"include_usage": True})
     words = " ".join(SENTENCES).split()
     text = " ".join(rng.choice(words) for _ in range(900))
-    chat = {**common, "messages": [{"role": "user", "content": text}]}
+    # max_completion_tokens and min_tokens: the proxy's prefill must override or drop them.
+    chat = {
+        **{k: v for k, v in common.items() if k != "max_tokens"},
+        "max_completion_tokens": MAX_TOKENS,
+        "min_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": text}],
+    }
     requests.append(("/v1/chat/completions", chat))
     return requests, completion(FALLBACK_CHUNKS)
 
