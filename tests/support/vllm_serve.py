@@ -18,8 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from support.httputil import Reply, request
 from support.services import REPO, _Service
 
@@ -114,6 +112,8 @@ class VllmServer(_HttpService):
         }
 
     def stop(self) -> None:
+        import psutil  # installed with vLLM
+
         children: list[psutil.Process] = []
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(psutil.NoSuchProcess):
