@@ -45,8 +45,8 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -68,6 +68,7 @@ class _Service:
     what = "server"
     log_name = "server.log"
     poll_interval = 0.05
+    start_timeout = START_TIMEOUT
     _probe: tuple[bytes, bytes] = (b"", b"")
 
     def __init__(self, workdir: Path) -> None:
@@ -105,7 +106,7 @@ class _Service:
     def _wait_ready(self, port: int) -> bool:
         assert self.proc is not None
         request, answer = self._probe
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
