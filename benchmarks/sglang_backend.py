@@ -37,11 +37,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from peers import TOKEN, Server, free_port_pair, members, wait_for  # noqa: E402
-from shm_path import start_server, stop_process  # noqa: E402
-from support import sglang_pools as sp  # noqa: E402
-
-from tierkv.copier import Copier, default_threads  # noqa: E402
+from peers import TOKEN, Server, free_port_pair, members, wait_for
+from shm_path import start_server, stop_process
+from support import sglang_pools as sp
+from tierkv.copier import Copier, default_threads
 
 GOAL_VS_MEMCPY = 0.7
 GOAL_VS_FILE = 2.0
@@ -90,8 +89,10 @@ def main() -> None:
 
     # -- the bound: memcpy of the same bytes --------------------------------------------------
     copier = Copier(default_threads())
-    pages_src = [np.ascontiguousarray(src.get_data_page(p * args.page_size).view(torch.uint8).numpy())
-                 for p in range(n)]  # fmt: skip
+    pages_src = [
+        np.ascontiguousarray(src.get_data_page(p * args.page_size).view(torch.uint8).numpy())
+        for p in range(n)
+    ]
     pages_dst = [np.empty_like(a) for a in pages_src]
     sizes = [page_bytes] * n
     pairs = list(zip(pages_dst, pages_src, strict=True))
