@@ -22,7 +22,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
+
+import msgspec
 
 from tierkv.client import (
     Client,
@@ -32,22 +34,36 @@ from tierkv.client import (
     ServerUnavailableError,
     TierKVError,
     UnauthorizedError,
+    default_endpoint,
 )
 
 T = TypeVar("T")
 
 
-class LinkSettings(Protocol):
-    """What a link needs of an integration's settings."""
+class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The settings of an engine's link to its server, which every integration's settings
+    extend (they come from the engine's extra config, through :func:`tierkv.options.convert`)."""
 
-    @property
-    def endpoint(self) -> str: ...
-    @property
-    def auth_token(self) -> str: ...
-    @property
-    def timeout(self) -> float: ...
-    @property
-    def retry_interval(self) -> float: ...
+    endpoint: str = ""  # default: $TIERKV_ENDPOINT, else the default instance's socket
+    auth_token: str = ""  # default: $TIERKV_AUTH_TOKEN
+    timeout: float = 2.0  # seconds an RPC may take before the engine treats it as a miss
+    retry_interval: float = 5.0  # after a failure, seconds the server is not asked again
+
+    def resolved(self: S) -> S:
+        """With the defaults from the environment filled in; raises ValueError naming the
+        key for a bad value."""
+        if self.timeout <= 0:
+            raise ValueError("timeout must be positive")
+        if self.retry_interval < 0:
+            raise ValueError("retry_interval must be >= 0")
+        return msgspec.structs.replace(
+            self,
+            endpoint=self.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
+            auth_token=self.auth_token or os.environ.get("TIERKV_AUTH_TOKEN", ""),
+        )
+
+
+S = TypeVar("S", bound=LinkSettings)
 
 
 class ServerLink:

@@ -22,14 +22,13 @@ A key tierkv does not know is an error: a typo must not silently fall back to a 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
-
-from tierkv.client import default_endpoint
+from tierkv.integrations.link import LinkSettings
 from tierkv.options import OptionError, convert
+
+WHAT = "hicache-storage-backend-extra-config"
 
 # Keys of the extra config that belong to SGLang (its backend factory and cache controller).
 SGLANG_KEYS = frozenset(
@@ -51,11 +50,7 @@ class SettingsError(ValueError):
     """A bad value in the extra config; the message names the key."""
 
 
-class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    endpoint: str = ""
-    auth_token: str = ""
-    timeout: float = 2.0
-    retry_interval: float = 5.0
+class BackendSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_id: str = ""
     tenant: str = ""
 
@@ -63,16 +58,8 @@ class BackendSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
         ours = {k: v for k, v in dict(extra or {}).items() if k not in SGLANG_KEYS}
         try:
-            settings = convert(ours, cls, what="hicache-storage-backend-extra-config")
+            return convert(ours, cls, what=WHAT).resolved()
         except OptionError as exc:
             raise SettingsError(str(exc)) from None
-        settings = msgspec.structs.replace(
-            settings,
-            endpoint=settings.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
-            auth_token=settings.auth_token or os.environ.get("TIERKV_AUTH_TOKEN", ""),
-        )
-        if settings.timeout <= 0:
-            raise SettingsError("hicache-storage-backend-extra-config.timeout must be positive")
-        if settings.retry_interval < 0:
-            raise SettingsError("hicache-storage-backend-extra-config.retry_interval must be >= 0")
-        return settings
+        except ValueError as exc:
+            raise SettingsError(f"{WHAT}.{exc}") from None

@@ -4,7 +4,7 @@ Every key is optional::
 
     endpoint        tierkv RPC endpoint (default: $TIERKV_ENDPOINT, else the default
                     instance's local socket)
-    auth_token      the server's shared secret, if it has one
+    auth_token      the server's shared secret, if it has one (default: $TIERKV_AUTH_TOKEN)
     chunk_size      tokens per chunk; must equal the server's --chunk-size (default 256)
     timeout         seconds one RPC may take before the engine treats it as a miss
                     (default 2.0: the engine never waits long on the cache)
@@ -28,14 +28,13 @@ Every key is optional::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
-
-from tierkv.client import default_endpoint
+from tierkv.integrations.link import LinkSettings
 from tierkv.options import OptionError, convert
+
+WHAT = "kv_connector_extra_config"
 
 HASH_MODES = ("auto", "vllm", "tokens")
 KV_LAYOUTS = ("auto", "native", "split_last")
@@ -45,12 +44,8 @@ class SettingsError(ValueError):
     """A bad value in kv_connector_extra_config; the message names the key."""
 
 
-class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    endpoint: str = ""
-    auth_token: str = ""
+class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     chunk_size: int = 256
-    timeout: float = 2.0
-    retry_interval: float = 5.0
     hashes: str = "auto"
     model_id: str = ""
     tenant: str = ""
@@ -61,17 +56,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Validate the extra config; unknown keys are an error (a typo must not pass)."""
         try:
-            settings = convert(dict(extra or {}), cls, what="kv_connector_extra_config")
+            settings = convert(dict(extra or {}), cls, what=WHAT).resolved()
         except OptionError as exc:
             raise SettingsError(str(exc)) from None
-        endpoint = settings.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint()
-        settings = msgspec.structs.replace(settings, endpoint=endpoint)
+        except ValueError as exc:
+            raise SettingsError(f"{WHAT}.{exc}") from None
         if settings.chunk_size <= 0:
-            raise SettingsError("kv_connector_extra_config.chunk_size must be positive")
-        if settings.timeout <= 0:
-            raise SettingsError("kv_connector_extra_config.timeout must be positive")
-        if settings.retry_interval < 0:
-            raise SettingsError("kv_connector_extra_config.retry_interval must be >= 0")
+            raise SettingsError(f"{WHAT}.chunk_size must be positive")
         if settings.hashes not in HASH_MODES:
             raise SettingsError(
                 f"kv_connector_extra_config.hashes must be one of {HASH_MODES}, "
