@@ -351,3 +351,51 @@ def test_get_stats_reports_pages_and_bandwidth_and_clear_empties_the_pool(
     assert backend.get_stats().backup_pgs == []  # drained
     assert backend.clear() is True
     assert backend.batch_exists(keys) == 0
+
+
+# -- SGLang's storage threads call one backend at once ---------------------------------------
+def test_one_backend_serves_sglangs_prefetch_and_backup_threads_at_once(
+    srv: ServerProcess, backends: list[Any]
+) -> None:
+    """SGLang's backup thread writes while its prefetch threads check and read, all through
+    one backend object: every page read is byte-exact, nothing is left locked."""
+    import threading
+
+    src = sp.host_pool("mha", "page_first", pages=32)
+    sp.fill_random(src, seed=12)
+    dst = sp.host_pool("mha", "page_first", pages=32)
+    backend = make(backends, srv, src)
+    reader = make(backends, srv, dst)
+    rounds, errors = 40, []
+    written = threading.Semaphore(0)
+
+    def backup() -> None:
+        for r in range(rounds):
+            keys = keys_for(f"threads-{r}", 4)
+            if (
+                backend.batch_set_v1(keys, sp.indices(src, [(r + i) % 16 for i in range(4)]))
+                != [True] * 4
+            ):
+                errors.append(f"set {r}")
+            written.release()
+
+    def prefetch() -> None:
+        for r in range(rounds):
+            written.acquire()
+            keys = keys_for(f"threads-{r}", 4)
+            # This thread's pages land in dst pages 16..19, read back before the next round.
+            hits = backend.batch_exists(keys)
+            got = reader.batch_get_v1(keys[:hits], sp.indices(dst, list(range(16, 16 + hits))))
+            for i, ok in enumerate(got):
+                if not ok or sp.page_bytes(dst, 16 + i) != sp.page_bytes(src, (r + i) % 16):
+                    errors.append(f"read {r}.{i}")
+            if hits != 4:
+                errors.append(f"exists {r}: {hits}")
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    assert_clean(srv)
