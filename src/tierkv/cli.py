@@ -13,12 +13,13 @@ from tierkv.config import ConfigError, add_arguments, load
 def _server(args: argparse.Namespace) -> int:
     from tierkv.pool import PoolError
     from tierkv.server.app import run
+    from tierkv.server.quotas import QuotaError
     from tierkv.server.rpc import EndpointInUseError
     from tierkv.tiers import TierError
 
     try:
         return run(load(args))
-    except (ConfigError, PoolError, EndpointInUseError, TierError) as exc:
+    except (ConfigError, PoolError, EndpointInUseError, TierError, QuotaError) as exc:
         print(f"tierkv server: {exc}", file=sys.stderr)
         return 2
 
