@@ -45,7 +45,8 @@ def tenant_client(srv: ServerProcess, tenant: str) -> Client:
 
 def put(base: str, path: str, doc: Any, headers: dict[str, str] | None = None) -> Any:
     body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    return request("PUT", base + path, body, {"Content-Type": "application/json", **(headers or {})})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    return request("PUT", base + path, body, headers)
 
 
 def usage(base: str, tenant: str) -> int:
@@ -208,7 +209,7 @@ def test_bad_quota_requests_get_a_400_and_change_nothing(server_factory: Servers
 
 
 def test_quota_writes_need_the_token_and_the_same_origin(server_factory: Servers) -> None:
-    srv, base = start(server_factory, "--auth-token", "s3cret")
+    _, base = start(server_factory, "--auth-token", "s3cret")
     assert put(base, "/quota/t", {"limit": 1}).status == 401
     assert put(base, "/quota/t", {"limit": 1}, {"Authorization": "Bearer nope"}).status == 403
     assert request("DELETE", base + "/quota/t").status == 401
