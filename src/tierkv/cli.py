@@ -1,4 +1,4 @@
-"""The `tierkv` command: server, demo, status, clear."""
+"""The `tierkv` command: server, demo, status, clear, quota."""
 
 from __future__ import annotations
 
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(clear)
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_clear)
+
+    from tierkv.quota_cli import add_quota_arguments, run_quota
+
+    quota = sub.add_parser("quota", help="show or change tenant quotas of a running server")
+    add_quota_arguments(quota)
+    quota.set_defaults(func=run_quota)
     return parser
 
 

@@ -5,6 +5,9 @@ reserved tenant names, and the per-tenant figures in /status and Prometheus."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -220,3 +223,29 @@ def test_quota_writes_need_the_token_and_the_same_origin(server_factory: Servers
     assert put(base, "/quota/t", {"limit": 1}, good).status == 200
     assert get_json(base + "/quota/t")["limit"] == 1  # reads stay open
     assert request("DELETE", base + "/quota/t", headers=good).status == 200
+
+
+def test_the_quota_command_does_the_same_over_http(server_factory: Servers) -> None:
+    _, base = start(server_factory, "--auth-token", "tok")
+
+    def cli(*args: str, token: str = "tok") -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "tierkv.cli", "quota", "--url", base, *args]
+        env = {**os.environ, "TIERKV_AUTH_TOKEN": token}
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    assert cli("set", "a/b", "3MiB").returncode == 0  # any salt, "/" included
+    assert cli("set", "config", "1024").returncode == 0  # a tenant named like the endpoint
+    assert get_json(base + "/quota/a/b")["limit"] == 3 * MiB
+    assert json.loads(cli("get", "config").stdout)["limit"] == 1024
+    done = cli("config", "--default", "1GiB", "--mode", "hard")
+    assert json.loads(done.stdout) == {"default_limit": 2**30, "mode": "hard"}
+    listing = json.loads(cli("list").stdout)
+    assert {t["tenant"] for t in listing["tenants"]} == {"a/b", "config"}
+    assert cli("delete", "config").returncode == 0
+    missing = cli("delete", "config")
+    assert missing.returncode == 1 and "404" in missing.stderr
+    bad = cli("set", "a/b", "lots")
+    assert bad.returncode == 1 and "400" in bad.stderr and "not a size" in bad.stderr
+    refused = cli("set", "a/b", "1GiB", token="wrong")
+    assert refused.returncode == 1 and "403" in refused.stderr
+    assert get_json(base + "/quota/a/b")["limit"] == 3 * MiB
