@@ -152,10 +152,7 @@ def create_app(
 
     @app.post("/clear-cache")
     async def clear_cache(request: Request) -> JSONResponse:
-        denied = authorize(request)
-        if denied is not None:
-            return denied
-        body = await read_body(request)
+        body = await authorized_body(request, authorize)
         if isinstance(body, JSONResponse):
             return body
         try:
@@ -166,6 +163,15 @@ def create_app(
         return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
 
     return app
+
+
+async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JSONResponse:
+    """The body of a request that changes state, or the reply to send instead (refused,
+    too large, cut short)."""
+    denied = authorize(request)
+    if denied is not None:
+        return denied
+    return await read_body(request)
 
 
 async def read_body(request: Request) -> bytes | JSONResponse:

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from tierkv.server.http import Authorizer, error_reply, read_body
+from tierkv.server.http import Authorizer, authorized_body, error_reply
 from tierkv.server.quotas import (
     GIB,
     QuotaError,
@@ -79,13 +79,8 @@ def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> Non
 
     async def write(request: Request) -> Any:
         """The JSON body of an authorized write, or the reply to send instead."""
-        denied = authorize(request)
-        if denied is not None:
-            return denied
-        body = await read_body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        return _json_body(body)
+        body = await authorized_body(request, authorize)
+        return body if isinstance(body, JSONResponse) else _json_body(body)
 
     @app.get("/quota")
     def listing() -> JSONResponse:
