@@ -1,4 +1,4 @@
-"""The `tierkv` command: server, demo, status, clear."""
+"""The `tierkv` command: server, demo, status, clear, quota."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from tierkv.config import ConfigError, add_arguments, load
 def _server(args: argparse.Namespace) -> int:
     from tierkv.pool import PoolError
     from tierkv.server.app import run
+    from tierkv.server.quotas import QuotaError
     from tierkv.server.rpc import EndpointInUseError
     from tierkv.tiers import TierError
 
     try:
         return run(load(args))
-    except (ConfigError, PoolError, EndpointInUseError, TierError) as exc:
+    except (ConfigError, PoolError, EndpointInUseError, TierError, QuotaError) as exc:
         print(f"tierkv server: {exc}", file=sys.stderr)
         return 2
 
@@ -178,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(clear)
     clear.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_clear)
+
+    from tierkv.quota_cli import add_quota_arguments, run_quota
+
+    quota = sub.add_parser("quota", help="show or change tenant quotas of a running server")
+    add_quota_arguments(quota)
+    quota.set_defaults(func=run_quota)
     return parser
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from tierkv.options import OptionError, Size, convert
+from tierkv.options import OptionError, Size, convert, parse_size
 from tierkv.tiers.base import TierError, tier_options
 
 
@@ -104,6 +104,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     peer_connections: int = 16
     peer_timeout: float = 2.0
     commit_publish_timeout: float = 2.0
+    quotas: dict[str, int] = msgspec.field(default_factory=dict)
+    default_quota: str = "unlimited"
+    quota_mode: str = "soft"
+    quota_file: str = ""
     log_level: str = "info"
     log_format: str = "text"
 
@@ -115,6 +119,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def resolved_pool_name(self) -> str:
         return self.pool_name or f"tierkv-{os.getuid()}-{self.instance}"
+
+    @property
+    def resolved_quota_file(self) -> str:
+        return self.quota_file or os.path.join(self.resolved_runtime_dir, "quotas.json")
+
+    @property
+    def default_quota_bytes(self) -> int | None:
+        """The default quota in bytes (None: unlimited)."""
+        text = self.default_quota.strip()
+        return None if text.lower() == "unlimited" else parse_size(text)
 
     @property
     def rpc_endpoint(self) -> str:
@@ -164,6 +178,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"log_level {self.log_level!r}: use debug, info, warning, error or critical"
             )
         self._validate_tiers()
+        self._validate_quotas()
         if self.cluster_seeds:
             self._validate_cluster()
         if self.rpc_tcp:
@@ -209,6 +224,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 spec.options = tier_options(spec.name, spec.options)
             except TierError as exc:
                 raise ConfigError(f"tiers: {exc}") from None
+
+    def _validate_quotas(self) -> None:
+        if self.quota_mode not in ("soft", "hard"):
+            raise ConfigError(f"quota_mode {self.quota_mode!r}: use soft or hard")
+        try:
+            self.default_quota_bytes  # noqa: B018 - parsed to check it
+        except OptionError:
+            raise ConfigError(
+                f"default_quota {self.default_quota!r}: use 'unlimited' or a size such as 8GiB"
+            ) from None
+        for name, limit in self.quotas.items():
+            if not name or len(name) > 1024:
+                raise ConfigError("quotas: a tenant name is 1 to 1024 characters")
+            if limit < 0:
+                raise ConfigError(f"quotas: {name}={limit}: a quota is >= 0 bytes")
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):
@@ -305,6 +335,14 @@ FIELD_HELP: dict[str, str] = {
     "directory has its chunks, so that a lookup on any other node finds them as soon as the "
     "store returns (read-your-writes, what prefill/decode disaggregation needs); 0: reply at "
     "once, the chunks reach the directory moments later",
+    "quotas": "a tenant's pool quota, NAME=SIZE (NAME: the engine's tenant salt, or the "
+    "cache salt of engines without one; ~default: chunks without any salt); repeat the flag "
+    "for several",
+    "default_quota": "pool quota of every tenant without its own: unlimited or a size",
+    "quota_mode": "soft: a tenant over its quota loses its own oldest chunks; hard: its "
+    "stores beyond the quota are refused (skipped like a full pool)",
+    "quota_file": "where quotas changed live (HTTP /quota, tierkv quota) are kept across "
+    "restarts (default: RUNTIME_DIR/quotas.json)",
     "log_level": "debug, info, warning or error",
     "log_format": "text or json",
 }
@@ -318,6 +356,30 @@ def _tier_specs(raw: Any) -> list[Any]:
     if not isinstance(raw, list):
         raise ConfigError("tiers must be a list of NAME[:key=value,...] or mappings")
     return [msgspec.to_builtins(parse_tier_spec(item)) for item in raw]
+
+
+def _quota_specs(raw: Any) -> dict[str, Any]:
+    """``quotas`` from flags (a list of NAME=SIZE), the environment (one string, entries
+    separated by ';') or YAML (a mapping of name: size), as a mapping of name -> bytes."""
+    if isinstance(raw, str):
+        raw = [part for part in raw.split(";") if part.strip()]
+    if isinstance(raw, list):
+        pairs: dict[str, Any] = {}
+        for item in raw:
+            name, eq, size = str(item).rpartition("=")
+            if not eq or not name.strip():
+                raise ConfigError(f"quota {item!r}: expected NAME=SIZE (e.g. acme=8GiB)")
+            pairs[name.strip()] = size.strip()
+        raw = pairs
+    if not isinstance(raw, Mapping):
+        raise ConfigError("quotas must be a mapping of tenant: size, or NAME=SIZE entries")
+    out: dict[str, Any] = {}
+    for name, size in raw.items():
+        try:
+            out[str(name)] = parse_size(size) if isinstance(size, str) else size
+        except OptionError as exc:
+            raise ConfigError(f"quotas: {name}: {exc}") from None
+    return out
 
 
 def _fields() -> list[tuple[str, Any, Any]]:
@@ -342,6 +404,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 default=None,
                 metavar="NAME[:K=V,...]",
                 help=help_text.replace("env TIERKV_TIERS", "env TIERKV_TIERS, ';'-separated"),
+            )
+        elif name == "quotas":
+            group.add_argument(
+                "--quota",
+                dest=name,
+                action="append",
+                default=None,
+                metavar="NAME=SIZE",
+                help=help_text.replace("env TIERKV_QUOTAS", "env TIERKV_QUOTAS, ';'-separated"),
             )
         elif isinstance(typ, msgspec.inspect.BoolType):
             group.add_argument(
@@ -389,6 +460,8 @@ def from_mapping(values: Mapping[str, Any]) -> ServerConfig:
     given = dict(values)
     if "tiers" in given:
         given["tiers"] = _tier_specs(given["tiers"])
+    if "quotas" in given:
+        given["quotas"] = _quota_specs(given["quotas"])
     try:
         cfg = convert(given, ServerConfig, what="invalid configuration")
     except OptionError as exc:

@@ -7,6 +7,10 @@ write-behind) keep their place in it and are stepped over. It also expires overd
 so a crashed engine's locks are reclaimed even when no request arrives. Stores never wait
 for it: a reservation that does not fit is skipped and the store path merely wakes the
 controller.
+
+Tenant quotas (:mod:`tierkv.tenants`): each pass first brings every tenant above its quota
+back to it by evicting that tenant's own least recently used objects, so one tenant's
+stores never evict another's while it is over its quota; the watermark pass follows.
 """
 
 from __future__ import annotations
@@ -67,14 +71,19 @@ class EvictionController:
             self._wake.set()
 
     def run_once(self) -> list[Evicted]:
-        """Expire overdue leases, then evict down to the low watermark if above the high one."""
+        """Expire overdue leases, evict what tenants hold beyond their quotas, then evict
+        down to the low watermark if above the high one."""
         self.index.expire()
-        used = self.index.used
-        if used <= self._high_bytes:
-            return []
-        evicted = self.index.evict(used - self._low_bytes)
+        evicted = self.index.evict_over_quota()
         if evicted:
-            log.debug("evicted %d objects (pool was %d bytes used)", len(evicted), used)
+            log.debug("evicted %d objects of tenants over their quota", len(evicted))
+        used = self.index.used
+        if used > self._high_bytes:
+            more = self.index.evict(used - self._low_bytes)
+            if more:
+                log.debug("evicted %d objects (pool was %d bytes used)", len(more), used)
+            evicted += more
+        if evicted:
             for listener in self._listeners:
                 try:
                     listener(evicted)

@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tierkv.allocator import Allocator
+from tierkv.keys import DIGEST_SIZE
+from tierkv.tenants import OTHER_ID, TenantIds
 
 Clock = Callable[[], float]
 
@@ -102,6 +104,7 @@ class Entry:
     pins: int = 0  # pins (background holds): the entry keeps its LRU place, not evictable
     live: bool = True  # False once deleted/cleared/evicted from the key map
     tier: str = ""  # where the bytes came from ("" = written by an engine)
+    tenant: int = OTHER_ID  # the tenant its slot is charged to (see tierkv.tenants)
 
 
 @dataclass(eq=False, slots=True)
@@ -123,6 +126,8 @@ class WriteReservation:
     slots: list[tuple[int, int, int]] = field(default_factory=list)
     present: list[int] = field(default_factory=list)  # already ready or being written
     no_space: list[int] = field(default_factory=list)  # did not fit; skipped
+    over_quota: list[int] = field(default_factory=list)  # of no_space: refused by a hard quota
+    quota_exceeded: bool = False  # a tenant is now above its (soft) quota: evict soon
 
 
 @dataclass(slots=True)
@@ -150,6 +155,19 @@ class Evicted:
     key: bytes
     length: int
     tier: str
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFigures:
+    """One tenant's share of the pool (bytes are aligned slot sizes, as the pool counts)."""
+
+    tenant: int  # id in the index's TenantIds
+    used: int  # bytes of its slots: being written, ready, or deleted but still held
+    limit: int | None  # its quota (the default's where it has none); None: unlimited
+    evictions: int  # its chunks evicted (by the watermark or by its quota)
+    evicted_bytes: int
+    refused_chunks: int  # its new chunks refused by a hard quota
+    refused_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +202,7 @@ class ObjectIndex:
         write_ttl: float = DEFAULT_WRITE_TTL,
         read_ttl: float = DEFAULT_READ_TTL,
         clock: Clock = time.monotonic,
+        tenants: TenantIds | None = None,
     ) -> None:
         if write_ttl <= 0 or read_ttl <= 0:
             raise ValueError("lock TTLs must be positive")
@@ -206,6 +225,19 @@ class ObjectIndex:
         self._expired_read_locks = 0
         self._evictions = 0
         self._evicted_bytes = 0
+        # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
+        # back at free), its own LRU (the global LRU's entries of that tenant, in the same
+        # order), its quota, and its figures.
+        self.tenants = tenants if tenants is not None else TenantIds()
+        self._tused: dict[int, int] = {}
+        self._tlru: dict[int, dict[Entry, None]] = {}
+        self._limits: dict[int, int] = {}
+        self._default_limit: int | None = None
+        self._hard = False
+        self._tevictions: dict[int, int] = {}
+        self._tevicted_bytes: dict[int, int] = {}
+        self._trefused: dict[int, int] = {}
+        self._trefused_bytes: dict[int, int] = {}
         # Called, under the index lock, with the keys of objects whose store expired before
         # its commit (so that lookups can tell "expired" from "never stored"); must be cheap.
         self.on_write_expired: Callable[[list[bytes]], None] | None = None
@@ -223,7 +255,9 @@ class ObjectIndex:
         within this batch) and keys that do not fit are skipped and reported; this never
         waits for eviction. With ``holder_limit`` (bytes), the holder's open reservations,
         this batch's included, never exceed it: chunks beyond it are reported as not
-        fitting, like a full pool. Raises ValueError, with nothing reserved, on a bad
+        fitting, like a full pool. Each slot is charged to the tenant of its key's namespace;
+        under a hard quota, chunks beyond the tenant's limit are refused the same way (and
+        listed in ``over_quota``). Raises ValueError, with nothing reserved, on a bad
         length."""
         if isinstance(lengths, int):
             if lengths <= 0 and keys:
@@ -241,12 +275,30 @@ class ObjectIndex:
             result = WriteReservation(lease.id)
             entries = self._entries
             allocate = self.allocator.allocate
+            aligned = self.allocator.aligned
             room = holder_limit - self._reserved_by(holder) if holder_limit else -1
+            by_digest = self.tenants.by_digest
+            tused = self._tused
+            hard = self._hard
+            ns = b""
+            tid = OTHER_ID
+            limit: int | None = None
             for i, key in enumerate(keys):
                 if key in entries:
                     result.present.append(i)
                     continue
+                if key[:DIGEST_SIZE] != ns:
+                    ns = key[:DIGEST_SIZE]
+                    tid = by_digest.get(ns, OTHER_ID)
+                    limit = self._limits.get(tid, self._default_limit)
                 length = lengths[i]
+                size = aligned(length)
+                if hard and limit is not None and tused.get(tid, 0) + size > limit:
+                    result.no_space.append(i)
+                    result.over_quota.append(i)
+                    self._trefused[tid] = self._trefused.get(tid, 0) + 1
+                    self._trefused_bytes[tid] = self._trefused_bytes.get(tid, 0) + size
+                    continue
                 if room >= 0:
                     if length > room:
                         result.no_space.append(i)
@@ -256,7 +308,10 @@ class ObjectIndex:
                 if offset is None:
                     result.no_space.append(i)
                     continue
-                entry = Entry(key, offset, length, State.WRITING, tier=tier)
+                used = tused[tid] = tused.get(tid, 0) + size
+                if limit is not None and used > limit:
+                    result.quota_exceeded = True
+                entry = Entry(key, offset, length, State.WRITING, tier=tier, tenant=tid)
                 entries[key] = entry
                 lease.entries.append(entry)
                 result.slots.append((i, offset, length))
@@ -331,7 +386,7 @@ class ObjectIndex:
                 lease = Lease(self._new_lease_id(), holder, now + self.read_ttl, [], False)
             result = ReadLock(lease.id)
             entries = self._entries
-            lru = self._lru
+            lru_remove = self._lru_remove
             for i, key in enumerate(keys):
                 entry = entries.get(key)
                 if entry is None or entry.state is not State.READY:
@@ -341,7 +396,7 @@ class ObjectIndex:
                     result.missing.append(i)
                     continue
                 if entry.readers == 0:
-                    del lru[entry]
+                    lru_remove(entry)
                 entry.readers += 1
                 lease.entries.append(entry)
                 result.slots.append((i, entry.offset, entry.length))
@@ -460,26 +515,59 @@ class ObjectIndex:
         call costs O(evicted + pinned); the pins are the write-behind's queue, which is
         bounded (see the module docstring)."""
         with self._lock:
-            victims: list[Entry] = []
-            freed = 0
-            size_of = self.allocator.size_of
-            for entry in self._lru:  # oldest first; collect, then mutate
-                if freed >= nbytes:
-                    break
-                if entry.pins:
-                    continue
-                victims.append(entry)
-                freed += size_of(entry.offset) or 0
+            return self._evict(self._lru, nbytes)
+
+    def evict_over_quota(self) -> list[Evicted]:
+        """Evict, for every tenant above its quota, that tenant's own least recently used
+        unlocked, unpinned objects until it is at or below its quota again (or has nothing
+        evictable left); no other tenant's objects are touched."""
+        with self._lock:
             evicted: list[Evicted] = []
-            for entry in victims:
-                del self._lru[entry]
-                del self._entries[entry.key]
-                entry.live = False
-                self.allocator.free(entry.offset)
-                evicted.append(Evicted(entry.key, entry.length, entry.tier))
-            self._evictions += len(evicted)
-            self._evicted_bytes += freed
+            default = self._default_limit
+            for tid, used in list(self._tused.items()):
+                limit = self._limits.get(tid, default)
+                if limit is not None and used > limit and tid in self._tlru:
+                    evicted += self._evict(self._tlru[tid], used - limit)
             return evicted
+
+    def set_quotas(self, limits: dict[int, int], default: int | None, hard: bool) -> None:
+        """The tenants' quotas (tenant id -> bytes), the quota of every other tenant (None:
+        unlimited), and whether a store beyond a quota is refused (hard) or the tenant's
+        own oldest objects are evicted afterwards (soft: :meth:`evict_over_quota`)."""
+        if any(v < 0 for v in limits.values()) or (default is not None and default < 0):
+            raise ValueError("quotas must be >= 0 bytes")
+        with self._lock:
+            self._limits = dict(limits)
+            self._default_limit = default
+            self._hard = hard
+
+    def over_quota(self) -> bool:
+        """Whether some tenant holds more than its quota (cheap: one pass over tenants)."""
+        with self._lock:
+            default = self._default_limit
+            return any(
+                used > lim
+                for tid, used in self._tused.items()
+                if (lim := self._limits.get(tid, default)) is not None
+            )
+
+    def tenant_figures(self) -> list[TenantFigures]:
+        """Every tenant with a slot, a quota or a figure, in tenant id order."""
+        with self._lock:
+            tids = sorted({*self._tused, *self._limits, *self._tevictions, *self._trefused})
+            default = self._default_limit
+            return [
+                TenantFigures(
+                    tenant=tid,
+                    used=self._tused.get(tid, 0),
+                    limit=self._limits.get(tid, default),
+                    evictions=self._tevictions.get(tid, 0),
+                    evicted_bytes=self._tevicted_bytes.get(tid, 0),
+                    refused_chunks=self._trefused.get(tid, 0),
+                    refused_bytes=self._trefused_bytes.get(tid, 0),
+                )
+                for tid in tids
+            ]
 
     def expire(self) -> tuple[int, int]:
         """Expire overdue leases now. Returns (write slots freed, read locks and pins
@@ -596,6 +684,17 @@ class ObjectIndex:
                         f"zombie {k!r} held by nothing",
                     )
             require(len(self._lru) == in_lru, "LRU holds objects that are not ready and unlocked")
+            tused: dict[int, int] = {}
+            for entry in slots.values():
+                tused[entry.tenant] = tused.get(entry.tenant, 0) + alloc.aligned(entry.length)
+            require(tused == self._tused, f"tenant usage {self._tused} != slots' {tused}")
+            tlru: dict[int, list[Entry]] = {}
+            for entry in self._lru:
+                tlru.setdefault(entry.tenant, []).append(entry)
+            require(
+                {t: list(d) for t, d in self._tlru.items()} == tlru,
+                "a tenant's LRU is not the global LRU's objects of that tenant, in its order",
+            )
             require(alloc.allocations == len(slots), "allocated blocks != objects")
             zombies = sum(1 for e in slots.values() if not e.live)
             require(zombies == self._zombies, f"zombie count {self._zombies} != {zombies}")
@@ -647,13 +746,68 @@ class ObjectIndex:
             raise SlotPositionError(f"slot positions {sorted(bad)} out of range for a lease of {n}")
         return selected
 
+    def _evict(self, lru: dict[Entry, None], nbytes: int) -> list[Evicted]:
+        """Evict from ``lru`` (the global LRU or one tenant's), oldest first, stepping over
+        pinned objects, until ``nbytes`` (aligned) are freed or nothing is left."""
+        victims: list[Entry] = []
+        freed = 0
+        size_of = self.allocator.size_of
+        for entry in lru:  # oldest first; collect, then mutate
+            if freed >= nbytes:
+                break
+            if entry.pins:
+                continue
+            victims.append(entry)
+            freed += size_of(entry.offset) or 0
+        evicted: list[Evicted] = []
+        tevictions, tevicted = self._tevictions, self._tevicted_bytes
+        for entry in victims:
+            self._lru_remove(entry)
+            del self._entries[entry.key]
+            entry.live = False
+            tid = entry.tenant
+            tevictions[tid] = tevictions.get(tid, 0) + 1
+            tevicted[tid] = tevicted.get(tid, 0) + self._free_slot(entry)
+            evicted.append(Evicted(entry.key, entry.length, entry.tier))
+        self._evictions += len(evicted)
+        self._evicted_bytes += freed
+        return evicted
+
+    def _free_slot(self, entry: Entry) -> int:
+        """Give the entry's slot back to the allocator and its bytes back to its tenant's
+        account; returns the aligned bytes freed."""
+        size = self.allocator.aligned(entry.length)
+        self.allocator.free(entry.offset)
+        tid = entry.tenant
+        left = self._tused[tid] - size
+        if left:
+            self._tused[tid] = left
+        else:
+            del self._tused[tid]
+        return size
+
+    def _lru_add(self, entry: Entry) -> None:
+        """Make ``entry`` the most recently used (in the global and its tenant's LRU)."""
+        self._lru[entry] = None
+        tlru = self._tlru.get(entry.tenant)
+        if tlru is None:
+            tlru = self._tlru[entry.tenant] = {}
+        tlru[entry] = None
+
+    def _lru_remove(self, entry: Entry) -> None:
+        del self._lru[entry]
+        tlru = self._tlru[entry.tenant]
+        del tlru[entry]
+        if not tlru:
+            del self._tlru[entry.tenant]
+
     def _drop_writing(self, entry: Entry) -> None:
         if entry.live:
             del self._entries[entry.key]
             entry.live = False
         else:
             self._zombies -= 1
-        self.allocator.free(entry.offset)
+        self._free_slot(entry)
 
     def _end(self, lease: Lease) -> int:
         """Remove a lease from its table and give up what it holds (a write lease's slots,
@@ -670,14 +824,13 @@ class ObjectIndex:
 
     def _unlock(self, entries: list[Entry]) -> None:
         """Release one read lock on each entry; last chunk of the batch goes in LRU first."""
-        lru = self._lru
         for entry in reversed(entries):
             entry.readers -= 1
             if entry.readers == 0:
                 if entry.live:
-                    lru[entry] = None
+                    self._lru_add(entry)
                 elif entry.pins == 0:
-                    self.allocator.free(entry.offset)
+                    self._free_slot(entry)
                     self._zombies -= 1
 
     def _unpin(self, entries: list[Entry]) -> None:
@@ -685,22 +838,23 @@ class ObjectIndex:
         for entry in entries:
             entry.pins -= 1
             if entry.pins == 0 and entry.readers == 0 and not entry.live:
-                self.allocator.free(entry.offset)
+                self._free_slot(entry)
                 self._zombies -= 1
 
     def _touch(self, entries: list[Entry]) -> None:
         lru = self._lru
         for entry in reversed(entries):
-            lru.pop(entry, None)
-            lru[entry] = None
+            if entry in lru:
+                self._lru_remove(entry)
+            self._lru_add(entry)
 
     def _unmap(self, entry: Entry) -> None:
         del self._entries[entry.key]
         entry.live = False
         if entry.state is State.READY and entry.readers == 0:
-            del self._lru[entry]
+            self._lru_remove(entry)
             if entry.pins == 0:
-                self.allocator.free(entry.offset)
+                self._free_slot(entry)
                 return
         self._zombies += 1
 

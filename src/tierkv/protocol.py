@@ -21,7 +21,9 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens
+# 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
+# salts equal to a reserved tenant name (~default, ~other) are refused
+PROTOCOL_VERSION = 4
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -321,6 +323,23 @@ class EngineInfo(msgspec.Struct):
     sessions: int  # open lookup sessions
 
 
+class TenantInfo(msgspec.Struct):
+    """One tenant's share of the pool. ``tag`` is a short hash of its name; ``name`` is shown
+    only where it is not a secret (a reserved name, or the name a quota was set under),
+    else "". The row tagged ``rest`` sums the tenants beyond the rows shown."""
+
+    tag: str
+    name: str
+    used: int  # pool bytes its slots hold
+    limit: int  # its quota in bytes, -1: unlimited
+    limit_source: str  # "quota" (its own), "default"
+    evictions: int  # its chunks evicted (watermark or quota)
+    evicted_bytes: int
+    refused_chunks: int  # its stores refused by a hard quota
+    refused_bytes: int
+    tenants: int = 1  # tenants this row sums (more than one only in the rest row)
+
+
 class Stats(Struct, tag="stats_result"):
     rid: int
     server_version: str
@@ -369,6 +388,9 @@ class Stats(Struct, tag="stats_result"):
     chunk_size: int = 0
     rpc_endpoint: str = ""
     time: float = 0.0  # unix time the figures were taken
+    tenants: list[TenantInfo] = []  # by pool bytes, largest first; beyond the first 32: one row
+    quota_mode: str = ""
+    default_quota: int = -1  # bytes, -1: unlimited
 
 
 class EvictionEvent(msgspec.Struct):

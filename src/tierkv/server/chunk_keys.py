@@ -12,6 +12,7 @@ from tierkv import keys
 from tierkv import protocol as p
 from tierkv.server.errors import RequestError
 from tierkv.server.registry import Registration
+from tierkv.tenants import salt_error
 
 MAX_SALT = 1024  # characters of a per-request cache salt
 
@@ -35,6 +36,8 @@ class ChunkKeys:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
         if len(sel.salt) > MAX_SALT:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"cache salt longer than {MAX_SALT}")
+        if sel.salt and (why := salt_error("cache salt", sel.salt)):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, why)
         if sel.tokens is not None:
             if reg.chunk_tokens and reg.chunk_tokens != chunk_size:
                 raise RequestError(

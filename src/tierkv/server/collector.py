@@ -129,8 +129,27 @@ class StatsCollector(Collector):
                     {tier: v[unit] for tier, v in per_tier.items()},
                 )
         yield from self._tiers(st["tiers"], st["tiering"])
+        yield from self._tenants(st["tenants"]["rows"])
         if st.get("cluster"):
             yield from self._cluster(st["cluster"])
+
+    @staticmethod
+    def _tenants(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Per tenant, labelled by its tag (a short hash, never the salt); the status holds
+        at most 32 tenants and one "rest" row, so the series are bounded."""
+        for name, doc, cls, field in (
+            ("tierkv_tenant_used_bytes", "Pool bytes a tenant's chunks hold", GaugeMetricFamily,
+             "used"),
+            ("tierkv_tenant_limit_bytes", "A tenant's pool quota (-1: unlimited)",
+             GaugeMetricFamily, "limit"),
+            ("tierkv_tenant_evictions", "A tenant's chunks evicted from the pool (watermark "
+             "or its quota)", CounterMetricFamily, "evictions"),
+            ("tierkv_tenant_evicted_bytes", "Pool bytes of a tenant's evicted chunks",
+             CounterMetricFamily, "evicted_bytes"),
+            ("tierkv_tenant_refused_chunks", "A tenant's new chunks refused by its hard quota",
+             CounterMetricFamily, "refused_chunks"),
+        ):  # fmt: skip
+            yield _labelled(cls, name, doc, "tenant", {r["tag"]: r[field] for r in rows})
 
     @staticmethod
     def _lookups(lookups: dict[str, dict[str, int]]) -> Metric:

@@ -14,6 +14,7 @@ Endpoints:
 - ``POST /clear-cache`` remove every object from the pool; an optional JSON body
   ``{"namespace": "<32 hex digits>"}`` (an engine's namespace from /status) removes only
   that namespace's objects. Tiers are not touched.
+- ``/quota``: tenant quotas (:mod:`tierkv.server.quota_http`).
 
 Authorization of requests that change state (every POST, and PUT/DELETE when they exist):
 
@@ -48,6 +49,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from tierkv.config import ServerConfig
+from tierkv.server.quotas import Quotas
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
 
@@ -66,36 +68,26 @@ def dashboard_html() -> str:
     return resources.files("tierkv.server").joinpath("dashboard.html").read_text("utf-8")
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(
-    service: CacheService,
-    status_doc: Callable[[], dict[str, Any]],
-    health: Callable[[], dict[str, bool]],
-    auth_token: str = "",
-) -> FastAPI:
-    """The FastAPI application of one server."""
-    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
-    page = dashboard_html()
+Authorizer = Callable[[Request], JSONResponse | None]
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        # Unknown paths and wrong methods answer like every other error here (405 keeps
-        # its Allow header).
-        return _error(exc.status_code, str(exc.detail), dict(exc.headers or {}))
+
+def make_authorizer(auth_token: str) -> Authorizer:
+    """The check every state-changing request passes (see the module doc)."""
 
     def authorize(request: Request) -> JSONResponse | None:
         """None if ``request`` may change state, else the refusal (see the module doc)."""
         origin = request.headers.get("origin")
         if origin is not None and not _same_origin(origin, request):
-            return _error(403, f"cross-origin request from {origin[:100]!r} refused")
+            return error_reply(403, f"cross-origin request from {origin[:100]!r} refused")
         if not auth_token:
             return None  # loopback only (see config validation): local users may clear
         header = request.headers.get("authorization")
         if header is None:
-            return _error(
+            return error_reply(
                 401,
                 "this endpoint needs 'Authorization: Bearer <auth_token>' (the server's "
                 "--auth-token)",
@@ -105,8 +97,34 @@ def create_app(
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), auth_token.encode()
         ):
-            return _error(403, "wrong token", {"WWW-Authenticate": "Bearer"})
+            return error_reply(403, "wrong token", {"WWW-Authenticate": "Bearer"})
         return None
+
+    return authorize
+
+
+def create_app(
+    service: CacheService,
+    status_doc: Callable[[], dict[str, Any]],
+    health: Callable[[], dict[str, bool]],
+    auth_token: str = "",
+    quotas: Quotas | None = None,
+) -> FastAPI:
+    """The FastAPI application of one server (with ``quotas``: the /quota endpoints)."""
+    app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+    page = dashboard_html()
+    authorize = make_authorizer(auth_token)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Unknown paths and wrong methods answer like every other error here (405 keeps
+        # its Allow header).
+        return error_reply(exc.status_code, str(exc.detail), dict(exc.headers or {}))
+
+    if quotas is not None:
+        from tierkv.server.quota_http import add_quota_routes
+
+        add_quota_routes(app, quotas, authorize)
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:
@@ -134,23 +152,29 @@ def create_app(
 
     @app.post("/clear-cache")
     async def clear_cache(request: Request) -> JSONResponse:
-        denied = authorize(request)
-        if denied is not None:
-            return denied
-        body = await _read_body(request)
+        body = await authorized_body(request, authorize)
         if isinstance(body, JSONResponse):
             return body
         try:
             prefix = _parse_clear_body(body)
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_reply(400, str(exc))
         removed = await run_in_threadpool(service.clear_cache, prefix, "HTTP")
         return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
 
     return app
 
 
-async def _read_body(request: Request) -> bytes | JSONResponse:
+async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JSONResponse:
+    """The body of a request that changes state, or the reply to send instead (refused,
+    too large, cut short)."""
+    denied = authorize(request)
+    if denied is not None:
+        return denied
+    return await read_body(request)
+
+
+async def read_body(request: Request) -> bytes | JSONResponse:
     """The request body, at most ``MAX_BODY`` bytes (never buffers a huge one), or the reply
     to send instead: 413 when it is larger, 400 when the client went away in the middle
     (a quiet event: any local process can do that; the reply goes nowhere)."""
@@ -159,12 +183,12 @@ async def _read_body(request: Request) -> bytes | JSONResponse:
         async for chunk in request.stream():
             body += chunk
             if len(body) > MAX_BODY:
-                return _error(413, f"body larger than {MAX_BODY} bytes")
+                return error_reply(413, f"body larger than {MAX_BODY} bytes")
     except ClientDisconnect:
         log.debug(
             "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
         )
-        return _error(400, "the client disconnected before the end of the body")
+        return error_reply(400, "the client disconnected before the end of the body")
     return body
 
 

@@ -19,7 +19,6 @@ is bounded (``max_clients``); beyond it REGISTER is refused with a clear error.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from tierkv import protocol as p
 from tierkv.index import ObjectIndex
 from tierkv.liveness import Process
 from tierkv.server.sessions import LookupSessions
+from tierkv.tenants import TenantIds, tenant_name, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,12 @@ class Registration:
     process: Process | None = None  # watched: dropped when the process is gone
     salted: dict[str, bytes] = field(default_factory=dict)  # cache salt -> namespace digest
     chunk_tokens: int = 0  # tokens in one of its chunks (0: a scheduler, which has none)
+    tenants: TenantIds | None = None  # where its digests are mapped to their tenant
+
+    def bind_tenant(self) -> None:
+        """Record the tenant of this client's own namespace (at REGISTER)."""
+        if self.tenants is not None:
+            self.tenants.bind(self.digest, tenant_name(self.namespace.tenant_salt))
 
     def digest_for(self, salt: str) -> bytes:
         """The namespace digest of this client's keys under a per-request cache salt."""
@@ -72,6 +78,8 @@ class Registration:
                 self.namespace, tenant_salt=f"{len(tenant)}:{tenant}{salt}"
             )
             digest = ns.digest()
+            if self.tenants is not None:
+                self.tenants.bind(digest, tenant_name(tenant, salt))
             if len(self.salted) >= MAX_SALTS:
                 self.salted.clear()
             self.salted[salt] = digest
@@ -231,4 +239,4 @@ class ClientRegistry:
 
 def _tenant_tag(salt: str) -> str:
     """Tells tenants apart in status reports without showing their salt ("" for none)."""
-    return "sha256:" + hashlib.sha256(salt.encode()).hexdigest()[:12] if salt else ""
+    return tenant_tag(salt) if salt else ""

@@ -29,6 +29,7 @@ from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.registry import ClientRegistry, Registration, RegistryFull
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
+from tierkv.tenants import salt_error
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,8 @@ class CacheService:
         ):
             if len(value) > limit:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, f"{what} is longer than {limit}")
+        if why := salt_error("tenant_salt", req.tenant_salt):
+            raise RequestError(p.ErrorCode.BAD_REQUEST, why)
         chunk_bytes = 0 if scheduler else self._check_layout(req.layout, req.chunk_tokens)
         if req.world_size < 1 or not 0 <= req.rank < req.world_size:
             raise RequestError(
@@ -196,7 +199,9 @@ class CacheService:
             role=req.role,
             process=trackable(req.pid, req.process_scope),
             chunk_tokens=0 if scheduler else req.layout.shape[req.layout.token_axis],
+            tenants=self.index.tenants,
         )
+        reg.bind_tenant()
         try:
             self.registry.add(reg)
         except RegistryFull as exc:
@@ -292,7 +297,9 @@ class CacheService:
         reg = self._worker(req.client)
         ks, lengths = self.chunk_keys.of(reg, req.chunks, req.first_chunk)
         res = self.index.reserve_write(ks, lengths, reg.token, holder_limit=self.reservation_limit)
-        if res.no_space or res.slots:
+        if res.quota_exceeded:
+            self.eviction.wake()
+        elif res.no_space or res.slots:
             self.eviction.wake_if_needed()
         base = req.first_chunk
         return p.StoreSlots(

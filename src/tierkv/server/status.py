@@ -34,6 +34,7 @@ from tierkv.config import ServerConfig, as_dict
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.server.metrics import POOL, ServiceMetrics
+from tierkv.server.quotas import Quotas
 from tierkv.server.registry import ClientRegistry
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
@@ -101,6 +102,7 @@ class StatusBuilder:
         metrics: ServiceMetrics,
         tiering: Tiering,
         cluster: Callable[[], dict[str, Any]] | None = None,
+        quotas: Quotas | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``cluster()`` gives the cluster node's figures (None: not in a cluster)."""
@@ -112,6 +114,7 @@ class StatusBuilder:
         self.metrics = metrics
         self.tiering = tiering
         self.cluster = cluster
+        self.quotas = quotas
         self.clock = clock
         self.started = clock()
         self.usage = TierUsageCache(clock=clock)
@@ -144,6 +147,7 @@ class StatusBuilder:
                 if outcome != "ok" and n:
                     errors[outcome] = errors.get(outcome, 0) + n
         pool = m.pool_bytes.snapshot()
+        mode, default_quota = self.quotas.settings() if self.quotas else ("", -1)
         wb = self.tiering.write_behind.stats
         pf = self.tiering.prefetcher.stats
         return p.Stats(
@@ -194,6 +198,9 @@ class StatusBuilder:
             chunk_size=self.cfg.chunk_size,
             rpc_endpoint=self.cfg.rpc_endpoint,
             time=time.time(),
+            tenants=self.quotas.rows() if self.quotas else [],
+            quota_mode=mode,
+            default_quota=default_quota,
         )
 
 
@@ -258,6 +265,13 @@ def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
             "prefetch_inflight": s.prefetch_inflight,
         },
         "engines": [msgspec.to_builtins(e) for e in s.engines],
+        # Per tenant: pool bytes, quota, evictions, hard-quota refusals (names hidden
+        # unless a quota names them; the largest 32, then one "rest" row).
+        "tenants": {
+            "mode": s.quota_mode,
+            "default_limit": s.default_quota,
+            "rows": [msgspec.to_builtins(t) for t in s.tenants],
+        },
         # Membership, directory, per-peer transfers (None when not in a cluster).
         "cluster": s.cluster or None,
         "config": as_dict(cfg),

@@ -33,12 +33,14 @@ from tierkv.server.collector import StatsCollector
 from tierkv.server.health import Health
 from tierkv.server.http import HttpServer, create_app
 from tierkv.server.metrics import ServiceMetrics
+from tierkv.server.quotas import Quotas
 from tierkv.server.registry import ClientRegistry
 from tierkv.server.rpc import RpcServer, ensure_endpoint_free
 from tierkv.server.service import CacheService
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.status import StatusBuilder, status_document
 from tierkv.server.tiering import LookupAccounting, Tiering
+from tierkv.tenants import TenantIds
 from tierkv.tiers.base import Tier, create_tier
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,9 @@ class Server:
     is stopped on exit."""
 
     pool: ShmPool
+    tenants: TenantIds
     index: ObjectIndex
+    quotas: Quotas
     eviction: EvictionController
     tiers: list[Tier]
     cluster: ClusterNode | None
@@ -102,10 +106,25 @@ class Server:
         self.pool = ShmPool.create(cfg.resolved_pool_name, cfg.pool_size, prefault=cfg.prefault)
         self._started_part("pool", self.pool.close)
 
-        # The index: key -> slot, object states, leases with TTLs, LRU order.
+        # The index: key -> slot, object states, leases with TTLs, LRU order, each slot
+        # charged to its tenant; the tenants' quotas (the configuration's, then the live
+        # changes kept in the quota file).
+        self.tenants = TenantIds()
         self.index = ObjectIndex(
-            Allocator(self.pool.size, cfg.alignment), cfg.write_ttl, cfg.read_ttl
+            Allocator(self.pool.size, cfg.alignment),
+            cfg.write_ttl,
+            cfg.read_ttl,
+            tenants=self.tenants,
         )
+        self.quotas = Quotas(
+            self.index,
+            self.tenants,
+            limits=cfg.quotas,
+            default=cfg.default_quota_bytes,
+            mode=cfg.quota_mode,
+            path=cfg.resolved_quota_file,
+        )
+        self.quotas.load()
 
         # Eviction: keeps the pool below its high watermark, expires overdue leases.
         self.eviction = EvictionController(
@@ -171,6 +190,7 @@ class Server:
             metrics,
             self.tiering,
             cluster.stats if cluster is not None else None,
+            self.quotas,
         )
         self.service = CacheService(
             cfg,
@@ -203,6 +223,7 @@ class Server:
                 self.document,
                 health.checks,
                 cfg.auth_token,
+                self.quotas,
             )
             http = HttpServer(cfg, app)
             self._started_part("http", http.stop)

@@ -1,0 +1,137 @@
+"""The ``/quota`` HTTP endpoints, in LMCache's shape so operators' scripts carry over.
+
+- ``GET /quota``: the default limit, the mode, and every tenant with a quota or with
+  chunks (tenants without a quota by tag only: their names are salts)
+- ``GET /quota/config`` / ``PUT /quota/config``: the default limit (``{"default_limit":
+  "unlimited" | bytes | "8GiB"}``, or LMCache-style ``{"default_limit_gb": x}``) and the
+  mode (``{"mode": "soft" | "hard"}``)
+- ``PUT /quota/{tenant}``: ``{"limit_gb": x}`` (GiB), ``{"limit": bytes | "8GiB"}`` or
+  ``{"limits": {"pool": ...}}``
+- ``GET /quota/{tenant}``: its limit (its own or the default's) and usage per tier
+- ``DELETE /quota/{tenant}``: its quota removed (404 if it had none); it gets the default
+
+``{tenant}`` is the tenant's name (URL-encoded; it may contain ``/``): the salt, or
+``~default`` for the chunks without any. A leading ``=`` is stripped, so ``/quota/=config``
+names the tenant whose salt is ``config`` (and ``=`` + any name is that name). Writes pass
+the server's usual authorization (token where the server has one, no foreign Origin);
+bad values get a 400 with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from tierkv.server.http import Authorizer, authorized_body, error_reply
+from tierkv.server.quotas import (
+    GIB,
+    QuotaError,
+    Quotas,
+    check_name,
+    parse_default,
+    parse_gb,
+    tenant_limit,
+)
+
+
+def _json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QuotaError(f"body is not valid JSON: {exc}") from None
+
+
+def _name(raw: str) -> str:
+    return check_name(raw[1:] if raw.startswith("=") else raw)
+
+
+def _config_change(doc: Any) -> tuple[int | str | None, str]:
+    """(default limit or "" for unchanged, mode or "") from a PUT /quota/config body."""
+    if not isinstance(doc, dict) or not doc:
+        raise QuotaError(
+            'body must be a JSON object such as {"default_limit": "unlimited"} or {"mode": "hard"}'
+        )
+    unknown = sorted(set(doc) - {"default_limit", "default_limit_gb", "mode"})
+    if unknown:
+        raise QuotaError(
+            f"unknown field(s) {unknown}; give 'default_limit', 'default_limit_gb' or 'mode'"
+        )
+    if "default_limit" in doc and "default_limit_gb" in doc:
+        raise QuotaError("give 'default_limit' or 'default_limit_gb', not both")
+    default: int | str | None = ""
+    if "default_limit" in doc:
+        default = parse_default(doc["default_limit"])
+    elif "default_limit_gb" in doc:
+        value = doc["default_limit_gb"]
+        default = None if value is None else parse_gb(value)
+    mode = doc.get("mode", "")
+    if not isinstance(mode, str) or (mode and mode not in ("soft", "hard")):
+        raise QuotaError(f"mode must be 'soft' or 'hard', not {mode!r}")
+    return default, mode
+
+
+def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> None:
+    """Add the /quota endpoints to ``app``."""
+
+    async def write(request: Request) -> Any:
+        """The JSON body of an authorized write, or the reply to send instead."""
+        body = await authorized_body(request, authorize)
+        return body if isinstance(body, JSONResponse) else _json_body(body)
+
+    @app.get("/quota")
+    def listing() -> JSONResponse:
+        return JSONResponse(quotas.listing(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/quota/config")
+    def get_config() -> JSONResponse:
+        return JSONResponse(quotas.config())
+
+    @app.put("/quota/config")
+    async def put_config(request: Request) -> JSONResponse:
+        try:
+            doc = await write(request)
+            if isinstance(doc, JSONResponse):
+                return doc
+            default, mode = _config_change(doc)
+        except QuotaError as exc:
+            return error_reply(400, str(exc))
+        await run_in_threadpool(quotas.configure, default, mode)
+        return JSONResponse(quotas.config())
+
+    @app.get("/quota/{tenant:path}")
+    def get_tenant(tenant: str) -> JSONResponse:
+        try:
+            name = _name(tenant)
+        except QuotaError as exc:
+            return error_reply(400, str(exc))
+        return JSONResponse(quotas.tenant(name), headers={"Cache-Control": "no-store"})
+
+    @app.put("/quota/{tenant:path}")
+    async def put_tenant(tenant: str, request: Request) -> JSONResponse:
+        try:
+            doc = await write(request)
+            if isinstance(doc, JSONResponse):
+                return doc
+            name = _name(tenant)
+            limit = tenant_limit(doc)
+        except QuotaError as exc:
+            return error_reply(400, str(exc))
+        await run_in_threadpool(quotas.set, name, limit)
+        return JSONResponse({"tenant": name, "limit": limit, "limit_gb": limit / GIB})
+
+    @app.delete("/quota/{tenant:path}")
+    async def delete_tenant(tenant: str, request: Request) -> JSONResponse:
+        denied = authorize(request)
+        if denied is not None:
+            return denied
+        try:
+            name = _name(tenant)
+        except QuotaError as exc:
+            return error_reply(400, str(exc))
+        if not await run_in_threadpool(quotas.delete, name):
+            return error_reply(404, f"tenant {name!r} has no quota (it has the default)")
+        return JSONResponse({"tenant": name, "deleted": True})

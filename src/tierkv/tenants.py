@@ -1,0 +1,110 @@
+"""Tenants: whom a chunk in the pool belongs to, derived from what its key already carries.
+
+A tenant is named by a salt string, the one the operator gave the engine or the request:
+
+- an engine's tenant salt (REGISTER's ``tenant_salt``, the vLLM connector's and the SGLang
+  backend's ``tenant``) names the tenant of every chunk that engine stores; a per-request
+  cache salt then only separates keys inside that tenant (an engine assigned to a tenant
+  cannot leave its quota by salting its requests);
+- for an engine without a tenant salt, a request's cache salt names the tenant (LMCache
+  names quotas by cache salt);
+- chunks with neither belong to the default tenant, :data:`DEFAULT_TENANT` (``~default``).
+
+Two more names are reserved: :data:`OTHER_TENANT` (``~other``) holds chunks the server
+cannot attribute (a namespace no engine registered here, or tenants beyond
+:data:`MAX_TENANTS`). No salt may equal a reserved name (REGISTER and requests refuse it),
+so the names can never collide with a real tenant's.
+
+Keys carry only the 16-byte namespace digest, never the salt, so :class:`TenantIds` maps
+digest -> tenant when a digest is made (at REGISTER, and when a cache salt's digest is
+first made): the index then charges each chunk to its tenant with one dict lookup on the
+key's first half. Tenants get small integer ids; ids are never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+from tierkv.keys import DIGEST_SIZE
+
+DEFAULT_TENANT = "~default"
+OTHER_TENANT = "~other"
+RESERVED = frozenset({DEFAULT_TENANT, OTHER_TENANT})
+DEFAULT_ID = 0
+OTHER_ID = 1
+MAX_TENANTS = 65536  # tenant ids at most; chunks of tenants beyond it count as ~other
+MAX_DIGESTS = 1 << 20  # namespace digests mapped at most; beyond it, ~other
+
+
+def tenant_name(tenant_salt: str, cache_salt: str = "") -> str:
+    """The tenant of the keys of an engine with ``tenant_salt`` under ``cache_salt``."""
+    return tenant_salt or cache_salt or DEFAULT_TENANT
+
+
+def salt_error(what: str, salt: str) -> str | None:
+    """Why ``salt`` cannot be used (it is a reserved tenant name), or None."""
+    if salt in RESERVED:
+        return f"{what} {salt!r} is reserved for tierkv's own tenants; pick another"
+    return None
+
+
+def tenant_tag(name: str) -> str:
+    """A short hash that tells tenants apart in reports without showing their salt."""
+    return "sha256:" + hashlib.sha256(name.encode()).hexdigest()[:12]
+
+
+class TenantIds:
+    """Tenant names <-> small ids, and namespace digest -> tenant id. Thread-safe; the
+    index reads :attr:`by_digest` without a lock (one dict lookup, atomic in CPython)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: list[str] = [DEFAULT_TENANT, OTHER_TENANT]
+        self._ids: dict[str, int] = {DEFAULT_TENANT: DEFAULT_ID, OTHER_TENANT: OTHER_ID}
+        self.by_digest: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def id_of(self, name: str) -> int:
+        """The id of tenant ``name``, given one now if it has none (``~other`` beyond
+        :data:`MAX_TENANTS`)."""
+        tid = self._ids.get(name)
+        if tid is not None:
+            return tid
+        with self._lock:
+            tid = self._ids.get(name)
+            if tid is None:
+                if len(self._names) >= MAX_TENANTS:
+                    return OTHER_ID
+                tid = len(self._names)
+                self._names.append(name)
+                self._ids[name] = tid
+            return tid
+
+    def find(self, name: str) -> int | None:
+        """The id of tenant ``name`` if it has one (no id is given)."""
+        return self._ids.get(name)
+
+    def name_of(self, tid: int) -> str:
+        return self._names[tid]
+
+    def bind(self, digest: bytes, name: str) -> int:
+        """Record that keys under namespace ``digest`` belong to tenant ``name``."""
+        if len(digest) != DIGEST_SIZE:
+            raise ValueError(f"a namespace digest is {DIGEST_SIZE} bytes")
+        tid = self.by_digest.get(digest)
+        if tid is not None:
+            return tid
+        tid = self.id_of(name)
+        with self._lock:
+            if len(self.by_digest) < MAX_DIGESTS:
+                self.by_digest[digest] = tid
+            else:
+                tid = OTHER_ID
+        return tid
+
+    def of_key(self, key: bytes) -> int:
+        """The tenant id a key is charged to."""
+        return self.by_digest.get(key[:DIGEST_SIZE], OTHER_ID)

@@ -1,0 +1,191 @@
+"""Per-tenant accounting in the index: exact usage under random operations (hypothesis) and
+under threads of several tenants at once, soft quotas evicting only the tenant's own oldest
+chunks, hard quotas refusing."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.allocator import Allocator
+from tierkv.index import ObjectIndex
+from tierkv.tenants import DEFAULT_ID, OTHER_ID, TenantIds
+
+BLOCK = 4096
+TENANTS = ("a", "b", "c")
+
+
+def make(blocks: int = 64) -> tuple[ObjectIndex, dict[str, bytes]]:
+    tenants = TenantIds()
+    digests = {name: name.encode().ljust(16, b"#") for name in TENANTS}
+    for name, digest in digests.items():
+        tenants.bind(digest, name)
+    return ObjectIndex(Allocator(blocks * BLOCK, BLOCK), tenants=tenants), digests
+
+
+def key(digest: bytes, i: int) -> bytes:
+    return digest + i.to_bytes(16, "big")
+
+
+def used_by(index: ObjectIndex) -> dict[str, int]:
+    return {index.tenants.name_of(f.tenant): f.used for f in index.tenant_figures() if f.used}
+
+
+def test_soft_quota_evicts_only_the_tenants_own_oldest_chunks() -> None:
+    index, d = make()
+    a = index.tenants.id_of("a")
+    index.set_quotas({a: 4 * BLOCK}, None, hard=False)
+    index.reserve_write([key(d["b"], i) for i in range(3)], BLOCK, 1)
+    res = index.reserve_write([key(d["a"], i) for i in range(6)], BLOCK, 1)
+    assert res.quota_exceeded and not res.no_space  # soft: stored, evicted afterwards
+    index.commit(res.lease_id, 1)
+    index.commit(index.reserve_write([key(d["b"], 9)], BLOCK, 1).lease_id, 1)
+    evicted = index.evict_over_quota()
+    # A batch goes into the LRU last chunk first: its last chunks are the oldest.
+    assert [e.key for e in evicted] == [key(d["a"], 5), key(d["a"], 4)]
+    assert used_by(index) == {"a": 4 * BLOCK, "b": 4 * BLOCK}
+    assert index.evict_over_quota() == []
+    index.check()
+
+
+def test_hard_quota_refuses_beyond_the_limit_and_counts() -> None:
+    index, d = make()
+    a = index.tenants.id_of("a")
+    index.set_quotas({a: 2 * BLOCK}, 3 * BLOCK, hard=True)  # default 3 blocks for others
+    res = index.reserve_write([key(d["a"], i) for i in range(4)], BLOCK, 1)
+    assert res.over_quota == [2, 3] and res.no_space == [2, 3]
+    res = index.reserve_write([key(d["b"], i) for i in range(5)], BLOCK, 1)
+    assert res.over_quota == [3, 4]
+    unknown = index.reserve_write([b"\x00" * 32], BLOCK, 1)  # a namespace nobody bound
+    assert unknown.slots and index.tenants.name_of(OTHER_ID) == "~other"
+    figures = {f.tenant: f for f in index.tenant_figures()}
+    assert figures[a].used == 2 * BLOCK and figures[a].refused_chunks == 2
+    assert figures[a].refused_bytes == 2 * BLOCK and figures[a].limit == 2 * BLOCK
+    assert figures[OTHER_ID].used == BLOCK and figures[OTHER_ID].limit == 3 * BLOCK
+    assert DEFAULT_ID not in figures
+    index.check()
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["store", "reserve", "read", "hold", "release", "delete", "evict", "quota", "config"]
+        ),
+        st.sampled_from(TENANTS),
+        st.lists(st.integers(0, 11), min_size=1, max_size=6),
+        st.integers(0, 40),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, hard=st.booleans())
+def test_usage_is_exact_under_random_operations(
+    ops: list[tuple[str, str, list[int], int]], hard: bool
+) -> None:
+    index, d = make(blocks=24)
+    ids = {n: index.tenants.id_of(n) for n in TENANTS}
+    limits: dict[int, int] = {}
+    held: list[tuple[int, str]] = []  # (lease, "write" / "read" / "pin")
+    for op, tenant, picks, n in ops:
+        keys = [key(d[tenant], i) for i in picks]
+        sizes = BLOCK * (1 + n % 3)
+        if op in ("store", "reserve"):
+            before = {f.tenant: f.used for f in index.tenant_figures()}
+            res = index.reserve_write(keys, sizes, 1)
+            limit = limits.get(ids[tenant])
+            if hard and limit is not None:  # a hard quota is never crossed by a store
+                after = {f.tenant: f.used for f in index.tenant_figures()}
+                assert after.get(ids[tenant], 0) <= max(limit, before.get(ids[tenant], 0))
+            if res.lease_id and op == "store":
+                index.commit(res.lease_id, 1)
+            elif res.lease_id:
+                held.append((res.lease_id, "write"))
+        elif op == "read" or op == "hold":
+            lock = index.lock_read(keys, 2, prefix=False) if op == "read" else index.pin(keys, 3)
+            if lock.lease_id:
+                held.append((lock.lease_id, "read" if op == "read" else "pin"))
+        elif op == "release" and held:
+            lease, kind = held.pop(n % len(held))
+            if kind == "write":
+                index.commit(lease, 1)
+            elif kind == "read":
+                index.release_read(lease, 2)
+            else:
+                index.unpin(lease, 3)
+        elif op == "delete":
+            index.delete(keys)
+        elif op == "evict":
+            index.evict(n * BLOCK // 4)
+        elif op == "quota":
+            limits[ids[tenant]] = n * BLOCK // 4
+            index.set_quotas(limits, None, hard)
+        elif op == "config":
+            before_use = {f.tenant: f.used for f in index.tenant_figures()}
+            evicted = index.evict_over_quota()
+            for f in index.tenant_figures():  # only tenants over their quota lost chunks
+                limit = limits.get(f.tenant)
+                if limit is None or before_use.get(f.tenant, 0) <= limit:
+                    assert f.used == before_use.get(f.tenant, 0)
+            assert all(e.key[:16] in {d[n] for n in TENANTS} for e in evicted)
+        index.check()  # usage per tenant == its slots' sizes; per-tenant LRUs exact
+    total = sum(f.used for f in index.tenant_figures())
+    assert total == index.used
+
+
+def test_usage_is_exact_with_threads_of_several_tenants() -> None:
+    index, d = make(blocks=48)
+    ids = {n: index.tenants.id_of(n) for n in TENANTS}
+    index.set_quotas({ids["a"]: 8 * BLOCK, ids["b"]: 16 * BLOCK}, None, hard=False)
+    hard_refusals: list[int] = []
+    errors: list[BaseException] = []
+
+    def engine(tenant: str, holder: int, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(400):
+                keys = [key(d[tenant], rng.randrange(40)) for _ in range(rng.randrange(1, 6))]
+                res = index.reserve_write(keys, BLOCK, holder)
+                hard_refusals.append(len(res.over_quota))
+                if res.lease_id:
+                    if rng.random() < 0.2:
+                        index.abort(res.lease_id, holder)
+                    else:
+                        index.commit(res.lease_id, holder)
+                lock = index.lock_read(keys, holder, prefix=False)
+                if lock.lease_id:
+                    index.release_read(lock.lease_id, holder)
+                if rng.random() < 0.05:
+                    index.delete(keys[:1])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def evictor(stop: threading.Event) -> None:
+        while not stop.is_set():
+            index.evict_over_quota()
+            if index.used > 40 * BLOCK:
+                index.evict(8 * BLOCK)
+
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=engine, args=(t, h, h)) for h, t in enumerate(TENANTS * 2, 1)
+    ]
+    background = threading.Thread(target=evictor, args=(stop,))
+    background.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    background.join()
+    assert not errors, errors
+    assert not any(hard_refusals)  # soft mode never refuses
+    index.check()
+    index.evict_over_quota()
+    used = {f.tenant: f.used for f in index.tenant_figures()}
+    assert used.get(ids["a"], 0) <= 8 * BLOCK and used.get(ids["b"], 0) <= 16 * BLOCK
+    assert sum(used.values()) == index.used

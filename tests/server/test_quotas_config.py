@@ -1,0 +1,47 @@
+"""Quota settings from flags, the environment and YAML, and their bad values."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import ConfigError, add_arguments, load
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
+    cfg = load(parse("--quota", "acme=8GiB", "--quota", "a=b=1MiB", "--quota-mode", "hard"), {})
+    assert cfg.quotas == {"acme": 8 * 2**30, "a=b": 2**20}  # the last "=" splits
+    assert cfg.quota_mode == "hard" and cfg.default_quota_bytes is None
+    cfg = load(None, {"TIERKV_QUOTAS": "x=1KiB;y=2048", "TIERKV_DEFAULT_QUOTA": "4GiB"})
+    assert cfg.quotas == {"x": 1024, "y": 2048} and cfg.default_quota_bytes == 4 * 2**30
+    path = tmp_path / "c.yaml"
+    path.write_text('quotas:\n  "~default": 1GiB\n  team: 100\ndefault_quota: unlimited\n')
+    cfg = load(parse("--config", str(path)), {})
+    assert cfg.quotas == {"~default": 2**30, "team": 100}
+    assert cfg.resolved_quota_file.endswith("quotas.json")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--quota", "acme"], {}, "NAME=SIZE"),
+        (["--quota", "=1GiB"], {}, "NAME=SIZE"),
+        (["--quota", "acme=lots"], {}, "not a size"),
+        (["--quota", "acme=-1"], {}, "not a size"),
+        (["--quota-mode", "medium"], {}, "soft or hard"),
+        (["--default-quota", "nan"], {}, "unlimited"),
+        ([], {"TIERKV_DEFAULT_QUOTA": "-3GiB"}, "unlimited"),
+        ([], {"TIERKV_QUOTAS": "inf=inf"}, "not a size"),
+    ],
+)
+def test_bad_quota_settings_are_refused(argv: list[str], env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load(parse(*argv), env)
