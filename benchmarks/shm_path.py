@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +90,9 @@ class ServerProc:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(run_dir: Path, pool_bytes: int, prefault: bool) -> ServerProc:
+def start_server(
+    run_dir: Path, pool_bytes: int, prefault: bool, extra: Sequence[str] = ()
+) -> ServerProc:
     instance = f"bench-{os.getpid()}"
     runtime_dir = run_dir / "rt"
     pool_name = f"tierkv-bench-{os.getpid()}"
@@ -104,6 +106,7 @@ def start_server(run_dir: Path, pool_bytes: int, prefault: bool) -> ServerProc:
         "--log-level", "warning",
         "--http-port", "0",
         "--prefault" if prefault else "--no-prefault",
+        *extra,
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -54,6 +54,7 @@ import xxhash
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
+from tierkv.priority import data_thread
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ class TcpTransport(Transport):
         self._pools: dict[tuple[str, int], _PeerPool] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(
-            max(8, 4 * self.streams), thread_name_prefix="tierkv-peer-io"
+            max(8, 4 * self.streams), thread_name_prefix="tierkv-peer-io", initializer=data_thread
         )
         self._source: ChunkSource | None = None
         self._stop = threading.Event()
@@ -356,6 +357,7 @@ class TcpTransport(Transport):
             ).start()
 
     def _serve_conn(self, sock: socket.socket) -> None:
+        data_thread()
         try:
             _tune(sock)
             sock.settimeout(self.timeout)

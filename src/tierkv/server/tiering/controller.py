@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.priority import data_thread
 from tierkv.server.tiering.lookups import LookupAccounting
 from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
 from tierkv.server.tiering.write_behind import WriteBehind
@@ -51,7 +52,9 @@ class Tiering:
         before a slow medium has them)."""
         self.lookups = lookups
         self.tiers = list(tiers)
-        self.executor = ThreadPoolExecutor(workers, thread_name_prefix="tierkv-tier")
+        self.executor = ThreadPoolExecutor(
+            workers, thread_name_prefix="tierkv-tier", initializer=data_thread
+        )
         self.write_behind = WriteBehind(
             index,
             pool,

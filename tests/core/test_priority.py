@@ -1,0 +1,40 @@
+"""Data threads run at a lower CPU priority than the thread that serves requests."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tierkv import priority
+
+
+def _nice_of_this_thread() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_a_data_thread_pool_runs_at_a_higher_nice_than_the_caller() -> None:
+    base = _nice_of_this_thread()
+    with ThreadPoolExecutor(2, initializer=priority.data_thread) as pool:
+        nices = set(pool.map(lambda _: _nice_of_this_thread(), range(8)))
+    assert nices == {min(19, base + priority.DATA_NICE)}
+    assert _nice_of_this_thread() == base  # the calling thread keeps its priority
+
+
+def test_lowering_is_done_once_per_thread_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    base = _nice_of_this_thread()
+
+    def twice() -> int:
+        priority.data_thread()
+        priority.data_thread()
+        return _nice_of_this_thread()
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(twice).result() == min(19, base + priority.DATA_NICE)
+    monkeypatch.setenv("TIERKV_DATA_NICE", "0")
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(twice).result() == base
