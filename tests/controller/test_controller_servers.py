@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from cluster.test_cluster_servers import fetch, store, tokens_for
 from support.clusterkit import FAST, TOKEN, Node, free_ports, wait_for
 from support.servers import ServerProcess
-from cluster.test_cluster_servers import fetch, store, tokens_for
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.controller import messages as cm
