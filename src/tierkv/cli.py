@@ -24,6 +24,19 @@ def _server(args: argparse.Namespace) -> int:
         return 2
 
 
+def _controller(args: argparse.Namespace) -> int:
+    from tierkv.config import load_as
+    from tierkv.controller.app import run
+    from tierkv.controller.config import ControllerConfig
+    from tierkv.server.rpc import EndpointInUseError
+
+    try:
+        return run(load_as(ControllerConfig, args))
+    except (ConfigError, EndpointInUseError) as exc:
+        print(f"tierkv controller: {exc}", file=sys.stderr)
+        return 2
+
+
 def _client_for(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tierkv.client import Client, default_endpoint
 
@@ -163,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run the cache server for this node")
     add_arguments(server)
     server.set_defaults(func=_server)
+
+    from tierkv.controller.config import FIELD_HELP, ControllerConfig
+
+    controller = sub.add_parser(
+        "controller", help="run the cluster controller (directory of every server's chunks)"
+    )
+    add_arguments(controller, ControllerConfig, FIELD_HELP, "controller")
+    controller.set_defaults(func=_controller)
 
     from tierkv.demo import add_demo_arguments, run_demo_command
 

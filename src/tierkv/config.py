@@ -13,7 +13,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import yaml
@@ -93,6 +93,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prefetch_max_inflight: int = 16
     prefetch_timeout: float = 10.0
     cluster_seeds: str = ""
+    controller: str = ""
     cluster_host: str = "127.0.0.1"
     cluster_port: int = 8792
     cluster_data_port: int = 0
@@ -179,7 +180,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             )
         self._validate_tiers()
         self._validate_quotas()
-        if self.cluster_seeds:
+        if self.cluster_seeds and self.controller:
+            raise ConfigError(
+                "cluster_seeds and controller are two directory modes: set one of them "
+                "(the consistent-hash ring among the servers, or a `tierkv controller`)"
+            )
+        if self.controller and _host_of(self.controller) is None:
+            raise ConfigError(f"controller {self.controller!r} is not HOST:PORT")
+        if self.cluster_seeds or self.controller:
             self._validate_cluster()
         if self.rpc_tcp:
             host = _host_of(self.rpc_tcp)
@@ -319,6 +327,8 @@ FIELD_HELP: dict[str, str] = {
     "prefetch_timeout": "seconds after which an unfinished prefetch is reported as done",
     "cluster_seeds": "join a cluster of servers: HOST:PORT,... of some members' cluster ports "
     "(the first server may list itself); empty: no cluster",
+    "controller": "join a cluster through a `tierkv controller` at HOST:PORT (its control "
+    "port) instead of the servers' consistent-hash ring; exclusive with cluster_seeds",
     "cluster_host": "address the cluster control and data ports bind; a non-loopback address "
     "requires --auth-token (the cluster's shared secret)",
     "cluster_port": "port of the cluster control traffic (membership, directory)",
@@ -382,20 +392,33 @@ def _quota_specs(raw: Any) -> dict[str, Any]:
     return out
 
 
-def _fields() -> list[tuple[str, Any, Any]]:
-    info = msgspec.inspect.type_info(ServerConfig)
+class _Validating(Protocol):
+    def validate(self) -> Any: ...
+
+
+C = TypeVar("C", bound=_Validating)
+
+
+def _fields(cls: type = ServerConfig) -> list[tuple[str, Any, Any]]:
+    info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
     return [(f.name, f.type, f.default) for f in info.fields]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, defaulting to None so unset flags do not override other sources."""
-    group = parser.add_argument_group("server configuration (flags > TIERKV_* env > --config)")
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type = ServerConfig,
+    helps: Mapping[str, str] = FIELD_HELP,
+    what: str = "server",
+) -> None:
+    """One flag per field of ``cls`` (a configuration struct whose help texts are ``helps``),
+    defaulting to None so unset flags do not override other sources."""
+    group = parser.add_argument_group(f"{what} configuration (flags > TIERKV_* env > --config)")
     group.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
-    for name, typ, default in _fields():
+    for name, typ, default in _fields(cls):
         flag = "--" + name.replace("_", "-")
         shown = "none" if default is msgspec.NODEFAULT else (default if default != "" else '""')
-        help_text = f"{FIELD_HELP[name]} (default: {shown}; env TIERKV_{name.upper()})"
+        help_text = f"{helps[name]} (default: {shown}; env TIERKV_{name.upper()})"
         if name == "tiers":
             group.add_argument(
                 "--tier",
@@ -428,6 +451,16 @@ def load(
     overrides: Mapping[str, Any] | None = None,
 ) -> ServerConfig:
     """Build the configuration: defaults < YAML file < environment < flags < overrides."""
+    return load_as(ServerConfig, args, env, overrides)
+
+
+def load_as(
+    cls: type[C],
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> C:
+    """A configuration struct ``cls``: defaults < YAML < environment < flags < overrides."""
     env = os.environ if env is None else env
     merged: dict[str, Any] = {}
     path = getattr(args, "config", None) or env.get("TIERKV_CONFIG")
@@ -442,7 +475,7 @@ def load(
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of option: value")
         merged.update({str(k).replace("-", "_"): v for k, v in data.items()})
-    names = [name for name, _, _ in _fields()]
+    names = [name for name, _, _ in _fields(cls)]
     for name in names:
         value = env.get(f"TIERKV_{name.upper()}")
         if value is not None:
@@ -453,20 +486,25 @@ def load(
             if value is not None:
                 merged[name] = value
     merged.update(overrides or {})
-    return from_mapping(merged)
+    return from_mapping_as(cls, merged)
 
 
 def from_mapping(values: Mapping[str, Any]) -> ServerConfig:
+    return from_mapping_as(ServerConfig, values)
+
+
+def from_mapping_as(cls: type[C], values: Mapping[str, Any]) -> C:
     given = dict(values)
     if "tiers" in given:
         given["tiers"] = _tier_specs(given["tiers"])
     if "quotas" in given:
         given["quotas"] = _quota_specs(given["quotas"])
     try:
-        cfg = convert(given, ServerConfig, what="invalid configuration")
+        cfg: C = convert(given, cls, what="invalid configuration")  # type: ignore[type-var]
     except OptionError as exc:
         raise ConfigError(str(exc)) from None
-    return cfg.validate()
+    cfg.validate()
+    return cfg
 
 
 def as_dict(cfg: ServerConfig, redact: Sequence[str] = ("auth_token",)) -> dict[str, Any]:

@@ -56,7 +56,10 @@ class ControlServer:
         handlers: Mapping[type, Handler],
         ctx: zmq.Context[Any] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        decoder: msgspec.msgpack.Decoder[Any] = m.request_decoder,
     ) -> None:
+        """``decoder``: the requests this server understands (the cluster's by default; the
+        controller serves its own)."""
         self.signer = ControlSigner(token)
         self.handlers = dict(handlers)
         self.ctx = ctx or zmq.Context.instance()
@@ -68,7 +71,7 @@ class ControlServer:
         self.sock: zmq.Socket[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._decode = m.request_decoder.decode
+        self._decode = decoder.decode
 
     def bind(self) -> None:
         """Open the listening socket (once); :attr:`port` is known from then on."""
@@ -164,8 +167,11 @@ class ControlClient:
         max_idle_per_peer: int = 16,
         suspect_for: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        decoder: msgspec.msgpack.Decoder[Any] = m.reply_decoder,
     ) -> None:
+        """``decoder``: the replies expected (the cluster's by default)."""
         self.signer = ControlSigner(token)
+        self._decode = decoder.decode
         self.timeout = timeout
         self.ctx = ctx or zmq.Context.instance()
         self.max_idle = max_idle_per_peer
@@ -268,7 +274,7 @@ class ControlClient:
                         self.bad_replies += 1
                         continue
                     try:
-                        reply = m.reply_decoder.decode(frames[1])
+                        reply = self._decode(frames[1])
                     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
                         continue
                     # Unverifiable replies are ignored, except a refusal: a peer with another

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient, ControlServer
+from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.cluster.directory import HashDirectory, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
@@ -43,6 +44,7 @@ class ClusterSettings:
     where the defaults and help of each live), under the names the cluster code uses."""
 
     seeds: tuple[str, ...]
+    controller: str  # HOST:PORT of a `tierkv controller`: controller mode instead of the ring
     host: str
     port: int
     data_port: int  # 0: port + 1
@@ -72,6 +74,7 @@ class ClusterSettings:
         seeds = tuple(s.strip() for s in str(cfg.cluster_seeds).split(",") if s.strip())
         return cls(
             seeds=seeds,
+            controller=cfg.controller,
             host=cfg.cluster_host,
             port=cfg.cluster_port,
             data_port=cfg.cluster_data_port,
@@ -93,8 +96,8 @@ class ClusterNode:
     The membership, directory and peer tier exist from :meth:`start` on: a node is named by
     the address of its control socket, which is known only once it is bound."""
 
-    membership: Membership
-    directory: HashDirectory
+    membership: Membership | None  # None in controller mode
+    directory: HashDirectory | ControllerDirectory
     tier: PeerTier
     me: m.MemberInfo
 
@@ -150,47 +153,65 @@ class ClusterNode:
             self.transport.port = self.control.port + 1  # the default: next to control
         self.transport.bind(self.node_id)
         self.me = m.MemberInfo(self.node_id, self.node_id, self.transport.address, time.time_ns())
-        self.membership = Membership(
+        self.control.handlers[m.GetStatus] = lambda req: m.NodeStatus(req.rid, self.stats())
+        if settings.controller:
+            self.membership = None
+            directory = ControllerDirectory(
+                settings.controller,
+                self.me,
+                settings.token,
+                settings.timeout,
+                self._held,
+                interval=settings.heartbeat_interval,
+            )
+            self.directory = directory
+            self.tier = PeerTier(self.node_id, directory, directory, self.transport, self)
+        else:
+            self._join_ring()
+        self.control.start()
+        self.transport.serve(self)
+        self.directory.start()
+        if self.membership is not None:
+            self.membership.start()
+        log.info(
+            "cluster node %s: control %s, data %s, seeds %s",
+            self.node_id,
+            self.me.control,
+            self.me.data,
+            ",".join(settings.seeds) or f"controller {settings.controller}",
+        )
+
+    def _join_ring(self) -> None:
+        """Ring mode: membership among the servers, the consistent-hash directory."""
+        settings = self.settings
+        membership = Membership(
             self.me,
             settings.seeds,
             self.client,
             settings.heartbeat_interval,
             settings.member_ttl,
         )
-        self.directory = HashDirectory(
-            self.membership,
+        directory = HashDirectory(
+            membership,
             self.client,
             self._held,
             settings.replicas,
             settings.vnodes,
             settle=2 * settings.heartbeat_interval,
         )
-        self.membership.add_listener(self._membership_changed)
-        self.tier = PeerTier(
-            self.node_id, self.directory, self.membership, self.transport, publisher=self
-        )
+        self.membership, self.directory = membership, directory
+        membership.add_listener(self._membership_changed)
+        self.tier = PeerTier(self.node_id, directory, membership, self.transport, publisher=self)
         self.control.handlers.update(
             {
-                m.Heartbeat: self.membership.on_heartbeat,
-                m.Leave: self.membership.on_leave,
-                m.GetMembers: self.membership.on_get_members,
-                m.Publish: self.directory.on_publish,
-                m.Unpublish: self.directory.on_unpublish,
-                m.Handoff: self.directory.on_handoff,
-                m.Resolve: self.directory.on_resolve,
-                m.GetStatus: lambda req: m.NodeStatus(req.rid, self.stats()),
+                m.Heartbeat: membership.on_heartbeat,
+                m.Leave: membership.on_leave,
+                m.GetMembers: membership.on_get_members,
+                m.Publish: directory.on_publish,
+                m.Unpublish: directory.on_unpublish,
+                m.Handoff: directory.on_handoff,
+                m.Resolve: directory.on_resolve,
             }
-        )
-        self.control.start()
-        self.transport.serve(self)
-        self.directory.start()
-        self.membership.start()
-        log.info(
-            "cluster node %s: control %s, data %s, seeds %s",
-            self.node_id,
-            self.me.control,
-            self.me.data,
-            ",".join(settings.seeds) or "-",
         )
 
     def close(self) -> None:
@@ -198,13 +219,15 @@ class ClusterNode:
             self._closed = True
             return
         self._closed = True
-        joined = hasattr(self, "membership")
+        joined = hasattr(self, "directory")
+        membership = getattr(self, "membership", None)
         # Stop answering first, so no peer sees this node alive again after its LEAVE.
-        if joined:
-            self.membership.close(leave=False)
+        if membership is not None:
+            membership.close(leave=False)
         self.control.close()
+        if membership is not None:
+            membership.leave()
         if joined:
-            self.membership.leave()
             self.directory.close()
         self.transport.close()
         self.client.close()
@@ -405,14 +428,16 @@ class ClusterNode:
         return {
             "node_id": self.node_id,
             "incarnation": self.me.incarnation,
-            "members": ms.describe(),
+            "members": ms.describe() if ms is not None else [],
             "membership": {
                 "alive": len(ms.alive()),
                 "changes": ms.changes,
                 "heartbeats_sent": ms.heartbeats_sent,
                 "heartbeats_received": ms.heartbeats_received,
                 "refused_by_peers": ms.refused_by_peers,
-            },
+            }
+            if ms is not None
+            else {},
             "directory": self.directory.stats(),
             "published": published,
             "on_disk": on_disk,

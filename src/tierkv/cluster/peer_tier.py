@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from tierkv.cluster.directory import Directory, Location, Where
-from tierkv.cluster.membership import Membership
+from tierkv.cluster.messages import MemberInfo
 from tierkv.cluster.transport import Transport
 from tierkv.tiers.base import LoadStatus, Tier, TierUsage
 
@@ -50,6 +50,13 @@ class Publisher(Protocol):
     def published_usage(self) -> tuple[int, int]: ...
 
 
+class Members(Protocol):
+    """Where a holder's data plane is: the membership (ring mode) or the controller
+    directory (controller mode) knows."""
+
+    def get(self, node_id: str) -> MemberInfo | None: ...
+
+
 class PeerTier(Tier):
     name = NAME
 
@@ -57,7 +64,7 @@ class PeerTier(Tier):
         self,
         node_id: str,
         directory: Directory,
-        membership: Membership,
+        membership: Members,
         transport: Transport,
         publisher: Publisher,
     ) -> None:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -48,7 +48,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from tierkv.config import ServerConfig
 from tierkv.server.quotas import Quotas
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
@@ -222,10 +221,21 @@ def _parse_clear_body(body: bytes) -> bytes:
         raise ValueError(f"namespace must be {NAMESPACE_HEX} hex digits") from None
 
 
+class HttpSettings(Protocol):
+    """Where to serve HTTP (the server's and the controller's configurations have it)."""
+
+    @property
+    def http_host(self) -> str: ...
+    @property
+    def http_port(self) -> int: ...
+    @property
+    def http_url(self) -> str: ...
+
+
 class HttpServer:
     """uvicorn serving an app on a pre-bound socket, on its own thread."""
 
-    def __init__(self, cfg: ServerConfig, app: FastAPI) -> None:
+    def __init__(self, cfg: HttpSettings, app: FastAPI) -> None:
         self.host, self.port = cfg.http_host, cfg.http_port
         self.url = cfg.http_url
         self.sock: socket.socket | None = None

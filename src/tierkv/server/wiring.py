@@ -144,7 +144,7 @@ class Server:
         # The cluster node: other servers' pools as the last tier (the peer tier), this
         # pool's chunks published to them, evicted or cleared ones withdrawn.
         self.cluster = None
-        if cfg.cluster_seeds:
+        if cfg.cluster_seeds or cfg.controller:
             disk = next((t for t in self.tiers if t.name == "disk"), None)
             node = ClusterNode(ClusterSettings.from_config(cfg), self.index, self.pool, disk)
             self._started_part("cluster", node.close)

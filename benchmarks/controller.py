@@ -1,0 +1,125 @@
+"""The controller's index at the scale of LMCache's controller experiment: 100 instances x 1M
+chunks each, in the real index (:class:`tierkv.controller.index.ControllerIndex`).
+
+Columns (the seed's RegistryTree figures in brackets):
+
+- lookup_us: a lookup of a 512-chunk prefix asked of the whole index (every instance's
+  table), per key, median over repeats [8.2 us]. Each prefix is one instance's keys; the
+  others miss, so every table is probed for every key.
+- memory_gb: resident set growth of the process while the index is filled, in GB (10**9
+  bytes), with the filling's temporary key buffers freed [5.87 GB].
+- full_report_ms: one instance's full report (1M keys, 32 bytes each, as they arrive on the
+  wire) applied: fingerprints, the table built, swapped in; median of 3 [60 ms].
+- deregister_ms: one instance with 1M chunks deregistered; median of 3 [8 ms].
+- lookup512_wire_p50_us: a 512-chunk lookup through a running controller, p50. Not measured
+  yet (the controller process's lookup request is not built): printed as "-".
+
+Use ``--instances`` / ``--chunks`` for a smaller run. The last line of output is
+``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+import numpy as np
+
+from tierkv.controller.index import ControllerIndex
+
+KEY = 32
+NAMESPACE = b"N" * 16  # one model: every instance's keys share a namespace
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def random_keys(n: int) -> bytes:
+    """``n`` keys of one namespace, concatenated (how a report carries them)."""
+    arr = np.frombuffer(os.urandom(n * KEY), dtype=np.uint8).reshape(n, KEY).copy()
+    arr[:, :16] = np.frombuffer(NAMESPACE, dtype=np.uint8)
+    return arr.tobytes()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--instances", type=int, default=100)
+    ap.add_argument("--chunks", type=int, default=1_000_000, help="chunks per instance")
+    ap.add_argument("--lookups", type=int, default=50, help="512-chunk lookups timed")
+    args = ap.parse_args()
+    n_inst, n = args.instances, args.chunks
+
+    index = ControllerIndex()
+    tiers = np.zeros(n, dtype=np.int8)
+    samples: dict[str, bytes] = {}
+    gc.collect()
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    for i in range(n_inst):
+        blob = random_keys(n)
+        index.replace(f"inst-{i}", blob, tiers)
+        if i % max(1, n_inst // 10) == 0:
+            samples[f"inst-{i}"] = blob[: 512 * KEY * 4]
+        del blob
+    gc.collect()
+    memory = rss_bytes() - base - sum(len(b) for b in samples.values())
+    fill_s = time.perf_counter() - t0
+    print(f"filled {n_inst} x {n} chunks in {fill_s:.1f} s; {index.total()} keys")
+    print(
+        f"memory: rss growth {memory / 1e9:.3f} GB ({memory / (n_inst * n):.1f} B/chunk); "
+        f"tables {index.nbytes() / 1e9:.3f} GB"
+    )
+
+    # Lookups: 512-chunk prefixes of sampled instances.
+    per_key: list[float] = []
+    names = list(samples)
+    for r in range(args.lookups):
+        blob = samples[names[r % len(names)]]
+        start = (r // len(names)) % 4 * 512 * KEY
+        prefix = blob[start : start + 512 * KEY]
+        t = time.perf_counter()
+        found = index.lookup(prefix)
+        per_key.append((time.perf_counter() - t) / 512 * 1e6)
+        if (found[names[r % len(names)]] < 0).any():
+            raise RuntimeError("a sampled prefix was not found")
+    lookup_us = statistics.median(per_key)
+    print(
+        f"lookup: {lookup_us:.2f} us/key (median of {len(per_key)} 512-chunk lookups, "
+        f"p90 {sorted(per_key)[int(0.9 * len(per_key))]:.2f})"
+    )
+
+    # Full report and deregistration of one instance, 3 times each.
+    reports: list[float] = []
+    drops: list[float] = []
+    for r in range(3):
+        blob = random_keys(n)
+        t = time.perf_counter()
+        index.replace("inst-0", blob, tiers)
+        reports.append((time.perf_counter() - t) * 1e3)
+        del blob
+        t = time.perf_counter()
+        dropped = index.drop(f"inst-{r + 1}")
+        drops.append((time.perf_counter() - t) * 1e3)
+        if dropped != n:
+            raise RuntimeError(f"deregistered {dropped} keys, not {n}")
+    full_report_ms = statistics.median(reports)
+    deregister_ms = statistics.median(drops)
+    print(f"full report: {full_report_ms:.1f} ms (median of {reports!r})")
+    print(f"deregister: {deregister_ms:.2f} ms (median of {drops!r})")
+    print(
+        f"controller lookup_us={lookup_us:.2f} memory_gb={memory / 1e9:.2f} "
+        f"full_report_ms={full_report_ms:.1f} deregister_ms={deregister_ms:.2f} "
+        "lookup512_wire_p50_us=-"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The directory of controller mode: a `tierkv controller` knows which server holds which
+key (:mod:`tierkv.controller`); this is a server's side of it.
+
+One thread talks to the controller, so everything it sends is in the order it happened:
+
+- (re)registration and a full sync (everything :attr:`held` returns, in parts of
+  :data:`BATCH` keys), whenever the controller does not know this boot of the server (first
+  start, the controller restarted, a report refused);
+- reports: ``publish``/``unpublish`` only queue (a store never waits for the network,
+  unless its commit waits for its ticket, :meth:`wait_published`); the thread sends what
+  queued as one report with the next sequence number. Stores and local reads go on while a
+  full sync is being sent; what they queue meanwhile follows the sync, in order;
+- heartbeats every ``interval`` seconds; the reply says whether the controller knows this
+  boot of the server (its boot token tells a restarted controller).
+
+``resolve`` is one round trip to the controller. The holders it names come with their data
+addresses, which :meth:`get` hands to the peer tier (the membership's role in ring mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.directory import Directory, Location, Where
+from tierkv.controller import messages as cm
+from tierkv.keys import KEY_SIZE
+
+log = logging.getLogger(__name__)
+
+BATCH = 65536  # keys per report or sync part
+
+
+class ControllerDirectory(Directory):
+    def __init__(
+        self,
+        controller: str,
+        me: m.MemberInfo,
+        token: str,
+        timeout: float,
+        held: Callable[[], list[tuple[bytes, Where]]],
+        namespaces: Callable[[], list[bytes]] = list,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.controller = controller
+        self.me = me
+        self.client = ControlClient(token, timeout, decoder=cm.reply_decoder)
+        self.held = held
+        self.namespaces = namespaces
+        self.interval = interval
+        self.clock = clock
+        self._members: dict[str, m.MemberInfo] = {me.node_id: me}
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to withdraw
+        self._queued = 0
+        self._sent = 0
+        self._stop = False
+        self._registered = False
+        self._seq = 0
+        self._controller_boot = 0
+        self._thread: threading.Thread | None = None
+        self.counts: dict[str, int] = {
+            "registrations": 0,
+            "syncs": 0,
+            "reports": 0,
+            "reports_failed": 0,
+            "heartbeats": 0,
+            "resolves": 0,
+            "resolved_keys": 0,
+            "resolve_found": 0,
+            "resolve_failures": 0,
+            "published": 0,
+            "unpublished": 0,
+        }
+
+    # -- the Directory interface -----------------------------------------------------------
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
+        with self._cond:
+            if not keys:
+                return self._queued
+            for key in keys:
+                self._pending[key] = int(where)
+            self._queued += 1
+            self._cond.notify()
+            return self._queued
+
+    def unpublish(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        with self._cond:
+            for key in keys:
+                self._pending[key] = -1
+            self._cond.notify()
+
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._sent >= ticket or self._stop, timeout)
+
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        if not keys:
+            return []
+        self.counts["resolves"] += 1
+        self.counts["resolved_keys"] += len(keys)
+        reply = self.client.call(self.controller, m.Resolve(0, list(keys)))
+        out: list[list[Location]] = [[] for _ in keys]
+        if not isinstance(reply, cm.Located):
+            self.counts["resolve_failures"] += 1
+            return out  # a controller that cannot answer: misses, never wrong answers
+        with self._cond:
+            for info in reply.holders:
+                self._members[info.node_id] = info
+        for pos, h, where in reply.found:
+            if 0 <= pos < len(keys) and 0 <= h < len(reply.holders) and where in (0, 1):
+                out[pos].append(Location(reply.holders[h].node_id, Where(where)))
+        self.counts["resolve_found"] += sum(1 for locs in out if locs)
+        return out
+
+    def get(self, node_id: str) -> m.MemberInfo | None:
+        """A holder's member record (data address), as the controller last named it."""
+        with self._cond:
+            return self._members.get(node_id)
+
+    # -- the sender thread -----------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tierkv-ctl-dir", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+        if self._registered:
+            self.client.call(
+                self.controller, cm.Deregister(0, self.me.node_id, self.me.incarnation)
+            )
+        self.client.close()
+
+    def _run(self) -> None:
+        next_beat = self.clock()
+        retry_at = 0.0  # a failed registration is tried again after a pause
+        while True:
+            with self._cond:
+                wake = next_beat if self._registered else min(next_beat, retry_at)
+                self._cond.wait_for(
+                    functools.partial(self._has_work, wake), max(0.0, wake - self.clock())
+                )
+                if self._stop:
+                    return
+                pending, self._pending = self._pending, {}
+                taken = self._queued
+            try:
+                if not self._registered:
+                    self._register_and_sync()
+                    retry_at = self.clock() + min(1.0, self.interval)
+                elif pending:
+                    self._report(pending)
+                if self.clock() >= next_beat:
+                    next_beat = self.clock() + self.interval
+                    self._heartbeat()
+            except Exception:
+                log.exception("controller directory: sending failed")
+                self._registered = False
+            with self._cond:
+                self._sent = max(self._sent, taken)
+                self._cond.notify_all()
+
+    def _has_work(self, wake: float) -> bool:
+        return self._stop or self.clock() >= wake or (self._registered and bool(self._pending))
+
+    def _register_and_sync(self) -> None:
+        reply = self.client.call(self.controller, cm.Register(0, self.me, self.namespaces()))
+        if not isinstance(reply, cm.Registered):
+            log.warning("controller %s did not register this server: %r", self.controller, reply)
+            return
+        self._controller_boot = reply.controller_boot
+        self.counts["registrations"] += 1
+        held = self.held()
+        keys = b"".join(k for k, _ in held)
+        tiers = bytes(int(w) for _, w in held)
+        parts = max(1, -(-len(held) // BATCH))
+        for part in range(parts):
+            lo, hi = part * BATCH, (part + 1) * BATCH
+            ack = self.client.call(
+                self.controller,
+                cm.SyncBatch(
+                    0,
+                    self.me.node_id,
+                    self.me.incarnation,
+                    self._seq,
+                    part,
+                    part == parts - 1,
+                    keys[lo * KEY_SIZE : hi * KEY_SIZE],
+                    tiers[lo:hi],
+                ),
+            )
+            if not (isinstance(ack, cm.Ack) and ack.ok):
+                log.warning("controller refused a full sync part: %r", ack)
+                return
+        self._registered = True
+        self.counts["syncs"] += 1
+        log.info("registered with controller %s; full sync of %d keys", self.controller, len(held))
+
+    def _report(self, pending: dict[bytes, int]) -> None:
+        items = list(pending.items())
+        for lo in range(0, len(items), BATCH):
+            chunk = items[lo : lo + BATCH]
+            admits = [(k, w) for k, w in chunk if w >= 0]
+            evicts = [k for k, w in chunk if w < 0]
+            self.counts["published"] += len(admits)
+            self.counts["unpublished"] += len(evicts)
+            tiers = np.fromiter((w for _, w in admits), dtype=np.int8, count=len(admits))
+            ack = self.client.call(
+                self.controller,
+                cm.Report(
+                    0,
+                    self.me.node_id,
+                    self.me.incarnation,
+                    self._seq + 1,
+                    b"".join(k for k, _ in admits),
+                    tiers.tobytes(),
+                    b"".join(evicts),
+                ),
+            )
+            if not (isinstance(ack, cm.Ack) and ack.ok):
+                # Not applied (controller restarted, a gap, a timeout): a full sync repairs
+                # everything, these updates included.
+                self.counts["reports_failed"] += 1
+                self._registered = False
+                return
+            self._seq += 1
+            self.counts["reports"] += 1
+
+    def _heartbeat(self) -> None:
+        reply = self.client.call(
+            self.controller, cm.Heartbeat(0, self.me.node_id, self.me.incarnation, self._seq)
+        )
+        self.counts["heartbeats"] += 1
+        if isinstance(reply, cm.HeartbeatReply) and (
+            not reply.known or reply.controller_boot != self._controller_boot
+        ):
+            log.info(
+                "controller %s does not know this server (restarted?): re-registering",
+                self.controller,
+            )
+            self._registered = False
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "mode": "controller",
+            "controller": self.controller,
+            "registered": self._registered,
+            "seq": self._seq,
+            **self.counts,
+        }

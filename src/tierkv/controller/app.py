@@ -1,0 +1,82 @@
+"""Entry point of `tierkv controller`: the control port (signed ZMQ, the cluster's
+:class:`~tierkv.cluster.control.ControlServer` serving the controller's messages), the
+liveness reaper and HTTP; SIGTERM/SIGINT stop them in reverse order."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+
+from tierkv.cluster.control import ControlServer
+from tierkv.controller import messages as cm
+from tierkv.controller.config import ControllerConfig
+from tierkv.controller.http import create_app
+from tierkv.controller.service import ControllerService
+from tierkv.logs import setup_logging
+from tierkv.server.http import HttpServer
+
+log = logging.getLogger(__name__)
+
+
+class Controller:
+    """The controller process's parts: :meth:`start`, :meth:`close` (reverse order)."""
+
+    def __init__(self, cfg: ControllerConfig) -> None:
+        self.cfg = cfg
+        self.service = ControllerService(cfg.dead_after)
+        self.control = ControlServer(
+            cfg.host,
+            cfg.port,
+            cfg.auth_token,
+            self.service.handlers(),
+            max_message_bytes=cfg.max_message_bytes,
+            decoder=cm.request_decoder,
+        )
+        self.http: HttpServer | None = None
+
+    def start(self) -> Controller:
+        try:
+            self.control.start()
+            self.service.start(min(self.cfg.heartbeat_interval, self.cfg.dead_after / 3))
+            if self.cfg.http_port:
+                self.http = HttpServer(self.cfg, create_app(self.service, self._health))
+                self.http.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("tierkv controller on %s:%d", self.cfg.host, self.control.port)
+        return self
+
+    def _health(self) -> dict[str, bool]:
+        return {
+            "control": self.control._thread is not None and self.control._thread.is_alive(),
+            "reaper": self.service._thread is not None and self.service._thread.is_alive(),
+        }
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
+        self.service.close()
+        self.control.close()
+
+
+def run(cfg: ControllerConfig) -> int:
+    """Serve until SIGTERM/SIGINT."""
+    setup_logging(cfg.log_level, cfg.log_format)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("received %s, shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    controller = Controller(cfg).start()
+    try:
+        stop.wait()
+    finally:
+        controller.close()
+    return 0

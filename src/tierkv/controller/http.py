@@ -1,0 +1,96 @@
+"""The controller's HTTP server: ``/healthcheck``, ``/metrics`` (Prometheus), ``/status``
+(the JSON the dashboard will show), in the server's conventions (FastAPI on uvicorn, the
+server's :class:`~tierkv.server.http.HttpServer`, JSON errors)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from tierkv.controller.service import ControllerService
+
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+class ControllerCollector(Collector):
+    """Prometheus figures read from the service at scrape time."""
+
+    def __init__(self, service: ControllerService) -> None:
+        self.service = service
+        self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._sum = 0.0
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        s = self.service
+        c = s.counts
+        for name, key, what in (
+            ("registrations", "registrations", "server registrations"),
+            ("heartbeats", "heartbeats", "heartbeats received"),
+            ("admits", "admits", "keys admitted by reports"),
+            ("evicts", "evicts", "keys evicted by reports"),
+            ("reports", "reports", "reports applied"),
+            ("reports_refused", "reports_refused", "reports and sync parts refused"),
+            ("syncs", "syncs", "full syncs applied"),
+            ("lookups", "lookups", "lookups answered"),
+            ("lookup_keys", "lookup_keys", "keys looked up"),
+        ):
+            yield CounterMetricFamily(f"tierkv_controller_{name}", what, value=c[key])
+        dereg = CounterMetricFamily(
+            "tierkv_controller_deregistrations", "servers deregistered", labels=["reason"]
+        )
+        dereg.add_metric(["dead"], c["deregistered_dead"])
+        dereg.add_metric(["clean"], c["deregistered_clean"])
+        yield dereg
+        yield GaugeMetricFamily(
+            "tierkv_controller_instances", "registered servers", value=len(s.instances())
+        )
+        yield GaugeMetricFamily("tierkv_controller_keys", "keys indexed", value=s.index.total())
+        yield GaugeMetricFamily(
+            "tierkv_controller_index_bytes", "bytes of the index's tables", value=s.index.nbytes()
+        )
+        drained, s.lookup_seconds = s.lookup_seconds, []
+        for v in drained:
+            self._sum += v
+            i = next((i for i, b in enumerate(LATENCY_BUCKETS) if v <= b), len(LATENCY_BUCKETS))
+            self._buckets[i] += 1
+        cum, buckets = 0, []
+        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self._buckets, strict=True):
+            cum += n
+            buckets.append((bound, cum))
+        yield HistogramMetricFamily(
+            "tierkv_controller_lookup_seconds",
+            "time to answer a lookup in the index",
+            buckets=buckets,
+            sum_value=self._sum,
+        )
+
+
+def create_app(service: ControllerService, health: Callable[[], dict[str, bool]]) -> FastAPI:
+    app = FastAPI(title="tierkv controller", docs_url=None, redoc_url=None, openapi_url=None)
+    registry = CollectorRegistry()
+    registry.register(ControllerCollector(service))
+
+    @app.get("/healthcheck")
+    def healthcheck() -> JSONResponse:
+        checks = health()
+        ok = all(checks.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "checks": checks},
+            status_code=200 if ok else 503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    @app.get("/status")
+    def status() -> JSONResponse:
+        return JSONResponse(service.stats(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,259 @@
+"""One instance's keys in the controller: an open-addressing hash table in one numpy array.
+
+No Python object per chunk: a key is reduced to a 62-bit fingerprint (:func:`fingerprints`,
+vectorised over a whole batch) and stored as one ``uint64`` slot, ``fingerprint << 2 | tier``
+(``0`` is an empty slot, ``1`` a deleted one), so a million chunks take 16 MiB at the
+table's worst load (a half) and 8 MiB at its best. Every operation is a handful of numpy
+calls over a whole batch: a key's home slot is the top bits of its fingerprint, so sorting
+fingerprints sorts keys by home and a table is built from a sorted batch with no probing at
+all (each key's slot is a running maximum, :meth:`KeyTable.build`); lookups and small adds
+probe linearly in rounds, each round looking at a window of :data:`WINDOW` consecutive
+slots for every key of the batch at once. Probing never wraps: the array ends with at least
+:data:`WINDOW` empty slots, so every probe ends there at the latest.
+
+A fingerprint can collide with another key's (about one lookup in 2**62 / keys held): the
+controller may then name a holder that does not have the chunk. That is safe by
+construction: a reader fetches by the full 32-byte key and the holder answers "missing".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from tierkv.keys import KEY_SIZE
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+I8 = npt.NDArray[np.int8]
+
+EMPTY = 0
+DELETED = 1
+WINDOW = 8  # slots looked at per key and round (one 64-byte cache line)
+MIN_CAPACITY = 1024
+MAX_LOAD = 0.5  # live + deleted slots over capacity before a rehash
+TIER_BITS = 2
+TIERS = 1 << TIER_BITS
+NO_TIER = -1
+
+_M1 = np.uint64(0x9E3779B97F4A7C15)
+_M2 = np.uint64(0xBF58476D1CE4E5B9)
+_M3 = np.uint64(0x94D049BB133111EB)
+_S = np.uint64(TIER_BITS)
+_ARANGE = np.arange(WINDOW, dtype=np.int64)
+_TMASK = np.uint64(TIERS - 1)
+FP_BITS = 62
+FEW = 8  # keys past their window looked up one by one rather than in a vectorised round
+
+
+def key_array(keys: bytes | list[bytes]) -> npt.NDArray[np.uint64]:
+    """``keys`` (32-byte keys, or their concatenation) as an ``(n, 4)`` uint64 array."""
+    blob = keys if isinstance(keys, bytes) else b"".join(keys)
+    if len(blob) % KEY_SIZE:
+        raise ValueError(f"keys must be {KEY_SIZE} bytes each")
+    return np.frombuffer(blob, dtype="<u8").reshape(-1, KEY_SIZE // 8)
+
+
+def fingerprints(keys: bytes | list[bytes]) -> U64:
+    """A 62-bit non-zero fingerprint of each key (namespace digest and chunk hash both mix
+    in, so equal chunk hashes of two namespaces never share one)."""
+    k = key_array(keys)
+    h = k[:, 2] ^ (k[:, 0] * _M1) ^ (k[:, 3] * _M2) ^ (k[:, 1] * _M3)
+    h ^= h >> np.uint64(31)
+    h *= _M2
+    h ^= h >> np.uint64(29)
+    fp: U64 = (h >> _S) | np.uint64(1)
+    return fp
+
+
+class KeyTable:
+    """Fingerprint -> tier for one holder; every method takes and returns whole batches."""
+
+    def __init__(self, capacity: int = MIN_CAPACITY) -> None:
+        bits = (max(MIN_CAPACITY, capacity) - 1).bit_length()
+        self.capacity = 1 << bits
+        self.shift = np.uint64(FP_BITS - bits)
+        self.slots: U64 = np.zeros(self.capacity + 2 * WINDOW, dtype=np.uint64)
+        self.live = 0
+        self.deleted = 0
+        self.by_tier = np.zeros(TIERS, dtype=np.int64)
+
+    @classmethod
+    def sized_for(cls, n: int) -> KeyTable:
+        return cls(int(n / MAX_LOAD) + 1)
+
+    def __len__(self) -> int:
+        return self.live
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.slots.nbytes)
+
+    def _home(self, fps: U64) -> I64:
+        home: I64 = (fps >> self.shift).astype(np.int64)
+        return home
+
+    # -- lookups ---------------------------------------------------------------------------
+    def find(self, fps: U64) -> I64:
+        """The slot of each fingerprint, -1 where absent."""
+        out = np.full(fps.size, -1, dtype=np.int64)
+        todo = np.arange(fps.size, dtype=np.int64)
+        start = self._home(fps)
+        slots = self.slots
+        while todo.size:
+            base = start[todo]
+            win = slots[base[:, None] + _ARANGE]
+            match = (win >> _S) == fps[todo, None]
+            hit = match.any(axis=1)
+            out[todo[hit]] = base[hit] + match[hit].argmax(axis=1)
+            # Absent once the window holds an empty slot; otherwise look further.
+            go_on = ~hit & ~(win == EMPTY).any(axis=1)
+            todo = todo[go_on]
+            start[todo] += WINDOW
+        return out
+
+    def tiers(self, fps: U64) -> I8:
+        """The tier of each fingerprint, :data:`NO_TIER` where absent (one window per key;
+        a key neither in its window nor stopped by an empty slot in it is looked up further
+        by :meth:`find`). The lookup path: a few numpy calls per batch, nothing per key."""
+        win = np.take(self.slots, self._home(fps)[:, None] + _ARANGE)
+        match = (win >> _S) == fps[:, None]
+        rows = np.arange(fps.size)
+        col = match.argmax(axis=1)
+        hit = match[rows, col]
+        tier = (win[rows, col] & _TMASK).astype(np.int8)
+        out: I8 = np.where(hit, tier, np.int8(NO_TIER))
+        more = np.flatnonzero(~hit & ~(win == EMPTY).any(axis=1))
+        if more.size > FEW:
+            pos = self.find(fps[more])
+            out[more[pos >= 0]] = (self.slots[pos[pos >= 0]] & _TMASK).astype(np.int8)
+        elif more.size:  # typically one key in a few hundred: cheaper one by one
+            for i in more.tolist():
+                out[i] = self._probe_one(int(fps[i]))
+        return out
+
+    def _probe_one(self, fp: int) -> int:
+        slots = self.slots
+        at = (fp >> int(self.shift)) + WINDOW
+        while True:
+            entry = int(slots[at])
+            if entry == EMPTY:
+                return NO_TIER
+            if entry >> TIER_BITS == fp:
+                return entry & (TIERS - 1)
+            at += 1
+
+    def entries(self) -> U64:
+        """Every live slot (fingerprint << 2 | tier)."""
+        s = self.slots
+        out: U64 = s[s > DELETED]
+        return out
+
+    # -- changes ---------------------------------------------------------------------------
+    @classmethod
+    def build(cls, fps: U64, tiers: npt.NDArray[np.integer] | int) -> KeyTable:
+        """A table holding exactly ``fps`` with their ``tiers`` (a full report): one sort,
+        no probing. A fingerprint given twice is held once, with one of its tiers."""
+        table = cls.sized_for(fps.size)
+        table._fill(_entries(fps, tiers))
+        return table
+
+    def _fill(self, entries: U64) -> None:
+        """Place ``entries`` into this (empty) table: sorted by fingerprint they are sorted
+        by home, and linear probing puts the i-th at max(home_i, slot_{i-1} + 1)."""
+        entries = np.sort(entries)
+        fps = entries >> _S
+        if fps.size > 1:
+            keep = np.empty(fps.size, dtype=bool)
+            keep[0] = True
+            np.not_equal(fps[1:], fps[:-1], out=keep[1:])
+            entries, fps = entries[keep], fps[keep]
+        n = entries.size
+        if n:
+            rank = np.arange(n, dtype=np.int64)
+            at = np.maximum.accumulate(self._home(fps) - rank) + rank
+            end = int(at[-1]) + 2 * WINDOW
+            if end > self.slots.size:  # the last homes overflowed: a longer tail
+                self.slots = np.zeros(end, dtype=np.uint64)
+            self.slots[at] = entries
+        self.live, self.deleted = n, 0
+        self.by_tier = np.bincount((entries & _TMASK).astype(np.int64), minlength=TIERS)
+
+    def add(self, fps: U64, tiers: npt.NDArray[np.integer] | int) -> I8:
+        """Insert, or change the tier of keys already held (a fingerprint given twice in one
+        batch is stored once, with one of its tiers). A batch that is large for the table,
+        or one that would fill it past :data:`MAX_LOAD`, rebuilds it (one sort). Returns
+        each key's tier before (:data:`NO_TIER`: new)."""
+        n = fps.size
+        entries = _entries(fps, tiers)
+        before = self.tiers(fps)
+        if n * 8 > self.capacity or self.live + self.deleted + n > MAX_LOAD * self.capacity:
+            self._rebuild(entries)
+            return before
+        slots = self.slots
+        todo = np.arange(n, dtype=np.int64)
+        start = self._home(fps)
+        limit = slots.size - WINDOW
+        while todo.size:
+            base = start[todo]
+            if int(base.max()) >= limit:  # would probe into the last window: grow instead
+                self._rebuild(entries)
+                return before
+            win = slots[base[:, None] + _ARANGE]
+            match = (win >> _S) == fps[todo, None]
+            hit = match.any(axis=1)
+            if hit.any():
+                slots[base[hit] + match[hit].argmax(axis=1)] = entries[todo[hit]]
+            empty = win == EMPTY
+            free = ~hit & empty.any(axis=1)
+            retry = np.zeros(todo.size, dtype=bool)
+            if free.any():
+                at = base[free] + empty[free].argmax(axis=1)
+                idx = todo[free]
+                slots[at] = entries[idx]  # several keys may race for one slot
+                # Losers look at the same window again (the winner may be a duplicate).
+                retry[free] = slots[at] != entries[idx]
+            full = ~hit & ~free
+            start[todo[full]] += WINDOW
+            todo = todo[retry | full]
+        uniq, first = np.unique(fps, return_index=True)
+        was = before[first].astype(np.int64)
+        now = self.tiers(uniq).astype(np.int64)
+        self.live += int(np.count_nonzero(was < 0))
+        self.by_tier -= np.bincount(was[was >= 0], minlength=TIERS)
+        self.by_tier += np.bincount(now[now >= 0], minlength=TIERS)
+        return before
+
+    def _rebuild(self, extra: U64) -> None:
+        """Rebuild from the live entries and ``extra`` (whose tiers win), sized for both."""
+        live = self.slots > DELETED
+        if extra.size:
+            held = self.find(extra >> _S)
+            live[held[held >= 0]] = False
+        old = self.slots[live]
+        fresh = KeyTable.sized_for(old.size + extra.size)
+        fresh._fill(np.concatenate([old, extra]))
+        self.__dict__.update(fresh.__dict__)
+
+    def remove(self, fps: U64) -> I8:
+        """Delete; returns each key's tier before (:data:`NO_TIER`: it was not there)."""
+        pos = self.find(fps)
+        found = pos >= 0
+        before = np.full(fps.size, NO_TIER, dtype=np.int8)
+        before[found] = (self.slots[pos[found]] & _TMASK).astype(np.int8)
+        at = np.unique(pos[found])
+        if at.size:
+            gone = (self.slots[at] & _TMASK).astype(np.int64)
+            self.by_tier -= np.bincount(gone, minlength=TIERS)
+            self.slots[at] = DELETED
+            self.live -= int(at.size)
+            self.deleted += int(at.size)
+        return before
+
+
+def _entries(fps: U64, tiers: npt.NDArray[np.integer] | int) -> U64:
+    tier_arr = np.asarray(tiers, dtype=np.uint64)
+    if tier_arr.size and int(tier_arr.max()) >= TIERS:
+        raise ValueError(f"tiers must be below {TIERS}")
+    out: U64 = (fps << _S) | tier_arr
+    return out

@@ -1,0 +1,109 @@
+"""The controller's control messages, in the cluster's conventions (:mod:`tierkv.cluster.
+messages`: tagged msgspec arrays, a request id echoed by the reply, signed with the shared
+secret by :mod:`tierkv.cluster.control`). Requests, refusals, status and lookups that mean
+the same thing as the cluster's are the cluster's own structs (``Resolve``, ``Refused``,
+``GetStatus``, ``NodeStatus``, ``MemberInfo``).
+
+Keys travel packed: ``keys`` is the concatenation of 32-byte keys and ``tiers`` one byte per
+key (a :class:`~tierkv.cluster.messages.Where`), so a batch of 65536 admits is two byte
+strings, not 65536 objects. A server's ``boot`` token is its ``MemberInfo.incarnation``
+(it changes on every start); the controller's ``boot`` token comes back in every reply that
+a server acts on, so both sides notice when the other restarted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.messages import Struct
+
+
+class Register(Struct, tag="c_register"):
+    """A server joins (again): who it is, where its data plane is, its engines' namespaces.
+    The controller drops entries of a previous boot of the same instance."""
+
+    rid: int
+    member: m.MemberInfo
+    namespaces: list[bytes]
+
+
+class Registered(Struct, tag="c_registered"):
+    rid: int
+    controller_boot: int
+
+
+class Heartbeat(Struct, tag="c_hb"):
+    rid: int
+    instance: str
+    boot: int
+    seq: int  # the last report sequence number this server sent
+
+
+class HeartbeatReply(Struct, tag="c_hb_ack"):
+    """``known`` False: the controller does not know this boot of the instance (it restarted,
+    or declared the server dead): register again and send a full sync."""
+
+    rid: int
+    controller_boot: int
+    known: bool
+
+
+class Report(Struct, tag="c_report"):
+    """Admits (``keys`` with ``tiers``) and evicts of one server, in order: ``seq`` is one
+    more than the previous report's or the full sync's ``seq``."""
+
+    rid: int
+    instance: str
+    boot: int
+    seq: int
+    keys: bytes
+    tiers: bytes
+    evicts: bytes
+
+
+class SyncBatch(Struct, tag="c_sync"):
+    """Part of a full sync: everything the server holds as of report ``seq``. Parts are
+    numbered from 0; the part with ``last`` set swaps the collected snapshot in."""
+
+    rid: int
+    instance: str
+    boot: int
+    seq: int
+    part: int
+    last: bool
+    keys: bytes
+    tiers: bytes
+
+
+class Ack(Struct, tag="c_ack"):
+    """``ok`` False: the report or sync part was not applied (unknown boot, a gap in the
+    sequence numbers, a bad batch): the server registers again and sends a full sync."""
+
+    rid: int
+    controller_boot: int
+    ok: bool
+    reason: str = ""
+
+
+class Deregister(Struct, tag="c_deregister"):
+    rid: int
+    instance: str
+    boot: int
+
+
+class Located(Struct, tag="c_located"):
+    """The answer to a :class:`~tierkv.cluster.messages.Resolve`: for the keys held,
+    ``(position in the request, holder index, Where)``, one tuple per holder; ``holders``
+    are the holders' member records (data-plane addresses) the indexes point into."""
+
+    rid: int
+    holders: list[m.MemberInfo]
+    found: list[tuple[int, int, int]]
+
+
+Request = Register | Heartbeat | Report | SyncBatch | Deregister | m.Resolve | m.GetStatus
+Reply = Registered | HeartbeatReply | Ack | Located | m.NodeStatus | m.Done | m.Refused
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)

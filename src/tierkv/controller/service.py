@@ -1,0 +1,289 @@
+"""The controller's state and request handlers: registered servers, their liveness, their
+reports applied to the index (:mod:`tierkv.controller.index`), and lookups.
+
+- Register: a server names itself (``MemberInfo``: id, data address, boot token) and its
+  namespaces. A new boot token of a known instance (it restarted between two heartbeats)
+  drops the old boot's entries at once.
+- Heartbeat: refreshes the server's last-seen time; the reply carries the controller's boot
+  token and whether it knows this boot of the server (if not: register and full sync).
+- Report: admits and evicts with a sequence number; applied only in order (a gap, or an
+  unknown boot, is refused and the server re-syncs). Reports come from one sender thread
+  per server and each waits for its answer, so order on the wire is order of events.
+- SyncBatch: a full sync in parts; parts are collected aside and the last one swaps the
+  instance's table in (one bulk build). Lookups see the previous table meanwhile; reports
+  that follow the sync apply on top (the server sends them after its last part).
+- A server not heard from for ``dead_after`` seconds is deregistered (its entries dropped
+  in bulk) by the reaper thread; a clean shutdown deregisters at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tierkv.cluster import messages as m
+from tierkv.controller import messages as cm
+from tierkv.controller.index import ControllerIndex
+from tierkv.controller.keytable import TIERS
+from tierkv.keys import KEY_SIZE
+
+log = logging.getLogger(__name__)
+
+MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
+
+
+@dataclass
+class Instance:
+    member: m.MemberInfo
+    namespaces: list[bytes]
+    registered_at: float
+    last_seen: float
+    seq: int = 0  # last report or sync applied
+    sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
+    sync_bytes: int = 0
+    syncs: int = 0
+    reports: int = 0
+
+
+class ControllerService:
+    """Everything the controller knows; handlers run on the control server's thread."""
+
+    def __init__(
+        self,
+        dead_after: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.boot = time.time_ns()
+        self.dead_after = dead_after
+        self.clock = clock
+        self.index = ControllerIndex()
+        self._instances: dict[str, Instance] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counts: dict[str, int] = {
+            "registrations": 0,
+            "restarts_noticed": 0,
+            "heartbeats": 0,
+            "admits": 0,
+            "evicts": 0,
+            "reports": 0,
+            "reports_refused": 0,
+            "syncs": 0,
+            "sync_parts": 0,
+            "lookups": 0,
+            "lookup_keys": 0,
+            "deregistered_dead": 0,
+            "deregistered_clean": 0,
+        }
+        self.lookup_seconds: list[float] = []  # the metrics collector drains it
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        return {
+            cm.Register: self.on_register,
+            cm.Heartbeat: self.on_heartbeat,
+            cm.Report: self.on_report,
+            cm.SyncBatch: self.on_sync,
+            cm.Deregister: self.on_deregister,
+            m.Resolve: self.on_resolve,
+            m.GetStatus: lambda req: m.NodeStatus(req.rid, self.stats()),
+        }
+
+    def start(self, interval: float) -> None:
+        """Start the reaper (checks liveness every ``interval`` seconds)."""
+        self._thread = threading.Thread(
+            target=self._reap_loop, args=(interval,), name="tierkv-ctl-reaper", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.reap()
+
+    def reap(self) -> list[str]:
+        """Deregister servers silent for longer than ``dead_after``."""
+        now = self.clock()
+        with self._lock:
+            dead = [i for i, s in self._instances.items() if now - s.last_seen > self.dead_after]
+            for instance in dead:
+                del self._instances[instance]
+        for instance in dead:
+            n = self.index.drop(instance)
+            self.counts["deregistered_dead"] += 1
+            log.warning(
+                "server %s silent for %.0f s: deregistered (%d keys)", instance, self.dead_after, n
+            )
+        return dead
+
+    # -- handlers --------------------------------------------------------------------------
+    def _current(self, instance: str, boot: int) -> Instance | None:
+        """The registered state of this boot of ``instance`` (lock held by the caller)."""
+        state = self._instances.get(instance)
+        if state is None or state.member.incarnation != boot:
+            return None
+        state.last_seen = self.clock()
+        return state
+
+    def on_register(self, req: cm.Register) -> cm.Registered | m.Refused:
+        member = req.member
+        if not member.node_id or any(len(ns) != KEY_SIZE // 2 for ns in req.namespaces):
+            return m.Refused(req.rid, "register: empty instance id or a namespace not 16 bytes")
+        now = self.clock()
+        with self._lock:
+            old = self._instances.get(member.node_id)
+            self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
+        if old is not None:
+            # A re-registration starts from nothing: its full sync follows.
+            self.index.drop(member.node_id)
+            if old.member.incarnation != member.incarnation:
+                self.counts["restarts_noticed"] += 1
+                log.info("server %s restarted: its previous entries dropped", member.node_id)
+        self.counts["registrations"] += 1
+        log.info("server %s registered (data %s)", member.node_id, member.data)
+        return cm.Registered(req.rid, self.boot)
+
+    def on_heartbeat(self, req: cm.Heartbeat) -> cm.HeartbeatReply:
+        self.counts["heartbeats"] += 1
+        with self._lock:
+            known = self._current(req.instance, req.boot) is not None
+        return cm.HeartbeatReply(req.rid, self.boot, known)
+
+    def on_report(self, req: cm.Report) -> cm.Ack:
+        n_keys = len(req.keys) // KEY_SIZE
+        if len(req.keys) % KEY_SIZE or len(req.evicts) % KEY_SIZE or len(req.tiers) != n_keys:
+            self.counts["reports_refused"] += 1
+            return cm.Ack(req.rid, self.boot, False, "keys, tiers and evicts do not match")
+        tiers = np.frombuffer(req.tiers, dtype=np.int8)
+        if n_keys and (int(tiers.min()) < 0 or int(tiers.max()) >= TIERS):
+            self.counts["reports_refused"] += 1
+            return cm.Ack(req.rid, self.boot, False, "a tier out of range")
+        with self._lock:
+            state = self._current(req.instance, req.boot)
+            if state is None or req.seq != state.seq + 1 or state.sync_parts:
+                self.counts["reports_refused"] += 1
+                return cm.Ack(req.rid, self.boot, False, "unknown boot or out of sequence")
+            # Applied under the controller's lock: reports of one server apply in order.
+            if n_keys:
+                self.index.add(req.instance, req.keys, tiers)
+            if req.evicts:
+                self.index.remove(req.instance, req.evicts)
+            state.seq = req.seq
+            state.reports += 1
+        self.counts["reports"] += 1
+        self.counts["admits"] += n_keys
+        self.counts["evicts"] += len(req.evicts) // KEY_SIZE
+        return cm.Ack(req.rid, self.boot, True)
+
+    def on_sync(self, req: cm.SyncBatch) -> cm.Ack:
+        n_keys = len(req.keys) // KEY_SIZE
+        bad = len(req.keys) % KEY_SIZE or len(req.tiers) != n_keys
+        if not bad and n_keys:
+            tiers = np.frombuffer(req.tiers, dtype=np.int8)
+            bad = int(tiers.min()) < 0 or int(tiers.max()) >= TIERS
+        if bad:
+            self.counts["reports_refused"] += 1
+            return cm.Ack(req.rid, self.boot, False, "bad sync batch")
+        with self._lock:
+            state = self._current(req.instance, req.boot)
+            if state is None or req.part != len(state.sync_parts) or req.seq < state.seq:
+                self.counts["reports_refused"] += 1
+                if state is not None:
+                    state.sync_parts, state.sync_bytes = [], 0
+                return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
+            if state.sync_bytes + len(req.keys) > MAX_SYNC_BYTES:
+                state.sync_parts, state.sync_bytes = [], 0
+                return cm.Ack(req.rid, self.boot, False, "sync too large")
+            state.sync_parts.append((req.keys, req.tiers))
+            state.sync_bytes += len(req.keys)
+            self.counts["sync_parts"] += 1
+            if not req.last:
+                return cm.Ack(req.rid, self.boot, True)
+            parts, state.sync_parts, state.sync_bytes = state.sync_parts, [], 0
+            keys = b"".join(k for k, _ in parts)
+            tiers_all = np.frombuffer(b"".join(t for _, t in parts), dtype=np.int8)
+            self.index.replace(req.instance, keys, tiers_all)
+            state.seq = req.seq
+            state.syncs += 1
+        self.counts["syncs"] += 1
+        log.info("server %s full sync applied: %d keys", req.instance, len(keys) // KEY_SIZE)
+        return cm.Ack(req.rid, self.boot, True)
+
+    def on_deregister(self, req: cm.Deregister) -> m.Done:
+        with self._lock:
+            state = self._current(req.instance, req.boot)
+            if state is not None:
+                del self._instances[req.instance]
+        if state is None:
+            return m.Done(req.rid, 0)
+        self.counts["deregistered_clean"] += 1
+        return m.Done(req.rid, self.index.drop(req.instance))
+
+    def on_resolve(self, req: m.Resolve) -> cm.Located | m.Refused:
+        if any(len(k) != KEY_SIZE for k in req.keys):
+            return m.Refused(req.rid, f"resolve: keys must be {KEY_SIZE} bytes")
+        t = time.perf_counter()
+        found = self.index.lookup(req.keys) if req.keys else {}
+        with self._lock:
+            members = {i: s.member for i, s in self._instances.items()}
+        holders: list[m.MemberInfo] = []
+        out: list[tuple[int, int, int]] = []
+        for instance, tiers in found.items():
+            member = members.get(instance)
+            if member is None:
+                continue
+            h = len(holders)
+            holders.append(member)
+            pos = np.flatnonzero(tiers >= 0)
+            out.extend(zip(pos.tolist(), [h] * pos.size, tiers[pos].tolist(), strict=True))
+        self.counts["lookups"] += 1
+        self.counts["lookup_keys"] += len(req.keys)
+        self.lookup_seconds.append(time.perf_counter() - t)
+        return cm.Located(req.rid, holders, out)
+
+    # -- figures ---------------------------------------------------------------------------
+    def instances(self) -> list[dict[str, object]]:
+        now = self.clock()
+        with self._lock:
+            states = list(self._instances.values())
+        rows: list[dict[str, object]] = []
+        for s in states:
+            node = s.member.node_id
+            rows.append(
+                {
+                    "instance": node,
+                    "data": s.member.data,
+                    "boot": s.member.incarnation,
+                    "namespaces": self.index.namespaces(node),
+                    "keys": self.index.size(node),
+                    "keys_by_tier": dict(
+                        zip(("pool", "disk"), self.index.by_tier(node), strict=False)
+                    ),
+                    "last_heartbeat_s": round(now - s.last_seen, 3),
+                    "seq": s.seq,
+                    "syncing": bool(s.sync_parts),
+                    "syncs": s.syncs,
+                }
+            )
+        return sorted(rows, key=lambda r: str(r["instance"]))
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "boot": self.boot,
+            "instances": self.instances(),
+            "total_keys": self.index.total(),
+            "index_bytes": self.index.nbytes(),
+            **self.counts,
+        }
