@@ -99,7 +99,11 @@ def test_a_default_limit_applies_to_every_tenant_without_a_quota(
     server_factory: Servers,
 ) -> None:
     srv, base = start(server_factory, "--quota-mode", "hard", "--default-quota", "512KiB")
-    assert get_json(base + "/quota/config") == {"default_limit": 512 * 1024, "mode": "hard"}
+    assert get_json(base + "/quota/config") == {
+        "default_limit": 512 * 1024,
+        "default_limits": {"pool": 512 * 1024, "disk": "unlimited"},
+        "mode": "hard",
+    }
     for tenant in ("x", "y"):
         assert store(tenant_client(srv, tenant), tokens_of(3, 20)) == 4
         doc = get_json(f"{base}/quota/{tenant}")
@@ -179,7 +183,13 @@ BAD_PUTS = [
     ("/quota/t", {"limit": "lots"}, "not a size"),
     ("/quota/t", {"limit": True}, "number of bytes"),
     ("/quota/t", {"limit": "1GiB", "limit_gb": 1}, "exactly one"),
-    ("/quota/t", {"limits": {"disk": "1GiB"}}, "unknown tier"),
+    ("/quota/t", {"limits": {"redis": "1GiB"}}, "unknown tier 'redis' for quotas: Redis keeps"),
+    ("/quota/t", {"limits": {"s3": 1}}, "unknown tier 's3' for quotas: S3 keeps"),
+    ("/quota/t", {"limits": {"tape": 1}}, "unknown tier 'tape': quotas limit pool, disk"),
+    ("/quota/t", {"limits": {"disk": -1}}, "limits.disk must be >= 0"),
+    ("/quota/t", {"limits": {"disk": float("nan")}}, "limits.disk must be a whole, finite"),
+    ("/quota/t", {"limits": {"disk": "lots"}}, "limits.disk: "),
+    ("/quota/t", {"limits": "1GiB"}, "tier -> size"),
     ("/quota/t", {"limits": {}}, "tier -> size"),
     ("/quota/t", {"size": 1}, "unknown field"),
     ("/quota/t", b"{not json", "not valid JSON"),
@@ -189,6 +199,10 @@ BAD_PUTS = [
     ("/quota/config", {"mode": "medium"}, "soft"),
     ("/quota/config", {}, "JSON object"),
     ("/quota/config", {"default_limit_gb": float("inf")}, "finite"),
+    ("/quota/config", {"default_limits": {"disk": -1}}, "default_limits.disk must be >= 0"),
+    ("/quota/config", {"default_limits": {"redis": 1}}, "unknown tier 'redis'"),
+    ("/quota/config", {"default_limits": []}, "tier -> size"),
+    ("/quota/config", {"default_limit": 1, "default_limits": {"disk": 1}}, "give one of"),
 ]
 
 
@@ -199,7 +213,11 @@ def test_bad_quota_requests_get_a_400_and_change_nothing(server_factory: Servers
         assert reply.status == 400, (path, doc, reply.status, reply.body)
         assert message in reply.json()["error"], (doc, reply.json())
     assert get_json(base + "/quota/t")["limit"] == MiB
-    assert get_json(base + "/quota/config") == {"default_limit": "unlimited", "mode": "soft"}
+    assert get_json(base + "/quota/config")["default_limits"] == {
+        "pool": "unlimited",
+        "disk": "unlimited",
+    }
+    assert get_json(base + "/quota/config")["mode"] == "soft"
     too_long = "x" * 1025
     assert put(base, f"/quota/{too_long}", {"limit": 1}).status == 400
     assert request("GET", f"{base}/quota/{too_long}").status == 400
@@ -238,7 +256,8 @@ def test_the_quota_command_does_the_same_over_http(server_factory: Servers) -> N
     assert get_json(base + "/quota/a/b")["limit"] == 3 * MiB
     assert json.loads(cli("get", "config").stdout)["limit"] == 1024
     done = cli("config", "--default", "1GiB", "--mode", "hard")
-    assert json.loads(done.stdout) == {"default_limit": 2**30, "mode": "hard"}
+    assert json.loads(done.stdout)["default_limit"] == 2**30
+    assert json.loads(done.stdout)["mode"] == "hard"
     listing = json.loads(cli("list").stdout)
     assert {t["tenant"] for t in listing["tenants"]} == {"a/b", "config"}
     assert cli("delete", "config").returncode == 0
