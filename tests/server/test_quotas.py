@@ -10,46 +10,17 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from support.httputil import free_port, get_json, request, scrape, val, wait_for
-from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, register
-from tierkv.client import Client, ServerError
+from support.httputil import get_json, request, scrape, val, wait_for
+from support.quotas import put, start, store, tenant_client, tokens_of
+from support.servers import CHUNK_BYTES, ServerProcess, register
+from tierkv.client import ServerError
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 Servers = Callable[..., ServerProcess]
 MiB = 2**20
-
-
-def start(server_factory: Servers, *extra: str, pool: str = "16MiB") -> tuple[ServerProcess, str]:
-    port = free_port()
-    srv = server_factory(pool_size=pool, extra=["--http-port", str(port), *extra])
-    return srv, f"http://127.0.0.1:{port}"
-
-
-def tokens_of(seed: int, chunks: int) -> list[int]:
-    return list(range(seed * 1_000_000, seed * 1_000_000 + chunks * CHUNK_SIZE))
-
-
-def store(client: Client, tokens: list[int], salt: str = "") -> int:
-    """Store every chunk; returns how many were skipped (no room / over a hard quota)."""
-    n = len(tokens) // CHUNK_SIZE
-    result = client.store(tokens, [chunk_data(tokens, i) for i in range(n)], salt=salt)
-    return len(result.no_space)
-
-
-def tenant_client(srv: ServerProcess, tenant: str) -> Client:
-    client = srv.client()
-    register(client, tenant_salt=tenant, name=f"engine-{tenant or 'none'}")
-    return client
-
-
-def put(base: str, path: str, doc: Any, headers: dict[str, str] | None = None) -> Any:
-    body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    return request("PUT", base + path, body, headers)
 
 
 def usage(base: str, tenant: str) -> int:
