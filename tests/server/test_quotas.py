@@ -229,6 +229,10 @@ def test_the_quota_command_does_the_same_over_http(server_factory: Servers) -> N
     done = cli("config", "--default", "1GiB", "--mode", "hard")
     assert json.loads(done.stdout)["default_limit"] == 2**30
     assert json.loads(done.stdout)["mode"] == "hard"
+    assert cli("set", "a/b", "5MiB", "--tier", "disk").returncode == 0
+    assert get_json(base + "/quota/a/b")["limits"] == {"pool": 3 * MiB, "disk": 5 * MiB}
+    done = cli("config", "--default-disk", "2GiB", "--default", "unlimited")
+    assert json.loads(done.stdout)["default_limits"] == {"pool": "unlimited", "disk": 2**31}
     listing = json.loads(cli("list").stdout)
     assert {t["tenant"] for t in listing["tenants"]} == {"a/b", "config"}
     assert cli("delete", "config").returncode == 0

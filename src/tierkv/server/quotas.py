@@ -293,7 +293,7 @@ class Quotas:
             "limit": limit,
             "limit_gb": None if limit is None else limit / GIB,
             "source": source,
-            "limits": {"pool": limit},
+            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
             "usage": {"pool": f.used if f else 0},
             "evictions": f.evictions if f else 0,
             "evicted_bytes": f.evicted_bytes if f else 0,
@@ -304,7 +304,6 @@ class Quotas:
         for tier, quota in self._tiers.items():
             tier_limit, tier_source = self.limit_of(name, tier)
             t = quota.figures().get(tid) if tid is not None else None
-            doc["limits"][tier] = tier_limit
             doc["usage"][tier] = t.used if t else 0
             doc["tiers"][tier] = {
                 "limit": tier_limit,
