@@ -107,6 +107,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     commit_publish_timeout: float = 2.0
     quotas: dict[str, int] = msgspec.field(default_factory=dict)
     default_quota: str = "unlimited"
+    disk_quotas: dict[str, int] = msgspec.field(default_factory=dict)
+    default_disk_quota: str = "unlimited"
     quota_mode: str = "soft"
     quota_file: str = ""
     log_level: str = "info"
@@ -127,9 +129,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def default_quota_bytes(self) -> int | None:
-        """The default quota in bytes (None: unlimited)."""
-        text = self.default_quota.strip()
-        return None if text.lower() == "unlimited" else parse_size(text)
+        """The default pool quota in bytes (None: unlimited)."""
+        return _quota_bytes(self.default_quota)
+
+    @property
+    def default_disk_quota_bytes(self) -> int | None:
+        """The default disk quota in bytes (None: unlimited)."""
+        return _quota_bytes(self.default_disk_quota)
 
     @property
     def rpc_endpoint(self) -> str:
@@ -236,17 +242,22 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def _validate_quotas(self) -> None:
         if self.quota_mode not in ("soft", "hard"):
             raise ConfigError(f"quota_mode {self.quota_mode!r}: use soft or hard")
-        try:
-            self.default_quota_bytes  # noqa: B018 - parsed to check it
-        except OptionError:
-            raise ConfigError(
-                f"default_quota {self.default_quota!r}: use 'unlimited' or a size such as 8GiB"
-            ) from None
-        for name, limit in self.quotas.items():
-            if not name or len(name) > 1024:
-                raise ConfigError("quotas: a tenant name is 1 to 1024 characters")
-            if limit < 0:
-                raise ConfigError(f"quotas: {name}={limit}: a quota is >= 0 bytes")
+        for field, text in (
+            ("default_quota", self.default_quota),
+            ("default_disk_quota", self.default_disk_quota),
+        ):
+            try:
+                _quota_bytes(text)
+            except OptionError:
+                raise ConfigError(
+                    f"{field} {text!r}: use 'unlimited' or a size such as 8GiB"
+                ) from None
+        for field, quotas in (("quotas", self.quotas), ("disk_quotas", self.disk_quotas)):
+            for name, limit in quotas.items():
+                if not name or len(name) > 1024:
+                    raise ConfigError(f"{field}: a tenant name is 1 to 1024 characters")
+                if limit < 0:
+                    raise ConfigError(f"{field}: {name}={limit}: a quota is >= 0 bytes")
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):
@@ -349,6 +360,9 @@ FIELD_HELP: dict[str, str] = {
     "cache salt of engines without one; ~default: chunks without any salt); repeat the flag "
     "for several",
     "default_quota": "pool quota of every tenant without its own: unlimited or a size",
+    "disk_quotas": "a tenant's disk-tier quota, NAME=SIZE (names as for --quota); repeat "
+    "the flag for several",
+    "default_disk_quota": "disk-tier quota of every tenant without its own: unlimited or a size",
     "quota_mode": "soft: a tenant over its quota loses its own oldest chunks; hard: its "
     "stores beyond the quota are refused (skipped like a full pool)",
     "quota_file": "where quotas changed live (HTTP /quota, tierkv quota) are kept across "
@@ -366,6 +380,12 @@ def _tier_specs(raw: Any) -> list[Any]:
     if not isinstance(raw, list):
         raise ConfigError("tiers must be a list of NAME[:key=value,...] or mappings")
     return [msgspec.to_builtins(parse_tier_spec(item)) for item in raw]
+
+
+def _quota_bytes(text: str) -> int | None:
+    """A default quota's bytes: None for ``unlimited``."""
+    text = text.strip()
+    return None if text.lower() == "unlimited" else parse_size(text)
 
 
 def _quota_specs(raw: Any) -> dict[str, Any]:
@@ -428,14 +448,15 @@ def add_arguments(
                 metavar="NAME[:K=V,...]",
                 help=help_text.replace("env TIERKV_TIERS", "env TIERKV_TIERS, ';'-separated"),
             )
-        elif name == "quotas":
+        elif name in ("quotas", "disk_quotas"):
+            env_name = f"env TIERKV_{name.upper()}"
             group.add_argument(
-                "--quota",
+                "--" + name[:-1].replace("_", "-"),
                 dest=name,
                 action="append",
                 default=None,
                 metavar="NAME=SIZE",
-                help=help_text.replace("env TIERKV_QUOTAS", "env TIERKV_QUOTAS, ';'-separated"),
+                help=help_text.replace(env_name, f"{env_name}, ';'-separated"),
             )
         elif isinstance(typ, msgspec.inspect.BoolType):
             group.add_argument(
@@ -497,8 +518,9 @@ def from_mapping_as(cls: type[C], values: Mapping[str, Any]) -> C:
     given = dict(values)
     if "tiers" in given:
         given["tiers"] = _tier_specs(given["tiers"])
-    if "quotas" in given:
-        given["quotas"] = _quota_specs(given["quotas"])
+    for name in ("quotas", "disk_quotas"):
+        if name in given:
+            given[name] = _quota_specs(given[name])
     try:
         cfg: C = convert(given, cls, what="invalid configuration")  # type: ignore[type-var]
     except OptionError as exc:

@@ -513,9 +513,42 @@ class ObjectIndex:
         """Evict least recently used unlocked, unpinned objects until ``nbytes`` (aligned) are
         freed or nothing evictable is left. Pinned objects in the LRU are stepped over, so a
         call costs O(evicted + pinned); the pins are the write-behind's queue, which is
-        bounded (see the module docstring)."""
+        bounded (see the module docstring).
+
+        Where some tenants have quotas, the objects of the tenants without one (unlimited)
+        or above theirs go first, least recently used first; the objects of tenants within
+        their quotas only when those are not enough. A quota is thus also a share of the
+        pool its tenant keeps while the quotas fit in the pool."""
         with self._lock:
-            return self._evict(self._lru, nbytes)
+            first = self._evict_first()
+            if first is None:
+                return self._evict(self._lru, nbytes)
+            lru, skip = first
+            evicted = self._evict(lru, nbytes, skip)
+            aligned = self.allocator.aligned
+            freed = sum(aligned(e.length) for e in evicted)
+            if freed < nbytes:
+                evicted += self._evict(self._lru, nbytes - freed)
+            return evicted
+
+    def _evict_first(self) -> tuple[dict[Entry, None], frozenset[int]] | None:
+        """Where the watermark eviction starts when some tenants are within a quota: (an
+        LRU, the tenants in it to step over); None: the global LRU, every tenant alike."""
+        default = self._default_limit
+        if not self._limits and default is None:
+            return None  # no quotas: every tenant is unlimited
+        within = frozenset(
+            tid
+            for tid in self._tlru
+            if (limit := self._limits.get(tid, default)) is not None
+            and self._tused.get(tid, 0) <= limit
+        )
+        if not within or len(within) == len(self._tlru):
+            return None
+        if len(self._tlru) - len(within) == 1:  # one tenant first: its own LRU
+            (tid,) = (t for t in self._tlru if t not in within)
+            return self._tlru[tid], frozenset()
+        return self._lru, within
 
     def evict_over_quota(self) -> list[Evicted]:
         """Evict, for every tenant above its quota, that tenant's own least recently used
@@ -746,16 +779,19 @@ class ObjectIndex:
             raise SlotPositionError(f"slot positions {sorted(bad)} out of range for a lease of {n}")
         return selected
 
-    def _evict(self, lru: dict[Entry, None], nbytes: int) -> list[Evicted]:
+    def _evict(
+        self, lru: dict[Entry, None], nbytes: int, skip: frozenset[int] = frozenset()
+    ) -> list[Evicted]:
         """Evict from ``lru`` (the global LRU or one tenant's), oldest first, stepping over
-        pinned objects, until ``nbytes`` (aligned) are freed or nothing is left."""
+        pinned objects and those of the tenants in ``skip``, until ``nbytes`` (aligned) are
+        freed or nothing is left."""
         victims: list[Entry] = []
         freed = 0
         size_of = self.allocator.size_of
         for entry in lru:  # oldest first; collect, then mutate
             if freed >= nbytes:
                 break
-            if entry.pins:
+            if entry.pins or entry.tenant in skip:
                 continue
             victims.append(entry)
             freed += size_of(entry.offset) or 0

@@ -323,6 +323,17 @@ class EngineInfo(msgspec.Struct):
     sessions: int  # open lookup sessions
 
 
+class TenantTierInfo(msgspec.Struct):
+    """One tenant's share of a tier below the pool that has quotas (the disk)."""
+
+    used: int  # bytes of its chunks in the tier (files, headers included)
+    limit: int  # its quota there in bytes, -1: unlimited
+    evictions: int  # its chunks its quota evicted from the tier
+    evicted_bytes: int
+    refused_chunks: int  # its chunks a hard quota kept out of the tier
+    refused_bytes: int
+
+
 class TenantInfo(msgspec.Struct):
     """One tenant's share of the pool. ``tag`` is a short hash of its name; ``name`` is shown
     only where it is not a secret (a reserved name, or the name a quota was set under),
@@ -338,6 +349,7 @@ class TenantInfo(msgspec.Struct):
     refused_chunks: int  # its stores refused by a hard quota
     refused_bytes: int
     tenants: int = 1  # tenants this row sums (more than one only in the rest row)
+    tiers: dict[str, TenantTierInfo] = {}  # the tiers with quotas (the disk), by name
 
 
 class Stats(Struct, tag="stats_result"):

@@ -4,8 +4,9 @@
     tierkv quota list                      # the default, the mode, every tenant's usage
     tierkv quota get acme                  # one tenant's limit and usage
     tierkv quota set acme 8GiB             # its pool quota (a size, or bytes)
-    tierkv quota delete acme               # back to the default
-    tierkv quota config --default 2GiB --mode hard
+    tierkv quota set acme 100GiB --tier disk   # its disk quota
+    tierkv quota delete acme               # back to the defaults
+    tierkv quota config --default 2GiB --default-disk 50GiB --mode hard
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def add_quota_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="the default quota, the mode and every tenant's usage")
     for action, what in (("get", "show"), ("delete", "remove (it gets the default)")):
         sub.add_parser(action, help=f"{what} a tenant's quota").add_argument("tenant")
-    put = sub.add_parser("set", help="set a tenant's pool quota")
+    put = sub.add_parser("set", help="set a tenant's pool (or disk) quota")
     put.add_argument("tenant", help="the tenant's salt, or ~default")
     put.add_argument("limit", help="a size (8GiB) or a number of bytes")
-    config = sub.add_parser("config", help="show or change the default quota and the mode")
-    config.add_argument("--default", dest="default_limit", help="'unlimited' or a size")
+    put.add_argument("--tier", choices=("pool", "disk"), default="pool", help="default: pool")
+    config = sub.add_parser("config", help="show or change the default quotas and the mode")
+    config.add_argument("--default", dest="default_limit", help="pool: 'unlimited' or a size")
+    config.add_argument("--default-disk", help="disk: 'unlimited' or a size")
     config.add_argument("--mode", choices=("soft", "hard"))
 
 
@@ -55,10 +58,15 @@ def run_quota(args: argparse.Namespace) -> int:
         method, path = "DELETE", _path(args.tenant)
     elif args.action == "set":
         limit: Any = int(args.limit) if args.limit.isdigit() else args.limit
-        method, path, body = "PUT", _path(args.tenant), {"limit": limit}
+        method, path, body = "PUT", _path(args.tenant), {"limits": {args.tier: limit}}
     elif args.action == "config":
         path = "/quota/config"
-        change = {"default_limit": args.default_limit, "mode": args.mode}
+        defaults = {"pool": args.default_limit, "disk": args.default_disk}
+        change: dict[str, Any] = {"mode": args.mode}
+        if args.default_disk is None:
+            change["default_limit"] = args.default_limit
+        else:
+            change["default_limits"] = {k: v for k, v in defaults.items() if v is not None}
         change = {k: v for k, v in change.items() if v is not None}
         if change:
             method, body = "PUT", change

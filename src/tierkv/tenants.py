@@ -63,6 +63,7 @@ class TenantIds:
         self._names: list[str] = [DEFAULT_TENANT, OTHER_TENANT]
         self._ids: dict[str, int] = {DEFAULT_TENANT: DEFAULT_ID, OTHER_TENANT: OTHER_ID}
         self.by_digest: dict[bytes, int] = {}
+        self._digests: dict[int, list[bytes]] = {}  # tenant id -> its namespace digests
 
     def __len__(self) -> int:
         return len(self._names)
@@ -99,11 +100,20 @@ class TenantIds:
             return tid
         tid = self.id_of(name)
         with self._lock:
+            if digest in self.by_digest:
+                return self.by_digest[digest]
             if len(self.by_digest) < MAX_DIGESTS:
                 self.by_digest[digest] = tid
+                self._digests.setdefault(tid, []).append(digest)
             else:
                 tid = OTHER_ID
         return tid
+
+    def digests_of(self, tid: int) -> list[bytes]:
+        """The namespace digests bound to tenant ``tid`` (none for ``~other``, whose
+        digests are the ones nobody bound)."""
+        with self._lock:
+            return list(self._digests.get(tid, ()))
 
     def of_key(self, key: bytes) -> int:
         """The tenant id a key is charged to."""

@@ -189,3 +189,41 @@ def test_usage_is_exact_with_threads_of_several_tenants() -> None:
     used = {f.tenant: f.used for f in index.tenant_figures()}
     assert used.get(ids["a"], 0) <= 8 * BLOCK and used.get(ids["b"], 0) <= 16 * BLOCK
     assert sum(used.values()) == index.used
+
+
+def test_the_watermark_takes_unlimited_and_over_quota_tenants_first() -> None:
+    """With some quotas, watermark eviction takes the chunks of tenants without a quota
+    (or above theirs) before those of tenants within their quotas, oldest first."""
+    index, d = make()
+    a, b = index.tenants.id_of("a"), index.tenants.id_of("b")
+    index.set_quotas({a: 8 * BLOCK, b: 2 * BLOCK}, None, hard=False)
+
+    def committed(name: str, ids: range) -> None:
+        for i in ids:  # one chunk a batch: commit order is LRU order
+            index.commit(index.reserve_write([key(d[name], i)], BLOCK, 1).lease_id, 1)
+
+    committed("a", range(4))  # the oldest, within its quota
+    committed("b", range(3))  # above its quota (nothing evicted it yet)
+    committed("c", range(3))  # no quota: unlimited
+    evicted = [e.key for e in index.evict(5 * BLOCK)]
+    assert evicted == [*(key(d["b"], i) for i in range(3)), key(d["c"], 0), key(d["c"], 1)]
+    assert used_by(index) == {"a": 4 * BLOCK, "c": BLOCK}
+    # Not enough outside the quotas: then the oldest of everyone, as without quotas.
+    assert [e.key for e in index.evict(2 * BLOCK)] == [key(d["c"], 2), key(d["a"], 0)]
+    index.check()
+
+    # One tenant first (its own LRU) and none at all (the global LRU) take the same path
+    # as without quotas: everyone within, nothing preferred.
+    index.set_quotas({}, 100 * BLOCK, hard=False)
+    assert [e.key for e in index.evict(BLOCK)] == [key(d["a"], 1)]
+    index.check()
+
+
+def test_tenant_ids_list_the_digests_of_each_tenant() -> None:
+    index, d = make()
+    tenants = index.tenants
+    extra = b"a2".ljust(16, b"#")
+    assert tenants.bind(extra, "a") == tenants.id_of("a")
+    assert tenants.bind(extra, "b") == tenants.id_of("a")  # a digest is bound once
+    assert tenants.digests_of(tenants.id_of("a")) == [d["a"], extra]
+    assert tenants.digests_of(OTHER_ID) == []

@@ -23,10 +23,12 @@ import pytest
 from support.browser import Figures, run_chromium
 from support.httputil import free_port, get_json, wait_for
 from support.servers import ServerProcess
+from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 TESTS = Path(__file__).resolve().parents[1]
 ARTIFACTS = TESTS.parent / "test-artifacts"
 LOADERS = 2
+TENANT = "acme"
 
 
 @pytest.fixture
@@ -36,7 +38,13 @@ def loaded_server(
     port = free_port()
     srv = server_factory(
         pool_size="8MiB",
-        extra=["--http-port", str(port), "--tier", f"disk:path={tmp_path / 'disk'}"],
+        extra=[
+            "--http-port",
+            str(port),
+            "--tier",
+            f"disk:path={tmp_path / 'disk'}",
+            *("--quota", f"{TENANT}=2MiB", "--disk-quota", f"{TENANT}=1MiB"),
+        ],
     )
     base = f"http://127.0.0.1:{port}"
     loaders = [
@@ -49,6 +57,7 @@ def loaded_server(
                 f"load-{i}",
                 str(i),
                 "120",
+                TENANT if i == 0 else "",  # the other: the default tenant
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -117,6 +126,23 @@ def test_dashboard_shows_live_figures(
     between("retrieved-bytes", lambda s: s["transfers"]["retrieved"]["pool"]["bytes"])
     between("evictions-total", lambda s: s["evictions"]["objects"])
     between("requests-total", lambda s: sum(sum(o.values()) for o in s["requests"].values()))
+    # Tenants: one row each, limits exactly the server's, counters between the two reads.
+    acme, anonymous = tenant_tag(TENANT), tenant_tag(DEFAULT_TENANT)
+    assert page.num("tenants-count") == len(before["tenants"]["rows"]) == 2
+    assert page.num("default-quota") == -1  # unlimited
+    assert {f"tenant-{acme}", f"tenant-{anonymous}"} <= page.ids
+    assert page.num(f"tenant-limit-{acme}") == 2 * 2**20
+    assert page.num(f"tenant-limit-{anonymous}") == -1
+    assert page.num(f"tenant-disk-limit-{acme}") == 2**20
+    assert page.num(f"tenant-disk-limit-{anonymous}") == -1
+
+    def row(tag: str, field: str) -> Callable[[dict[str, Any]], float]:
+        return lambda s: next(r[field] for r in s["tenants"]["rows"] if r["tag"] == tag)
+
+    between(f"tenant-evictions-{acme}", row(acme, "evictions"))
+    between(f"tenant-evictions-{anonymous}", row(anonymous, "evictions"))
+    assert page.num(f"tenant-refused-{acme}") == 0  # soft mode refuses nothing
+    assert page.num(f"tenant-disk-{anonymous}") > 0
     assert page.num("hit-rate-total") == pytest.approx(
         page.num("lookup-hits") / page.num("lookup-chunks")
     )

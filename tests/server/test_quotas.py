@@ -10,46 +10,17 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from support.httputil import free_port, get_json, request, scrape, val, wait_for
-from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, register
-from tierkv.client import Client, ServerError
+from support.httputil import get_json, request, scrape, val, wait_for
+from support.quotas import put, start, store, tenant_client, tokens_of
+from support.servers import CHUNK_BYTES, ServerProcess, register
+from tierkv.client import ServerError
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 Servers = Callable[..., ServerProcess]
 MiB = 2**20
-
-
-def start(server_factory: Servers, *extra: str, pool: str = "16MiB") -> tuple[ServerProcess, str]:
-    port = free_port()
-    srv = server_factory(pool_size=pool, extra=["--http-port", str(port), *extra])
-    return srv, f"http://127.0.0.1:{port}"
-
-
-def tokens_of(seed: int, chunks: int) -> list[int]:
-    return list(range(seed * 1_000_000, seed * 1_000_000 + chunks * CHUNK_SIZE))
-
-
-def store(client: Client, tokens: list[int], salt: str = "") -> int:
-    """Store every chunk; returns how many were skipped (no room / over a hard quota)."""
-    n = len(tokens) // CHUNK_SIZE
-    result = client.store(tokens, [chunk_data(tokens, i) for i in range(n)], salt=salt)
-    return len(result.no_space)
-
-
-def tenant_client(srv: ServerProcess, tenant: str) -> Client:
-    client = srv.client()
-    register(client, tenant_salt=tenant, name=f"engine-{tenant or 'none'}")
-    return client
-
-
-def put(base: str, path: str, doc: Any, headers: dict[str, str] | None = None) -> Any:
-    body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    return request("PUT", base + path, body, headers)
 
 
 def usage(base: str, tenant: str) -> int:
@@ -99,7 +70,11 @@ def test_a_default_limit_applies_to_every_tenant_without_a_quota(
     server_factory: Servers,
 ) -> None:
     srv, base = start(server_factory, "--quota-mode", "hard", "--default-quota", "512KiB")
-    assert get_json(base + "/quota/config") == {"default_limit": 512 * 1024, "mode": "hard"}
+    assert get_json(base + "/quota/config") == {
+        "default_limit": 512 * 1024,
+        "default_limits": {"pool": 512 * 1024, "disk": "unlimited"},
+        "mode": "hard",
+    }
     for tenant in ("x", "y"):
         assert store(tenant_client(srv, tenant), tokens_of(3, 20)) == 4
         doc = get_json(f"{base}/quota/{tenant}")
@@ -179,7 +154,13 @@ BAD_PUTS = [
     ("/quota/t", {"limit": "lots"}, "not a size"),
     ("/quota/t", {"limit": True}, "number of bytes"),
     ("/quota/t", {"limit": "1GiB", "limit_gb": 1}, "exactly one"),
-    ("/quota/t", {"limits": {"disk": "1GiB"}}, "unknown tier"),
+    ("/quota/t", {"limits": {"redis": "1GiB"}}, "unknown tier 'redis' for quotas: Redis keeps"),
+    ("/quota/t", {"limits": {"s3": 1}}, "unknown tier 's3' for quotas: S3 keeps"),
+    ("/quota/t", {"limits": {"tape": 1}}, "unknown tier 'tape': quotas limit pool, disk"),
+    ("/quota/t", {"limits": {"disk": -1}}, "limits.disk must be >= 0"),
+    ("/quota/t", {"limits": {"disk": float("nan")}}, "limits.disk must be a whole, finite"),
+    ("/quota/t", {"limits": {"disk": "lots"}}, "limits.disk: "),
+    ("/quota/t", {"limits": "1GiB"}, "tier -> size"),
     ("/quota/t", {"limits": {}}, "tier -> size"),
     ("/quota/t", {"size": 1}, "unknown field"),
     ("/quota/t", b"{not json", "not valid JSON"),
@@ -189,6 +170,10 @@ BAD_PUTS = [
     ("/quota/config", {"mode": "medium"}, "soft"),
     ("/quota/config", {}, "JSON object"),
     ("/quota/config", {"default_limit_gb": float("inf")}, "finite"),
+    ("/quota/config", {"default_limits": {"disk": -1}}, "default_limits.disk must be >= 0"),
+    ("/quota/config", {"default_limits": {"redis": 1}}, "unknown tier 'redis'"),
+    ("/quota/config", {"default_limits": []}, "tier -> size"),
+    ("/quota/config", {"default_limit": 1, "default_limits": {"disk": 1}}, "give one of"),
 ]
 
 
@@ -199,7 +184,11 @@ def test_bad_quota_requests_get_a_400_and_change_nothing(server_factory: Servers
         assert reply.status == 400, (path, doc, reply.status, reply.body)
         assert message in reply.json()["error"], (doc, reply.json())
     assert get_json(base + "/quota/t")["limit"] == MiB
-    assert get_json(base + "/quota/config") == {"default_limit": "unlimited", "mode": "soft"}
+    assert get_json(base + "/quota/config")["default_limits"] == {
+        "pool": "unlimited",
+        "disk": "unlimited",
+    }
+    assert get_json(base + "/quota/config")["mode"] == "soft"
     too_long = "x" * 1025
     assert put(base, f"/quota/{too_long}", {"limit": 1}).status == 400
     assert request("GET", f"{base}/quota/{too_long}").status == 400
@@ -238,7 +227,12 @@ def test_the_quota_command_does_the_same_over_http(server_factory: Servers) -> N
     assert get_json(base + "/quota/a/b")["limit"] == 3 * MiB
     assert json.loads(cli("get", "config").stdout)["limit"] == 1024
     done = cli("config", "--default", "1GiB", "--mode", "hard")
-    assert json.loads(done.stdout) == {"default_limit": 2**30, "mode": "hard"}
+    assert json.loads(done.stdout)["default_limit"] == 2**30
+    assert json.loads(done.stdout)["mode"] == "hard"
+    assert cli("set", "a/b", "5MiB", "--tier", "disk").returncode == 0
+    assert get_json(base + "/quota/a/b")["limits"] == {"pool": 3 * MiB, "disk": 5 * MiB}
+    done = cli("config", "--default-disk", "2GiB", "--default", "unlimited")
+    assert json.loads(done.stdout)["default_limits"] == {"pool": "unlimited", "disk": 2**31}
     listing = json.loads(cli("list").stdout)
     assert {t["tenant"] for t in listing["tenants"]} == {"a/b", "config"}
     assert cli("delete", "config").returncode == 0

@@ -29,6 +29,18 @@ def test_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
     assert cfg.resolved_quota_file.endswith("quotas.json")
 
 
+def test_disk_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
+    cfg = load(parse("--disk-quota", "acme=100GiB", "--default-disk-quota", "1GiB"), {})
+    assert cfg.disk_quotas == {"acme": 100 * 2**30} and cfg.default_disk_quota_bytes == 2**30
+    assert cfg.quotas == {} and cfg.default_quota_bytes is None  # the pool's are apart
+    cfg = load(None, {"TIERKV_DISK_QUOTAS": "x=1KiB;y=2048"})
+    assert cfg.disk_quotas == {"x": 1024, "y": 2048} and cfg.default_disk_quota_bytes is None
+    path = tmp_path / "c.yaml"
+    path.write_text("disk_quotas:\n  team: 8GiB\ndefault_disk_quota: 2GiB\n")
+    cfg = load(parse("--config", str(path)), {})
+    assert cfg.disk_quotas == {"team": 8 * 2**30} and cfg.default_disk_quota_bytes == 2 * 2**30
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
@@ -40,6 +52,10 @@ def test_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
         (["--default-quota", "nan"], {}, "unlimited"),
         ([], {"TIERKV_DEFAULT_QUOTA": "-3GiB"}, "unlimited"),
         ([], {"TIERKV_QUOTAS": "inf=inf"}, "not a size"),
+        (["--disk-quota", "acme"], {}, "NAME=SIZE"),
+        (["--disk-quota", "acme=-1GiB"], {}, "not a size"),
+        (["--default-disk-quota", "inf"], {}, "default_disk_quota 'inf': use 'unlimited'"),
+        ([], {"TIERKV_DISK_QUOTAS": "a=NaN"}, "not a size"),
     ],
 )
 def test_bad_quota_settings_are_refused(argv: list[str], env: dict[str, str], message: str) -> None:

@@ -1,5 +1,6 @@
 """A background engine for tests that need a server under load: ``python -m
-support.load_engine ENDPOINT NAME SEED SECONDS`` (from ``tests/``, or with it on the path).
+support.load_engine ENDPOINT NAME SEED SECONDS [TENANT]`` (from ``tests/``, or with it on the
+path).
 
 It registers, prints "ready", then until SECONDS have passed (or it is terminated) it looks
 up a document, retrieves what was found, stores the whole document and ends the session.
@@ -24,8 +25,9 @@ RECURRING = 40  # x CHUNKS x 32 KiB: 5 MiB per engine
 
 def main() -> int:
     endpoint, name, seed, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    tenant = sys.argv[5] if len(sys.argv) > 5 else ""
     with Client(endpoint, timeout=30.0) as client:
-        register(client, name=name)
+        register(client, name=name, tenant_salt=tenant)
         print("ready", flush=True)
         out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
         end = time.monotonic() + seconds

@@ -249,6 +249,42 @@ def test_eviction_of_several_small_for_one_large(
     assert tier.usage().bytes_used == 1000 + 2500 + 2 * HEADER_SIZE
 
 
+# -- per namespace (what the server's tenant quotas use) --------------------------------
+def key_in(namespace: bytes, i: int) -> bytes:
+    return namespace + hashlib.blake2b(str(i).encode(), digest_size=16).digest()
+
+
+def test_usage_and_oldest_first_eviction_per_namespace(
+    make_tier: Callable[..., DiskTier], slots: Slots
+) -> None:
+    n, f = 1000, 1000 + HEADER_SIZE
+    ns_a, ns_b, ns_c = NAMESPACE, b"b" * 16, b"c" * 16
+    tier = make_tier()
+    a, b, c = ([key_in(ns, i) for i in range(4)] for ns in (ns_a, ns_b, ns_c))
+    for i in range(4):  # a0 b0 c0 a1 b1 c1 ...: one LRU order across the namespaces
+        for k in (a[i], b[i], c[i]):
+            assert tier.store([(k, slots.filled(k, n))]) == [True]
+    assert tier.namespace_usage() == {ns_a: 4 * f, ns_b: 4 * f, ns_c: 4 * f}
+    assert tier.namespace_usage([ns_b, b"x" * 16]) == {ns_b: 4 * f}
+    assert tier.load([(a[0], slots.blank(n))]) == [LoadStatus.OK]  # a0: most recent now
+    assert tier.store([(b[1], slots.filled(b[1], n))]) == [True]  # held: a use too
+
+    victims = tier.evict_oldest([ns_a, ns_b], 3 * f - 1)
+    assert victims == [(b[0], f), (a[1], f), (a[2], f)]
+    assert tier.contains([*a, *b]) == [True, False, False, True, False, True, True, True]
+    assert not any(os.path.exists(tier.file_path(k)) for k, _ in victims)
+    assert tier.namespace_usage() == {ns_a: 2 * f, ns_b: 3 * f, ns_c: 4 * f}
+    assert tier.usage().bytes_used == 9 * f
+    assert (tier.stats().evictions, tier.stats().evicted_bytes) == (3, 3 * f)
+    assert tier.evict_oldest([ns_c], 0) == [] and tier.evict_oldest([b"x" * 16], f) == []
+    assert len(tier.evict_oldest([ns_c], 100 * f)) == 4  # all it has, no more
+    assert ns_c not in tier.namespace_usage()
+
+    before = tier.namespace_usage()
+    tier.close()
+    assert make_tier().namespace_usage() == before  # rebuilt from the file names
+
+
 # -- restart -----------------------------------------------------------------------------
 def test_restart_rebuilds_index_and_hits(make_tier: Callable[..., DiskTier], slots: Slots) -> None:
     first = make_tier()
@@ -847,6 +883,7 @@ def test_concurrent_store_load_delete_stay_consistent(
     assert usage.objects == len(files)
     assert usage.bytes_used == sum(files.values())
     assert usage.bytes_used <= usage.capacity
+    assert tier.namespace_usage() == ({NAMESPACE: usage.bytes_used} if files else {})
     held = tier.contains(keys)
     assert held == [os.path.exists(tier.file_path(k)) for k in keys]
     stats = tier.stats()

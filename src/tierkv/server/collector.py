@@ -150,6 +150,21 @@ class StatsCollector(Collector):
              CounterMetricFamily, "refused_chunks"),
         ):  # fmt: skip
             yield _labelled(cls, name, doc, "tenant", {r["tag"]: r[field] for r in rows})
+        for name, doc, cls, field in (
+            ("tierkv_tenant_tier_used_bytes", "Bytes a tenant's chunks hold in a tier with "
+             "quotas (disk)", GaugeMetricFamily, "used"),
+            ("tierkv_tenant_tier_limit_bytes", "A tenant's quota in a tier (-1: unlimited)",
+             GaugeMetricFamily, "limit"),
+            ("tierkv_tenant_tier_evictions", "A tenant's chunks its quota evicted from a tier",
+             CounterMetricFamily, "evictions"),
+            ("tierkv_tenant_tier_refused_chunks", "A tenant's chunks its hard quota kept out "
+             "of a tier", CounterMetricFamily, "refused_chunks"),
+        ):  # fmt: skip
+            family = cls(name, doc, labels=["tenant", "tier"])
+            for r in rows:
+                for tier, figures in r.get("tiers", {}).items():
+                    family.add_metric([r["tag"], tier], figures[field])
+            yield family
 
     @staticmethod
     def _lookups(lookups: dict[str, dict[str, int]]) -> Metric:

@@ -2,13 +2,16 @@
 
 - ``GET /quota``: the default limit, the mode, and every tenant with a quota or with
   chunks (tenants without a quota by tag only: their names are salts)
-- ``GET /quota/config`` / ``PUT /quota/config``: the default limit (``{"default_limit":
-  "unlimited" | bytes | "8GiB"}``, or LMCache-style ``{"default_limit_gb": x}``) and the
-  mode (``{"mode": "soft" | "hard"}``)
-- ``PUT /quota/{tenant}``: ``{"limit_gb": x}`` (GiB), ``{"limit": bytes | "8GiB"}`` or
-  ``{"limits": {"pool": ...}}``
-- ``GET /quota/{tenant}``: its limit (its own or the default's) and usage per tier
-- ``DELETE /quota/{tenant}``: its quota removed (404 if it had none); it gets the default
+- ``GET /quota/config`` / ``PUT /quota/config``: the default pool limit (``{"default_limit":
+  "unlimited" | bytes | "8GiB"}``, or LMCache-style ``{"default_limit_gb": x}``), the
+  default of each tier (``{"default_limits": {"pool": ..., "disk": ...}}``) and the mode
+  (``{"mode": "soft" | "hard"}``)
+- ``PUT /quota/{tenant}``: ``{"limit_gb": x}`` (GiB) or ``{"limit": bytes | "8GiB"}`` set
+  its pool limit, ``{"limits": {"pool": ..., "disk": ...}}`` the tiers named (null: back
+  to the default); the tiers not named keep their limits
+- ``GET /quota/{tenant}``: its limits (its own or the default's) and usage per tier
+- ``DELETE /quota/{tenant}``: its quota removed in every tier (404 if it had none); it gets
+  the defaults
 
 ``{tenant}`` is the tenant's name (URL-encoded; it may contain ``/``): the salt, or
 ``~default`` for the chunks without any. A leading ``=`` is stripped, so ``/quota/=config``
@@ -29,12 +32,14 @@ from starlette.concurrency import run_in_threadpool
 from tierkv.server.http import Authorizer, authorized_body, error_reply
 from tierkv.server.quotas import (
     GIB,
+    UNLIMITED,
     QuotaError,
     Quotas,
     check_name,
     parse_default,
     parse_gb,
-    tenant_limit,
+    tenant_limits,
+    tier_changes,
 )
 
 
@@ -49,25 +54,33 @@ def _name(raw: str) -> str:
     return check_name(raw[1:] if raw.startswith("=") else raw)
 
 
-def _config_change(doc: Any) -> tuple[int | str | None, str]:
-    """(default limit or "" for unchanged, mode or "") from a PUT /quota/config body."""
+def _unlimited(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == UNLIMITED
+
+
+def _config_change(doc: Any) -> tuple[dict[str, int | None], str]:
+    """(default limit per tier changed, mode or "") from a PUT /quota/config body."""
     if not isinstance(doc, dict) or not doc:
         raise QuotaError(
             'body must be a JSON object such as {"default_limit": "unlimited"} or {"mode": "hard"}'
         )
-    unknown = sorted(set(doc) - {"default_limit", "default_limit_gb", "mode"})
+    fields = ("default_limit", "default_limit_gb", "default_limits", "mode")
+    unknown = sorted(set(doc) - set(fields))
     if unknown:
-        raise QuotaError(
-            f"unknown field(s) {unknown}; give 'default_limit', 'default_limit_gb' or 'mode'"
-        )
-    if "default_limit" in doc and "default_limit_gb" in doc:
-        raise QuotaError("give 'default_limit' or 'default_limit_gb', not both")
-    default: int | str | None = ""
+        raise QuotaError(f"unknown field(s) {unknown}; give {', '.join(map(repr, fields))}")
+    if len([f for f in fields[:3] if f in doc]) > 1:
+        raise QuotaError("give one of 'default_limit', 'default_limit_gb' or 'default_limits'")
+    default: dict[str, int | None] = {}
     if "default_limit" in doc:
-        default = parse_default(doc["default_limit"])
+        default = {"pool": parse_default(doc["default_limit"])}
     elif "default_limit_gb" in doc:
         value = doc["default_limit_gb"]
-        default = None if value is None else parse_gb(value)
+        default = {"pool": None if value is None else parse_gb(value)}
+    elif "default_limits" in doc:
+        limits = doc["default_limits"]
+        if isinstance(limits, dict):  # "unlimited" where a size could be
+            limits = {t: None if _unlimited(v) else v for t, v in limits.items()}
+        default = tier_changes(limits, "default_limits")
     mode = doc.get("mode", "")
     if not isinstance(mode, str) or (mode and mode not in ("soft", "hard")):
         raise QuotaError(f"mode must be 'soft' or 'hard', not {mode!r}")
@@ -117,11 +130,19 @@ def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> Non
             if isinstance(doc, JSONResponse):
                 return doc
             name = _name(tenant)
-            limit = tenant_limit(doc)
+            limits = tenant_limits(doc)
         except QuotaError as exc:
             return error_reply(400, str(exc))
-        await run_in_threadpool(quotas.set, name, limit)
-        return JSONResponse({"tenant": name, "limit": limit, "limit_gb": limit / GIB})
+        await run_in_threadpool(quotas.set, name, limits)
+        limit = quotas.limit_of(name)[0]
+        return JSONResponse(
+            {
+                "tenant": name,
+                "limit": limit,
+                "limit_gb": None if limit is None else limit / GIB,
+                "limits": quotas.tenant(name)["limits"],
+            }
+        )
 
     @app.delete("/quota/{tenant:path}")
     async def delete_tenant(tenant: str, request: Request) -> JSONResponse:

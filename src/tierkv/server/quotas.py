@@ -1,11 +1,13 @@
 """Tenant quotas of one server: what they are, how they are changed, where they are kept.
 
-A quota caps the pool bytes one tenant (:mod:`tierkv.tenants`) may hold. Tenants without a
-quota get the default, an explicit setting: ``unlimited`` (the default) or a size. In soft
-mode (the default) a tenant may store beyond its quota and the eviction thread then evicts
-that tenant's own least recently used chunks down to it (within one eviction interval); in
-hard mode its stores beyond the quota are refused, reported like a full pool (skipped,
-never an error) and counted. The other tenants' chunks are never touched either way.
+A quota caps the bytes one tenant (:mod:`tierkv.tenants`) may hold in the pool and, with
+a limit of its own, in the disk tier (:data:`TIERS`). Tenants without a quota get the
+default of each tier, an explicit setting: ``unlimited`` (the default) or a size. In soft
+mode (the default) a tenant may store beyond its quota and then loses its own least recently
+used chunks down to it (in the pool: the eviction thread, within one eviction interval; on
+disk: after each write-behind batch, see :mod:`tierkv.server.tiering.tier_quotas`); in hard
+mode its stores beyond the quota are refused, reported like a full pool (skipped, never an
+error; on disk: not written) and counted. The other tenants' chunks are never touched.
 
 Quotas come from the configuration (``--quota NAME=SIZE``, ``quotas:`` in YAML,
 ``--default-quota``, ``--quota-mode``) and are changed live (HTTP ``/quota``, ``tierkv
@@ -14,7 +16,7 @@ renamed) and applied over the configuration at the next start, so they survive a
 a tenant's live change (a limit, or the removal of a configured one) wins over the
 configuration's value for that tenant.
 
-Only the pool has quotas so far; :data:`TIERS` names what a quota may limit.
+Redis and S3 have no tenant quotas: see :data:`NO_QUOTA`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ import msgspec
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
 from tierkv.options import OptionError, parse_size
-from tierkv.tenants import RESERVED, TenantIds, tenant_tag
+from tierkv.server.tiering.tier_quotas import TierQuota, TierTenantFigures
+from tierkv.tenants import OTHER_TENANT, RESERVED, TenantIds, tenant_tag
 
 log = logging.getLogger(__name__)
 
-TIERS = ("pool",)  # what a quota limits (tiers below the pool: not yet)
+TIERS = ("pool", "disk")  # what a quota limits
+# Tiers that can have no quota, and why (the answer to a request naming them).
+NO_QUOTA = {
+    "redis": "Redis keeps no per-tenant usage tierkv can count exactly (keys expire and "
+    "Redis evicts them on its own, other servers share it) and no LRU order tierkv controls",
+    "s3": "S3 keeps no per-tenant usage tierkv can count exactly (lifecycle rules and "
+    "other servers change the bucket) and no LRU order (it never evicts)",
+}
 MODES = ("soft", "hard")
 UNLIMITED = "unlimited"
 GIB = 2**30
@@ -51,10 +61,12 @@ class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
     """The live changes kept across restarts."""
 
     version: int = 1
-    limits: dict[str, int | None] = {}  # tenant -> bytes; None: a configured quota removed
+    limits: dict[str, int | None] = {}  # tenant -> pool bytes; None: a configured one removed
     default_set: bool = False
     default_limit: int | None = None  # None: unlimited
     mode: str = ""  # "" : the configuration's
+    tier_limits: dict[str, dict[str, int | None]] = {}  # tier below the pool -> as limits
+    tier_defaults: dict[str, int | None] = {}  # tier below the pool -> its default, if changed
 
 
 def parse_limit(value: Any, what: str = "limit") -> int:
@@ -102,9 +114,10 @@ def check_name(name: str) -> str:
     return name
 
 
-def tenant_limit(body: Any) -> int:
-    """The pool limit a ``PUT /quota/{tenant}`` body sets: ``{"limit_gb": x}`` (LMCache's
-    form, GiB), ``{"limit": bytes or "8GiB"}``, or ``{"limits": {"pool": ...}}``."""
+def tenant_limits(body: Any) -> dict[str, int | None]:
+    """The limits a ``PUT /quota/{tenant}`` body sets, tier -> bytes (None: back to the
+    default): ``{"limit_gb": x}`` (LMCache's form, GiB) or ``{"limit": bytes or "8GiB"}`` set
+    the pool's; ``{"limits": {"pool": ..., "disk": ...}}`` the tiers named."""
     if not isinstance(body, dict):
         raise QuotaError('body must be a JSON object such as {"limit_gb": 8} or {"limit": "8GiB"}')
     unknown = sorted(set(body) - {"limit", "limit_gb", "limits"})
@@ -114,34 +127,44 @@ def tenant_limit(body: Any) -> int:
     if len(given) != 1:
         raise QuotaError("give exactly one of 'limit', 'limit_gb' or 'limits'")
     if "limit_gb" in body:
-        return parse_gb(body["limit_gb"])
+        return {"pool": parse_gb(body["limit_gb"])}
     if "limit" in body:
-        return parse_limit(body["limit"])
-    limits = body["limits"]
+        return {"pool": parse_limit(body["limit"])}
+    return tier_changes(body["limits"], "limits")
+
+
+def tier_changes(limits: Any, what: str) -> dict[str, int | None]:
+    """``{"pool": size, "disk": size or null}`` checked: tier -> bytes (None: unlimited, or
+    back to the default)."""
     if not isinstance(limits, dict) or not limits:
-        raise QuotaError('limits must be an object of tier -> size, e.g. {"pool": "8GiB"}')
-    bad = sorted(set(limits) - set(TIERS))
-    if bad:
-        raise QuotaError(f"unknown tier(s) {bad}: quotas limit {', '.join(TIERS)} (tiers below "
-                         "the pool have no quotas yet)")  # fmt: skip
-    return parse_limit(limits["pool"], "limits.pool")
+        raise QuotaError(f'{what} must be an object of tier -> size, e.g. {{"disk": "8GiB"}}')
+    for tier in sorted(limits):
+        if tier in NO_QUOTA:
+            raise QuotaError(f"unknown tier {tier!r} for quotas: {NO_QUOTA[tier]}")
+        if tier not in TIERS:
+            raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
+    return {
+        tier: None if value is None else parse_limit(value, f"{what}.{tier}")
+        for tier, value in limits.items()
+    }
 
 
 class Quotas:
-    """The quotas of one server, pushed into its index. Thread-safe."""
+    """The quotas of one server, pushed into its index and its tiers' quotas. Thread-safe."""
 
     def __init__(
         self,
         index: ObjectIndex,
         tenants: TenantIds,
         *,
-        limits: Mapping[str, int],
-        default: int | None,
+        limits: Mapping[str, Mapping[str, int]],
+        defaults: Mapping[str, int | None],
         mode: str,
         path: str = "",
     ) -> None:
-        """``limits``, ``default``, ``mode``: the configuration's; ``path``: the quota file
-        ("" keeps live changes in memory only)."""
+        """``limits`` (tier -> tenant -> bytes), ``defaults`` (tier -> bytes, None:
+        unlimited; a tier not given: unlimited), ``mode``: the configuration's; ``path``:
+        the quota file ("" keeps live changes in memory only)."""
         if mode not in MODES:
             raise QuotaError(f"quota mode must be 'soft' or 'hard', not {mode!r}")
         self.index = index
@@ -149,11 +172,16 @@ class Quotas:
         self.path = path
         self._lock = threading.Lock()
         self._file_lock = threading.Lock()  # orders writers of the quota file (admin only)
-        self._configured = {check_name(n): v for n, v in limits.items()}
-        self._limits = dict(self._configured)
-        self._default = default
+        self._configured = {
+            t: {check_name(n): v for n, v in limits.get(t, {}).items()} for t in TIERS
+        }
+        self._limits = {t: dict(self._configured[t]) for t in TIERS}
+        self._defaults = {t: defaults.get(t) for t in TIERS}
         self._mode = mode
-        self._live = QuotaFile()
+        self._live: dict[str, dict[str, int | None]] = {t: {} for t in TIERS}
+        self._live_defaults: dict[str, int | None] = {}
+        self._live_mode = ""
+        self._tiers: dict[str, TierQuota] = {}
         self._seq = 0
         self._written = 0
 
@@ -166,102 +194,136 @@ class Quotas:
                     live = msgspec.json.decode(fh.read(), type=QuotaFile)
             except (OSError, msgspec.DecodeError) as exc:
                 raise QuotaError(f"cannot read the quota file {self.path}: {exc}") from None
-            for name, limit in live.limits.items():
-                if limit is None:
-                    self._limits.pop(name, None)
-                else:
-                    self._limits[name] = limit
+            changes = {"pool": live.limits, **live.tier_limits}
+            defaults = dict(live.tier_defaults)
             if live.default_set:
-                self._default = live.default_limit
+                defaults["pool"] = live.default_limit
+            for tier in TIERS:
+                for name, limit in changes.get(tier, {}).items():
+                    self._apply(tier, name, limit)
+                if tier in defaults:
+                    self._defaults[tier] = self._live_defaults[tier] = defaults[tier]
             if live.mode in MODES:
-                self._mode = live.mode
-            self._live = live
+                self._mode = self._live_mode = live.mode
             log.info("quotas: %d live changes from %s", len(live.limits), self.path)
         self._push()
 
+    def attach(self, quota: TierQuota) -> None:
+        """Also push the quotas of ``quota``'s tier (one of :data:`TIERS`) into it."""
+        if quota.name not in TIERS:
+            raise QuotaError(f"tier {quota.name!r} has no quotas")
+        self._tiers[quota.name] = quota
+        self._push()
+
     # -- changes ---------------------------------------------------------------------------
-    def set(self, name: str, limit: int) -> None:
+    def set(self, name: str, limits: Mapping[str, int | None]) -> None:
+        """Change tenant ``name``'s limits, tier -> bytes (None: back to the default); the
+        tiers not named keep theirs."""
         check_name(name)
-        if limit < 0:
-            raise QuotaError("a quota must be >= 0 bytes")
+        for tier, limit in limits.items():
+            if tier not in TIERS:
+                raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
+            if limit is not None and limit < 0:
+                raise QuotaError("a quota must be >= 0 bytes")
         with self._lock:
-            self._limits[name] = limit
-            self._live.limits[name] = limit
+            for tier, limit in limits.items():
+                self._apply(tier, name, limit)
         self._changed()
-        log.info("quota of tenant %s set to %d bytes", tenant_tag(name), limit)
+        log.info("quota of tenant %s set: %s", tenant_tag(name), dict(limits))
 
     def delete(self, name: str) -> bool:
-        """Remove a tenant's quota (it gets the default); False if it had none."""
+        """Remove a tenant's quota in every tier (it gets the defaults); False if it had
+        none."""
         check_name(name)
         with self._lock:
-            if name not in self._limits:
-                return False
-            del self._limits[name]
-            if name in self._configured:
-                self._live.limits[name] = None
-            else:
-                self._live.limits.pop(name, None)
+            tiers = [t for t in TIERS if name in self._limits[t]]
+            for tier in tiers:
+                self._apply(tier, name, None)
+        if not tiers:
+            return False
         self._changed()
         log.info("quota of tenant %s removed", tenant_tag(name))
         return True
 
-    def configure(self, default: int | str | None = "", mode: str = "") -> None:
-        """Change the default quota (None: unlimited; "": unchanged) and/or the mode."""
+    def configure(self, defaults: Mapping[str, int | None] | None = None, mode: str = "") -> None:
+        """Change the default quota of the tiers named (None: unlimited) and/or the mode."""
         if mode and mode not in MODES:
             raise QuotaError(f"mode must be 'soft' or 'hard', not {mode!r}")
         with self._lock:
-            if not isinstance(default, str):
-                self._default = default
-                self._live.default_set = True
-                self._live.default_limit = default
+            for tier, limit in (defaults or {}).items():
+                if tier not in TIERS:
+                    raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
+                self._defaults[tier] = self._live_defaults[tier] = limit
             if mode:
-                self._mode = mode
-                self._live.mode = mode
+                self._mode = self._live_mode = mode
         self._changed()
 
     # -- reading ---------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         with self._lock:
-            return {"default_limit": _shown(self._default), "mode": self._mode}
+            return {
+                "default_limit": _shown(self._defaults["pool"]),
+                "default_limits": {t: _shown(v) for t, v in self._defaults.items()},
+                "mode": self._mode,
+            }
 
-    def limit_of(self, name: str) -> tuple[int | None, str]:
-        """(the tenant's limit, "quota" or "default")."""
+    def limit_of(self, name: str, tier: str = "pool") -> tuple[int | None, str]:
+        """(the tenant's limit in ``tier``, "quota" or "default")."""
         with self._lock:
-            if name in self._limits:
-                return self._limits[name], "quota"
-            return self._default, "default"
+            if name in self._limits[tier]:
+                return self._limits[tier][name], "quota"
+            if tier != "pool" and name == OTHER_TENANT:
+                return None, "default"  # see tierkv.server.tiering.tier_quotas
+            return self._defaults[tier], "default"
 
-    def named(self) -> dict[str, int]:
+    def named(self) -> frozenset[str]:
+        """The tenants with a quota of their own in some tier."""
         with self._lock:
-            return dict(self._limits)
+            return frozenset(n for t in TIERS for n in self._limits[t])
 
     def tenant(self, name: str) -> dict[str, Any]:
-        """GET /quota/{tenant}: its limit and usage."""
+        """GET /quota/{tenant}: its limits and usage, per tier."""
         limit, source = self.limit_of(name)
         tid = self.tenants.find(name)
         figures = {f.tenant: f for f in self.index.tenant_figures()}
         f = figures.get(tid) if tid is not None else None
-        return {
+        doc: dict[str, Any] = {
             "tenant": name,
             "tag": tenant_tag(name),
             "limit": limit,
             "limit_gb": None if limit is None else limit / GIB,
             "source": source,
+            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
             "usage": {"pool": f.used if f else 0},
             "evictions": f.evictions if f else 0,
             "evicted_bytes": f.evicted_bytes if f else 0,
             "refused_chunks": f.refused_chunks if f else 0,
             "refused_bytes": f.refused_bytes if f else 0,
+            "tiers": {},
         }
+        for tier, quota in self._tiers.items():
+            tier_limit, tier_source = self.limit_of(name, tier)
+            t = quota.figures().get(tid) if tid is not None else None
+            doc["usage"][tier] = t.used if t else 0
+            doc["tiers"][tier] = {
+                "limit": tier_limit,
+                "source": tier_source,
+                "used": t.used if t else 0,
+                "evictions": t.evictions if t else 0,
+                "evicted_bytes": t.evicted_bytes if t else 0,
+                "refused_chunks": t.refused_chunks if t else 0,
+                "refused_bytes": t.refused_bytes if t else 0,
+            }
+        return doc
 
     def listing(self) -> dict[str, Any]:
         """GET /quota: the settings and every tenant with a quota or with chunks. Tenants
         without a quota are shown by tag only (their names are salts, which let an engine
         read the tenant's KV); tenants with one by the name the quota was set under."""
         named = self.named()
-        shown: dict[str, dict[str, Any]] = {n: self.tenant(n) for n in named}
-        for f in self.index.tenant_figures():
-            name = self.tenants.name_of(f.tenant)
+        shown: dict[str, dict[str, Any]] = {n: self.tenant(n) for n in sorted(named)}
+        for tid in self._tenant_ids():
+            name = self.tenants.name_of(tid)
             if name in shown:
                 continue
             row = self.tenant(name)
@@ -271,53 +333,111 @@ class Quotas:
         return {**self.config(), "tenants": list(shown.values())}
 
     def rows(self, top: int = TOP_TENANTS) -> list[p.TenantInfo]:
-        """The tenants as status reports show them: the ``top`` largest, then one ``rest``
-        row summing the others (so Prometheus series stay bounded)."""
+        """The tenants as status reports show them: the ``top`` largest (pool bytes, then
+        tier bytes), then one ``rest`` row summing the others (so Prometheus series stay
+        bounded)."""
         named = self.named()
+        pool = {f.tenant: f for f in self.index.tenant_figures()}
+        tiers = {tier: quota.figures() for tier, quota in self._tiers.items()}
         rows: list[p.TenantInfo] = []
-        for f in self.index.tenant_figures():
-            name = self.tenants.name_of(f.tenant)
+        for tid in self._tenant_ids(pool, tiers):
+            name = self.tenants.name_of(tid)
+            f = pool.get(tid)
+            limit = f.limit if f else self.limit_of(name)[0]
             rows.append(
                 p.TenantInfo(
                     tag=tenant_tag(name),
                     name=name if name in named or name in RESERVED else "",
-                    used=f.used,
-                    limit=-1 if f.limit is None else f.limit,
+                    used=f.used if f else 0,
+                    limit=-1 if limit is None else limit,
                     limit_source="quota" if name in named else "default",
-                    evictions=f.evictions,
-                    evicted_bytes=f.evicted_bytes,
-                    refused_chunks=f.refused_chunks,
-                    refused_bytes=f.refused_bytes,
+                    evictions=f.evictions if f else 0,
+                    evicted_bytes=f.evicted_bytes if f else 0,
+                    refused_chunks=f.refused_chunks if f else 0,
+                    refused_bytes=f.refused_bytes if f else 0,
+                    tiers={
+                        tier: _tier_row(figures.get(tid), self.limit_of(name, tier)[0])
+                        for tier, figures in tiers.items()
+                    },
                 )
             )
-        rows.sort(key=lambda r: r.used, reverse=True)
+        rows.sort(key=lambda r: (r.used, sum(t.used for t in r.tiers.values())), reverse=True)
         if len(rows) <= top:
             return rows
         rest = rows[top:]
         total = p.TenantInfo("rest", "", 0, -1, "default", 0, 0, 0, 0, len(rest))
+        total.tiers = {tier: p.TenantTierInfo(0, -1, 0, 0, 0, 0) for tier in tiers}
         for r in rest:
             total.used += r.used
             total.evictions += r.evictions
             total.evicted_bytes += r.evicted_bytes
             total.refused_chunks += r.refused_chunks
             total.refused_bytes += r.refused_bytes
+            for tier, t in r.tiers.items():
+                s = total.tiers[tier]
+                s.used += t.used
+                s.evictions += t.evictions
+                s.evicted_bytes += t.evicted_bytes
+                s.refused_chunks += t.refused_chunks
+                s.refused_bytes += t.refused_bytes
         return [*rows[:top], total]
 
     def settings(self) -> tuple[str, int]:
-        """(mode, default limit in bytes or -1 for unlimited)."""
+        """(mode, default pool limit in bytes or -1 for unlimited)."""
         with self._lock:
-            return self._mode, -1 if self._default is None else self._default
+            default = self._defaults["pool"]
+            return self._mode, -1 if default is None else default
 
     # -- internals -------------------------------------------------------------------------
+    def _tenant_ids(
+        self,
+        pool: Mapping[int, object] | None = None,
+        tiers: Mapping[str, Mapping[int, TierTenantFigures]] | None = None,
+    ) -> list[int]:
+        """Every tenant with a figure in the pool or a tier, in id order."""
+        if pool is None:
+            pool = {f.tenant: f for f in self.index.tenant_figures()}
+        if tiers is None:
+            tiers = {tier: quota.figures() for tier, quota in self._tiers.items()}
+        return sorted({*pool, *(tid for figures in tiers.values() for tid in figures)})
+
+    def _apply(self, tier: str, name: str, limit: int | None) -> None:
+        """Set (or with None, remove) a tenant's limit in ``tier`` and note the live
+        change (caller holds the lock, or is the start)."""
+        if limit is not None:
+            self._limits[tier][name] = limit
+            self._live[tier][name] = limit
+            return
+        self._limits[tier].pop(name, None)
+        if name in self._configured[tier]:
+            self._live[tier][name] = None  # a configured quota removed: keep the removal
+        else:
+            self._live[tier].pop(name, None)
+
     def _push(self) -> None:
         with self._lock:
-            limits = {self.tenants.id_of(n): v for n, v in self._limits.items()}
-            default, hard = self._default, self._mode == "hard"
-        self.index.set_quotas(limits, default, hard)
+            ids = self.tenants.id_of
+            limits = {t: {ids(n): v for n, v in self._limits[t].items()} for t in TIERS}
+            defaults, hard = dict(self._defaults), self._mode == "hard"
+        self.index.set_quotas(limits["pool"], defaults["pool"], hard)
+        for tier, quota in self._tiers.items():
+            quota.set_limits(limits[tier], defaults[tier], hard)
 
     def _changed(self) -> None:
         self._push()
         self._save()
+
+    def _file(self) -> QuotaFile:
+        """The live changes as the quota file keeps them (caller holds the lock)."""
+        pool_default = "pool" in self._live_defaults
+        return QuotaFile(
+            limits=dict(self._live["pool"]),
+            default_set=pool_default,
+            default_limit=self._live_defaults.get("pool"),
+            mode=self._live_mode,
+            tier_limits={t: dict(self._live[t]) for t in TIERS if t != "pool" and self._live[t]},
+            tier_defaults={t: v for t, v in self._live_defaults.items() if t != "pool"},
+        )
 
     def _save(self) -> None:
         """Write the live changes (the latest state, once per change at most)."""
@@ -330,7 +450,7 @@ class Quotas:
                 if self._written >= self._seq:
                     return  # a later call already wrote this state
                 seq = self._seq
-                data = msgspec.json.encode(self._live)
+                data = msgspec.json.encode(self._file())
             tmp = f"{self.path}.tmp"
             os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
             with open(tmp, "wb") as fh:
@@ -339,6 +459,19 @@ class Quotas:
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
             self._written = seq
+
+
+def _tier_row(f: TierTenantFigures | None, limit: int | None) -> p.TenantTierInfo:
+    if f is None:
+        return p.TenantTierInfo(0, -1 if limit is None else limit, 0, 0, 0, 0)
+    return p.TenantTierInfo(
+        used=f.used,
+        limit=-1 if limit is None else limit,
+        evictions=f.evictions,
+        evicted_bytes=f.evicted_bytes,
+        refused_chunks=f.refused_chunks,
+        refused_bytes=f.refused_bytes,
+    )
 
 
 def _shown(limit: int | None) -> int | str:

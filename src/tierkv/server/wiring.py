@@ -33,13 +33,14 @@ from tierkv.server.collector import StatsCollector
 from tierkv.server.health import Health
 from tierkv.server.http import HttpServer, create_app
 from tierkv.server.metrics import ServiceMetrics
+from tierkv.server.quotas import TIERS as QUOTA_TIERS
 from tierkv.server.quotas import Quotas
 from tierkv.server.registry import ClientRegistry
 from tierkv.server.rpc import RpcServer, ensure_endpoint_free
 from tierkv.server.service import CacheService
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.status import StatusBuilder, status_document
-from tierkv.server.tiering import LookupAccounting, Tiering
+from tierkv.server.tiering import LookupAccounting, NamespacedTier, Tiering, TierQuota
 from tierkv.tenants import TenantIds
 from tierkv.tiers.base import Tier, create_tier
 
@@ -119,8 +120,8 @@ class Server:
         self.quotas = Quotas(
             self.index,
             self.tenants,
-            limits=cfg.quotas,
-            default=cfg.default_quota_bytes,
+            limits={"pool": cfg.quotas, "disk": cfg.disk_quotas},
+            defaults={"pool": cfg.default_quota_bytes, "disk": cfg.default_disk_quota_bytes},
             mode=cfg.quota_mode,
             path=cfg.resolved_quota_file,
         )
@@ -140,6 +141,15 @@ class Server:
         self.tiers = []
         self._started_part("tiers", self._close_tiers)
         self.tiers.extend(self._given_tiers if self._given_tiers is not None else _build(cfg))
+        # Tenant quotas of the tiers that keep their usage per namespace (the disk): the
+        # policy is the server's, the tier only counts and evicts when told.
+        tier_quotas = [
+            TierQuota(t, self.tenants)
+            for t in self.tiers
+            if isinstance(t, NamespacedTier) and t.name in QUOTA_TIERS
+        ]
+        for quota in tier_quotas:
+            self.quotas.attach(quota)
 
         # The cluster node: other servers' pools as the last tier (the peer tier), this
         # pool's chunks published to them, evicted or cleared ones withdrawn.
@@ -165,6 +175,7 @@ class Server:
             prefetch_timeout=cfg.prefetch_timeout,
             write_first=peer,
             wake_eviction=self.eviction.wake_if_needed,
+            quotas=tier_quotas,
         )
         self._started_part("tiering", self.tiering.close)
 

@@ -31,10 +31,18 @@ out of the tier.
 Index. An in-memory ``OrderedDict`` key -> (file size, generation) in LRU order bounds the
 tier to ``capacity`` bytes (header included); a store that does not fit evicts the least
 recently used files first, and loads move a key to the back (and bump its file's mtime, so
-the order survives a restart). At start the index is rebuilt from ``os.scandir`` (sizes and
-mtimes, no file is opened); leftover temporary files, files with foreign names inside the
-fan-out directories and anything but a regular file under a chunk's name are removed, and
-headers are verified lazily, on load.
+the order survives a restart). The same keys are also kept per namespace (the key's first
+16 bytes, the namespace digest), each namespace with its bytes and its own LRU order
+stamped from one counter, so :meth:`DiskTier.namespace_usage` answers what each namespace
+holds and :meth:`DiskTier.evict_oldest` evicts the least recently used files of a set of
+namespaces (a tenant's, for the server's tenant quotas; the tier itself knows no tenants
+and decides nothing: see :mod:`tierkv.server.tiering.tier_quotas`). Both are rebuilt at
+start with the index, from the file names.
+
+At start the index is rebuilt from ``os.scandir`` (sizes and mtimes, no file is opened);
+leftover temporary files, files with foreign names inside the fan-out directories and
+anything but a regular file under a chunk's name are removed, and headers are verified
+lazily, on load.
 
 Degradation. A write that fails because the medium cannot take writes (ENOSPC, EDQUOT,
 EROFS, EACCES, EPERM, ENOTDIR) disables *writes* with one log line at ERROR: stores return
@@ -61,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import heapq
 import logging
 import os
 import re
@@ -69,12 +78,12 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.copier import Copier
-from tierkv.keys import KEY_SIZE
+from tierkv.keys import DIGEST_SIZE, KEY_SIZE
 from tierkv.options import OptionError, Size, parse_size
 from tierkv.tiers.base import (
     HEADER_SIZE,
@@ -136,6 +145,17 @@ class DiskTierStats:
     removed_at_start: int  # leftover temporary files, foreign names, headerless, not files
     writes_disabled: bool
     disabled_reason: str
+
+
+class _Space:
+    """The files of one namespace: their bytes, and their keys in LRU order with the
+    recency stamp each was last used at (stamps order files across namespaces)."""
+
+    __slots__ = ("lru", "nbytes")
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.lru: OrderedDict[bytes, int] = OrderedDict()
 
 
 class _Counters:
@@ -262,6 +282,7 @@ class DiskTier(Tier):
         self._lock = threading.Lock()
         # key -> (file size, generation), least recently used first.
         self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._spaces: dict[bytes, _Space] = {}  # namespace digest -> its files
         self._busy: dict[bytes, str] = {}  # key -> _STORE / _REMOVE, while its file changes
         self._cancelled: set[bytes] = set()  # in-flight stores a delete() overtook
         self._bytes = 0
@@ -312,11 +333,10 @@ class DiskTier(Tier):
         held: list[tuple[bytes, int]] = []
         with self._lock:
             for key in keys:
-                entry = self._index.pop(key, None)
-                if entry is not None:
-                    self._bytes -= entry[0]
+                if key in self._index:
+                    size = self._pop_locked(key)
                     self._busy[key] = _REMOVE
-                    held.append((key, entry[0]))
+                    held.append((key, size))
                 elif self._busy.get(key) == _STORE:
                     self._cancelled.add(key)  # the store removes its file when it lands
             self._c.deletes += len(held)
@@ -353,6 +373,38 @@ class DiskTier(Tier):
         threads = options.get("threads")
         if threads is not None and not 1 <= int(threads) <= 64:
             raise TierError(f"disk tier: threads must be 1 to 64, got {threads}")
+
+    def namespace_usage(self, namespaces: Iterable[bytes] | None = None) -> dict[bytes, int]:
+        """Bytes held per namespace digest (all namespaces, or those of ``namespaces``
+        that hold files)."""
+        with self._lock:
+            spaces = self._spaces
+            if namespaces is None:
+                return {ns: space.nbytes for ns, space in spaces.items()}
+            return {ns: spaces[ns].nbytes for ns in namespaces if ns in spaces}
+
+    def evict_oldest(self, namespaces: Collection[bytes], nbytes: int) -> list[tuple[bytes, int]]:
+        """Evict the least recently used files of ``namespaces`` (oldest first across
+        them) until ``nbytes`` are freed or none is left; returns (key, bytes) of each."""
+        with self._lock:
+            spaces = [self._spaces[ns] for ns in namespaces if ns in self._spaces]
+            oldest = heapq.merge(
+                *(((stamp, key) for key, stamp in space.lru.items()) for space in spaces)
+            )
+            picked: list[bytes] = []
+            freed = 0
+            for _stamp, key in oldest:
+                if freed >= nbytes:
+                    break
+                picked.append(key)
+                freed += self._index[key][0]
+            victims = [(key, self._pop_locked(key)) for key in picked]
+            for key in picked:
+                self._busy[key] = _REMOVE
+            self._c.evictions += len(victims)
+            self._c.evicted_bytes += freed
+        self._remove_files(picked)
+        return victims
 
     def copies(self) -> str:
         return (
@@ -408,7 +460,7 @@ class DiskTier(Tier):
         size = HEADER_SIZE + data.nbytes
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
+                self._touch_locked(key)
                 self._c.store_skipped += 1
                 return True
             busy = self._busy.get(key)
@@ -451,9 +503,7 @@ class DiskTier(Tier):
             cancelled = key in self._cancelled
             if not cancelled:
                 del self._busy[key]
-                self._seq += 1
-                self._index[key] = (size, self._seq)
-                self._bytes += size
+                self._add_locked(key, size)
                 self._c.stores += 1
                 self._c.store_bytes += data.nbytes
             else:
@@ -477,11 +527,10 @@ class DiskTier(Tier):
         victims: list[bytes] = []
         freed = 0
         while freed < excess:
-            key, (fsize, _gen) = self._index.popitem(last=False)
+            key = next(iter(self._index))
+            freed += self._pop_locked(key)
             self._busy[key] = _REMOVE
             victims.append(key)
-            freed += fsize
-        self._bytes -= freed
         self._c.evictions += len(victims)
         self._c.evicted_bytes += freed
         return victims
@@ -582,7 +631,7 @@ class DiskTier(Tier):
             if entry is None:
                 self._c.misses += 1
                 return LoadStatus.MISSING
-            self._index.move_to_end(key)
+            self._touch_locked(key)
         gen = entry[1]
         path = self.file_path(key)
         try:
@@ -673,12 +722,44 @@ class DiskTier(Tier):
             entry = self._index.get(key)
             if entry is None or entry[1] != gen:
                 return
-            del self._index[key]
-            self._bytes -= entry[0]
+            self._pop_locked(key)
             if not unlink:
                 return
             self._busy[key] = _REMOVE
         self._remove_files([key])
+
+    # -- the index (callers hold the lock) ---------------------------------------------------
+    def _add_locked(self, key: bytes, size: int) -> None:
+        """Index ``key``'s complete file, as the most recently used."""
+        self._seq += 1
+        self._index[key] = (size, self._seq)
+        self._bytes += size
+        ns = key[:DIGEST_SIZE]
+        space = self._spaces.get(ns)
+        if space is None:
+            space = self._spaces[ns] = _Space()
+        space.lru[key] = self._seq
+        space.nbytes += size
+
+    def _pop_locked(self, key: bytes) -> int:
+        """Drop ``key`` (indexed) from the index; returns its file's size."""
+        size = self._index.pop(key)[0]
+        self._bytes -= size
+        ns = key[:DIGEST_SIZE]
+        space = self._spaces[ns]
+        del space.lru[key]
+        space.nbytes -= size
+        if not space.lru:
+            del self._spaces[ns]
+        return size
+
+    def _touch_locked(self, key: bytes) -> None:
+        """Make ``key`` (indexed) the most recently used."""
+        self._index.move_to_end(key)
+        self._seq += 1
+        lru = self._spaces[key[:DIGEST_SIZE]].lru
+        lru.move_to_end(key)
+        lru[key] = self._seq
 
     # -- files -----------------------------------------------------------------------------
     def _remove_files(self, keys: list[bytes]) -> None:
@@ -784,9 +865,7 @@ class DiskTier(Tier):
         found.sort()
         with self._lock:
             for _mtime, key, size in found:
-                self._seq += 1
-                self._index[key] = (size, self._seq)
-                self._bytes += size
+                self._add_locked(key, size)
             self._c.removed_at_start += removed
             # Evict down to the capacity if it shrank since the last run (nothing is in
             # flight yet, so this never returns None).

@@ -9,7 +9,8 @@ cached-token count and the connector's ``kv_transfer_params["tierkv"]`` per prom
 config's ``out`` path.
 
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
-timeout (the connector's RPC timeout, default 2.0), store_decode (the connector option),
+timeout (the connector's RPC timeout, default 2.0), store_decode and tenant (the connector
+options),
 tensor_parallel_size (default 1), prefix_caching, prompts ([{"tokens": [...], "salt":
 "..."|null}], see below), max_tokens, out, wait_for (a file to wait for before generating),
 done (a file to create after), report_clients (add
@@ -86,6 +87,8 @@ def main(config_path: str) -> None:
         }
         if config.get("store_decode"):
             extra["store_decode"] = True
+        if config.get("tenant"):
+            extra["tenant"] = config["tenant"]
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",

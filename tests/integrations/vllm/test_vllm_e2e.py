@@ -14,6 +14,8 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
   own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
+- The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
+  included) are charged to that tenant, and its quota, lowered live, evicts them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from typing import Any
 import pytest
 
 from support import vllm_engine
+from support.httputil import free_port, get_json, request, wait_for
+from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 # Engines start in ~10 s each here; a loaded 2-core CI machine gets ample headroom.
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -518,3 +522,45 @@ def test_the_next_chat_turn_loads_the_answer_chunks_stored_while_decoding(
     assert stats.errors == {}, stats.errors
     assert stats.objects == stored_by_a + 1
     assert stats.lookup_hits.get("pool") == 4
+
+
+def test_the_connectors_tenant_is_the_tenant_its_quota_names(
+    tiny_model: Path,
+    workload: Any,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+) -> None:
+    prompts_a, _, _ = workload
+    port = free_port()
+    server = server_factory(
+        pool_size="256MiB", extra=["--http-port", str(port), "--quota", "acme=1GiB"]
+    )
+    base = f"http://127.0.0.1:{port}"
+    salted = {"tokens": prompts_a[0]["tokens"], "salt": "user-7"}  # a per-request cache salt
+    engine = engines(
+        "tenant",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        tenant="acme",
+        prompts=[*prompts_a, salted],
+        report_clients=True,
+    )
+    output = engine.output()
+    stored = [r["tierkv"]["stored_chunks"] for r in output["results"]]
+    assert stored == [2, 4, 2, 2]
+    # The worker's chunks carry the tenant (the scheduler holds none: it looks up theirs).
+    workers = [c for c in output["tierkv_clients"] if c["role"] == "worker"]
+    assert workers and {c["tenant"] for c in workers} == {tenant_tag("acme")}
+    (chunk_bytes,) = {c["chunk_bytes"] for c in workers}
+    slot = -(-chunk_bytes // 4096) * 4096  # the pool's alignment
+
+    acme = get_json(f"{base}/quota/acme")
+    assert acme["source"] == "quota" and acme["usage"]["pool"] == 10 * slot
+    assert get_json(f"{base}/quota/user-7")["usage"]["pool"] == 0  # salted: still acme's
+    assert get_json(f"{base}/quota/{DEFAULT_TENANT}")["usage"]["pool"] == 0
+    # The quota lowered live evicts the engine's own chunks down to it.
+    body = json.dumps({"limit": 3 * slot}).encode()
+    assert request("PUT", f"{base}/quota/acme", body).status == 200
+    used = lambda: get_json(f"{base}/quota/acme")["usage"]["pool"]  # noqa: E731
+    wait_for("acme evicted down to 3 chunks", lambda: used() == 3 * slot)
+    assert get_json(f"{base}/quota/acme")["evictions"] == 7

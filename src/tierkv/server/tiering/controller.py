@@ -24,6 +24,7 @@ from tierkv.pool import ShmPool
 from tierkv.priority import data_thread
 from tierkv.server.tiering.lookups import LookupAccounting
 from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
+from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.server.tiering.write_behind import WriteBehind
 from tierkv.tiers.base import Tier, TierUsage
 
@@ -46,10 +47,12 @@ class Tiering:
         prefetch_timeout: float,
         write_first: Sequence[Tier] = (),
         wake_eviction: Callable[[], None] | None = None,
+        quotas: Sequence[TierQuota] = (),
     ) -> None:
         """``write_first``: tiers the write-behind serves before the others (the peer
         tier: publishing only records a checksum, so chunks become visible to the cluster
-        before a slow medium has them)."""
+        before a slow medium has them). ``quotas``: the tenant quotas of the tiers that
+        have them (see :mod:`tierkv.server.tiering.tier_quotas`)."""
         self.lookups = lookups
         self.tiers = list(tiers)
         self.executor = ThreadPoolExecutor(
@@ -61,6 +64,7 @@ class Tiering:
             sorted(self.tiers, key=lambda t: t not in write_first),
             self.executor,
             write_behind_max_bytes,
+            {q.name: q for q in quotas},
         )
         self.prefetcher = Prefetcher(
             index,

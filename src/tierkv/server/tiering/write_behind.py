@@ -10,19 +10,23 @@ written (counted as dropped) rather than making stores wait; the bound also boun
 pinned chunks eviction has to step over. A tier error is counted and
 logged (once per outage, see :mod:`tierkv.tiers.outage`); it never reaches the engine and
 never stops the server. A chunk that came from a
-tier (a prefetch) is not written back to that tier.
+tier (a prefetch) is not written back to that tier. A tier with tenant quotas
+(:mod:`tierkv.server.tiering.tier_quotas`) is asked which chunks it admits before each
+batch (hard mode refuses a tenant's chunks beyond its quota) and enforces the quotas of the
+batch's tenants after it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,11 @@ class WriteBehind:
         tiers: Sequence[Tier],
         executor: Executor,
         max_queued_bytes: int,
+        quotas: Mapping[str, TierQuota] | None = None,
     ) -> None:
+        """``quotas``: tier name -> its tenant quotas, for the tiers that have them."""
         self.index = index
+        self.quotas = dict(quotas or {})
         self.pool = pool
         self.tiers = list(tiers)
         self.executor = executor
@@ -98,29 +105,41 @@ class WriteBehind:
                 (key, self.pool.view(offset, length).toreadonly()) for key, offset, length in items
             ]
             for tier in tiers:
+                quota = self.quotas.get(tier.name)
+                if quota is None:
+                    self._store(tier, views)
+                    continue
+                admission = quota.admit([(key, view.nbytes) for key, view in views])
+                batch = [views[i] for i in admission.admitted]
                 try:
-                    results = tier.store(views)
-                except Exception as exc:  # a tier should report failures, not raise them
-                    tier.outage.failed("store", exc, len(views), exc_info=True)
-                    results = [False] * len(views)
-                if len(results) != len(views):  # a broken tier: count the batch as failed
-                    tier.outage.failed(
-                        "store", f"answered {len(results)} of the writes", len(views)
-                    )
-                    results = [False] * len(views)
-                ok = sum(results)
-                written = sum(len(v) for (_, v), r in zip(views, results, strict=True) if r)
-                with self._lock:
-                    s = self.stats
-                    s.written_chunks[tier.name] = s.written_chunks.get(tier.name, 0) + ok
-                    s.written_bytes[tier.name] = s.written_bytes.get(tier.name, 0) + written
-                    if ok < len(views):
-                        s.failed_chunks[tier.name] = (
-                            s.failed_chunks.get(tier.name, 0) + len(views) - ok
-                        )
+                    self._store(tier, batch)
+                finally:
+                    quota.done(admission, [key for key, _ in batch])
+                del batch
             del views
         finally:
             self._finish(lease_id, items, nbytes)
+
+    def _store(self, tier: Tier, views: list[tuple[bytes, memoryview]]) -> None:
+        """Write ``views`` to ``tier`` and count what it took."""
+        if not views:
+            return
+        try:
+            results = tier.store(views)
+        except Exception as exc:  # a tier should report failures, not raise them
+            tier.outage.failed("store", exc, len(views), exc_info=True)
+            results = [False] * len(views)
+        if len(results) != len(views):  # a broken tier: count the batch as failed
+            tier.outage.failed("store", f"answered {len(results)} of the writes", len(views))
+            results = [False] * len(views)
+        ok = sum(results)
+        written = sum(len(v) for (_, v), r in zip(views, results, strict=True) if r)
+        with self._lock:
+            s = self.stats
+            s.written_chunks[tier.name] = s.written_chunks.get(tier.name, 0) + ok
+            s.written_bytes[tier.name] = s.written_bytes.get(tier.name, 0) + written
+            if ok < len(views):
+                s.failed_chunks[tier.name] = s.failed_chunks.get(tier.name, 0) + len(views) - ok
 
     def _finish(
         self, lease_id: int, items: list[tuple[bytes, int, int]], nbytes: int, dropped: bool = False
