@@ -258,6 +258,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     raise ConfigError(f"{field}: a tenant name is 1 to 1024 characters")
                 if limit < 0:
                     raise ConfigError(f"{field}: {name}={limit}: a quota is >= 0 bytes")
+        if "~other" in self.disk_quotas:
+            raise ConfigError(
+                "disk_quotas: ~other holds the disk chunks whose tenant is not known yet: it "
+                "takes no disk quota"
+            )
 
     def _validate_cluster(self) -> None:
         for seed in self.cluster_seeds.split(","):

@@ -160,6 +160,7 @@ BAD_PUTS = [
     ("/quota/t", {"limits": {"disk": -1}}, "limits.disk must be >= 0"),
     ("/quota/t", {"limits": {"disk": float("nan")}}, "limits.disk must be a whole, finite"),
     ("/quota/t", {"limits": {"disk": "lots"}}, "limits.disk: "),
+    ("/quota/~other", {"limits": {"disk": "1GiB"}}, "takes no disk quota"),
     ("/quota/t", {"limits": "1GiB"}, "tier -> size"),
     ("/quota/t", {"limits": {}}, "tier -> size"),
     ("/quota/t", {"size": 1}, "unknown field"),

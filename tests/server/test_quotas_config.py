@@ -56,6 +56,7 @@ def test_disk_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
         (["--disk-quota", "acme=-1GiB"], {}, "not a size"),
         (["--default-disk-quota", "inf"], {}, "default_disk_quota 'inf': use 'unlimited'"),
         ([], {"TIERKV_DISK_QUOTAS": "a=NaN"}, "not a size"),
+        (["--disk-quota", "~other=1GiB"], {}, "takes no disk quota"),
     ],
 )
 def test_bad_quota_settings_are_refused(argv: list[str], env: dict[str, str], message: str) -> None:

@@ -110,9 +110,9 @@ def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> Non
             if isinstance(doc, JSONResponse):
                 return doc
             default, mode = _config_change(doc)
+            await run_in_threadpool(quotas.configure, default, mode)
         except QuotaError as exc:
             return error_reply(400, str(exc))
-        await run_in_threadpool(quotas.configure, default, mode)
         return JSONResponse(quotas.config())
 
     @app.get("/quota/{tenant:path}")
@@ -131,9 +131,9 @@ def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> Non
                 return doc
             name = _name(tenant)
             limits = tenant_limits(doc)
+            await run_in_threadpool(quotas.set, name, limits)
         except QuotaError as exc:
             return error_reply(400, str(exc))
-        await run_in_threadpool(quotas.set, name, limits)
         limit = quotas.limit_of(name)[0]
         return JSONResponse(
             {

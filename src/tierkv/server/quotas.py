@@ -225,6 +225,11 @@ class Quotas:
                 raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
             if limit is not None and limit < 0:
                 raise QuotaError("a quota must be >= 0 bytes")
+            if tier != "pool" and limit is not None and name == OTHER_TENANT:
+                raise QuotaError(
+                    f"{OTHER_TENANT} holds the {tier} chunks whose tenant is not known yet "
+                    f"(after a restart, until their engine registers): it takes no {tier} quota"
+                )
         with self._lock:
             for tier, limit in limits.items():
                 self._apply(tier, name, limit)
