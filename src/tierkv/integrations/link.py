@@ -30,6 +30,7 @@ from tierkv.client import (
     Client,
     LeaseExpiredError,
     NotRegisteredError,
+    Registration,
     ServerError,
     ServerUnavailableError,
     TierKVError,
@@ -48,6 +49,9 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     auth_token: str = ""  # default: $TIERKV_AUTH_TOKEN
     timeout: float = 2.0  # seconds an RPC may take before the engine treats it as a miss
     retry_interval: float = 5.0  # after a failure, seconds the server is not asked again
+    # Map every page of the pool when attaching (MAP_POPULATE): the engine's copies into
+    # slots never stop on a page fault (with the server's --prefault, the pages exist).
+    populate: bool = True
 
     def resolved(self: S) -> S:
         """With the defaults from the environment filled in; raises ValueError naming the
@@ -105,6 +109,7 @@ class ServerLink:
                     timeout=self.settings.timeout,
                     auth_token=self.settings.auth_token,
                     parallel_callbacks=self.parallel_callbacks,
+                    populate=self.settings.populate,
                 )
             client = self._client
             if (self._down_since is not None or not self._registered) and not _socket_present(
@@ -127,6 +132,11 @@ class ServerLink:
                 self._registered = True
                 self._back()
             return client
+
+    def registration(self) -> Registration | None:
+        """The client's current registration (None before it registered)."""
+        client = self._client
+        return None if client is None else client.registration
 
     def call(self, what: str, fn: Callable[[Client], T], fallback: T) -> T:
         """``fn(client)``, or ``fallback`` if the server is down or the call fails."""

@@ -309,6 +309,13 @@ def test_chunks_computed_by_one_engine_load_into_another_engines_blocks(server: 
     b.scheduler.update_connector_output(b.worker.build_worker_meta())
     report = b.scheduler.request_finished(req)["tierkv"]
     assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    # The workers' totals: what their stores and loads moved, and the time they took.
+    reg = b.worker.link.registration()
+    assert reg is not None
+    assert a.worker.stats["store_bytes"] == 2 * reg.chunk_bytes
+    assert b.worker.stats["load_bytes"] == 2 * reg.chunk_bytes
+    assert a.worker.stats["store_seconds"] > 0 and b.worker.stats["load_seconds"] > 0
+    assert b.worker.stats["store_bytes"] == a.worker.stats["load_bytes"] == 0
 
 
 def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:

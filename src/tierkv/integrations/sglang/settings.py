@@ -12,6 +12,7 @@ Every other key is tierkv's, and optional::
                     longest ``batch_exists`` waits for pages to come from tiers and peers
     retry_interval  after a failed RPC, seconds during which the server is not asked again
                     (default 5.0); every call in between is a plain miss
+    populate        map every page of the pool when attaching (default true)
     model_id        the model identity in the namespace (default: SGLang's model name)
     tenant          an extra namespace salt: engines with different tenants never share KV
                     (SGLang's per-request ``extra_key`` and cache salt already seed its page

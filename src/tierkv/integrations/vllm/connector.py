@@ -101,6 +101,12 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
 
     @property
+    def worker_stats(self) -> dict[str, float]:
+        """This worker's totals: chunks loaded, stored and failed, and the seconds and bytes
+        of its loads and stores (a worker-role connector only)."""
+        return dict(self._require_worker().stats)
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped store is a future miss, never a lost hand-off
 

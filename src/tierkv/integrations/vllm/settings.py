@@ -10,6 +10,8 @@ Every key is optional::
                     (default 2.0: the engine never waits long on the cache)
     retry_interval  after a failed RPC, seconds during which the server is not asked again
                     (default 5.0); every request in between is a plain miss
+    populate        map every page of the pool when attaching (default true), so that stores
+                    never stop on page faults (run the server with --prefault)
     hashes          chunk keys from "vllm" block hashes, "tokens" (token ids hashed by the
                     server), or "auto" (block hashes when they are usable, default)
     model_id        the model identity in the namespace (default: the model path or name,

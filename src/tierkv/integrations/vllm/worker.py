@@ -20,6 +20,7 @@ engine id its scheduler looks up with). Then, every step:
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,8 +70,18 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
-        # Totals for this process (tests and logs read them).
-        self.stats = {"loaded_chunks": 0, "failed_blocks": 0, "stored_chunks": 0}
+        # Totals for this process (tests, logs and benchmarks read them): chunks, and the
+        # time the engine spent in stores (the RPCs and the copies out of its blocks) and in
+        # loads (the RPCs and the copies into its blocks), with the bytes they moved.
+        self.stats: dict[str, float] = {
+            "loaded_chunks": 0,
+            "failed_blocks": 0,
+            "stored_chunks": 0,
+            "store_seconds": 0.0,
+            "store_bytes": 0,
+            "load_seconds": 0.0,
+            "load_bytes": 0,
+        }
 
     # -- registration ----------------------------------------------------------------------
     def register_kv_caches(
@@ -137,11 +148,13 @@ class WorkerSide:
                 layout.write_block(block_id, tensor, j * block_size)
             loaded.add(chunk)
 
-        self.link.call(
+        start = time.perf_counter()
+        result = self.link.call(
             f"retrieve of {spec.request_id}",
             lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter),
             None,
         )
+        self._timed("load", start, 0 if result is None else len(result.retrieved))
         self._finish_load(spec, loaded)
 
     def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
@@ -190,15 +203,24 @@ class WorkerSide:
         keys: dict[str, Any] = (
             {"hashes": spec.hashes} if spec.hashes is not None else {"tokens": spec.tokens}
         )
+        start = time.perf_counter()
         result = self.link.call(
             f"store of {spec.request_id}",
             lambda c: c.store(**keys, gather=gather, first_chunk=spec.first_chunk, salt=spec.salt),
             None,
         )
+        self._timed("store", start, 0 if result is None else len(result.stored))
         if result is not None and result.stored:
             self.stats["stored_chunks"] += len(result.stored)
             written = self._report.written_chunks
             written[spec.request_id] = written.get(spec.request_id, 0) + len(result.stored)
+
+    def _timed(self, what: str, start: float, chunks: int) -> None:
+        """Add one store's or load's time and bytes (chunks copied) to the totals."""
+        self.stats[f"{what}_seconds"] += time.perf_counter() - start
+        reg = self.link.registration()
+        if reg is not None:
+            self.stats[f"{what}_bytes"] += chunks * reg.chunk_bytes
 
     # -- per-step results ------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
