@@ -101,8 +101,13 @@ class ControllerDirectory(Directory):
             self._cond.notify()
 
     def wait_published(self, ticket: int, timeout: float) -> bool:
+        """Wait until the report carrying ``ticket`` is acknowledged. While this server is
+        not registered (controller away, a full sync under way) nothing is waited for: the
+        next full sync, or the reports right after it, carry the keys."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._sent >= ticket or self._stop, timeout)
+            return self._cond.wait_for(
+                lambda: self._sent >= ticket or self._stop or not self._registered, timeout
+            )
 
     def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
         if not keys:
@@ -170,7 +175,7 @@ class ControllerDirectory(Directory):
                     self._heartbeat()
             except Exception:
                 log.exception("controller directory: sending failed")
-                self._registered = False
+                self._set_registered(False)
             with self._cond:
                 self._sent = max(self._sent, taken)
                 self._cond.notify_all()
@@ -207,7 +212,7 @@ class ControllerDirectory(Directory):
             if not (isinstance(ack, cm.Ack) and ack.ok):
                 log.warning("controller refused a full sync part: %r", ack)
                 return
-        self._registered = True
+        self._set_registered(True)
         self.counts["syncs"] += 1
         log.info("registered with controller %s; full sync of %d keys", self.controller, len(held))
 
@@ -236,7 +241,7 @@ class ControllerDirectory(Directory):
                 # Not applied (controller restarted, a gap, a timeout): a full sync repairs
                 # everything, these updates included.
                 self.counts["reports_failed"] += 1
-                self._registered = False
+                self._set_registered(False)
                 return
             self._seq += 1
             self.counts["reports"] += 1
@@ -253,7 +258,12 @@ class ControllerDirectory(Directory):
                 "controller %s does not know this server (restarted?): re-registering",
                 self.controller,
             )
-            self._registered = False
+            self._set_registered(False)
+
+    def _set_registered(self, registered: bool) -> None:
+        with self._cond:
+            self._registered = registered
+            self._cond.notify_all()
 
     def stats(self) -> dict[str, object]:
         return {
