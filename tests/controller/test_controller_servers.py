@@ -12,7 +12,7 @@ import zmq
 from support.clusterkit import wait_for
 from support.controllers import ControllerProcess, ctl_call, start_server
 from support.kvops import fetch, store, tokens_for
-from support.servers import ServerProcess
+from support.servers import ServerProcess, register
 from tierkv.cluster import messages as m
 from tierkv.controller import messages as cm
 
@@ -47,6 +47,36 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b_via_the_controller(
     assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
 
 
+def test_engines_namespaces_reach_the_controller_with_their_key_counts(
+    server_factory: Factory, controller: ControllerProcess
+) -> None:
+    a, b = (start_server(server_factory, controller.addr) for _ in range(2))
+    wait_for(lambda: len(controller.instances()) == 2)
+    assert controller.instances()[a.node_id]["namespaces"] == []
+    with a.client() as engine:  # an engine registers on A (later than A registered)
+        register(engine)
+        digest = engine.registration.namespace.hex()  # type: ignore[union-attr]
+        wait_for(lambda: controller.instances()[a.node_id]["namespaces"] != [])
+        (ns,) = controller.instances()[a.node_id]["namespaces"]
+        assert ns == {
+            "namespace": digest, "model": "test-model", "chunk_tokens": 256,
+            "world_size": 1, "rank": 0,
+        }  # fmt: skip
+        assert controller.instances()[b.node_id]["namespaces"] == []  # B has no engine
+    # The engine left: A no longer serves the namespace, but still holds its chunks.
+    wait_for(lambda: controller.instances()[a.node_id]["namespaces"] == [])
+    keys = store(a, tokens_for(5, 3), 3)
+    assert keys[0][:16].hex() == digest
+    by_ns = {digest: [3, 0, 0, 0]}
+    wait_for(lambda: controller.instances()[a.node_id]["keys_by_namespace"] == by_ns)
+    status = controller.status()
+    assert status is not None
+    assert status["namespaces"] == [
+        {"namespace": digest, "model": "", "keys": 3,
+         "keys_by_tier": [3, 0, 0, 0], "instances": 1},
+    ]  # fmt: skip
+
+
 def test_unsigned_and_malformed_controller_messages_are_refused(
     controller: ControllerProcess,
 ) -> None:
@@ -70,5 +100,17 @@ def test_unsigned_and_malformed_controller_messages_are_refused(
     assert isinstance(ack, cm.Ack) and not ack.ok
     bad_keys = ctl_call(addr, m.Resolve(0, [b"short"]))
     assert isinstance(bad_keys, m.Refused)
+    member = m.MemberInfo("x:1", "x:1", "x:2", 1)
+    for bad_ns in (
+        cm.NamespaceInfo(b"short", "model", 256),
+        cm.NamespaceInfo(b"d" * 16, "", 256),
+        cm.NamespaceInfo(b"d" * 16, "model", 0),
+        cm.NamespaceInfo(b"d" * 16, "model", 256, world_size=2, rank=2),
+    ):
+        refused = ctl_call(addr, cm.Register(0, member, [bad_ns]))
+        assert isinstance(refused, m.Refused) and "register:" in refused.reason
+    unknown = ctl_call(addr, cm.Namespaces(0, "x:1", 1, []))
+    assert isinstance(unknown, m.Refused) and "unknown boot" in unknown.reason
+    assert controller.instances() == {}
     status = controller.status()
     assert status is not None and status["reports_refused"] == 1
