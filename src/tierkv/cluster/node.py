@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.cluster import messages as m
+from tierkv.cluster import router_lookup
 from tierkv.cluster.control import ControlClient, ControlServer
 from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.cluster.directory import HashDirectory, Where
@@ -254,6 +255,22 @@ class ClusterNode:
 
     def namespaces_changed(self) -> None:
         self.directory.namespaces_changed()
+
+    def router_lookup(self, body: bytes) -> dict[str, object]:
+        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) through this server's
+        directory: the same answer, in ring or controller mode, as the controller's."""
+        members = self.tier.membership
+
+        def address(node_id: str) -> str | None:
+            info = members.get(node_id)
+            return info.data if info is not None else None
+
+        return router_lookup.answer(
+            body,
+            self.namespaces(),
+            lambda ks: router_lookup.from_locations(self.directory.resolve(ks)),
+            address,
+        )
 
     # -- publishing this node's chunks -----------------------------------------------------
     def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.cluster import messages as m
+from tierkv.cluster import router_lookup
 from tierkv.controller import messages as cm
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
@@ -79,6 +80,7 @@ class ControllerService:
             "sync_parts": 0,
             "lookups": 0,
             "lookup_keys": 0,
+            "router_lookups": 0,
             "deregistered_dead": 0,
             "deregistered_clean": 0,
         }
@@ -265,6 +267,22 @@ class ControllerService:
         self.counts["lookup_keys"] += len(req.keys)
         self.lookup_seconds.append(time.perf_counter() - t)
         return cm.Located(req.rid, holders, out)
+
+    def router_lookup(self, body: bytes) -> dict[str, object]:
+        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) from the index."""
+        with self._lock:
+            members = {i: s.member for i, s in self._instances.items()}
+            namespaces = [ns for s in self._instances.values() for ns in s.namespaces]
+
+        def address(instance: str) -> str | None:
+            member = members.get(instance)
+            return member.data if member is not None else None
+
+        t = time.perf_counter()
+        reply = router_lookup.answer(body, namespaces, self.index.lookup, address)
+        self.counts["router_lookups"] += 1
+        self.lookup_seconds.append(time.perf_counter() - t)
+        return reply
 
     # -- figures ---------------------------------------------------------------------------
     def instances(self) -> list[dict[str, object]]:

@@ -230,6 +230,7 @@ class Server:
                 health.checks,
                 cfg.auth_token,
                 self.quotas,
+                cluster.router_lookup if cluster is not None else None,
             )
             http = HttpServer(cfg, app)
             self._started_part("http", http.stop)
