@@ -11,8 +11,11 @@ Columns (the seed's RegistryTree figures in brackets):
 - full_report_ms: one instance's full report (1M keys, 32 bytes each, as they arrive on the
   wire) applied: fingerprints, the table built, swapped in; median of 3 [60 ms].
 - deregister_ms: one instance with 1M chunks deregistered; median of 3 [8 ms].
-- lookup512_wire_p50_us: a 512-chunk lookup through a running controller, p50. Not measured
-  yet (the controller process's lookup request is not built): printed as "-".
+- lookup512_wire_p50_us: a 512-chunk lookup (``Resolve``, signed, over ZMQ on loopback)
+  through a running controller serving this index, p50 of ``--wire-lookups``, the reply
+  decoded. The controller's parts (:class:`tierkv.controller.app.Controller`: control
+  server, handlers, reaper) run in this process on their own threads, so the client and
+  the controller share one interpreter: an upper bound of a separate process's figure.
 
 Use ``--instances`` / ``--chunks`` for a smaller run. The last line of output is
 ``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E``.
@@ -28,6 +31,11 @@ import time
 
 import numpy as np
 
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+from tierkv.controller import messages as cm
+from tierkv.controller.app import Controller
+from tierkv.controller.config import ControllerConfig
 from tierkv.controller.index import ControllerIndex
 
 KEY = 32
@@ -54,6 +62,7 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=100)
     ap.add_argument("--chunks", type=int, default=1_000_000, help="chunks per instance")
     ap.add_argument("--lookups", type=int, default=50, help="512-chunk lookups timed")
+    ap.add_argument("--wire-lookups", type=int, default=200, help="lookups over the wire")
     args = ap.parse_args()
     n_inst, n = args.instances, args.chunks
 
@@ -96,6 +105,9 @@ def main() -> None:
         f"p90 {sorted(per_key)[int(0.9 * len(per_key))]:.2f})"
     )
 
+    wire_us = wire_p50(index, [samples[name] for name in names], args.wire_lookups)
+    print(f"lookup over the wire: p50 {wire_us:.0f} us per 512-chunk lookup")
+
     # Full report and deregistration of one instance, 3 times each.
     reports: list[float] = []
     drops: list[float] = []
@@ -117,8 +129,36 @@ def main() -> None:
     print(
         f"controller lookup_us={lookup_us:.2f} memory_gb={memory / 1e9:.2f} "
         f"full_report_ms={full_report_ms:.1f} deregister_ms={deregister_ms:.2f} "
-        "lookup512_wire_p50_us=-"
+        f"lookup512_wire_p50_us={wire_us:.0f}"
     )
+
+
+def wire_p50(index: ControllerIndex, blobs: list[bytes], lookups: int) -> float:
+    """p50 (us) of 512-chunk Resolve round trips through a controller serving ``index``."""
+    cfg = ControllerConfig(port=0, http_port=0, auth_token="bench", dead_after=1e9)
+    controller = Controller(cfg)
+    service = controller.service
+    service.index = index
+    for name in index.instances():  # members the answers can name (never reaped here)
+        member = m.MemberInfo(name, name, f"{name}:1", 1)
+        service.on_register(cm.Register(0, member, []))
+    controller.start()
+    client = ControlClient(cfg.auth_token, 5.0, decoder=cm.reply_decoder)
+    addr = f"127.0.0.1:{controller.control.port}"
+    times: list[float] = []
+    try:
+        for r in range(lookups):
+            blob = blobs[r % len(blobs)]
+            keys = [blob[i * KEY : (i + 1) * KEY] for i in range(512)]
+            t = time.perf_counter()
+            reply = client.call(addr, m.Resolve(0, keys))
+            times.append((time.perf_counter() - t) * 1e6)
+            if not isinstance(reply, cm.Located) or len(reply.found) < 512:
+                raise RuntimeError(f"a wire lookup did not find its prefix: {reply!r:.200}")
+    finally:
+        client.close()
+        controller.close()
+    return statistics.median(times)
 
 
 if __name__ == "__main__":

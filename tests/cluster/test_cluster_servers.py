@@ -28,33 +28,14 @@ from support.clusterkit import (
     status,
     wait_for,
 )
+from support.kvops import fetch, store, tokens_for
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
-from tierkv import keys as tk
-from tierkv.client import Client
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import ControlSigner
 from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.tiers.base import LoadStatus, checksum
 
 Factory = Callable[..., ServerProcess]
-
-
-def tokens_for(seed: int, chunks: int) -> list[int]:
-    return list(range(seed * 100_000, seed * 100_000 + 256 * chunks))
-
-
-def chunk_keys(client: Client, tokens: list[int]) -> list[bytes]:
-    assert client.registration is not None
-    packed = np.asarray(tokens, dtype="<u4").tobytes()
-    return tk.chunk_keys(client.registration.namespace, packed, 256)
-
-
-def store(node: Node, tokens: list[int], chunks: int) -> list[bytes]:
-    with node.client() as c:
-        register(c)
-        res = c.store(tokens, [chunk_data(tokens, i) for i in range(chunks)])
-        assert res.stored == list(range(chunks))
-        return chunk_keys(c, tokens)
 
 
 def located(nodes: list[Node], keys: list[bytes]) -> list[set[str]]:
@@ -71,18 +52,6 @@ def entries_of(nodes: list[Node], keys: list[bytes]) -> list[set[tuple[str, m.Wh
         for pos, h, where in reply.found:
             out[pos].add((reply.holders[h], m.Where(where)))
     return out
-
-
-def fetch(node: Node, tokens: list[int], chunks: int, rid: str = "r") -> tuple[int, list[int]]:
-    """Look up on ``node`` (waiting for the prefetch), retrieve, check bytes; (hits, ok)."""
-    with node.client() as c:
-        register(c)
-        hits = c.lookup(tokens, request_id=rid, wait=True).hits
-        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(chunks)]
-        got = c.retrieve(request_id=rid, out=out)
-        for i in got.retrieved:
-            np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
-        return hits, got.retrieved
 
 
 def peer_tier(node: Node) -> dict[str, object]:

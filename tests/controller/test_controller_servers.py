@@ -3,90 +3,89 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
 
-from cluster.test_cluster_servers import fetch, store, tokens_for
-from support.clusterkit import FAST, TOKEN, Node, free_ports, wait_for
-from support.servers import ServerProcess
+from support.clusterkit import wait_for
+from support.controllers import ControllerProcess, ctl_call, start_server
+from support.kvops import fetch, store, tokens_for
+from support.servers import ServerProcess, register
 from tierkv.cluster import messages as m
-from tierkv.cluster.control import ControlClient
 from tierkv.controller import messages as cm
 
 pytestmark = pytest.mark.processes
 Factory = Callable[..., ServerProcess]
 
 
-def ctl_call(addr: str, msg: object, token: str = TOKEN) -> object:
-    client = ControlClient(token, 2.0, decoder=cm.reply_decoder)
-    try:
-        return client.call(addr, msg)
-    finally:
-        client.close()
-
-
-def ctl_status(addr: str) -> dict[str, object]:
-    reply = ctl_call(addr, m.GetStatus(0))
-    assert isinstance(reply, m.NodeStatus), reply
-    return dict(reply.stats)
-
-
 @pytest.fixture
-def controller() -> Iterator[str]:
-    (port,) = free_ports(1)
-    cmd = [
-        sys.executable, "-m", "tierkv.cli", "controller", "--port", str(port),
-        "--http-port", "0", "--auth-token", TOKEN,
-        "--heartbeat-interval", "0.2", "--dead-after", "1.2",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
-    addr = f"127.0.0.1:{port}"
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    ctl = ControllerProcess(tmp_path).start()
     try:
-        wait_for(lambda: isinstance(ctl_call(addr, m.GetStatus(0)), m.NodeStatus))
-        yield addr
+        yield ctl
     finally:
-        proc.terminate()
-        proc.wait(15)
-
-
-def start(factory: Factory, controller: str) -> Node:
-    (port,) = free_ports(1)
-    args = [
-        "--controller", controller, "--cluster-port", str(port), "--auth-token", TOKEN,
-        *FAST, "--http-port", "0",
-    ]  # fmt: skip
-    return Node(factory(pool_size="64MiB", extra=args), port)
+        ctl.stop()
 
 
 def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b_via_the_controller(
-    server_factory: Factory, controller: str
+    server_factory: Factory, controller: ControllerProcess
 ) -> None:
-    a, b, c = (start(server_factory, controller) for _ in range(3))
-    wait_for(lambda: len(ctl_status(controller)["instances"]) == 3)  # type: ignore[arg-type]
+    a, b, c = (start_server(server_factory, controller.addr) for _ in range(3))
+    wait_for(lambda: len(controller.instances()) == 3)
     tokens = tokens_for(1, 6)
     keys = store(a, tokens, 6)
-    located = ctl_call(controller, m.Resolve(0, keys))
+    located = ctl_call(controller.addr, m.Resolve(0, keys))
     assert isinstance(located, cm.Located)
     assert [h.node_id for h in located.holders] == [a.node_id]
     assert sorted(p for p, _, _ in located.found) == list(range(6))
     hits, retrieved = fetch(b, tokens, 6)
     assert hits == 6 and retrieved == list(range(6))
     # B's copies are reported too: C finds two holders.
-    wait_for(lambda: len(ctl_call(controller, m.Resolve(0, keys)).holders) == 2)  # type: ignore[attr-defined]
+    wait_for(lambda: controller.holders(keys) == [{a.node_id, b.node_id}] * 6)
     assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
 
 
-def test_unsigned_and_malformed_controller_messages_are_refused(controller: str) -> None:
-    assert isinstance(ctl_call(controller, m.GetStatus(0), token="wrong"), m.Refused)
+def test_engines_namespaces_reach_the_controller_with_their_key_counts(
+    server_factory: Factory, controller: ControllerProcess
+) -> None:
+    a, b = (start_server(server_factory, controller.addr) for _ in range(2))
+    wait_for(lambda: len(controller.instances()) == 2)
+    assert controller.instances()[a.node_id]["namespaces"] == []
+    with a.client() as engine:  # an engine registers on A (later than A registered)
+        register(engine)
+        digest = engine.registration.namespace.hex()  # type: ignore[union-attr]
+        wait_for(lambda: controller.instances()[a.node_id]["namespaces"] != [])
+        (ns,) = controller.instances()[a.node_id]["namespaces"]
+        assert ns == {
+            "namespace": digest, "model": "test-model", "chunk_tokens": 256,
+            "world_size": 1, "rank": 0,
+        }  # fmt: skip
+        assert controller.instances()[b.node_id]["namespaces"] == []  # B has no engine
+    # The engine left: A no longer serves the namespace, but still holds its chunks.
+    wait_for(lambda: controller.instances()[a.node_id]["namespaces"] == [])
+    keys = store(a, tokens_for(5, 3), 3)
+    assert keys[0][:16].hex() == digest
+    by_ns = {digest: [3, 0, 0, 0]}
+    wait_for(lambda: controller.instances()[a.node_id]["keys_by_namespace"] == by_ns)
+    status = controller.status()
+    assert status is not None
+    assert status["namespaces"] == [
+        {"namespace": digest, "model": "", "keys": 3,
+         "keys_by_tier": [3, 0, 0, 0], "instances": 1},
+    ]  # fmt: skip
+
+
+def test_unsigned_and_malformed_controller_messages_are_refused(
+    controller: ControllerProcess,
+) -> None:
+    addr = controller.addr
+    assert isinstance(ctl_call(addr, m.GetStatus(0), token="wrong"), m.Refused)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{controller}")
+    sock.connect(f"tcp://{addr}")
     try:
         for frames in ([b"\x92\xa4junk"], [b"x" * 40, b"\xc1garbage"]):
             sock.send_multipart(frames)
@@ -97,8 +96,21 @@ def test_unsigned_and_malformed_controller_messages_are_refused(controller: str)
         sock.close()
     # A signed but bad report is refused with a reason; the controller keeps serving.
     bad = cm.Report(0, "nobody", 1, 1, b"k" * 31, b"", b"")
-    ack = ctl_call(controller, bad)
+    ack = ctl_call(addr, bad)
     assert isinstance(ack, cm.Ack) and not ack.ok
-    bad_keys = ctl_call(controller, m.Resolve(0, [b"short"]))
+    bad_keys = ctl_call(addr, m.Resolve(0, [b"short"]))
     assert isinstance(bad_keys, m.Refused)
-    assert ctl_status(controller)["reports_refused"] == 1
+    member = m.MemberInfo("x:1", "x:1", "x:2", 1)
+    for bad_ns in (
+        cm.NamespaceInfo(b"short", "model", 256),
+        cm.NamespaceInfo(b"d" * 16, "", 256),
+        cm.NamespaceInfo(b"d" * 16, "model", 0),
+        cm.NamespaceInfo(b"d" * 16, "model", 256, world_size=2, rank=2),
+    ):
+        refused = ctl_call(addr, cm.Register(0, member, [bad_ns]))
+        assert isinstance(refused, m.Refused) and "register:" in refused.reason
+    unknown = ctl_call(addr, cm.Namespaces(0, "x:1", 1, []))
+    assert isinstance(unknown, m.Refused) and "unknown boot" in unknown.reason
+    assert controller.instances() == {}
+    status = controller.status()
+    assert status is not None and status["reports_refused"] == 1

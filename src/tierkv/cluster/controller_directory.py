@@ -46,7 +46,7 @@ class ControllerDirectory(Directory):
         token: str,
         timeout: float,
         held: Callable[[], list[tuple[bytes, Where]]],
-        namespaces: Callable[[], list[bytes]] = list,
+        namespaces: Callable[[], list[cm.NamespaceInfo]] = list,
         interval: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -64,6 +64,7 @@ class ControllerDirectory(Directory):
         self._sent = 0
         self._stop = False
         self._registered = False
+        self._namespaces_changed = False
         self._seq = 0
         self._controller_boot = 0
         self._thread: threading.Thread | None = None
@@ -101,8 +102,13 @@ class ControllerDirectory(Directory):
             self._cond.notify()
 
     def wait_published(self, ticket: int, timeout: float) -> bool:
+        """Wait until the report carrying ``ticket`` is acknowledged. While this server is
+        not registered (controller away, a full sync under way) nothing is waited for: the
+        next full sync, or the reports right after it, carry the keys."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._sent >= ticket or self._stop, timeout)
+            return self._cond.wait_for(
+                lambda: self._sent >= ticket or self._stop or not self._registered, timeout
+            )
 
     def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
         if not keys:
@@ -122,6 +128,12 @@ class ControllerDirectory(Directory):
                 out[pos].append(Location(reply.holders[h].node_id, Where(where)))
         self.counts["resolve_found"] += sum(1 for locs in out if locs)
         return out
+
+    def namespaces_changed(self) -> None:
+        """The engines' namespaces changed: the sender thread tells the controller."""
+        with self._cond:
+            self._namespaces_changed = True
+            self._cond.notify()
 
     def get(self, node_id: str) -> m.MemberInfo | None:
         """A holder's member record (data address), as the controller last named it."""
@@ -159,24 +171,32 @@ class ControllerDirectory(Directory):
                     return
                 pending, self._pending = self._pending, {}
                 taken = self._queued
+                tell_namespaces, self._namespaces_changed = self._namespaces_changed, False
             try:
                 if not self._registered:
                     self._register_and_sync()
                     retry_at = self.clock() + min(1.0, self.interval)
-                elif pending:
-                    self._report(pending)
+                else:
+                    if tell_namespaces:
+                        self._send_namespaces()
+                    if pending:
+                        self._report(pending)
                 if self.clock() >= next_beat:
                     next_beat = self.clock() + self.interval
                     self._heartbeat()
             except Exception:
                 log.exception("controller directory: sending failed")
-                self._registered = False
+                self._set_registered(False)
             with self._cond:
                 self._sent = max(self._sent, taken)
                 self._cond.notify_all()
 
     def _has_work(self, wake: float) -> bool:
-        return self._stop or self.clock() >= wake or (self._registered and bool(self._pending))
+        return (
+            self._stop
+            or self.clock() >= wake
+            or (self._registered and (bool(self._pending) or self._namespaces_changed))
+        )
 
     def _register_and_sync(self) -> None:
         reply = self.client.call(self.controller, cm.Register(0, self.me, self.namespaces()))
@@ -207,9 +227,18 @@ class ControllerDirectory(Directory):
             if not (isinstance(ack, cm.Ack) and ack.ok):
                 log.warning("controller refused a full sync part: %r", ack)
                 return
-        self._registered = True
+        self._set_registered(True)
         self.counts["syncs"] += 1
         log.info("registered with controller %s; full sync of %d keys", self.controller, len(held))
+
+    def _send_namespaces(self) -> None:
+        me = self.me
+        reply = self.client.call(
+            self.controller, cm.Namespaces(0, me.node_id, me.incarnation, self.namespaces())
+        )
+        if not isinstance(reply, m.Done):  # registering again sends them
+            log.warning("controller did not take this server's namespaces: %r", reply)
+            self._set_registered(False)
 
     def _report(self, pending: dict[bytes, int]) -> None:
         items = list(pending.items())
@@ -236,7 +265,7 @@ class ControllerDirectory(Directory):
                 # Not applied (controller restarted, a gap, a timeout): a full sync repairs
                 # everything, these updates included.
                 self.counts["reports_failed"] += 1
-                self._registered = False
+                self._set_registered(False)
                 return
             self._seq += 1
             self.counts["reports"] += 1
@@ -253,7 +282,12 @@ class ControllerDirectory(Directory):
                 "controller %s does not know this server (restarted?): re-registering",
                 self.controller,
             )
-            self._registered = False
+            self._set_registered(False)
+
+    def _set_registered(self, registered: bool) -> None:
+        with self._cond:
+            self._registered = registered
+            self._cond.notify_all()
 
     def stats(self) -> dict[str, object]:
         return {

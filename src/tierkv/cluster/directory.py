@@ -87,6 +87,9 @@ class Directory(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work."""
 
+    def namespaces_changed(self) -> None:  # noqa: B027 - optional hook
+        """This server's engines' namespaces changed (a directory that lists them: tell)."""
+
     def stats(self) -> dict[str, object]:
         return {}
 

@@ -20,10 +20,11 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.cluster import messages as m
+from tierkv.cluster import router_lookup
 from tierkv.cluster.control import ControlClient, ControlServer
 from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.cluster.directory import HashDirectory, Where
@@ -31,6 +32,7 @@ from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
 from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.config import ServerConfig
+from tierkv.controller import messages as cm
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier, checksum
@@ -129,6 +131,7 @@ class ClusterNode:
         self._lock = threading.Lock()
         self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
         self._on_disk: set[bytes] = set()
+        self._engines: Callable[[], list[cm.NamespaceInfo]] = list
         self.promoted = 0
         self.stale_withdrawn = 0
         self._started = False
@@ -162,6 +165,7 @@ class ClusterNode:
                 settings.token,
                 settings.timeout,
                 self._held,
+                self.namespaces,
                 interval=settings.heartbeat_interval,
             )
             self.directory = directory
@@ -238,6 +242,35 @@ class ClusterNode:
         for nid, info in old.items():
             if nid != self.node_id and new.get(nid) != info:
                 self.transport.forget(info)
+
+    # -- the engines' namespaces -----------------------------------------------------------
+    def serve_namespaces(self, source: Callable[[], list[cm.NamespaceInfo]]) -> None:
+        """Where the namespaces of this server's engines come from (the registry); the
+        controller is told now and whenever :meth:`namespaces_changed` is called."""
+        self._engines = source
+        self.namespaces_changed()
+
+    def namespaces(self) -> list[cm.NamespaceInfo]:
+        return self._engines()
+
+    def namespaces_changed(self) -> None:
+        self.directory.namespaces_changed()
+
+    def router_lookup(self, body: bytes) -> dict[str, object]:
+        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) through this server's
+        directory: the same answer, in ring or controller mode, as the controller's."""
+        members = self.tier.membership
+
+        def address(node_id: str) -> str | None:
+            info = members.get(node_id)
+            return info.data if info is not None else None
+
+        return router_lookup.answer(
+            body,
+            self.namespaces(),
+            lambda ks: router_lookup.from_locations(self.directory.resolve(ks)),
+            address,
+        )
 
     # -- publishing this node's chunks -----------------------------------------------------
     def publish_local(self, items: Sequence[tuple[bytes, memoryview]]) -> None:

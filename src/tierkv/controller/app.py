@@ -41,7 +41,9 @@ class Controller:
             self.control.start()
             self.service.start(min(self.cfg.heartbeat_interval, self.cfg.dead_after / 3))
             if self.cfg.http_port:
-                self.http = HttpServer(self.cfg, create_app(self.service, self._health))
+                self.http = HttpServer(
+                    self.cfg, create_app(self.service, self._health, self.cfg.auth_token)
+                )
                 self.http.start()
         except BaseException:
             self.close()

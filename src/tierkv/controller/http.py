@@ -1,5 +1,6 @@
 """The controller's HTTP server: ``/healthcheck``, ``/metrics`` (Prometheus), ``/status``
-(the JSON the dashboard will show), in the server's conventions (FastAPI on uvicorn, the
+(the JSON the dashboard will show), ``POST /lookup`` for routers
+(:mod:`tierkv.cluster.router_lookup`), in the server's conventions (FastAPI on uvicorn, the
 server's :class:`~tierkv.server.http.HttpServer`, JSON errors)."""
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
+from tierkv.server.http import make_authorizer
+from tierkv.server.lookup_http import add_lookup_route
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
 
@@ -70,8 +73,11 @@ class ControllerCollector(Collector):
         )
 
 
-def create_app(service: ControllerService, health: Callable[[], dict[str, bool]]) -> FastAPI:
+def create_app(
+    service: ControllerService, health: Callable[[], dict[str, bool]], auth_token: str = ""
+) -> FastAPI:
     app = FastAPI(title="tierkv controller", docs_url=None, redoc_url=None, openapi_url=None)
+    add_lookup_route(app, make_authorizer(auth_token), service.router_lookup)
     registry = CollectorRegistry()
     registry.register(ControllerCollector(service))
 

@@ -17,6 +17,32 @@ import msgspec
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.messages import Struct
+from tierkv.keys import DIGEST_SIZE
+
+MAX_NAMESPACES = 4096  # per server
+MAX_MODEL = 256  # characters of a model name
+
+
+class NamespaceInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """One engine namespace a server serves: its digest (the first 16 bytes of its keys),
+    the model, and the tokens per chunk its keys are hashed over (a router's token ids
+    become keys with them, :func:`tierkv.keys.chunk_keys`)."""
+
+    digest: bytes
+    model: str
+    chunk_tokens: int
+    world_size: int = 1
+    rank: int = 0
+
+    def problem(self) -> str:
+        """Why this record is unacceptable ("" if it is fine)."""
+        if len(self.digest) != DIGEST_SIZE:
+            return f"a namespace digest must be {DIGEST_SIZE} bytes"
+        if not 0 < len(self.model) <= MAX_MODEL:
+            return f"a model name must have 1-{MAX_MODEL} characters"
+        if self.chunk_tokens <= 0 or not 0 <= self.rank < self.world_size:
+            return "chunk_tokens must be positive and 0 <= rank < world_size"
+        return ""
 
 
 class Register(Struct, tag="c_register"):
@@ -25,7 +51,17 @@ class Register(Struct, tag="c_register"):
 
     rid: int
     member: m.MemberInfo
-    namespaces: list[bytes]
+    namespaces: list[NamespaceInfo]
+
+
+class Namespaces(Struct, tag="c_namespaces"):
+    """The namespaces of a registered server's engines changed (an engine registered or
+    left): the full list, which replaces the previous one."""
+
+    rid: int
+    instance: str
+    boot: int
+    namespaces: list[NamespaceInfo]
 
 
 class Registered(Struct, tag="c_registered"):
@@ -102,7 +138,9 @@ class Located(Struct, tag="c_located"):
     found: list[tuple[int, int, int]]
 
 
-Request = Register | Heartbeat | Report | SyncBatch | Deregister | m.Resolve | m.GetStatus
+Request = (
+    Register | Namespaces | Heartbeat | Report | SyncBatch | Deregister | m.Resolve | m.GetStatus
+)
 Reply = Registered | HeartbeatReply | Ack | Located | m.NodeStatus | m.Done | m.Refused
 
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.cluster import messages as m
+from tierkv.cluster import router_lookup
 from tierkv.controller import messages as cm
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
@@ -41,7 +42,7 @@ MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refus
 @dataclass
 class Instance:
     member: m.MemberInfo
-    namespaces: list[bytes]
+    namespaces: list[cm.NamespaceInfo]
     registered_at: float
     last_seen: float
     seq: int = 0  # last report or sync applied
@@ -79,6 +80,7 @@ class ControllerService:
             "sync_parts": 0,
             "lookups": 0,
             "lookup_keys": 0,
+            "router_lookups": 0,
             "deregistered_dead": 0,
             "deregistered_clean": 0,
         }
@@ -88,6 +90,7 @@ class ControllerService:
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         return {
             cm.Register: self.on_register,
+            cm.Namespaces: self.on_namespaces,
             cm.Heartbeat: self.on_heartbeat,
             cm.Report: self.on_report,
             cm.SyncBatch: self.on_sync,
@@ -139,8 +142,10 @@ class ControllerService:
 
     def on_register(self, req: cm.Register) -> cm.Registered | m.Refused:
         member = req.member
-        if not member.node_id or any(len(ns) != KEY_SIZE // 2 for ns in req.namespaces):
-            return m.Refused(req.rid, "register: empty instance id or a namespace not 16 bytes")
+        if not member.node_id:
+            return m.Refused(req.rid, "register: empty instance id")
+        if why := _namespaces_problem(req.namespaces):
+            return m.Refused(req.rid, f"register: {why}")
         now = self.clock()
         with self._lock:
             old = self._instances.get(member.node_id)
@@ -154,6 +159,16 @@ class ControllerService:
         self.counts["registrations"] += 1
         log.info("server %s registered (data %s)", member.node_id, member.data)
         return cm.Registered(req.rid, self.boot)
+
+    def on_namespaces(self, req: cm.Namespaces) -> m.Done | m.Refused:
+        if why := _namespaces_problem(req.namespaces):
+            return m.Refused(req.rid, f"namespaces: {why}")
+        with self._lock:
+            state = self._current(req.instance, req.boot)
+            if state is None:
+                return m.Refused(req.rid, "namespaces: unknown boot of this server")
+            state.namespaces = list(req.namespaces)
+        return m.Done(req.rid, len(req.namespaces))
 
     def on_heartbeat(self, req: cm.Heartbeat) -> cm.HeartbeatReply:
         self.counts["heartbeats"] += 1
@@ -253,6 +268,22 @@ class ControllerService:
         self.lookup_seconds.append(time.perf_counter() - t)
         return cm.Located(req.rid, holders, out)
 
+    def router_lookup(self, body: bytes) -> dict[str, object]:
+        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) from the index."""
+        with self._lock:
+            members = {i: s.member for i, s in self._instances.items()}
+            namespaces = [ns for s in self._instances.values() for ns in s.namespaces]
+
+        def address(instance: str) -> str | None:
+            member = members.get(instance)
+            return member.data if member is not None else None
+
+        t = time.perf_counter()
+        reply = router_lookup.answer(body, namespaces, self.index.lookup, address)
+        self.counts["router_lookups"] += 1
+        self.lookup_seconds.append(time.perf_counter() - t)
+        return reply
+
     # -- figures ---------------------------------------------------------------------------
     def instances(self) -> list[dict[str, object]]:
         now = self.clock()
@@ -266,7 +297,8 @@ class ControllerService:
                     "instance": node,
                     "data": s.member.data,
                     "boot": s.member.incarnation,
-                    "namespaces": self.index.namespaces(node),
+                    "namespaces": [_describe(ns) for ns in s.namespaces],
+                    "keys_by_namespace": self.index.namespaces(node),
                     "keys": self.index.size(node),
                     "keys_by_tier": dict(
                         zip(("pool", "disk"), self.index.by_tier(node), strict=False)
@@ -274,16 +306,63 @@ class ControllerService:
                     "last_heartbeat_s": round(now - s.last_seen, 3),
                     "seq": s.seq,
                     "syncing": bool(s.sync_parts),
+                    "sync_keys_received": s.sync_bytes // KEY_SIZE,
                     "syncs": s.syncs,
                 }
             )
         return sorted(rows, key=lambda r: str(r["instance"]))
 
     def stats(self) -> dict[str, object]:
+        rows = self.instances()
         return {
             "boot": self.boot,
-            "instances": self.instances(),
+            "instances": rows,
+            "namespaces": namespace_totals(rows),
             "total_keys": self.index.total(),
             "index_bytes": self.index.nbytes(),
             **self.counts,
         }
+
+
+def namespace_totals(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
+    """Per namespace (of any instance's rows): its model, the keys held per tier across
+    instances, and how many instances hold or serve it."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for ns in row["namespaces"]:
+            entry = out.setdefault(ns["namespace"], _blank(ns["namespace"]))
+            entry["model"] = ns["model"]
+        for digest, counts in row["keys_by_namespace"].items():
+            entry = out.setdefault(digest, _blank(digest))
+            entry["keys_by_tier"] = [
+                a + b for a, b in zip(entry["keys_by_tier"], counts, strict=True)
+            ]
+            entry["keys"] += sum(counts)
+            entry["instances"] += 1
+    return sorted(out.values(), key=lambda e: (-e["keys"], e["namespace"]))
+
+
+def _blank(digest: str) -> dict[str, Any]:
+    return {
+        "namespace": digest,
+        "model": "",
+        "keys": 0,
+        "keys_by_tier": [0] * TIERS,
+        "instances": 0,
+    }
+
+
+def _namespaces_problem(namespaces: list[cm.NamespaceInfo]) -> str:
+    if len(namespaces) > cm.MAX_NAMESPACES:
+        return f"more than {cm.MAX_NAMESPACES} namespaces"
+    return next((why for ns in namespaces if (why := ns.problem())), "")
+
+
+def _describe(ns: cm.NamespaceInfo) -> dict[str, object]:
+    return {
+        "namespace": ns.digest.hex(),
+        "model": ns.model,
+        "chunk_tokens": ns.chunk_tokens,
+        "world_size": ns.world_size,
+        "rank": ns.rank,
+    }

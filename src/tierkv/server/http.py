@@ -15,6 +15,8 @@ Endpoints:
   ``{"namespace": "<32 hex digits>"}`` (an engine's namespace from /status) removes only
   that namespace's objects. Tiers are not touched.
 - ``/quota``: tenant quotas (:mod:`tierkv.server.quota_http`).
+- ``POST /lookup`` in a cluster: KV-aware lookups for routers
+  (:mod:`tierkv.server.lookup_http`).
 
 Authorization of requests that change state (every POST, and PUT/DELETE when they exist):
 
@@ -108,8 +110,10 @@ def create_app(
     health: Callable[[], dict[str, bool]],
     auth_token: str = "",
     quotas: Quotas | None = None,
+    router_lookup: Callable[[bytes], dict[str, object]] | None = None,
 ) -> FastAPI:
-    """The FastAPI application of one server (with ``quotas``: the /quota endpoints)."""
+    """The FastAPI application of one server (with ``quotas``: the /quota endpoints; with
+    ``router_lookup``, a cluster's: ``POST /lookup``)."""
     app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
     page = dashboard_html()
     authorize = make_authorizer(auth_token)
@@ -124,6 +128,10 @@ def create_app(
         from tierkv.server.quota_http import add_quota_routes
 
         add_quota_routes(app, quotas, authorize)
+    if router_lookup is not None:
+        from tierkv.server.lookup_http import add_lookup_route
+
+        add_lookup_route(app, authorize, router_lookup)
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:
@@ -173,22 +181,22 @@ async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JS
     return await read_body(request)
 
 
-async def read_body(request: Request) -> bytes | JSONResponse:
-    """The request body, at most ``MAX_BODY`` bytes (never buffers a huge one), or the reply
+async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
+    """The request body, at most ``limit`` bytes (never buffers a huge one), or the reply
     to send instead: 413 when it is larger, 400 when the client went away in the middle
     (a quiet event: any local process can do that; the reply goes nowhere)."""
-    body = b""
+    body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
-            if len(body) > MAX_BODY:
-                return error_reply(413, f"body larger than {MAX_BODY} bytes")
+            if len(body) > limit:
+                return error_reply(413, f"body larger than {limit} bytes")
     except ClientDisconnect:
         log.debug(
             "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
         )
         return error_reply(400, "the client disconnected before the end of the body")
-    return body
+    return bytes(body)
 
 
 def _same_origin(origin: str, request: Request) -> bool:

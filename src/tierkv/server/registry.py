@@ -106,6 +106,7 @@ class ClientRegistry:
         self._lock = threading.Lock()
         self._clients: dict[int, Registration] = {}
         self._groups: dict[str, dict[int, Registration]] = {}  # engine_id -> workers by token
+        self.on_change: list[Callable[[], None]] = []  # called after a client came or went
         self.reaped = 0  # watched clients dropped because their process exited
         self.expired = 0  # unwatched clients dropped after idle_ttl
 
@@ -139,6 +140,7 @@ class ClientRegistry:
                 group[reg.token] = reg
             elif reg.engine_id and not group:
                 del self._groups[reg.engine_id]
+        self._changed()
         for old in replaced:
             freed, released = self.drop(old)
             log.warning(
@@ -163,7 +165,24 @@ class ClientRegistry:
                 group.pop(reg.token, None)
                 if not group:
                     del self._groups[reg.engine_id]
+        self._changed()
         return self.index.release_holder(reg.token)
+
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()
+
+    def namespaces(self) -> list[tuple[bytes, str, int, int, int]]:
+        """The namespaces the registered workers store in: (digest, model, tokens per
+        chunk, world size, rank), each once."""
+        with self._lock:
+            clients = list(self._clients.values())
+        out: dict[bytes, tuple[bytes, str, int, int, int]] = {}
+        for c in clients:
+            if c.chunk_tokens > 0:
+                ns = c.namespace
+                out[c.digest] = (c.digest, ns.model, c.chunk_tokens, ns.world_size, ns.rank)
+        return list(out.values())
 
     def workers(self, engine_id: str) -> list[Registration]:
         """The workers of an engine, by rank."""

@@ -26,6 +26,7 @@ from tierkv import __version__
 from tierkv.allocator import Allocator
 from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
+from tierkv.controller import messages as cm
 from tierkv.eviction import EvictionController
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
@@ -215,6 +216,11 @@ class Server:
             self.status.snapshot,
         )
         if cluster is not None:
+            registry = self.registry
+            cluster.serve_namespaces(
+                lambda: [cm.NamespaceInfo(*ns) for ns in registry.namespaces()]
+            )
+            registry.on_change.append(cluster.namespaces_changed)
             self.service.removed_listeners.append(cluster.on_removed)
             if cfg.commit_publish_timeout > 0:
                 self.service.publish_commits(cluster, cfg.commit_publish_timeout)
@@ -235,6 +241,7 @@ class Server:
                 health.checks,
                 cfg.auth_token,
                 self.quotas,
+                cluster.router_lookup if cluster is not None else None,
             )
             http = HttpServer(cfg, app)
             self._started_part("http", http.stop)

@@ -1,0 +1,166 @@
+"""``POST /lookup`` for routers, with real processes: the controller's answer and every
+ring-mode server's agree with what each server's pool really holds; bad bodies are refused
+with a clear status and message."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.clusterkit import TOKEN, Node, converged, start_node, wait_for
+from support.controllers import ControllerProcess, start_server
+from support.httputil import free_port, request
+from support.kvops import fetch, held_locally, store, tokens_for
+from support.servers import ServerProcess, register
+
+pytestmark = pytest.mark.processes
+Factory = Callable[..., ServerProcess]
+AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+
+
+def lookup(url: str, body: object, headers: dict[str, str] = AUTH) -> tuple[int, Any]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = request("POST", f"{url}/lookup", raw, headers)
+    return reply.status, reply.json()
+
+
+def truth(nodes: list[Node], keys: list[bytes]) -> dict[str, int]:
+    """Leading chunks each node's pool holds (nodes holding none left out)."""
+    out: dict[str, int] = {}
+    for node in nodes:
+        held = held_locally(node, keys)
+        run = held.index(False) if False in held else len(held)
+        if run:
+            out[node.node_id] = run
+    return out
+
+
+def runs(answer: dict[str, Any]) -> dict[str, int]:
+    return {row["instance"]: row["chunks"] for row in answer.get("instances", [])}
+
+
+def a_holds_four_b_two(a: Node, b: Node) -> tuple[list[int], list[bytes]]:
+    tokens = tokens_for(7, 4)
+    keys = store(a, tokens, 4)
+    assert fetch(b, tokens[: 2 * 256], 2) == (2, [0, 1])  # B copies the first two
+    return tokens, keys
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    ctl = ControllerProcess(tmp_path, http_port=free_port()).start()
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+
+
+def test_controller_lookup_agrees_with_what_each_server_holds(
+    server_factory: Factory, controller: ControllerProcess
+) -> None:
+    nodes = [start_server(server_factory, controller.addr) for _ in range(3)]
+    a, b, _ = nodes
+    wait_for(lambda: len(controller.instances()) == 3)
+    tokens, keys = a_holds_four_b_two(a, b)
+    want = truth(nodes, keys)
+    assert want == {a.node_id: 4, b.node_id: 2}
+    url = f"http://127.0.0.1:{controller.http_port}"
+    digest = keys[0][:16].hex()
+    with a.client() as engine:  # an engine of the model is registered (on A)
+        register(engine)
+        by_model = {"model": "test-model", "tokens": [*tokens, 1, 2, 3]}  # + a partial chunk
+        wait_for(lambda: runs(lookup(url, by_model)[1]) == want)
+        status, answer = lookup(url, by_model)
+    assert status == 200 and answer["chunks"] == 4
+    assert answer["instances"][0] == {
+        "instance": a.node_id, "address": f"127.0.0.1:{a.port + 1}", "namespace": digest,
+        "model": "test-model", "chunks": 4, "tokens": 1024, "tiers": {"pool": 4, "disk": 0},
+    }  # fmt: skip
+    assert answer["instances"][1]["tokens"] == 512
+    # By namespace and the chunks' hashes (no engine needed): the same holders.
+    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
+    status, answer = lookup(url, by_hash)
+    assert status == 200 and runs(answer) == want
+    assert {row["tokens"] for row in answer["instances"]} == {None}  # chunk size unknown
+
+
+def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> None:
+    ports = [free_port() for _ in range(3)]
+    a = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(ports[0])])
+    rest = [
+        start_node(server_factory, [a.port], seed_self=True, extra=["--http-port", str(p)])
+        for p in ports[1:]
+    ]
+    nodes = [a, *rest]
+    b, c = rest
+    wait_for(lambda: converged(nodes))
+    tokens, keys = a_holds_four_b_two(a, b)
+    want = truth(nodes, keys)
+    assert want == {a.node_id: 4, b.node_id: 2}
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    digest = keys[0][:16].hex()
+    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
+    for url in urls:
+        wait_for(lambda url=url: runs(lookup(url, by_hash)[1]) == want)
+    # By model, on a server where an engine of the model is registered.
+    with b.client() as engine:
+        register(engine)
+        status, answer = lookup(urls[1], {"model": "test-model", "tokens": tokens})
+    assert status == 200 and runs(answer) == want
+    assert {r["instance"]: r["tokens"] for r in answer["instances"]} == {
+        a.node_id: 1024,
+        b.node_id: 512,
+    }
+    # A server without such an engine: by namespace, with the tokens per chunk.
+    status, answer = lookup(urls[2], {"namespace": digest, "tokens": tokens})
+    assert status == 404 and "chunk_tokens" in answer["error"]
+    body = {"namespace": digest, "tokens": tokens, "chunk_tokens": 256}
+    status, answer = lookup(urls[2], body)
+    assert status == 200 and runs(answer) == want
+    assert lookup(urls[2], body, headers={})[0] == 401  # authorized like every POST
+    assert c.node_id not in runs(answer)
+
+
+NS = "ab" * 16
+
+
+BAD_BODIES: list[tuple[object, int, str]] = [
+    (b"{not json", 400, "not JSON"),
+    ({}, 400, "exactly one of model or namespace"),
+    ({"model": "m", "namespace": NS, "tokens": [1]}, 400, "exactly one of model"),
+    ({"model": "m"}, 400, "exactly one of tokens or hashes"),
+    ({"model": "m", "tokens": [1], "hashes": []}, 400, "exactly one of tokens or hashes"),
+    ({"namespace": "zz" * 16, "hashes": []}, 400, "32 hex digits"),
+    ({"namespace": NS[:30], "hashes": []}, 400, "32 hex digits"),
+    ({"model": "m", "tokens": [-1]}, 400, "0 <= id < 2**32"),
+    ({"model": "m", "tokens": [2**32]}, 400, "0 <= id < 2**32"),
+    ({"model": "m", "tokens": "abc"}, 400, "Expected `array | null`, got `str`"),
+    ({"model": "m", "tokens": [1], "extra": 1}, 400, "unknown field"),
+    ({"namespace": NS, "hashes": ["xyz"]}, 400, "hex strings"),
+    ({"namespace": NS, "hashes": [""]}, 400, "hex strings"),
+    ({"model": "m", "tokens": [1], "chunk_tokens": 4}, 400, "comes with a namespace"),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": -4}, 400, "must be positive"),
+    ({"model": "nobody", "tokens": [1]}, 404, "no engine of model 'nobody'"),
+    ({"namespace": NS, "tokens": [1]}, 404, "not registered here"),
+    (b"x" * (4 * 2**20 + 1), 413, "body larger than"),
+]
+
+
+def test_bad_lookup_bodies_are_refused_with_a_reason(controller: ControllerProcess) -> None:
+    url = f"http://127.0.0.1:{controller.http_port}"
+    for body, status, reason in BAD_BODIES:
+        got, answer = lookup(url, body)
+        assert got == status and reason in answer["error"], (body, answer)
+    # The controller keeps answering.
+    assert lookup(url, {"namespace": NS, "hashes": ["00"]}) == (200, {"chunks": 1, "instances": []})
+
+
+def test_lookup_needs_the_token(controller: ControllerProcess) -> None:
+    url = f"http://127.0.0.1:{controller.http_port}"
+    body = {"namespace": NS, "hashes": ["00"]}
+    assert lookup(url, body, headers={})[0] == 401
+    assert lookup(url, body, headers={"Authorization": "Bearer wrong"})[0] == 403
