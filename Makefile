@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/shm_path.py
 	$(PY) benchmarks/tiers.py
 	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/load.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
