@@ -219,10 +219,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def http_url(self) -> str:
         """Where the HTTP server listens ("" when disabled)."""
-        if not self.http_port:
-            return ""
-        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
-        return f"http://{host}:{self.http_port}"
+        return http_url(self.http_host, self.http_port)
 
     def _validate_tiers(self) -> None:
         """Each tier's options checked and typed now, before anything is opened."""
@@ -375,6 +372,13 @@ FIELD_HELP: dict[str, str] = {
     "log_level": "debug, info, warning or error",
     "log_format": "text or json",
 }
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of an HTTP server on ``host``:``port`` ("" for port 0: no HTTP server)."""
+    if not port:
+        return ""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _tier_specs(raw: Any) -> list[Any]:

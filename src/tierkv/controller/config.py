@@ -7,7 +7,7 @@ import math
 
 import msgspec
 
-from tierkv.config import ConfigError, is_loopback
+from tierkv.config import ConfigError, http_url, is_loopback
 
 
 class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -24,10 +24,7 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     @property
     def http_url(self) -> str:
-        if not self.http_port:
-            return ""
-        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
-        return f"http://{host}:{self.http_port}"
+        return http_url(self.http_host, self.http_port)
 
     def validate(self) -> ControllerConfig:
         if not 0 <= self.port < 65536 or not 0 <= self.http_port < 65536:

@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
-from tierkv.server.http import make_authorizer
+from tierkv.server.http import add_health_routes, make_authorizer
 from tierkv.server.lookup_http import add_lookup_route
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
@@ -81,22 +80,5 @@ def create_app(
     registry = CollectorRegistry()
     registry.register(ControllerCollector(service))
 
-    @app.get("/healthcheck")
-    def healthcheck() -> JSONResponse:
-        checks = health()
-        ok = all(checks.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "checks": checks},
-            status_code=200 if ok else 503,
-            headers={"Cache-Control": "no-store"},
-        )
-
-    @app.get("/status")
-    def status() -> JSONResponse:
-        return JSONResponse(service.stats(), headers={"Cache-Control": "no-store"})
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
+    add_health_routes(app, health, service.stats, registry)
     return app

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -139,6 +139,32 @@ def create_app(
             page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
         )
 
+    add_health_routes(app, health, status_doc, service.metrics.registry)
+
+    @app.post("/clear-cache")
+    async def clear_cache(request: Request) -> JSONResponse:
+        body = await authorized_body(request, authorize)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            prefix = _parse_clear_body(body)
+        except ValueError as exc:
+            return error_reply(400, str(exc))
+        removed = await run_in_threadpool(service.clear_cache, prefix, "HTTP")
+        return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
+
+    return app
+
+
+def add_health_routes(
+    app: FastAPI,
+    health: Callable[[], dict[str, bool]],
+    status_doc: Callable[[], dict[str, Any]],
+    registry: CollectorRegistry,
+) -> None:
+    """``GET /healthcheck`` (200, or 503 naming the failed checks), ``GET /status`` (the
+    status document) and ``GET /metrics`` (Prometheus): the same on every tierkv process."""
+
     @app.get("/healthcheck")
     def healthcheck() -> JSONResponse:
         checks = health()
@@ -155,21 +181,7 @@ def create_app(
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/clear-cache")
-    async def clear_cache(request: Request) -> JSONResponse:
-        body = await authorized_body(request, authorize)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            prefix = _parse_clear_body(body)
-        except ValueError as exc:
-            return error_reply(400, str(exc))
-        removed = await run_in_threadpool(service.clear_cache, prefix, "HTTP")
-        return JSONResponse({"removed": removed, "namespace": prefix.hex() or None})
-
-    return app
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JSONResponse:
