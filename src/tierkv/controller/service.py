@@ -111,6 +111,7 @@ class ControllerService:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+        self.index.close()
 
     def _reap_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
