@@ -53,6 +53,7 @@ class Figures(HTMLParser):
         self.values: dict[str, str] = {}
         self.ids: set[str] = set()
         self.namespaces: list[str] = []
+        self.data: dict[str, list[str]] = {}  # every data-* attribute's values, in order
         self.polls = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -63,6 +64,9 @@ class Figures(HTMLParser):
                 self.values[a["id"]] = a["data-value"]
         if "data-namespace" in a:
             self.namespaces.append(a["data-namespace"])
+        for k, v in a.items():
+            if k.startswith("data-"):
+                self.data.setdefault(k[5:], []).append(v)
         if tag == "body":
             self.polls = int(a.get("data-polls", "0"))
 
