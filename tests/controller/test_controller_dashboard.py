@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from support.browser import Figures, run_chromium
+from support.browser import Figures, run_chromium, screenshot
 from support.clusterkit import TOKEN, wait_for
-from support.controllers import ControllerProcess, start_server
+from support.controllers import ControllerProcess, running_controller, start_server
 from support.httputil import free_port, get_json, request, scrape, val
 from support.kvops import store, tokens_for
 from support.servers import ServerProcess, register
@@ -28,11 +28,8 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    ctl = ControllerProcess(tmp_path, http_port=free_port()).start()
-    try:
+    with running_controller(tmp_path, http_port=free_port()) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def test_dashboard_shows_the_controllers_figures(
@@ -76,12 +73,8 @@ def test_dashboard_shows_the_controllers_figures(
         # Recent activity: both registrations and their syncs.
         assert page.data["event"].count("registered") >= 2
         assert page.data["event"].count("synced") >= 2
-    ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "controller-dashboard.png"
-    shot.unlink(missing_ok=True)
-    run_chromium(tmp_path / "profile", base + "/", f"--screenshot={shot}")
-    data = shot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    screenshot(tmp_path / "profile", base + "/", shot, 10_000)
 
 
 def remove(base: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict[str, object]]:

@@ -45,6 +45,15 @@ def run_chromium(profile: Path, url: str, *args: str) -> subprocess.CompletedPro
     return done
 
 
+def screenshot(profile: Path, url: str, shot: Path, min_bytes: int) -> None:
+    """Save a PNG of the page at ``url`` to ``shot``; check it is one, of some substance."""
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    run_chromium(profile, url, f"--screenshot={shot}")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > min_bytes
+
+
 class Figures(HTMLParser):
     """Every element's id -> data-value, plus the rows that identify tiers and engines."""
 

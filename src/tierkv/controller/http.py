@@ -19,11 +19,12 @@ from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
 from tierkv.server.http import (
-    DASHBOARD_CSP,
+    add_health_routes,
+    authorized_body,
     dashboard_html,
     error_reply,
     make_authorizer,
-    read_body,
+    page_response,
 )
 from tierkv.server.lookup_http import add_lookup_route
 
@@ -107,16 +108,11 @@ def create_app(
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:
-        return HTMLResponse(
-            page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
-        )
+        return page_response(page)
 
     @app.post("/instances/remove")
     async def remove(request: Request) -> JSONResponse:
-        denied = authorize(request)
-        if denied is not None:
-            return denied
-        body = await read_body(request, MAX_REMOVE_BODY)
+        body = await authorized_body(request, authorize, MAX_REMOVE_BODY)
         if isinstance(body, JSONResponse):
             return body
         try:
@@ -131,19 +127,7 @@ def create_app(
             return error_reply(404, f"instance {instance[:200]!r} is not registered")
         return JSONResponse({"instance": instance, "keys": n})
 
-    @app.get("/healthcheck")
-    def healthcheck() -> JSONResponse:
-        checks = health()
-        ok = all(checks.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "checks": checks},
-            status_code=200 if ok else 503,
-            headers={"Cache-Control": "no-store"},
-        )
-
-    @app.get("/status")
-    def status() -> JSONResponse:
-        return JSONResponse(service.stats(), headers={"Cache-Control": "no-store"})
+    add_health_routes(app, health, service.stats)
 
     @app.get("/metrics")
     def metrics() -> Response:

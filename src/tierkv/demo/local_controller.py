@@ -1,28 +1,21 @@
 """A throw-away `tierkv controller` for `tierkv demo --with-server --nodes 2 --directory
 controller`.
 
-It runs as a subprocess with the built-in defaults (``TIERKV_*`` variables of the caller's
-environment are not passed on), on a free loopback control port, no HTTP port, fast
-heartbeats, its log in a temporary directory. :meth:`LocalController.stop` sends SIGTERM
-and checks that it exited cleanly.
+A :class:`~tierkv.demo.local_process.LocalProcess` on a free loopback control port, with no
+HTTP port and fast heartbeats.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.controller import messages as cm
-from tierkv.demo.local_server import LocalServerError
+from tierkv.demo.local_process import LocalProcess, LocalServerError
 
 
 def _free_port() -> int:
@@ -31,14 +24,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LocalController:
+class LocalController(LocalProcess):
+    what = "controller"
+
     def __init__(self, heartbeat_interval: float = 0.5, dead_after: float = 3.0) -> None:
+        super().__init__()
         self.port = _free_port()
         self.heartbeat_interval = heartbeat_interval
         self.dead_after = dead_after
-        self.tmpdir = tempfile.mkdtemp(prefix="tierkv-demo-controller-")
-        self.log_path = os.path.join(self.tmpdir, "controller.log")
-        self.proc: subprocess.Popen[bytes] | None = None
         self._client = ControlClient("", 1.0, decoder=cm.reply_decoder)
 
     @property
@@ -55,22 +48,16 @@ class LocalController:
 
     def start(self, timeout: float = 30.0) -> LocalController:
         """Start the controller and wait until it answers a status request."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TIERKV_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # a Ctrl-C of the demo: the demo stops it, last
-            )
+        self.spawn(self.command())
+        proc = self.proc
+        assert proc is not None
         deadline = time.monotonic() + timeout
         while self.status() is None:
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 raise LocalServerError(f"the controller exited at start-up:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
                 raise LocalServerError(
                     f"the controller did not answer within {timeout:.0f} s:\n{self.log_tail()}"
                 )
@@ -88,33 +75,5 @@ class LocalController:
         return {str(r["instance"]) for r in rows if r["syncs"] and not r["syncing"]}
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, then check for exit status 0."""
         self._client.close()
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise LocalServerError(
-                    f"the controller did not stop within {timeout:.0f} s of SIGTERM (killed):\n"
-                    f"{self.log_tail()}"
-                ) from None
-        if proc.returncode != 0:
-            raise LocalServerError(
-                f"the controller exited with status {proc.returncode}:\n{self.log_tail()}"
-            )
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
-                return "".join(fh.readlines()[-lines:])
-        except OSError:
-            return "(no controller log)"
-
-    def cleanup(self) -> None:
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        super().stop(timeout)

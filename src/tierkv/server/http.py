@@ -69,6 +69,33 @@ def dashboard_html() -> str:
     return resources.files("tierkv.server").joinpath("dashboard.html").read_text("utf-8")
 
 
+def add_health_routes(
+    app: FastAPI, health: Callable[[], dict[str, bool]], status_doc: Callable[[], dict[str, Any]]
+) -> None:
+    """``GET /healthcheck`` (503 when a check fails) and ``GET /status`` (``status_doc``)."""
+
+    @app.get("/healthcheck")
+    def healthcheck() -> JSONResponse:
+        checks = health()
+        ok = all(checks.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "checks": checks},
+            status_code=200 if ok else 503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    @app.get("/status")
+    def status() -> JSONResponse:
+        return JSONResponse(status_doc(), headers={"Cache-Control": "no-store"})
+
+
+def page_response(page: str) -> HTMLResponse:
+    """A dashboard page: never cached, allowed to talk to this server only."""
+    return HTMLResponse(
+        page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
+    )
+
+
 def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -135,23 +162,9 @@ def create_app(
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:
-        return HTMLResponse(
-            page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
-        )
+        return page_response(page)
 
-    @app.get("/healthcheck")
-    def healthcheck() -> JSONResponse:
-        checks = health()
-        ok = all(checks.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "checks": checks},
-            status_code=200 if ok else 503,
-            headers={"Cache-Control": "no-store"},
-        )
-
-    @app.get("/status")
-    def status() -> JSONResponse:
-        return JSONResponse(status_doc(), headers={"Cache-Control": "no-store"})
+    add_health_routes(app, health, status_doc)
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -172,13 +185,15 @@ def create_app(
     return app
 
 
-async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JSONResponse:
-    """The body of a request that changes state, or the reply to send instead (refused,
-    too large, cut short)."""
+async def authorized_body(
+    request: Request, authorize: Authorizer, limit: int = MAX_BODY
+) -> bytes | JSONResponse:
+    """The body of a request that changes state (at most ``limit`` bytes), or the reply to
+    send instead (refused, too large, cut short)."""
     denied = authorize(request)
     if denied is not None:
         return denied
-    return await read_body(request)
+    return await read_body(request, limit)
 
 
 async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
