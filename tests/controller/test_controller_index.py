@@ -118,6 +118,12 @@ def test_full_report_replaces_and_deregister_drops_in_bulk() -> None:
     assert idx.namespaces("x") == {NS_A.hex(): [3000, 0, 0, 0]}
     assert idx.drop("x") == 3000
     assert idx.lookup(new) == {} and idx.instances() == ["y"] and idx.total() == 10
+    # A report of two namespaces and two tiers is counted per namespace and tier.
+    a, b = keys_of(NS_A, 30), keys_of(NS_B, 20)
+    tiers = np.array([i % 2 for i in range(50)], dtype=np.int8)
+    assert idx.replace("z", a + b, tiers) == 50
+    assert idx.namespaces("z") == {NS_A.hex(): [15, 15, 0, 0], NS_B.hex(): [10, 10, 0, 0]}
+    idx.close()
 
 
 def test_filter_names_every_slot_of_a_key_and_forgets_retired_ones_after_a_merge() -> None:

@@ -32,6 +32,14 @@ RUN_LIMIT = 1 << 20  # admitted entries in runs before a merge is asked for
 REBASE_MIN = 1 << 16  # evictions that never trigger a fresh extraction below this
 
 
+def single_namespace(keys: npt.NDArray[np.uint64]) -> bytes | None:
+    """The namespace digest of ``keys`` (a :func:`key_array`) if they all share one."""
+    ns = keys[:, :2]
+    if ns.shape[0] and bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
+        return ns[0].tobytes()
+    return None
+
+
 @dataclass
 class Holdings:
     """One instance's keys: the table and the count of keys per namespace and tier."""
@@ -47,8 +55,9 @@ class Holdings:
         if not ns.shape[0]:
             return
         counted = tiers >= 0
-        if bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
-            groups = [(ns[0].tobytes(), counted)]
+        digest = single_namespace(keys)
+        if digest is not None:
+            groups = [(digest, counted)]
         else:
             uniq, inverse = np.unique(ns, axis=0, return_inverse=True)
             inverse = inverse.reshape(-1)
@@ -211,7 +220,10 @@ class ControllerIndex:
         fps = fingerprints(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
         fresh = Holdings(KeyTable.build(fps, tier_arr))
-        if len(fresh.table) == fps.size:
+        digest = single_namespace(arr)
+        if len(fresh.table) == fps.size and digest is not None:  # the table counted its tiers
+            fresh.namespaces[digest] = fresh.table.by_tier.astype(np.int64)
+        elif len(fresh.table) == fps.size:
             fresh.count(arr, tier_arr, 1)
         else:  # repeats in the report
             fresh.count(arr, self._first_only(fps, tier_arr), 1)
