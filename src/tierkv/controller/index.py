@@ -36,7 +36,7 @@ def single_namespace(keys: npt.NDArray[np.uint64]) -> bytes | None:
     """The namespace digest of ``keys`` (a :func:`key_array`) if they all share one."""
     ns = keys[:, :2]
     if ns.shape[0] and bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
-        return ns[0].tobytes()
+        return bytes(ns[0].tobytes())
     return None
 
 
