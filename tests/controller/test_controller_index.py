@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from tierkv.controller import index as index_module
 from tierkv.controller.holders import SLOTS, HolderFilter, merge_parts, pack_sorted
 from tierkv.controller.index import REBASE_MIN, ControllerIndex, prefix_runs
 from tierkv.controller.keytable import NO_TIER, KeyTable, fingerprints
@@ -228,4 +229,26 @@ def test_many_evictions_reextract_an_instance_and_drop_its_stale_entries() -> No
     assert idx.filter.base.size == len(keys) - 2 * REBASE_MIN - 10
     assert idx.lookup(keys[: 2 * REBASE_MIN + 10]) == {}
     assert (idx.lookup(keys[-5:])["x"] == 0).all()
+    idx.close()
+
+
+def test_a_failed_merge_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    idx = ControllerIndex()
+    old, admitted, reported = keys_of(NS_A, 50), keys_of(NS_A, 40), keys_of(NS_A, 30)
+    idx.add("x", old, 0)
+    idx.settle()
+    idx.add("x", admitted, 1)  # a run
+    idx.replace("y", reported, 0)  # a pending report
+
+    def fail(*args: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(index_module, "merge_parts", fail)
+    with pytest.raises(MemoryError):
+        idx.merge()
+    assert (idx.lookup(admitted)["x"] == 1).all() and (idx.lookup(reported)["y"] == 0).all()
+    monkeypatch.undo()
+    idx.settle()
+    assert not idx.filter.runs and not idx.filter.merging
+    assert (idx.lookup(old + admitted)["x"] >= 0).all() and (idx.lookup(reported)["y"] == 0).all()
     idx.close()

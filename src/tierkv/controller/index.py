@@ -19,6 +19,7 @@ outside it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ import numpy.typing as npt
 
 from tierkv.controller.holders import HolderFilter, from_table, merge_parts, pack_sorted
 from tierkv.controller.keytable import I8, NO_TIER, TIERS, KeyTable, fingerprints, key_array
+
+log = logging.getLogger(__name__)
 
 RUN_LIMIT = 1 << 20  # admitted entries in runs before a merge is asked for
 REBASE_MIN = 1 << 16  # evictions that never trigger a fresh extraction below this
@@ -112,7 +115,10 @@ class ControllerIndex:
             if self._stop.is_set():
                 return
             self._wake.clear()
-            self.merge()
+            try:
+                self.merge()
+            except Exception:  # e.g. MemoryError: lookups stay right (runs, pending tables)
+                log.exception("controller index: merge failed; trying again later")
             if self._stop.wait(self.merge_interval):
                 return
 
@@ -132,8 +138,13 @@ class ControllerIndex:
                 # reading it outside the lock misses nothing held now; later admits are runs.
                 tables = {slot: table.slots for slot, table in self._pending.items()}
                 live = f.live_mask()
-            parts = [base, *runs, *(from_table(arr, slot) for slot, arr in tables.items())]
-            merged = merge_parts(parts, live)
+            try:
+                parts = [base, *runs, *(from_table(a, slot) for slot, a in tables.items())]
+                merged = merge_parts(parts, live)
+            except BaseException:
+                with self._lock:  # nothing lost: the runs go back, the reports stay pending
+                    f.runs, f.merging = [*runs, *f.runs], []
+                raise
             with self._lock:
                 f.base, f.merging = merged, []
                 for slot in tables:
