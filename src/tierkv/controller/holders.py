@@ -117,29 +117,26 @@ class HolderFilter:
         return np.fromiter((o is not None for o in self.owner), dtype=bool, count=SLOTS)
 
     def candidates(self, fps: U64) -> npt.NDArray[np.int64]:
-        """The live slots whose entries match any of ``fps`` (sorted, unique)."""
+        """The live slots whose entries match any of ``fps`` (sorted, unique). One binary
+        search per array and key (the first entry of the key's range), then a step along
+        the array for the keys that matched, as long as any still does (a key has an entry
+        per holder: a few steps)."""
         lo = (fps << _S) & _HIGH
-        hi = lo | _LOW
         found: list[U64] = []
         for arr in [self.base, *self.merging, *self.runs]:
             if not arr.size:
                 continue
-            left = np.searchsorted(arr, lo, side="left")
-            right = np.searchsorted(arr, hi, side="right")
-            width = right - left
-            total = int(width.sum())
-            if not total:
-                continue
-            has = width > 0
-            starts, widths = left[has], width[has]
-            if total == starts.size:  # one entry per matching key: the common case
-                found.append(arr[starts])
-            else:
-                ends = np.cumsum(widths)
-                idx = (
-                    np.arange(total) - np.repeat(ends - widths, widths) + np.repeat(starts, widths)
-                )
-                found.append(arr[idx])
+            at = np.searchsorted(arr, lo, side="left")
+            want = lo
+            while at.size:
+                inside = at < arr.size
+                at, want = at[inside], want[inside]
+                entries = arr[at]
+                match = (entries & _HIGH) == want
+                if not match.any():
+                    break
+                found.append(entries[match])
+                at, want = at[match] + 1, want[match]
         if not found:
             return np.zeros(0, dtype=np.int64)
         slots = np.unique((np.concatenate(found) & _LOW).astype(np.int64))
