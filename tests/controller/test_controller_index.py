@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
 
-from tierkv.controller.index import ControllerIndex, prefix_runs
+from tierkv.controller import index as index_module
+from tierkv.controller.holders import SLOTS, HolderFilter, merge_parts, pack_sorted
+from tierkv.controller.index import REBASE_MIN, ControllerIndex, prefix_runs
 from tierkv.controller.keytable import NO_TIER, KeyTable, fingerprints
 
 NS_A = b"A" * 16
@@ -116,3 +119,136 @@ def test_full_report_replaces_and_deregister_drops_in_bulk() -> None:
     assert idx.namespaces("x") == {NS_A.hex(): [3000, 0, 0, 0]}
     assert idx.drop("x") == 3000
     assert idx.lookup(new) == {} and idx.instances() == ["y"] and idx.total() == 10
+    # A report of two namespaces and two tiers is counted per namespace and tier.
+    a, b = keys_of(NS_A, 30), keys_of(NS_B, 20)
+    tiers = np.array([i % 2 for i in range(50)], dtype=np.int8)
+    assert idx.replace("z", a + b, tiers) == 50
+    assert idx.namespaces("z") == {NS_A.hex(): [15, 15, 0, 0], NS_B.hex(): [10, 10, 0, 0]}
+    idx.close()
+
+
+def test_filter_names_every_slot_of_a_key_and_forgets_retired_ones_after_a_merge() -> None:
+    f = HolderFilter()
+    keys = fingerprints(keys_of(NS_A, 100))
+    a, b, c = f.take_slot("a"), f.take_slot("b"), f.take_slot("c")
+    f.base = merge_parts(
+        [pack_sorted(np.sort(keys), a), pack_sorted(np.sort(keys[:50]), b)], f.live_mask()
+    )
+    f.add_run(pack_sorted(np.sort(keys[40:60]), c))
+    assert f.candidates(np.sort(keys[45:46])).tolist() == sorted([a, b, c])
+    assert f.candidates(np.sort(keys[70:])).tolist() == [a]
+    assert f.candidates(np.sort(fingerprints(keys_of(NS_A, 100)))).tolist() == []
+    f.retire(b)
+    assert f.candidates(np.sort(keys)).tolist() == sorted([a, c])
+    f.base = merge_parts([f.base, *f.runs], f.live_mask())
+    f.runs = []
+    assert f.base.size == 120
+    f.free({b})
+    assert f.take_slot("d") == b and f.candidates(np.sort(keys)).tolist() == sorted([a, c])
+
+
+def test_filter_refuses_more_instances_than_slots() -> None:
+    f = HolderFilter()
+    for i in range(SLOTS):
+        f.take_slot(str(i))
+    with pytest.raises(RuntimeError):
+        f.take_slot("one more")
+
+
+def check_against(
+    idx: ControllerIndex, model: dict[str, dict[bytes, int]], keys: list[bytes]
+) -> None:
+    """Every holder of every key with its tier, nobody else (evicted, dropped)."""
+    found = idx.lookup(keys)
+    want = {
+        inst: [held.get(k, NO_TIER) for k in keys]
+        for inst, held in model.items()
+        if any(k in held for k in keys)
+    }
+    assert {i: t.tolist() for i, t in found.items()} == want
+
+
+def test_index_matches_a_model_while_merges_race_with_changes_and_lookups() -> None:
+    rng = random.Random(11)
+    idx = ControllerIndex(merge_interval=0.0, run_limit=500)
+    universe = keys_of(NS_A, 3000) + keys_of(NS_B, 1000)
+    model: dict[str, dict[bytes, int]] = {}
+    stop = threading.Event()
+
+    def merge_forever() -> None:
+        while not stop.is_set():
+            idx.merge()
+
+    racer = threading.Thread(target=merge_forever)
+    racer.start()
+    try:
+        for step in range(400):
+            inst = f"i{rng.randrange(6)}"
+            op = rng.random()
+            batch = rng.sample(universe, rng.randint(1, 300))
+            if op < 0.45:
+                tier = rng.randint(0, 1)
+                idx.add(inst, batch, tier)
+                model.setdefault(inst, {}).update(dict.fromkeys(batch, tier))
+            elif op < 0.75:
+                idx.remove(inst, batch)
+                for k in batch:
+                    model.get(inst, {}).pop(k, None)
+            elif op < 0.85:
+                tiers = np.array([rng.randint(0, 1) for _ in batch], dtype=np.int8)
+                idx.replace(inst, batch, tiers)
+                model[inst] = dict(zip(batch, tiers.tolist(), strict=True))
+            else:
+                idx.drop(inst)
+                model.pop(inst, None)
+            model = {i: held for i, held in model.items() if held or i in idx.instances()}
+            check_against(idx, model, rng.sample(universe, 200))
+            if step % 50 == 0:
+                check_against(idx, model, universe)
+    finally:
+        stop.set()
+        racer.join()
+    idx.settle()
+    check_against(idx, model, universe)
+    live = {s for s in range(SLOTS) if idx.filter.owner[s] is not None}
+    assert len(live) == len(idx.instances())
+    assert not idx.filter.retired and not idx.filter.runs
+    # nothing but live slots is left in the merged array
+    assert set(np.unique(idx.filter.base & np.uint64(SLOTS - 1)).tolist()) <= live
+    idx.close()
+
+
+def test_many_evictions_reextract_an_instance_and_drop_its_stale_entries() -> None:
+    idx = ControllerIndex()
+    keys = keys_of(NS_A, 3 * REBASE_MIN)
+    idx.add("x", keys, 0)
+    idx.settle()
+    assert idx.filter.base.size == len(keys)
+    idx.remove("x", keys[: 2 * REBASE_MIN + 10])
+    idx.settle()
+    assert idx.filter.base.size == len(keys) - 2 * REBASE_MIN - 10
+    assert idx.lookup(keys[: 2 * REBASE_MIN + 10]) == {}
+    assert (idx.lookup(keys[-5:])["x"] == 0).all()
+    idx.close()
+
+
+def test_a_failed_merge_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    idx = ControllerIndex()
+    old, admitted, reported = keys_of(NS_A, 50), keys_of(NS_A, 40), keys_of(NS_A, 30)
+    idx.add("x", old, 0)
+    idx.settle()
+    idx.add("x", admitted, 1)  # a run
+    idx.replace("y", reported, 0)  # a pending report
+
+    def fail(*args: object) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(index_module, "merge_parts", fail)
+    with pytest.raises(MemoryError):
+        idx.merge()
+    assert (idx.lookup(admitted)["x"] == 1).all() and (idx.lookup(reported)["y"] == 0).all()
+    monkeypatch.undo()
+    idx.settle()
+    assert not idx.filter.runs and not idx.filter.merging
+    assert (idx.lookup(old + admitted)["x"] >= 0).all() and (idx.lookup(reported)["y"] == 0).all()
+    idx.close()

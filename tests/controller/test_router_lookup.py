@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from support.clusterkit import TOKEN, Node, converged, start_node, wait_for
-from support.controllers import ControllerProcess, start_server
+from support.controllers import ControllerProcess, running_controller, start_server
 from support.httputil import free_port, request
 from support.kvops import fetch, held_locally, store, tokens_for
 from support.servers import ServerProcess, register
@@ -52,11 +52,8 @@ def a_holds_four_b_two(a: Node, b: Node) -> tuple[list[int], list[bytes]]:
 
 @pytest.fixture
 def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    ctl = ControllerProcess(tmp_path, http_port=free_port()).start()
-    try:
+    with running_controller(tmp_path, http_port=free_port()) as ctl:
         yield ctl
-    finally:
-        ctl.stop()
 
 
 def test_controller_lookup_agrees_with_what_each_server_holds(

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from support.browser import Figures, run_chromium
+from support.browser import Figures, run_chromium, screenshot
 from support.httputil import free_port, get_json, wait_for
 from support.servers import ServerProcess
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
@@ -155,9 +155,4 @@ def test_dashboard_shows_live_figures(
     for rate in ("store-rate", "retrieve-rate", "req-rate"):
         assert page.num(rate) >= 0, rate
 
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "dashboard.png"
-    shot.unlink(missing_ok=True)
-    run_chromium(tmp_path / "profile", base + "/", f"--screenshot={shot}")
-    data = shot.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    screenshot(tmp_path / "profile", base + "/", ARTIFACTS / "dashboard.png", 20_000)

@@ -45,6 +45,15 @@ def run_chromium(profile: Path, url: str, *args: str) -> subprocess.CompletedPro
     return done
 
 
+def screenshot(profile: Path, url: str, shot: Path, min_bytes: int) -> None:
+    """Save a PNG of the page at ``url`` to ``shot``; check it is one, of some substance."""
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    run_chromium(profile, url, f"--screenshot={shot}")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > min_bytes
+
+
 class Figures(HTMLParser):
     """Every element's id -> data-value, plus the rows that identify tiers and engines."""
 
@@ -53,6 +62,7 @@ class Figures(HTMLParser):
         self.values: dict[str, str] = {}
         self.ids: set[str] = set()
         self.namespaces: list[str] = []
+        self.data: dict[str, list[str]] = {}  # every data-* attribute's values, in order
         self.polls = 0
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -63,6 +73,9 @@ class Figures(HTMLParser):
                 self.values[a["id"]] = a["data-value"]
         if "data-namespace" in a:
             self.namespaces.append(a["data-namespace"])
+        for k, v in a.items():
+            if k.startswith("data-"):
+                self.data.setdefault(k[5:], []).append(v)
         if tag == "body":
             self.polls = int(a.get("data-polls", "0"))
 

@@ -8,7 +8,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,13 @@ def start_server(factory: Callable[..., ServerProcess], controller: str) -> Node
     """A server in controller mode on a free port pair."""
     (port,) = free_ports(1)
     return Node(factory(pool_size="64MiB", extra=controller_args(controller, port)), port)
+
+
+@contextmanager
+def running_controller(log_dir: Path, **options: Any) -> Iterator[ControllerProcess]:
+    """A started controller (``options``: :class:`ControllerProcess`'s), stopped after."""
+    ctl = ControllerProcess(log_dir, **options).start()
+    try:
+        yield ctl
+    finally:
+        ctl.stop()

@@ -1,20 +1,34 @@
-"""The controller's HTTP server: ``/healthcheck``, ``/metrics`` (Prometheus), ``/status``
-(the JSON the dashboard will show), ``POST /lookup`` for routers
+"""The controller's HTTP server: ``/`` (the dashboard), ``/healthcheck``, ``/metrics``
+(Prometheus), ``/status`` (the JSON the dashboard shows), ``POST /instances/remove`` (an
+operator's removal, body ``{"instance": ID}``), ``POST /lookup`` for routers
 (:mod:`tierkv.cluster.router_lookup`), in the server's conventions (FastAPI on uvicorn, the
-server's :class:`~tierkv.server.http.HttpServer`, JSON errors)."""
+server's :class:`~tierkv.server.http.HttpServer`, JSON errors, every POST authorized)."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator
+from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
-from tierkv.server.http import add_health_routes, make_authorizer
+from tierkv.server.http import (
+    add_health_routes,
+    authorized_body,
+    dashboard_html,
+    error_reply,
+    make_authorizer,
+    page_response,
+)
 from tierkv.server.lookup_http import add_lookup_route
+
+MAX_REMOVE_BODY = 4096
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
 
@@ -40,6 +54,8 @@ class ControllerCollector(Collector):
             ("syncs", "syncs", "full syncs applied"),
             ("lookups", "lookups", "lookups answered"),
             ("lookup_keys", "lookup_keys", "keys looked up"),
+            ("router_lookups", "router_lookups", "POST /lookup answered"),
+            ("sync_parts", "sync_parts", "full sync parts received"),
         ):
             yield CounterMetricFamily(f"tierkv_controller_{name}", what, value=c[key])
         dereg = CounterMetricFamily(
@@ -47,13 +63,21 @@ class ControllerCollector(Collector):
         )
         dereg.add_metric(["dead"], c["deregistered_dead"])
         dereg.add_metric(["clean"], c["deregistered_clean"])
+        dereg.add_metric(["operator"], c["deregistered_operator"])
         yield dereg
+        yield CounterMetricFamily(
+            "tierkv_controller_index_merges",
+            "merges of reports into the index's sorted array",
+            value=s.index.merges,
+        )
         yield GaugeMetricFamily(
             "tierkv_controller_instances", "registered servers", value=len(s.instances())
         )
         yield GaugeMetricFamily("tierkv_controller_keys", "keys indexed", value=s.index.total())
         yield GaugeMetricFamily(
-            "tierkv_controller_index_bytes", "bytes of the index's tables", value=s.index.nbytes()
+            "tierkv_controller_index_bytes",
+            "bytes of the index's tables and filter",
+            value=s.index.nbytes(),
         )
         drained, s.lookup_seconds = s.lookup_seconds, []
         for v in drained:
@@ -79,6 +103,36 @@ def create_app(
     add_lookup_route(app, make_authorizer(auth_token), service.router_lookup)
     registry = CollectorRegistry()
     registry.register(ControllerCollector(service))
+    authorize = make_authorizer(auth_token)
+    page = controller_page()
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard() -> HTMLResponse:
+        return page_response(page)
+
+    @app.post("/instances/remove")
+    async def remove(request: Request) -> JSONResponse:
+        body = await authorized_body(request, authorize, MAX_REMOVE_BODY)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return error_reply(400, 'the body must be JSON: {"instance": ID}')
+        instance = doc.get("instance") if isinstance(doc, dict) else None
+        if not isinstance(instance, str) or not instance:
+            return error_reply(400, 'the body must name an instance: {"instance": ID}')
+        n = service.remove(instance)
+        if n is None:
+            return error_reply(404, f"instance {instance[:200]!r} is not registered")
+        return JSONResponse({"instance": instance, "keys": n})
 
     add_health_routes(app, health, service.stats, registry)
     return app
+
+
+def controller_page() -> str:
+    """The controller's dashboard, styled like the server's (its ``<style>`` put in)."""
+    page = resources.files("tierkv.controller").joinpath("dashboard.html").read_text("utf-8")
+    style = re.search(r"<style>.*?</style>", dashboard_html(), re.DOTALL)
+    return page.replace("<!--STYLE-->", style.group(0) if style else "", 1)

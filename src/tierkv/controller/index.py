@@ -1,25 +1,46 @@
 """The controller's index: which instance holds which key, in which tier.
 
 One :class:`~tierkv.controller.keytable.KeyTable` per instance (no Python object per
-chunk), plus per-namespace counts. Every operation is a bulk operation: an admit or evict
-batch is a few numpy calls; a full report builds the instance's table with one sort and
-swaps it in; deregistering an instance drops its table (its million entries go with one
-array). A lookup asks every instance's table for the whole batch of keys and returns, per
-instance that holds any of them, the tier of each key (so every holder of every key), and
+chunk), plus per-namespace counts, plus one cross-instance filter
+(:class:`~tierkv.controller.holders.HolderFilter`: a global sorted array and a few runs)
+that names, for a batch of keys, the few instances that may hold them. Every operation is
+a bulk operation: an admit or evict batch is a few numpy calls (an admit also appends a
+sorted run to the filter); a full report builds the instance's table with one sort and
+swaps it in under a new filter slot; deregistering an instance drops its table and retires
+its slot. A background thread merges the runs and the new reports' entries into the global
+array and drops retired slots' entries. A lookup searches the filter once for the whole
+batch, asks only the candidates' tables (and those of reports not merged yet), and returns,
+per instance that holds any key, the tier of each key (so every holder of every key);
 :func:`prefix_runs` turns that into the longest leading run each instance can serve.
 
-Thread-safe: one lock, held for the numpy calls only (nothing here does I/O).
+Thread-safe: one lock, held for the numpy calls only (nothing here does I/O); a merge sorts
+outside it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.controller.holders import HolderFilter, from_table, merge_parts, pack_sorted
 from tierkv.controller.keytable import I8, NO_TIER, TIERS, KeyTable, fingerprints, key_array
+
+log = logging.getLogger(__name__)
+
+RUN_LIMIT = 1 << 20  # admitted entries in runs before a merge is asked for
+REBASE_MIN = 1 << 16  # evictions that never trigger a fresh extraction below this
+
+
+def single_namespace(keys: npt.NDArray[np.uint64]) -> bytes | None:
+    """The namespace digest of ``keys`` (a :func:`key_array`) if they all share one."""
+    ns = keys[:, :2]
+    if ns.shape[0] and bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
+        return bytes(ns[0].tobytes())
+    return None
 
 
 @dataclass
@@ -28,6 +49,8 @@ class Holdings:
 
     table: KeyTable = field(default_factory=KeyTable)
     namespaces: dict[bytes, npt.NDArray[np.int64]] = field(default_factory=dict)
+    slot: int = -1  # its incarnation in the filter (tierkv.controller.holders)
+    evicted: int = 0  # keys evicted since its entries were last extracted into the filter
 
     def count(self, keys: npt.NDArray[np.uint64], tiers: I8, sign: int) -> None:
         """Add (``sign`` 1) or subtract (-1) keys with ``tiers`` (NO_TIER: not counted)."""
@@ -35,8 +58,9 @@ class Holdings:
         if not ns.shape[0]:
             return
         counted = tiers >= 0
-        if bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
-            groups = [(ns[0].tobytes(), counted)]
+        digest = single_namespace(keys)
+        if digest is not None:
+            groups = [(digest, counted)]
         else:
             uniq, inverse = np.unique(ns, axis=0, return_inverse=True)
             inverse = inverse.reshape(-1)
@@ -51,12 +75,103 @@ class Holdings:
 
 
 class ControllerIndex:
-    """instance id -> :class:`Holdings`."""
+    """instance id -> :class:`Holdings`, and the cross-instance filter over them."""
 
-    def __init__(self) -> None:
+    def __init__(self, merge_interval: float = 0.5, run_limit: int = RUN_LIMIT) -> None:
         self._holders: dict[str, Holdings] = {}
         self._lock = threading.Lock()
+        self._merge_lock = threading.Lock()  # one merge at a time
+        self.filter = HolderFilter()
+        self._pending: dict[int, KeyTable] = {}  # slot -> table not in the filter yet
+        self.merge_interval = merge_interval
+        self.run_limit = run_limit
+        self.merges = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
+    # -- the background merge ---------------------------------------------------------------
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(30.0)
+            self._thread = None
+
+    def _kick(self) -> None:
+        """Ask the merger for a merge (under the lock)."""
+        if self._stop.is_set():
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._merge_loop, name="tierkv-ctl-merge", daemon=True
+            )
+            self._thread.start()
+        self._wake.set()
+
+    def _merge_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            try:
+                self.merge()
+            except Exception:  # e.g. MemoryError: lookups stay right (runs, pending tables)
+                log.exception("controller index: merge failed; trying again later")
+            if self._stop.wait(self.merge_interval):
+                return
+
+    def merge(self) -> bool:
+        """Fold the runs, pending full reports and retired slots into the filter's sorted
+        array (the sort outside the lock; lookups meanwhile search the runs being folded).
+        Returns whether there was anything to do."""
+        with self._merge_lock:
+            with self._lock:
+                f = self.filter
+                if not (self._pending or f.retired or f.runs):
+                    return False
+                dead = set(f.retired)
+                runs, f.merging, f.runs = f.runs, f.runs, []
+                base = f.base
+                # Keys never move within a table's array (a rebuild makes a new one), so
+                # reading it outside the lock misses nothing held now; later admits are runs.
+                tables = {slot: table.slots for slot, table in self._pending.items()}
+                live = f.live_mask()
+            try:
+                parts = [base, *runs, *(from_table(a, slot) for slot, a in tables.items())]
+                merged = merge_parts(parts, live)
+            except BaseException:
+                with self._lock:  # nothing lost: the runs go back, the reports stay pending
+                    f.runs, f.merging = [*runs, *f.runs], []
+                raise
+            with self._lock:
+                f.base, f.merging = merged, []
+                for slot in tables:
+                    self._pending.pop(slot, None)
+                f.free(dead)
+                self.merges += 1
+            return True
+
+    def settle(self) -> None:
+        """Merge until nothing is left to merge (tests and benchmarks)."""
+        while self.merge():
+            pass
+
+    def _new_slot(self, instance: str, h: Holdings, pending: bool) -> None:
+        """Give ``h`` a fresh slot (under the lock), retiring its old one; ``pending``: its
+        table is not in the filter (lookups probe it until a merge extracts it)."""
+        if h.slot >= 0:
+            self.filter.retire(h.slot)
+            self._pending.pop(h.slot, None)
+            self._kick()
+        h.slot = self.filter.take_slot(instance)
+        h.evicted = 0
+        if pending:
+            self._pending[h.slot] = h.table
+            self._kick()
+
+    # -- changes ---------------------------------------------------------------------------
     def instances(self) -> list[str]:
         with self._lock:
             return list(self._holders)
@@ -66,11 +181,18 @@ class ControllerIndex:
         arr = key_array(keys)
         fps = fingerprints(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
+        sorted_fps = np.sort(fps)
         with self._lock:
-            h = self._holders.setdefault(instance, Holdings())
+            h = self._holders.get(instance)
+            if h is None:
+                h = self._holders[instance] = Holdings()
+                self._new_slot(instance, h, pending=False)
             before = h.table.add(fps, tier_arr)
             h.count(arr, self._first_only(fps, before), -1)
             h.count(arr, self._first_only(fps, h.table.tiers(fps)), 1)
+            self.filter.add_run(pack_sorted(sorted_fps, h.slot))
+            if self.filter.run_entries > self.run_limit:
+                self._kick()
             return int(np.count_nonzero(before < 0))
 
     @staticmethod
@@ -86,7 +208,9 @@ class ControllerIndex:
         return out
 
     def remove(self, instance: str, keys: bytes | list[bytes]) -> int:
-        """Evict ``keys``; returns how many were held."""
+        """Evict ``keys``; returns how many were held. Evicted keys stay in the filter
+        (lookups ask the table, so they are never returned); once an instance has evicted
+        more than it holds, its table is extracted afresh under a new slot."""
         arr = key_array(keys)
         with self._lock:
             h = self._holders.get(instance)
@@ -95,7 +219,11 @@ class ControllerIndex:
             fps = fingerprints(keys)
             held = self._first_only(fps, h.table.remove(fps))
             h.count(arr, held, -1)
-            return int(np.count_nonzero(held >= 0))
+            gone = int(np.count_nonzero(held >= 0))
+            h.evicted += gone
+            if h.evicted > max(len(h.table), REBASE_MIN):
+                self._new_slot(instance, h, pending=True)
+            return gone
 
     def replace(self, instance: str, keys: bytes | list[bytes], tiers: I8 | int) -> int:
         """A full report: the instance holds exactly ``keys`` (built aside, swapped in)."""
@@ -103,29 +231,46 @@ class ControllerIndex:
         fps = fingerprints(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
         fresh = Holdings(KeyTable.build(fps, tier_arr))
-        if len(fresh.table) == fps.size:
+        digest = single_namespace(arr)
+        if len(fresh.table) == fps.size and digest is not None:  # the table counted its tiers
+            fresh.namespaces[digest] = fresh.table.by_tier.astype(np.int64)
+        elif len(fresh.table) == fps.size:
             fresh.count(arr, tier_arr, 1)
         else:  # repeats in the report
             fresh.count(arr, self._first_only(fps, tier_arr), 1)
         with self._lock:
+            old = self._holders.get(instance)
+            if old is not None:
+                fresh.slot = old.slot
             self._holders[instance] = fresh
+            self._new_slot(instance, fresh, pending=True)
         return len(fresh.table)
 
     def drop(self, instance: str) -> int:
         """Deregister: forget every key of ``instance``; returns how many it held."""
         with self._lock:
             h = self._holders.pop(instance, None)
-        return len(h.table) if h is not None else 0
+            if h is None:
+                return 0
+            self.filter.retire(h.slot)
+            self._pending.pop(h.slot, None)
+            self._kick()
+        return len(h.table)
 
+    # -- lookups ---------------------------------------------------------------------------
     def lookup(self, keys: bytes | list[bytes]) -> dict[str, I8]:
-        """Per instance holding any of ``keys``: the tier of each key (NO_TIER: not held)."""
+        """Per instance holding any of ``keys``: the tier of each key (NO_TIER: not held).
+        The filter names the candidates (one search of its sorted arrays for the batch);
+        each candidate's own table gives the tiers."""
         fps = fingerprints(keys)
-        ns = key_array(keys)[:, :2]
-        wanted = {bytes(b) for b in np.unique(ns, axis=0)} if ns.shape[0] else set()
+        query = np.sort(fps)
         out: dict[str, I8] = {}
         with self._lock:
-            for instance, h in self._holders.items():
-                if not h.table.live or wanted.isdisjoint(h.namespaces):
+            slots = self.filter.candidates(query).tolist()
+            names = {self.filter.owner[s] for s in [*slots, *self._pending]}
+            for instance in names:
+                h = self._holders.get(instance) if instance is not None else None
+                if h is None:
                     continue
                 tiers = h.table.tiers(fps)
                 if (tiers >= 0).any():
@@ -155,8 +300,9 @@ class ControllerIndex:
             return sum(len(h.table) for h in self._holders.values())
 
     def nbytes(self) -> int:
+        """The tables' and the filter's bytes."""
         with self._lock:
-            return sum(h.table.nbytes for h in self._holders.values())
+            return sum(h.table.nbytes for h in self._holders.values()) + self.filter.nbytes
 
 
 def prefix_runs(found: dict[str, I8]) -> dict[str, tuple[int, list[int]]]:

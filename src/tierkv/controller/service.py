@@ -13,7 +13,11 @@ reports applied to the index (:mod:`tierkv.controller.index`), and lookups.
   instance's table in (one bulk build). Lookups see the previous table meanwhile; reports
   that follow the sync apply on top (the server sends them after its last part).
 - A server not heard from for ``dead_after`` seconds is deregistered (its entries dropped
-  in bulk) by the reaper thread; a clean shutdown deregisters at once.
+  in bulk) by the reaper thread; a clean shutdown deregisters at once; an operator can
+  remove one (the dashboard's remove, :meth:`ControllerService.remove`): a server still
+  alive learns it from its next heartbeat, registers again and re-syncs.
+- Registrations, restarts, syncs and deregistrations are kept as recent activity (the last
+  :data:`ACTIVITY` events) for the dashboard.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +42,7 @@ from tierkv.keys import KEY_SIZE
 log = logging.getLogger(__name__)
 
 MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
+ACTIVITY = 50  # recent events kept for the dashboard
 
 
 @dataclass
@@ -83,8 +89,10 @@ class ControllerService:
             "router_lookups": 0,
             "deregistered_dead": 0,
             "deregistered_clean": 0,
+            "deregistered_operator": 0,
         }
         self.lookup_seconds: list[float] = []  # the metrics collector drains it
+        self.activity: deque[dict[str, object]] = deque(maxlen=ACTIVITY)
 
     # -- lifecycle -------------------------------------------------------------------------
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
@@ -111,6 +119,7 @@ class ControllerService:
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
+        self.index.close()
 
     def _reap_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -126,10 +135,28 @@ class ControllerService:
         for instance in dead:
             n = self.index.drop(instance)
             self.counts["deregistered_dead"] += 1
+            self._event("deregistered", instance, f"silent for {self.dead_after:g} s, {n} keys")
             log.warning(
                 "server %s silent for %.0f s: deregistered (%d keys)", instance, self.dead_after, n
             )
         return dead
+
+    def remove(self, instance: str) -> int | None:
+        """An operator's removal: forget ``instance`` and its keys (None: not registered)."""
+        with self._lock:
+            state = self._instances.pop(instance, None)
+        if state is None:
+            return None
+        n = self.index.drop(instance)
+        self.counts["deregistered_operator"] += 1
+        self._event("removed", instance, f"by an operator, {n} keys")
+        log.warning("server %s removed by an operator (%d keys)", instance, n)
+        return n
+
+    def _event(self, event: str, instance: str, detail: str = "") -> None:
+        self.activity.append(
+            {"time": time.time(), "event": event, "instance": instance, "detail": detail}
+        )
 
     # -- handlers --------------------------------------------------------------------------
     def _current(self, instance: str, boot: int) -> Instance | None:
@@ -150,13 +177,15 @@ class ControllerService:
         with self._lock:
             old = self._instances.get(member.node_id)
             self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
+        restarted = old is not None and old.member.incarnation != member.incarnation
         if old is not None:
             # A re-registration starts from nothing: its full sync follows.
             self.index.drop(member.node_id)
-            if old.member.incarnation != member.incarnation:
+            if restarted:
                 self.counts["restarts_noticed"] += 1
                 log.info("server %s restarted: its previous entries dropped", member.node_id)
         self.counts["registrations"] += 1
+        self._event("registered", member.node_id, "restarted" if restarted else member.data)
         log.info("server %s registered (data %s)", member.node_id, member.data)
         return cm.Registered(req.rid, self.boot)
 
@@ -233,6 +262,7 @@ class ControllerService:
             state.seq = req.seq
             state.syncs += 1
         self.counts["syncs"] += 1
+        self._event("synced", req.instance, f"{len(keys) // KEY_SIZE} keys")
         log.info("server %s full sync applied: %d keys", req.instance, len(keys) // KEY_SIZE)
         return cm.Ack(req.rid, self.boot, True)
 
@@ -244,7 +274,9 @@ class ControllerService:
         if state is None:
             return m.Done(req.rid, 0)
         self.counts["deregistered_clean"] += 1
-        return m.Done(req.rid, self.index.drop(req.instance))
+        n = self.index.drop(req.instance)
+        self._event("deregistered", req.instance, f"shut down, {n} keys")
+        return m.Done(req.rid, n)
 
     def on_resolve(self, req: m.Resolve) -> cm.Located | m.Refused:
         if any(len(k) != KEY_SIZE for k in req.keys):
@@ -320,6 +352,8 @@ class ControllerService:
             "namespaces": namespace_totals(rows),
             "total_keys": self.index.total(),
             "index_bytes": self.index.nbytes(),
+            "index_merges": self.index.merges,
+            "activity": list(self.activity),
             **self.counts,
         }
 

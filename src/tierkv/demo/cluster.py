@@ -1,6 +1,8 @@
 """`tierkv demo --with-server --nodes 2`: two servers in a cluster, engines on each.
 
-Two throw-away servers form a cluster on loopback (A seeds itself, B joins through A). First
+Two throw-away servers form a cluster on loopback: by default a consistent-hash ring (A
+seeds itself, B joins through A); with ``--directory controller`` both register with a
+throw-away `tierkv controller` (:mod:`tierkv.demo.local_controller`) instead. First
 the engines of node A run the workload: they compute and store every document's KV. Then
 the engines of node B run the same workload: B's pool is empty, so their lookups miss
 locally, the prefetch finds the chunks through the cluster directory and fetches them from
@@ -19,6 +21,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.demo.engines import run_demo
 from tierkv.demo.kv import SimModel
+from tierkv.demo.local_controller import LocalController
 from tierkv.demo.local_server import LocalServer, LocalServerError
 from tierkv.demo.report import DemoReport
 from tierkv.demo.workload import Workload
@@ -71,20 +74,30 @@ def _wait(what: Callable[[], bool], timeout: float, why: str) -> None:
 
 
 def run_two_node_demo(
-    workload: Workload, model: SimModel, engines: int, pool_size: int, timeout: float
+    workload: Workload,
+    model: SimModel,
+    engines: int,
+    pool_size: int,
+    timeout: float,
+    directory: str = "ring",
 ) -> int:
-    """Run the workload on node A's engines, then on node B's; print both reports."""
+    """Run the workload on node A's engines, then on node B's; print both reports.
+    ``directory``: ``ring`` or ``controller`` (see the module doc)."""
 
     pa, pb = _free_port_pair(), _free_port_pair()
     fast = ["--heartbeat-interval", "0.5", "--member-ttl", "3"]
-    a = LocalServer(pool_size, ["--cluster-seeds", f"127.0.0.1:{pa}", "--cluster-port", str(pa)])
-    b = LocalServer(pool_size, ["--cluster-seeds", f"127.0.0.1:{pa}", "--cluster-port", str(pb)])
-    a.extra_args += fast
-    b.extra_args += fast
+    ctl = LocalController() if directory == "controller" else None
+    if ctl is not None:
+        a_dir, b_dir = ["--controller", ctl.addr], ["--controller", ctl.addr]
+    else:
+        a_dir = b_dir = ["--cluster-seeds", f"127.0.0.1:{pa}"]
+    a = LocalServer(pool_size, [*a_dir, "--cluster-port", str(pa), *fast])
+    b = LocalServer(pool_size, [*b_dir, "--cluster-port", str(pb), *fast])
     a.instance += "-a"
     b.instance += "-b"
+    how = f"with a controller on {ctl.addr}" if ctl is not None else "in a cluster"
     print(
-        f"starting two tierkv servers in a cluster (pools of {format_bytes(pool_size)}; "
+        f"starting two tierkv servers {how} (pools of {format_bytes(pool_size)}; "
         f"cluster ports {pa} and {pb}) ...",
         file=sys.stderr,
     )
@@ -92,13 +105,20 @@ def run_two_node_demo(
     status = 0
     reports: list[tuple[str, DemoReport]] = []
     started: list[LocalServer] = []
+    ctl_started = False
     try:
+        if ctl is not None:
+            ctl.start()
+            ctl_started = True
         for server in (a, b):
             server.start()
             started.append(server)
         addrs = {f"127.0.0.1:{pa}", f"127.0.0.1:{pb}"}
-        _wait(lambda: all(_members(control, x) == addrs for x in addrs), 30, "find each other")
-        time.sleep(1.5)  # let both directories settle on the two-member ring
+        if ctl is not None:
+            _wait(lambda: ctl.synced() == addrs, 30, "register with the controller")
+        else:
+            _wait(lambda: all(_members(control, x) == addrs for x in addrs), 30, "find each other")
+            time.sleep(1.5)  # let both directories settle on the two-member ring
         for name, server in (("A", a), ("B", b)):
             print(f"node {name}: {engines} engine processes run the workload ...", file=sys.stderr)
             report = run_demo(server.endpoint, workload, model, engines, timeout=timeout)
@@ -119,6 +139,14 @@ def run_two_node_demo(
             except LocalServerError as exc:
                 print(f"tierkv demo: {exc}", file=sys.stderr)
                 status = status or 1
+        if ctl is not None:
+            if ctl_started:
+                try:
+                    ctl.stop()  # last: the servers deregistered from it as they stopped
+                except LocalServerError as exc:
+                    print(f"tierkv demo: {exc}", file=sys.stderr)
+                    status = status or 1
+            ctl.cleanup()
         for server in (a, b):
             server.cleanup()
     for name, report in reports:
@@ -138,7 +166,8 @@ def run_two_node_demo(
         if not remote:
             status = status or 1
     if started and status == 0:
-        print("both servers stopped cleanly (exit status 0, pool segments removed)")
+        what = "both servers and the controller" if ctl is not None else "both servers"
+        print(f"{what} stopped cleanly (exit status 0, pool segments removed)")
     return status
 
 

@@ -3,8 +3,9 @@
 - against a running server (``--endpoint`` / ``--instance``): :func:`_against_running_server`;
 - with a throw-away local server (``--with-server``), optionally with a disk tier
   (``--disk-tier DIR``): :func:`_with_local_server`;
-- two clustered local servers (``--with-server --nodes 2``): :func:`_two_nodes` (the
-  cluster demo itself is :mod:`tierkv.demo.cluster`).
+- two clustered local servers (``--with-server --nodes 2``, on a ring or, with
+  ``--directory controller``, a controller): :func:`_two_nodes` (the cluster demo itself
+  is :mod:`tierkv.demo.cluster`).
 
 With ``--disk-tier DIR`` the server gets a disk tier and, by default, a pool of about half
 the working set: chunks evicted from the pool come back from disk when a later question
@@ -97,6 +98,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --with-server: 2 starts two servers in a cluster; node A's engines run the "
         "workload, then node B's engines run it again and hit node A's chunks remotely",
     )
+    s.add_argument(
+        "--directory",
+        choices=("ring", "controller"),
+        default="ring",
+        help="with --nodes 2: the cluster's directory, a consistent-hash ring (default) or a "
+        "throw-away `tierkv controller` both servers register with",
+    )
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -125,11 +133,15 @@ def _check_combination(args: argparse.Namespace) -> None:
         raise _Refused("--disk-tier-size needs --disk-tier DIR")
     if args.nodes == 2 and (not args.with_server or args.disk_tier):
         raise _Refused("--nodes 2 needs --with-server (and no --disk-tier)")
+    if args.directory != "ring" and args.nodes != 2:
+        raise _Refused("--directory chooses the directory of --nodes 2")
 
 
 def _two_nodes(args: argparse.Namespace, workload: Workload, model: SimModel) -> int:
     size = parse_size(args.pool_size) if args.pool_size else auto_pool_size(workload, model)[0]
-    return run_two_node_demo(workload, model, args.engines, size, args.timeout)
+    return run_two_node_demo(
+        workload, model, args.engines, size, args.timeout, directory=args.directory
+    )
 
 
 def _against_running_server(args: argparse.Namespace, workload: Workload, model: SimModel) -> int:

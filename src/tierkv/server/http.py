@@ -69,6 +69,41 @@ def dashboard_html() -> str:
     return resources.files("tierkv.server").joinpath("dashboard.html").read_text("utf-8")
 
 
+def add_health_routes(
+    app: FastAPI,
+    health: Callable[[], dict[str, bool]],
+    status_doc: Callable[[], dict[str, Any]],
+    registry: CollectorRegistry,
+) -> None:
+    """``GET /healthcheck`` (503 when a check fails), ``GET /status`` (``status_doc``) and
+    ``GET /metrics`` (Prometheus, from ``registry``): the same on every tierkv process."""
+
+    @app.get("/healthcheck")
+    def healthcheck() -> JSONResponse:
+        checks = health()
+        ok = all(checks.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "unhealthy", "checks": checks},
+            status_code=200 if ok else 503,
+            headers={"Cache-Control": "no-store"},
+        )
+
+    @app.get("/status")
+    def status() -> JSONResponse:
+        return JSONResponse(status_doc(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def page_response(page: str) -> HTMLResponse:
+    """A dashboard page: never cached, allowed to talk to this server only."""
+    return HTMLResponse(
+        page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
+    )
+
+
 def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
@@ -135,9 +170,7 @@ def create_app(
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:
-        return HTMLResponse(
-            page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
-        )
+        return page_response(page)
 
     add_health_routes(app, health, status_doc, service.metrics.registry)
 
@@ -156,41 +189,15 @@ def create_app(
     return app
 
 
-def add_health_routes(
-    app: FastAPI,
-    health: Callable[[], dict[str, bool]],
-    status_doc: Callable[[], dict[str, Any]],
-    registry: CollectorRegistry,
-) -> None:
-    """``GET /healthcheck`` (200, or 503 naming the failed checks), ``GET /status`` (the
-    status document) and ``GET /metrics`` (Prometheus): the same on every tierkv process."""
-
-    @app.get("/healthcheck")
-    def healthcheck() -> JSONResponse:
-        checks = health()
-        ok = all(checks.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "checks": checks},
-            status_code=200 if ok else 503,
-            headers={"Cache-Control": "no-store"},
-        )
-
-    @app.get("/status")
-    def status() -> JSONResponse:
-        return JSONResponse(status_doc(), headers={"Cache-Control": "no-store"})
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-
-async def authorized_body(request: Request, authorize: Authorizer) -> bytes | JSONResponse:
-    """The body of a request that changes state, or the reply to send instead (refused,
-    too large, cut short)."""
+async def authorized_body(
+    request: Request, authorize: Authorizer, limit: int = MAX_BODY
+) -> bytes | JSONResponse:
+    """The body of a request that changes state (at most ``limit`` bytes), or the reply to
+    send instead (refused, too large, cut short)."""
     denied = authorize(request)
     if denied is not None:
         return denied
-    return await read_body(request)
+    return await read_body(request, limit)
 
 
 async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from tierkv.cluster.router_lookup import MAX_BODY, LookupError_
-from tierkv.server.http import Authorizer, error_reply, read_body
+from tierkv.server.http import Authorizer, authorized_body, error_reply
 
 
 def add_lookup_route(
@@ -21,10 +21,7 @@ def add_lookup_route(
 ) -> None:
     @app.post("/lookup")
     async def lookup(request: Request) -> JSONResponse:
-        denied = authorize(request)
-        if denied is not None:
-            return denied
-        body = await read_body(request, MAX_BODY)
+        body = await authorized_body(request, authorize, MAX_BODY)
         if isinstance(body, JSONResponse):
             return body
         try:

@@ -1,0 +1,145 @@
+"""Which instances may hold a key: one sorted array across all instances, plus a few runs.
+
+The controller's lookup filter (:class:`HolderFilter`). Every entry is one ``uint64``: the
+top 48 bits of a key's fingerprint (as :mod:`tierkv.controller.keytable` stores it, shifted
+left by the tier bits) and, in the low 16 bits, the *slot* of the instance's current
+incarnation. The entries live in one big sorted array (``base``) and a few small sorted runs
+(admits, and the entries of recent full reports once extracted); a lookup is one
+``np.searchsorted`` per array for the whole batch, so it costs the same whether 1 or 1000
+instances are registered, and names only the slots that may hold each key.
+
+It is a filter, never the truth: the instances' own key tables
+(:class:`~tierkv.controller.keytable.KeyTable`) answer for the candidates it names, so a
+stale entry (an evicted key, an instance deregistered, a 48-bit collision) costs one probe
+of one table and is never returned. What it must never do is miss a holder: every key an
+instance's table holds is in ``base``, in a run, or the instance's slot is *pending* (a full
+report not yet extracted; the index probes pending instances' tables for every lookup).
+
+Deregistering an instance or replacing its keys retires its slot (an O(1) change, its
+entries ignored from then on: the slot maps to no instance); a merge (:meth:`merge_parts`)
+drops retired slots' entries, after which the slot can be given out again. Thread-safety is
+the caller's: :class:`~tierkv.controller.index.ControllerIndex` calls everything but the
+merge's sort under its lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from tierkv.controller.keytable import TIER_BITS, U64
+
+SLOT_BITS = 16
+SLOTS = 1 << SLOT_BITS
+_LOW = np.uint64(SLOTS - 1)
+_HIGH = ~_LOW
+_S = np.uint64(TIER_BITS)
+MAX_RUNS = 8  # runs compacted into one beyond this many
+
+
+def pack_sorted(sorted_fps: U64, slot: int) -> U64:
+    """Entries of ``sorted_fps`` (sorted fingerprints) for ``slot``, without repeats."""
+    out: U64 = ((sorted_fps << _S) & _HIGH) | np.uint64(slot)
+    return dedupe(out)
+
+
+def from_table(slots: U64, slot: int) -> U64:
+    """A key table's live entries (its ``slots`` array, ``fingerprint << 2 | tier``; 0 and 1
+    are empty and deleted) as this filter's entries of ``slot``, sorted."""
+    held = slots[slots > 1]
+    out: U64 = (held & _HIGH) | np.uint64(slot)
+    return dedupe(np.sort(out))
+
+
+def dedupe(sorted_entries: U64) -> U64:
+    if sorted_entries.size < 2:
+        return sorted_entries
+    keep = np.empty(sorted_entries.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(sorted_entries[1:], sorted_entries[:-1], out=keep[1:])
+    out: U64 = sorted_entries[keep]
+    return out
+
+
+def merge_parts(parts: list[U64], live: npt.NDArray[np.bool_]) -> U64:
+    """One sorted array of ``parts`` (each sorted) without entries of slots not ``live``
+    (a boolean per slot). Sorting concatenated sorted runs is a merge (timsort)."""
+    kept = [p[live[(p & _LOW).astype(np.int64)]] for p in parts if p.size]
+    if not kept:
+        return np.zeros(0, dtype=np.uint64)
+    merged: U64 = np.sort(np.concatenate(kept), kind="stable") if len(kept) > 1 else kept[0]
+    return dedupe(merged)
+
+
+class HolderFilter:
+    """The sorted array, its runs, and the slots: who may hold which key."""
+
+    def __init__(self) -> None:
+        self.base: U64 = np.zeros(0, dtype=np.uint64)
+        self.runs: list[U64] = []  # newer than the base, each sorted
+        self.merging: list[U64] = []  # runs a merge under way is folding into the base
+        self.owner: list[str | None] = [None] * SLOTS  # slot -> instance, None: not live
+        self.retired: set[int] = set()  # not live, entries maybe still in the arrays
+        self._free = list(range(SLOTS - 1, -1, -1))
+
+    @property
+    def run_entries(self) -> int:
+        return sum(r.size for r in self.runs)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.base.nbytes) + sum(int(r.nbytes) for r in self.runs + self.merging)
+
+    def take_slot(self, instance: str) -> int:
+        if not self._free:
+            raise RuntimeError("no free instance slot: too many retirements since a merge")
+        slot = self._free.pop()
+        self.owner[slot] = instance
+        return slot
+
+    def retire(self, slot: int) -> None:
+        self.owner[slot] = None
+        self.retired.add(slot)
+
+    def free(self, slots: set[int]) -> None:
+        """``slots`` (retired) have no entries left in any array: give them out again."""
+        self.retired -= slots
+        self._free.extend(sorted(slots, reverse=True))
+
+    def add_run(self, run: U64) -> None:
+        if not run.size:
+            return
+        self.runs.append(run)
+        if len(self.runs) > MAX_RUNS:  # small runs: compacting them is cheap
+            self.runs = [dedupe(np.sort(np.concatenate(self.runs), kind="stable"))]
+
+    def live_mask(self) -> npt.NDArray[np.bool_]:
+        return np.fromiter((o is not None for o in self.owner), dtype=bool, count=SLOTS)
+
+    def candidates(self, fps: U64) -> npt.NDArray[np.int64]:
+        """The live slots whose entries match any of ``fps`` (sorted, unique). One binary
+        search per array and key (the first entry of the key's range), then a step along
+        the array for the keys that matched, as long as any still does (a key has an entry
+        per holder: a few steps)."""
+        lo = (fps << _S) & _HIGH
+        found: list[U64] = []
+        for arr in [self.base, *self.merging, *self.runs]:
+            if not arr.size:
+                continue
+            at = np.searchsorted(arr, lo, side="left")
+            want = lo
+            while at.size:
+                inside = at < arr.size
+                at, want = at[inside], want[inside]
+                entries = arr[at]
+                match = (entries & _HIGH) == want
+                if not match.any():
+                    break
+                found.append(entries[match])
+                at, want = at[match] + 1, want[match]
+        if not found:
+            return np.zeros(0, dtype=np.int64)
+        slots = np.unique((np.concatenate(found) & _LOW).astype(np.int64))
+        live = np.fromiter((self.owner[s] is not None for s in slots.tolist()), bool, slots.size)
+        out: npt.NDArray[np.int64] = slots[live]
+        return out
