@@ -252,3 +252,18 @@ def test_a_failed_merge_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not idx.filter.runs and not idx.filter.merging
     assert (idx.lookup(old + admitted)["x"] >= 0).all() and (idx.lookup(reported)["y"] == 0).all()
     idx.close()
+
+
+def test_a_table_built_with_one_tier_counts_it_like_one_built_per_key() -> None:
+    """A full report of one tier (a scalar, or broadcast) is counted without a pass over
+    the entries; the counts equal those of the same keys given a tier each, repeats held
+    once."""
+    rng = np.random.default_rng(5)
+    fps = rng.integers(1, 2**62, 5000, dtype=np.uint64)
+    fps = np.concatenate([fps, fps[:10]])  # ten repeats
+    per_key = KeyTable.build(fps, np.full(fps.size, 2, dtype=np.int8))
+    for tiers in (2, np.broadcast_to(np.int8(2), fps.shape)):
+        table = KeyTable.build(fps, tiers)
+        assert table.by_tier.tolist() == per_key.by_tier.tolist() == [0, 0, 5000, 0]
+        assert len(table) == 5000
+        assert (table.tiers(fps) == 2).all()

@@ -155,19 +155,24 @@ class KeyTable:
         """A table holding exactly ``fps`` with their ``tiers`` (a full report): one sort,
         no probing. A fingerprint given twice is held once, with one of its tiers."""
         table = cls.sized_for(fps.size)
-        table._fill(_entries(fps, tiers))
+        t = np.asarray(tiers)
+        # One tier for every key (a scalar, or broadcast from one): counted without a pass.
+        uniform = int(t.flat[0]) if t.size and (t.ndim == 0 or t.strides == (0,)) else None
+        table._fill(_entries(fps, tiers), uniform)
         return table
 
-    def _fill(self, entries: U64) -> None:
+    def _fill(self, entries: U64, uniform_tier: int | None = None) -> None:
         """Place ``entries`` into this (empty) table: sorted by fingerprint they are sorted
-        by home, and linear probing puts the i-th at max(home_i, slot_{i-1} + 1)."""
+        by home, and linear probing puts the i-th at max(home_i, slot_{i-1} + 1).
+        ``uniform_tier``: every entry has that tier (the counts need no pass)."""
         entries = np.sort(entries)
         fps = entries >> _S
         if fps.size > 1:
             keep = np.empty(fps.size, dtype=bool)
             keep[0] = True
             np.not_equal(fps[1:], fps[:-1], out=keep[1:])
-            entries, fps = entries[keep], fps[keep]
+            if not keep.all():  # a fingerprint given twice: held once
+                entries, fps = entries[keep], fps[keep]
         n = entries.size
         if n:
             rank = np.arange(n, dtype=np.int64)
@@ -177,7 +182,11 @@ class KeyTable:
                 self.slots = np.zeros(end, dtype=np.uint64)
             self.slots[at] = entries
         self.live, self.deleted = n, 0
-        self.by_tier = np.bincount((entries & _TMASK).astype(np.int64), minlength=TIERS)
+        if uniform_tier is None:
+            self.by_tier = np.bincount((entries & _TMASK).astype(np.int64), minlength=TIERS)
+        else:
+            self.by_tier = np.zeros(TIERS, dtype=np.int64)
+            self.by_tier[uniform_tier] = n
 
     def add(self, fps: U64, tiers: npt.NDArray[np.integer] | int) -> I8:
         """Insert, or change the tier of keys already held (a fingerprint given twice in one
