@@ -171,7 +171,10 @@ class Quotas:
         self.tenants = tenants
         self.path = path
         self._lock = threading.Lock()
-        self._file_lock = threading.Lock()  # orders writers of the quota file (admin only)
+        # Writers of the quota file take turns through this condition (on ``_lock``), with
+        # no lock held while one writes: see :meth:`_save`.
+        self._file_turn = threading.Condition(self._lock)
+        self._writing = False
         self._configured = {
             t: {check_name(n): v for n, v in limits.get(t, {}).items()} for t in TIERS
         }
@@ -445,17 +448,24 @@ class Quotas:
         )
 
     def _save(self) -> None:
-        """Write the live changes (the latest state, once per change at most)."""
+        """Write the live changes, returning once a state that includes this call's change
+        is on disk (fsynced, then renamed over the file). One caller writes at a time, with
+        no lock held during the I/O; a caller whose change a later write covered returns
+        without writing."""
         if not self.path:
             return
-        with self._lock:
+        with self._file_turn:
             self._seq += 1
-        with self._file_lock:
-            with self._lock:
-                if self._written >= self._seq:
-                    return  # a later call already wrote this state
-                seq = self._seq
-                data = msgspec.json.encode(self._file())
+            mine = self._seq
+            while self._writing and self._written < mine:
+                self._file_turn.wait()
+            if self._written >= mine:
+                return  # a later call already wrote this state
+            self._writing = True
+            seq = self._seq
+            data = msgspec.json.encode(self._file())
+        written = False
+        try:
             tmp = f"{self.path}.tmp"
             os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
             with open(tmp, "wb") as fh:
@@ -463,7 +473,13 @@ class Quotas:
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, self.path)
-            self._written = seq
+            written = True
+        finally:
+            with self._file_turn:
+                self._writing = False
+                if written:
+                    self._written = max(self._written, seq)
+                self._file_turn.notify_all()
 
 
 def _tier_row(f: TierTenantFigures | None, limit: int | None) -> p.TenantTierInfo:
