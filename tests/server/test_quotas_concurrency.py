@@ -4,7 +4,6 @@ quotas evicting and the watermark evicting too."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import traceback
 import uuid
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from support.servers import CHUNK_BYTES, CHUNK_SIZE, chunk_data, register
+from support.workers import run_workers
 from tierkv.client import Client
 from tierkv.config import from_mapping
 from tierkv.server.wiring import Server
@@ -65,22 +65,9 @@ def test_usage_per_tenant_is_exact_under_concurrent_engines(tmp_path: Path) -> N
         }
     )
     with Server(cfg).start_background() as server:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        procs = [
-            ctx.Process(target=engine, args=(server.endpoint, i, t, s, results))
-            for i, (t, s) in enumerate(ENGINES)
-        ]
-        for proc in procs:
-            proc.start()
-        try:
-            out = [results.get(timeout=JOIN_TIMEOUT) for _ in procs]
-        finally:
-            for proc in procs:
-                proc.join(JOIN_TIMEOUT)
-                if proc.is_alive():
-                    proc.kill()
-        assert not [e for _, e in out if e], "\n".join(e for _, e in out if e)
+        run_workers(
+            engine, [(server.endpoint, i, t, s) for i, (t, s) in enumerate(ENGINES)], JOIN_TIMEOUT
+        )
         index = server.index
         index.check()  # every tenant's usage == the sizes of its slots; tenant LRUs exact
         server.eviction.run_once()

@@ -23,13 +23,13 @@ from support.servers import (
     chunk_data,
     register,
 )
+from support.workers import run_workers
 from tierkv.client import Client
 
 N_PROCS = 4
 SHARED = 3  # chunks of the prefix every process stores
 OWN = 2  # chunks of each process's own suffix
 ROUNDS = 3
-JOIN_TIMEOUT = 60
 
 
 def shared_prefix() -> list[int]:
@@ -83,26 +83,6 @@ def worker(endpoint: str, idx: int, barrier: Any, results: Any) -> None:
         results.put((idx, stored.stored, stored.present, None))
     except BaseException:
         results.put((idx, None, None, traceback.format_exc()))
-
-
-def run_workers(target: Callable[..., None], args: list[tuple[Any, ...]]) -> list[Any]:
-    """Run ``target(*args[i], results)`` in spawned processes; return their results."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, results)) for a in args]
-    for proc in procs:
-        proc.start()
-    try:
-        out = [results.get(timeout=JOIN_TIMEOUT) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(JOIN_TIMEOUT)
-            if proc.is_alive():
-                proc.kill()
-    errors = [r[-1] for r in out if r[-1]]
-    assert not errors, "\n".join(errors)
-    assert all(proc.exitcode == 0 for proc in procs)
-    return sorted(out, key=lambda r: r[0])
 
 
 def test_concurrent_processes_share_a_prefix_and_read_byte_exact(
