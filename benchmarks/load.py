@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from peers import TOKEN, Server, free_port_pair, members, wait_for
-from shm_path import start_server, stop_process
+from shm_path import start_server
 from tierkv.client import Client
+from tierkv.demo.local_process import stop_process
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256

@@ -38,9 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from peers import TOKEN, Server, free_port_pair, members, wait_for
-from shm_path import start_server, stop_process
+from shm_path import start_server
 from support import sglang_pools as sp
 from tierkv.copier import Copier, default_threads
+from tierkv.demo.local_process import stop_process
 
 GOAL_VS_MEMCPY = 0.7
 GOAL_VS_FILE = 2.0

@@ -45,7 +45,6 @@ import contextlib
 import math
 import os
 import pickle
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,7 @@ import zmq
 
 from tierkv.client import Client, ServerUnavailableError, wait_for_server
 from tierkv.copier import Copier, default_threads
+from tierkv.demo.local_process import stop_process
 from tierkv.pool import segment_exists
 
 MIB = 1 << 20
@@ -118,17 +118,6 @@ def start_server(
         stop_process(proc)
         raise RuntimeError(f"server did not answer:\n{srv.log()}") from None
     return srv
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def pickle_server_main(endpoint: str) -> None:

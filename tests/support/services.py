@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 import pytest
 
 from support.httputil import free_port
+from tierkv.demo.local_process import stop_process
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier
 
@@ -40,14 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    if proc is not None:
+        stop_process(proc, timeout)
 
 
 def _log_tail(path: Path, lines: int = 30) -> str:

@@ -14,6 +14,21 @@ import subprocess
 import tempfile
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> bool:
+    """SIGTERM ``proc`` and wait ``timeout`` s for it, killing it after that; True unless it
+    had to be killed (already exited: True)."""
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return False
+    return True
+
+
 class LocalServerError(RuntimeError):
     """A process did not start, or did not stop cleanly; the message includes its log."""
 
@@ -46,17 +61,11 @@ class LocalProcess:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise LocalServerError(
-                    f"the {self.what} did not stop within {timeout:.0f} s of SIGTERM (killed):"
-                    f"\n{self.log_tail()}"
-                ) from None
+        if not stop_process(proc, timeout):
+            raise LocalServerError(
+                f"the {self.what} did not stop within {timeout:.0f} s of SIGTERM (killed):"
+                f"\n{self.log_tail()}"
+            )
         if proc.returncode != 0:
             raise LocalServerError(
                 f"the {self.what} exited with status {proc.returncode}:\n{self.log_tail()}"
