@@ -522,13 +522,11 @@ class ObjectIndex:
         with self._lock:
             first = self._evict_first()
             if first is None:
-                return self._evict(self._lru, nbytes)
+                return self._evict(self._lru, nbytes)[0]
             lru, skip = first
-            evicted = self._evict(lru, nbytes, skip)
-            aligned = self.allocator.aligned
-            freed = sum(aligned(e.length) for e in evicted)
+            evicted, freed = self._evict(lru, nbytes, skip)
             if freed < nbytes:
-                evicted += self._evict(self._lru, nbytes - freed)
+                evicted += self._evict(self._lru, nbytes - freed)[0]
             return evicted
 
     def _evict_first(self) -> tuple[dict[Entry, None], frozenset[int]] | None:
@@ -560,7 +558,7 @@ class ObjectIndex:
             for tid, used in list(self._tused.items()):
                 limit = self._limits.get(tid, default)
                 if limit is not None and used > limit and tid in self._tlru:
-                    evicted += self._evict(self._tlru[tid], used - limit)
+                    evicted += self._evict(self._tlru[tid], used - limit)[0]
             return evicted
 
     def set_quotas(self, limits: dict[int, int], default: int | None, hard: bool) -> None:
@@ -781,10 +779,10 @@ class ObjectIndex:
 
     def _evict(
         self, lru: dict[Entry, None], nbytes: int, skip: frozenset[int] = frozenset()
-    ) -> list[Evicted]:
+    ) -> tuple[list[Evicted], int]:
         """Evict from ``lru`` (the global LRU or one tenant's), oldest first, stepping over
         pinned objects and those of the tenants in ``skip``, until ``nbytes`` (aligned) are
-        freed or nothing is left."""
+        freed or nothing is left; returns what was evicted and the bytes freed."""
         victims: list[Entry] = []
         freed = 0
         size_of = self.allocator.size_of
@@ -807,7 +805,7 @@ class ObjectIndex:
             evicted.append(Evicted(entry.key, entry.length, entry.tier))
         self._evictions += len(evicted)
         self._evicted_bytes += freed
-        return evicted
+        return evicted, freed
 
     def _free_slot(self, entry: Entry) -> int:
         """Give the entry's slot back to the allocator and its bytes back to its tenant's

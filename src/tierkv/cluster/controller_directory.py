@@ -29,7 +29,7 @@ import numpy as np
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.cluster.directory import Directory, Location, Where
+from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
 from tierkv.controller import messages as cm
 from tierkv.keys import KEY_SIZE
 
@@ -59,9 +59,7 @@ class ControllerDirectory(Directory):
         self.clock = clock
         self._members: dict[str, m.MemberInfo] = {me.node_id: me}
         self._cond = threading.Condition()
-        self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to withdraw
-        self._queued = 0
-        self._sent = 0
+        self._queue = PublishQueue()
         self._stop = False
         self._registered = False
         self._namespaces_changed = False
@@ -85,20 +83,16 @@ class ControllerDirectory(Directory):
     # -- the Directory interface -----------------------------------------------------------
     def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
         with self._cond:
-            if not keys:
-                return self._queued
-            for key in keys:
-                self._pending[key] = int(where)
-            self._queued += 1
-            self._cond.notify()
-            return self._queued
+            ticket = self._queue.add(keys, where)
+            if keys:
+                self._cond.notify()
+            return ticket
 
     def unpublish(self, keys: Sequence[bytes]) -> None:
         if not keys:
             return
         with self._cond:
-            for key in keys:
-                self._pending[key] = -1
+            self._queue.withdraw(keys)
             self._cond.notify()
 
     def wait_published(self, ticket: int, timeout: float) -> bool:
@@ -107,7 +101,7 @@ class ControllerDirectory(Directory):
         next full sync, or the reports right after it, carry the keys."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._sent >= ticket or self._stop or not self._registered, timeout
+                lambda: self._queue.done(ticket) or self._stop or not self._registered, timeout
             )
 
     def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
@@ -169,8 +163,7 @@ class ControllerDirectory(Directory):
                 )
                 if self._stop:
                     return
-                pending, self._pending = self._pending, {}
-                taken = self._queued
+                pending, taken = self._queue.take()
                 tell_namespaces, self._namespaces_changed = self._namespaces_changed, False
             try:
                 if not self._registered:
@@ -188,14 +181,14 @@ class ControllerDirectory(Directory):
                 log.exception("controller directory: sending failed")
                 self._set_registered(False)
             with self._cond:
-                self._sent = max(self._sent, taken)
+                self._queue.mark_sent(taken)
                 self._cond.notify_all()
 
     def _has_work(self, wake: float) -> bool:
         return (
             self._stop
             or self.clock() >= wake
-            or (self._registered and (bool(self._pending) or self._namespaces_changed))
+            or (self._registered and (bool(self._queue) or self._namespaces_changed))
         )
 
     def _register_and_sync(self) -> None:

@@ -94,6 +94,45 @@ class Directory(ABC):
         return {}
 
 
+class PublishQueue:
+    """A directory's queued publishes and withdrawals, and the tickets of :meth:`publish
+    <Directory.publish>`: what a directory's sender thread takes in batches and reports as
+    sent. Not thread-safe on its own: its directory calls it under its lock, and waits on
+    its own condition for :meth:`done`."""
+
+    def __init__(self) -> None:
+        self.pending: dict[bytes, int] = {}  # key -> Where, or -1 to withdraw
+        self.queued = 0  # publish calls so far (their tickets)
+        self.sent = 0  # publish calls whose batch has been sent and answered
+
+    def __bool__(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, keys: Sequence[bytes], where: Where) -> int:
+        """Queue ``keys`` as held in ``where``; returns the ticket (for no keys: the last)."""
+        if keys:
+            for key in keys:
+                self.pending[key] = int(where)
+            self.queued += 1
+        return self.queued
+
+    def withdraw(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.pending[key] = -1
+
+    def take(self) -> tuple[dict[bytes, int], int]:
+        """The queued changes, and the last ticket they cover; the queue is empty after."""
+        pending, self.pending = self.pending, {}
+        return pending, self.queued
+
+    def mark_sent(self, ticket: int) -> None:
+        """The batch that covers the tickets up to ``ticket`` was sent and answered."""
+        self.sent = max(self.sent, ticket)
+
+    def done(self, ticket: int) -> bool:
+        return self.sent >= ticket
+
+
 class Shard:
     """This node's part of the directory: key -> ((holder, incarnation, where), ...)."""
 
@@ -206,10 +245,8 @@ class HashDirectory(Directory):
         self._ring_cache: tuple[int, dict[str, m.MemberInfo], Ring] | None = None
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._pending: dict[bytes, int] = {}  # key -> Where, or -1 to unpublish
-        self._queued = 0  # publish() calls so far (their tickets)
-        self._sent = 0  # publish() calls whose updates have been sent and answered
-        self._taken = 0  # publish() calls in the batch being sent
+        self._queue = PublishQueue()
+        self._taken = 0  # the last ticket of the batch being sent
         self._view_changed = False  # a membership change not yet applied
         self._changed_at = 0.0
         self._next_republish = clock() + republish_interval
@@ -253,17 +290,14 @@ class HashDirectory(Directory):
     # -- writes (queued) -------------------------------------------------------------------
     def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
         with self._cond:
-            if not keys:
-                return self._queued
-            for key in keys:
-                self._pending[key] = int(where)
-            self._queued += 1
-            self._cond.notify()
-            return self._queued
+            ticket = self._queue.add(keys, where)
+            if keys:
+                self._cond.notify()
+            return ticket
 
     def wait_published(self, ticket: int, timeout: float) -> bool:
         with self._cond:
-            done = self._cond.wait_for(lambda: self._sent >= ticket or self._stop, timeout)
+            done = self._cond.wait_for(lambda: self._queue.done(ticket) or self._stop, timeout)
             self.counts["publish_waits"] += 1
             if not done:
                 self.counts["publish_wait_timeouts"] += 1
@@ -273,8 +307,7 @@ class HashDirectory(Directory):
         if not keys:
             return
         with self._cond:
-            for key in keys:
-                self._pending[key] = -1
+            self._queue.withdraw(keys)
             self._cond.notify()
 
     def _membership_changed(
@@ -289,7 +322,7 @@ class HashDirectory(Directory):
         """Wait until the queue is empty and nothing is being sent (tests, benchmarks)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not self._pending and not self._view_changed and not self._busy, timeout
+                lambda: not self._queue and not self._view_changed and not self._busy, timeout
             )
 
     def start(self) -> None:
@@ -308,13 +341,12 @@ class HashDirectory(Directory):
         while True:
             with self._cond:
                 self._busy = False
-                self._sent = self._taken
+                self._queue.mark_sent(self._taken)
                 self._cond.notify_all()
                 rebalance = self._next_work()
                 if self._stop:
                     return
-                pending, self._pending = self._pending, {}
-                self._taken = self._queued
+                pending, self._taken = self._queue.take()
                 self._busy = True
             try:
                 if rebalance:
@@ -337,7 +369,7 @@ class HashDirectory(Directory):
             if self._view_changed and now >= self._changed_at + self.settle:
                 self._view_changed = False
                 return True
-            if self._pending or now >= self._next_republish:
+            if self._queue or now >= self._next_republish:
                 return False
             wake = self._next_republish
             if self._view_changed:

@@ -100,10 +100,10 @@ def create_app(
     service: ControllerService, health: Callable[[], dict[str, bool]], auth_token: str = ""
 ) -> FastAPI:
     app = FastAPI(title="tierkv controller", docs_url=None, redoc_url=None, openapi_url=None)
-    add_lookup_route(app, make_authorizer(auth_token), service.router_lookup)
+    authorize = make_authorizer(auth_token)
+    add_lookup_route(app, authorize, service.router_lookup)
     registry = CollectorRegistry()
     registry.register(ControllerCollector(service))
-    authorize = make_authorizer(auth_token)
     page = controller_page()
 
     @app.get("/", response_class=HTMLResponse)

@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import numpy.typing as npt
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -393,7 +392,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             g is not None
             and isinstance(tensor, torch.Tensor)
             and tensor.dtype == self._torch_dtype
-            and tensor.numel() == int(np.prod(g.shape))
+            and tensor.numel() == g.elements
             and tensor.is_contiguous()
         )
 
@@ -404,10 +403,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         elapsed = time.perf_counter() - start
         g = self.geometry
         if g is not None and elapsed > 0:
-            page_bytes = int(np.prod(g.shape)) * (
-                self._torch_dtype.itemsize if self._torch_dtype else 1
-            )
-            gbps = pages * page_bytes / elapsed / 1e9
+            gbps = pages * g.nbytes / elapsed / 1e9
             (self._backup_pages if store else self._prefetch_pages).append(pages)
             (self._backup_gbps if store else self._prefetch_gbps).append(gbps)
         return result

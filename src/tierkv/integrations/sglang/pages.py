@@ -57,6 +57,8 @@ class PageGeometry:
     shape: tuple[int, ...]  # one page, in the host pool's order
     token_axis: int
     dtype: str  # tierkv's name of the KV dtype (torch's, without "torch.")
+    elements: int  # elements in one page
+    nbytes: int  # bytes in one page
 
     @property
     def format_tag(self) -> str:
@@ -100,7 +102,9 @@ def geometry_of(pool: Any) -> PageGeometry:
             f"{kind} {layout}: page shape {shape} does not hold {page_size} tokens on axis {axis}"
         )
     dtype = str(pool.dtype).removeprefix("torch.")
-    return PageGeometry(kind, layout, page_size, shape, axis, dtype)
+    elements = int(view.numel())
+    nbytes = elements * int(view.element_size())
+    return PageGeometry(kind, layout, page_size, shape, axis, dtype, elements, nbytes)
 
 
 def page_views(pool: Any, host_indices: Any, count: int) -> list[npt.NDArray[Any]]:
