@@ -193,6 +193,8 @@ def test_size_strings_in_every_source(tmp_path: Path) -> None:
         ("rpc_tcp", "127.0.0.1:99999"),
         ("rpc_tcp", "127.0.0.1:0"),
         ("prefault", "maybe"),
+        ("controller", "nohost"),
+        ("controller", "127.0.0.1:99999"),
     ],
 )
 def test_invalid_values_name_the_option(option: str, value: str) -> None:
@@ -478,3 +480,10 @@ def test_dev_shm_too_small_is_refused_with_an_actionable_message(tmp_path: Path)
         assert words in err, err
     assert not segment_exists(name)  # nothing left behind
     assert not (run / "rpc.sock").exists()
+
+
+def test_the_ring_and_a_controller_are_one_choice() -> None:
+    with pytest.raises(ConfigError, match="two directory modes"):
+        config.load(
+            env={"TIERKV_CLUSTER_SEEDS": "127.0.0.1:8792", "TIERKV_CONTROLLER": "127.0.0.1:8800"}
+        )

@@ -230,11 +230,12 @@ def test_unsupported_pools_and_settings_are_refused_with_the_reason(
         sp.create_backend(
             sp.storage_config({"endpont": srv.endpoint}), sp.host_pool("mha", "page_first")
         )
-    with pytest.raises(SettingsError, match="timeout"):
-        sp.create_backend(
-            sp.storage_config({"endpoint": srv.endpoint, "timeout": 0}),
-            sp.host_pool("mha", "page_first"),
-        )
+    for bad, key in (({"timeout": 0}, "timeout"), ({"populate": "sometimes"}, "populate")):
+        with pytest.raises(SettingsError, match=key):
+            sp.create_backend(
+                sp.storage_config({"endpoint": srv.endpoint, **bad}),
+                sp.host_pool("mha", "page_first"),
+            )
 
 
 # -- bad input: a clear log line, a miss, the server keeps serving ---------------------------

@@ -114,6 +114,10 @@ def test_settings_defaults_and_validation() -> None:
         ConnectorSettings.from_extra_config({"timeout": "soon"})
     with pytest.raises(SettingsError, match="kv_layout"):
         ConnectorSettings.from_extra_config({"kv_layout": "rows"})
+    assert s.populate is True
+    assert ConnectorSettings.from_extra_config({"populate": "false"}).populate is False
+    with pytest.raises(SettingsError, match="populate"):
+        ConnectorSettings.from_extra_config({"populate": "sometimes"})
 
 
 # -- roles against a real server -----------------------------------------------------------------
