@@ -4,14 +4,23 @@ Two experiments with real server processes, each against a bound measured in the
 
 (a) ``engines8``: 8 engine processes on one server at once, each storing, looking up and
     retrieving prompts of 32k tokens (128 chunks of 8 MiB, sent in requests of 16 chunks,
-    as an engine stores what each forward step completed). Aggregate store and retrieve
-    GB/s against a memcpy of the same chunks by 8 threads at once (the same number of
-    copiers) in this process, and the lookups' p50/p99 (each a 32k-token prompt, hashed by
-    the server).
+    as an engine stores what each forward step completed). In rounds: every engine stores
+    its prompt (and, after each store request, looks up a fresh 32k-token prompt, as its
+    scheduler does for a new request: a miss) and then looks it up; once all have stored,
+    every engine retrieves its prompt. Aggregate store and retrieve GB/s (each round's
+    bytes over that round's span, first start to last end) against a memcpy of the same
+    chunks by 8 threads at once (the same number of copiers) in this process, and the
+    lookups' p50/p99 (hashed by the server).
 (b) ``under_transfer``: one engine process looks up a fresh 32k-token prompt every 10 ms on
     server B while B fetches 256 MiB from peer A (another engine's lookup) and prefetches
     128 MiB from its disk tier (a third engine's lookup). The lookups' p99 inside the
     transfer windows, and outside them (the same engine, the same server, idle).
+
+Both also run a floor (:class:`Floor`): two processes of their own doing a bare ZMQ round
+trip every 5 ms under the same load, with no tierkv in between. Its p99 is what the
+machine's scheduler gives any request/reply between two processes at that moment; on a
+2-core VM it is of the order of the goal itself. Printed on the line before the last:
+``floor engines8_roundtrip_p99_ms=.. under_transfer_roundtrip_p99_ms=..``.
 
 Last line: ``load engines8_store_vs_memcpy=A engines8_retrieve_vs_memcpy=B
 engines8_lookup_p99_ms=C lookup_p99_under_transfer_ms=D``.
@@ -36,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import zmq
 
 from peers import TOKEN, Server, free_port_pair, members, wait_for
 from shm_path import start_server
@@ -57,49 +67,136 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
+def describe_rtt(rtt: list[float]) -> str:
+    return (
+        f"a bare ZMQ round trip between two other processes meanwhile: n={len(rtt)} "
+        f"p50 {statistics.median(rtt) * 1e3:.2f} ms p99 {pct(rtt, 0.99) * 1e3:.2f} ms"
+    )
+
+
 def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> np.ndarray[Any, Any]:
     return np.random.default_rng(seed).integers(0, 100_000, tokens, dtype=np.uint32)
 
 
+# -- the floor: a bare request/reply round trip under the same load -----------------------------
+def echo_main(endpoint: str) -> None:
+    """Answer every message with itself until ``stop`` (a ROUTER, as the server's RPC loop)."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        frames = sock.recv_multipart()
+        sock.send_multipart(frames)
+        if frames[-1] == b"stop":
+            return
+
+
+def pinger_main(endpoint: str, period: float, stop_path: str, out_path: str) -> None:
+    """Send 64 bytes and wait for them back every ``period`` s until ``stop_path`` exists;
+    write (start time, round trip) pairs."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    samples: list[tuple[float, float]] = []
+    stop = Path(stop_path)
+    while not stop.exists():
+        t0 = time.monotonic()
+        sock.send(b"x" * 64)
+        sock.recv()
+        samples.append((t0, time.monotonic() - t0))
+        time.sleep(max(0.0, period - (time.monotonic() - t0)))
+    sock.send(b"stop")
+    sock.recv()
+    Path(out_path).write_text(json.dumps(samples))
+
+
+class Floor:
+    """Two processes of their own pinging each other over ZMQ IPC (no tierkv, nothing to
+    compute) while an experiment runs: the round trip that any request/reply between two
+    processes gets from this machine's scheduler under the same load. A lookup cannot be
+    faster than this, and on a busy 2-core VM this is what the tail is made of."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.stop_path = root / "floor.stop"
+        self.out_path = root / "floor.json"
+        self.samples: list[tuple[float, float]] = []
+
+    def __enter__(self) -> Floor:
+        endpoint = f"ipc://{self.root / 'floor.sock'}"
+        me = [sys.executable, __file__]
+        self.echo = subprocess.Popen([*me, "--echo", endpoint])
+        self.pinger = subprocess.Popen(
+            [*me, "--pinger", endpoint, "0.005", str(self.stop_path), str(self.out_path)]
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_path.touch()
+        for proc in (self.pinger, self.echo):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                stop_process(proc)
+        if self.out_path.exists():
+            self.samples = json.loads(self.out_path.read_text())
+
+    def within(self, windows: list[tuple[float, float]]) -> list[float]:
+        return [lat for start, lat in self.samples if any(lo <= start <= hi for lo, hi in windows)]
+
+
 # -- (a) 8 engines at once -------------------------------------------------------------------
-def engine_main(endpoint: str, idx: int, prompts: int, per_request: int, out: Any) -> None:
-    """One engine process: store each prompt request by request, look it up, retrieve it."""
+def engine_main(
+    endpoint: str, idx: int, prompts: int, per_request: int, barrier: Any, out: Any
+) -> None:
+    """One engine process, per prompt: store it request by request and look it up (while the
+    other engines store theirs), then, once every engine has stored, retrieve it (while the
+    others retrieve theirs). Reports each phase's start and end (monotonic clock, shared by
+    the processes) so that the parent computes aggregate rates over the phases' union."""
     client = Client(endpoint, timeout=120.0, populate=True, copy_threads=1)
     client.register("load-model", SHAPE, "float32", token_axis=1, name=f"engine-{idx}")
     src = np.random.default_rng(idx).random(SHAPE, dtype=np.float32)  # every chunk's bytes
     dst = np.empty(SHAPE, np.float32)
     n_chunks = PROMPT_TOKENS // CHUNK_TOKENS
-    stored = retrieved = 0
-    store_s = retrieve_s = 0.0
+    stores: list[tuple[float, float, int]] = []
+    retrieves: list[tuple[float, float, int]] = []
     lookups: list[float] = []
     for p in range(prompts):
         tokens = prompt(idx * 1000 + p)
-        t0 = time.perf_counter()
+        barrier.wait()
+        t0 = time.monotonic()
+        stored = 0
         for first in range(0, n_chunks, per_request):
             end = (first + per_request) * CHUNK_TOKENS
             res = client.store(tokens[:end], [src] * per_request, first_chunk=first)
             stored += len(res.stored)
-        store_s += time.perf_counter() - t0
+            # A new request reaches the engine's scheduler meanwhile: a miss.
+            fresh = prompt(1_000_000 + idx * 1000 + p * 100 + first)
+            t1 = time.monotonic()
+            client.lookup(fresh)
+            lookups.append(time.monotonic() - t1)
+        stores.append((t0, time.monotonic(), stored))
         rid = f"e{idx}-p{p}"
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         found = client.lookup(tokens, request_id=rid)
-        lookups.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        got = client.retrieve(request_id=rid, scatter=lambda c, view: np.copyto(dst, view))
-        retrieve_s += time.perf_counter() - t0
-        retrieved += len(got.retrieved)
+        lookups.append(time.monotonic() - t0)
+        barrier.wait()
+        t0 = time.monotonic()
+        got = client.retrieve(request_id=rid, out=[dst] * n_chunks)
+        retrieves.append((t0, time.monotonic(), len(got.retrieved)))
         if found.hits != len(got.retrieved):
             raise RuntimeError(f"engine {idx}: {found.hits} hits, {len(got.retrieved)} read")
     client.close()
-    out.put(
-        {
-            "stored": stored,
-            "retrieved": retrieved,
-            "store_s": store_s,
-            "retrieve_s": retrieve_s,
-            "lookups": lookups,
-        }
-    )
+    out.put({"stores": stores, "retrieves": retrieves, "lookups": lookups})
+
+
+def phase_gbps(per_engine: list[list[tuple[float, float, int]]]) -> tuple[float, int]:
+    """Aggregate GB/s of one kind of phase: every round's chunks over that round's span
+    (first engine's start to last engine's end), summed over rounds; and the chunks."""
+    chunks = 0
+    seconds = 0.0
+    for phase in zip(*per_engine, strict=True):
+        seconds += max(end for _, end, _ in phase) - min(start for start, _, _ in phase)
+        chunks += sum(n for _, _, n in phase)
+    return chunks * CHUNK_BYTES / seconds / 1e9, chunks
 
 
 def memcpy_gbps(threads: int, chunks_each: int) -> float:
@@ -124,21 +221,27 @@ def memcpy_gbps(threads: int, chunks_each: int) -> float:
 def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[str, float]:
     root.mkdir(parents=True)
     # Every engine's prompt stays in the pool until it has read it back: room for all of
-    # them below the eviction watermark (older prompts are evicted as new ones come).
+    # them below the low watermark (older prompts are evicted as new ones come).
+    # Stores never wait for eviction (a reservation that does not fit is refused), so the
+    # headroom above the high watermark holds a whole wave of requests (8 x 16 x 8 MiB).
     prompt_bytes = PROMPT_TOKENS // CHUNK_TOKENS * CHUNK_BYTES
-    pool = int(engines * prompt_bytes / 0.9) + 512 * MIB
-    srv = start_server(root, pool, True, ("--high-watermark", "0.95", "--low-watermark", "0.9"))
+    pool = int(engines * prompt_bytes / 0.85) + 1536 * MIB
+    srv = start_server(root, pool, True, ("--high-watermark", "0.9", "--low-watermark", "0.85"))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    barrier = ctx.Barrier(engines)
     try:
         procs = [
-            ctx.Process(target=engine_main, args=(srv.endpoint, i, prompts, per_request, out))
+            ctx.Process(
+                target=engine_main, args=(srv.endpoint, i, prompts, per_request, barrier, out)
+            )
             for i in range(engines)
         ]
         t0 = time.perf_counter()
-        for proc in procs:
-            proc.start()
-        results = [out.get(timeout=600) for _ in procs]
+        with Floor(root) as floor:
+            for proc in procs:
+                proc.start()
+            results = [out.get(timeout=600) for _ in procs]
         wall = time.perf_counter() - t0
         for proc in procs:
             proc.join(60)
@@ -146,12 +249,11 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
                 raise RuntimeError(f"an engine failed (exit {proc.exitcode})")
     finally:
         stop_process(srv.proc)
-    stored = sum(r["stored"] for r in results)
-    retrieved = sum(r["retrieved"] for r in results)
-    # Aggregate rates: all bytes over the longest engine's time in that phase.
-    store_gbps = stored * CHUNK_BYTES / max(r["store_s"] for r in results) / 1e9
-    retrieve_gbps = retrieved * CHUNK_BYTES / max(r["retrieve_s"] for r in results) / 1e9
+    store_gbps, stored = phase_gbps([r["stores"] for r in results])
+    retrieve_gbps, retrieved = phase_gbps([r["retrieves"] for r in results])
     lookups = [x for r in results for x in r["lookups"]]
+    phases = [ph for r in results for ph in r["stores"] + r["retrieves"]]
+    floor_rtt = floor.within([(min(p[0] for p in phases), max(p[1] for p in phases))])
     bound = memcpy_gbps(engines, 8)
     expected = engines * prompts * (PROMPT_TOKENS // CHUNK_TOKENS)
     print(
@@ -164,7 +266,9 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
         f"memcpy by {engines} threads {bound:.2f} GB/s; lookup (32k tokens) "
         f"p50 {statistics.median(lookups) * 1e3:.2f} ms p99 {pct(lookups, 0.99) * 1e3:.2f} ms"
     )
+    print(f"    floor: {describe_rtt(floor_rtt)}")
     return {
+        "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3,
         "store": store_gbps / bound,
         "retrieve": retrieve_gbps / bound,
         "lookup_p99_ms": pct(lookups, 0.99) * 1e3,
@@ -232,7 +336,7 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
             if found.hits != n or len(got.retrieved) != n:
                 raise RuntimeError(f"{rid}: {found.hits} hits of {n}")
 
-        with b.client() as peer_engine, b.client() as disk_engine:
+        with Floor(root) as floor, b.client() as peer_engine, b.client() as disk_engine:
             peer_engine.register("load-model", SHAPE, "float32", token_axis=1)
             disk_engine.register("load-model", SHAPE, "float32", token_axis=1)
             for r in range(rounds):
@@ -269,7 +373,9 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
         f"idle: n={len(idle)} p50 {statistics.median(idle) * 1e3:.2f} ms "
         f"p99 {pct(idle, 0.99) * 1e3:.2f} ms"
     )
-    return {"p99_ms": pct(busy, 0.99) * 1e3}
+    floor_rtt = floor.within(windows)
+    print(f"    floor: {describe_rtt(floor_rtt)}")
+    return {"p99_ms": pct(busy, 0.99) * 1e3, "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3}
 
 
 def main() -> None:
@@ -280,7 +386,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="transfer rounds in (b)")
     ap.add_argument("--only", choices=("a", "b"), help="run one experiment")
     ap.add_argument("--looker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--echo", help=argparse.SUPPRESS)
+    ap.add_argument("--pinger", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.echo:
+        echo_main(args.echo)
+        return
+    if args.pinger:
+        endpoint, period, stop_path, out_path = args.pinger
+        pinger_main(endpoint, float(period), stop_path, out_path)
+        return
     if args.looker:
         endpoint, seconds, period, out_path = args.looker
         looker_main(endpoint, float(seconds), float(period), out_path)
@@ -295,6 +410,12 @@ def main() -> None:
         b = under_transfer(root / "b", args.rounds) if args.only != "a" else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    floors = []
+    if a:
+        floors.append(f"engines8_roundtrip_p99_ms={a['floor_p99_ms']:.2f}")
+    if b:
+        floors.append(f"under_transfer_roundtrip_p99_ms={b['floor_p99_ms']:.2f}")
+    print("floor " + " ".join(floors))
     parts = []
     if a:
         parts += [

@@ -175,11 +175,15 @@ class Client:
         populate: bool = False,
         copy_threads: int | None = None,
         parallel_callbacks: bool = False,
+        data_priority: bool = True,
     ) -> None:
         """``copy_threads``: threads that copy a large batch (default: the cores, at most
-        4; 1 copies on the calling thread). Arrays given as ``chunks``/``out`` are always
-        copied by them; ``gather``/``scatter`` callbacks only with ``parallel_callbacks``
-        (then they are called from several threads at once, each chunk once)."""
+        4). Arrays given as ``chunks``/``out`` are always copied by them; ``gather``/
+        ``scatter`` callbacks only with ``parallel_callbacks`` (then they are called from
+        several threads at once, each chunk once). ``data_priority``: the copy threads run
+        at data priority (:mod:`tierkv.priority`) and the calling thread only waits, so the
+        bulk copies of many engines never hold a core that a request's round trip needs;
+        False: the calling thread copies a share (with ``copy_threads=1``, all of it)."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self.auth_token = auth_token
@@ -191,7 +195,7 @@ class Client:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.reply_decoder.decode
         self._executor: ThreadPoolExecutor | None = None
-        self._copier = Copier(copy_threads)
+        self._copier = Copier(copy_threads, data_priority=data_priority)
         self.parallel_callbacks = parallel_callbacks
         self.pool: ShmPool | None = None
         self.registration: Registration | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tierkv import priority
 from tierkv.copier import Copier, split_by_size
 
 
@@ -91,3 +93,47 @@ def test_fewer_than_one_thread_is_refused() -> None:
         with pytest.raises(ValueError, match="at least 1"):
             Copier(threads=threads)
     assert Copier(threads=None).threads >= 1
+
+
+def _nice_of_this_thread() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_pool_threads_are_data_threads_and_the_caller_keeps_its_priority() -> None:
+    base = _nice_of_this_thread()
+    nices: dict[str, int] = {}
+
+    def record(_: int) -> None:
+        nices[threading.current_thread().name] = _nice_of_this_thread()
+
+    copier = Copier(threads=3, min_bytes=0)
+    try:
+        copier.run(record, list(range(6)), [1] * 6)
+    finally:
+        copier.close()
+    me = threading.current_thread().name
+    assert nices.pop(me) == base  # the caller copied a share at its own priority
+    assert nices and set(nices.values()) == {min(19, base + priority.DATA_NICE)}
+    assert _nice_of_this_thread() == base
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_with_data_priority_the_caller_only_waits_for_large_batches(threads: int) -> None:
+    base = _nice_of_this_thread()
+    where: list[tuple[str, int]] = []
+    me = threading.current_thread().name
+
+    def record(_: int) -> None:
+        where.append((threading.current_thread().name, _nice_of_this_thread()))
+
+    copier = Copier(threads=threads, min_bytes=100, data_priority=True)
+    try:
+        copier.run(record, [1, 2, 3], [50, 50, 50])  # 150 bytes: the pool's
+        assert len(where) == 3
+        assert all(name != me and nice == min(19, base + priority.DATA_NICE)
+                   for name, nice in where)  # fmt: skip
+        where.clear()
+        copier.run(record, [1], [99])  # under min_bytes: a handoff would cost more
+        assert where == [(me, base)]
+    finally:
+        copier.close()
