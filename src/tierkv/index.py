@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from tierkv.allocator import Allocator
 from tierkv.keys import DIGEST_SIZE
 from tierkv.tenants import OTHER_ID, TenantIds
@@ -91,10 +93,12 @@ class State(enum.IntEnum):
     READY = 2
 
 
-@dataclass(eq=False, slots=True)
-class Entry:
+class Entry(msgspec.Struct, eq=False, gc=False):
     """One object in the pool. Identity-hashed: a key can be re-stored while an old,
-    deleted entry of the same key is still held by a lease."""
+    deleted entry of the same key is still held by a lease. Not tracked by Python's cycle
+    collector (``gc=False``: it holds no containers, so it can be in no cycle): a pool of a
+    million chunks would otherwise add ~0.3 s to every full collection, a pause in which the
+    RPC loop answers nothing."""
 
     key: bytes
     offset: int

@@ -75,6 +75,9 @@ def test_every_endpoint_answers(server_factory: Servers) -> None:
     metrics = scrape(base)
     assert val(metrics, "tierkv_pool_capacity_bytes") == 16 * 2**20
     assert val(metrics, "tierkv_requests_total", type="lookup", outcome="ok") == 0
+    # The server process made one full collection at start (then froze what it had).
+    assert val(metrics, "tierkv_gc_collections_total", generation="2") >= 1
+    assert val(metrics, "tierkv_gc_pause_max_seconds", generation="2") > 0
 
     page = request("GET", base + "/")
     assert page.status == 200 and page.headers["content-type"].startswith("text/html")

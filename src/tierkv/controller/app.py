@@ -14,6 +14,7 @@ from tierkv.controller import messages as cm
 from tierkv.controller.config import ControllerConfig
 from tierkv.controller.http import create_app
 from tierkv.controller.service import ControllerService
+from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
 from tierkv.server.http import HttpServer
 
@@ -77,6 +78,7 @@ def run(cfg: ControllerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     controller = Controller(cfg).start()
+    freeze_startup()
     try:
         stop.wait()
     finally:

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
+from tierkv.gc_pauses import GcPauseCollector
 from tierkv.server.http import (
     add_health_routes,
     authorized_body,
@@ -104,6 +105,7 @@ def create_app(
     add_lookup_route(app, authorize, service.router_lookup)
     registry = CollectorRegistry()
     registry.register(ControllerCollector(service))
+    registry.register(GcPauseCollector("tierkv_controller"))
     page = controller_page()
 
     @app.get("/", response_class=HTMLResponse)

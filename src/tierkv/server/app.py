@@ -13,6 +13,7 @@ import signal
 from types import FrameType
 
 from tierkv.config import ServerConfig
+from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
 from tierkv.server.wiring import Server
 
@@ -31,5 +32,7 @@ def run(cfg: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    freeze_startup()  # the imports and the wiring: never scanned by a collection again
     server.serve()
     return 0

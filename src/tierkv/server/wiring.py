@@ -28,6 +28,7 @@ from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
 from tierkv.controller import messages as cm
 from tierkv.eviction import EvictionController
+from tierkv.gc_pauses import GcPauseCollector
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
 from tierkv.server.collector import StatsCollector
@@ -225,6 +226,7 @@ class Server:
             if cfg.commit_publish_timeout > 0:
                 self.service.publish_commits(cluster, cfg.commit_publish_timeout)
         metrics.registry.register(StatsCollector(self.document))
+        metrics.registry.register(GcPauseCollector())
 
         # RPC: the engines' endpoint (ZMQ ROUTER; ipc 0600 by default).
         self.rpc = RpcServer(self.service, cfg.rpc_endpoint)
