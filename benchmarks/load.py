@@ -51,6 +51,7 @@ from peers import TOKEN, Server, free_port_pair, members, wait_for
 from shm_path import start_server
 from tierkv.client import Client
 from tierkv.demo.local_process import stop_process
+from tierkv.gc_pauses import freeze_startup
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256
@@ -153,6 +154,7 @@ def engine_main(
     the processes) so that the parent computes aggregate rates over the phases' union."""
     client = Client(endpoint, timeout=120.0, populate=True, copy_threads=1)
     client.register("load-model", SHAPE, "float32", token_axis=1, name=f"engine-{idx}")
+    freeze_startup()
     src = np.random.default_rng(idx).random(SHAPE, dtype=np.float32)  # every chunk's bytes
     dst = np.empty(SHAPE, np.float32)
     n_chunks = PROMPT_TOKENS // CHUNK_TOKENS
@@ -281,6 +283,7 @@ def looker_main(endpoint: str, seconds: float, period: float, out_path: str) -> 
     scheduler does, then end the session); write (start time, latency) pairs."""
     client = Client(endpoint, timeout=30.0, auth_token=TOKEN)
     client.register("lookup-model", SMALL, "float32", token_axis=1)
+    freeze_startup()  # as vLLM's engine does once started: its own collections stay short
     samples: list[tuple[float, float]] = []
     deadline = time.monotonic() + seconds
     i = 0
