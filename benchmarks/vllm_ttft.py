@@ -176,8 +176,12 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
 
 
 def drain(llm: Any, timeout: float = 60.0) -> None:
-    """Step the engine until its scheduler holds no finished request's blocks (every
-    asynchronous store of them has ended)."""
+    """Wait for the worker's stores, then step the engine until its scheduler holds no
+    finished request's blocks (waiting first: a loop of empty engine steps would take the
+    CPU from the store thread and leave garbage for the next request's GC passes)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().wait_for_stores(timeout)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     deadline = time.perf_counter() + timeout
     while scheduler.requests and time.perf_counter() < deadline:

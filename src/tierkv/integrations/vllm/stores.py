@@ -6,7 +6,9 @@ counts the jobs of each request that have been submitted and have not ended yet 
 failed or raised: every job ends), so the worker can tell vLLM when a request's source
 blocks may be freed or reused (:meth:`pending`, :meth:`wait`).
 
-No lock is held while a job runs: the lock guards the counts only.
+No lock is held while a job runs: the lock guards the counts only. The thread runs at a
+lower CPU priority (:func:`tierkv.priority.data_thread`): where vLLM computes on the CPU, its
+next forward pass must not wait for a core behind the copy of a store it does not need.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
+
+from tierkv import priority
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -72,6 +76,7 @@ class StoreQueue:
         return drained
 
     def _run(self) -> None:
+        priority.data_thread()
         while True:
             item = self._jobs.get()
             if item is None:
