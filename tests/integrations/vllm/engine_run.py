@@ -9,8 +9,9 @@ cached-token count and the connector's ``kv_transfer_params["tierkv"]`` per prom
 config's ``out`` path.
 
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
-timeout (the connector's RPC timeout, default 2.0), store_decode and tenant (the connector
-options),
+timeout (the connector's RPC timeout, default 2.0), store_decode, tenant and async_store (the
+connector options), num_blocks (vLLM's num_gpu_blocks_override: a small KV cache) and
+max_model_len (default 4096),
 tensor_parallel_size (default 1), prefix_caching, prompts ([{"tokens": [...], "salt":
 "..."|null}], see below), max_tokens, out, wait_for (a file to wait for before generating),
 done (a file to create after), report_clients (add
@@ -18,7 +19,15 @@ done (a file to create after), report_clients (add
 and one worker per rank, taken before the engine exits), kill_before_first_load (a pid to
 SIGKILL when the first tierkv load starts: the server dying between the lookup, which locked
 the chunks, and the retrieve; one rank only, as the patch applies to the worker in this
-process).
+process), batch (run every prompt in one ``generate`` call, concurrently, instead of one by
+one; with few blocks vLLM then preempts requests: ``preemptions`` in the output counts them,
+``preempted_waits`` the preempted requests whose stores the worker was told to wait for, in
+``handle_preemptions``: one rank only, the worker in this process).
+
+Before it writes its output the engine steps until vLLM has freed every finished request's
+blocks: with asynchronous stores that is when every store has ended (committed or failed), so
+an engine started on ``done`` reads what this one stored, and a store that never released its
+request's blocks hangs the run instead of passing.
 
 A prompt may also set ``max_tokens`` and ``ignore_eos`` for itself, and continue an earlier
 answer (a next chat turn): with ``answer_of`` (an index) its tokens are ``tokens`` + the output
@@ -68,6 +77,41 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status and "\nState:\tX" not in status
 
 
+def count_preemptions() -> dict[str, int]:
+    """Count vLLM's preemptions (this process's scheduler) and the preempted requests the
+    worker in this process waits for."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from tierkv.integrations.vllm import worker
+
+    counts = {"preemptions": 0, "preempted_waits": 0}
+    original = Scheduler._preempt_request
+    handle = worker.WorkerSide.handle_preemptions
+
+    def preempt(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["preemptions"] += 1
+        return original(self, *args, **kwargs)
+
+    def handle_preemptions(self: Any, meta: Any) -> None:
+        counts["preempted_waits"] += len(meta.preempted)
+        handle(self, meta)
+
+    Scheduler._preempt_request = preempt  # type: ignore[method-assign]
+    worker.WorkerSide.handle_preemptions = handle_preemptions  # type: ignore[method-assign]
+    return counts
+
+
+def drain(llm: Any, timeout: float = 120.0) -> None:
+    """Step the engine until its scheduler holds no request: every finished request's blocks
+    freed (finished sending reported by every rank)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout
+    while scheduler.requests:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"blocks of {sorted(scheduler.requests)} never freed")
+        llm.llm_engine.step()
+
+
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     tp = int(config.get("tensor_parallel_size", 1))
@@ -75,6 +119,7 @@ def main(config_path: str) -> None:
         if tp > 1:
             raise SystemExit("kill_before_first_load patches this process: one rank only")
         kill_server_before_first_load(int(config["kill_before_first_load"]))
+    preemptions = count_preemptions()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -89,6 +134,8 @@ def main(config_path: str) -> None:
             extra["store_decode"] = True
         if config.get("tenant"):
             extra["tenant"] = config["tenant"]
+        if "async_store" in config:
+            extra["async_store"] = bool(config["async_store"])
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",
@@ -98,12 +145,13 @@ def main(config_path: str) -> None:
     llm = LLM(
         model=config["model"],
         dtype="float32",
-        max_model_len=4096,
+        max_model_len=int(config.get("max_model_len", 4096)),
         tensor_parallel_size=tp,
         distributed_executor_backend="uni" if tp == 1 else "mp",
         enforce_eager=True,
         seed=0,
         kv_cache_memory_bytes=64 << 20,
+        num_gpu_blocks_override=config.get("num_blocks"),
         enable_prefix_caching=bool(config.get("prefix_caching", True)),
         **kwargs,
     )
@@ -115,7 +163,8 @@ def main(config_path: str) -> None:
             time.sleep(0.05)
 
     results: list[dict[str, Any]] = []
-    for prompt in config["prompts"]:
+
+    def prepare(prompt: dict[str, Any]) -> tuple[Any, Any]:
         tokens = list(prompt["tokens"])
         if "answer_of" in prompt:
             answered = results
@@ -130,17 +179,29 @@ def main(config_path: str) -> None:
             max_tokens=int(prompt.get("max_tokens", config.get("max_tokens", 8))),
             ignore_eos=bool(prompt.get("ignore_eos", False)),
         )
-        (out,) = llm.generate([request], params, use_tqdm=False)
+        return request, params
+
+    def result(out: Any) -> dict[str, Any]:
         transfer = out.kv_transfer_params or {}
-        results.append(
-            {
-                "prompt_len": len(tokens),
-                "tokens": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens,
-                "tierkv": transfer.get("tierkv"),
-            }
-        )
-    report: dict[str, Any] = {"results": results}
+        return {
+            "prompt_len": len(out.prompt_token_ids),
+            "tokens": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+            "tierkv": transfer.get("tierkv"),
+        }
+
+    if config.get("batch"):
+        requests, params = zip(*(prepare(p) for p in config["prompts"]), strict=True)
+        outs = llm.generate(list(requests), list(params), use_tqdm=False)
+        results.extend(result(out) for out in outs)
+    else:
+        for prompt in config["prompts"]:
+            request, params = prepare(prompt)
+            (out,) = llm.generate([request], params, use_tqdm=False)
+            results.append(result(out))
+    if config.get("endpoint"):
+        drain(llm)
+    report: dict[str, Any] = {"results": results, **preemptions}
     if config.get("report_clients"):
         report["tierkv_clients"] = engine_clients(
             config["endpoint"], llm.llm_engine.vllm_config.kv_transfer_config.engine_id

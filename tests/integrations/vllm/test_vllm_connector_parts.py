@@ -5,13 +5,16 @@ The role tests play vLLM's part: they call the scheduler side the way vLLM's sch
 (lookup, allocation, per-step metadata) and hand the metadata to worker sides that own real
 paged caches, then check the bytes that land in the blocks. The ``store_decode`` tests also play
 decoding, step by step, in vLLM's synchronous order (the token sampled in a step is known when
-the next one is planned) and in its async-scheduling order (known one step later).
+the next one is planned) and in its async-scheduling order (known one step later). The
+``async_store`` tests hold the store thread behind a gate job to see what vLLM is told while a
+store is still queued, then open it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +41,8 @@ try:
         TierKVWorkerMetadata,
     )
     from tierkv.integrations.vllm.scheduler import SchedulerSide
-    from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
+    from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError, stores_async
+    from tierkv.integrations.vllm.stores import StoreQueue
     from tierkv.integrations.vllm.worker import WorkerSide
     from tierkv.keys import pack_tokens
 except ImportError:  # the conftest fails every test with the reason
@@ -167,6 +171,7 @@ def make_engine(
     world_size: int = 1,
     retry_interval: float = 5.0,
     store_decode: bool = False,
+    async_store: bool = False,
 ) -> Engine:
     settings = ConnectorSettings.from_extra_config(
         {
@@ -187,6 +192,7 @@ def make_engine(
         can_load=can_load,
         can_save=can_save,
         world_size=world_size,
+        async_store=async_store,
     )
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -201,6 +207,7 @@ def make_engine(
             rank=rank,
             can_load=can_load,
             can_save=can_save,
+            async_store=async_store,
         )
         cache = cpu_caches()
         worker.register_kv_caches(
@@ -234,6 +241,7 @@ def step_output(
     new: list[tuple[str, list[int], int, int]],
     cached: Sequence[tuple[str, list[int], int, int]] = (),
     resumed: Collection[str] = (),
+    preempted: Collection[str] = (),
 ) -> Any:
     """A SchedulerOutput with new requests (id, block ids, computed before, scheduled) and
     running ones (id, new block ids, or all of them if ``resumed``, computed before,
@@ -250,6 +258,7 @@ def step_output(
             num_computed_tokens=[computed for _, _, computed, _ in cached],
         ),
         num_scheduled_tokens={rid: n for rid, _, _, n in [*new, *cached]},
+        preempted_req_ids=set(preempted),
     )
 
 
@@ -720,9 +729,10 @@ def test_a_preempted_request_does_not_store_its_chunks_again(server: Any) -> Non
     assert report["stored_chunks"] == 3 and report["loaded_tokens"] == CHUNK
 
 
-def test_nothing_is_stored_on_top_of_a_failed_load(server: Any) -> None:
+@pytest.mark.parametrize("async_store", [False, True])
+def test_nothing_is_stored_on_top_of_a_failed_load(server: Any, async_store: bool) -> None:
     a = make_engine(server.endpoint, "engine-a")
-    b = make_engine(server.endpoint, "engine-b", store_decode=True)
+    b = make_engine(server.endpoint, "engine-b", store_decode=True, async_store=async_store)
     tokens = list(range(3000, 3600))  # 2 full chunks
     compute_and_store(a, "a-1", tokens)
 
@@ -738,6 +748,7 @@ def test_nothing_is_stored_on_top_of_a_failed_load(server: Any) -> None:
         objects = admin.stats().objects
     b.worker.start_load_kv(meta)
     b.worker.wait_for_save(meta)
+    assert b.worker.wait_for_stores(timeout=30)
     assert b.worker.get_block_ids_with_load_errors() == set(req.blocks[:4])
     assert b.worker.stats["stored_chunks"] == 0
     with server.client(timeout=5.0) as admin:
@@ -751,3 +762,124 @@ def test_nothing_is_stored_on_top_of_a_failed_load(server: Any) -> None:
     assert decode(b, req, 769) == {768: [(2, 3)]}
     report = b.scheduler.request_finished(req, req.blocks)["tierkv"]
     assert report["stored_chunks"] == 3 and report["load_failed_from"] == 0
+
+
+# -- asynchronous stores (async_store) -----------------------------------------------------------
+def test_async_store_is_on_by_default_but_never_for_a_producer() -> None:
+    settings = ConnectorSettings.from_extra_config({"endpoint": "x"})
+    assert settings.async_store is True
+    assert stores_async(settings, can_load=True, can_save=True)  # kv_both
+    assert not stores_async(settings, can_load=False, can_save=True)  # kv_producer
+    assert not stores_async(settings, can_load=True, can_save=False)  # kv_consumer
+    off = ConnectorSettings.from_extra_config({"async_store": "false"})
+    assert not stores_async(off, can_load=True, can_save=True)
+
+
+def test_the_store_thread_runs_jobs_in_order_and_counts_each_requests_pending_ones() -> None:
+    stores = StoreQueue("test-stores")
+    gate, ran = threading.Event(), []
+    stores.submit("gate", gate.wait)
+    for i, rid in enumerate(["r-1", "r-2", "r-1"]):
+        stores.submit(rid, lambda i=i: ran.append(i))
+    stores.submit("r-3", lambda: 1 / 0)  # a job that raises still ends
+    assert stores.pending("r-1") and stores.pending("r-3")
+    assert not stores.wait(["r-1"], timeout=0)
+    gate.set()
+    assert stores.wait(["r-1", "r-2", "r-3"]) and stores.drain()
+    assert ran == [0, 1, 2] and not stores.pending("r-1") and not stores.pending("r-3")
+    assert stores.close(timeout=5.0)
+
+
+def gated(engine: Engine) -> threading.Event:
+    """Hold every rank's store thread until the returned event is set."""
+    gate = threading.Event()
+    for worker in engine.workers:
+        assert worker._stores is not None
+        worker._stores.submit("gate", gate.wait)
+    return gate
+
+
+def objects(server: Any) -> int:
+    with server.client(timeout=5.0) as admin:
+        return int(admin.stats().objects)
+
+
+def test_an_async_store_keeps_a_finished_requests_blocks_until_every_rank_stored(
+    server: Any,
+) -> None:
+    a = make_engine(server.endpoint, "engine-a", world_size=2, async_store=True)
+    req = request("a-1", list(range(100, 700)))  # 600 tokens: 2 full chunks
+    assert start(a, req) == 0
+    gate = gated(a)
+    assert planned(run_step(a, req, 0, 600, new=True)) == [(0, 2)]  # returns: queued
+    sample(req)
+    report = a.scheduler.request_finished(req, req.blocks)["tierkv"]
+    assert report["stored_chunks"] == 2
+    assert [rank["written_chunks"] for rank in report["ranks"]] == [0, 0]  # not yet
+    assert a.scheduler.keeps_blocks("a-1")  # vLLM must not free them yet
+    meta = a.scheduler.build_connector_meta(step_output([]))
+    assert meta.release == ["a-1"] and meta.stores == []
+    for worker in a.workers:
+        worker.wait_for_save(meta)
+        assert worker.get_finished() == (None, None)  # still queued: blocks held
+    assert objects(server) == 0
+
+    gate.set()
+    for worker in a.workers:
+        assert worker.wait_for_stores(timeout=30)
+        assert worker.get_finished() == ({"a-1"}, None)  # once, from every rank
+        assert worker.get_finished() == (None, None)
+        assert worker.stats_snapshot()["stored_chunks"] == 2
+    assert objects(server) == 4
+    assert not a.scheduler.keeps_blocks("a-1")
+    assert_loads_blocks(server, a, req.blocks[:4], req.all_token_ids)
+
+
+def test_a_request_that_never_stored_is_freed_at_once(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", async_store=True)
+    req = request("a-1", list(range(100, 300)))  # no full chunk
+    assert start(a, req) == 0
+    assert planned(run_step(a, req, 0, 200, new=True)) == []
+    a.scheduler.request_finished(req, req.blocks)
+    assert not a.scheduler.keeps_blocks("a-1")
+
+
+def test_a_preempted_requests_stores_end_before_the_next_forward_pass(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", async_store=True)
+    req = request("a-1", list(range(100, 700)))
+    assert start(a, req) == 0
+    gate = gated(a)
+    assert planned(run_step(a, req, 0, 600, new=True)) == [(0, 2)]
+    assert a.worker._stores is not None and a.worker._stores.pending("a-1")
+
+    # vLLM preempts it: its blocks are free from the next step on.
+    meta = a.scheduler.build_connector_meta(step_output([], preempted={"a-1"}))
+    assert meta.preempted == ["a-1"]
+    opener = threading.Thread(target=gate.set)
+    opener.start()
+    a.worker.handle_preemptions(meta)  # returns only once the store has ended
+    assert not a.worker._stores.pending("a-1") and objects(server) == 2
+    opener.join()
+    # Nothing of it is left running: when it ends, vLLM may free its blocks at once.
+    a.scheduler.request_finished(req, req.blocks)
+    assert not a.scheduler.keeps_blocks("a-1")
+    # Preemptions of requests without stores running are not waited for.
+    assert a.scheduler.build_connector_meta(step_output([], preempted={"x"})).preempted == []
+
+
+def test_a_failed_async_store_still_releases_its_request(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a", async_store=True, timeout=0.5)
+    req = request("a-1", list(range(100, 700)))
+    assert start(a, req) == 0
+    gate = gated(a)
+    run_step(a, req, 0, 600, new=True)
+    a.scheduler.request_finished(req, req.blocks)
+    meta = a.scheduler.build_connector_meta(step_output([]))
+    a.worker.wait_for_save(meta)
+    server.kill()  # the queued store finds the server gone
+    gate.set()
+    assert a.worker.wait_for_stores(timeout=30)
+    assert a.worker.get_finished() == ({"a-1"}, None)  # vLLM frees the blocks anyway
+    assert a.worker.stats_snapshot()["stored_chunks"] == 0
+    assert a.worker.link.failures >= 1
+    a.worker.shutdown()

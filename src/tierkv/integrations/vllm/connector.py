@@ -9,6 +9,11 @@ the scheduler and every worker of one instance, unique per instance), ``kv_role`
 ``kv_consumer`` never stores, a ``kv_producer`` never loads), the model, the parallel layout,
 and ``kv_connector_extra_config`` (see :mod:`tierkv.integrations.vllm.settings`).
 
+Stores run off the forward pass on a store thread per worker (``async_store``, the default;
+not for a ``kv_producer``): see :mod:`tierkv.integrations.vllm.worker` for how the blocks a
+store reads are kept until it ends (delayed frees of finished requests, and
+``handle_preemptions`` waiting for preempted requests' stores).
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -30,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
-from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings, stores_async
 from tierkv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -55,6 +60,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         can_save = bool(transfer.is_kv_producer)
         can_load = bool(transfer.is_kv_consumer)
         engine_id = str(transfer.engine_id)
+        async_store = stores_async(self.settings, can_load=can_load, can_save=can_save)
         model_id = self.settings.model_id or _model_identity(vllm_config)
         self._spec = _attention_spec(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -75,10 +81,11 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 can_load=can_load,
                 can_save=can_save,
                 world_size=int(vllm_config.parallel_config.world_size),
+                async_store=async_store,
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
-                "tokens, keys from %s, %s",
+                "tokens, keys from %s, %s, %s stores",
                 engine_id,
                 self._scheduler.world_size,
                 model_id,
@@ -86,6 +93,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.settings.chunk_size,
                 "vLLM block hashes" if self._scheduler.use_block_hashes else "token ids",
                 transfer.kv_role,
+                "asynchronous" if async_store else "synchronous",
             )
         else:
             parallel = vllm_config.parallel_config
@@ -98,13 +106,20 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 rank=int(parallel.rank) % world_size,
                 can_load=can_load,
                 can_save=can_save,
+                async_store=async_store,
             )
 
     @property
     def worker_stats(self) -> dict[str, float]:
         """This worker's totals: chunks loaded, stored and failed, and the seconds and bytes
-        of its loads and stores (a worker-role connector only)."""
-        return dict(self._require_worker().stats)
+        of its loads and stores (a worker-role connector only). A store's seconds are its own
+        (RPCs and copy), not the time it queued behind others on the store thread."""
+        return self._require_worker().stats_snapshot()
+
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Block until every store this worker submitted has ended (tests, benchmarks);
+        False if ``timeout`` ran out."""
+        return self._require_worker().wait_for_stores(timeout)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -124,6 +139,11 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             _backend_names(self._vllm_config, kv_caches),
             self.settings.kv_layout,
         )
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before the forward pass that may reuse the preempted requests' blocks.
+        if isinstance(kv_connector_metadata, TierKVConnectorMetadata):
+            self._require_worker().handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._require_worker().start_load_kv(self._metadata())
@@ -175,8 +195,9 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         scheduler = self._require_scheduler()
         params = scheduler.request_finished(request, block_ids)
-        # True: a last decode chunk is stored next step; the workers then report the request
-        # in get_finished (finished sending) and vLLM frees its blocks.
+        # True: a last decode chunk is stored next step, or stores of its blocks may still run
+        # on the workers' store threads; the workers report the request in get_finished
+        # (finished sending) once its stores ended, and vLLM frees its blocks.
         return scheduler.keeps_blocks(request.request_id), params or None
 
     # -- both ------------------------------------------------------------------------------

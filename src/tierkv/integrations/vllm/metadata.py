@@ -1,8 +1,11 @@
 """What the connector's two roles tell each other every engine step.
 
 Scheduler -> workers (:class:`TierKVConnectorMetadata`): the loads and stores of this step,
-and the finished requests whose blocks the scheduler kept for a last store (``release``: once
-this step's stores ran, each worker reports them to vLLM as finished sending).
+the finished requests whose blocks the scheduler kept (``release``: for a last store planned
+in this step, or for stores still running on the workers' store threads; once every store of
+such a request submitted so far has ended, each worker reports it to vLLM as finished
+sending), and the requests vLLM preempted since the last step (``preempted``: their blocks
+are free again, so each worker waits for their pending stores before the forward pass).
 Workers -> scheduler (:class:`TierKVWorkerMetadata`): what each rank's loads and stores
 actually did, so the scheduler can report it per request (and per rank) and store again what
 had to be recomputed. vLLM pickles both across processes; with several ranks its output
@@ -28,6 +31,7 @@ class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass

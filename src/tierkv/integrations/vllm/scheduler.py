@@ -22,7 +22,19 @@ Per request, in vLLM's order:
    rank loaded), ``load_failed_from``, ``stored_chunks`` (chunks handed to the workers to
    store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
    wrote into the pool, not counting those already cached), as reported by the workers before
-   the request finished.
+   the request finished. With asynchronous stores (``async_store``, the default) a store often
+   ends after that: ``written_chunks`` then counts only the stores that had ended, and
+   ``stored_chunks`` is what will be written (less any the pool already held or a failure).
+
+Asynchronous stores (``async_store``). The workers run the stores planned for a step on their
+store threads, after the step's forward pass, reading the request's blocks directly. The
+blocks must outlive those reads: a running request never rewrites a full block (below);
+a finished request whose stores may still run is kept (``request_finished`` answers True, its
+id goes into the next step's ``release``, and the workers report it finished sending once all
+its stores ended); a preempted request's id goes into the next step's ``preempted``, and the
+workers wait for its stores before that step's forward pass (vLLM's ``handle_preemptions``).
+vLLM frees blocks on no other path while the request is known to the connector: an abort
+ends the request through ``request_finished`` too.
 
 Decode chunks (``store_decode``). A chunk of the request's whole token sequence (prompt, then
 output tokens) is stored once every one of its tokens has KV in the paged cache and a known id:
@@ -93,6 +105,9 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks known cached in tierkv or already handed out for store
     stored_chunks: int = 0  # chunks handed to the workers for store
+    # Asynchronous stores: stores were handed to the workers whose end no step has waited
+    # for (set when one is planned, cleared when a preemption makes the workers wait).
+    stores_running: bool = False
 
 
 class SchedulerSide:
@@ -110,8 +125,11 @@ class SchedulerSide:
         can_load: bool,
         can_save: bool,
         world_size: int = 1,
+        async_store: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``async_store``: the workers store on their store threads (see the module doc;
+        the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`)."""
         self.settings = settings
         self.world_size = world_size  # ranks (workers) of this engine
         self.model_id = model_id
@@ -123,6 +141,7 @@ class SchedulerSide:
         self.can_save = can_save
         self.chunk_size = settings.chunk_size
         self.store_decode = settings.store_decode
+        self.async_store = async_store
         self.bpc = blocks_per_chunk(self.chunk_size, block_size)
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
@@ -286,6 +305,7 @@ class SchedulerSide:
         meta, self._final = self._final, TierKVConnectorMetadata()
         meta.loads.extend(self._loads.values())
         self._loads.clear()
+        self._note_preemptions(scheduler_output, meta)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -307,6 +327,17 @@ class SchedulerSide:
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
             self._plan_store(state, computed, meta)
         return meta
+
+    def _note_preemptions(self, scheduler_output: Any, meta: TierKVConnectorMetadata) -> None:
+        """vLLM freed the blocks of the requests it preempted since the last step: with
+        asynchronous stores the workers wait for theirs before this step's forward pass."""
+        if not self.async_store:
+            return
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            state = self.requests.get(rid)
+            if state is not None and state.stores_running:
+                meta.preempted.append(rid)
+                state.stores_running = False  # none is left running after that wait
 
     def _plan_store(
         self, state: RequestState, computed: int, meta: TierKVConnectorMetadata
@@ -335,6 +366,7 @@ class SchedulerSide:
         )
         state.stored_chunks += done - first
         state.saved_chunks = done
+        state.stores_running = self.async_store
         return True
 
     def _storable_chunks(self, state: RequestState, computed: int) -> int:
@@ -384,6 +416,7 @@ class SchedulerSide:
         if state is None:
             return {}
         self._plan_last_store(state, block_ids)
+        self._keep_for_running_stores(state)
         self._end_session(state)
         return {
             "tierkv": {
@@ -405,8 +438,20 @@ class SchedulerSide:
 
     def keeps_blocks(self, request_id: str) -> bool:
         """Whether a finished request's blocks must outlive ``request_finished``: a store of
-        them is planned for the next step, whose workers then report the request finished."""
+        them is planned for the next step, or stores of them may still run on the workers'
+        store threads; the workers report the request finished (sending) once its stores
+        have ended, and vLLM frees the blocks then."""
         return request_id in self._final.release
+
+    def _keep_for_running_stores(self, state: RequestState) -> None:
+        """With asynchronous stores, keep the blocks of a finished request whose stores may
+        still run (released by the workers once those ended). Never for one still loading:
+        vLLM already keeps those until the load is reported, then frees them, and a second
+        report (finished sending) would name a request it no longer knows. (A loading request
+        has no store running: it was planned no store since its last preemption.)"""
+        rid = state.request.request_id
+        if state.stores_running and not state.loading and rid not in self._final.release:
+            self._final.release.append(rid)
 
     def _plan_last_store(self, state: RequestState, block_ids: list[int] | None) -> None:
         """Plan the complete chunks of a finished request that no step planned yet."""

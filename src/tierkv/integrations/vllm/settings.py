@@ -26,6 +26,12 @@ Every key is optional::
                     conversation (the next chat turn) hits them (default false: prompt
                     chunks only, like LMCache's save_decode_cache); lookups still cover
                     only a request's prompt
+    async_store     store off the forward pass (default true): the worker hands each step's
+                    stores to its store thread and returns; vLLM keeps a finished request's
+                    blocks until its stores have ended, and a preempted request's stores end
+                    before the next forward pass. A kv_producer (prefill/decode
+                    disaggregation) always stores synchronously: its consumer reads the
+                    chunks as soon as the request's output is returned
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
     tenant: str = ""
     kv_layout: str = "auto"
     store_decode: bool = False
+    async_store: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -76,3 +83,12 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
                 f"not {settings.kv_layout!r}"
             )
         return settings
+
+
+def stores_async(settings: ConnectorSettings, *, can_load: bool, can_save: bool) -> bool:
+    """Whether stores run on the worker's store thread. Not for a producer-only engine
+    (``kv_producer``): with prefill/decode disaggregation the decode engine looks the prompt
+    up as soon as the prefill request's output is returned, so the stores must have
+    committed by then (read-your-writes), which only a synchronous store guarantees."""
+    producer_only = can_save and not can_load
+    return settings.async_store and can_save and not producer_only

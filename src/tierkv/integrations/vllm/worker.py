@@ -13,13 +13,30 @@ engine id its scheduler looks up with). Then, every step:
 - stores (``wait_for_save``, after the forward pass): reserve slots for the chunks the
   scheduler planned, copy each straight from the blocks into its slot, commit. Chunks the
   pool already holds are skipped by the server. A failed store is a future miss, nothing else.
-  Finished requests whose blocks the scheduler kept for a last store (``meta.release``) are
-  reported as finished sending once this step's stores ran, stored or not: vLLM frees them.
+  With ``async_store`` the step's stores go to the rank's store thread
+  (:class:`~tierkv.integrations.vllm.stores.StoreQueue`, first in, first out) and
+  ``wait_for_save`` returns at once; the copy still reads the blocks directly, so they must
+  not change until it ran:
+
+  * a running request's stored blocks never change: KV is append-only (a token's KV is
+    written once, by the forward pass that computes it) and only full chunks, whose every
+    token has KV and a final id, are stored; later forward passes write later blocks only.
+  * a finished request's blocks are kept by vLLM while its stores may run (the scheduler
+    answers ``request_finished`` with True and names it in ``meta.release``); this rank
+    reports it finished sending in ``get_finished`` once every store it submitted for it has
+    ended, stored or failed: vLLM frees the blocks when every rank has.
+  * a preempted request's blocks are free again from the next step on: the scheduler names
+    it in that step's ``meta.preempted`` and ``handle_preemptions``, before the forward
+    pass, waits for its stores.
+
+  Synchronously (a ``kv_producer``, or ``async_store`` off), the stores run in
+  ``wait_for_save`` itself; ``meta.release`` then names requests whose last store just ran.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +53,12 @@ from tierkv.integrations.vllm.metadata import (
     TierKVWorkerMetadata,
 )
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.stores import StoreQueue
 
 log = logging.getLogger("vllm.tierkv")
+
+# At shutdown, the longest wait for the stores still queued (then they are dropped).
+SHUTDOWN_WAIT = 10.0
 
 
 class WorkerSide:
@@ -53,7 +74,10 @@ class WorkerSide:
         rank: int,
         can_load: bool,
         can_save: bool,
+        async_store: bool = False,
     ) -> None:
+        """``async_store``: store on a store thread (the connector decides,
+        :func:`~tierkv.integrations.vllm.settings.stores_async`)."""
         self.settings = settings
         self.model_id = model_id
         self.engine_id = engine_id
@@ -66,7 +90,11 @@ class WorkerSide:
         self.bpc = 0
         self.link = ServerLink(settings, self._register, f"worker rank {rank}", log)
         self._finished_recving: set[str] = set()
-        self._finished_sending: set[str] = set()
+        # Finished requests the scheduler kept (meta.release), until their stores ended.
+        self._releasing: set[str] = set()
+        self._stores = StoreQueue(f"tierkv-store-rank{rank}") if async_store else None
+        # Guards what the store thread shares with vLLM's thread: _report and the store stats.
+        self._lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
@@ -154,7 +182,8 @@ class WorkerSide:
             lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter),
             None,
         )
-        self._timed("load", start, 0 if result is None else len(result.retrieved))
+        with self._lock:
+            self._timed("load", start, 0 if result is None else len(result.retrieved))
         self._finish_load(spec, loaded)
 
     def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
@@ -187,8 +216,29 @@ class WorkerSide:
             for spec in meta.stores:
                 if spec.request_id in failed:
                     continue  # never store what was computed on top of a failed load
-                self._store(spec)
-        self._finished_sending.update(meta.release)  # their last store has run
+                self._submit_store(spec)
+        # After this step's stores were submitted: get_finished reports these once none of
+        # their stores is pending (at once when synchronous). vLLM puts a finished request
+        # into the finished_req_ids of the same step whose metadata releases it, so the id
+        # reported always belongs to a set get_finished was given, in this call or before
+        # (before: when vLLM defers wait_for_save past get_finished, with a draft model).
+        self._releasing.update(meta.release)
+
+    def _submit_store(self, spec: StoreSpec) -> None:
+        if self._stores is None:
+            self._store(spec)
+        else:
+            self._stores.submit(spec.request_id, lambda: self._store(spec))
+
+    def handle_preemptions(self, meta: TierKVConnectorMetadata) -> None:
+        """Before the forward pass: the blocks of the requests vLLM preempted are free again
+        and this step may write them; wait for the stores that still read them."""
+        if self._stores is not None and meta.preempted:
+            self._stores.wait(meta.preempted)
+
+    def wait_for_stores(self, timeout: float | None = None) -> bool:
+        """Block until every store submitted so far has ended (False: ``timeout`` ran out)."""
+        return True if self._stores is None else self._stores.drain(timeout)
 
     def _store(self, spec: StoreSpec) -> None:
         layout = self.layout
@@ -209,14 +259,17 @@ class WorkerSide:
             lambda c: c.store(**keys, gather=gather, first_chunk=spec.first_chunk, salt=spec.salt),
             None,
         )
-        self._timed("store", start, 0 if result is None else len(result.stored))
-        if result is not None and result.stored:
-            self.stats["stored_chunks"] += len(result.stored)
-            written = self._report.written_chunks
-            written[spec.request_id] = written.get(spec.request_id, 0) + len(result.stored)
+        stored = 0 if result is None else len(result.stored)
+        with self._lock:  # the store thread's results, read by vLLM's thread
+            self._timed("store", start, stored)
+            if stored:
+                self.stats["stored_chunks"] += stored
+                written = self._report.written_chunks
+                written[spec.request_id] = written.get(spec.request_id, 0) + stored
 
     def _timed(self, what: str, start: float, chunks: int) -> None:
-        """Add one store's or load's time and bytes (chunks copied) to the totals."""
+        """Add one store's or load's time and bytes (chunks copied) to the totals: a store's
+        own time (its RPCs and copy), not the time it waited in the store queue."""
         self.stats[f"{what}_seconds"] += time.perf_counter() - start
         reg = self.link.registration()
         if reg is not None:
@@ -224,10 +277,15 @@ class WorkerSide:
 
     # -- per-step results ------------------------------------------------------------------
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending: released after their last store, finished loading)."""
-        sent, self._finished_sending = self._finished_sending, set()
+        """(finished sending: released requests whose stores have all ended, finished
+        loading)."""
+        sent = {rid for rid in self._releasing if not self._store_pending(rid)}
+        self._releasing -= sent
         done, self._finished_recving = self._finished_recving, set()
         return (sent or None), (done or None)
+
+    def _store_pending(self, request_id: str) -> bool:
+        return self._stores is not None and self._stores.pending(request_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -235,8 +293,19 @@ class WorkerSide:
 
     def build_worker_meta(self) -> TierKVWorkerMetadata | None:
         """This step's loads and stores, under this rank (None when there were none)."""
-        report, self._report = self._report, RankReport()
+        with self._lock:
+            report, self._report = self._report, RankReport()
         return TierKVWorkerMetadata({self.rank: report}) if report else None
 
+    def stats_snapshot(self) -> dict[str, float]:
+        """A consistent copy of :attr:`stats` (the store thread adds to it)."""
+        with self._lock:
+            return dict(self.stats)
+
     def shutdown(self) -> None:
+        """Wait (at most :data:`SHUTDOWN_WAIT` seconds) for the queued stores, then close."""
+        if self._stores is not None and not self._stores.close(SHUTDOWN_WAIT):
+            log.warning(
+                "tierkv worker rank %d: stores still queued at shutdown were dropped", self.rank
+            )
         self.link.close()
