@@ -10,10 +10,10 @@ on the same fresh random prompts of 8k+ tokens, with vLLM's own prefix cache off
   prompt is computed and the connector stores its chunks;
 - warm: the same prompt again: every full chunk loads from tierkv, only the tail is computed.
 
-The connector stores asynchronously (its default): a cold request returns before its last
-stores have ended. Between the cold and the warm request the engine steps until vLLM has freed
-the cold request's blocks, i.e. until every store ended (not timed), so the warm request
-finds every chunk. ``--sync-store`` runs the connector with ``async_store`` off instead.
+The connector stores synchronously (its default); ``--async-store`` turns its
+``async_store`` on: a cold request then returns before its last stores have ended. Between
+the cold and the warm request the engine steps until vLLM has freed the cold request's
+blocks, i.e. until every store ended (not timed), so the warm request finds every chunk.
 
 TTFT is the wall time of a request for one output token. ``overhead`` is what having tierkv
 attached adds to a cold request ((cold - vanilla) / vanilla, medians). ``store_vs_memcpy``
@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8300, help="prompt length (tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="prompts (cold + warm each)")
-    parser.add_argument("--sync-store", action="store_true", help="the connector's async_store off")
+    parser.add_argument("--async-store", action="store_true", help="the connector's async_store on")
     parser.add_argument("--pool-size", default="1GiB")
     args = parser.parse_args()
 
@@ -95,7 +95,7 @@ def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> A
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "endpoint": endpoint,
-                "async_store": not args.sync_store,
+                "async_store": args.async_store,
             },
         }
         if endpoint

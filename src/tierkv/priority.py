@@ -1,12 +1,19 @@
-"""CPU priority of the server's data threads, so the control path never waits behind them.
+"""CPU priority of the threads that move bulk bytes, so the control path never waits behind them.
 
-A server moves bulk data on its own threads (peer fetches and sends, tier loads and
-write-behind, a disk tier's copy threads), and on a machine with few cores they can keep
-every core busy: a LOOKUP that arrives then waits for a core (and for the GIL, which a
-data thread takes between its bulk calls) behind them. Data threads therefore run with a
-higher nice value than the RPC loop (Linux applies nice per thread), so the scheduler
-runs a control request first as soon as it arrives; while nothing else wants the CPU the
-data threads still get all of it.
+A server moves bulk data on its own threads (peer fetches and sends, the copy threads of a
+disk tier and of an engine's client), and on a machine with few cores they can keep every
+core busy: a LOOKUP that arrives then waits for a core behind them. These data threads
+therefore run with a higher nice value than the RPC loop (Linux applies nice per thread),
+so the scheduler runs a control request first as soon as it arrives; while nothing else
+wants the CPU the data threads still get all of it.
+
+Only threads that spend their time in calls that release the GIL (socket I/O, memcpy,
+checksums) are data threads. The GIL knows no priorities: a lowered thread that runs Python
+(and holds the GIL) and is preempted by a busier normal-priority process stalls every other
+thread of its process that wants the GIL, the RPC loop included, until it runs again
+(measured: lookups of 40 ms during transfers with the tier executor lowered, whose threads
+resolve peers and commit chunks in Python). So the tier executor, and a vLLM worker's store
+thread (a Python loop over blocks), keep the process's priority.
 
 :func:`data_thread` is the initializer to give a data thread pool (or to call first thing
 in a data thread). Where nice cannot be changed (another OS), it does nothing.

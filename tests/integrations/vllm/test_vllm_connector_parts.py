@@ -765,8 +765,9 @@ def test_nothing_is_stored_on_top_of_a_failed_load(server: Any, async_store: boo
 
 
 # -- asynchronous stores (async_store) -----------------------------------------------------------
-def test_async_store_is_on_by_default_but_never_for_a_producer() -> None:
-    settings = ConnectorSettings.from_extra_config({"endpoint": "x"})
+def test_async_store_is_off_by_default_and_never_for_a_producer() -> None:
+    assert ConnectorSettings.from_extra_config({"endpoint": "x"}).async_store is False
+    settings = ConnectorSettings.from_extra_config({"endpoint": "x", "async_store": "true"})
     assert settings.async_store is True
     assert stores_async(settings, can_load=True, can_save=True)  # kv_both
     assert not stores_async(settings, can_load=False, can_save=True)  # kv_producer

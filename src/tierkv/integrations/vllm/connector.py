@@ -9,9 +9,9 @@ the scheduler and every worker of one instance, unique per instance), ``kv_role`
 ``kv_consumer`` never stores, a ``kv_producer`` never loads), the model, the parallel layout,
 and ``kv_connector_extra_config`` (see :mod:`tierkv.integrations.vllm.settings`).
 
-Stores run off the forward pass on a store thread per worker (``async_store``, the default;
-not for a ``kv_producer``): see :mod:`tierkv.integrations.vllm.worker` for how the blocks a
-store reads are kept until it ends (delayed frees of finished requests, and
+Stores can run off the forward pass on a store thread per worker (``async_store``, off by
+default; never for a ``kv_producer``): see :mod:`tierkv.integrations.vllm.worker` for how
+the blocks a store reads are kept until it ends (delayed frees of finished requests, and
 ``handle_preemptions`` waiting for preempted requests' stores).
 
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to

@@ -22,7 +22,7 @@ Per request, in vLLM's order:
    rank loaded), ``load_failed_from``, ``stored_chunks`` (chunks handed to the workers to
    store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
    wrote into the pool, not counting those already cached), as reported by the workers before
-   the request finished. With asynchronous stores (``async_store``, the default) a store often
+   the request finished. With asynchronous stores (``async_store``) a store often
    ends after that: ``written_chunks`` then counts only the stores that had ended, and
    ``stored_chunks`` is what will be written (less any the pool already held or a failure).
 

@@ -26,7 +26,9 @@ Every key is optional::
                     conversation (the next chat turn) hits them (default false: prompt
                     chunks only, like LMCache's save_decode_cache); lookups still cover
                     only a request's prompt
-    async_store     store off the forward pass (default true): the worker hands each step's
+    async_store     store off the forward pass (default false: on a CPU engine the store
+                    thread's copy and GIL compete with the next forward; meant for GPU
+                    engines, not measured on one yet): the worker hands each step's
                     stores to its store thread and returns; vLLM keeps a finished request's
                     blocks until its stores have ended, and a preempted request's stores end
                     before the next forward pass. A kv_producer (prefill/decode
@@ -59,7 +61,7 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
     tenant: str = ""
     kv_layout: str = "auto"
     store_decode: bool = False
-    async_store: bool = True
+    async_store: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

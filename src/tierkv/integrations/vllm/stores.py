@@ -6,9 +6,10 @@ counts the jobs of each request that have been submitted and have not ended yet 
 failed or raised: every job ends), so the worker can tell vLLM when a request's source
 blocks may be freed or reused (:meth:`pending`, :meth:`wait`).
 
-No lock is held while a job runs: the lock guards the counts only. The thread runs at a
-lower CPU priority (:func:`tierkv.priority.data_thread`): where vLLM computes on the CPU, its
-next forward pass must not wait for a core behind the copy of a store it does not need.
+No lock is held while a job runs: the lock guards the counts only. The thread keeps the
+process's CPU priority: a store's gather is a Python loop over blocks that holds the GIL
+between its copies, and a lowered thread preempted while holding it would stall vLLM's own
+threads behind it (the GIL knows no priorities); see :mod:`tierkv.priority`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Collection
-
-from tierkv import priority
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -76,7 +75,6 @@ class StoreQueue:
         return drained
 
     def _run(self) -> None:
-        priority.data_thread()
         while True:
             item = self._jobs.get()
             if item is None:

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
-from tierkv.priority import data_thread
 from tierkv.server.tiering.lookups import LookupAccounting
 from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
 from tierkv.server.tiering.tier_quotas import TierQuota
@@ -56,7 +55,11 @@ class Tiering:
         self.lookups = lookups
         self.tiers = list(tiers)
         self.executor = ThreadPoolExecutor(
-            workers, thread_name_prefix="tierkv-tier", initializer=data_thread
+            # Not data threads (tierkv.priority): they run Python (peer resolution, claims,
+            # commits) that holds the GIL, and a lowered thread preempted while holding it
+            # stalls the RPC loop behind it.
+            workers,
+            thread_name_prefix="tierkv-tier",
         )
         self.write_behind = WriteBehind(
             index,
