@@ -10,8 +10,8 @@ Two measures keep them short: what exists once a process has started (modules, t
 is frozen out of every later collection (:func:`freeze_startup`), and the long-lived
 objects kept per chunk are not tracked at all (:class:`tierkv.index.Entry`). What remains
 is watched: :data:`PAUSES` counts every collection's pause per generation, exported as
-Prometheus metrics by :class:`GcPauseCollector`, and a pause of more than
-:data:`LOG_PAUSE_S` is logged.
+Prometheus metrics by :class:`GcPauseCollector`, and in a server's own process a pause of
+more than :data:`LOG_PAUSE_S` is logged.
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ class CollectionPauses:
         self.longest = [0.0, 0.0, 0.0]
         self._started = 0.0
         self._installed = False
+        self.log_long = False  # log pauses over LOG_PAUSE_S (a server's own process)
         self._lock = threading.Lock()
 
-    def install(self) -> None:
-        """Watch this process's collections (once; later calls do nothing)."""
+    def install(self, log_long: bool = False) -> None:
+        """Watch this process's collections (once); ``log_long``: also log long pauses
+        (a process that is a server; not one that only embeds one, such as a test run)."""
         with self._lock:
+            self.log_long = self.log_long or log_long
             if not self._installed:
                 self._installed = True
                 gc.callbacks.append(self._callback)
@@ -62,7 +65,7 @@ class CollectionPauses:
         self.seconds[gen] += pause
         if pause > self.longest[gen]:
             self.longest[gen] = pause
-        if pause > LOG_PAUSE_S:
+        if self.log_long and pause > LOG_PAUSE_S:
             log.warning(
                 "garbage collection (generation %d) paused every thread for %.0f ms "
                 "(%d objects collected)",
@@ -77,8 +80,10 @@ PAUSES = CollectionPauses()
 
 def freeze_startup() -> None:
     """Collect once, then move every object that exists now to the permanent generation:
-    a process's imports and wiring are never scanned again. Call once a process has
-    started, before it serves."""
+    a process's imports are never scanned again; and log its long pauses from now on.
+    Call in a server's own process before it binds its sockets (a collection then delays
+    nobody)."""
+    PAUSES.install(log_long=True)
     gc.collect()
     gc.freeze()
 

@@ -77,8 +77,8 @@ def run(cfg: ControllerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    controller = Controller(cfg).start()
     freeze_startup()
+    controller = Controller(cfg).start()
     try:
         stop.wait()
     finally:

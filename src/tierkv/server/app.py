@@ -32,7 +32,6 @@ def run(cfg: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server.start()
-    freeze_startup()  # the imports and the wiring: never scanned by a collection again
+    freeze_startup()  # the imports: never scanned by a collection again
     server.serve()
     return 0
