@@ -68,6 +68,11 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
+def within(samples: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[float]:
+    """The latencies of the (start time, latency) samples that started inside a window."""
+    return [lat for start, lat in samples if any(lo <= start <= hi for lo, hi in windows)]
+
+
 def describe_rtt(rtt: list[float]) -> str:
     return (
         f"a bare ZMQ round trip between two other processes meanwhile: n={len(rtt)} "
@@ -139,9 +144,6 @@ class Floor:
                 stop_process(proc)
         if self.out_path.exists():
             self.samples = json.loads(self.out_path.read_text())
-
-    def within(self, windows: list[tuple[float, float]]) -> list[float]:
-        return [lat for start, lat in self.samples if any(lo <= start <= hi for lo, hi in windows)]
 
 
 # -- (a) 8 engines at once -------------------------------------------------------------------
@@ -255,7 +257,7 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
     retrieve_gbps, retrieved = phase_gbps([r["retrieves"] for r in results])
     lookups = [x for r in results for x in r["lookups"]]
     phases = [ph for r in results for ph in r["stores"] + r["retrieves"]]
-    floor_rtt = floor.within([(min(p[0] for p in phases), max(p[1] for p in phases))])
+    floor_rtt = within(floor.samples, [(min(p[0] for p in phases), max(p[1] for p in phases))])
     bound = memcpy_gbps(engines, 8)
     expected = engines * prompts * (PROMPT_TOKENS // CHUNK_TOKENS)
     print(
@@ -362,7 +364,7 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
     finally:
         a.stop()
         b.stop()
-    busy = [lat for start, lat in samples if any(lo <= start <= hi for lo, hi in windows)]
+    busy = within(samples, windows)
     idle = [lat for start, lat in samples if not any(lo - 0.2 <= start <= hi + 0.2
                                                      for lo, hi in windows)]  # fmt: skip
     span = statistics.median(hi - lo for lo, hi in windows)
@@ -376,7 +378,7 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
         f"idle: n={len(idle)} p50 {statistics.median(idle) * 1e3:.2f} ms "
         f"p99 {pct(idle, 0.99) * 1e3:.2f} ms"
     )
-    floor_rtt = floor.within(windows)
+    floor_rtt = within(floor.samples, windows)
     print(f"    floor: {describe_rtt(floor_rtt)}")
     return {"p99_ms": pct(busy, 0.99) * 1e3, "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3}
 
