@@ -122,6 +122,8 @@ def test_settings_defaults_and_validation() -> None:
     assert ConnectorSettings.from_extra_config({"populate": "false"}).populate is False
     with pytest.raises(SettingsError, match="populate"):
         ConnectorSettings.from_extra_config({"populate": "sometimes"})
+    with pytest.raises(SettingsError, match="async_store"):
+        ConnectorSettings.from_extra_config({"async_store": "sometimes"})
 
 
 # -- roles against a real server -----------------------------------------------------------------
