@@ -16,7 +16,7 @@ Two experiments with real server processes, each against a bound measured in the
     128 MiB from its disk tier (a third engine's lookup). The lookups' p99 inside the
     transfer windows, and outside them (the same engine, the same server, idle).
 
-Both also run a floor (:class:`Floor`): two processes of their own doing a bare ZMQ round
+Both also run a floor (:class:`Floor`): two processes of their own doing a bare round
 trip every 5 ms under the same load, with no tierkv in between. Its p99 is what the
 machine's scheduler gives any request/reply between two processes at that moment; on a
 2-core VM it is of the order of the goal itself. Printed on the line before the last:
@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zmq
 
 from peers import TOKEN, Server, free_port_pair, members, wait_for
 from shm_path import start_server
+from tierkv import framing
 from tierkv.client import Client
 from tierkv.demo.local_process import stop_process
 from tierkv.gc_pauses import freeze_startup
@@ -75,7 +75,7 @@ def within(samples: list[tuple[float, float]], windows: list[tuple[float, float]
 
 def describe_rtt(rtt: list[float]) -> str:
     return (
-        f"a bare ZMQ round trip between two other processes meanwhile: n={len(rtt)} "
+        f"a bare round trip between two other processes meanwhile: n={len(rtt)} "
         f"p50 {statistics.median(rtt) * 1e3:.2f} ms p99 {pct(rtt, 0.99) * 1e3:.2f} ms"
     )
 
@@ -86,39 +86,45 @@ def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> np.ndarray[Any, Any]:
 
 # -- the floor: a bare request/reply round trip under the same load -----------------------------
 def echo_main(endpoint: str) -> None:
-    """Answer every message with itself until ``stop`` (a ROUTER, as the server's RPC loop)."""
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.bind(endpoint)
+    """Answer every message with itself until ``stop``, over the transport the server's RPC
+    loop uses (:mod:`tierkv.framing`)."""
+    listener = framing.bind(endpoint)
+    listener.setblocking(True)
+    sock, _ = listener.accept()
+    reader = framing.FrameReader()
     while True:
-        frames = sock.recv_multipart()
-        sock.send_multipart(frames)
-        if frames[-1] == b"stop":
-            return
+        for frame in framing.read_frames(sock, reader, time.monotonic() + 3600):
+            framing.send_frame(sock, frame)
+            if frame == b"stop":
+                return
 
 
 def pinger_main(endpoint: str, period: float, stop_path: str, out_path: str) -> None:
     """Send 64 bytes and wait for them back every ``period`` s until ``stop_path`` exists;
     write (start time, round trip) pairs."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.connect(endpoint)
+    deadline = time.monotonic() + 30
+    sock = framing.connect_until(endpoint, deadline)
+    assert sock is not None, f"no echo process on {endpoint}"
+    reader = framing.FrameReader()
     samples: list[tuple[float, float]] = []
     stop = Path(stop_path)
     while not stop.exists():
         t0 = time.monotonic()
-        sock.send(b"x" * 64)
-        sock.recv()
+        framing.send_frame(sock, b"x" * 64)
+        framing.read_frames(sock, reader, t0 + 60)
         samples.append((t0, time.monotonic() - t0))
         time.sleep(max(0.0, period - (time.monotonic() - t0)))
-    sock.send(b"stop")
-    sock.recv()
+    framing.send_frame(sock, b"stop")
+    framing.read_frames(sock, reader, time.monotonic() + 60)
     Path(out_path).write_text(json.dumps(samples))
 
 
 class Floor:
-    """Two processes of their own pinging each other over ZMQ IPC (no tierkv, nothing to
-    compute) while an experiment runs: the round trip that any request/reply between two
-    processes gets from this machine's scheduler under the same load. A lookup cannot be
-    faster than this, and on a busy 2-core VM this is what the tail is made of."""
+    """Two processes of their own pinging each other over a Unix socket, framed as tierkv's
+    requests are (no tierkv, nothing to compute) while an experiment runs: the round trip
+    that any request/reply between two processes gets from this machine's scheduler under
+    the same load. A lookup cannot be faster than this, and on a busy 2-core VM this is
+    what the tail is made of."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,9 +33,8 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import zmq
 
-from tierkv import dtypes, keys
+from tierkv import dtypes, framing, keys
 from tierkv import protocol as p
 from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
@@ -188,8 +188,10 @@ class Client:
         self.timeout = timeout
         self.auth_token = auth_token
         self.populate = populate
-        self._ctx: zmq.Context[Any] = zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = None
+        self._sock: socket.socket | None = None
+        self._reader = framing.FrameReader(scratch=bytearray(64 * 1024))
+        self._pid = os.getpid()  # a forked child must not share its parent's connection
+        self._closed = False
         self._io = threading.Lock()
         self._rids = itertools.count(1)
         self._encode = msgspec.msgpack.Encoder().encode
@@ -201,43 +203,68 @@ class Client:
         self.registration: Registration | None = None
         self._np_dtype: np.dtype[Any] | None = None
         self._segment: tuple[int, int] | None = None
-        self._connect()
 
     # -- transport -------------------------------------------------------------------------
-    def _connect(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
-        self._sock = sock
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # in a forked child: its copy only, the parent's stays open
+            self._sock = None
+        self._reader = framing.FrameReader(scratch=bytearray(64 * 1024))
+        self._pid = os.getpid()
+
+    def _connection(self, deadline: float) -> socket.socket | None:
+        """The connection to carry the next request: the current one if it is still good
+        (nothing unexpected to read: no stale reply, no close by a restarted server), else a
+        new one, waiting for a server that is (re)starting until ``deadline``."""
+        sock = self._sock
+        if sock is not None and (self._pid != os.getpid() or framing.has_pending(sock)):
+            self._disconnect()
+            sock = None
+        if sock is None:
+            sock = self._sock = framing.connect_until(self.endpoint, deadline)
+        return sock
 
     def _call(self, req: Any, timeout: float | None = None) -> Any:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         with self._io:
-            sock = self._sock
-            if sock is None:
+            if self._closed:
                 raise TierKVError("client is closed")
-            # copy=False: pyzmq still copies messages under zmq.COPY_THRESHOLD (64 KiB); larger
-            # ones (the token ids of long prompts) go out from the immutable encoded bytes
-            # instead of a fresh copy, which at these sizes page-faults on every call.
-            sock.send(self._encode(req), copy=False)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                    # The socket may still get the late reply; recreate it so it cannot be
-                    # mistaken for the answer to a later request.
-                    sock.close(linger=0)
-                    self._connect()
-                    raise ServerUnavailableError(
-                        f"no reply from tierkv server at {self.endpoint} within "
-                        f"{self.timeout if timeout is None else timeout:.1f} s "
-                        f"({p.request_name(req)}): is it running?"
-                    )
-                reply = self._decode(sock.recv())
-                if reply.rid == req.rid:
-                    break
+            try:
+                sock = self._connection(deadline)
+                if sock is None:
+                    raise TimeoutError
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                try:
+                    framing.send_frame(sock, self._encode(req))
+                except (BrokenPipeError, ConnectionResetError):
+                    # The server may have refused the request (too large) and closed: its
+                    # reason is already here to read.
+                    deadline = min(deadline, time.monotonic() + 0.1)
+                reply = self._await_reply(sock, req.rid, deadline)
+            except (OSError, framing.FrameTooLargeError) as exc:
+                # No reply, or a broken connection: a late reply must not be mistaken for
+                # the answer to a later request, so the next call connects afresh.
+                self._disconnect()
+                why = "no reply" if isinstance(exc, TimeoutError) else f"connection lost ({exc})"
+                raise ServerUnavailableError(
+                    f"{why} from tierkv server at {self.endpoint} within {wait:.1f} s "
+                    f"({p.request_name(req)}): is it running?"
+                ) from None
         if isinstance(reply, p.Error):
             _raise_for(reply)
         return reply
+
+    def _await_reply(self, sock: socket.socket, rid: int, deadline: float) -> Any:
+        while True:
+            for frame in framing.read_frames(sock, self._reader, deadline):
+                reply = self._decode(frame)
+                # rid 0: about the connection, not a request (the server refused a message
+                # too large to read and closed the connection).
+                if reply.rid == rid or (reply.rid == 0 and isinstance(reply, p.Error)):
+                    if reply.rid == 0:
+                        self._disconnect()
+                    return reply
 
     def _rid(self) -> int:
         return next(self._rids)
@@ -613,9 +640,8 @@ class Client:
             with contextlib.suppress(TierKVError):
                 self.unregister()
         with self._io:
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
+            self._closed = True
+            self._disconnect()
         if self.pool is not None:
             self.pool.close()
             self.pool = None

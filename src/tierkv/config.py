@@ -139,7 +139,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def rpc_endpoint(self) -> str:
-        """The ZMQ endpoint the server binds and clients connect to."""
+        """The RPC endpoint the server binds and clients connect to (``ipc://PATH`` or
+        ``tcp://HOST:PORT``)."""
         if self.rpc_tcp:
             return f"tcp://{self.rpc_tcp}"
         return f"ipc://{os.path.join(self.resolved_runtime_dir, 'rpc.sock')}"
@@ -328,7 +329,8 @@ FIELD_HELP: dict[str, str] = {
     "max_clients": "registered clients at most; REGISTER beyond it is refused",
     "client_reservation_share": "fraction of the pool one client's open store reservations "
     "may hold; chunks beyond it are refused like a full pool",
-    "max_message_bytes": "largest request accepted (bigger ones are dropped by the transport)",
+    "max_message_bytes": "largest request accepted (a bigger one gets a too_large error and "
+    "its connection is closed)",
     "max_chunks_per_request": "most chunks one request may name",
     "workers": "threads for requests that may block",
     "tiers": "a tier below the pool, NAME[:key=value,...], in lookup order; repeat the flag "

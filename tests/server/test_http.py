@@ -12,14 +12,12 @@ import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
-import zmq
 
 from support.httputil import free_port, get_json, request, scrape, val, wait_for
+from support.raw_rpc import Raw
 from support.servers import (
     CHUNK_BYTES,
     CHUNK_SHAPE,
@@ -302,23 +300,6 @@ def test_port_zero_disables_http(server: ServerProcess) -> None:
 
 
 # -- metrics -----------------------------------------------------------------------------
-class Raw:
-    """A bare DEALER socket, to send what the client library never would."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def call(self, msg: Any) -> Any:
-        self.sock.send(msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg))
-        assert self.sock.poll(5000), "no reply"
-        return p.reply_decoder.decode(self.sock.recv())
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def test_metrics_add_up_after_a_known_workload(server_factory: Servers) -> None:
     """4 MiB pool = 128 chunks. A (4 chunks) is stored, looked up with 2 more chunks (4
     hits, 2 absent) and retrieved; B (3 chunks, never stored) misses absent; E's store is

@@ -1,34 +1,43 @@
-"""A bare RPC socket for bad-input tests: sends any bytes, decodes whatever the server answers."""
+"""A bare RPC connection for bad-input tests: sends any bytes, decodes whatever the server
+answers."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
-import zmq
 
+from tierkv import framing
 from tierkv import protocol as p
 
 
 class Raw:
-    """A bare DEALER socket: sends any bytes and decodes whatever the server answers."""
+    """One connection speaking the framing directly: sends any payload (or any raw bytes,
+    framing included, with :meth:`send_bytes`) and decodes whatever the server answers."""
 
     def __init__(self, endpoint: str) -> None:
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        self.sock = framing.connect(endpoint, 5.0)
+        self.reader = framing.FrameReader()
+        self._frames: list[bytes] = []
 
     def send(self, msg: Any) -> None:
-        self.sock.send(msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg))
+        framing.send_frame(
+            self.sock, msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg)
+        )
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(data)
 
     def recv(self, timeout: float = 5.0) -> Any:
-        if not self.sock.poll(int(timeout * 1000)):
-            raise TimeoutError("no reply")
-        return p.reply_decoder.decode(self.sock.recv())
+        if not self._frames:
+            frames = framing.read_frames(self.sock, self.reader, time.monotonic() + timeout)
+            self._frames = [bytes(f) for f in frames]
+        return p.reply_decoder.decode(self._frames.pop(0))
 
     def call(self, msg: Any, timeout: float = 5.0) -> Any:
         self.send(msg)
         return self.recv(timeout)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close()

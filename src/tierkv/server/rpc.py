@@ -1,10 +1,14 @@
-"""The RPC loop: a ZMQ ROUTER socket that decodes requests, runs handlers, sends replies.
+"""The RPC loop: one thread that accepts engine connections, decodes requests, runs
+handlers and sends replies (length-prefixed msgpack over Unix or TCP stream sockets,
+:mod:`tierkv.framing`).
 
 Fast requests run right here on the loop thread; the ones the service marks blocking run on
-a thread pool, whose replies come back to the loop over an inproc socket (ZMQ sockets are
-not thread-safe, so only the loop thread touches the ROUTER). A request that cannot be
-decoded gets an error reply and changes nothing; one bigger than ``max_message_bytes`` is
-dropped by ZMQ itself, which closes that peer's connection.
+a thread pool, whose replies come back to the loop through a queue and a wake-up pipe (only
+the loop thread touches the connections). A request that cannot be decoded gets an error
+reply and changes nothing; one announcing more than ``max_message_bytes`` gets an error
+reply and its connection is closed (its body is never read). A client whose replies pile
+up unread (more than ``MAX_UNSENT`` bytes) is disconnected rather than let grow the
+server's memory.
 
 For ipc endpoints the socket file lives in a 0700 runtime directory and is made 0600.
 """
@@ -14,20 +18,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import selectors
+import socket
 import threading
+import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_args
 
 import msgspec
-import zmq
 
+from tierkv import framing
 from tierkv import protocol as p
 from tierkv.server.service import CacheService
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 50
-MAX_BATCH = 256  # messages drained per poll before giving the result socket a turn
+POLL_SECONDS = 0.05
+MAX_BATCH = 256  # messages handled per connection per turn, so no connection starves others
+MAX_UNSENT = 64 * 2**20  # replies waiting for a client that does not read them
 
 
 class EndpointInUseError(RuntimeError):
@@ -63,53 +73,64 @@ def _describe_malformed(payload: bytes | memoryview, exc: Exception) -> str:
     return f"malformed request: {exc}"
 
 
+class _Connection:
+    """One engine's connection: its reader and the reply bytes the kernel has not taken."""
+
+    __slots__ = ("reader", "sock", "unsent", "unsent_bytes", "writing")
+
+    def __init__(self, sock: socket.socket, reader: framing.FrameReader) -> None:
+        self.sock = sock
+        self.reader = reader
+        self.unsent: deque[memoryview] = deque()
+        self.unsent_bytes = 0
+        self.writing = False  # registered for EVENT_WRITE
+
+
 class RpcServer:
     """Serves one :class:`CacheService` on one endpoint until :meth:`stop`."""
 
     def __init__(self, service: CacheService, endpoint: str) -> None:
         self.service = service
         self.endpoint = endpoint
-        self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self.last_tick = service.clock()  # when the loop last went round (health checks)
         self._executor = ThreadPoolExecutor(service.cfg.workers, thread_name_prefix="tierkv-rpc")
-        self._results_addr = f"inproc://tierkv-results-{id(self)}"
-        self._local = threading.local()
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.request_decoder.decode
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
         self._bound = False
+        self._scratch = bytearray(framing.SCRATCH_BYTES)  # shared: one reader runs at a time
+        self._results: queue.SimpleQueue[tuple[_Connection, bytes]] = queue.SimpleQueue()
+        self._conns: dict[int, _Connection] = {}
 
-    sock: zmq.Socket[Any]  # the ROUTER clients talk to, from start() on
-    results: zmq.Socket[Any]  # replies of requests run on the worker threads
+    listener: socket.socket  # from start() on
+    selector: selectors.BaseSelector
 
     def start(self) -> None:
         """Bind the endpoint (the loop itself runs in :meth:`serve_forever`)."""
-        self.sock = self._bind()
+        self.listener = self._bind()
         self._bound = True
-        self.results = self.ctx.socket(zmq.PULL)
-        self.results.bind(self._results_addr)
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self._wake_r, selectors.EVENT_READ, "wake")
 
     # -- setup -----------------------------------------------------------------------------
-    def _bind(self) -> zmq.Socket[Any]:
+    def _bind(self) -> socket.socket:
         if self._ipc_path:
             runtime_dir = os.path.dirname(self._ipc_path)
             os.makedirs(runtime_dir, mode=0o700, exist_ok=True)
             os.chmod(runtime_dir, 0o700)
             if os.path.exists(self._ipc_path):
-                ensure_endpoint_free(self.endpoint, self.ctx)
-                os.unlink(self._ipc_path)
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.service.cfg.max_message_bytes)
-        sock.setsockopt(zmq.LINGER, 500)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+                ensure_endpoint_free(self.endpoint)
+                framing.unlink_quietly(self._ipc_path)
         old_umask = os.umask(0o177) if self._ipc_path else None
         try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            sock = framing.bind(self.endpoint)
+        except (OSError, ValueError) as exc:
             raise EndpointInUseError(f"cannot serve {self.endpoint}: {exc}") from None
         finally:
             if old_umask is not None:
@@ -123,17 +144,20 @@ class RpcServer:
         """Serve until :meth:`stop`, then answer what is queued and close the sockets."""
         if not self._bound:
             self.start()
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.results, zmq.POLLIN)
         last_sweep = self.service.clock()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(POLL_MS))
-                if self.results in events:
-                    self._forward_results()
-                if self.sock in events:
-                    self._drain_requests()
+                for key, mask in self.selector.select(POLL_SECONDS):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._forward_results()
+                    else:
+                        conn: _Connection = key.data
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if mask & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+                            self._receive(conn)
                 now = self.service.clock()
                 self.last_tick = now
                 if now - last_sweep >= 1.0:
@@ -143,63 +167,142 @@ class RpcServer:
         finally:
             self._stopped.set()
 
-    def _drain_requests(self) -> None:
+    def _accept(self) -> None:
         for _ in range(MAX_BATCH):
             try:
-                # Frames, not bytes: the request is decoded straight from ZMQ's buffer rather
-                # than from a fresh copy of it (a long prompt's token ids are 4 bytes a token).
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            self._handle(frames)
+            except OSError as exc:  # out of file descriptors, for one
+                log.warning("could not accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            framing.tune(sock)
+            reader = framing.FrameReader(self.service.cfg.max_message_bytes, self._scratch)
+            conn = _Connection(sock, reader)
+            self._conns[sock.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        # DEALER peers send [identity, payload]; REQ peers add an empty delimiter frame.
-        if len(frames) < 2:
-            return
-        envelope = [frame.bytes for frame in frames[:-1]]
-        payload = frames[-1].buffer  # decoded fields are copies: nothing outlives the frame
+    def _receive(self, conn: _Connection) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = conn.reader.read(conn.sock)
+            except framing.FrameTooLargeError as exc:
+                why = (
+                    f"request of {exc.size} bytes refused: larger than max_message_bytes "
+                    f"({exc.limit}); connection closed"
+                )
+                self._reply(conn, p.Error(0, p.ErrorCode.TOO_LARGE, why))
+                self._flush(conn)
+                self._drop(conn)
+                return
+            except OSError:  # closed or reset by the client (it exited, or crashed)
+                self._drop(conn)
+                return
+            if not frames:
+                return
+            for frame in frames:
+                self._handle(conn, frame)
+
+    def _handle(self, conn: _Connection, payload: memoryview) -> None:
         try:
-            req = self._decode(payload)
+            req = self._decode(payload)  # decoded fields are copies: nothing outlives the frame
         # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             reply: Any = self.service.malformed(
                 _lenient_rid(payload), _describe_malformed(payload, exc)
             )
-            self._send(envelope, reply)
+            self._reply(conn, reply)
             return
         if type(req) in self.service.blocking:
-            self._executor.submit(self._run_blocking, envelope, req)
+            self._executor.submit(self._run_blocking, conn, req)
             return
-        self._send(envelope, self.service.handle(req))
+        self._reply(conn, self.service.handle(req))
 
-    def _run_blocking(self, envelope: list[bytes], req: Any) -> None:
-        reply = self.service.handle(req)
-        push = getattr(self._local, "push", None)
-        if push is None:
-            push = self.ctx.socket(zmq.PUSH)
-            push.connect(self._results_addr)
-            self._local.push = push
-        push.send_multipart([*envelope, self._encode(reply)])
+    def _run_blocking(self, conn: _Connection, req: Any) -> None:
+        self._results.put((conn, self._encode(self.service.handle(req))))
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"x")
 
     def _forward_results(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
         while True:
             try:
-                frames = self.results.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+                conn, payload = self._results.get_nowait()
+            except queue.Empty:
                 return
-            self._send_raw(frames)
+            if conn.sock.fileno() in self._conns:
+                self._send(conn, payload)
 
-    def _send(self, envelope: list[bytes], reply: Any) -> None:
-        self._send_raw([*envelope, self._encode(reply)])
+    def _reply(self, conn: _Connection, reply: Any) -> None:
+        self._send(conn, self._encode(reply))
 
-    def _send_raw(self, frames: list[bytes]) -> None:
+    def _send(self, conn: _Connection, payload: bytes) -> None:
+        head = framing.HEADER.pack(len(payload))
+        if conn.unsent:
+            self._queue(conn, [memoryview(head), memoryview(payload)], 0)
+            return
         try:
-            self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("dropping a reply: the client's queue is full")
-        except zmq.ZMQError as exc:
-            log.warning("could not send a reply: %s", exc)
+            sent = conn.sock.sendmsg([head, payload])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        if sent < len(head) + len(payload):
+            self._queue(conn, [memoryview(head), memoryview(payload)], sent)
+
+    def _queue(self, conn: _Connection, parts: list[memoryview], sent: int) -> None:
+        for part in parts:
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            conn.unsent.append(part[sent:])
+            conn.unsent_bytes += len(part) - sent
+            sent = 0
+        if conn.unsent_bytes > MAX_UNSENT:
+            log.warning(
+                "disconnecting a client that does not read its replies (%d bytes unsent)",
+                conn.unsent_bytes,
+            )
+            self._drop(conn)
+            return
+        if not conn.writing:
+            conn.writing = True
+            self.selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        while conn.unsent:
+            try:
+                sent = conn.sock.sendmsg(list(conn.unsent)[:64])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._drop(conn)
+                return
+            conn.unsent_bytes -= sent
+            while sent:
+                first = conn.unsent[0]
+                if sent >= len(first):
+                    sent -= len(first)
+                    conn.unsent.popleft()
+                else:
+                    conn.unsent[0] = first[sent:]
+                    sent = 0
+        if conn.writing and conn.sock.fileno() in self._conns:
+            conn.writing = False
+            self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        fd = conn.sock.fileno()
+        if self._conns.pop(fd, None) is None:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn.sock)
+        conn.unsent.clear()
+        conn.sock.close()
 
     # -- shutdown --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -219,15 +322,17 @@ class RpcServer:
         # still arriving are refused with SHUTTING_DOWN.
         self._executor.shutdown(wait=True)
         self._forward_results()
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if len(frames) >= 2:
-                rid = _lenient_rid(frames[-1])
-                self._send(frames[:-1], p.Error(rid, p.ErrorCode.SHUTTING_DOWN, "server stopping"))
-        self.close(linger_ms=500)
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError, framing.FrameTooLargeError):
+                for frame in conn.reader.read(conn.sock):
+                    rid = _lenient_rid(frame)
+                    self._reply(conn, p.Error(rid, p.ErrorCode.SHUTTING_DOWN, "server stopping"))
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and any(c.unsent for c in self._conns.values()):
+            for conn in [c for c in self._conns.values() if c.unsent]:
+                self._flush(conn)
+            time.sleep(0.005)
+        self.close()
 
     def close(self, linger_ms: int = 0) -> None:
         """Close the sockets and remove the ipc socket file (once; also when the loop never
@@ -237,34 +342,41 @@ class RpcServer:
         self._bound = False
         self._stopped.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self.results.close(linger=0)
-        self.sock.close(linger=linger_ms)
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        self.selector.close()
+        self.listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
         if self._ipc_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._ipc_path)
+            framing.unlink_quietly(self._ipc_path)
 
 
-def ensure_endpoint_free(endpoint: str, ctx: zmq.Context[Any] | None = None) -> None:
+def ensure_endpoint_free(endpoint: str) -> None:
     """Raise EndpointInUseError when a live server answers on ``endpoint``.
 
     Called before the pool is created too: a second server for the same instance must not
     take the running server's segment name (create() replaces a segment it finds)."""
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         return
-    if _endpoint_alive(ctx or zmq.Context.instance(), endpoint):
+    if _endpoint_alive(endpoint):
         raise EndpointInUseError(
             f"another tierkv server is already serving {endpoint}; stop it or give this one "
             "another --instance"
         )
 
 
-def _endpoint_alive(ctx: zmq.Context[Any], endpoint: str, timeout_ms: int = 300) -> bool:
+def _endpoint_alive(endpoint: str, timeout: float = 0.3) -> bool:
     """Whether a server answers PING on ``endpoint``."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
-        sock.send(msgspec.msgpack.encode(p.Ping(rid=1)))
-        return bool(sock.poll(timeout_ms))
+        sock = framing.connect(endpoint, timeout)
+    except OSError:
+        return False
+    try:
+        framing.send_frame(sock, msgspec.msgpack.encode(p.Ping(rid=1)))
+        framing.read_frames(sock, framing.FrameReader(), time.monotonic() + timeout)
+        return True
+    except (OSError, framing.FrameTooLargeError):
+        return False
     finally:
         sock.close()

@@ -228,7 +228,7 @@ class Server:
         metrics.registry.register(StatsCollector(self.document))
         metrics.registry.register(GcPauseCollector())
 
-        # RPC: the engines' endpoint (ZMQ ROUTER; ipc 0600 by default).
+        # RPC: the engines' endpoint (framed msgpack on a Unix or TCP socket; ipc is 0600).
         self.rpc = RpcServer(self.service, cfg.rpc_endpoint)
         self._started_part("rpc", self.rpc.close)
         self.rpc.start()

@@ -1,0 +1,112 @@
+"""The request transport's framing: endpoints, message splitting, limits, closes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tierkv import framing
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "expected"),
+    [
+        ("ipc:///run/tierkv/rpc.sock", (socket.AF_UNIX, "/run/tierkv/rpc.sock")),
+        ("tcp://127.0.0.1:5555", (socket.AF_INET, ("127.0.0.1", 5555))),
+        ("tcp://*:5555", (socket.AF_INET, ("0.0.0.0", 5555))),
+        ("tcp://[::1]:5555", (socket.AF_INET6, ("::1", 5555))),
+        ("tcp://node-7.example:80", (socket.AF_INET, ("node-7.example", 80))),
+    ],
+)
+def test_parse_endpoint(endpoint: str, expected: tuple[object, object]) -> None:
+    assert framing.parse_endpoint(endpoint) == expected
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["ipc://", "tcp://host", "tcp://:80", "tcp://host:http", "udp://h:1", "/a/b"]
+)
+def test_parse_endpoint_refuses_what_it_cannot_serve(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="endpoint"):
+        framing.parse_endpoint(endpoint)
+
+
+def frame(payload: bytes) -> bytes:
+    return framing.HEADER.pack(len(payload)) + payload
+
+
+def test_small_messages_in_one_read_and_split_across_reads() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        reader = framing.FrameReader()
+        stream = frame(b"one") + frame(b"") + frame(b"three") + frame(b"four")
+        a.sendall(stream[:-3])
+        assert [bytes(f) for f in reader.read(b)] == [b"one", b"", b"three"]
+        a.sendall(stream[-3:])
+        assert [bytes(f) for f in reader.read(b)] == [b"four"]
+        # A header cut in two.
+        a.sendall(frame(b"five")[:2])
+        assert reader.read(b) == []
+        a.sendall(frame(b"five")[2:])
+        assert [bytes(f) for f in reader.read(b)] == [b"five"]
+
+
+def test_a_large_message_is_received_into_its_own_buffer() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        reader = framing.FrameReader(scratch=bytearray(4096))
+        big = bytes(range(256)) * 1000  # far more than the scratch buffer
+        sender = threading.Thread(target=a.sendall, args=(frame(big) + frame(b"after"),))
+        sender.start()
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [bytes(f) for f in reader.read(b)]
+        sender.join()
+        assert got == [big, b"after"]
+
+
+def test_a_message_over_the_limit_is_refused_from_its_header() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        reader = framing.FrameReader(max_frame=1000)
+        a.sendall(framing.HEADER.pack(1001))  # no body needed to refuse it
+        with pytest.raises(framing.FrameTooLargeError) as refused:
+            reader.read(b)
+        assert (refused.value.size, refused.value.limit) == (1001, 1000)
+
+
+def test_close_and_timeout() -> None:
+    a, b = socket.socketpair()
+    with b:
+        reader = framing.FrameReader()
+        with pytest.raises(TimeoutError):
+            framing.read_frames(b, reader, time.monotonic() + 0.05)
+        a.sendall(frame(b"last"))
+        a.close()
+        assert [bytes(f) for f in framing.read_frames(b, reader, time.monotonic() + 1)] == [b"last"]
+        assert framing.has_pending(b)  # the close is there to read
+        with pytest.raises(framing.ConnectionClosedError):
+            framing.read_frames(b, reader, time.monotonic() + 1)
+
+
+def test_connect_until_waits_for_a_listener(tmp_path: Path) -> None:
+    endpoint = f"ipc://{tmp_path / 'late.sock'}"
+    assert framing.connect_until(endpoint, time.monotonic() + 0.05) is None
+    timer = threading.Timer(0.2, lambda: listeners.append(framing.bind(endpoint)))
+    listeners: list[socket.socket] = []
+    timer.start()
+    sock = framing.connect_until(endpoint, time.monotonic() + 10)
+    timer.join()
+    assert sock is not None
+    with sock, listeners[0]:
+        framing.send_frame(sock, b"hello")
+        listeners[0].setblocking(True)
+        peer, _ = listeners[0].accept()
+        with peer:
+            got = framing.read_frames(peer, framing.FrameReader(), time.monotonic() + 5)
+            assert [bytes(f) for f in got] == [b"hello"]
