@@ -53,7 +53,7 @@ import msgspec
 
 from tierkv.allocator import Allocator
 from tierkv.keys import DIGEST_SIZE
-from tierkv.tenants import OTHER_ID, TenantIds
+from tierkv.tenants import OTHER_ID, TenantFigures, TenantIds, TenantTally
 
 Clock = Callable[[], float]
 
@@ -162,19 +162,6 @@ class Evicted:
 
 
 @dataclass(frozen=True, slots=True)
-class TenantFigures:
-    """One tenant's share of the pool (bytes are aligned slot sizes, as the pool counts)."""
-
-    tenant: int  # id in the index's TenantIds
-    used: int  # bytes of its slots: being written, ready, or deleted but still held
-    limit: int | None  # its quota (the default's where it has none); None: unlimited
-    evictions: int  # its chunks evicted (by the watermark or by its quota)
-    evicted_bytes: int
-    refused_chunks: int  # its new chunks refused by a hard quota
-    refused_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class IndexStats:
     capacity: int
     used: int
@@ -231,17 +218,11 @@ class ObjectIndex:
         self._evicted_bytes = 0
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
-        # order), its quota, and its figures.
+        # order), and its quota and figures (the tally).
         self.tenants = tenants if tenants is not None else TenantIds()
         self._tused: dict[int, int] = {}
         self._tlru: dict[int, dict[Entry, None]] = {}
-        self._limits: dict[int, int] = {}
-        self._default_limit: int | None = None
-        self._hard = False
-        self._tevictions: dict[int, int] = {}
-        self._tevicted_bytes: dict[int, int] = {}
-        self._trefused: dict[int, int] = {}
-        self._trefused_bytes: dict[int, int] = {}
+        self._tally = TenantTally()
         # Called, under the index lock, with the keys of objects whose store expired before
         # its commit (so that lookups can tell "expired" from "never stored"); must be cheap.
         self.on_write_expired: Callable[[list[bytes]], None] | None = None
@@ -283,7 +264,9 @@ class ObjectIndex:
             room = holder_limit - self._reserved_by(holder) if holder_limit else -1
             by_digest = self.tenants.by_digest
             tused = self._tused
-            hard = self._hard
+            # The tally's limit_of, inlined below (the index's tally has no unlimited ids).
+            tally = self._tally
+            hard, limits, default = tally.hard, tally.limits, tally.default
             ns = b""
             tid = OTHER_ID
             limit: int | None = None
@@ -294,14 +277,13 @@ class ObjectIndex:
                 if key[:DIGEST_SIZE] != ns:
                     ns = key[:DIGEST_SIZE]
                     tid = by_digest.get(ns, OTHER_ID)
-                    limit = self._limits.get(tid, self._default_limit)
+                    limit = limits.get(tid, default)
                 length = lengths[i]
                 size = aligned(length)
                 if hard and limit is not None and tused.get(tid, 0) + size > limit:
                     result.no_space.append(i)
                     result.over_quota.append(i)
-                    self._trefused[tid] = self._trefused.get(tid, 0) + 1
-                    self._trefused_bytes[tid] = self._trefused_bytes.get(tid, 0) + size
+                    tally.count_refusal(tid, size)
                     continue
                 if room >= 0:
                     if length > room:
@@ -536,14 +518,13 @@ class ObjectIndex:
     def _evict_first(self) -> tuple[dict[Entry, None], frozenset[int]] | None:
         """Where the watermark eviction starts when some tenants are within a quota: (an
         LRU, the tenants in it to step over); None: the global LRU, every tenant alike."""
-        default = self._default_limit
-        if not self._limits and default is None:
+        limit_of = self._tally.limit_of
+        if not self._tally.limited:
             return None  # no quotas: every tenant is unlimited
         within = frozenset(
             tid
             for tid in self._tlru
-            if (limit := self._limits.get(tid, default)) is not None
-            and self._tused.get(tid, 0) <= limit
+            if (limit := limit_of(tid)) is not None and self._tused.get(tid, 0) <= limit
         )
         if not within or len(within) == len(self._tlru):
             return None
@@ -558,9 +539,9 @@ class ObjectIndex:
         evictable left); no other tenant's objects are touched."""
         with self._lock:
             evicted: list[Evicted] = []
-            default = self._default_limit
+            limit_of = self._tally.limit_of
             for tid, used in list(self._tused.items()):
-                limit = self._limits.get(tid, default)
+                limit = limit_of(tid)
                 if limit is not None and used > limit and tid in self._tlru:
                     evicted += self._evict(self._tlru[tid], used - limit)[0]
             return evicted
@@ -572,37 +553,22 @@ class ObjectIndex:
         if any(v < 0 for v in limits.values()) or (default is not None and default < 0):
             raise ValueError("quotas must be >= 0 bytes")
         with self._lock:
-            self._limits = dict(limits)
-            self._default_limit = default
-            self._hard = hard
+            self._tally.set_limits(limits, default, hard)
 
     def over_quota(self) -> bool:
         """Whether some tenant holds more than its quota (cheap: one pass over tenants)."""
         with self._lock:
-            default = self._default_limit
+            limit_of = self._tally.limit_of
             return any(
                 used > lim
                 for tid, used in self._tused.items()
-                if (lim := self._limits.get(tid, default)) is not None
+                if (lim := limit_of(tid)) is not None
             )
 
     def tenant_figures(self) -> list[TenantFigures]:
         """Every tenant with a slot, a quota or a figure, in tenant id order."""
         with self._lock:
-            tids = sorted({*self._tused, *self._limits, *self._tevictions, *self._trefused})
-            default = self._default_limit
-            return [
-                TenantFigures(
-                    tenant=tid,
-                    used=self._tused.get(tid, 0),
-                    limit=self._limits.get(tid, default),
-                    evictions=self._tevictions.get(tid, 0),
-                    evicted_bytes=self._tevicted_bytes.get(tid, 0),
-                    refused_chunks=self._trefused.get(tid, 0),
-                    refused_bytes=self._trefused_bytes.get(tid, 0),
-                )
-                for tid in tids
-            ]
+            return self._tally.figures(self._tused)
 
     def expire(self) -> tuple[int, int]:
         """Expire overdue leases now. Returns (write slots freed, read locks and pins
@@ -798,7 +764,7 @@ class ObjectIndex:
             victims.append(entry)
             freed += size_of(entry.offset) or 0
         evicted: list[Evicted] = []
-        tevictions, tevicted = self._tevictions, self._tevicted_bytes
+        tevictions, tevicted = self._tally.evictions, self._tally.evicted_bytes
         for entry in victims:
             self._lru_remove(entry)
             del self._entries[entry.key]

@@ -19,12 +19,19 @@ Keys carry only the 16-byte namespace digest, never the salt, so :class:`TenantI
 digest -> tenant when a digest is made (at REGISTER, and when a cache salt's digest is
 first made): the index then charges each chunk to its tenant with one dict lookup on the
 key's first half. Tenants get small integer ids; ids are never reused.
+
+The pool (:class:`~tierkv.index.ObjectIndex`) and each tier below it
+(:class:`~tierkv.server.tiering.tier_quotas.TierQuota`) keep their tenants' quota settings
+and what those quotas did in a :class:`TenantTally`, and report each tenant as a
+:class:`TenantFigures` row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from tierkv.keys import DIGEST_SIZE
 
@@ -118,3 +125,90 @@ class TenantIds:
     def of_key(self, key: bytes) -> int:
         """The tenant id a key is charged to."""
         return self.by_digest.get(key[:DIGEST_SIZE], OTHER_ID)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFigures:
+    """One tenant's share of a place: the pool (bytes are aligned slot sizes, as the pool
+    counts) or a tier (bytes as the tier counts them: files, headers in)."""
+
+    tenant: int  # id in the place's TenantIds
+    used: int  # the pool: bytes of its slots (being written, ready, or deleted but held)
+    limit: int | None  # its quota (the default's where it has none); None: unlimited
+    evictions: int  # its chunks evicted (the pool: by the watermark or by its quota)
+    evicted_bytes: int
+    refused_chunks: int  # its new chunks refused by a hard quota
+    refused_bytes: int
+
+
+class TenantTally:
+    """The tenant quotas of one place (the pool or a tier) and what they did there: the
+    limits (tenant id -> bytes), the default limit of every other tenant (None: unlimited),
+    hard or soft, and per tenant the chunks (and bytes) evicted and refused.
+
+    Not locked: its owner's lock guards every call. Hot paths may read :attr:`limits`,
+    :attr:`default` and :attr:`hard` and update the counter dicts directly."""
+
+    __slots__ = (
+        "default",
+        "evicted_bytes",
+        "evictions",
+        "hard",
+        "limits",
+        "refused_bytes",
+        "refused_chunks",
+        "unlimited",
+    )
+
+    def __init__(self, unlimited: Collection[int] = ()) -> None:
+        """``unlimited``: tenants no limit ever applies to (not even the default)."""
+        self.limits: dict[int, int] = {}
+        self.default: int | None = None
+        self.hard = False
+        self.unlimited = frozenset(unlimited)
+        self.evictions: dict[int, int] = {}
+        self.evicted_bytes: dict[int, int] = {}
+        self.refused_chunks: dict[int, int] = {}
+        self.refused_bytes: dict[int, int] = {}
+
+    def set_limits(self, limits: Mapping[int, int], default: int | None, hard: bool) -> None:
+        """Replace the settings (``{}`` and None: no quotas); the counters are kept."""
+        self.limits = dict(limits)
+        self.default = default
+        self.hard = hard
+
+    @property
+    def limited(self) -> bool:
+        """Whether some tenant has a limit (its own or the default)."""
+        return bool(self.limits) or self.default is not None
+
+    def limit_of(self, tid: int) -> int | None:
+        """The limit that applies to tenant ``tid``: its own, else the default."""
+        if tid in self.unlimited:
+            return None
+        return self.limits.get(tid, self.default)
+
+    def count_eviction(self, tid: int, nbytes: int, chunks: int = 1) -> None:
+        self.evictions[tid] = self.evictions.get(tid, 0) + chunks
+        self.evicted_bytes[tid] = self.evicted_bytes.get(tid, 0) + nbytes
+
+    def count_refusal(self, tid: int, nbytes: int, chunks: int = 1) -> None:
+        self.refused_chunks[tid] = self.refused_chunks.get(tid, 0) + chunks
+        self.refused_bytes[tid] = self.refused_bytes.get(tid, 0) + nbytes
+
+    def figures(self, used: Mapping[int, int]) -> list[TenantFigures]:
+        """A row for every tenant with bytes in ``used`` (tenant id -> bytes), a quota or a
+        figure, in tenant id order."""
+        tids = sorted({*used, *self.limits, *self.evictions, *self.refused_chunks})
+        return [
+            TenantFigures(
+                tenant=tid,
+                used=used.get(tid, 0),
+                limit=self.limit_of(tid),
+                evictions=self.evictions.get(tid, 0),
+                evicted_bytes=self.evicted_bytes.get(tid, 0),
+                refused_chunks=self.refused_chunks.get(tid, 0),
+                refused_bytes=self.refused_bytes.get(tid, 0),
+            )
+            for tid in tids
+        ]

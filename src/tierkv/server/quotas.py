@@ -33,8 +33,8 @@ import msgspec
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
 from tierkv.options import OptionError, parse_size
-from tierkv.server.tiering.tier_quotas import TierQuota, TierTenantFigures
-from tierkv.tenants import OTHER_TENANT, RESERVED, TenantIds, tenant_tag
+from tierkv.server.tiering.tier_quotas import TierQuota
+from tierkv.tenants import OTHER_TENANT, RESERVED, TenantFigures, TenantIds, tenant_tag
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ class Quotas:
     def _tenant_ids(
         self,
         pool: Mapping[int, object] | None = None,
-        tiers: Mapping[str, Mapping[int, TierTenantFigures]] | None = None,
+        tiers: Mapping[str, Mapping[int, TenantFigures]] | None = None,
     ) -> list[int]:
         """Every tenant with a figure in the pool or a tier, in id order."""
         if pool is None:
@@ -482,7 +482,7 @@ class Quotas:
                 self._file_turn.notify_all()
 
 
-def _tier_row(f: TierTenantFigures | None, limit: int | None) -> p.TenantTierInfo:
+def _tier_row(f: TenantFigures | None, limit: int | None) -> p.TenantTierInfo:
     if f is None:
         return p.TenantTierInfo(0, -1 if limit is None else limit, 0, 0, 0, 0)
     return p.TenantTierInfo(

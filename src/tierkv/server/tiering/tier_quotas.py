@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from tierkv.keys import DIGEST_SIZE
-from tierkv.tenants import OTHER_ID, TenantIds
+from tierkv.tenants import OTHER_ID, TenantFigures, TenantIds, TenantTally
 from tierkv.tiers.base import HEADER_SIZE
 
 
@@ -47,18 +47,6 @@ class NamespacedTier(Protocol):
     ) -> list[tuple[bytes, int]]: ...
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class TierTenantFigures:
-    """One tenant's share of a tier (bytes as the tier counts them: files, headers in)."""
-
-    used: int
-    limit: int | None  # None: unlimited
-    evictions: int  # its chunks the quota evicted from the tier
-    evicted_bytes: int
-    refused_chunks: int  # its chunks a hard quota kept out of the tier
-    refused_bytes: int
 
 
 @dataclass(slots=True)
@@ -78,14 +66,8 @@ class TierQuota:
         self.tier = tier
         self.tenants = tenants
         self._lock = threading.Lock()
-        self._limits: dict[int, int] = {}
-        self._default: int | None = None
-        self._hard = False
+        self._tally = TenantTally(unlimited=(OTHER_ID,))  # see the module docstring
         self._inflight: dict[int, int] = {}
-        self._evictions: dict[int, int] = {}
-        self._evicted_bytes: dict[int, int] = {}
-        self._refused: dict[int, int] = {}
-        self._refused_bytes: dict[int, int] = {}
         self._enforcing: set[int] = set()  # tenants a thread is bringing within quota
         self._again: set[int] = set()  # of those, ones another thread asked for meanwhile
 
@@ -97,16 +79,12 @@ class TierQuota:
         """Tenant id -> bytes, every other tenant's limit (None: unlimited), hard or soft;
         a tenant now above its quota loses its oldest chunks in the tier at once."""
         with self._lock:
-            self._limits = dict(limits)
-            self._default = default
-            self._hard = hard
+            self._tally.set_limits(limits, default, hard)
         self.enforce()
 
     def limit_of(self, tid: int) -> int | None:
-        if tid == OTHER_ID:
-            return None  # unattributed files: see the module docstring
         with self._lock:
-            return self._limits.get(tid, self._default)
+            return self._tally.limit_of(tid)
 
     def usage(self) -> dict[int, int]:
         """Bytes in the tier per tenant (unattributed namespaces under ``~other``)."""
@@ -126,7 +104,7 @@ class TierQuota:
         already holds cost nothing). Pass the result to :meth:`done` after the write."""
         everything = Admission(list(range(len(items))), {})
         with self._lock:
-            if not self._hard or (not self._limits and self._default is None):
+            if not self._tally.hard or not self._tally.limited:
                 return everything
         held = self.tier.contains([key for key, _ in items])
         by_digest = self.tenants.by_digest
@@ -137,8 +115,9 @@ class TierQuota:
         used = {tid: self.used_by(tid) for tid in want if tid != OTHER_ID}
         admission = Admission([i for i in range(len(items)) if held[i]], {})
         with self._lock:
+            tally = self._tally
             for tid, positions in want.items():
-                limit = None if tid == OTHER_ID else self._limits.get(tid, self._default)
+                limit = tally.limit_of(tid)
                 if limit is None:
                     admission.admitted += positions
                     continue
@@ -150,8 +129,7 @@ class TierQuota:
                         taken += size
                         admission.admitted.append(i)
                     else:
-                        self._refused[tid] = self._refused.get(tid, 0) + 1
-                        self._refused_bytes[tid] = self._refused_bytes.get(tid, 0) + size
+                        tally.count_refusal(tid, size)
                 if taken:
                     self._inflight[tid] = self._inflight.get(tid, 0) + taken
                     admission.inflight[tid] = taken
@@ -207,24 +185,12 @@ class TierQuota:
             return 0
         victims = self.tier.evict_oldest(digests, used - limit)
         with self._lock:
-            self._evictions[tid] = self._evictions.get(tid, 0) + len(victims)
-            freed = sum(n for _, n in victims)
-            self._evicted_bytes[tid] = self._evicted_bytes.get(tid, 0) + freed
+            self._tally.count_eviction(tid, sum(n for _, n in victims), len(victims))
         return len(victims)
 
-    def figures(self) -> dict[int, TierTenantFigures]:
-        """Every tenant with files, a quota or a figure in the tier."""
+    def figures(self) -> dict[int, TenantFigures]:
+        """Every tenant with files, a quota or a figure in the tier, by tenant id (in id
+        order); evictions count only the chunks this quota evicted from the tier."""
         usage = self.usage()
         with self._lock:
-            tids = {*usage, *self._limits, *self._evictions, *self._refused}
-            return {
-                tid: TierTenantFigures(
-                    used=usage.get(tid, 0),
-                    limit=None if tid == OTHER_ID else self._limits.get(tid, self._default),
-                    evictions=self._evictions.get(tid, 0),
-                    evicted_bytes=self._evicted_bytes.get(tid, 0),
-                    refused_chunks=self._refused.get(tid, 0),
-                    refused_bytes=self._refused_bytes.get(tid, 0),
-                )
-                for tid in sorted(tids)
-            }
+            return {f.tenant: f for f in self._tally.figures(usage)}
