@@ -90,11 +90,10 @@ def echo_main(endpoint: str) -> None:
     loop uses (:mod:`tierkv.framing`)."""
     listener = framing.bind(endpoint)
     listener.setblocking(True)
-    sock, _ = listener.accept()
-    reader = framing.FrameReader()
+    conn = framing.Connection(listener.accept()[0])
     while True:
-        for frame in framing.read_frames(sock, reader, time.monotonic() + 3600):
-            framing.send_frame(sock, frame)
+        for frame in conn.receive(time.monotonic() + 3600):
+            conn.send(frame, time.monotonic() + 60)
             if frame == b"stop":
                 return
 
@@ -102,20 +101,18 @@ def echo_main(endpoint: str) -> None:
 def pinger_main(endpoint: str, period: float, stop_path: str, out_path: str) -> None:
     """Send 64 bytes and wait for them back every ``period`` s until ``stop_path`` exists;
     write (start time, round trip) pairs."""
-    deadline = time.monotonic() + 30
-    sock = framing.connect_until(endpoint, deadline)
-    assert sock is not None, f"no echo process on {endpoint}"
-    reader = framing.FrameReader()
+    conn = framing.Connection.open(endpoint, time.monotonic() + 30)
+    assert conn is not None, f"no echo process on {endpoint}"
     samples: list[tuple[float, float]] = []
     stop = Path(stop_path)
     while not stop.exists():
         t0 = time.monotonic()
-        framing.send_frame(sock, b"x" * 64)
-        framing.read_frames(sock, reader, t0 + 60)
+        conn.send(b"x" * 64, t0 + 60)
+        conn.receive(t0 + 60)
         samples.append((t0, time.monotonic() - t0))
         time.sleep(max(0.0, period - (time.monotonic() - t0)))
-    framing.send_frame(sock, b"stop")
-    framing.read_frames(sock, reader, time.monotonic() + 60)
+    conn.send(b"stop", time.monotonic() + 60)
+    conn.receive(time.monotonic() + 60)
     Path(out_path).write_text(json.dumps(samples))
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -188,8 +187,7 @@ class Client:
         self.timeout = timeout
         self.auth_token = auth_token
         self.populate = populate
-        self._sock: socket.socket | None = None
-        self._reader = framing.FrameReader(scratch=bytearray(64 * 1024))
+        self._conn: framing.Connection | None = None
         self._pid = os.getpid()  # a forked child must not share its parent's connection
         self._closed = False
         self._io = threading.Lock()
@@ -206,23 +204,22 @@ class Client:
 
     # -- transport -------------------------------------------------------------------------
     def _disconnect(self) -> None:
-        if self._sock is not None:
-            self._sock.close()  # in a forked child: its copy only, the parent's stays open
-            self._sock = None
-        self._reader = framing.FrameReader(scratch=bytearray(64 * 1024))
+        if self._conn is not None:
+            self._conn.close()  # in a forked child: its copy only, the parent's stays open
+            self._conn = None
         self._pid = os.getpid()
 
-    def _connection(self, deadline: float) -> socket.socket | None:
+    def _connection(self, deadline: float) -> framing.Connection | None:
         """The connection to carry the next request: the current one if it is still good
         (nothing unexpected to read: no stale reply, no close by a restarted server), else a
         new one, waiting for a server that is (re)starting until ``deadline``."""
-        sock = self._sock
-        if sock is not None and (self._pid != os.getpid() or framing.has_pending(sock)):
+        conn = self._conn
+        if conn is not None and (self._pid != os.getpid() or conn.pending()):
             self._disconnect()
-            sock = None
-        if sock is None:
-            sock = self._sock = framing.connect_until(self.endpoint, deadline)
-        return sock
+            conn = None
+        if conn is None:
+            conn = self._conn = framing.Connection.open(self.endpoint, deadline)
+        return conn
 
     def _call(self, req: Any, timeout: float | None = None) -> Any:
         wait = self.timeout if timeout is None else timeout
@@ -231,17 +228,16 @@ class Client:
             if self._closed:
                 raise TierKVError("client is closed")
             try:
-                sock = self._connection(deadline)
-                if sock is None:
+                conn = self._connection(deadline)
+                if conn is None:
                     raise TimeoutError
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 try:
-                    framing.send_frame(sock, self._encode(req))
+                    conn.send(self._encode(req), deadline)
                 except (BrokenPipeError, ConnectionResetError):
                     # The server may have refused the request (too large) and closed: its
                     # reason is already here to read.
                     deadline = min(deadline, time.monotonic() + 0.1)
-                reply = self._await_reply(sock, req.rid, deadline)
+                reply = self._await_reply(conn, req.rid, deadline)
             except (OSError, framing.FrameTooLargeError) as exc:
                 # No reply, or a broken connection: a late reply must not be mistaken for
                 # the answer to a later request, so the next call connects afresh.
@@ -255,9 +251,9 @@ class Client:
             _raise_for(reply)
         return reply
 
-    def _await_reply(self, sock: socket.socket, rid: int, deadline: float) -> Any:
+    def _await_reply(self, conn: framing.Connection, rid: int, deadline: float) -> Any:
         while True:
-            for frame in framing.read_frames(sock, self._reader, deadline):
+            for frame in conn.receive(deadline):
                 reply = self._decode(frame)
                 # rid 0: about the connection, not a request (the server refused a message
                 # too large to read and closed the connection).

@@ -3,7 +3,8 @@
 An RPC endpoint is ``ipc://PATH`` (a Unix stream socket, the usual case: engines run on the
 server's node) or ``tcp://HOST:PORT``. Every message is a 4-byte little-endian length and
 that many bytes of msgpack. One request/reply is one ``sendmsg`` and (usually) one
-``recv_into`` on each side and a single wake-up of the thread that waits for it: no broker
+``recv_into`` on each side (:class:`Connection`) and a single wake-up of the thread that
+waits for it: no broker
 threads in between, which is what keeps a small request fast while the machine is busy
 moving bulk data.
 
@@ -97,26 +98,6 @@ def connect_until(endpoint: str, deadline: float) -> socket.socket | None:
         pause = min(pause * 2, 0.05)
 
 
-def send_frame(sock: socket.socket, payload: bytes | bytearray | memoryview) -> None:
-    """Send one message on a blocking socket (whole, or an OSError)."""
-    view = memoryview(payload).cast("B")
-    sent = sock.sendmsg([HEADER.pack(len(view)), view])
-    total = HEADER.size + len(view)
-    while sent < total:  # a partial send: rare, for large messages
-        if sent < HEADER.size:
-            sent += sock.sendmsg([HEADER.pack(len(view))[sent:], view])
-        else:
-            sent += sock.send(view[sent - HEADER.size :])
-
-
-def has_pending(sock: socket.socket) -> bool:
-    """Whether a socket with no request outstanding has something to read: a stale reply
-    or the peer's close (either way it should not carry the next request)."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return bool(poller.poll(0))
-
-
 class FrameReader:
     """Reads length-prefixed messages from one stream socket.
 
@@ -131,6 +112,7 @@ class FrameReader:
         self._pending = b""  # a partial message (or header) carried over from the last read
         self._large: bytearray | None = None  # a large message being received in place
         self._have = 0
+        self.filled = False  # the last read filled its buffer: more may be waiting
 
     def read(self, sock: socket.socket) -> list[memoryview]:
         if self._large is not None:
@@ -138,9 +120,11 @@ class FrameReader:
         try:
             n = sock.recv_into(self._scratch)
         except (BlockingIOError, InterruptedError):
+            self.filled = False
             return []
         if n == 0:
             raise ConnectionClosedError("connection closed by peer")
+        self.filled = n == len(self._scratch)
         data = memoryview(self._scratch)[:n]
         if self._pending:
             data = memoryview(self._pending + data)
@@ -176,9 +160,11 @@ class FrameReader:
         try:
             n = sock.recv_into(view[self._have :])
         except (BlockingIOError, InterruptedError):
+            self.filled = False
             return []
         if n == 0:
             raise ConnectionClosedError("connection closed by peer")
+        self.filled = n == len(view) - self._have
         self._have += n
         if self._have < len(view):
             return []
@@ -186,17 +172,68 @@ class FrameReader:
         return [view]
 
 
-def read_frames(sock: socket.socket, reader: FrameReader, deadline: float) -> list[memoryview]:
-    """The next messages on a blocking socket (at least one), waiting until ``deadline`` at
-    most: raises TimeoutError, or ConnectionClosedError when the peer closed."""
-    while True:
+class Connection:
+    """One connected stream socket carrying requests one at a time, with deadlines.
+
+    The socket stays non-blocking and is waited on with ``poll(2)``: a round trip is one
+    ``sendmsg``, one ``poll`` and (usually) one ``recv_into``, and nothing else (no
+    per-call switching of the socket's mode)."""
+
+    def __init__(self, sock: socket.socket, max_frame: int = MAX_FRAME, scratch: int = 65536):
+        sock.setblocking(False)
+        self.sock = sock
+        self.reader = FrameReader(max_frame, bytearray(scratch))
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)
+
+    @classmethod
+    def open(cls, endpoint: str, deadline: float) -> Connection | None:
+        """Connect (see :func:`connect_until`); None if nothing accepted by ``deadline``."""
+        sock = connect_until(endpoint, deadline)
+        return None if sock is None else cls(sock)
+
+    def pending(self) -> bool:
+        """Whether there is something to read: with no request outstanding, a stale reply
+        or the peer's close (either way this connection should not carry the next one)."""
+        return bool(self._readable.poll(0))
+
+    def send(self, payload: bytes | bytearray | memoryview, deadline: float) -> None:
+        """Send one message whole (TimeoutError when the peer does not take it in time)."""
+        view = memoryview(payload).cast("B")
+        parts = [memoryview(HEADER.pack(len(view))), view]
+        while parts:
+            try:
+                sent = self.sock.sendmsg(parts)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            while parts and sent >= len(parts[0]):
+                sent -= len(parts.pop(0))
+            if parts:
+                parts[0] = parts[0][sent:]
+                self._wait(select.POLLOUT, deadline)
+
+    def receive(self, deadline: float) -> list[memoryview]:
+        """The next messages (at least one; valid until the next call), by ``deadline``:
+        else TimeoutError, or ConnectionClosedError when the peer closed."""
+        while True:
+            self._wait(select.POLLIN, deadline)
+            frames = self.reader.read(self.sock)
+            if frames:
+                return frames
+
+    def _wait(self, event: int, deadline: float) -> None:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("no message in time")
-        sock.settimeout(left)
-        frames = reader.read(sock)  # TimeoutError when the socket's timeout passes
-        if frames:
-            return frames
+        if event == select.POLLIN:
+            ready = left > 0 and self._readable.poll(int(left * 1000) + 1)
+        else:
+            writable = select.poll()
+            writable.register(self.sock, event)
+            ready = left > 0 and writable.poll(int(left * 1000) + 1)
+        if not ready:
+            raise TimeoutError("the peer did not answer in time")
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def bind(endpoint: str, backlog: int = 128) -> socket.socket:

@@ -80,33 +80,57 @@ def test_a_message_over_the_limit_is_refused_from_its_header() -> None:
         assert (refused.value.size, refused.value.limit) == (1001, 1000)
 
 
-def test_close_and_timeout() -> None:
+def test_connection_close_and_timeout() -> None:
     a, b = socket.socketpair()
-    with b:
-        reader = framing.FrameReader()
+    conn = framing.Connection(b)
+    try:
         with pytest.raises(TimeoutError):
-            framing.read_frames(b, reader, time.monotonic() + 0.05)
+            conn.receive(time.monotonic() + 0.05)
+        assert not conn.pending()
         a.sendall(frame(b"last"))
         a.close()
-        assert [bytes(f) for f in framing.read_frames(b, reader, time.monotonic() + 1)] == [b"last"]
-        assert framing.has_pending(b)  # the close is there to read
+        assert [bytes(f) for f in conn.receive(time.monotonic() + 1)] == [b"last"]
+        assert conn.pending()  # the close is there to read
         with pytest.raises(framing.ConnectionClosedError):
-            framing.read_frames(b, reader, time.monotonic() + 1)
+            conn.receive(time.monotonic() + 1)
+    finally:
+        conn.close()
 
 
-def test_connect_until_waits_for_a_listener(tmp_path: Path) -> None:
+def test_connection_sends_a_message_larger_than_the_socket_buffer() -> None:
+    a, b = socket.socketpair()
+    conn, peer = framing.Connection(a), framing.Connection(b, scratch=4096)
+    try:
+        big = bytes(range(256)) * 16384  # 4 MiB: many times the socket buffer
+        sender = threading.Thread(target=conn.send, args=(big, time.monotonic() + 30))
+        sender.start()
+        got = [bytes(f) for f in peer.receive(time.monotonic() + 30)]
+        sender.join()
+        assert got == [big]
+        # Nobody reads: the send gives up at its deadline.
+        with pytest.raises(TimeoutError):
+            conn.send(big, time.monotonic() + 0.2)
+    finally:
+        conn.close()
+        peer.close()
+
+
+def test_connection_open_waits_for_a_listener(tmp_path: Path) -> None:
     endpoint = f"ipc://{tmp_path / 'late.sock'}"
-    assert framing.connect_until(endpoint, time.monotonic() + 0.05) is None
-    timer = threading.Timer(0.2, lambda: listeners.append(framing.bind(endpoint)))
+    assert framing.Connection.open(endpoint, time.monotonic() + 0.05) is None
     listeners: list[socket.socket] = []
+    timer = threading.Timer(0.2, lambda: listeners.append(framing.bind(endpoint)))
     timer.start()
-    sock = framing.connect_until(endpoint, time.monotonic() + 10)
+    conn = framing.Connection.open(endpoint, time.monotonic() + 10)
     timer.join()
-    assert sock is not None
-    with sock, listeners[0]:
-        framing.send_frame(sock, b"hello")
+    assert conn is not None
+    try:
+        conn.send(b"hello", time.monotonic() + 5)
         listeners[0].setblocking(True)
         peer, _ = listeners[0].accept()
         with peer:
-            got = framing.read_frames(peer, framing.FrameReader(), time.monotonic() + 5)
+            got = framing.Connection(peer).receive(time.monotonic() + 5)
             assert [bytes(f) for f in got] == [b"hello"]
+    finally:
+        conn.close()
+        listeners[0].close()

@@ -17,21 +17,19 @@ class Raw:
     framing included, with :meth:`send_bytes`) and decodes whatever the server answers."""
 
     def __init__(self, endpoint: str) -> None:
-        self.sock = framing.connect(endpoint, 5.0)
-        self.reader = framing.FrameReader()
+        self.conn = framing.Connection(framing.connect(endpoint, 5.0))
         self._frames: list[bytes] = []
 
     def send(self, msg: Any) -> None:
-        framing.send_frame(
-            self.sock, msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg)
-        )
+        payload = msg if isinstance(msg, bytes) else msgspec.msgpack.encode(msg)
+        self.conn.send(payload, time.monotonic() + 5.0)
 
     def send_bytes(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self.conn.sock.sendall(data)  # a few bytes: the socket buffer takes them at once
 
     def recv(self, timeout: float = 5.0) -> Any:
         if not self._frames:
-            frames = framing.read_frames(self.sock, self.reader, time.monotonic() + timeout)
+            frames = self.conn.receive(time.monotonic() + timeout)
             self._frames = [bytes(f) for f in frames]
         return p.reply_decoder.decode(self._frames.pop(0))
 
@@ -40,4 +38,4 @@ class Raw:
         return self.recv(timeout)
 
     def close(self) -> None:
-        self.sock.close()
+        self.conn.close()

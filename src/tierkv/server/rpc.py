@@ -199,10 +199,10 @@ class RpcServer:
             except OSError:  # closed or reset by the client (it exited, or crashed)
                 self._drop(conn)
                 return
-            if not frames:
-                return
             for frame in frames:
                 self._handle(conn, frame)
+            if not conn.reader.filled:
+                return  # drained (a read that filled its buffer may have left more)
 
     def _handle(self, conn: _Connection, payload: memoryview) -> None:
         try:
@@ -369,14 +369,15 @@ def ensure_endpoint_free(endpoint: str) -> None:
 def _endpoint_alive(endpoint: str, timeout: float = 0.3) -> bool:
     """Whether a server answers PING on ``endpoint``."""
     try:
-        sock = framing.connect(endpoint, timeout)
+        conn = framing.Connection(framing.connect(endpoint, timeout))
     except OSError:
         return False
     try:
-        framing.send_frame(sock, msgspec.msgpack.encode(p.Ping(rid=1)))
-        framing.read_frames(sock, framing.FrameReader(), time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        conn.send(msgspec.msgpack.encode(p.Ping(rid=1)), deadline)
+        conn.receive(deadline)
         return True
     except (OSError, framing.FrameTooLargeError):
         return False
     finally:
-        sock.close()
+        conn.close()
