@@ -19,7 +19,6 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
 from tierkv.server.tiering.write_behind import WriteBehind
 from tierkv.tiers.base import LoadStatus, Tier
 from tierkv.tiers.disk import DiskTier
+from tierkv.workers import WorkerPool
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 
@@ -47,7 +47,7 @@ OTHER_ENGINE = 8
 class Env:
     pool: ShmPool
     index: ObjectIndex
-    executor: ThreadPoolExecutor
+    executor: WorkerPool
     disk: DiskTier
 
     def commit(self, keys: Sequence[bytes], holder: int = ENGINE) -> list[bytes]:
@@ -105,14 +105,14 @@ def env(tmp_path: Path) -> Iterator[Env]:
         f"tierkv-test-ctl-{os.getpid()}-{time.monotonic_ns()}", POOL_CHUNKS * CHUNK
     )
     index = ObjectIndex(Allocator(pool.size, 4096))
-    executor = ThreadPoolExecutor(4, thread_name_prefix="test-tier")
+    executor = WorkerPool(4, "test-tier")
     disk = DiskTier(path=tmp_path / "disk")
     try:
         yield Env(pool, index, executor, disk)
         executor.shutdown(wait=True)
         index.check()
     finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+        executor.shutdown(wait=True, cancel=True)
         disk.close()
         pool.close()
 
@@ -316,6 +316,41 @@ def test_prefetch_takes_the_longest_run_across_tiers_in_order(env: Env) -> None:
     assert pf.stats.loaded_bytes == {"disk": 2 * CHUNK, "b": CHUNK}
     assert pf.stats.failed == {} and pf.stats.inflight == 0 and pf.stats.started == 1
     assert committed == [(keys[:2], "disk"), ([keys[2]], "b")]  # for write-behind, by source
+    assert env.index.release_read(job.lease_id, ENGINE) == 3
+
+
+class AskedTier(MemTier):
+    """A MemTier that records every batch of keys it is asked about."""
+
+    def __init__(self, name: str = "asked") -> None:
+        super().__init__(name)
+        self.asked: list[list[bytes]] = []
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        self.asked.append(list(keys))
+        return super().contains(keys)
+
+
+def test_prefetch_of_a_new_prompt_asks_the_tiers_about_its_first_chunk_only(env: Env) -> None:
+    """A run ends at the first chunk found nowhere: when no tier has the first chunk the
+    pool lacks (a new prompt), no tier is asked about the others; when one has it, the
+    rest are asked about in one batch."""
+    a, b = AskedTier("a"), AskedTier("b")
+    keys = [key(i) for i in range(8)]
+    pf = env.prefetcher([a, b])
+    job = pf.start(ENGINE, keys, [CHUNK] * 8, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 0
+    assert a.asked == [[keys[0]]] and b.asked == [[keys[0]]]
+    # Chunks 0-2 in b: b is asked about chunk 0, then a and b about the rest.
+    a.asked.clear()
+    b.asked.clear()
+    b.put(keys[:3])
+    job = pf.start(ENGINE, keys, [CHUNK] * 8, 0, 0)
+    wait_done(job)
+    assert job is not None and job.hits == 3
+    assert a.asked == [[keys[0]], keys[1:]]
+    assert b.asked == [[keys[0]], keys[1:]]
     assert env.index.release_read(job.lease_id, ENGINE) == 3
 
 

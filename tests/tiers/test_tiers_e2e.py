@@ -572,7 +572,8 @@ def test_redis_killed_lookups_miss_as_errors_and_the_outage_is_logged_once(
     ends = [line for line in outage_log if " INFO " in line and "works again" in line]
     assert len(ends) == 1, ends
     failures = int(ends[0].split("; ")[-1].split()[0])
-    assert failures >= docs * n + n  # every lookup's check and every write counted
+    # Every lookup's check (of its first chunk: the run ends there) and every write.
+    assert failures >= docs + n
 
 
 # -- tier options as the command line gives them -------------------------------------------

@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_args
 
 import msgspec
@@ -32,6 +31,7 @@ import msgspec
 from tierkv import framing
 from tierkv import protocol as p
 from tierkv.server.service import CacheService
+from tierkv.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class RpcServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self.last_tick = service.clock()  # when the loop last went round (health checks)
-        self._executor = ThreadPoolExecutor(service.cfg.workers, thread_name_prefix="tierkv-rpc")
+        self._executor = WorkerPool(service.cfg.workers, "tierkv-rpc")  # never blocks the loop
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.request_decoder.decode
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
@@ -341,7 +341,7 @@ class RpcServer:
             return
         self._bound = False
         self._stopped.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown(wait=False, cancel=True)
         for conn in list(self._conns.values()):
             self._drop(conn)
         self.selector.close()

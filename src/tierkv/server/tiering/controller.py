@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
@@ -26,6 +25,7 @@ from tierkv.server.tiering.prefetch import Prefetcher, PrefetchJob, Verified
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.server.tiering.write_behind import WriteBehind
 from tierkv.tiers.base import Tier, TierUsage
+from tierkv.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,11 @@ class Tiering:
         have them (see :mod:`tierkv.server.tiering.tier_quotas`)."""
         self.lookups = lookups
         self.tiers = list(tiers)
-        self.executor = ThreadPoolExecutor(
-            # Not data threads (tierkv.priority): they run Python (peer resolution, claims,
-            # commits) that holds the GIL, and a lowered thread preempted while holding it
-            # stalls the RPC loop behind it.
-            workers,
-            thread_name_prefix="tierkv-tier",
-        )
+        # Not data threads (tierkv.priority): they run Python (peer resolution, claims,
+        # commits) that holds the GIL, and a lowered thread preempted while holding it stalls
+        # the RPC loop behind it. A WorkerPool: the RPC loop hands lookups' prefetches to it
+        # and must never wait for that (tierkv.workers).
+        self.executor = WorkerPool(workers, "tierkv-tier")
         self.write_behind = WriteBehind(
             index,
             pool,
@@ -148,4 +146,4 @@ class Tiering:
         open: whoever built them closes them."""
         if self.tiers and not self.write_behind.wait_idle(timeout):
             log.warning("stopping with tier writes still queued; those chunks are not in tiers")
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor.shutdown(wait=True, cancel=True)

@@ -23,12 +23,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier
+from tierkv.workers import Submit
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Prefetcher:
         index: ObjectIndex,
         pool: ShmPool,
         tiers: Sequence[Tier],
-        executor: Executor,
+        executor: Submit,
         max_inflight: int,
         timeout: float,
         on_committed: Callable[[Tier, list[bytes], list[Verified]], None] | None = None,
@@ -199,11 +199,28 @@ class Prefetcher:
         """For the longest run of ``keys`` that the pool or some tier holds: None for a
         chunk ready in the pool (no tier is asked about it), else the tier to load it from;
         and whether the run ends at a chunk that some tier failed to check (the tier is
-        down, not the chunk known absent)."""
+        down, not the chunk known absent).
+
+        The tiers are asked about the first chunk the pool lacks on its own, and about the
+        others only if some tier has it: a run ends at the first chunk found nowhere, so a
+        lookup of a new prompt (the usual miss) costs the tiers one key, not all of them
+        (for the peer tier, a directory resolution of every key of a long prompt)."""
         found: list[Tier | None] = [None] * len(keys)
         in_pool = self.index.contains(keys)  # no lock, LRU untouched
         pending = [i for i, ready in enumerate(in_pool) if not ready]
         unchecked: set[int] = set()
+        missing = self._ask_tiers(keys, pending[:1], found, unchecked)
+        if not missing:
+            missing = self._ask_tiers(keys, pending[1:], found, unchecked)
+        end = missing[0] if missing else len(keys)  # the first chunk found nowhere
+        return found[:end], end in unchecked
+
+    def _ask_tiers(
+        self, keys: list[bytes], pending: list[int], found: list[Tier | None], unchecked: set[int]
+    ) -> list[int]:
+        """Ask the tiers, fastest first, where ``keys[i]`` (i in ``pending``) are: each one
+        found goes into ``found``; returns those found nowhere (adding to ``unchecked`` the
+        ones some tier could not check)."""
         for tier in self.tiers:
             if not pending:
                 break
@@ -221,8 +238,7 @@ class Prefetcher:
                     if has is None:
                         unchecked.add(i)
             pending = still
-        end = pending[0] if pending else len(keys)  # the first chunk found nowhere
-        return found[:end], end in unchecked
+        return pending
 
     def _load(
         self,

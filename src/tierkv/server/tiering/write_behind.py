@@ -21,13 +21,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tiers.base import Tier
+from tierkv.workers import Submit
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class WriteBehind:
         index: ObjectIndex,
         pool: ShmPool,
         tiers: Sequence[Tier],
-        executor: Executor,
+        executor: Submit,
         max_queued_bytes: int,
         quotas: Mapping[str, TierQuota] | None = None,
     ) -> None:
