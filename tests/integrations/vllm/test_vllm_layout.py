@@ -8,6 +8,7 @@ a chunk must hold exactly what the kernel would have written there itself.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -242,3 +243,78 @@ def test_native_override_for_an_unknown_backend_tags_it() -> None:
         caches, CacheGeometry(*GEOMETRY_ARGS), {n: "SOME_NEW_BACKEND" for n in caches}, "native"
     )
     assert layout.format_tag.startswith("native:SOME_NEW_BACKEND:")
+
+
+def torch_copies(layout: PagedKVLayout) -> PagedKVLayout:
+    """The same layout with its host views dropped: copies go through torch ``copy_``, as
+    they do for caches on an accelerator."""
+    clone = copy.copy(layout)
+    clone.host_views = clone.host_stacked = None
+    return clone
+
+
+def layouts_of_every_kind() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(name, caches, backends) for every layout the copies handle: native CPU (stacked),
+    split_last stacked and per layer, kernel sub-blocks, both 5-D layouts, bfloat16."""
+    gen = torch.Generator().manual_seed(5)
+    one_allocation = torch.randn(LAYERS, BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=gen)
+    bf16 = vllm_cpu_caches(torch.bfloat16)
+    for t in bf16.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return [
+        ("native", bf16, cpu_backends(torch.bfloat16)),
+        ("split_last", split_last_caches(), dict.fromkeys(split_last_caches(), "FLASH_ATTN")),
+        (
+            "split_last_stacked",
+            {f"model.layers.{i}.attn": one_allocation[i] for i in range(LAYERS)},
+            {f"model.layers.{i}.attn": "FLASH_ATTN" for i in range(LAYERS)},
+        ),
+        (
+            "sub_blocks",
+            {"l.0": torch.randn(2 * BLOCKS, HEADS, BLOCK // 2, 2 * HEAD, generator=gen)},
+            {"l.0": "TRITON_ATTN"},
+        ),
+        ("kv_first", {"l.0": torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=gen)}, {}),
+        (
+            "block_first",
+            {"l.0": torch.randn(BLOCKS, 2, HEADS, BLOCK, HEAD, generator=gen).transpose(2, 3)},
+            {"l.0": "FLASHINFER"},
+        ),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_host_copies_equal_torch_copies_for_every_layout(index: int) -> None:
+    """The numpy copies of host caches move exactly what torch ``copy_`` moves, both ways,
+    for several blocks of a chunk in any order."""
+    name, caches, backends = layouts_of_every_kind()[index]
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+    assert layout.host_views is not None, name
+    assert (layout.stacked is None) == (name == "split_last"), name  # per layer: the one case
+    reference = torch_copies(layout)
+    blocks = [(1, 5), (0, 2)]  # chunk position, vLLM block
+    host = torch.zeros(layout.chunk_shape(CHUNK), dtype=layout.dtype)
+    expected = torch.zeros_like(host)
+    layout.read_blocks(blocks, host)
+    reference.read_blocks(blocks, expected)
+    assert torch.equal(host, expected) and host.any(), name
+
+    before = {n: t.clone() for n, t in caches.items()}
+    source = torch.randn(host.shape, generator=torch.Generator().manual_seed(6)).to(host.dtype)
+    layout.write_blocks([(0, 6), (1, 3)], source)
+    written = {n: t.clone() for n, t in caches.items()}
+    for n, t in caches.items():
+        t.copy_(before[n])
+    reference.write_blocks([(0, 6), (1, 3)], source)
+    for n, t in caches.items():
+        assert torch.equal(t, written[n]), (name, n)
+        assert not torch.equal(t, before[n]), (name, n)
+
+
+def test_block_offsets_must_be_whole_blocks() -> None:
+    caches = split_last_caches()
+    layout = detect_layout(
+        caches, CacheGeometry(*GEOMETRY_ARGS), dict.fromkeys(caches, "FLASH_ATTN")
+    )
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        layout.read_block(1, torch.zeros(layout.chunk_shape(CHUNK)), BLOCK // 2)

@@ -164,16 +164,13 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> None:
         layout = self.layout
         assert layout is not None
-        block_size = layout.geometry.block_size
         loaded: set[int] = set()
 
         def scatter(chunk: int, src: Any) -> None:
             blocks = spec.blocks_of(chunk, self.bpc)
             if not blocks:
                 return  # a chunk vLLM already had, or beyond what vLLM asked for
-            tensor = layout.chunk_tensor(src)
-            for j, block_id in blocks:
-                layout.write_block(block_id, tensor, j * block_size)
+            layout.write_blocks(blocks, layout.chunk_tensor(src))
             loaded.add(chunk)
 
         start = time.perf_counter()
@@ -243,12 +240,9 @@ class WorkerSide:
     def _store(self, spec: StoreSpec) -> None:
         layout = self.layout
         assert layout is not None
-        block_size = layout.geometry.block_size
 
         def gather(chunk: int, dst: Any) -> None:
-            tensor = layout.chunk_tensor(dst)
-            for j, block_id in enumerate(spec.blocks_of(chunk, self.bpc)):
-                layout.read_block(block_id, tensor, j * block_size)
+            layout.read_blocks(enumerate(spec.blocks_of(chunk, self.bpc)), layout.chunk_tensor(dst))
 
         keys: dict[str, Any] = (
             {"hashes": spec.hashes} if spec.hashes is not None else {"tokens": spec.tokens}
