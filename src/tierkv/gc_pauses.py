@@ -88,9 +88,10 @@ def freeze_startup() -> None:
     a process's imports are never scanned again; and log its long pauses from now on.
     Call in a server's own process before it binds its sockets (a collection then delays
     nobody)."""
-    PAUSES.install(log_long=True)
-    gc.collect()
+    PAUSES.install()
+    gc.collect()  # counted, not logged: it is meant to take a while, before any request
     gc.freeze()
+    PAUSES.install(log_long=True)
 
 
 class GcPauseCollector(Collector):
