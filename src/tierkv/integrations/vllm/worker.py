@@ -88,7 +88,9 @@ class WorkerSide:
         self.chunk_size = settings.chunk_size
         self.layout: PagedKVLayout | None = None
         self.bpc = 0
-        self.link = ServerLink(settings, self._register, f"worker rank {rank}", log)
+        self.link = ServerLink(
+            settings, self._register, f"worker rank {rank}", log, parallel_callbacks=True
+        )
         self._finished_recving: set[str] = set()
         # Finished requests the scheduler kept (meta.release), until their stores ended.
         self._releasing: set[str] = set()
