@@ -169,8 +169,10 @@ def _chain(
     chunk_size: int,
     partial_last: bool,
     prefix: bytes,
+    known: Sequence[bytes] = (),
 ) -> list[bytes]:
-    """``prefix + h_i`` for every chunk; the one hashing loop behind both public functions."""
+    """``prefix + h_i`` for every chunk after the ``known`` ones (keys of the first chunks,
+    hashed before); the one hashing loop behind the public functions."""
     _check_digest(namespace_digest)
     _check_chunk_size(chunk_size)
     if isinstance(tokens, bytes):
@@ -185,8 +187,8 @@ def _chain(
     out: list[bytes] = []
     append = out.append
     hasher = blake3.blake3
-    prev = namespace_digest
-    for start in range(0, count * step, step):
+    prev = known[-1][-DIGEST_SIZE:] if known else namespace_digest
+    for start in range(len(known) * step, count * step, step):
         h = hasher(prev)
         h.update(data[start : start + step])
         prev = h.digest(DIGEST_SIZE)
@@ -216,6 +218,24 @@ def chunk_keys(
 ) -> list[ChunkKey]:
     """Keys (namespace digest + chained hash) for each chunk of ``tokens``."""
     return _chain(namespace_digest, tokens, chunk_size, partial_last, namespace_digest)
+
+
+def chunk_keys_after(
+    namespace_digest: bytes,
+    tokens: bytes,
+    known: Sequence[ChunkKey],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    partial_last: bool = False,
+) -> list[ChunkKey]:
+    """:func:`chunk_keys` of packed ``tokens`` whose first ``len(known)`` full chunks have the
+    keys ``known`` (computed before from the same tokens and namespace: the caller vouches
+    for that): only the chunks after them are hashed."""
+    if len(known) * chunk_size * TOKEN_DTYPE.itemsize > len(tokens):
+        raise ValueError("more known keys than full chunks of tokens")
+    return [
+        *known,
+        *_chain(namespace_digest, tokens, chunk_size, partial_last, namespace_digest, known),
+    ]
 
 
 def keys_from_hashes(

@@ -15,10 +15,20 @@ from tierkv.server.registry import Registration
 from tierkv.tenants import salt_error
 
 MAX_SALT = 1024  # characters of a per-request cache salt
+CHAINS = 4  # token chains remembered per client
 
 
 class ChunkKeys:
-    """Keys and lengths of selected chunks, for one server's chunk size and limits."""
+    """Keys and lengths of selected chunks, for one server's chunk size and limits.
+
+    An engine stores a long prompt request by request, each naming the whole token prefix
+    up to its last chunk, and looks a prompt up before it stores it: hashing every request's
+    tokens from the start would hash a prompt's first chunks again and again (576 chunk
+    hashes for a 32k-token prompt stored 16 chunks at a time, instead of 128). So each
+    client keeps its last few chains (:data:`CHAINS` of them); a request whose tokens
+    extend one, or are its beginning, reuses its keys and hashes only what is new. Reuse
+    needs the same namespace digest and byte-identical tokens, so a key is never taken for
+    tokens it was not computed from."""
 
     def __init__(self, chunk_size: int, max_chunks: int) -> None:
         self.chunk_size = chunk_size
@@ -55,7 +65,7 @@ class ChunkKeys:
                     f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
                     f"{limit} (max_chunks_per_request)",
                 )
-            ks = keys.chunk_keys(reg.digest_for(sel.salt), sel.tokens, chunk_size, sel.partial_last)
+            ks = self._chain(reg, reg.digest_for(sel.salt), sel.tokens, sel.partial_last)
             lengths = [reg.chunk_bytes] * len(ks)
             rest = n_tokens % chunk_size
             if sel.partial_last and rest:
@@ -79,3 +89,27 @@ class ChunkKeys:
                 p.ErrorCode.BAD_REQUEST, f"first_chunk {first_chunk} beyond {len(ks)} chunks"
             )
         return ks[first_chunk:], lengths[first_chunk:]
+
+    def _chain(
+        self, reg: Registration, digest: bytes, tokens: bytes, partial_last: bool
+    ) -> list[bytes]:
+        """The keys of ``tokens`` under ``digest``, reusing a chain ``reg`` hashed before."""
+        step = self.chunk_size * keys.TOKEN_DTYPE.itemsize
+        full = len(tokens) // step
+        whole = tokens if full * step == len(tokens) else tokens[: full * step]
+        known: list[bytes] = []
+        for cached_digest, cached_tokens, cached_keys in reg.chains:
+            if cached_digest != digest:
+                continue
+            if len(cached_keys) <= full and whole.startswith(cached_tokens):
+                known = cached_keys  # this request extends that chain
+                break
+            if len(cached_keys) > full and cached_tokens.startswith(whole):
+                known = cached_keys[:full]  # this request is that chain's beginning
+                break
+        ks = keys.chunk_keys_after(digest, tokens, known, self.chunk_size, partial_last)
+        if full and len(known) < full:
+            entry = (digest, whole, ks[:full])
+            older = [c for c in reg.chains if not (c[0] == digest and whole.startswith(c[1]))]
+            reg.chains = [entry, *older][:CHAINS]
+        return ks

@@ -61,6 +61,9 @@ class Registration:
     salted: dict[str, bytes] = field(default_factory=dict)  # cache salt -> namespace digest
     chunk_tokens: int = 0  # tokens in one of its chunks (0: a scheduler, which has none)
     tenants: TenantIds | None = None  # where its digests are mapped to their tenant
+    # Its last few token chains (namespace digest, full chunks' packed tokens, their keys),
+    # newest first: see tierkv.server.chunk_keys.
+    chains: list[tuple[bytes, bytes, list[bytes]]] = field(default_factory=list)
 
     def bind_tenant(self) -> None:
         """Record the tenant of this client's own namespace (at REGISTER)."""

@@ -1,0 +1,115 @@
+"""Chunk keys of token requests reuse a client's recent chains, and are always the keys that
+hashing the whole request gives (the same namespace, byte-identical tokens, or a fresh hash)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierkv import keys
+from tierkv import protocol as p
+from tierkv.server.chunk_keys import CHAINS, ChunkKeys
+from tierkv.server.registry import Registration
+
+CHUNK = 16
+
+
+def registration(model: str = "m") -> Registration:
+    ns = keys.Namespace(model, "float16", "test-layout")
+    return Registration(
+        token=1,
+        namespace=ns,
+        digest=ns.digest(),
+        layout=p.Layout([CHUNK, 2], "float16"),
+        chunk_bytes=CHUNK * 4,
+        name="test",
+        pid=0,
+        registered_at=0.0,
+        last_seen=0.0,
+        chunk_tokens=CHUNK,
+    )
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def expected(
+    reg: Registration, toks: list[int], partial: bool = False, salt: str = ""
+) -> list[bytes]:
+    return keys.chunk_keys(reg.digest_for(salt), keys.pack_tokens(toks), CHUNK, partial)
+
+
+def of(ck: ChunkKeys, reg: Registration, toks: list[int], **kw: object) -> list[bytes]:
+    sel = p.ChunkSelector(tokens=keys.pack_tokens(toks), **kw)  # type: ignore[arg-type]
+    return ck.of(reg, sel)[0]
+
+
+def test_a_prompt_stored_request_by_request_hashes_each_chunk_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ck, reg = ChunkKeys(CHUNK, 1024), registration()
+    prompt = tokens(1, 8 * CHUNK)
+    want = {end: expected(reg, prompt[: end * CHUNK]) for end in (2, 3, 4, 6, 8)}
+    hashed: list[int] = []
+    real = keys._chain
+
+    def counting(*args: object, **kw: object) -> list[bytes]:
+        out = real(*args, **kw)  # type: ignore[arg-type]
+        hashed.append(len(out))
+        return out
+
+    monkeypatch.setattr(keys, "_chain", counting)
+    for end in range(2, 9, 2):
+        assert of(ck, reg, prompt[: end * CHUNK]) == want[end]
+    assert hashed == [2, 2, 2, 2]  # not 2, 4, 6, 8
+    # Its beginning (a lookup of a shorter prefix) and itself again: nothing new hashed.
+    assert of(ck, reg, prompt[: 3 * CHUNK]) == want[3]
+    assert of(ck, reg, prompt) == want[8]
+    assert sum(hashed) == 8
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_reused_chains_always_give_the_keys_of_the_whole_request(seed: int) -> None:
+    """Random requests over a few prompts sharing beginnings, under two salts, with partial
+    last chunks and a second client: every answer equals a fresh hash of the request."""
+    rng = random.Random(seed)
+    ck = ChunkKeys(CHUNK, 1024)
+    regs = [registration(), registration("other-model")]
+    base = tokens(seed, 6 * CHUNK)
+    prompts = [
+        base,
+        base[: 3 * CHUNK] + tokens(seed + 100, 5 * CHUNK),
+        tokens(seed + 200, 9 * CHUNK),
+    ]
+    for _ in range(60):
+        reg = rng.choice(regs)
+        prompt = rng.choice(prompts)
+        n = rng.randrange(0, len(prompt) + 1)
+        partial = rng.random() < 0.3
+        salt = rng.choice(["", "s1"])
+        got = of(ck, reg, prompt[:n], partial_last=partial, salt=salt)
+        assert got == expected(reg, prompt[:n], partial, salt)
+        assert len(reg.chains) <= CHAINS
+
+
+def test_a_changed_token_inside_a_known_prefix_is_hashed_again() -> None:
+    ck, reg = ChunkKeys(CHUNK, 1024), registration()
+    prompt = tokens(3, 4 * CHUNK)
+    of(ck, reg, prompt)
+    changed = list(prompt)
+    changed[CHUNK + 5] += 1  # chunk 1 differs, one token
+    assert of(ck, reg, changed) == expected(reg, changed)
+    assert of(ck, reg, changed)[0] == of(ck, reg, prompt)[0]
+    assert of(ck, reg, changed)[1] != of(ck, reg, prompt)[1]
+
+
+def test_chunk_keys_after_refuses_more_known_keys_than_chunks() -> None:
+    reg = registration()
+    packed = keys.pack_tokens(tokens(4, 2 * CHUNK))
+    known = keys.chunk_keys(reg.digest, packed, CHUNK)
+    assert keys.chunk_keys_after(reg.digest, packed, known[:1], CHUNK) == known
+    with pytest.raises(ValueError, match="more known keys"):
+        keys.chunk_keys_after(reg.digest, packed[: CHUNK * 4], known, CHUNK)
