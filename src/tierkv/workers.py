@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -64,9 +65,13 @@ class WorkerPool:
             except Exception:
                 log.exception("%s: a task failed", self.name)
 
-    def shutdown(self, wait: bool = True, cancel: bool = False) -> None:
+    def shutdown(
+        self, wait: bool = True, cancel: bool = False, timeout: float | None = None
+    ) -> None:
         """Refuse new work; ``cancel``: drop what has not started; ``wait``: until every
-        thread has finished what it runs (and, without ``cancel``, what is queued)."""
+        thread has finished what it runs (and, without ``cancel``, what is queued), or
+        ``timeout`` seconds have passed (the threads are daemons: they then end with the
+        process)."""
         self._closed = True
         if cancel:
             while True:
@@ -77,7 +82,9 @@ class WorkerPool:
         for _ in self._threads:  # one stop per thread, after what is still queued
             self._queue.put(None)
         if wait:
+            deadline = None if timeout is None else time.monotonic() + timeout
             me = threading.current_thread()
             for thread in self._threads:
                 if thread is not me:
-                    thread.join()
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    thread.join(left)

@@ -81,3 +81,13 @@ def test_shutdown_with_cancel_drops_what_has_not_started() -> None:
 def test_needs_a_thread() -> None:
     with pytest.raises(ValueError, match="at least one"):
         WorkerPool(0, "none")
+
+
+def test_shutdown_waits_at_most_its_timeout() -> None:
+    pool = WorkerPool(1, "test-timeout")
+    release = threading.Event()
+    pool.submit(release.wait)
+    pool.shutdown(wait=True, timeout=0.05)  # the task still runs: returns anyway
+    assert not release.is_set()
+    release.set()
+    pool.shutdown(wait=True)  # now it ends

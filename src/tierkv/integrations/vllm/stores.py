@@ -1,10 +1,11 @@
 """The worker's store thread: stores run off vLLM's forward pass, in order, one at a time.
 
-:class:`StoreQueue` runs jobs (one per planned store) on one background thread, first in,
-first out, so a request's chunks are stored in the order the scheduler planned them. It
-counts the jobs of each request that have been submitted and have not ended yet (stored,
-failed or raised: every job ends), so the worker can tell vLLM when a request's source
-blocks may be freed or reused (:meth:`pending`, :meth:`wait`).
+:class:`StoreQueue` runs jobs (one per planned store) on one background thread (a
+:class:`~tierkv.workers.WorkerPool` of one), first in, first out, so a request's chunks are
+stored in the order the scheduler planned them. It counts the jobs of each request that
+have been submitted and have not ended yet (stored, failed or raised: every job ends), so
+the worker can tell vLLM when a request's source blocks may be freed or reused
+(:meth:`pending`, :meth:`wait`).
 
 No lock is held while a job runs: the lock guards the counts only. The thread keeps the
 process's CPU priority: a store's gather is a Python loop over blocks that holds the GIL
@@ -15,10 +16,11 @@ threads behind it (the GIL knows no priorities); see :mod:`tierkv.priority`.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Collection
+
+from tierkv.workers import WorkerPool
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -29,14 +31,13 @@ class StoreQueue:
     """One FIFO store thread and the per-request counts of its unfinished jobs."""
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[str, Job] | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending: dict[str, int] = {}
         self._closed = False
-        # A daemon: a store still queued when the process exits is a future miss, nothing
-        # more (shutdown drains the queue first, within a bound).
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        # One thread (first in, first out), a daemon: a store still queued when the process
+        # exits is a future miss, nothing more (shutdown drains the queue first, within a
+        # bound).
+        self._pool = WorkerPool(1, name)
 
     def submit(self, request_id: str, job: Job) -> None:
         """Queue ``job`` (a store of ``request_id``'s blocks) behind every earlier one."""
@@ -44,7 +45,7 @@ class StoreQueue:
             if self._closed:
                 raise RuntimeError("store queue closed")
             self._pending[request_id] = self._pending.get(request_id, 0) + 1
-        self._jobs.put((request_id, job))
+        self._pool.submit(self._run, request_id, job)
 
     def pending(self, request_id: str) -> bool:
         """Whether a job of ``request_id`` was submitted and has not ended."""
@@ -70,23 +71,17 @@ class StoreQueue:
         drained = self.drain(timeout)
         with self._cond:
             self._closed = True
-        self._jobs.put(None)
-        self._thread.join(max(0.0, timeout - (time.monotonic() - start)))
+        self._pool.shutdown(timeout=max(0.0, timeout - (time.monotonic() - start)))
         return drained
 
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            request_id, job = item
-            try:
-                if not self._closed:  # once closed, queued jobs are dropped
-                    job()
-            except Exception:  # a store is a cache write: log, never kill the thread
-                log.exception("tierkv: a store of request %s failed", request_id)
-            finally:
-                self._ended(request_id)
+    def _run(self, request_id: str, job: Job) -> None:
+        try:
+            if not self._closed:  # once closed, queued jobs are dropped
+                job()
+        except Exception:  # a store is a cache write: log, never kill the thread
+            log.exception("tierkv: a store of request %s failed", request_id)
+        finally:
+            self._ended(request_id)
 
     def _ended(self, request_id: str) -> None:
         with self._cond:
