@@ -113,3 +113,20 @@ def test_chunk_keys_after_refuses_more_known_keys_than_chunks() -> None:
     assert keys.chunk_keys_after(reg.digest, packed, known[:1], CHUNK) == known
     with pytest.raises(ValueError, match="more known keys"):
         keys.chunk_keys_after(reg.digest, packed[: CHUNK * 4], known, CHUNK)
+
+
+def test_the_chains_a_client_leaves_are_bounded_in_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending long prompts cannot make the server hold more than CHAIN_BYTES of
+    its tokens; a request longer than that is hashed and not kept."""
+    monkeypatch.setattr("tierkv.server.chunk_keys.CHAIN_BYTES", 10 * CHUNK * 4)
+    limit = 10 * CHUNK * 4
+    ck, reg = ChunkKeys(CHUNK, 1024), registration()
+    for seed in range(6):
+        toks = tokens(10 + seed, 4 * CHUNK)  # 4 chunks each: two fit under the limit
+        assert of(ck, reg, toks) == expected(reg, toks)
+        assert sum(len(c[1]) for c in reg.chains) <= limit
+        assert len(reg.chains) == min(seed + 1, 2)
+    kept = list(reg.chains)
+    long = tokens(99, 11 * CHUNK)
+    assert of(ck, reg, long) == expected(reg, long)
+    assert reg.chains == kept  # not kept, and nothing dropped for it

@@ -16,6 +16,7 @@ from tierkv.tenants import salt_error
 
 MAX_SALT = 1024  # characters of a per-request cache salt
 CHAINS = 4  # token chains remembered per client
+CHAIN_BYTES = 2 * 2**20  # and the most token bytes they may hold together (512k tokens)
 
 
 class ChunkKeys:
@@ -25,7 +26,8 @@ class ChunkKeys:
     up to its last chunk, and looks a prompt up before it stores it: hashing every request's
     tokens from the start would hash a prompt's first chunks again and again (576 chunk
     hashes for a 32k-token prompt stored 16 chunks at a time, instead of 128). So each
-    client keeps its last few chains (:data:`CHAINS` of them); a request whose tokens
+    client keeps its last few chains (:data:`CHAINS` of them, :data:`CHAIN_BYTES` of tokens
+    at most: a client cannot make the server hold more than that); a request whose tokens
     extend one, or are its beginning, reuses its keys and hashes only what is new. Reuse
     needs the same namespace digest and byte-identical tokens, so a key is never taken for
     tokens it was not computed from."""
@@ -108,8 +110,14 @@ class ChunkKeys:
                 known = cached_keys[:full]  # this request is that chain's beginning
                 break
         ks = keys.chunk_keys_after(digest, tokens, known, self.chunk_size, partial_last)
-        if full and len(known) < full:
+        if full and len(known) < full and len(whole) <= CHAIN_BYTES:
             entry = (digest, whole, ks[:full])
             older = [c for c in reg.chains if not (c[0] == digest and whole.startswith(c[1]))]
-            reg.chains = [entry, *older][:CHAINS]
+            kept, total = [entry], len(whole)
+            for chain in older[: CHAINS - 1]:
+                total += len(chain[1])
+                if total > CHAIN_BYTES:
+                    break
+                kept.append(chain)
+            reg.chains = kept
         return ks
