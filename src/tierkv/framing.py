@@ -4,9 +4,8 @@ An RPC endpoint is ``ipc://PATH`` (a Unix stream socket, the usual case: engines
 server's node) or ``tcp://HOST:PORT``. Every message is a 4-byte little-endian length and
 that many bytes of msgpack. One request/reply is one ``sendmsg`` and (usually) one
 ``recv_into`` on each side (:class:`Connection`) and a single wake-up of the thread that
-waits for it: no broker
-threads in between, which is what keeps a small request fast while the machine is busy
-moving bulk data.
+waits for it: no broker threads in between, which is what keeps a small request fast while
+the machine is busy moving bulk data.
 
 :class:`FrameReader` splits a byte stream into messages: small ones are parsed out of one
 reused scratch buffer; a large one (a long prompt's token ids) gets a buffer of its own that
@@ -21,6 +20,7 @@ import select
 import socket
 import struct
 import time
+from collections import deque
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = (1 << 32) - 1
@@ -96,22 +96,27 @@ def connect_until(endpoint: str, deadline: float) -> socket.socket | None:
             return None
         try:
             return connect(endpoint, left)
-        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
-            pass
-        except OSError as exc:
-            if not isinstance(exc, ConnectionError):
-                raise
+        except (FileNotFoundError, ConnectionError, TimeoutError):
+            pass  # nothing listens yet (or any more): try again
         time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
         pause = min(pause * 2, 0.05)
+
+
+def drop_sent(parts: deque[memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes from ``parts`` (what a ``sendmsg`` of them took),
+    and the empty parts that then lead."""
+    while parts and sent >= len(parts[0]):
+        sent -= len(parts.popleft())
+    if sent:
+        parts[0] = parts[0][sent:]
 
 
 class FrameReader:
     """Reads length-prefixed messages from one stream socket.
 
-    :meth:`read` does one ``recv`` and returns the messages completed by it, as views that
-    stay valid until the next call (decode them before reading again). On a non-blocking
-    socket it returns ``[]`` when nothing is there; on a blocking one it waits (honouring
-    the socket's timeout)."""
+    :meth:`read` does one ``recv`` on a non-blocking socket and returns the messages
+    completed by it (``[]`` when nothing is there), as views that stay valid until the next
+    call (decode them before reading again)."""
 
     def __init__(self, max_frame: int = MAX_FRAME, scratch: bytearray | None = None) -> None:
         self.max_frame = max_frame
@@ -207,16 +212,11 @@ class Connection:
     def send(self, payload: bytes | bytearray | memoryview, deadline: float) -> None:
         """Send one message whole (TimeoutError when the peer does not take it in time)."""
         view = memoryview(payload).cast("B")
-        parts = [memoryview(HEADER.pack(len(view))), view]
+        parts = deque([memoryview(HEADER.pack(len(view))), view])
         while parts:
-            try:
-                sent = self.sock.sendmsg(parts)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            while parts and sent >= len(parts[0]):
-                sent -= len(parts.pop(0))
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                drop_sent(parts, self.sock.sendmsg(parts))
             if parts:
-                parts[0] = parts[0][sent:]
                 self._wait(select.POLLOUT, deadline)
 
     def receive(self, deadline: float) -> list[memoryview]:

@@ -54,6 +54,7 @@ import xxhash
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
+from tierkv.framing import drop_sent
 from tierkv.priority import data_thread
 from tierkv.tiers.base import LoadStatus
 
@@ -221,16 +222,9 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
 
 def _send_all(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
     """sendmsg the parts (no copy of the payload), continuing after partial sends."""
-    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    views = collections.deque(memoryview(p).cast("B") for p in parts if len(p))
     while views:
-        sent = sock.sendmsg(views)
-        while sent:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        drop_sent(views, sock.sendmsg(views))
 
 
 def _tune(sock: socket.socket) -> None:

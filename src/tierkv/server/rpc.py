@@ -16,6 +16,7 @@ For ipc endpoints the socket file lives in a 0700 runtime directory and is made 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -192,8 +193,7 @@ class RpcServer:
                     f"request of {exc.size} bytes refused: larger than max_message_bytes "
                     f"({exc.limit}); connection closed"
                 )
-                self._reply(conn, p.Error(0, p.ErrorCode.TOO_LARGE, why))
-                self._flush(conn)
+                self._reply(conn, p.Error(0, p.ErrorCode.TOO_LARGE, why))  # sent if it fits
                 self._drop(conn)
                 return
             except OSError:  # closed or reset by the client (it exited, or crashed)
@@ -240,60 +240,35 @@ class RpcServer:
         self._send(conn, self._encode(reply))
 
     def _send(self, conn: _Connection, payload: bytes) -> None:
-        head = framing.HEADER.pack(len(payload))
-        if conn.unsent:
-            self._queue(conn, [memoryview(head), memoryview(payload)], 0)
-            return
-        try:
-            sent = conn.sock.sendmsg([head, payload])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._drop(conn)
-            return
-        if sent < len(head) + len(payload):
-            self._queue(conn, [memoryview(head), memoryview(payload)], sent)
-
-    def _queue(self, conn: _Connection, parts: list[memoryview], sent: int) -> None:
-        for part in parts:
-            if sent >= len(part):
-                sent -= len(part)
-                continue
-            conn.unsent.append(part[sent:])
-            conn.unsent_bytes += len(part) - sent
-            sent = 0
+        """Queue a reply behind what the connection has not sent yet, and send what the
+        kernel takes now; the rest goes when the socket is writable again."""
+        conn.unsent.append(memoryview(framing.HEADER.pack(len(payload))))
+        conn.unsent.append(memoryview(payload))
+        conn.unsent_bytes += framing.HEADER.size + len(payload)
+        self._flush(conn)
         if conn.unsent_bytes > MAX_UNSENT:
             log.warning(
                 "disconnecting a client that does not read its replies (%d bytes unsent)",
                 conn.unsent_bytes,
             )
             self._drop(conn)
-            return
-        if not conn.writing:
-            conn.writing = True
-            self.selector.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
 
     def _flush(self, conn: _Connection) -> None:
         while conn.unsent:
             try:
-                sent = conn.sock.sendmsg(list(conn.unsent)[:64])
+                sent = conn.sock.sendmsg(list(itertools.islice(conn.unsent, 64)))
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError:
                 self._drop(conn)
                 return
             conn.unsent_bytes -= sent
-            while sent:
-                first = conn.unsent[0]
-                if sent >= len(first):
-                    sent -= len(first)
-                    conn.unsent.popleft()
-                else:
-                    conn.unsent[0] = first[sent:]
-                    sent = 0
-        if conn.writing and conn.sock.fileno() in self._conns:
-            conn.writing = False
-            self.selector.modify(conn.sock, selectors.EVENT_READ, conn)
+            framing.drop_sent(conn.unsent, sent)
+        waiting = bool(conn.unsent)
+        if conn.writing != waiting and conn.sock.fileno() in self._conns:
+            conn.writing = waiting
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
+            self.selector.modify(conn.sock, events, conn)
 
     def _drop(self, conn: _Connection) -> None:
         fd = conn.sock.fileno()
