@@ -80,6 +80,8 @@ def test_controller_lookup_agrees_with_what_each_server_holds(
     assert answer["instances"][1]["tokens"] == 512
     # By namespace and the chunks' hashes (no engine needed): the same holders.
     by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
+    # The engine has unregistered; its server tells the controller from a sender thread.
+    wait_for(lambda: {r["tokens"] for r in lookup(url, by_hash)[1]["instances"]} == {None})
     status, answer = lookup(url, by_hash)
     assert status == 200 and runs(answer) == want
     assert {row["tokens"] for row in answer["instances"]} == {None}  # chunk size unknown
