@@ -13,8 +13,11 @@ Two experiments with real server processes, each against a bound measured in the
     lookups' p50/p99 (hashed by the server).
 (b) ``under_transfer``: one engine process looks up a fresh 32k-token prompt every 10 ms on
     server B while B fetches 256 MiB from peer A (another engine's lookup) and prefetches
-    128 MiB from its disk tier (a third engine's lookup). The lookups' p99 inside the
-    transfer windows, and outside them (the same engine, the same server, idle).
+    128 MiB from its disk tier (a third engine's lookup). Every round's peer working set is
+    a prompt A has just stored: B writes what it fetched behind to its own disk tier, which
+    B asks before the peer, so a working set fetched again would come from B's disk. The
+    lookups' p99 inside the transfer windows, and outside them (the same engine, the same
+    server, idle).
 
 Both also run a floor (:class:`Floor`): two processes of their own doing a bare round
 trip every 5 ms under the same load, with no tierkv in between. Its p99 is what the
@@ -317,24 +320,20 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
     try:
         wait_for(lambda: members(a.addr) == members(b.addr) == {a.addr, b.addr})
         src = np.random.default_rng(1).random(SHAPE, dtype=np.float32)
-        peer_tokens = prompt(1, peer_chunks * CHUNK_TOKENS)
         disk_tokens = prompt(2, disk_chunks * CHUNK_TOKENS)
-        with a.client() as engine:
-            engine.register("load-model", SHAPE, "float32", token_axis=1)
-            if len(engine.store(peer_tokens, [src] * peer_chunks).stored) != peer_chunks:
-                raise RuntimeError("A did not store the peer working set")
         with b.client() as engine:
             engine.register("load-model", SHAPE, "float32", token_axis=1)
             if len(engine.store(disk_tokens, [src] * disk_chunks).stored) != disk_chunks:
                 raise RuntimeError("B did not store the disk working set")
             wait_for(lambda: engine.stats().tiers[0].objects >= disk_chunks)
         samples_path = root / "lookups.json"
-        seconds = 3.0 + rounds * 1.5
+        seconds = 3.0 + rounds * 2.5
         looker = subprocess.Popen(
             [sys.executable, __file__, "--looker", b.endpoint, str(seconds), "0.01",
              str(samples_path)],
         )  # fmt: skip
-        windows: list[tuple[float, float]] = []
+        windows: list[tuple[float, float]] = []  # the transfers
+        busy_spans: list[tuple[float, float]] = []  # A's store before each, and the transfer
         dst = np.empty(SHAPE, np.float32)
         time.sleep(1.5)  # the looker's idle baseline first
 
@@ -344,11 +343,24 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
             if found.hits != n or len(got.retrieved) != n:
                 raise RuntimeError(f"{rid}: {found.hits} hits of {n}")
 
-        with Floor(root) as floor, b.client() as peer_engine, b.client() as disk_engine:
-            peer_engine.register("load-model", SHAPE, "float32", token_axis=1)
-            disk_engine.register("load-model", SHAPE, "float32", token_axis=1)
+        with (
+            Floor(root) as floor,
+            a.client() as producer,
+            b.client() as peer_engine,
+            b.client() as disk_engine,
+        ):
+            for engine in (producer, peer_engine, disk_engine):
+                engine.register("load-model", SHAPE, "float32", token_axis=1)
             for r in range(rounds):
-                peer_engine.clear()  # B's pool forgets both working sets (disk keeps its)
+                # A fresh working set on A (the last one leaves A's pool first), outside the
+                # window; B's pool forgets both working sets (its disk keeps what it had).
+                setup = time.monotonic()
+                producer.clear()
+                peer_tokens = prompt(100 + r, peer_chunks * CHUNK_TOKENS)
+                if len(producer.store(peer_tokens, [src] * peer_chunks).stored) != peer_chunks:
+                    raise RuntimeError("A did not store the peer working set")
+                peer_engine.clear()
+                time.sleep(0.2)  # A's publication reaches the directory (about 1 ms)
                 t0 = time.monotonic()
                 threads = [
                     threading.Thread(target=fetch, args=(peer_engine, peer_tokens, peer_chunks,
@@ -361,7 +373,11 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
                 for t in threads:
                     t.join()
                 windows.append((t0, time.monotonic()))
+                busy_spans.append((setup, time.monotonic()))
                 time.sleep(0.5)
+            tiers = {t.name: t.loaded_chunks for t in peer_engine.stats().tiers}
+        if tiers.get("peer", 0) != rounds * peer_chunks:
+            raise RuntimeError(f"B loaded {tiers} chunks, not {rounds * peer_chunks} from A")
         looker.wait(seconds + 60)
         samples = json.loads(samples_path.read_text())
     finally:
@@ -369,7 +385,7 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
         b.stop()
     busy = within(samples, windows)
     idle = [lat for start, lat in samples if not any(lo - 0.2 <= start <= hi + 0.2
-                                                     for lo, hi in windows)]  # fmt: skip
+                                                     for lo, hi in busy_spans)]  # fmt: skip
     span = statistics.median(hi - lo for lo, hi in windows)
     print(
         f"(b) {rounds} rounds of 256 MiB from peer A + 128 MiB from B's disk tier "
@@ -391,7 +407,7 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=3, help="prompts per engine")
     ap.add_argument("--per-request", type=int, default=16, help="chunks per store request")
-    ap.add_argument("--rounds", type=int, default=6, help="transfer rounds in (b)")
+    ap.add_argument("--rounds", type=int, default=12, help="transfer rounds in (b)")
     ap.add_argument("--only", choices=("a", "b"), help="run one experiment")
     ap.add_argument("--looker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
