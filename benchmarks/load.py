@@ -338,8 +338,9 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
         time.sleep(1.5)  # the looker's idle baseline first
 
         def fetch(engine: Client, tokens: np.ndarray[Any, Any], n: int, rid: str) -> None:
+            # The engine's copies run on its client's copy threads, as a vLLM worker's do.
             found = engine.lookup(tokens, request_id=rid, wait=True)
-            got = engine.retrieve(request_id=rid, scatter=lambda c, v: np.copyto(dst, v))
+            got = engine.retrieve(request_id=rid, out=[dst] * n)
             if found.hits != n or len(got.retrieved) != n:
                 raise RuntimeError(f"{rid}: {found.hits} hits of {n}")
 

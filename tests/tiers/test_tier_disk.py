@@ -624,11 +624,11 @@ def test_file_removed_behind_the_tiers_back_is_missing(
 def _fail_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> list[int]:
     calls: list[int] = []
 
-    def writev(fd: int, buffers: object) -> int:
+    def pwrite(fd: int, data: object, offset: int) -> int:
         calls.append(fd)
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     return calls
 
 

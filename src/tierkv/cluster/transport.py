@@ -17,17 +17,19 @@ TCP wire format (little-endian, fixed-size headers):
 - reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
   checksum), then ``length`` payload bytes when the status is OK.
 
-Holder side: every request read-locks the chunks in the pool (only committed chunks, only
-at their own offsets and lengths: nothing else can be named), sends each header and payload
+Holder side: every request read-locks the chunks in the pool (only committed chunks, only at
+their own offsets and lengths: nothing else can be named), sends each header and payload
 straight from the pool's memory (``sendmsg`` on a memoryview of the slot, no copy in user
-space), then releases the locks. The checksum it sends was computed when the chunk was
-published, so bytes that changed in its pool since then fail verification at the reader.
+space, in pieces: :mod:`tierkv.pieces`), then releases the locks. The checksum it sends was
+computed when the chunk was published, so bytes that changed in its pool since then fail
+verification at the reader.
 
 Reader side: a bounded pool of connections per peer (default 16), reused across requests
 and returned only after a clean exchange; each request carries several chunks; a batch to
 one peer is split into a few streams over separate connections, and streams to all peers
 run in parallel. Payloads are received with ``recv_into`` straight into the reserved slot
-views and verified with XXH3-128 (which releases the GIL, so streams hash in parallel). Any
+views, in pieces, and verified with XXH3-128 as they land (which releases the GIL, so streams
+hash in parallel). Any
 failure marks the affected chunks ERROR (or CORRUPT) and closes that connection; nothing
 raises to the caller and nothing waits longer than the socket timeout.
 """
@@ -49,12 +51,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import xxhash
-
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
-from tierkv.framing import drop_sent
+from tierkv.pieces import recv_exact, recv_hashed, send_all
 from tierkv.priority import data_thread
 from tierkv.tiers.base import LoadStatus
 
@@ -68,7 +68,6 @@ ITEM = struct.Struct("<32sQ")
 CHUNK = struct.Struct("<B7xQ16s")
 MAX_CHUNKS = 4096
 MAX_NODE_ID = 256
-HASH_STEP = 256 * 1024
 MAX_CHUNK_BYTES = 1 << 34
 DEFAULT_STREAMS_PER_FETCH = 4  # connections one batch to one peer is split over
 
@@ -187,44 +186,10 @@ class Transport(ABC):
 
 
 # -- socket helpers ----------------------------------------------------------------------
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    pos, n = 0, len(view)
-    while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        pos += got
-
-
-def _recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
-    """Receive into ``view`` and return its checksum, hashing each piece as it lands (while
-    it is still in the CPU cache) instead of reading the whole chunk again afterwards."""
-    hasher = xxhash.xxh3_128()
-    pos, n = 0, len(view)
-    pending = 0  # received but not yet hashed: hash in pieces of at least HASH_STEP
-    while pos < n:
-        got = sock.recv_into(view[pos:], n - pos)
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        pos += got
-        if pos - pending >= HASH_STEP or pos == n:
-            hasher.update(view[pending:pos])
-            pending = pos
-    digest: bytes = hasher.digest()
-    return digest
-
-
 def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
-    _recv_exact(sock, memoryview(buf))
+    recv_exact(sock, memoryview(buf))
     return bytes(buf)
-
-
-def _send_all(sock: socket.socket, parts: list[memoryview | bytes]) -> None:
-    """sendmsg the parts (no copy of the payload), continuing after partial sends."""
-    views = collections.deque(memoryview(p).cast("B") for p in parts if len(p))
-    while views:
-        drop_sent(views, sock.sendmsg(views))
 
 
 def _tune(sock: socket.socket) -> None:
@@ -363,7 +328,7 @@ class TcpTransport(Transport):
             head = bytearray(REQUEST.size)
             while not self._stop.is_set():
                 try:
-                    _recv_exact(sock, memoryview(head))
+                    recv_exact(sock, memoryview(head))
                 except (ConnectionError, OSError):
                     return
                 magic, count = REQUEST.unpack(head)
@@ -436,15 +401,15 @@ class TcpTransport(Transport):
                 view = served.views[i]
                 if view is None:
                     missing += 1
-                    _send_all(sock, [CHUNK.pack(SENT_MISSING, 0, bytes(16))])
+                    send_all(sock, [CHUNK.pack(SENT_MISSING, 0, bytes(16))])
                 elif len(view) != want:
                     missing += 1
-                    _send_all(sock, [CHUNK.pack(SENT_LENGTH, len(view), bytes(16))])
+                    send_all(sock, [CHUNK.pack(SENT_LENGTH, len(view), bytes(16))])
                 else:
                     digest = served.checksums[i]
                     if self.corrupt_hook is not None and self.corrupt_hook(key):
                         digest = bytes(b ^ 0xFF for b in digest)
-                    _send_all(sock, [CHUNK.pack(SENT_OK, len(view), digest), view])
+                    send_all(sock, [CHUNK.pack(SENT_OK, len(view), digest), view])
                     sent_bytes += len(view)
                     chunks += 1
                 view = None
@@ -626,17 +591,17 @@ class TcpTransport(Transport):
         sock.settimeout(self.timeout)
         request = [REQUEST.pack(b"TKVR", len(items))]
         request += [ITEM.pack(key, len(view)) for key, view in items]
-        _send_all(sock, [b"".join(request)])
+        send_all(sock, [b"".join(request)])
         head = bytearray(CHUNK.size)
         hview = memoryview(head)
         for i, (key, view) in enumerate(items):
-            _recv_exact(sock, hview)
+            recv_exact(sock, hview)
             status, length, digest = CHUNK.unpack(head)
             if status == SENT_OK:
                 if length != len(view):
                     raise ConnectionError(f"peer sent {length} bytes for a {len(view)}-byte slot")
                 target = view.cast("B") if view.format != "B" else view
-                ok = _recv_hashed(sock, target) == digest
+                ok = recv_hashed(sock, target) == digest
                 statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
                 if ok and verified is not None:
                     verified[key] = digest  # one dict store: atomic under the GIL

@@ -84,10 +84,12 @@ def byte_view(view: memoryview | bytes | bytearray) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
-def pack_header(key: bytes, data: memoryview | bytes) -> bytes:
+def pack_header(key: bytes, data: memoryview | bytes, digest: bytes | None = None) -> bytes:
+    """The record header of ``data``; ``digest``: its checksum, if already computed."""
     if len(key) != KEY_SIZE:
         raise ValueError(f"keys are {KEY_SIZE} bytes, got {len(key)}")
-    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(data), key, checksum(data))
+    digest = checksum(data) if digest is None else digest
+    return HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(data), key, digest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +116,15 @@ def whole_record(header: Header | None, key: bytes, size: int) -> bool:
     return header is not None and header.key == key and HEADER_SIZE + header.length == size
 
 
-def verify(header: Header | None, key: bytes, data: memoryview) -> LoadStatus:
-    """Whether ``data`` is the intact payload of ``key`` under ``header``."""
+def verify(
+    header: Header | None, key: bytes, data: memoryview, digest: bytes | None = None
+) -> LoadStatus:
+    """Whether ``data`` is the intact payload of ``key`` under ``header``; ``digest``: the
+    checksum of ``data``, if already computed."""
     if header is None or header.key != key or header.length != len(data):
         return LoadStatus.CORRUPT
-    return LoadStatus.OK if checksum(data) == header.digest else LoadStatus.CORRUPT
+    digest = checksum(data) if digest is None else digest
+    return LoadStatus.OK if digest == header.digest else LoadStatus.CORRUPT
 
 
 # -- interface ---------------------------------------------------------------------------

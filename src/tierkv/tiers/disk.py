@@ -7,14 +7,16 @@ all of an engine's chunks in one directory. Each file is the 64-byte record head
 :mod:`tierkv.tiers.base` followed by the payload. ``<path>/.tierkv-disk.lock`` is held
 (``flock``) while a tier uses the directory, so two servers never share one.
 
-Store. The header and the pool view go out in one ``os.writev`` (no copy of the payload in
-user space) to a temporary file next to the final one, optionally ``fsync``-ed, then
-``os.replace``-d into place: a torn write is never visible under a chunk's name, and a crash
-leaves at most a temporary file, which the next start removes. Keys already held are skipped.
+Store. The pool view goes out with ``os.pwrite`` (no copy of the payload in user space) in
+pieces of :data:`tierkv.pieces.PIECE` bytes, each hashed right after it was written, then
+the header with the checksum, to a temporary file next to the final one, optionally
+``fsync``-ed, then ``os.replace``-d into place: a torn write is never visible under a chunk's
+name, and a crash leaves at most a temporary file, which the next start removes. Keys
+already held are skipped.
 
-Load. ``os.readv`` reads the header into a 64-byte buffer and the payload straight into the
-caller's writable slot view; the header (magic, version, key, length) and the
-checksum of the view are then verified. Anything inconsistent is ``CORRUPT``: the file is
+Load. ``os.pread`` reads the header, then ``os.preadv`` the payload straight into the
+caller's writable slot view, in pieces hashed as they land; the header (magic, version,
+key, length) and the checksum are then verified. Anything inconsistent is ``CORRUPT``: the file is
 deleted and counted, and the bytes left in the slot must not be used. A missing file is
 ``MISSING``, an I/O error ``ERROR``; nothing raises for a single chunk. A view whose length
 differs from a self-consistent file is also ``CORRUPT``, but that file is kept: the chunk
@@ -52,9 +54,11 @@ when it succeeds writes are enabled again. A directory that cannot be created at
 disables the tier the same way instead of failing the server.
 
 Parallel I/O. A batch of stores or loads is spread over ``threads`` threads (default: the
-cores, at most 4; see :mod:`tierkv.copier`): each chunk is one file, and one thread copies
-and checksums about half of what page-cache I/O can do (the checksum pass is in series with
-the copy), so two threads reach it.
+cores, at most 4; see :mod:`tierkv.copier`) of lowered priority (:mod:`tierkv.priority`;
+the tier thread that called only waits): each chunk is one file, and one thread copies and
+checksums less than page-cache I/O can do (the checksum is in series with the copy), so two
+threads reach it. Pieces keep each system call short (:mod:`tierkv.pieces`): a control
+thread woken meanwhile gets a core after a piece, not after a whole chunk.
 
 Concurrency. All methods may be called from several threads. One lock guards the index,
 the per-key busy markers and the counters, and is never held across file I/O. A key is at
@@ -85,6 +89,7 @@ from typing import Any
 from tierkv.copier import Copier
 from tierkv.keys import DIGEST_SIZE, KEY_SIZE
 from tierkv.options import OptionError, Size, parse_size
+from tierkv.pieces import read_hashed, write_hashed
 from tierkv.tiers.base import (
     HEADER_SIZE,
     LoadStatus,
@@ -202,21 +207,6 @@ def _byte_view(view: memoryview | bytes | bytearray) -> memoryview:
     return data
 
 
-def _write_all(fd: int, header: bytes, data: memoryview) -> None:
-    """Write ``header`` then ``data`` with writev, resuming after short writes."""
-    total = len(header) + data.nbytes
-    done = os.writev(fd, [header, data])
-    while done < total:
-        if done < len(header):
-            bufs: list[bytes | memoryview] = [memoryview(header)[done:], data]
-        else:
-            bufs = [data[done - len(header) :]]
-        n = os.writev(fd, bufs)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
-
-
 def _remove_path(path: str) -> None:
     """Remove what is at ``path``: a file, a symbolic link or FIFO, or a directory tree
     (something that took a chunk's name; the fan-out directories hold nothing else of
@@ -229,22 +219,6 @@ def _remove_path(path: str) -> None:
         if not os.path.isdir(path) or os.path.islink(path):
             raise
         shutil.rmtree(path)
-
-
-def _read_all(fd: int, header: bytearray, data: memoryview) -> int:
-    """readv into ``header`` then ``data`` until both are full or EOF; bytes read."""
-    total = len(header) + data.nbytes
-    done = os.readv(fd, [header, data])
-    while 0 < done < total:
-        if done < len(header):
-            bufs: list[bytearray | memoryview] = [memoryview(header)[done:], data]
-        else:
-            bufs = [data[done - len(header) :]]
-        n = os.readv(fd, bufs)
-        if n == 0:
-            break  # EOF: the file is shorter than its index entry says
-        done += n
-    return done
 
 
 class DiskTier(Tier):
@@ -273,7 +247,7 @@ class DiskTier(Tier):
             path=path, capacity=capacity, retry_interval=retry_interval, threads=threads
         )
         cap = parse_size(capacity)
-        self._batch = Copier(None if threads is None else int(threads))
+        self._batch = Copier(None if threads is None else int(threads), data_priority=True)
         self.path = os.path.abspath(os.fspath(path))
         self.capacity = cap
         self.fsync = bool(fsync)
@@ -408,9 +382,9 @@ class DiskTier(Tier):
 
     def copies(self) -> str:
         return (
-            "store: 0 extra copies (writev of header + pool view into the page cache); "
-            "load: 0 extra copies (readv from the page cache straight into the slot); "
-            "each side makes one checksum pass over the slot, in place"
+            "store: 0 extra copies (pwrite of the pool view into the page cache); "
+            "load: 0 extra copies (preadv from the page cache straight into the slot); "
+            "each side hashes the slot in place, piece by piece as it is copied"
         )
 
     # -- extras ----------------------------------------------------------------------------
@@ -547,7 +521,6 @@ class DiskTier(Tier):
         return True
 
     def _write_file(self, path: str, tmp: str, key: bytes, data: memoryview) -> None:
-        header = pack_header(key, data)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o600)
@@ -556,7 +529,11 @@ class DiskTier(Tier):
             fd = os.open(tmp, flags, 0o600)
         try:
             try:
-                _write_all(fd, header, data)
+                # The payload first, hashed as it goes out, then the header that holds the
+                # checksum (the file has its final name only once both are written).
+                digest = write_hashed(fd, data, HEADER_SIZE)
+                if os.pwrite(fd, pack_header(key, data, digest), 0) != HEADER_SIZE:
+                    raise OSError(errno.EIO, "short write of the record header")
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -654,11 +631,12 @@ class DiskTier(Tier):
             size = st.st_size
             if size != HEADER_SIZE + data.nbytes:
                 return self._length_mismatch(fd, key, gen, data.nbytes, size)
-            hdr = bytearray(HEADER_SIZE)
-            got = _read_all(fd, hdr, data)
-            if got < HEADER_SIZE + data.nbytes:
+            hdr = os.pread(fd, HEADER_SIZE, 0)
+            got, digest = read_hashed(fd, data, HEADER_SIZE)
+            if len(hdr) < HEADER_SIZE or got < data.nbytes:
+                got += len(hdr)
                 return self._corrupt(key, gen, f"truncated ({got} of {size} bytes)")
-            status = verify(unpack_header(memoryview(hdr)), key, data)
+            status = verify(unpack_header(hdr), key, data, digest)
             if status is not LoadStatus.OK:
                 return self._corrupt(key, gen, self._describe(hdr, key, data.nbytes))
             with contextlib.suppress(OSError):  # best effort; fails on a read-only disk
@@ -689,8 +667,8 @@ class DiskTier(Tier):
         return LoadStatus.CORRUPT
 
     @staticmethod
-    def _describe(hdr: bytearray, key: bytes, length: int) -> str:
-        header = unpack_header(memoryview(hdr))
+    def _describe(hdr: bytes, key: bytes, length: int) -> str:
+        header = unpack_header(hdr)
         if header is None:
             return "bad magic or version"
         if header.key != key:

@@ -1,0 +1,111 @@
+"""Bulk I/O in pieces (tierkv.pieces): every byte arrives, checksums equal a one-shot hash,
+and no system call moves more than PIECE bytes (real files, real sockets)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv import pieces
+from tierkv.tiers.base import checksum
+
+SIZES = [1, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
+
+
+def _payload(n: int) -> memoryview:
+    return memoryview(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes())
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_file_pieces_write_and_read_back_with_their_checksum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    data = _payload(n)
+    sizes: list[int] = []
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def pwrite(fd: int, buf: memoryview, offset: int) -> int:
+        sizes.append(len(buf))
+        return real_pwrite(fd, buf, offset)
+
+    def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
+        sizes.append(sum(len(b) for b in bufs))
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "preadv", preadv)
+    path = tmp_path / "chunk"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert pieces.write_hashed(fd, data, 64) == checksum(data)
+        assert path.read_bytes()[64:] == data.tobytes()
+        back = bytearray(n)
+        got, digest = pieces.read_hashed(fd, memoryview(back), 64)
+        assert (got, digest, bytes(back)) == (n, checksum(data), data.tobytes())
+        # A file shorter than the view: what was there, and its checksum.
+        os.ftruncate(fd, 64 + n // 2)
+        got, digest = pieces.read_hashed(fd, memoryview(bytearray(n)), 64)
+        assert (got, digest) == (n // 2, checksum(data[: n // 2]))
+    finally:
+        os.close(fd)
+    assert sizes and max(sizes) <= pieces.PIECE
+
+
+class _CountingSocket(socket.socket):
+    """A real socket that records how many bytes each send and receive call asked for."""
+
+    asked: list[int]
+
+    def sendmsg(self, buffers, *args):  # type: ignore[no-untyped-def, override]
+        self.asked.append(sum(len(b) for b in buffers))
+        return super().sendmsg(buffers, *args)
+
+    def recv_into(self, buffer, nbytes=0, *args):  # type: ignore[no-untyped-def, override]
+        self.asked.append(nbytes or len(buffer))
+        return super().recv_into(buffer, nbytes, *args)
+
+
+def _pair() -> tuple[_CountingSocket, _CountingSocket]:
+    a, b = socket.socketpair()
+    out = []
+    for s in (a, b):
+        c = _CountingSocket(s.family, s.type, s.proto, fileno=s.detach())
+        c.asked = []
+        c.settimeout(10)
+        out.append(c)
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_socket_pieces_arrive_whole_with_their_checksum(n: int) -> None:
+    sender, receiver = _pair()
+    head, data = b"header-of-32-bytes-exactly-here!", _payload(n)
+    try:
+        t = threading.Thread(target=pieces.send_all, args=(sender, [head, data]))
+        t.start()
+        got_head = bytearray(len(head))
+        pieces.recv_exact(receiver, memoryview(got_head))
+        view = memoryview(bytearray(n))
+        assert pieces.recv_hashed(receiver, view) == checksum(data)
+        t.join(10)
+        assert bytes(got_head) == head and view.tobytes() == data.tobytes()
+        assert max(sender.asked) <= pieces.PIECE and max(receiver.asked) <= pieces.PIECE
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_peer_that_hangs_up_midway_is_an_error_not_a_short_chunk() -> None:
+    sender, receiver = _pair()
+    try:
+        pieces.send_all(sender, [b"x" * 1000])
+        sender.close()
+        with pytest.raises(ConnectionError):
+            pieces.recv_hashed(receiver, memoryview(bytearray(5000)))
+    finally:
+        receiver.close()
