@@ -26,6 +26,7 @@ try:
         CacheGeometry,
         PagedKVLayout,
         UnsupportedLayoutError,
+        block_runs,
         detect_layout,
     )
 except ImportError:  # the conftest fails every test with the reason
@@ -318,3 +319,34 @@ def test_block_offsets_must_be_whole_blocks() -> None:
     )
     with pytest.raises(ValueError, match="multiple of the block size"):
         layout.read_block(1, torch.zeros(layout.chunk_shape(CHUNK)), BLOCK // 2)
+
+
+@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("host", [True, False])
+def test_runs_of_consecutive_blocks_copy_what_single_blocks_do(index: int, host: bool) -> None:
+    """A chunk's blocks in runs of consecutive block ids (copied one run at a time) move the
+    same bytes, both ways, as the same blocks copied one at a time; numpy and torch."""
+    name, caches, backends = layouts_of_every_kind()[index]
+    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+    layout = layout if host else torch_copies(layout)
+    wide = 4 * CHUNK  # eight blocks: runs of 3, 1 and 2, and a lone one
+    blocks = [(0, 1), (1, 2), (2, 3), (3, 7), (4, 4), (5, 5), (7, 0)]
+    assert [n for _, _, n in block_runs(blocks)] == [3, 1, 2, 1]
+    got = torch.zeros(layout.chunk_shape(wide), dtype=layout.dtype)
+    expected = torch.zeros_like(got)
+    layout.read_blocks(blocks, got)
+    for pair in blocks:
+        layout.read_blocks([pair], expected)
+    assert torch.equal(got, expected) and got.any(), name
+
+    before = {n: t.clone() for n, t in caches.items()}
+    source = torch.randn(got.shape, generator=torch.Generator().manual_seed(7)).to(got.dtype)
+    layout.write_blocks(blocks, source)
+    written = {n: t.clone() for n, t in caches.items()}
+    for n, t in caches.items():
+        t.copy_(before[n])
+    for pair in blocks:
+        layout.write_blocks([pair], source)
+    for n, t in caches.items():
+        assert torch.equal(t, written[n]), (name, n)
+        assert not torch.equal(t, before[n]), (name, n)
