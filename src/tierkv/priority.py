@@ -18,34 +18,23 @@ thread (a Python loop over blocks), keep the process's priority.
 :func:`data_thread` is the initializer to give a data thread pool (or to call first thing
 in a data thread). Where nice cannot be changed (another OS), it does nothing.
 
-Nice alone does not get a woken control thread onto a core at once. Linux's EEVDF scheduler
-(6.6 and later) lets the thread it just picked run to the end of its slice, however low its
-priority: a LOOKUP's RPC thread, woken while data threads hold both cores, waited for the
-next scheduler tick (4 ms at HZ=250) in about one lookup of a hundred (measured with ftrace
-in ``benchmarks/load.py`` (b)). :func:`control_thread` asks for a short slice
-(``sched_setattr`` with ``sched_runtime``, Linux 6.12 and later), which lets the thread
-preempt a running thread with a longer one as soon as it wakes; it only ever shortens the
-thread's own turns, so it needs no privilege and costs the other threads nothing. Older
-kernels ignore it. (The other half of that wait is a data thread inside one long system
-call: a kernel built without preemption, as most server kernels are, switches threads only
-between system calls, so bulk I/O goes in pieces of at most :data:`tierkv.pieces.PIECE`.)
+A thread that wants the GIL while another holds it waits up to the interpreter's switch
+interval before it forces a switch, 5 ms by default; the data threads take the GIL back after
+each piece of I/O (:mod:`tierkv.pieces`), and an RPC loop that came back from a system call
+to find it taken waited out that interval (seen with ftrace in ``benchmarks/load.py`` (b):
+lookups of 5 to 6 ms whose RPC thread slept until the timeout). :func:`serve_requests_first`
+sets it to :data:`SWITCH_INTERVAL` in the server (19 runs of (b), alternating: the lookup p99
+averaged 6.3 to 7.2 ms in three configurations with 1 ms, 7.0 to 9.8 in three with 5 ms).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import platform
-import struct
+import sys
 import threading
 
 DATA_NICE = 10  # added to the process's nice for data threads (Linux caps nice at 19)
-CONTROL_SLICE_NS = 100_000  # a control thread's scheduler slice (the kernel's minimum)
-_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # syscall numbers
-_SCHED_OTHER = 0
-# struct sched_attr (version 0, 48 bytes): size, policy, flags, nice, priority, runtime,
-# deadline, period.
-_SCHED_ATTR = struct.Struct("=IIQiIQQQ")
+SWITCH_INTERVAL = 0.001  # seconds a thread waits for the GIL before it forces a switch
 
 
 def _data_nice() -> int:
@@ -72,32 +61,10 @@ def data_thread() -> None:
         pass  # not Linux, or not allowed: the thread keeps the process's priority
 
 
-def _control_slice() -> int:
-    """:data:`CONTROL_SLICE_NS`, or ``$TIERKV_CONTROL_SLICE_US`` microseconds (0: the
-    kernel's default slice)."""
-    try:
-        return max(0, int(os.environ["TIERKV_CONTROL_SLICE_US"]) * 1000)
-    except (KeyError, ValueError):
-        return CONTROL_SLICE_NS
-
-
-def control_thread() -> bool:
-    """Give the calling thread a short scheduler slice (see the module docstring), keeping
-    its policy (normal) and nice; whether the kernel took it. Threads that answer requests
-    (the RPC loop) call it once when they start."""
-    number = _SCHED_SETATTR.get(platform.machine())
-    runtime = _control_slice()
-    if number is None or not runtime or os.sched_getscheduler(0) != _SCHED_OTHER:
-        return False
-    try:
-        nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        attr = ctypes.create_string_buffer(
-            _SCHED_ATTR.pack(_SCHED_ATTR.size, _SCHED_OTHER, 0, nice, 0, runtime, 0, 0)
-        )
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.syscall(number, 0, attr, 0)) == 0
-    except (OSError, AttributeError):
-        return False
+def serve_requests_first() -> None:
+    """In a process whose request thread shares the GIL with data threads (the server):
+    a thread waiting for the GIL forces a switch after :data:`SWITCH_INTERVAL`."""
+    sys.setswitchinterval(SWITCH_INTERVAL)
 
 
 _state = threading.local()

@@ -31,7 +31,6 @@ import msgspec
 
 from tierkv import framing
 from tierkv import protocol as p
-from tierkv.priority import control_thread
 from tierkv.server.service import CacheService
 from tierkv.workers import WorkerPool
 
@@ -146,7 +145,6 @@ class RpcServer:
         """Serve until :meth:`stop`, then answer what is queued and close the sockets."""
         if not self._bound:
             self.start()
-        control_thread()  # woken by a request, it preempts the data threads at once
         last_sweep = self.service.clock()
         try:
             while not self._stop.is_set():
