@@ -22,19 +22,24 @@ A thread that wants the GIL while another holds it waits up to the interpreter's
 interval before it forces a switch, 5 ms by default; the data threads take the GIL back after
 each piece of I/O (:mod:`tierkv.pieces`), and an RPC loop that came back from a system call
 to find it taken waited out that interval (seen with ftrace in ``benchmarks/load.py`` (b):
-lookups of 5 to 6 ms whose RPC thread slept until the timeout). :func:`serve_requests_first`
-sets it to :data:`SWITCH_INTERVAL` in the server (19 runs of (b), alternating: the lookup p99
-averaged 6.3 to 7.2 ms in three configurations with 1 ms, 7.0 to 9.8 in three with 5 ms).
+lookups of 5 to 6 ms whose RPC thread slept until the timeout). While a process moves bulk
+data (:func:`moving_data`) the interval is :data:`DATA_SWITCH_INTERVAL` (19 runs of (b),
+alternating: the lookup p99 averaged 6.3 to 7.2 ms in three configurations with 1 ms, 7.0
+to 9.8 in three with 5 ms). Only then: with no data threads, a short interval only
+interrupts control work with other control work (8 engines on one server, ``load.py`` (a):
+p99 5.7 to 6.6 ms with 1 ms throughout, 5.1 to 5.8 with 5 ms, three runs each).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 DATA_NICE = 10  # added to the process's nice for data threads (Linux caps nice at 19)
-SWITCH_INTERVAL = 0.001  # seconds a thread waits for the GIL before it forces a switch
+DATA_SWITCH_INTERVAL = 0.001  # seconds a thread waits for the GIL while data moves
 
 
 def _data_nice() -> int:
@@ -61,10 +66,33 @@ def data_thread() -> None:
         pass  # not Linux, or not allowed: the thread keeps the process's priority
 
 
-def serve_requests_first() -> None:
-    """In a process whose request thread shares the GIL with data threads (the server):
-    a thread waiting for the GIL forces a switch after :data:`SWITCH_INTERVAL`."""
-    sys.setswitchinterval(SWITCH_INTERVAL)
+@contextlib.contextmanager
+def moving_data() -> Iterator[None]:
+    """Around bulk data work on data threads (a tier load or store, serving a peer): while
+    any runs in this process, a thread waiting for the GIL forces a switch after
+    :data:`DATA_SWITCH_INTERVAL`; the interpreter's own interval comes back after the last."""
+    with _moving.lock:
+        if not _moving.count:
+            _moving.restore = sys.getswitchinterval()
+            sys.setswitchinterval(min(_moving.restore, DATA_SWITCH_INTERVAL))
+        _moving.count += 1
+    try:
+        yield
+    finally:
+        with _moving.lock:
+            _moving.count -= 1
+            if not _moving.count:
+                sys.setswitchinterval(_moving.restore)
 
 
+class _Moving:
+    """How many :func:`moving_data` blocks run, and the interval to restore after them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.count = 0
+        self.restore = sys.getswitchinterval()
+
+
+_moving = _Moving()
 _state = threading.local()

@@ -42,11 +42,24 @@ def test_lowering_is_done_once_per_thread_and_can_be_turned_off(
         assert pool.submit(twice).result() == base
 
 
-def test_the_server_process_forces_a_gil_switch_after_one_millisecond() -> None:
+def test_while_data_moves_a_thread_waits_at_most_one_millisecond_for_the_gil() -> None:
     before = sys.getswitchinterval()
-    try:
-        priority.serve_requests_first()
-        assert sys.getswitchinterval() == pytest.approx(priority.SWITCH_INTERVAL)
-        assert before > priority.SWITCH_INTERVAL  # shorter than Python's default
-    finally:
-        sys.setswitchinterval(before)
+    seen: list[float] = []
+    go, release = threading.Event(), threading.Event()
+
+    def mover() -> None:
+        with priority.moving_data():
+            go.set()
+            release.wait(10)
+
+    with priority.moving_data():
+        assert sys.getswitchinterval() == pytest.approx(priority.DATA_SWITCH_INTERVAL)
+        other = threading.Thread(target=mover)
+        other.start()
+        go.wait(10)
+    seen.append(sys.getswitchinterval())  # the other thread's block still runs
+    release.set()
+    other.join(10)
+    assert seen == [pytest.approx(priority.DATA_SWITCH_INTERVAL)]
+    assert sys.getswitchinterval() == before  # restored after the last block
+    assert before > priority.DATA_SWITCH_INTERVAL

@@ -55,7 +55,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
 from tierkv.pieces import recv_exact, recv_hashed, send_all
-from tierkv.priority import data_thread
+from tierkv.priority import data_thread, moving_data
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
@@ -341,7 +341,8 @@ class TcpTransport(Transport):
                 if any(not 0 < n <= MAX_CHUNK_BYTES for _, n in items):
                     log.warning("closing a peer connection from %s: bad chunk length", peer)
                     return
-                self._answer(sock, peer, figures, items)
+                with moving_data():
+                    self._answer(sock, peer, figures, items)
                 sock.settimeout(None)
         except (ConnectionError, OSError) as exc:
             log.debug("peer connection ended: %s", exc)

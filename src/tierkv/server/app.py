@@ -15,7 +15,6 @@ from types import FrameType
 from tierkv.config import ServerConfig
 from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
-from tierkv.priority import serve_requests_first
 from tierkv.server.wiring import Server
 
 log = logging.getLogger(__name__)
@@ -34,6 +33,5 @@ def run(cfg: ServerConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     freeze_startup()  # the imports: never scanned by a collection again
-    serve_requests_first()  # the RPC loop waits at most 1 ms for the GIL
     server.serve()
     return 0

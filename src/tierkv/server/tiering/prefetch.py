@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.priority import moving_data
 from tierkv.tiers.base import LoadStatus, Tier
 from tierkv.workers import Submit
 
@@ -288,7 +289,8 @@ class Prefetcher:
         items = [(keys[i], self.pool.view(off, n)) for i, off, n in reserved]
         sums: dict[bytes, bytes] = {}
         try:
-            statuses, sums = tier.load_verified(items) if items else ([], {})
+            with moving_data():
+                statuses, sums = tier.load_verified(items) if items else ([], {})
         except Exception as exc:  # a tier should report failures, not raise them
             tier.outage.failed("load", exc, len(items), exc_info=True)
             statuses = [LoadStatus.ERROR] * len(items)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.priority import moving_data
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tiers.base import Tier
 from tierkv.workers import Submit
@@ -125,7 +126,8 @@ class WriteBehind:
         if not views:
             return
         try:
-            results = tier.store(views)
+            with moving_data():
+                results = tier.store(views)
         except Exception as exc:  # a tier should report failures, not raise them
             tier.outage.failed("store", exc, len(views), exc_info=True)
             results = [False] * len(views)
