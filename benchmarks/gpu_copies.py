@@ -14,8 +14,9 @@ bfloat16: 32 MiB a chunk) in vLLM's GPU block size (16), it measures:
   gathered on the device, by runs of consecutive blocks, into a staging buffer that crosses
   in one contiguous copy);
 - the bound: one ``copy_`` of a contiguous GPU tensor of the same bytes to and from the
-  same host memory, pageable (as the pool's shared memory is) and page-locked
-  (``cudaHostRegister`` of that memory).
+  same host memory, pageable (as the pool's shared memory is without ``page_lock_pool``)
+  and page-locked by the connector's own :func:`~tierkv.integrations.vllm.pinning.page_lock`
+  (with it), and the copies themselves into that page-locked memory.
 
 Every copy is checked, bit for bit, against the host path's copies of the same caches. Last
 line:
@@ -43,6 +44,7 @@ def main() -> None:
     import torch
 
     from tierkv.integrations.vllm.layout import CacheGeometry, detect_layout
+    from tierkv.integrations.vllm.pinning import page_lock
 
     if not torch.cuda.is_available():
         print("gpu_copies: no CUDA device here; nothing measured")
@@ -123,14 +125,18 @@ def main() -> None:
             "h2d_pageable": lambda: gpu.copy_(flat),
         }.items():
             results.setdefault(name, []).append(timed(fn))
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(flat.data_ptr(), nbytes, 0)) == 0:
+    # The host memory page-locked as the connector does it with the pool (page_lock_pool).
+    started = time.perf_counter()
+    unlock = page_lock(memoryview(host.reshape(-1)), dev)
+    lock_seconds = time.perf_counter() - started
+    if unlock is not None:
         for _ in range(REPEATS):
             results.setdefault("d2h_pinned", []).append(timed(lambda: flat.copy_(gpu)))
             results.setdefault("h2d_pinned", []).append(timed(lambda: gpu.copy_(flat)))
             results.setdefault("gather_pinned", []).append(timed(lambda: gather(False)))
             results.setdefault("scatter_pinned", []).append(timed(lambda: scatter(False)))
-        cudart.cudaHostUnregister(flat.data_ptr())
+        unlock()
+        print(f"page_lock of {nbytes >> 20} MiB: {lock_seconds * 1e3:.0f} ms")
     med = {k: float(np.median(v)) for k, v in results.items()}
     print(
         f"{torch.cuda.get_device_name()}: {CHUNKS} chunks of {nbytes // CHUNKS >> 20} MiB "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -39,6 +40,8 @@ from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
 from tierkv.liveness import process_scope
 from tierkv.pool import SHM_DIR, ShmPool
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Tokens = Sequence[int] | npt.NDArray[np.integer] | bytes
@@ -175,6 +178,7 @@ class Client:
         copy_threads: int | None = None,
         parallel_callbacks: bool = False,
         data_priority: bool = True,
+        on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
     ) -> None:
         """``copy_threads``: threads that copy a large batch (default: the cores, at most
         4). Arrays given as ``chunks``/``out`` are always copied by them; ``gather``/
@@ -182,7 +186,10 @@ class Client:
         several threads at once, each chunk once). ``data_priority``: the copy threads run
         at data priority (:mod:`tierkv.priority`) and the calling thread only waits, so the
         bulk copies of many engines never hold a core that a request's round trip needs;
-        False: the calling thread copies a share (with ``copy_threads=1``, all of it)."""
+        False: the calling thread copies a share (with ``copy_threads=1``, all of it).
+        ``on_pool(pool)`` runs each time the client maps a pool (at registration, again
+        after a server restart) and may return a function that runs before that mapping is
+        closed (a GPU engine page-locks it: :mod:`tierkv.integrations.vllm.pinning`)."""
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self.auth_token = auth_token
@@ -198,6 +205,8 @@ class Client:
         self._copier = Copier(copy_threads, data_priority=data_priority)
         self.parallel_callbacks = parallel_callbacks
         self.pool: ShmPool | None = None
+        self._on_pool = on_pool
+        self._pool_undo: Callable[[], None] | None = None  # what on_pool returned
         self.registration: Registration | None = None
         self._np_dtype: np.dtype[Any] | None = None
         self._segment: tuple[int, int] | None = None
@@ -360,11 +369,22 @@ class Client:
         return self.registration
 
     def _attach(self, name: str, size: int) -> None:
-        old, self.pool = self.pool, None
-        if old is not None:
-            old.close()
+        self._close_pool()
         self.pool = ShmPool.attach(name, size, populate=self.populate)
         self._segment = _segment_id(name)
+        if self._on_pool is not None:
+            self._pool_undo = self._on_pool(self.pool)
+
+    def _close_pool(self) -> None:
+        old, self.pool = self.pool, None
+        undo, self._pool_undo = self._pool_undo, None
+        if undo is not None:
+            try:
+                undo()
+            except Exception:  # the mapping is closed either way
+                log.exception("undoing on_pool before closing the pool mapping failed")
+        if old is not None:
+            old.close()
 
     def unregister(self) -> None:
         if self.registration is None:
@@ -638,9 +658,7 @@ class Client:
         with self._io:
             self._closed = True
             self._disconnect()
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self._close_pool()
 
     def __enter__(self) -> Client:
         return self

@@ -34,7 +34,7 @@ from support.servers import (
     register,
 )
 from tierkv.client import Client, NotRegisteredError, ServerUnavailableError
-from tierkv.pool import SHM_DIR, segment_exists
+from tierkv.pool import SHM_DIR, ShmPool, segment_exists
 
 SHORT_TTLS = [
     "--write-ttl", "1", "--read-ttl", "1", "--session-ttl", "1",
@@ -276,3 +276,42 @@ def test_second_server_for_the_same_instance_leaves_the_first_alone(
     with srv.client() as client:
         register(client)
         check_bytes(client, data, 2)
+
+
+def test_on_pool_follows_every_mapping_of_the_pool(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A client's ``on_pool`` hook (a GPU engine page-locks the pool there) runs for each
+    mapping, and what it returned runs before that mapping closes: at re-registration after
+    a server restart (a new segment) and at close."""
+    srv = server_factory("16MiB")
+    events: list[tuple[str, str, bool]] = []
+
+    def mapped(pool: ShmPool) -> bool:
+        try:
+            return pool.buf.nbytes > 0
+        except ValueError:  # a released view
+            return False
+
+    def on_pool(pool: ShmPool) -> Callable[[], None]:
+        events.append(("mapped", pool.name.lstrip("/"), mapped(pool)))
+
+        def undo() -> None:  # the mapping must still be there: unregister needs it
+            events.append(("undo", pool.name.lstrip("/"), mapped(pool)))
+
+        return undo
+
+    data = toks(9, 1)
+    client = srv.client(timeout=5.0, on_pool=on_pool)
+    register(client)
+    store_chunks(client, data, 1)
+    assert events == [("mapped", srv.pool_name, True)]
+    srv.kill()
+    srv.start()
+    with pytest.raises(NotRegisteredError):
+        client.lookup(data)
+    register(client)  # the new server's segment
+    assert events[1:] == [("undo", srv.pool_name, True), ("mapped", srv.pool_name, True)]
+    client.close()
+    assert events[3:] == [("undo", srv.pool_name, True)]
+    assert client.pool is None

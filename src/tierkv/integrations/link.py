@@ -37,6 +37,7 @@ from tierkv.client import (
     UnauthorizedError,
     default_endpoint,
 )
+from tierkv.pool import ShmPool
 
 T = TypeVar("T")
 
@@ -81,11 +82,14 @@ class ServerLink:
         log: logging.Logger,
         clock: Callable[[], float] = time.monotonic,
         parallel_callbacks: bool = False,
+        on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
     ) -> None:
         """``what`` names the engine side in log lines ("scheduler", "worker rank 0");
         ``log`` is the engine's logger for tierkv (where its operators look);
-        ``parallel_callbacks`` is the client's (gather/scatter on its copy threads)."""
+        ``parallel_callbacks`` and ``on_pool`` are the client's (gather/scatter on its copy
+        threads; what to do with each pool mapping)."""
         self.parallel_callbacks = parallel_callbacks
+        self.on_pool = on_pool
         self.settings = settings
         self._register = register
         self.what = what
@@ -110,6 +114,7 @@ class ServerLink:
                     auth_token=self.settings.auth_token,
                     parallel_callbacks=self.parallel_callbacks,
                     populate=self.settings.populate,
+                    on_pool=self.on_pool,
                 )
             client = self._client
             if (self._down_since is not None or not self._registered) and not _socket_present(

@@ -118,8 +118,12 @@ def test_settings_defaults_and_validation() -> None:
         ConnectorSettings.from_extra_config({"timeout": "soon"})
     with pytest.raises(SettingsError, match="kv_layout"):
         ConnectorSettings.from_extra_config({"kv_layout": "rows"})
-    assert s.populate is True
+    assert s.populate is True and s.page_lock_pool is True
     assert ConnectorSettings.from_extra_config({"populate": "false"}).populate is False
+    off = ConnectorSettings.from_extra_config({"page_lock_pool": "false"})
+    assert off.page_lock_pool is False
+    with pytest.raises(SettingsError, match="page_lock_pool"):
+        ConnectorSettings.from_extra_config({"page_lock_pool": "pinned"})
     with pytest.raises(SettingsError, match="populate"):
         ConnectorSettings.from_extra_config({"populate": "sometimes"})
     with pytest.raises(SettingsError, match="async_store"):
@@ -886,3 +890,17 @@ def test_a_failed_async_store_still_releases_its_request(server: Any) -> None:
     assert a.worker.stats_snapshot()["stored_chunks"] == 0
     assert a.worker.link.failures >= 1
     a.worker.shutdown()
+
+
+def test_a_pool_is_page_locked_only_for_a_cache_on_a_gpu() -> None:
+    """Host caches copy with numpy from pageable memory: nothing to register, and the
+    mapping stays closable (no export of it is left behind)."""
+    import mmap
+
+    from tierkv.integrations.vllm.pinning import page_lock
+
+    mm = mmap.mmap(-1, 1 << 20)
+    buf = memoryview(mm)
+    assert page_lock(buf, torch.device("cpu")) is None
+    buf.release()
+    mm.close()  # raises BufferError if a view of it were still alive

@@ -12,6 +12,10 @@ Every key is optional::
                     (default 5.0); every request in between is a plain miss
     populate        map every page of the pool when attaching (default true), so that stores
                     never stop on page faults (run the server with --prefault)
+    page_lock_pool  when the KV cache is on a GPU, page-lock the pool mapping with CUDA
+                    (cudaHostRegister) so that chunks cross by DMA (default true; about
+                    0.09 s per GiB of pool at start, measured on an H200; ignored for
+                    caches in host memory)
     hashes          chunk keys from "vllm" block hashes, "tokens" (token ids hashed by the
                     server), or "auto" (block hashes when they are usable, default)
     model_id        the model identity in the namespace (default: the model path or name,
@@ -62,6 +66,7 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
     kv_layout: str = "auto"
     store_decode: bool = False
     async_store: bool = False
+    page_lock_pool: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

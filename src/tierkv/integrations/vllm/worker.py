@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,8 +52,10 @@ from tierkv.integrations.vllm.metadata import (
     TierKVConnectorMetadata,
     TierKVWorkerMetadata,
 )
+from tierkv.integrations.vllm.pinning import page_lock
 from tierkv.integrations.vllm.settings import ConnectorSettings
 from tierkv.integrations.vllm.stores import StoreQueue
+from tierkv.pool import ShmPool
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -89,7 +91,12 @@ class WorkerSide:
         self.layout: PagedKVLayout | None = None
         self.bpc = 0
         self.link = ServerLink(
-            settings, self._register, f"worker rank {rank}", log, parallel_callbacks=True
+            settings,
+            self._register,
+            f"worker rank {rank}",
+            log,
+            parallel_callbacks=True,
+            on_pool=self._pool_mapped,
         )
         self._finished_recving: set[str] = set()
         # Finished requests the scheduler kept (meta.release), until their stores ended.
@@ -114,6 +121,13 @@ class WorkerSide:
         }
 
     # -- registration ----------------------------------------------------------------------
+    def _pool_mapped(self, pool: ShmPool) -> Callable[[], None] | None:
+        """The client mapped the pool: page-lock it when the cache is on a GPU and the
+        settings allow (:mod:`tierkv.integrations.vllm.pinning`)."""
+        if self.layout is None or not self.settings.page_lock_pool:
+            return None
+        return page_lock(pool.buf, self.layout.views[0].device)
+
     def register_kv_caches(
         self,
         kv_caches: Mapping[str, torch.Tensor],
