@@ -24,24 +24,18 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 
-import xxhash
-
 from tierkv.framing import drop_sent
+from tierkv.tiers.base import checksummer
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 HASH_STEP = 256 * 1024  # received bytes hashed at once
-
-
-def new_hasher() -> xxhash.xxh3_128:
-    """The running form of :func:`tierkv.tiers.base.checksum`."""
-    return xxhash.xxh3_128()
 
 
 # -- files -------------------------------------------------------------------------------
 def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
     """Write ``data`` (bytes) at ``offset`` of ``fd`` in pieces, resuming after short writes;
     returns the checksum of ``data``, computed piece by piece as it was written."""
-    hasher = new_hasher()
+    hasher = checksummer()
     pos, n = 0, data.nbytes
     while pos < n:
         end = min(n, pos + PIECE)
@@ -57,7 +51,7 @@ def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
 def read_hashed(fd: int, data: memoryview, offset: int) -> tuple[int, bytes]:
     """Fill ``data`` from ``offset`` of ``fd`` in pieces until it is full or the file ends;
     the bytes read and the checksum of what was read, computed piece by piece."""
-    hasher = new_hasher()
+    hasher = checksummer()
     pos, n = 0, data.nbytes
     while pos < n:
         got = os.preadv(fd, [data[pos : min(n, pos + PIECE)]], offset + pos)
@@ -99,7 +93,7 @@ def recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
     """Fill ``view`` (bytes) from ``sock`` at most :data:`PIECE` bytes a call and return its
     checksum, hashing what arrived as soon as :data:`HASH_STEP` bytes have (a receive often
     returns less than asked)."""
-    hasher = new_hasher()
+    hasher = checksummer()
     pos, n = 0, len(view)
     hashed = 0
     while pos < n:

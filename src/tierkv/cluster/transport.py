@@ -29,9 +29,8 @@ and returned only after a clean exchange; each request carries several chunks; a
 one peer is split into a few streams over separate connections, and streams to all peers
 run in parallel. Payloads are received with ``recv_into`` straight into the reserved slot
 views, in pieces, and verified with XXH3-128 as they land (which releases the GIL, so streams
-hash in parallel). Any
-failure marks the affected chunks ERROR (or CORRUPT) and closes that connection; nothing
-raises to the caller and nothing waits longer than the socket timeout.
+hash in parallel). Any failure marks the affected chunks ERROR (or CORRUPT) and closes that
+connection; nothing raises to the caller and nothing waits longer than the socket timeout.
 """
 
 from __future__ import annotations

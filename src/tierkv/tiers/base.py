@@ -73,7 +73,13 @@ def checksum(data: memoryview | bytes) -> bytes:
     It guards against torn, truncated and corrupted copies, not against an adversary (who
     could rewrite an unkeyed hash of any kind): ~25 GB/s on one core, releasing the GIL, so
     verifying costs a fraction of the copy it checks (blake3 ran at ~7 GB/s here)."""
-    return xxhash.xxh3_128(data).digest()
+    digest: bytes = checksummer(data).digest()
+    return digest
+
+
+def checksummer(data: memoryview | bytes = b"") -> xxhash.xxh3_128:
+    """:func:`checksum` as a running hash, for a payload hashed piece by piece."""
+    return xxhash.xxh3_128(data)
 
 
 def byte_view(view: memoryview | bytes | bytearray) -> memoryview:

@@ -230,8 +230,7 @@ class PagedKVLayout:
         if len(covered) * self.geometry.block_size != chunk.shape[self.token_axis]:
             return None  # part of the chunk: only its blocks' tokens may be written
         key = (tuple(chunk.shape), chunk.dtype, device)
-        buffers: dict[Any, torch.Tensor] = getattr(_staging, "buffers", None) or {}
-        _staging.buffers = buffers
+        buffers: dict[Any, torch.Tensor] = _staging.__dict__.setdefault("buffers", {})
         staging = buffers.get(key)
         if staging is None:
             staging = buffers[key] = torch.empty(chunk.shape, dtype=chunk.dtype, device=device)
