@@ -507,12 +507,15 @@ class Client:
         first_chunk: int = 0,
         partial_last: bool = False,
         salt: str = "",
+        caller_copies: bool | None = None,
     ) -> StoreResult:
         """Store chunks ``first_chunk..`` of a token sequence (or of precomputed hashes).
 
         Give the bytes either as ``chunks`` (``chunks[i]`` is chunk ``first_chunk + i``, a
         numpy array or torch tensor of the chunk's shape) or as ``gather(chunk, dst)``, which
         must fill the zero-copy slot view ``dst`` for chunk position ``chunk``.
+        ``caller_copies``: this thread copies chunks too, beside the copy threads (default:
+        only without ``data_priority``); for a thread that has nothing else to do meanwhile.
         """
         if (chunks is None) == (gather is None):
             raise ValueError("give exactly one of chunks or gather")
@@ -531,7 +534,7 @@ class Client:
         if not slots.slots:
             return result
         try:
-            self._each_slot(slots.slots, gather, chunks, first_chunk, into_slots=True)
+            self._each_slot(slots.slots, gather, chunks, first_chunk, True, caller_copies)
         except BaseException:
             self._call(p.AbortStore(self._rid(), self._token(), slots.lease))
             raise
@@ -552,6 +555,7 @@ class Client:
         first_chunk: int = 0,
         partial_last: bool = False,
         salt: str = "",
+        caller_copies: bool | None = None,
     ) -> RetrieveResult:
         """Copy cached chunks out, once, then release their locks.
 
@@ -560,6 +564,7 @@ class Client:
         (``out[i]`` receives chunk ``first_chunk + i``) or as ``scatter(chunk, src)``, which
         must consume the zero-copy slot view ``src`` before returning. Missing chunks are
         reported in the result, never raised; every lock is released either way.
+        ``caller_copies`` as for :meth:`store`.
         """
         if (out is None) == (scatter is None):
             raise ValueError("give exactly one of out or scatter")
@@ -575,7 +580,7 @@ class Client:
         if not slots.slots:
             return result
         try:
-            self._each_slot(slots.slots, scatter, out, first_chunk, into_slots=False)
+            self._each_slot(slots.slots, scatter, out, first_chunk, False, caller_copies)
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
             self._call(p.FinishRetrieve(self._rid(), self._token(), slots.lease))
@@ -588,6 +593,7 @@ class Client:
         arrays: Sequence[Any] | None,
         first_chunk: int,
         into_slots: bool,
+        caller_copies: bool | None,
     ) -> None:
         """For every slot, ``callback(chunk, view)`` or one copy between the view and
         ``arrays[chunk - first_chunk]`` (into the slots for a store). Array copies run on the
@@ -609,7 +615,7 @@ class Client:
             for chunk, view in views:
                 fn(chunk, view)
             return
-        self._copier.run(lambda cv: fn(*cv), views, [s.length for s in slots])
+        self._copier.run(lambda cv: fn(*cv), views, [s.length for s in slots], caller_copies)
 
     # -- async variants --------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:

@@ -3,16 +3,22 @@
 A store or retrieve of many chunks is a batch of independent copies (each chunk between its
 pool slot and the engine's array). One core copies at most ~7 GB/s on a typical server;
 two or more reach the memory bandwidth. ``np.copyto`` and ``torch`` copies release the GIL,
-so plain threads run them in parallel. :class:`Copier` splits a batch into ``threads``
-groups of about equal bytes and returns only when every group has finished, also when one
-fails: a copy into or out of a slot must never outlive the lease that reserved the slot (a
-store's slot may be handed to someone else after its abort, a retrieve's after its finish).
+so plain threads run them in parallel. :class:`Copier` has up to ``threads`` threads take
+the batch's items one at a time (largest first), so a thread whose core is busy with
+something else (another process, an engine's OpenMP threads still spinning after a forward
+step) copies fewer items instead of holding the whole batch up with a fixed share. It
+returns only when every item started has ended, also when one fails: a copy into or out of
+a slot must never outlive the lease that reserved the slot (a store's slot may be handed to
+someone else after its abort, a retrieve's after its finish).
 
 The pool's threads are data threads (:mod:`tierkv.priority`): bulk copies never delay a
 control thread (an engine's scheduler, the server's RPC loop) for a core. With
-``data_priority`` every group runs on them and the caller only waits (an engine's thread
-that also sends requests); without it the calling thread copies one group itself (a
-caller that is a data thread already, such as a tier's).
+``data_priority`` only they copy and the caller waits (an engine's thread that also sends
+requests); without it the calling thread takes items too (a caller that is a data thread
+already, such as a tier's). A caller that would only wait for the batch anyway (a vLLM
+worker's forward thread in a synchronous store or a load) takes items too, whatever the
+default (``caller_copies``): it holds a core at its own priority, which the data threads may
+not get while the engine's OpenMP threads spin after a step.
 
 Small batches (under ``min_bytes``) are copied on the calling thread: a thread handoff costs
 tens of microseconds, a 1 MiB copy about 150.
@@ -23,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from tierkv.priority import data_thread
@@ -37,19 +43,6 @@ DEFAULT_MIN_BYTES = 4 << 20
 def default_threads() -> int:
     """Copy threads for this machine: its cores, at most ``DEFAULT_MAX_THREADS``."""
     return max(1, min(DEFAULT_MAX_THREADS, len(os.sched_getaffinity(0))))
-
-
-def split_by_size(sizes: Sequence[int], groups: int) -> list[list[int]]:
-    """Indexes of ``sizes`` in at most ``groups`` non-empty groups of about equal total size
-    (largest first onto the lightest group); each group keeps ascending index order."""
-    groups = max(1, min(groups, len(sizes)))
-    load = [0] * groups
-    out: list[list[int]] = [[] for _ in range(groups)]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        g = min(range(groups), key=load.__getitem__)
-        out[g].append(i)
-        load[g] += sizes[i]
-    return [sorted(g) for g in out if g]
 
 
 class Copier:
@@ -73,45 +66,59 @@ class Copier:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
-                    self.threads if self.data_priority else self.threads - 1,
+                    self.threads,
                     thread_name_prefix="tierkv-copy",
                     initializer=data_thread,
                 )
             return self._pool
 
-    def run(self, fn: Callable[[T], None], items: Sequence[T], sizes: Sequence[int]) -> None:
+    def run(
+        self,
+        fn: Callable[[T], None],
+        items: Sequence[T],
+        sizes: Sequence[int],
+        caller_copies: bool | None = None,
+    ) -> None:
         """Call ``fn(item)`` for every item (``sizes[i]``: the bytes item i moves).
 
-        Returns when every call has returned; re-raises the first exception (by item order
-        within a group, the calling thread's group first) after all groups have ended.
-        With ``data_priority`` the calling thread copies only batches under ``min_bytes``.
+        The threads take items one at a time, largest first, until none is left: a thread
+        that a busy core slows down copies fewer items instead of holding the batch up with
+        a fixed share. Returns when every call has returned. After a call raises, no thread
+        starts another item; the error of the lowest failed item is re-raised once every
+        item started has ended. ``caller_copies``: the calling thread takes items like the
+        pool's threads (default: without ``data_priority``); otherwise it copies only
+        batches under ``min_bytes`` and waits for the pool's threads.
         """
-        if sum(sizes) < self.min_bytes or (
-            not self.data_priority and (self.threads == 1 or len(items) < 2)
-        ):
+        joins = not self.data_priority if caller_copies is None else caller_copies
+        helpers = self.threads - 1 if joins else self.threads
+        alone = helpers < 1 or (len(items) < 2 and joins)
+        if alone or sum(sizes) < self.min_bytes:
             for item in items:
                 fn(item)
             return
-        groups = split_by_size(sizes, self.threads)
+        order = iter(sorted(range(len(items)), key=lambda i: -sizes[i]))
+        take = threading.Lock()
+        failed: list[tuple[int, BaseException]] = []
 
-        def run_group(idx: list[int]) -> None:
-            for i in idx:
-                fn(items[i])
+        def work() -> None:
+            while not failed:
+                with take:
+                    i = next(order, None)
+                if i is None:
+                    return
+                try:
+                    fn(items[i])
+                except BaseException as exc:
+                    failed.append((i, exc))
 
         pool = self._executor()
-        own: list[int] = [] if self.data_priority else groups.pop(0)
-        futures: list[Future[None]] = [pool.submit(run_group, g) for g in groups]
-        error: BaseException | None = None
-        try:
-            run_group(own)
-        except BaseException as exc:
-            error = exc
-        for fut in futures:  # wait for every group, even after a failure
-            failed = fut.exception()
-            if error is None and failed is not None:
-                error = failed
-        if error is not None:
-            raise error
+        futures = [pool.submit(work) for _ in range(min(helpers, len(items)))]
+        if joins:
+            work()
+        for fut in futures:  # wait for every thread, even after a failure
+            fut.exception()
+        if failed:
+            raise min(failed, key=lambda f: f[0])[1]
 
     def close(self) -> None:
         with self._lock:
@@ -120,4 +127,4 @@ class Copier:
             pool.shutdown(wait=True)
 
 
-__all__ = ["Copier", "default_threads", "split_by_size"]
+__all__ = ["Copier", "default_threads"]

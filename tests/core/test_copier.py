@@ -1,4 +1,5 @@
-"""The batch copier: balanced groups, every item exactly once, and no copy outliving the call."""
+"""The batch copier: every item exactly once, shared out to the threads that are free, and no
+copy outliving the call."""
 
 from __future__ import annotations
 
@@ -8,23 +9,9 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from tierkv import priority
-from tierkv.copier import Copier, split_by_size
-
-
-@given(st.lists(st.integers(0, 1 << 30), max_size=64), st.integers(1, 8))
-def test_split_by_size_covers_every_item_once_and_balances(sizes: list[int], groups: int) -> None:
-    out = split_by_size(sizes, groups)
-    flat = [i for g in out for i in g]
-    assert sorted(flat) == list(range(len(sizes)))
-    assert len(out) <= max(1, groups) and all(out)
-    assert all(g == sorted(g) for g in out)
-    if out:  # greedy largest-first: no group exceeds the mean by more than one item
-        loads = [sum(sizes[i] for i in g) for g in out]
-        assert max(loads) - min(loads) <= max(sizes)
+from tierkv.copier import Copier
 
 
 def test_run_copies_every_chunk_with_several_threads() -> None:
@@ -35,6 +22,7 @@ def test_run_copies_every_chunk_with_several_threads() -> None:
     def copy(i: int) -> None:
         seen.add(threading.current_thread().name)
         np.copyto(dst[i], src[i])
+        time.sleep(0.01)  # every thread is up before the batch runs out
 
     copier = Copier(threads=3, min_bytes=0)
     try:
@@ -53,39 +41,70 @@ def test_small_batches_stay_on_the_calling_thread() -> None:
     assert names == [threading.current_thread().name] * 3
 
 
-def test_a_failure_is_raised_only_after_every_group_has_finished() -> None:
-    """A slot's copy must never outlive the request: a failing group waits for the others."""
-    finished: list[int] = []
-    main = threading.current_thread()
+def test_a_failure_is_raised_only_after_every_started_item_has_ended() -> None:
+    """A slot's copy must never outlive the request: a failure waits for the items other
+    threads are copying, and no item starts after it."""
+    started: list[int] = []
+    ended: list[int] = []
+    all_busy = threading.Event()
 
     def work(i: int) -> None:
-        if threading.current_thread() is main:
+        started.append(i)
+        if len(started) == 3:
+            all_busy.set()
+        if i == 0:
+            all_busy.wait(5)  # every thread has taken an item
             raise ValueError(f"item {i} does not fit")
         time.sleep(0.2)
-        finished.append(i)
+        ended.append(i)
 
-    copier = Copier(threads=2, min_bytes=0)
+    copier = Copier(threads=3, min_bytes=0)
     try:
-        with pytest.raises(ValueError, match="does not fit"):
-            copier.run(work, [0, 1], [10, 10])
-        assert len(finished) == 1  # the other group's item had ended before run() raised
+        with pytest.raises(ValueError, match="item 0 does not fit"):
+            copier.run(work, list(range(10)), [10] * 10)
+        assert sorted(ended) == sorted(set(started) - {0})  # every other started one ended
+        assert len(started) == 3  # nothing started after the failure
     finally:
         copier.close()
 
 
-def test_the_first_error_of_a_pool_thread_is_raised() -> None:
-    main = threading.current_thread()
-
+def test_the_lowest_failed_item_is_raised() -> None:
     def work(i: int) -> None:
-        if threading.current_thread() is not main:
+        time.sleep(0.01)
+        if i % 2:
             raise KeyError(i)
 
-    copier = Copier(threads=2, min_bytes=0)
+    copier = Copier(threads=2, min_bytes=0, data_priority=True)
     try:
-        with pytest.raises(KeyError):
-            copier.run(work, [0, 1], [10, 10])
+        with pytest.raises(KeyError) as info:
+            copier.run(work, list(range(4)), [10] * 4)
+        assert info.value.args == (1,)
     finally:
         copier.close()
+
+
+def test_a_thread_slowed_down_takes_fewer_items() -> None:
+    """Items go to whichever thread is free: one thread held up (by a busy core, say) does
+    not hold up a fixed share of the batch."""
+    done: dict[str, list[int]] = {}
+    slow = threading.Event()
+
+    def work(i: int) -> None:
+        name = threading.current_thread().name
+        done.setdefault(name, []).append(i)
+        if i == 0:
+            slow.wait(5)  # this thread is stuck until every other item has been copied
+        elif sum(map(len, done.values())) == 20:
+            slow.set()
+
+    copier = Copier(threads=2, min_bytes=0, data_priority=True)
+    try:
+        copier.run(work, list(range(20)), [10] * 20)
+    finally:
+        copier.close()
+    assert slow.is_set()  # the other thread took all 19 others while item 0 was stuck
+    assert sorted(i for items in done.values() for i in items) == list(range(20))
+    assert sorted(map(len, done.values())) == [1, 19]
 
 
 def test_fewer_than_one_thread_is_refused() -> None:
@@ -105,6 +124,7 @@ def test_pool_threads_are_data_threads_and_the_caller_keeps_its_priority() -> No
 
     def record(_: int) -> None:
         nices[threading.current_thread().name] = _nice_of_this_thread()
+        time.sleep(0.02)  # every thread is up before the batch runs out
 
     copier = Copier(threads=3, min_bytes=0)
     try:
@@ -137,3 +157,25 @@ def test_with_data_priority_the_caller_only_waits_for_large_batches(threads: int
         assert where == [(me, base)]
     finally:
         copier.close()
+
+
+def test_caller_copies_overrides_the_default_either_way() -> None:
+    me = threading.current_thread().name
+
+    def run(copier: Copier, caller_copies: bool | None) -> set[str]:
+        names: set[str] = set()
+
+        def work(_: int) -> None:
+            names.add(threading.current_thread().name)
+            time.sleep(0.01)
+
+        try:
+            copier.run(work, list(range(8)), [10] * 8, caller_copies)
+        finally:
+            copier.close()
+        return names
+
+    assert me not in run(Copier(threads=2, min_bytes=0, data_priority=True), None)
+    assert me in run(Copier(threads=2, min_bytes=0, data_priority=True), True)
+    assert me in run(Copier(threads=2, min_bytes=0), None)
+    assert me not in run(Copier(threads=2, min_bytes=0), False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -55,6 +57,44 @@ def test_large_batches_roundtrip_with_any_number_of_copy_threads(
         for i in range(12):
             np.testing.assert_array_equal(out[i], data[i])
             np.testing.assert_array_equal(scattered[i], data[i])
+        stats = c.stats()
+        assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
+
+
+def test_a_caller_that_copies_takes_chunks_beside_the_copy_threads(server: ServerProcess) -> None:
+    """``caller_copies``: a thread that would only wait (a vLLM worker's forward thread)
+    copies chunks too, byte-exact; by default (data priority) it only waits."""
+    shape = (2, 256, 512)  # float32: 1 MiB per chunk, 12 above the copier's threshold
+    data = [np.random.default_rng(i).random(shape, dtype=np.float32) for i in range(12)]
+    tokens = list(range(11, 11 + 256 * 12))
+    me = threading.current_thread().name
+    with server.client(copy_threads=2, parallel_callbacks=True) as c:
+        c.register("big-model", shape, "float32", token_axis=1)
+        where: list[str] = []
+
+        def gather(chunk: int, dst: np.ndarray) -> None:  # type: ignore[type-arg]
+            where.append(threading.current_thread().name)
+            np.copyto(dst, data[chunk])
+            time.sleep(0.005)  # every thread gets some
+
+        assert c.store(tokens[: 256 * 6], gather=gather).stored == list(range(6))
+        assert me not in where
+        where.clear()
+        stored = c.store(tokens, gather=gather, first_chunk=6, caller_copies=True).stored
+        assert stored == list(range(6, 12))
+        assert me in where and set(where) - {me}
+        out = [np.zeros(shape, np.float32) for _ in range(12)]
+        where.clear()
+
+        def scatter(chunk: int, src: np.ndarray) -> None:  # type: ignore[type-arg]
+            where.append(threading.current_thread().name)
+            np.copyto(out[chunk], src)
+            time.sleep(0.005)
+
+        assert c.retrieve(tokens, scatter=scatter, caller_copies=True).complete
+        assert me in where and set(where) - {me}
+        for i in range(12):
+            np.testing.assert_array_equal(out[i], data[i])
         stats = c.stats()
         assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
 

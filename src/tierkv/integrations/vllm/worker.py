@@ -192,7 +192,8 @@ class WorkerSide:
         start = time.perf_counter()
         result = self.link.call(
             f"retrieve of {spec.request_id}",
-            lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter),
+            # vLLM's thread waits for the load before its forward pass: it copies too.
+            lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter, caller_copies=True),
             None,
         )
         with self._lock:
@@ -266,7 +267,15 @@ class WorkerSide:
         start = time.perf_counter()
         result = self.link.call(
             f"store of {spec.request_id}",
-            lambda c: c.store(**keys, gather=gather, first_chunk=spec.first_chunk, salt=spec.salt),
+            lambda c: c.store(
+                **keys,
+                gather=gather,
+                first_chunk=spec.first_chunk,
+                salt=spec.salt,
+                # A synchronous store holds vLLM's thread up anyway: it copies too. The
+                # store thread of asynchronous stores leaves the cores to the forward pass.
+                caller_copies=self._stores is None,
+            ),
             None,
         )
         stored = 0 if result is None else len(result.stored)
