@@ -23,6 +23,12 @@ blocks, i.e. until every store ended (not timed), so the warm request finds ever
 
 TTFT is the wall time of a request for one output token. ``overhead`` is what having tierkv
 attached adds to a cold request (the median over prompts of (cold - vanilla) / vanilla).
+Single CPU prefills of the same prompt vary by a few per cent here (an A/A run, both
+engines without tierkv: -4.0 %, +2.0 %, +5.4 %), more than the goal, so the line before the
+last also gives ``connector_share``: the time the cold requests spent inside the
+connector's methods that vLLM calls on its own threads (the lookup that misses, the
+synchronous stores after each step, the per-step bookkeeping) over the vanilla TTFT, the
+direct measure of what tierkv adds to the engine's critical path.
 ``store_vs_memcpy`` and ``load_vs_memcpy`` are the connector's own throughput (its stores:
 the RPCs and the copy out of the paged blocks; its loads: the RPCs and the copy into them,
 as timed by the worker) against a memcpy of the same chunks in this process by as many
@@ -130,6 +136,46 @@ def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> A
     )
 
 
+# The connector's methods that vLLM calls on its own threads (scheduler and forward pass).
+HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+)
+
+
+def time_hooks() -> dict[str, float]:
+    """Time every call vLLM makes into the connector (both roles run in this process):
+    returns the running total in seconds, under "seconds"."""
+    from tierkv.integrations.vllm.connector import TierKVConnector
+
+    spent = {"seconds": 0.0}
+
+    def timed(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent["seconds"] += time.perf_counter() - start
+
+        return call
+
+    for name in HOOKS:
+        setattr(TierKVConnector, name, timed(getattr(TierKVConnector, name)))
+    return spent
+
+
 def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
     """One request for one output token: (seconds, the connector's report if any)."""
     from vllm import SamplingParams
@@ -162,6 +208,7 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
     try:
         if not ours.poll(600) or ours.recv() != "ready":
             raise SystemExit("the vanilla vLLM engine did not start")
+        hooks = time_hooks()
         llm = engine(args, model_dir, endpoint)
 
         def vanilla_ttft(tokens: list[int]) -> float:
@@ -171,28 +218,32 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
 
         vanilla_ttft(warmup)  # first-call costs
         request(llm, warmup)
-        measured = [measure(llm, prompt, i, vanilla_ttft) for i, prompt in enumerate(prompts)]
+        measured = [
+            measure(llm, prompt, i, vanilla_ttft, hooks) for i, prompt in enumerate(prompts)
+        ]
         ours.send(None)
         child.join(60)
     finally:
         if child.is_alive():
             child.kill()
-    vanilla = [m[0] for m in measured]
-    cold = [m[1] for m in measured]
-    warm = [m[2] for m in measured]
-    report(vanilla, cold, warm)
+    report(*(list(column) for column in zip(*measured, strict=True)))
 
 
 def measure(
-    llm: Any, prompt: list[int], i: int, vanilla_ttft: Callable[[list[int]], float]
-) -> tuple[float, float, float]:
+    llm: Any,
+    prompt: list[int],
+    i: int,
+    vanilla_ttft: Callable[[list[int]], float],
+    hooks: dict[str, float],
+) -> tuple[float, float, float, float]:
     """Prompt ``i`` on both engines (vanilla first for even ``i``, cold first for odd),
-    then warm: (vanilla, cold, warm) seconds."""
+    then warm: (vanilla, cold, warm, the cold request's time in the connector) seconds."""
     if i % 2 == 0:
         vanilla_s = vanilla_ttft(prompt)
-        cold_s, cold_info = request(llm, prompt)
-    else:
-        cold_s, cold_info = request(llm, prompt)
+    in_connector = hooks["seconds"]
+    cold_s, cold_info = request(llm, prompt)
+    in_connector = hooks["seconds"] - in_connector
+    if i % 2 == 1:
         vanilla_s = vanilla_ttft(prompt)
     drain(llm)
     warm_s, warm_info = request(llm, prompt)
@@ -201,12 +252,15 @@ def measure(
     print(
         f"round {i}: {len(prompt)} tokens: vanilla {vanilla_s * 1000:8.1f} ms, cold "
         f"{cold_s * 1000:8.1f} ms (stored {cold_info.get('stored_chunks', 0)} chunks), warm "
-        f"{warm_s * 1000:8.1f} ms (loaded {warm_info.get('loaded_tokens', 0)} tokens)"
+        f"{warm_s * 1000:8.1f} ms (loaded {warm_info.get('loaded_tokens', 0)} tokens); "
+        f"the cold request spent {in_connector * 1000:.1f} ms in the connector"
     )
-    return vanilla_s, cold_s, warm_s
+    return vanilla_s, cold_s, warm_s, in_connector
 
 
-def report(vanilla: list[float], cold: list[float], warm: list[float]) -> None:
+def report(
+    vanilla: list[float], cold: list[float], warm: list[float], in_connector: list[float]
+) -> None:
     stats = worker_stats()
     store_gbps = stats["store_bytes"] / stats["store_seconds"] / 1e9
     load_gbps = stats["load_bytes"] / stats["load_seconds"] / 1e9
@@ -230,6 +284,11 @@ def report(vanilla: list[float], cold: list[float], warm: list[float]) -> None:
     warm_ms = statistics.median(warm) * 1000
     # Paired: each prompt's cold request against its own vanilla one, run seconds apart.
     overhead = statistics.median((c - v) / v for c, v in zip(cold, vanilla, strict=True))
+    share = statistics.median(s / v for s, v in zip(in_connector, vanilla, strict=True))
+    print(
+        f"connector_share={share:.4f} (the cold requests' time in the connector's methods, "
+        "which vLLM calls on its own threads, over vanilla TTFT; median)"
+    )
     print(
         f"vllm_ttft vanilla_ms={vanilla_ms:.1f} cold_ms={cold_ms:.1f} warm_ms={warm_ms:.1f} "
         f"speedup={cold_ms / warm_ms:.2f} overhead={overhead:.3f} "
