@@ -14,9 +14,11 @@ Tokens are hashed as little-endian uint32 so hashing never touches Python ints.
 from __future__ import annotations
 
 import array
+import operator
 import sys
-from collections.abc import Sequence
-from typing import TypeAlias
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TypeAlias, overload
 
 import blake3
 import msgspec
@@ -170,9 +172,11 @@ def _chain(
     partial_last: bool,
     prefix: bytes,
     known: Sequence[bytes] = (),
+    limit: int | None = None,
 ) -> list[bytes]:
     """``prefix + h_i`` for every chunk after the ``known`` ones (keys of the first chunks,
-    hashed before); the one hashing loop behind the public functions."""
+    hashed before), up to chunk ``limit`` (exclusive; None: all); the one hashing loop
+    behind the public functions."""
     _check_digest(namespace_digest)
     _check_chunk_size(chunk_size)
     if isinstance(tokens, bytes):
@@ -184,6 +188,8 @@ def _chain(
         data = as_token_array(tokens).data.cast("B")
     step = chunk_size * TOKEN_DTYPE.itemsize
     count = num_chunks(len(data) // TOKEN_DTYPE.itemsize, chunk_size, partial_last)
+    if limit is not None:
+        count = min(count, limit)
     out: list[bytes] = []
     append = out.append
     hasher = blake3.blake3
@@ -236,6 +242,98 @@ def chunk_keys_after(
         *known,
         *_chain(namespace_digest, tokens, chunk_size, partial_last, namespace_digest, known),
     ]
+
+
+class LazyChunkKeys(Sequence[ChunkKey]):
+    """:func:`chunk_keys_after` of packed ``tokens``, hashed only as far as they are read.
+
+    A lookup needs the keys of a prompt's chunks only up to the first one the pool lacks
+    (and the rest only if some tier has that one): a new prompt, the usual lookup, costs one
+    chunk hash instead of one per chunk. Its length is known without hashing. Reading key
+    ``i`` hashes the chain up to ``i``; iterating hashes ahead in growing steps. Safe to
+    read from several threads (a prefetch reads on a tier thread)."""
+
+    def __init__(
+        self,
+        namespace_digest: bytes,
+        tokens: bytes,
+        known: Sequence[ChunkKey] = (),
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        partial_last: bool = False,
+    ) -> None:
+        _check_digest(namespace_digest)
+        if len(tokens) % TOKEN_DTYPE.itemsize:
+            raise ValueError(f"token buffer of {len(tokens)} bytes is not a multiple of 4")
+        if len(known) * chunk_size * TOKEN_DTYPE.itemsize > len(tokens):
+            raise ValueError("more known keys than full chunks of tokens")
+        self._digest = namespace_digest
+        self._tokens = tokens
+        self._chunk_size = chunk_size
+        self._partial_last = partial_last
+        self._len = num_chunks(len(tokens) // TOKEN_DTYPE.itemsize, chunk_size, partial_last)
+        self._keys: list[ChunkKey] = list(known)
+        self._lock = threading.Lock()
+
+    @property
+    def hashed(self) -> list[ChunkKey]:
+        """The keys hashed so far (a prefix of the sequence)."""
+        return self._keys[:]
+
+    def hashed_full_chunks(self) -> tuple[bytes, bytes, list[ChunkKey]]:
+        """(namespace digest, the tokens of the full chunks hashed so far, their keys)."""
+        keys = self._keys[:]
+        step = self._chunk_size * TOKEN_DTYPE.itemsize
+        full = min(len(keys), len(self._tokens) // step)
+        return self._digest, self._tokens[: full * step], keys[:full]
+
+    def hash_upto(self, n: int) -> None:
+        """Make sure the first ``n`` keys are hashed."""
+        n = min(n, self._len)
+        if n <= len(self._keys):
+            return
+        with self._lock:
+            keys = self._keys
+            if n > len(keys):
+                keys.extend(
+                    _chain(
+                        self._digest, self._tokens, self._chunk_size, self._partial_last,
+                        self._digest, keys, n,
+                    )
+                )  # fmt: skip
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> ChunkKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ChunkKey]: ...
+
+    def __getitem__(self, index: int | slice) -> ChunkKey | list[ChunkKey]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self._len)
+            if step > 0 and stop > start:
+                self.hash_upto(stop)
+            elif step < 0 and start > stop:
+                self.hash_upto(start + 1)
+            return self._keys[: self._len][index]
+        i = operator.index(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError("chunk key index out of range")
+        self.hash_upto(i + 1)
+        return self._keys[i]
+
+    def __iter__(self) -> Iterator[ChunkKey]:
+        done = 0
+        while done < self._len:
+            if done == len(self._keys):
+                self.hash_upto(max(1, 2 * done))
+            ahead = self._keys[done:]
+            yield from ahead
+            done += len(ahead)
 
 
 def keys_from_hashes(

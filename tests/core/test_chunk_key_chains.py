@@ -130,3 +130,33 @@ def test_the_chains_a_client_leaves_are_bounded_in_bytes(monkeypatch: pytest.Mon
     long = tokens(99, 11 * CHUNK)
     assert of(ck, reg, long) == expected(reg, long)
     assert reg.chains == kept  # not kept, and nothing dropped for it
+
+
+def test_a_lookup_hashes_what_it_reads_and_the_stores_after_it_reuse_that(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ck, reg = ChunkKeys(CHUNK, 1024), registration()
+    prompt = tokens(7, 8 * CHUNK)
+    sel = p.ChunkSelector(tokens=keys.pack_tokens(prompt))
+    want = {end: expected(reg, prompt[: end * CHUNK]) for end in (6, 8)}
+    hashed: list[int] = []
+    real = keys._chain
+
+    def counting(*args: object, **kw: object) -> list[bytes]:
+        out = real(*args, **kw)  # type: ignore[arg-type]
+        hashed.append(len(out))
+        return out
+
+    monkeypatch.setattr(keys, "_chain", counting)
+    ks, lengths = ck.for_lookup(reg, sel)
+    assert len(ks) == 8 and lengths == [reg.chunk_bytes] * 8 and hashed == []
+    assert ks[2] == want[8][2]  # the lookup found chunks 0-1, lacked 2
+    ck.remember(reg, ks)
+    assert hashed == [3]
+    # The stores of the prompt then hash only what the lookup did not.
+    assert of(ck, reg, prompt[: 6 * CHUNK]) == want[6]
+    assert of(ck, reg, prompt) == want[8]
+    assert hashed == [3, 3, 2]
+    # A lookup of what is remembered hashes nothing.
+    again, _ = ck.for_lookup(reg, sel)
+    assert list(again) == want[8] and hashed == [3, 3, 2]

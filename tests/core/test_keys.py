@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import blake3
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierkv import keys
 from tierkv.keys import (
     DEFAULT_CHUNK_SIZE,
     DIGEST_SIZE,
@@ -579,3 +581,46 @@ def test_keys_are_identical_across_processes(hash_seed: str) -> None:
 
 def _inherited_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+
+
+@pytest.mark.parametrize("partial_last", [False, True])
+def test_lazy_chunk_keys_are_the_chunk_keys_however_they_are_read(partial_last: bool) -> None:
+    digest = keys.Namespace("m", "float16", "l").digest()
+    tokens = np.arange(10 * 16 + 5, dtype="<u4").tobytes()
+    want = keys.chunk_keys(digest, tokens, 16, partial_last)
+    assert len(want) == (11 if partial_last else 10)
+
+    lazy = keys.LazyChunkKeys(digest, tokens, (), 16, partial_last)
+    assert len(lazy) == len(want) and lazy.hashed == []  # the length costs no hash
+    assert lazy[2] == want[2] and len(lazy.hashed) == 3  # up to what was read
+    assert lazy[1:4] == want[1:4] and len(lazy.hashed) == 4
+    assert lazy[-1] == want[-1] and lazy.hashed == want
+    for read in (list, lambda k: k[::-1], lambda k: k[5:1:-1], lambda k: k[20:]):
+        fresh = keys.LazyChunkKeys(digest, tokens, (), 16, partial_last)
+        assert read(fresh) == read(want)
+    with pytest.raises(IndexError):
+        keys.LazyChunkKeys(digest, tokens, (), 16, partial_last)[len(want)]
+    # A known prefix is taken as is and the chain goes on from it.
+    known = keys.LazyChunkKeys(digest, tokens, want[:4], 16, partial_last)
+    assert len(known.hashed) == 4 and list(known) == want
+
+
+def test_lazy_chunk_keys_read_by_several_threads_at_once_hash_one_chain() -> None:
+    digest = keys.Namespace("m", "float16", "l").digest()
+    tokens = np.random.default_rng(3).integers(0, 50_000, 256 * 16, dtype="<u4").tobytes()
+    want = keys.chunk_keys(digest, tokens, 16)
+    lazy = keys.LazyChunkKeys(digest, tokens, (), 16)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: lazy[i], [255, 3, 128, 40, 200, 0] * 4))
+    assert got == [want[i] for i in [255, 3, 128, 40, 200, 0] * 4]
+    assert lazy.hashed == want
+
+
+def test_lazy_chunk_keys_refuse_what_chunk_keys_refuse() -> None:
+    digest = keys.Namespace("m", "float16", "l").digest()
+    with pytest.raises(ValueError, match="multiple of 4"):
+        keys.LazyChunkKeys(digest, b"abc", (), 16)
+    with pytest.raises(ValueError, match="namespace digest"):
+        keys.LazyChunkKeys(b"short", b"", (), 16)
+    with pytest.raises(ValueError, match="more known keys"):
+        keys.LazyChunkKeys(digest, bytes(64), [b"k" * 32] * 2, 16)

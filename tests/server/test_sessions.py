@@ -16,6 +16,7 @@ from support.memtier import CHUNK, WAIT, MemTier, key, payload
 from tierkv.allocator import Allocator
 from tierkv.eviction import EvictionController
 from tierkv.index import ObjectIndex
+from tierkv.keys import LazyChunkKeys, Namespace, chunk_keys
 from tierkv.pool import ShmPool
 from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.sessions import LookupSessions, Progress
@@ -190,3 +191,42 @@ def test_a_client_going_away_ends_every_session_it_holds(env: Env) -> None:
     env.sessions.open(ENGINE, "b", ks, [CHUNK] * 2)
     assert env.sessions.drop_holder(ENGINE) == 4
     assert env.sessions.count_of(ENGINE) == 0 and env.index.stats().read_locked == 0
+
+
+def lazy_prompt(n: int, seed: int) -> tuple[LazyChunkKeys, list[bytes]]:
+    """A prompt of ``n`` chunks of 16 tokens: its keys hashed as read, and all of them."""
+    digest = Namespace("m", "float16", "test-layout").digest()
+    tokens = np.random.default_rng(seed).integers(0, 50_000, n * 16, dtype="<u4").tobytes()
+    return LazyChunkKeys(digest, tokens, (), 16), chunk_keys(digest, tokens, 16)
+
+
+def test_a_lookup_of_a_new_prompt_hashes_its_first_chunk_only(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tier has the first chunk the pool lacks: neither the session's locks nor the
+    prefetch read the other keys, so they are never hashed."""
+    asked: list[list[bytes]] = []
+    real = env.tier.contains
+    monkeypatch.setattr(env.tier, "contains", lambda ks: asked.append(list(ks)) or real(ks))
+    lazy, _ = lazy_prompt(32, seed=1)
+    session = env.sessions.open(ENGINE, "r", lazy, [CHUNK] * 32)
+    assert (session.hits, session.total) == (0, 32)
+    assert env.settle(ENGINE, "r") == Progress(True, 0)
+    assert len(lazy.hashed) == 1
+    assert asked == [[lazy[0]]]
+    env.sessions.drop(ENGINE, "r")
+
+
+def test_lazily_hashed_keys_are_prefetched_in_full_once_a_tier_has_the_first_miss(
+    env: Env,
+) -> None:
+    lazy, ks = lazy_prompt(6, seed=2)
+    env.store(ks[:2])
+    env.tier.put(ks[2:])
+    session = env.sessions.open(ENGINE, "r", lazy, [CHUNK] * 6)
+    assert session.hits == 2
+    assert env.settle(ENGINE, "r") == Progress(True, 6)
+    assert lazy.hashed == ks
+    lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
+    assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks
+    env.index.release_read(lease, ENGINE)

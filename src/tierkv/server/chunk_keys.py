@@ -8,6 +8,8 @@ salt. Everything about a selector that can be wrong is refused here with a clear
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tierkv import keys
 from tierkv import protocol as p
 from tierkv.server.errors import RequestError
@@ -40,12 +42,36 @@ class ChunkKeys:
         self, reg: Registration, sel: p.ChunkSelector, first_chunk: int = 0
     ) -> tuple[list[bytes], list[int]]:
         """Keys and byte lengths of the selected chunks of ``reg``, from ``first_chunk`` on."""
+        if first_chunk < 0:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
+        ks, lengths = self._of(reg, sel, lazy=False)
+        assert isinstance(ks, list)  # only lookups get lazily hashed keys
+        if first_chunk > len(ks):
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"first_chunk {first_chunk} beyond {len(ks)} chunks"
+            )
+        return ks[first_chunk:], lengths[first_chunk:]
+
+    def for_lookup(
+        self, reg: Registration, sel: p.ChunkSelector
+    ) -> tuple[Sequence[bytes], list[int]]:
+        """:meth:`of` for a lookup: chunks named by tokens get keys hashed only as far as
+        they are read (:class:`tierkv.keys.LazyChunkKeys`); :meth:`remember` them after."""
+        return self._of(reg, sel, lazy=True)
+
+    def remember(self, reg: Registration, ks: Sequence[bytes]) -> None:
+        """Keep the chain a lookup hashed (as far as it did), for the stores that follow."""
+        if isinstance(ks, keys.LazyChunkKeys):
+            digest, whole, hashed = ks.hashed_full_chunks()
+            self._remember(reg, digest, whole, hashed)
+
+    def _of(
+        self, reg: Registration, sel: p.ChunkSelector, lazy: bool
+    ) -> tuple[Sequence[bytes], list[int]]:
         limit = self.max_chunks
         chunk_size = self.chunk_size
         if (sel.tokens is None) == (sel.hashes is None):
             raise RequestError(p.ErrorCode.BAD_REQUEST, "give exactly one of tokens or hashes")
-        if first_chunk < 0:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
         if len(sel.salt) > MAX_SALT:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"cache salt longer than {MAX_SALT}")
         if sel.salt and (why := salt_error("cache salt", sel.salt)):
@@ -67,7 +93,7 @@ class ChunkKeys:
                     f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
                     f"{limit} (max_chunks_per_request)",
                 )
-            ks = self._chain(reg, reg.digest_for(sel.salt), sel.tokens, sel.partial_last)
+            ks = self._chain(reg, reg.digest_for(sel.salt), sel.tokens, sel.partial_last, lazy)
             lengths = [reg.chunk_bytes] * len(ks)
             rest = n_tokens % chunk_size
             if sel.partial_last and rest:
@@ -86,16 +112,13 @@ class ChunkKeys:
             except ValueError as exc:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
             lengths = [reg.chunk_bytes] * len(ks)
-        if first_chunk > len(ks):
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"first_chunk {first_chunk} beyond {len(ks)} chunks"
-            )
-        return ks[first_chunk:], lengths[first_chunk:]
+        return ks, lengths
 
     def _chain(
-        self, reg: Registration, digest: bytes, tokens: bytes, partial_last: bool
-    ) -> list[bytes]:
-        """The keys of ``tokens`` under ``digest``, reusing a chain ``reg`` hashed before."""
+        self, reg: Registration, digest: bytes, tokens: bytes, partial_last: bool, lazy: bool
+    ) -> Sequence[bytes]:
+        """The keys of ``tokens`` under ``digest``, reusing a chain ``reg`` hashed before
+        (``lazy``: hashed as far as they are read, and not remembered yet)."""
         step = self.chunk_size * keys.TOKEN_DTYPE.itemsize
         full = len(tokens) // step
         whole = tokens if full * step == len(tokens) else tokens[: full * step]
@@ -109,9 +132,24 @@ class ChunkKeys:
             if len(cached_keys) > full and cached_tokens.startswith(whole):
                 known = cached_keys[:full]  # this request is that chain's beginning
                 break
+        if lazy:
+            return keys.LazyChunkKeys(digest, tokens, known, self.chunk_size, partial_last)
         ks = keys.chunk_keys_after(digest, tokens, known, self.chunk_size, partial_last)
-        if full and len(known) < full and len(whole) <= CHAIN_BYTES:
-            entry = (digest, whole, ks[:full])
+        self._remember(reg, digest, whole, ks[:full])
+        return ks
+
+    def _remember(self, reg: Registration, digest: bytes, whole: bytes, ks: list[bytes]) -> None:
+        """Keep ``ks``, the keys of the full chunks ``whole``, among ``reg``'s chains (unless
+        a chain it keeps already covers them)."""
+        full = len(ks)
+        if (
+            full
+            and len(whole) <= CHAIN_BYTES
+            and not any(
+                d == digest and len(k) >= full and t.startswith(whole) for d, t, k in reg.chains
+            )
+        ):
+            entry = (digest, whole, ks)
             older = [c for c in reg.chains if not (c[0] == digest and whole.startswith(c[1]))]
             kept, total = [entry], len(whole)
             for chain in older[: CHAINS - 1]:
@@ -120,4 +158,3 @@ class ChunkKeys:
                     break
                 kept.append(chain)
             reg.chains = kept
-        return ks

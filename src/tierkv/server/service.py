@@ -33,6 +33,7 @@ from tierkv.tenants import salt_error
 
 log = logging.getLogger(__name__)
 
+LOOKUP_FIRST_STEP = 1  # keys a lookup hashes and checks first (then 4x as many each time)
 MAX_NAME = 256  # characters of a client name or engine id
 MAX_MODEL = 1024  # characters of a model identity or tenant salt
 MAX_CHUNK_TOKENS = 1 << 20  # tokens in one chunk of a client that cuts its own chunks
@@ -343,9 +344,12 @@ class CacheService:
         reg = self._client(req.client)
         if reg.role == p.ROLE_SCHEDULER:
             return self._group_lookup(reg, req)
-        ks, lengths = self.chunk_keys.of(reg, req.chunks)
+        ks, lengths = self.chunk_keys.for_lookup(reg, req.chunks)
+        ready = self._ready_prefix(ks)
+        self.chunk_keys.remember(reg, ks)
         if not req.request_id:
-            return p.LookupResult(req.rid, self._prefix_hits(ks), len(ks))
+            self.tiering.lookups.record(ks, ready)
+            return p.LookupResult(req.rid, ready, len(ks))
         session = self.sessions.open(reg.token, req.request_id, ks, lengths)
         return p.LookupResult(
             req.rid, session.hits, len(ks), prefetching=session.prefetch is not None
@@ -356,24 +360,33 @@ class CacheService:
         workers = self.registry.workers(scheduler.engine_id)
         if not workers or len(workers) != workers[0].namespace.world_size:
             # Not every rank has registered (yet): nothing can be served consistently.
-            total = len(self.chunk_keys.of(workers[0], req.chunks)[0]) if workers else 0
+            total = len(self.chunk_keys.for_lookup(workers[0], req.chunks)[0]) if workers else 0
             return p.LookupResult(req.rid, 0, total)
-        ranks = [(w.token, *self.chunk_keys.of(w, req.chunks)) for w in workers]
+        ranks = [(w.token, *self.chunk_keys.for_lookup(w, req.chunks)) for w in workers]
+        readies = [self._ready_prefix(ks) for _, ks, _ in ranks]
+        for w, (_, ks, _) in zip(workers, ranks, strict=True):
+            self.chunk_keys.remember(w, ks)
         if not req.request_id:
-            hits = min(self._prefix_hits(ks) for _, ks, _ in ranks)
-            return p.LookupResult(req.rid, hits, len(ranks[0][1]))
+            for (_, ks, _), ready in zip(ranks, readies, strict=True):
+                self.tiering.lookups.record(ks, ready)
+            return p.LookupResult(req.rid, min(readies), len(ranks[0][1]))
         hits, total, prefetching = self.sessions.open_group(scheduler.token, req.request_id, ranks)
         return p.LookupResult(req.rid, hits, total, prefetching=prefetching)
 
-    def _prefix_hits(self, ks: Sequence[bytes]) -> int:
-        """Leading chunks in the pool now (a lookup without locks); counted in the metrics."""
-        hits = 0
-        for present in self.index.contains(ks):
-            if not present:
-                break
-            hits += 1
-        self.tiering.lookups.record(ks, hits)
-        return hits
+    def _ready_prefix(self, ks: Sequence[bytes]) -> int:
+        """How many leading chunks are ready in the pool now (no lock taken). Lazily hashed
+        keys (:meth:`ChunkKeys.for_lookup`) are hashed only up to the first chunk missing,
+        in growing steps (a few index look-ups for a long hit), so a new prompt costs one
+        hash; this happens before any lock is taken, the session's locks then find the
+        keys hashed."""
+        ready, step = 0, (LOOKUP_FIRST_STEP if isinstance(ks, keys.LazyChunkKeys) else len(ks))
+        while ready < len(ks):
+            for present in self.index.contains(ks[ready : ready + step]):
+                if not present:
+                    return ready
+                ready += 1
+            step *= 4
+        return ready
 
     def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
         reg = self._client(req.client)

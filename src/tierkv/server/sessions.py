@@ -83,7 +83,9 @@ class LookupSessions:
         self._groups: dict[int, dict[str, GroupSession]] = {}  # scheduler -> request id -> ..
 
     # -- opening ---------------------------------------------------------------------------
-    def open(self, holder: int, request_id: str, keys: list[bytes], lengths: list[int]) -> Session:
+    def open(
+        self, holder: int, request_id: str, keys: Sequence[bytes], lengths: list[int]
+    ) -> Session:
         """Replace any session of ``request_id``: lock the pool's hit prefix for ``holder``
         and start the prefetch of the rest."""
         self.drop(holder, request_id)
@@ -93,7 +95,7 @@ class LookupSessions:
         self,
         scheduler: int,
         request_id: str,
-        ranks: Sequence[tuple[int, list[bytes], list[int]]],
+        ranks: Sequence[tuple[int, Sequence[bytes], list[int]]],
     ) -> tuple[int, int, bool]:
         """A scheduler's lookup over its engine's ranks, each (token, keys, lengths):
         returns (hits, total, prefetching)."""
@@ -112,7 +114,9 @@ class LookupSessions:
             self._groups.setdefault(scheduler, {})[request_id] = group
         return hits, group.total, prefetching
 
-    def _open(self, holder: int, request_id: str, keys: list[bytes], lengths: list[int]) -> Session:
+    def _open(
+        self, holder: int, request_id: str, keys: Sequence[bytes], lengths: list[int]
+    ) -> Session:
         lock = self.index.lock_read(keys, holder, prefix=True)
         hits = len(lock.slots)
         session = Session(lock.lease_id, hits, hits, len(keys), self.clock())

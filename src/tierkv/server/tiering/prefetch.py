@@ -33,6 +33,8 @@ from tierkv.workers import Submit
 
 log = logging.getLogger(__name__)
 
+_NOWHERE = object()  # a chunk neither the pool nor any tier holds
+
 Verified = tuple[bytes, bytes, int]  # (key, checksum verified on the way in, length)
 
 
@@ -131,7 +133,7 @@ class Prefetcher:
             self.stats.inflight += 1
             self.stats.started += 1
         job = PrefetchJob(first, self.clock() + self.timeout, on_done, lease_id)
-        self.executor.submit(self._run, job, holder, list(keys), list(lengths))
+        self.executor.submit(self._run, job, holder, keys, list(lengths))
         return job
 
     def poll(self, job: PrefetchJob) -> bool:
@@ -147,15 +149,21 @@ class Prefetcher:
         return False
 
     # -- the job ---------------------------------------------------------------------------
-    def _run(self, job: PrefetchJob, holder: int, keys: list[bytes], lengths: list[int]) -> None:
+    def _run(
+        self, job: PrefetchJob, holder: int, lazy_keys: Sequence[bytes], lengths: list[int]
+    ) -> None:
         claimed: list[bytes] = []
         try:
+            head = self._first_chunk(lazy_keys[job.first], job)
+            if head is _NOWHERE:
+                return  # the usual miss, a new prompt: its other keys are never hashed
+            keys = list(lazy_keys)
             # Chunks another job is already loading (concurrent lookups of one prefix) are
             # awaited, not loaded twice; jobs only wait for older jobs, so never in a cycle.
             claimed, older = self._claim(keys[job.first :], job)
             for other in older:
                 other.done.wait(max(0.0, job.deadline - self.clock()))
-            run, unchecked = self._locate(keys[job.first :])
+            run, unchecked = self._locate(keys[job.first :], head)
             loaded = self._load(keys, lengths, job.first, run, job)
             if unchecked and loaded == len(run):
                 job.miss_reason = "error"  # the prefix ended at a chunk no tier could check
@@ -183,6 +191,21 @@ class Prefetcher:
                     log.exception("prefetch completion callback failed")
             job.done.set()
 
+    def _first_chunk(self, key: bytes, job: PrefetchJob) -> Tier | object | None:
+        """Where ``key``, the first chunk the lookup lacked, is: the first tier that has it,
+        None if the pool has it now (stored since the lookup), or :data:`_NOWHERE` (then
+        ``job.miss_reason`` is "error" if a tier could not tell). A prefetch that finds it
+        nowhere ends there, without hashing the lookup's other keys."""
+        if self.index.contains([key])[0]:
+            return None
+        found: list[Tier | None] = [None]
+        unchecked: set[int] = set()
+        if not self._ask_tiers([key], [0], found, unchecked):
+            return found[0]
+        if unchecked:
+            job.miss_reason = "error"
+        return _NOWHERE
+
     def _claim(self, keys: list[bytes], job: PrefetchJob) -> tuple[list[bytes], list[PrefetchJob]]:
         claimed: list[bytes] = []
         older: dict[int, PrefetchJob] = {}
@@ -196,11 +219,14 @@ class Prefetcher:
                     older[id(other)] = other
         return claimed, list(older.values())
 
-    def _locate(self, keys: list[bytes]) -> tuple[list[Tier | None], bool]:
+    def _locate(
+        self, keys: list[bytes], head: Tier | object | None
+    ) -> tuple[list[Tier | None], bool]:
         """For the longest run of ``keys`` that the pool or some tier holds: None for a
         chunk ready in the pool (no tier is asked about it), else the tier to load it from;
         and whether the run ends at a chunk that some tier failed to check (the tier is
-        down, not the chunk known absent).
+        down, not the chunk known absent). ``head``: the tier :meth:`_first_chunk` found
+        ``keys[0]`` in (None: in the pool then).
 
         The tiers are asked about the first chunk the pool lacks on its own, and about the
         others only if some tier has it: a run ends at the first chunk found nowhere, so a
@@ -210,9 +236,15 @@ class Prefetcher:
         in_pool = self.index.contains(keys)  # no lock, LRU untouched
         pending = [i for i, ready in enumerate(in_pool) if not ready]
         unchecked: set[int] = set()
-        missing = self._ask_tiers(keys, pending[:1], found, unchecked)
+        if pending and pending[0] == 0 and isinstance(head, Tier):
+            found[0] = head  # asked already
+            pending = pending[1:]
+            missing = []
+        else:
+            missing = self._ask_tiers(keys, pending[:1], found, unchecked)
+            pending = pending[1:]
         if not missing:
-            missing = self._ask_tiers(keys, pending[1:], found, unchecked)
+            missing = self._ask_tiers(keys, pending, found, unchecked)
         end = missing[0] if missing else len(keys)  # the first chunk found nowhere
         return found[:end], end in unchecked
 
