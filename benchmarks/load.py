@@ -22,8 +22,10 @@ Two experiments with real server processes, each against a bound measured in the
 Both also run a floor (:class:`Floor`): two processes of their own doing a bare round
 trip every 5 ms under the same load, with no tierkv in between. Its p99 is what the
 machine's scheduler gives any request/reply between two processes at that moment; on a
-2-core VM it is of the order of the goal itself. Printed on the line before the last:
-``floor engines8_roundtrip_p99_ms=.. under_transfer_roundtrip_p99_ms=..``.
+2-core VM it is of the order of the goal itself. With it, the share of the CPUs' time the
+hypervisor took from this VM meanwhile (``steal`` in ``/proc/stat``). Printed on the line
+before the last: ``floor engines8_roundtrip_p99_ms=.. engines8_steal=..
+under_transfer_roundtrip_p99_ms=.. under_transfer_steal=..``.
 
 Last line: ``load engines8_store_vs_memcpy=A engines8_retrieve_vs_memcpy=B
 engines8_lookup_p99_ms=C lookup_p99_under_transfer_ms=D``.
@@ -119,20 +121,38 @@ def pinger_main(endpoint: str, period: float, stop_path: str, out_path: str) -> 
     Path(out_path).write_text(json.dumps(samples))
 
 
+def steal_seconds() -> float | None:
+    """CPU time the hypervisor gave other guests while this VM's vCPUs wanted to run (the
+    ``steal`` column of ``/proc/stat``, all CPUs); None where there is no such figure."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class Floor:
     """Two processes of their own pinging each other over a Unix socket, framed as tierkv's
     requests are (no tierkv, nothing to compute) while an experiment runs: the round trip
     that any request/reply between two processes gets from this machine's scheduler under
     the same load. A lookup cannot be faster than this, and on a busy 2-core VM this is
-    what the tail is made of."""
+    what the tail is made of.
+
+    Also the share of the CPUs' time the hypervisor took meanwhile (:func:`steal_seconds`):
+    a vCPU taken away for milliseconds leaves whatever was about to run on it waiting
+    (seen with ftrace on the CI machine type: a woken thread waited 7 ms behind a kernel
+    thread that "ran" for 7 ms while the other CPU was idle)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.stop_path = root / "floor.stop"
         self.out_path = root / "floor.json"
         self.samples: list[tuple[float, float]] = []
+        self.steal_share: float | None = None
 
     def __enter__(self) -> Floor:
+        self._started = (time.monotonic(), steal_seconds())
         endpoint = f"ipc://{self.root / 'floor.sock'}"
         me = [sys.executable, __file__]
         self.echo = subprocess.Popen([*me, "--echo", endpoint])
@@ -142,6 +162,11 @@ class Floor:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        t0, stolen0 = self._started
+        stolen1 = steal_seconds()
+        if stolen0 is not None and stolen1 is not None:
+            cpus = os.cpu_count() or 1
+            self.steal_share = (stolen1 - stolen0) / (cpus * (time.monotonic() - t0))
         self.stop_path.touch()
         for proc in (self.pinger, self.echo):
             try:
@@ -228,7 +253,7 @@ def memcpy_gbps(threads: int, chunks_each: int) -> float:
     return threads * chunks_each * CHUNK_BYTES / best / 1e9
 
 
-def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[str, float]:
+def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[str, Any]:
     root.mkdir(parents=True)
     # Every engine's prompt stays in the pool until it has read it back: room for all of
     # them below the low watermark (older prompts are evicted as new ones come).
@@ -279,6 +304,7 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
     print(f"    floor: {describe_rtt(floor_rtt)}")
     return {
         "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3,
+        "steal": floor.steal_share,
         "store": store_gbps / bound,
         "retrieve": retrieve_gbps / bound,
         "lookup_p99_ms": pct(lookups, 0.99) * 1e3,
@@ -307,7 +333,7 @@ def looker_main(endpoint: str, seconds: float, period: float, out_path: str) -> 
     Path(out_path).write_text(json.dumps(samples))
 
 
-def under_transfer(root: Path, rounds: int) -> dict[str, float]:
+def under_transfer(root: Path, rounds: int) -> dict[str, Any]:
     root.mkdir(parents=True)
     peer_chunks, disk_chunks = 32, 16
     pa, pb = free_port_pair(), free_port_pair()
@@ -400,7 +426,11 @@ def under_transfer(root: Path, rounds: int) -> dict[str, float]:
     )
     floor_rtt = within(floor.samples, windows)
     print(f"    floor: {describe_rtt(floor_rtt)}")
-    return {"p99_ms": pct(busy, 0.99) * 1e3, "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3}
+    return {
+        "p99_ms": pct(busy, 0.99) * 1e3,
+        "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3,
+        "steal": floor.steal_share,
+    }
 
 
 def main() -> None:
@@ -438,8 +468,12 @@ def main() -> None:
     floors = []
     if a:
         floors.append(f"engines8_roundtrip_p99_ms={a['floor_p99_ms']:.2f}")
+        if a["steal"] is not None:
+            floors.append(f"engines8_steal={a['steal']:.3f}")
     if b:
         floors.append(f"under_transfer_roundtrip_p99_ms={b['floor_p99_ms']:.2f}")
+        if b["steal"] is not None:
+            floors.append(f"under_transfer_steal={b['steal']:.3f}")
     print("floor " + " ".join(floors))
     parts = []
     if a:
