@@ -47,12 +47,8 @@ def of(ck: ChunkKeys, reg: Registration, toks: list[int], **kw: object) -> list[
     return ck.of(reg, sel)[0]
 
 
-def test_a_prompt_stored_request_by_request_hashes_each_chunk_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    ck, reg = ChunkKeys(CHUNK, 1024), registration()
-    prompt = tokens(1, 8 * CHUNK)
-    want = {end: expected(reg, prompt[: end * CHUNK]) for end in (2, 3, 4, 6, 8)}
+def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, how many chunks each call of the hashing loop hashed."""
     hashed: list[int] = []
     real = keys._chain
 
@@ -62,6 +58,16 @@ def test_a_prompt_stored_request_by_request_hashes_each_chunk_once(
         return out
 
     monkeypatch.setattr(keys, "_chain", counting)
+    return hashed
+
+
+def test_a_prompt_stored_request_by_request_hashes_each_chunk_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ck, reg = ChunkKeys(CHUNK, 1024), registration()
+    prompt = tokens(1, 8 * CHUNK)
+    want = {end: expected(reg, prompt[: end * CHUNK]) for end in (2, 3, 4, 6, 8)}
+    hashed = count_hashing(monkeypatch)
     for end in range(2, 9, 2):
         assert of(ck, reg, prompt[: end * CHUNK]) == want[end]
     assert hashed == [2, 2, 2, 2]  # not 2, 4, 6, 8
@@ -139,15 +145,7 @@ def test_a_lookup_hashes_what_it_reads_and_the_stores_after_it_reuse_that(
     prompt = tokens(7, 8 * CHUNK)
     sel = p.ChunkSelector(tokens=keys.pack_tokens(prompt))
     want = {end: expected(reg, prompt[: end * CHUNK]) for end in (6, 8)}
-    hashed: list[int] = []
-    real = keys._chain
-
-    def counting(*args: object, **kw: object) -> list[bytes]:
-        out = real(*args, **kw)  # type: ignore[arg-type]
-        hashed.append(len(out))
-        return out
-
-    monkeypatch.setattr(keys, "_chain", counting)
+    hashed = count_hashing(monkeypatch)
     ks, lengths = ck.for_lookup(reg, sel)
     assert len(ks) == 8 and lengths == [reg.chunk_bytes] * 8 and hashed == []
     assert ks[2] == want[8][2]  # the lookup found chunks 0-1, lacked 2
