@@ -272,6 +272,7 @@ class LazyChunkKeys(Sequence[ChunkKey]):
         self._partial_last = partial_last
         self._len = num_chunks(len(tokens) // TOKEN_DTYPE.itemsize, chunk_size, partial_last)
         self._keys: list[ChunkKey] = list(known)
+        self._known = len(known)
         self._lock = threading.Lock()
 
     @property
@@ -279,11 +280,14 @@ class LazyChunkKeys(Sequence[ChunkKey]):
         """The keys hashed so far (a prefix of the sequence)."""
         return self._keys[:]
 
-    def hashed_full_chunks(self) -> tuple[bytes, bytes, list[ChunkKey]]:
-        """(namespace digest, the tokens of the full chunks hashed so far, their keys)."""
+    def new_full_chunks(self) -> tuple[bytes, bytes, list[ChunkKey]] | None:
+        """(namespace digest, the tokens of the full chunks hashed so far, their keys), if
+        any full chunk was hashed here (beyond the ``known`` keys); else None."""
         keys = self._keys[:]
         step = self._chunk_size * TOKEN_DTYPE.itemsize
         full = min(len(keys), len(self._tokens) // step)
+        if full <= self._known:
+            return None
         return self._digest, self._tokens[: full * step], keys[:full]
 
     def hash_upto(self, n: int) -> None:
@@ -317,7 +321,8 @@ class LazyChunkKeys(Sequence[ChunkKey]):
                 self.hash_upto(stop)
             elif step < 0 and start > stop:
                 self.hash_upto(start + 1)
-            return self._keys[: self._len][index]
+            keys = self._keys
+            return [keys[i] for i in range(start, stop, step)]
         i = operator.index(index)
         if i < 0:
             i += self._len

@@ -61,9 +61,8 @@ class ChunkKeys:
 
     def remember(self, reg: Registration, ks: Sequence[bytes]) -> None:
         """Keep the chain a lookup hashed (as far as it did), for the stores that follow."""
-        if isinstance(ks, keys.LazyChunkKeys):
-            digest, whole, hashed = ks.hashed_full_chunks()
-            self._remember(reg, digest, whole, hashed)
+        if isinstance(ks, keys.LazyChunkKeys) and (new := ks.new_full_chunks()) is not None:
+            self._remember(reg, *new)
 
     def _of(
         self, reg: Registration, sel: p.ChunkSelector, lazy: bool
@@ -135,20 +134,14 @@ class ChunkKeys:
         if lazy:
             return keys.LazyChunkKeys(digest, tokens, known, self.chunk_size, partial_last)
         ks = keys.chunk_keys_after(digest, tokens, known, self.chunk_size, partial_last)
-        self._remember(reg, digest, whole, ks[:full])
+        if len(known) < full:
+            self._remember(reg, digest, whole, ks[:full])
         return ks
 
     def _remember(self, reg: Registration, digest: bytes, whole: bytes, ks: list[bytes]) -> None:
-        """Keep ``ks``, the keys of the full chunks ``whole``, among ``reg``'s chains (unless
-        a chain it keeps already covers them)."""
-        full = len(ks)
-        if (
-            full
-            and len(whole) <= CHAIN_BYTES
-            and not any(
-                d == digest and len(k) >= full and t.startswith(whole) for d, t, k in reg.chains
-            )
-        ):
+        """Keep ``ks``, the keys of the full chunks ``whole`` (some of them hashed just now),
+        among ``reg``'s chains."""
+        if ks and len(whole) <= CHAIN_BYTES:
             entry = (digest, whole, ks)
             older = [c for c in reg.chains if not (c[0] == digest and whole.startswith(c[1]))]
             kept, total = [entry], len(whole)

@@ -163,7 +163,9 @@ class Prefetcher:
             claimed, older = self._claim(keys[job.first :], job)
             for other in older:
                 other.done.wait(max(0.0, job.deadline - self.clock()))
-            run, unchecked = self._locate(keys[job.first :], head)
+            run, unchecked = self._locate(
+                keys[job.first :], head if isinstance(head, Tier) else None
+            )
             loaded = self._load(keys, lengths, job.first, run, job)
             if unchecked and loaded == len(run):
                 job.miss_reason = "error"  # the prefix ended at a chunk no tier could check
@@ -219,14 +221,12 @@ class Prefetcher:
                     older[id(other)] = other
         return claimed, list(older.values())
 
-    def _locate(
-        self, keys: list[bytes], head: Tier | object | None
-    ) -> tuple[list[Tier | None], bool]:
+    def _locate(self, keys: list[bytes], head: Tier | None) -> tuple[list[Tier | None], bool]:
         """For the longest run of ``keys`` that the pool or some tier holds: None for a
         chunk ready in the pool (no tier is asked about it), else the tier to load it from;
         and whether the run ends at a chunk that some tier failed to check (the tier is
         down, not the chunk known absent). ``head``: the tier :meth:`_first_chunk` found
-        ``keys[0]`` in (None: in the pool then).
+        ``keys[0]`` in (None: it asked none, the pool had it).
 
         The tiers are asked about the first chunk the pool lacks on its own, and about the
         others only if some tier has it: a run ends at the first chunk found nowhere, so a
@@ -236,7 +236,7 @@ class Prefetcher:
         in_pool = self.index.contains(keys)  # no lock, LRU untouched
         pending = [i for i, ready in enumerate(in_pool) if not ready]
         unchecked: set[int] = set()
-        if pending and pending[0] == 0 and isinstance(head, Tier):
+        if pending and pending[0] == 0 and head is not None:
             found[0] = head  # asked already
             pending = pending[1:]
             missing = []
