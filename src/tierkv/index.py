@@ -203,6 +203,7 @@ class ObjectIndex:
         self.clock = clock
         self._lock = threading.Lock()
         self._entries: dict[bytes, Entry] = {}
+        self._ready: set[bytes] = set()  # keys of the entries in state READY
         self._lru: dict[Entry, None] = {}
         self._write_leases: dict[int, Lease] = {}
         self._read_leases: dict[int, Lease] = {}
@@ -333,6 +334,7 @@ class ObjectIndex:
                     result.cleared += 1
                 else:
                     entry.state = State.READY
+                    self._ready.add(entry.key)
                     ready.append(entry)
                     result.committed_keys.append(entry.key)
                     result.committed_lengths.append(entry.length)
@@ -449,10 +451,17 @@ class ObjectIndex:
             return [(e.key, e.offset, e.length) for e in lease.entries]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is ready (no lock taken, LRU untouched)."""
+        """Whether each key is ready (LRU untouched)."""
         with self._lock:
-            entries = self._entries
-            return [(e := entries.get(k)) is not None and e.state is State.READY for k in keys]
+            return list(map(self._ready.__contains__, keys))
+
+    def ready_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys are ready (LRU untouched)."""
+        ready = self._ready
+        with self._lock:
+            if ready.issuperset(keys):
+                return len(keys)
+            return next(i for i, key in enumerate(keys) if key not in ready)
 
     def release_holder(self, holder: int) -> tuple[int, int]:
         """End every lease of a holder (it unregistered or was declared dead).
@@ -664,6 +673,10 @@ class ObjectIndex:
                 require(prev is entry, f"two objects share offset {entry.offset}")
             for key, entry in self._entries.items():
                 require(entry.key == key and entry.live, f"key map wrong for {key!r}")
+            require(
+                self._ready == {k for k, e in self._entries.items() if e.state is State.READY},
+                "ready-key set out of sync with the key map",
+            )
             in_lru = 0
             for entry in slots.values():
                 k = entry.key
@@ -768,6 +781,7 @@ class ObjectIndex:
         for entry in victims:
             self._lru_remove(entry)
             del self._entries[entry.key]
+            self._ready.discard(entry.key)
             entry.live = False
             tid = entry.tenant
             tevictions[tid] = tevictions.get(tid, 0) + 1
@@ -854,6 +868,7 @@ class ObjectIndex:
 
     def _unmap(self, entry: Entry) -> None:
         del self._entries[entry.key]
+        self._ready.discard(entry.key)
         entry.live = False
         if entry.state is State.READY and entry.readers == 0:
             self._lru_remove(entry)

@@ -381,10 +381,11 @@ class CacheService:
         keys hashed."""
         ready, step = 0, (LOOKUP_FIRST_STEP if isinstance(ks, keys.LazyChunkKeys) else len(ks))
         while ready < len(ks):
-            for present in self.index.contains(ks[ready : ready + step]):
-                if not present:
-                    return ready
-                ready += 1
+            batch = ks[ready : ready + step]
+            found = self.index.ready_prefix(batch)
+            ready += found
+            if found < len(batch):
+                return ready
             step *= 4
         return ready
 
