@@ -24,10 +24,10 @@ backend-defined strings); :func:`page_hash` turns each into the bytes tierkv key
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import blake3
 import numpy as np
 import numpy.typing as npt
 
@@ -142,7 +142,7 @@ _MAX_TEXT = 63  # tierkv takes hashes of up to 64 bytes
 
 def page_hash(key: str) -> bytes:
     """The hash bytes tierkv keys page ``key`` by: a 64-digit hex digest as its 32 bytes,
-    other strings as their UTF-8 (folded with blake3 when longer than 63 bytes)."""
+    other strings as their UTF-8 (folded with SHA-256 when longer than 63 bytes)."""
     if not isinstance(key, str) or not key:
         raise ValueError(f"a page key must be a non-empty str, got {key!r}")
     if len(key) == 64:
@@ -155,4 +155,4 @@ def page_hash(key: str) -> bytes:
     raw = key.encode("utf-8")
     if len(raw) <= _MAX_TEXT:
         return _TEXT + raw
-    return _LONG + blake3.blake3(raw).digest(32)
+    return _LONG + hashlib.sha256(raw).digest()
