@@ -9,7 +9,9 @@ the two threads' priorities (measured on the CI machine type: a normal-priority 
 woken while two lowered threads read 8 MiB at a time from the page cache waited 0.9 ms at
 the median; with 1 MiB reads 0.14 ms, with 256 KiB 0.09 ms). So the tiers and the peer data
 plane move chunks in pieces of :data:`PIECE` bytes: the calls cost a few microseconds more
-per chunk, and the kernel gets a chance to switch after each piece.
+per chunk, and the kernel gets a chance to switch after each piece; a data thread also
+gives way after each (:func:`tierkv.priority.give_way`), so that a woken control thread gets
+the core then rather than at the end of the data thread's time slice.
 
 The checksum (:func:`tierkv.tiers.base.checksum`, XXH3-128) is computed piece by piece, right
 after each piece was written or has landed, while it is still in the CPU's cache, instead of
@@ -25,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from tierkv.framing import drop_sent
+from tierkv.priority import give_way
 from tierkv.tiers.base import checksummer
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
@@ -44,6 +47,7 @@ def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
             raise OSError(errno.EIO, "short write")
         hasher.update(data[pos : pos + wrote])
         pos += wrote
+        give_way()
     digest: bytes = hasher.digest()
     return digest
 
@@ -59,6 +63,7 @@ def read_hashed(fd: int, data: memoryview, offset: int) -> tuple[int, bytes]:
             break  # EOF: the file is shorter than expected
         hasher.update(data[pos : pos + got])
         pos += got
+        give_way()
     digest: bytes = hasher.digest()
     return pos, digest
 
@@ -77,6 +82,7 @@ def send_all(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
             if not room:
                 break
         drop_sent(views, sock.sendmsg(batch))
+        give_way()
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -86,6 +92,8 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got = sock.recv_into(view[pos:], min(PIECE, n - pos))
         if not got:
             raise ConnectionError("peer closed the connection")
+        if (pos + got) // PIECE != pos // PIECE:  # a receive may return little: once a piece
+            give_way()
         pos += got
 
 
@@ -103,6 +111,8 @@ def recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
         pos += got
         if pos - hashed >= HASH_STEP or pos == n:
             hasher.update(view[hashed:pos])
+            if hashed // PIECE != pos // PIECE:  # once a piece
+                give_way()
             hashed = pos
     digest: bytes = hasher.digest()
     return digest

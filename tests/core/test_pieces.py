@@ -39,6 +39,8 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
+    ways: list[int] = []
+    monkeypatch.setattr(pieces, "give_way", lambda: ways.append(len(sizes)))
     path = tmp_path / "chunk"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
@@ -47,6 +49,8 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
         back = bytearray(n)
         got, digest = pieces.read_hashed(fd, memoryview(back), 64)
         assert (got, digest, bytes(back)) == (n, checksum(data), data.tobytes())
+        # A data thread gives way after every piece (tierkv.priority.give_way).
+        assert ways == list(range(1, len(sizes) + 1))
         # A file shorter than the view: what was there, and its checksum.
         os.ftruncate(fd, 64 + n // 2)
         got, digest = pieces.read_hashed(fd, memoryview(bytearray(n)), 64)
@@ -82,7 +86,15 @@ def _pair() -> tuple[_CountingSocket, _CountingSocket]:
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_socket_pieces_arrive_whole_with_their_checksum(n: int) -> None:
+def test_socket_pieces_arrive_whole_with_their_checksum(
+    monkeypatch: pytest.MonkeyPatch, n: int
+) -> None:
+    ways = {"send": 0, "recv": 0}
+
+    def give_way() -> None:
+        ways["send" if threading.current_thread() is not threading.main_thread() else "recv"] += 1
+
+    monkeypatch.setattr(pieces, "give_way", give_way)
     sender, receiver = _pair()
     head, data = b"header-of-32-bytes-exactly-here!", _payload(n)
     try:
@@ -95,6 +107,10 @@ def test_socket_pieces_arrive_whole_with_their_checksum(n: int) -> None:
         t.join(10)
         assert bytes(got_head) == head and view.tobytes() == data.tobytes()
         assert max(sender.asked) <= pieces.PIECE and max(receiver.asked) <= pieces.PIECE
+        # Once a piece each way (a receiver: once a full piece has arrived, however many
+        # receives it took).
+        assert ways["send"] == len(sender.asked)
+        assert ways["recv"] == n // pieces.PIECE
     finally:
         sender.close()
         receiver.close()

@@ -1,5 +1,6 @@
-"""Data threads run at a lower CPU priority than the thread that serves requests, which waits
-at most 1 ms for the GIL."""
+"""Data threads run at a lower CPU priority and with a longer time slice than the thread that
+serves requests, give way between pieces of bulk work, and make it wait at most 1 ms for the
+GIL."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,45 @@ def test_while_data_moves_a_thread_waits_at_most_one_millisecond_for_the_gil() -
     assert seen == [pytest.approx(priority.DATA_SWITCH_INTERVAL)]
     assert sys.getswitchinterval() == before  # restored after the last block
     assert before > priority.DATA_SWITCH_INTERVAL
+
+
+def _slice_of_this_thread() -> int | None:
+    """The scheduler's time slice of the calling thread (ns), where the kernel shows it."""
+    try:
+        text = Path(f"/proc/self/task/{threading.get_native_id()}/sched").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("se.slice"):
+            return int(line.split(":")[1])
+    return None
+
+
+def test_a_data_thread_gets_a_longer_time_slice_than_the_caller() -> None:
+    """So that a woken control thread, with the default (shorter) slice, may preempt it."""
+    base = _slice_of_this_thread()
+    if base is None:
+        pytest.skip("this kernel does not show time slices (/proc/<pid>/task/<tid>/sched)")
+    with ThreadPoolExecutor(1, initializer=priority.data_thread) as pool:
+        lowered = pool.submit(lambda: (_slice_of_this_thread(), _nice_of_this_thread())).result()
+    if lowered[0] == base:
+        pytest.skip("this kernel has no per-thread slices (Linux 6.12 and later have)")
+    assert lowered == (priority.DATA_SLICE_NS, min(19, _nice_of_this_thread() + priority.DATA_NICE))
+    assert base < priority.DATA_SLICE_NS
+    assert _slice_of_this_thread() == base  # the calling thread keeps its slice
+
+
+def test_only_a_data_thread_gives_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    yields: list[int] = []
+    monkeypatch.setattr(priority, "_sched_yield", lambda: yields.append(threading.get_native_id()))
+    priority.give_way()
+    assert yields == []  # this (control) thread keeps its core
+
+    def data_work() -> int:
+        priority.give_way()
+        priority.give_way()
+        return threading.get_native_id()
+
+    with ThreadPoolExecutor(1, initializer=priority.data_thread) as pool:
+        tid = pool.submit(data_work).result()
+    assert yields == [tid, tid]
