@@ -374,7 +374,7 @@ class CacheService:
         return p.LookupResult(req.rid, hits, total, prefetching=prefetching)
 
     def _ready_prefix(self, ks: Sequence[bytes]) -> int:
-        """How many leading chunks are ready in the pool now (no lock taken). Lazily hashed
+        """How many leading chunks are ready in the pool now (no chunk locked). Lazily hashed
         keys (:meth:`ChunkKeys.for_lookup`) are hashed only up to the first chunk missing,
         in growing steps (a few index look-ups for a long hit), so a new prompt costs one
         hash; this happens before any lock is taken, the session's locks then find the

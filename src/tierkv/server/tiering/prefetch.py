@@ -233,7 +233,7 @@ class Prefetcher:
         lookup of a new prompt (the usual miss) costs the tiers one key, not all of them
         (for the peer tier, a directory resolution of every key of a long prompt)."""
         found: list[Tier | None] = [None] * len(keys)
-        in_pool = self.index.contains(keys)  # no lock, LRU untouched
+        in_pool = self.index.contains(keys)  # LRU untouched
         pending = [i for i, ready in enumerate(in_pool) if not ready]
         unchecked: set[int] = set()
         if pending and pending[0] == 0 and head is not None:
