@@ -114,6 +114,15 @@ class StoreResult:
     cleared: int = 0  # written but deleted (cleared) before the commit
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedStore:
+    """A store's reserved slots (:meth:`Client.prepare_store`), until it finishes or aborts."""
+
+    slots: p.StoreSlots
+    first_chunk: int
+    expected: int  # chunks from first_chunk on that the store names
+
+
 @dataclass(slots=True)
 class RetrieveResult:
     retrieved: list[int] = field(default_factory=list)  # chunk positions copied out
@@ -516,32 +525,79 @@ class Client:
         must fill the zero-copy slot view ``dst`` for chunk position ``chunk``.
         ``caller_copies``: this thread copies chunks too, beside the copy threads (default:
         only without ``data_priority``); for a thread that has nothing else to do meanwhile.
+        The same as :meth:`prepare_store` followed by :meth:`finish_store`.
         """
         if (chunks is None) == (gather is None):
             raise ValueError("give exactly one of chunks or gather")
         sel = self._selector(tokens, hashes, partial_last, salt)
-        if chunks is not None:
-            expected = self._num_chunks(sel) - first_chunk
-            if len(chunks) != expected:
-                raise ValueError(
-                    f"{len(chunks)} chunk arrays given for {expected} chunks "
-                    f"(from chunk {first_chunk} on)"
-                )
+        expected = self._num_chunks(sel) - first_chunk
+        if chunks is not None and len(chunks) != expected:
+            raise ValueError(_chunk_count_error(len(chunks), expected, first_chunk))
+        prepared = self._prepare_store(sel, first_chunk, expected)
+        return self.finish_store(prepared, chunks, gather=gather, caller_copies=caller_copies)
+
+    def prepare_store(
+        self,
+        tokens: Tokens | None = None,
+        *,
+        hashes: Sequence[bytes] | None = None,
+        first_chunk: int = 0,
+        partial_last: bool = False,
+        salt: str = "",
+    ) -> PreparedStore:
+        """The first phase of a store: reserve slots for the chunks ``first_chunk..`` the
+        pool lacks. Follow with :meth:`finish_store` (copy and commit) or
+        :meth:`abort_store`; a reservation neither finishes nor aborts is reclaimed after
+        the server's ``write_ttl`` or when this client goes away. An engine reserves while
+        its forward pass computes the chunks, so that only the copy and the commit are left
+        for after it."""
+        sel = self._selector(tokens, hashes, partial_last, salt)
+        return self._prepare_store(sel, first_chunk, self._num_chunks(sel) - first_chunk)
+
+    def _prepare_store(
+        self, sel: p.ChunkSelector, first_chunk: int, expected: int
+    ) -> PreparedStore:
         slots: p.StoreSlots = self._call(
             p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
         )
+        return PreparedStore(slots, first_chunk, expected)
+
+    def finish_store(
+        self,
+        prepared: PreparedStore,
+        chunks: Sequence[Any] | None = None,
+        *,
+        gather: Gather | None = None,
+        caller_copies: bool | None = None,
+    ) -> StoreResult:
+        """The second phase of a store: copy the reserved chunks in (``chunks`` or
+        ``gather`` as for :meth:`store`) and commit them. Aborts the reservation if a copy
+        raises."""
+        if (chunks is None) == (gather is None):
+            raise ValueError("give exactly one of chunks or gather")
+        if chunks is not None and len(chunks) != prepared.expected:
+            self.abort_store(prepared)
+            raise ValueError(
+                _chunk_count_error(len(chunks), prepared.expected, prepared.first_chunk)
+            )
+        slots = prepared.slots
         result = StoreResult(present=slots.present, no_space=slots.no_space)
         if not slots.slots:
             return result
         try:
-            self._each_slot(slots.slots, gather, chunks, first_chunk, True, caller_copies)
+            self._each_slot(slots.slots, gather, chunks, prepared.first_chunk, True, caller_copies)
         except BaseException:
-            self._call(p.AbortStore(self._rid(), self._token(), slots.lease))
+            self.abort_store(prepared)
             raise
         done: p.Committed = self._call(p.CommitStore(self._rid(), self._token(), slots.lease))
         result.cleared = done.cleared
         result.stored = [s.chunk for s in slots.slots[: done.committed]]
         return result
+
+    def abort_store(self, prepared: PreparedStore) -> None:
+        """Give a reservation back without writing (nothing to do when it reserved none)."""
+        if prepared.slots.lease:
+            self._call(p.AbortStore(self._rid(), self._token(), prepared.slots.lease))
 
     # -- retrieve --------------------------------------------------------------------------
     def retrieve(
@@ -708,11 +764,16 @@ def _copy_into(dst: Any, src: Any) -> None:
     d.copy_(s)
 
 
+def _chunk_count_error(given: int, expected: int, first_chunk: int) -> str:
+    return f"{given} chunk arrays given for {expected} chunks (from chunk {first_chunk} on)"
+
+
 __all__ = [
     "Client",
     "LayoutError",
     "LeaseExpiredError",
     "NotRegisteredError",
+    "PreparedStore",
     "Registration",
     "RetrieveResult",
     "ServerError",

@@ -145,6 +145,17 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if isinstance(kv_connector_metadata, TierKVConnectorMetadata):
             self._require_worker().handle_preemptions(kv_connector_metadata)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass: reserve this step's stores while it computes the chunks.
+        # A step with loads reserves after them (start_load_kv), so that they go first.
+        if (
+            self._worker is not None
+            and isinstance(connector_metadata, TierKVConnectorMetadata)
+            and not connector_metadata.loads
+        ):
+            self._worker.prepare_stores(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._require_worker().start_load_kv(self._metadata())
 

@@ -10,9 +10,12 @@ engine id its scheduler looks up with). Then, every step:
   arrive whole (missing, server gone, lock expired) is reported through
   ``get_block_ids_with_load_errors`` in the same step that reports the load finished, so
   vLLM recomputes it before anything attends to it.
-- stores (``wait_for_save``, after the forward pass): reserve slots for the chunks the
-  scheduler planned, copy each straight from the blocks into its slot, commit. Chunks the
-  pool already holds are skipped by the server. A failed store is a future miss, nothing else.
+- stores: before the forward pass (``bind_connector_metadata``, or after the step's loads),
+  the rank's prepare thread reserves slots for the chunks the scheduler planned, so the
+  round trip runs while the forward pass computes them; after it (``wait_for_save``), copy
+  each chunk straight from the blocks into its slot, commit. Chunks the pool already holds
+  are skipped by the server. A failed store is a future miss, nothing else; a reservation
+  whose store does not run (its request's load failed in this step) is given back.
   With ``async_store`` the step's stores go to the rank's store thread
   (:class:`~tierkv.integrations.vllm.stores.StoreQueue`, first in, first out) and
   ``wait_for_save`` returns at once; the copy still reads the blocks directly, so they must
@@ -39,11 +42,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from tierkv.client import Client
+from tierkv.client import Client, PreparedStore
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
 from tierkv.integrations.vllm.layout import CacheGeometry, PagedKVLayout, detect_layout
@@ -102,19 +106,27 @@ class WorkerSide:
         # Finished requests the scheduler kept (meta.release), until their stores ended.
         self._releasing: set[str] = set()
         self._stores = StoreQueue(f"tierkv-store-rank{rank}") if async_store else None
+        # This step's store reservations, made on the prepare thread during the forward pass:
+        # one future per spec of _prepared_for.stores (None once its store took it).
+        self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-prepare-{rank}")
+        self._prepared_for: TierKVConnectorMetadata | None = None
+        self._prepared: list[Future[PreparedStore | None] | None] = []
         # Guards what the store thread shares with vLLM's thread: _report and the store stats.
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
         # Totals for this process (tests, logs and benchmarks read them): chunks, and the
-        # time the engine spent in stores (the RPCs and the copies out of its blocks) and in
-        # loads (the RPCs and the copies into its blocks), with the bytes they moved.
+        # time the engine spent in stores (waiting for the reservation, the copies out of its
+        # blocks, the commit) and in loads (the RPCs and the copies into its blocks), with the
+        # bytes they moved; and the time the reservations took on the prepare thread, beside
+        # the forward pass.
         self.stats: dict[str, float] = {
             "loaded_chunks": 0,
             "failed_blocks": 0,
             "stored_chunks": 0,
             "store_seconds": 0.0,
+            "store_prepare_seconds": 0.0,
             "store_bytes": 0,
             "load_seconds": 0.0,
             "load_bytes": 0,
@@ -176,6 +188,7 @@ class WorkerSide:
             return
         for spec in meta.loads:
             self._load(spec)
+        self.prepare_stores(meta)  # after the loads: a failed one's stores are not reserved
 
     def _load(self, spec: LoadSpec) -> None:
         layout = self.layout
@@ -224,13 +237,66 @@ class WorkerSide:
         self._finished_recving.add(spec.request_id)
 
     # -- stores ----------------------------------------------------------------------------
+    def prepare_stores(self, meta: TierKVConnectorMetadata) -> None:
+        """Before the forward pass: reserve this step's stores on the prepare thread (once
+        per step; a no-op without stores). The reservation's round trip then overlaps the
+        forward pass that computes the chunks, and ``wait_for_save`` only copies and
+        commits."""
+        if meta is self._prepared_for or not meta.stores:
+            return
+        if self.layout is None or not self.can_save:
+            return
+        self._give_back_unused()  # a step whose wait_for_save never came
+        self._prepared_for = meta
+        self._prepared = [
+            None
+            if spec.request_id in self._failed_this_step
+            else self._prepare_thread.submit(self._prepare, spec)
+            for spec in meta.stores
+        ]
+
+    def _prepare(self, spec: StoreSpec) -> PreparedStore | None:
+        start = time.perf_counter()
+        prepared = self.link.call(
+            f"store of {spec.request_id}",
+            lambda c: c.prepare_store(first_chunk=spec.first_chunk, salt=spec.salt, **_keys(spec)),
+            None,
+        )
+        with self._lock:
+            self.stats["store_prepare_seconds"] += time.perf_counter() - start
+        return prepared
+
+    def _take_prepared(
+        self, meta: TierKVConnectorMetadata, i: int
+    ) -> Future[PreparedStore | None] | None:
+        """The reservation made for ``meta.stores[i]`` (None: none was made)."""
+        if meta is not self._prepared_for:
+            return None
+        future, self._prepared[i] = self._prepared[i], None
+        return future
+
+    def _give_back_unused(self) -> None:
+        """Abort the reservations of the last prepared step that no store took."""
+        unused = [f for f in self._prepared if f is not None]
+        self._prepared_for, self._prepared = None, []
+        for future in unused:
+            self._abort(future)
+
+    def _abort(self, future: Future[PreparedStore | None]) -> None:
+        prepared = future.result()
+        if prepared is not None:
+            self.link.call("abort of a store", lambda c: c.abort_store(prepared), None)
+
     def wait_for_save(self, meta: TierKVConnectorMetadata) -> None:
         failed, self._failed_this_step = self._failed_this_step, set()
         if meta.stores and self.layout is not None and self.can_save:
-            for spec in meta.stores:
+            for i, spec in enumerate(meta.stores):
+                future = self._take_prepared(meta, i)
                 if spec.request_id in failed:
+                    if future is not None:  # reserved before its load failed
+                        self._abort(future)
                     continue  # never store what was computed on top of a failed load
-                self._submit_store(spec)
+                self._submit_store(spec, future)
         # After this step's stores were submitted: get_finished reports these once none of
         # their stores is pending (at once when synchronous). vLLM puts a finished request
         # into the finished_req_ids of the same step whose metadata releases it, so the id
@@ -238,11 +304,11 @@ class WorkerSide:
         # (before: when vLLM defers wait_for_save past get_finished, with a draft model).
         self._releasing.update(meta.release)
 
-    def _submit_store(self, spec: StoreSpec) -> None:
+    def _submit_store(self, spec: StoreSpec, prepared: Future[PreparedStore | None] | None) -> None:
         if self._stores is None:
-            self._store(spec)
+            self._store(spec, prepared)
         else:
-            self._stores.submit(spec.request_id, lambda: self._store(spec))
+            self._stores.submit(spec.request_id, lambda: self._store(spec, prepared))
 
     def handle_preemptions(self, meta: TierKVConnectorMetadata) -> None:
         """Before the forward pass: the blocks of the requests vLLM preempted are free again
@@ -254,30 +320,41 @@ class WorkerSide:
         """Block until every store submitted so far has ended (False: ``timeout`` ran out)."""
         return True if self._stores is None else self._stores.drain(timeout)
 
-    def _store(self, spec: StoreSpec) -> None:
+    def _store(self, spec: StoreSpec, reserved: Future[PreparedStore | None] | None) -> None:
+        """Copy and commit one store (reserving first if the prepare thread did not)."""
         layout = self.layout
         assert layout is not None
 
         def gather(chunk: int, dst: Any) -> None:
             layout.read_blocks(enumerate(spec.blocks_of(chunk, self.bpc)), layout.chunk_tensor(dst))
 
-        keys: dict[str, Any] = (
-            {"hashes": spec.hashes} if spec.hashes is not None else {"tokens": spec.tokens}
-        )
+        # A synchronous store holds vLLM's thread up anyway: it copies too. The store thread
+        # of asynchronous stores leaves the cores to the forward pass.
+        caller_copies = self._stores is None
         start = time.perf_counter()
-        result = self.link.call(
-            f"store of {spec.request_id}",
-            lambda c: c.store(
-                **keys,
-                gather=gather,
-                first_chunk=spec.first_chunk,
-                salt=spec.salt,
-                # A synchronous store holds vLLM's thread up anyway: it copies too. The
-                # store thread of asynchronous stores leaves the cores to the forward pass.
-                caller_copies=self._stores is None,
-            ),
-            None,
-        )
+        if reserved is None:
+            result = self.link.call(
+                f"store of {spec.request_id}",
+                lambda c: c.store(
+                    gather=gather,
+                    first_chunk=spec.first_chunk,
+                    salt=spec.salt,
+                    caller_copies=caller_copies,
+                    **_keys(spec),
+                ),
+                None,
+            )
+        else:
+            prepared = reserved.result()  # usually there: reserved during the forward pass
+            result = (
+                None
+                if prepared is None  # the reservation failed (logged): a future miss
+                else self.link.call(
+                    f"store of {spec.request_id}",
+                    lambda c: c.finish_store(prepared, gather=gather, caller_copies=caller_copies),
+                    None,
+                )
+            )
         stored = 0 if result is None else len(result.stored)
         with self._lock:  # the store thread's results, read by vLLM's thread
             self._timed("store", start, stored)
@@ -322,9 +399,17 @@ class WorkerSide:
             return dict(self.stats)
 
     def shutdown(self) -> None:
-        """Wait (at most :data:`SHUTDOWN_WAIT` seconds) for the queued stores, then close."""
+        """Wait (at most :data:`SHUTDOWN_WAIT` seconds) for the queued stores, give back the
+        reservations no store took, then close."""
         if self._stores is not None and not self._stores.close(SHUTDOWN_WAIT):
             log.warning(
                 "tierkv worker rank %d: stores still queued at shutdown were dropped", self.rank
             )
+        self._give_back_unused()
+        self._prepare_thread.shutdown(wait=True)
         self.link.close()
+
+
+def _keys(spec: StoreSpec) -> dict[str, Any]:
+    """How a store names its chunks: vLLM's block hashes, else the token ids."""
+    return {"hashes": spec.hashes} if spec.hashes is not None else {"tokens": spec.tokens}
