@@ -116,6 +116,45 @@ def test_a_failing_copy_aborts_the_store_and_keeps_serving(server: ServerProcess
         assert c.store(tokens, good).stored == list(range(8))
 
 
+def test_a_store_reserved_ahead_finishes_aborts_or_is_refused_whole(server: ServerProcess) -> None:
+    """prepare_store reserves (nothing is visible yet); finish_store copies and commits;
+    abort_store gives the slots back; a wrong number of chunks aborts without writing; a
+    reservation that was given back cannot be committed."""
+    tokens = list(range(5000, 5000 + 256 * 3))
+    data = [chunk_data(tokens, i) for i in range(3)]
+    with server.client() as client:
+        register(client)
+        prepared = client.prepare_store(tokens)
+        assert [s.chunk for s in prepared.slots.slots] == [0, 1, 2]
+        stats = client.stats()
+        assert stats.write_leases == 1 and stats.writing == 3 and stats.objects == 3
+        assert client.lookup(tokens).hits == 0  # reserved, not stored
+        client.abort_store(prepared)
+        stats = client.stats()
+        assert stats.write_leases == 0 and stats.objects == 0
+        with pytest.raises(ServerError, match="lease"):
+            client.finish_store(prepared, data)  # its slots may be someone else's by now
+        assert client.stats().objects == 0
+
+        prepared = client.prepare_store(tokens)
+        with pytest.raises(ValueError, match="2 chunk arrays given for 3 chunks"):
+            client.finish_store(prepared, data[:2])
+        assert client.stats().write_leases == 0
+
+        prepared = client.prepare_store(tokens, first_chunk=1)
+        assert client.finish_store(prepared, data[1:]).stored == [1, 2]
+        again = client.prepare_store(tokens)  # chunks 1 and 2 are there: only 0 is reserved
+        assert again.slots.present == [1, 2] and [s.chunk for s in again.slots.slots] == [0]
+        assert client.finish_store(
+            again, gather=lambda i, dst: dst.__setitem__(..., data[i])
+        ).stored == [0]
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(3)]
+        assert client.retrieve(tokens, out).complete
+        for i in range(3):
+            np.testing.assert_array_equal(out[i], data[i])
+        assert client.stats().write_leases == 0
+
+
 def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(
     server_factory: Callable[..., ServerProcess],
 ) -> None:

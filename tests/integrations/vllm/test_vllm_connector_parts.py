@@ -279,9 +279,13 @@ def ask(engine: Engine, req: Any, local: int = 0) -> tuple[int | None, bool]:
         time.sleep(0.01)
 
 
-def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
+def compute_and_store(
+    engine: Engine, rid: str, tokens: list[int], *, reserve_first: bool = True
+) -> list[int]:
     """A request that misses: vLLM computes it all (here: the blocks already hold "KV"), then
-    the worker stores its full chunks after the forward pass."""
+    the worker stores its full chunks after the forward pass. ``reserve_first``: the slots
+    are reserved before the forward pass, as binding the step's metadata does in vLLM;
+    otherwise the store reserves them itself."""
     req = request(rid, tokens)
     assert ask(engine, req) == (0, False)
     blocks = engine.blocks(-(-len(tokens) // BLOCK))
@@ -289,6 +293,8 @@ def compute_and_store(engine: Engine, rid: str, tokens: list[int]) -> list[int]:
     meta = engine.scheduler.build_connector_meta(step_output([(rid, blocks, 0, len(tokens))]))
     assert [(s.first_chunk, s.end_chunk) for s in meta.stores] == [(0, len(tokens) // CHUNK)]
     for worker in engine.workers:
+        if reserve_first:
+            worker.prepare_stores(meta)
         worker.wait_for_save(meta)
     engine.scheduler.update_connector_output(engine.worker_meta())
     engine.scheduler.request_finished(req)
@@ -335,6 +341,70 @@ def test_chunks_computed_by_one_engine_load_into_another_engines_blocks(server: 
     assert b.worker.stats["load_bytes"] == 2 * reg.chunk_bytes
     assert a.worker.stats["store_seconds"] > 0 and b.worker.stats["load_seconds"] > 0
     assert b.worker.stats["store_bytes"] == a.worker.stats["load_bytes"] == 0
+
+
+@pytest.mark.parametrize("reserve_first", [True, False])
+def test_stores_reserved_during_the_forward_pass_are_copied_and_committed_after_it(
+    server: Any, reserve_first: bool
+) -> None:
+    """The step's stores are reserved before the forward pass (nothing visible yet, the
+    reservation's time counted apart); wait_for_save copies and commits them; a store the
+    prepare thread did not reserve reserves itself. Either way the bytes load exactly."""
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(1500, 1500 + 600))  # 2 full chunks + a tail
+    req = request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    a_blocks = a.blocks(-(-600 // BLOCK))
+    a.scheduler.update_state_after_alloc(req, a_blocks, 0)
+    meta = a.scheduler.build_connector_meta(step_output([("a-1", a_blocks, 0, 600)]))
+    if reserve_first:
+        a.worker.prepare_stores(meta)
+        a.worker.prepare_stores(meta)  # once per step, however often it is called
+        assert a.worker._prepared[0] is not None
+        a.worker._prepared[0].result(timeout=10)
+        with server.client(timeout=5.0) as admin:
+            stats = admin.stats()
+        assert stats.write_leases == 1 and stats.writing == 2 and stats.ready == 0
+        assert a.worker.stats["store_prepare_seconds"] > 0
+    a.worker.wait_for_save(meta)
+    assert a.worker.stats["stored_chunks"] == 2
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.write_leases == 0 and stats.writing == 0 and stats.ready == 2
+    assert (a.worker.stats["store_prepare_seconds"] > 0) == reserve_first
+
+    _, b_blocks = load(b, "b-1", tokens)
+    b_meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(b_meta)
+    b.worker.wait_for_save(b_meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for i in range(4):
+        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_a_reservation_no_store_takes_is_given_back(server: Any) -> None:
+    """A step whose wait_for_save never comes (vLLM's forward pass raised): its reservations
+    are given back when the next step reserves, and at shutdown."""
+    a = make_engine(server.endpoint, "engine-a")
+    metas = []
+    for i in range(2):
+        tokens = list(range(20_000 * (i + 1), 20_000 * (i + 1) + 512))
+        req = request(f"a-{i}", tokens)
+        assert ask(a, req) == (0, False)
+        blocks = a.blocks(512 // BLOCK)
+        a.scheduler.update_state_after_alloc(req, blocks, 0)
+        metas.append(a.scheduler.build_connector_meta(step_output([(f"a-{i}", blocks, 0, 512)])))
+    for meta in metas:  # the second step gives the first one's reservation back
+        a.worker.prepare_stores(meta)
+        a.worker._prepare_thread.submit(lambda: None).result(timeout=10)  # reserved
+        with server.client(timeout=5.0) as admin:
+            stats = admin.stats()
+        assert stats.write_leases == 1 and stats.writing == 2
+    a.worker.shutdown()
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.write_leases == 0 and stats.writing == 0 and stats.objects == 0
 
 
 def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:
@@ -735,8 +805,12 @@ def test_a_preempted_request_does_not_store_its_chunks_again(server: Any) -> Non
     assert report["stored_chunks"] == 3 and report["loaded_tokens"] == CHUNK
 
 
-@pytest.mark.parametrize("async_store", [False, True])
-def test_nothing_is_stored_on_top_of_a_failed_load(server: Any, async_store: bool) -> None:
+@pytest.mark.parametrize(
+    ("async_store", "reserve_first"), [(False, False), (True, False), (False, True)]
+)
+def test_nothing_is_stored_on_top_of_a_failed_load(
+    server: Any, async_store: bool, reserve_first: bool
+) -> None:
     a = make_engine(server.endpoint, "engine-a")
     b = make_engine(server.endpoint, "engine-b", store_decode=True, async_store=async_store)
     tokens = list(range(3000, 3600))  # 2 full chunks
@@ -752,13 +826,16 @@ def test_nothing_is_stored_on_top_of_a_failed_load(server: Any, async_store: boo
     meta.stores.append(stray)
     with server.client(timeout=5.0) as admin:
         objects = admin.stats().objects
+    if reserve_first:  # reserved before the load failed: the reservation is given back
+        b.worker.prepare_stores(meta)
     b.worker.start_load_kv(meta)
     b.worker.wait_for_save(meta)
     assert b.worker.wait_for_stores(timeout=30)
     assert b.worker.get_block_ids_with_load_errors() == set(req.blocks[:4])
     assert b.worker.stats["stored_chunks"] == 0
     with server.client(timeout=5.0) as admin:
-        assert admin.stats().objects == objects
+        stats = admin.stats()
+    assert stats.objects == objects and stats.write_leases == 0
     b.scheduler.update_connector_output(b.worker.build_worker_meta())
 
     # vLLM recomputes it all (the failure was at token 0), then decodes: every chunk is
