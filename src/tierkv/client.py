@@ -208,6 +208,9 @@ class Client:
         self._closed = False
         self._io = threading.Lock()
         self._rids = itertools.count(1)
+        # Requests sent without waiting for their replies (a retrieve's release): the next
+        # call reads those replies first, and logs the ones that are errors.
+        self._unanswered: set[int] = set()
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.reply_decoder.decode
         self._executor: ThreadPoolExecutor | None = None
@@ -226,13 +229,16 @@ class Client:
             self._conn.close()  # in a forked child: its copy only, the parent's stays open
             self._conn = None
         self._pid = os.getpid()
+        self._unanswered.clear()
 
     def _connection(self, deadline: float) -> framing.Connection | None:
         """The connection to carry the next request: the current one if it is still good
         (nothing unexpected to read: no stale reply, no close by a restarted server), else a
         new one, waiting for a server that is (re)starting until ``deadline``."""
         conn = self._conn
-        if conn is not None and (self._pid != os.getpid() or conn.pending()):
+        if conn is not None and (
+            self._pid != os.getpid() or (conn.pending() and not self._read_unanswered(conn))
+        ):
             self._disconnect()
             conn = None
         if conn is None:
@@ -269,10 +275,56 @@ class Client:
             _raise_for(reply)
         return reply
 
+    def _send_unanswered(self, req: Any, timeout: float | None = None) -> None:
+        """Send ``req`` and return without its reply, which the next call reads (an error
+        is logged then). For a release whose outcome changes nothing for the caller."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._io:
+            if self._closed:
+                raise TierKVError("client is closed")
+            try:
+                conn = self._connection(deadline)
+                if conn is None:
+                    raise TimeoutError
+                conn.send(self._encode(req), deadline)
+            except OSError as exc:
+                self._disconnect()
+                raise ServerUnavailableError(
+                    f"could not send {p.request_name(req)} to the tierkv server at "
+                    f"{self.endpoint}: {exc or 'timed out'}"
+                ) from None
+            self._unanswered.add(req.rid)
+
+    def _read_unanswered(self, conn: framing.Connection) -> bool:
+        """Read what is there to read now, expecting only replies nobody waited for (False:
+        something else came, or the server closed: the connection is not to be used)."""
+        while self._unanswered and conn.pending():
+            try:
+                frames = conn.reader.read(conn.sock)
+            except (OSError, framing.FrameTooLargeError):
+                return False
+            for frame in frames:
+                if not self._took_unanswered(self._decode(frame)):
+                    return False
+        return not conn.pending()
+
+    def _took_unanswered(self, reply: Any) -> bool:
+        """Whether ``reply`` answers a request sent without waiting (then it is done with)."""
+        if reply.rid not in self._unanswered:
+            return False
+        self._unanswered.discard(reply.rid)
+        if isinstance(reply, p.Error):
+            log.warning(
+                "tierkv server: a release this client did not wait for failed: %s", reply.message
+            )
+        return True
+
     def _await_reply(self, conn: framing.Connection, rid: int, deadline: float) -> Any:
         while True:
             for frame in conn.receive(deadline):
                 reply = self._decode(frame)
+                if self._unanswered and self._took_unanswered(reply):
+                    continue
                 # rid 0: about the connection, not a request (the server refused a message
                 # too large to read and closed the connection).
                 if reply.rid == rid or (reply.rid == 0 and isinstance(reply, p.Error)):
@@ -612,6 +664,7 @@ class Client:
         partial_last: bool = False,
         salt: str = "",
         caller_copies: bool | None = None,
+        wait_release: bool = True,
     ) -> RetrieveResult:
         """Copy cached chunks out, once, then release their locks.
 
@@ -620,7 +673,10 @@ class Client:
         (``out[i]`` receives chunk ``first_chunk + i``) or as ``scatter(chunk, src)``, which
         must consume the zero-copy slot view ``src`` before returning. Missing chunks are
         reported in the result, never raised; every lock is released either way.
-        ``caller_copies`` as for :meth:`store`.
+        ``caller_copies`` as for :meth:`store`. ``wait_release=False``: return once the
+        release is sent, without waiting for the server's answer (this client's next call
+        reads it; the server releases before it serves that call, and an error is logged):
+        for an engine waiting to run its forward pass, which the answer would only delay.
         """
         if (out is None) == (scatter is None):
             raise ValueError("give exactly one of out or scatter")
@@ -639,7 +695,11 @@ class Client:
             self._each_slot(slots.slots, scatter, out, first_chunk, False, caller_copies)
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
-            self._call(p.FinishRetrieve(self._rid(), self._token(), slots.lease))
+            finish = p.FinishRetrieve(self._rid(), self._token(), slots.lease)
+            if wait_release:
+                self._call(finish)
+            else:
+                self._send_unanswered(finish)
         return result
 
     def _each_slot(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from tierkv import protocol as p
 from tierkv.client import LayoutError, ServerError
 
 
@@ -153,6 +155,36 @@ def test_a_store_reserved_ahead_finishes_aborts_or_is_refused_whole(server: Serv
         for i in range(3):
             np.testing.assert_array_equal(out[i], data[i])
         assert client.stats().write_leases == 0
+
+
+def test_a_retrieve_that_does_not_wait_for_its_release(
+    server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """wait_release=False: the retrieve returns once the release is sent; the next call on
+    the connection reads its answer (no reconnect) and finds the locks released. A release
+    that fails is logged and the connection serves on."""
+    tokens = list(range(7000, 7000 + 256 * 2))
+    data = [chunk_data(tokens, i) for i in range(2)]
+    with server.client() as client:
+        register(client)
+        client.store(tokens, data)
+        assert client.lookup(tokens, request_id="r").hits == 2
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(2)]
+        assert client.retrieve(request_id="r", out=out, wait_release=False).complete
+        for i in range(2):
+            np.testing.assert_array_equal(out[i], data[i])
+        conn = client._conn
+        time.sleep(0.2)  # the release's answer is waiting on the connection
+        stats = client.stats()
+        assert stats.read_locked == 0 and stats.read_leases == 0 and stats.sessions == 0
+        assert client._conn is conn and not client._unanswered
+
+        bogus = p.FinishRetrieve(client._rid(), client._token(), 999_999)
+        with caplog.at_level(logging.WARNING, logger="tierkv.client"):
+            client._send_unanswered(bogus)
+            assert client.lookup(tokens).hits == 2  # served on the same connection
+        assert client._conn is conn
+        assert "a release this client did not wait for failed" in caplog.text
 
 
 def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(

@@ -205,8 +205,11 @@ class WorkerSide:
         start = time.perf_counter()
         result = self.link.call(
             f"retrieve of {spec.request_id}",
-            # vLLM's thread waits for the load before its forward pass: it copies too.
-            lambda c: c.retrieve(request_id=spec.request_id, scatter=scatter, caller_copies=True),
+            # vLLM's thread waits for the load before its forward pass: it copies too, and
+            # does not wait for the server's answer to the release of the chunks' locks.
+            lambda c: c.retrieve(
+                request_id=spec.request_id, scatter=scatter, caller_copies=True, wait_release=False
+            ),
             None,
         )
         with self._lock:
