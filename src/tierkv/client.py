@@ -245,7 +245,10 @@ class Client:
             conn = self._conn = framing.Connection.open(self.endpoint, deadline)
         return conn
 
-    def _call(self, req: Any, timeout: float | None = None) -> Any:
+    def _call(self, req: Any, timeout: float | None = None, *, answered: bool = True) -> Any:
+        """Send ``req`` and return its reply (raising the error it is). ``answered=False``:
+        return None once it is sent; the next call reads its reply (and logs it if it is an
+        error): for a release whose outcome changes nothing for the caller."""
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         with self._io:
@@ -258,9 +261,14 @@ class Client:
                 try:
                     conn.send(self._encode(req), deadline)
                 except (BrokenPipeError, ConnectionResetError):
+                    if not answered:
+                        raise
                     # The server may have refused the request (too large) and closed: its
                     # reason is already here to read.
                     deadline = min(deadline, time.monotonic() + 0.1)
+                if not answered:
+                    self._unanswered.add(req.rid)
+                    return None
                 reply = self._await_reply(conn, req.rid, deadline)
             except (OSError, framing.FrameTooLargeError) as exc:
                 # No reply, or a broken connection: a late reply must not be mistaken for
@@ -274,26 +282,6 @@ class Client:
         if isinstance(reply, p.Error):
             _raise_for(reply)
         return reply
-
-    def _send_unanswered(self, req: Any, timeout: float | None = None) -> None:
-        """Send ``req`` and return without its reply, which the next call reads (an error
-        is logged then). For a release whose outcome changes nothing for the caller."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._io:
-            if self._closed:
-                raise TierKVError("client is closed")
-            try:
-                conn = self._connection(deadline)
-                if conn is None:
-                    raise TimeoutError
-                conn.send(self._encode(req), deadline)
-            except OSError as exc:
-                self._disconnect()
-                raise ServerUnavailableError(
-                    f"could not send {p.request_name(req)} to the tierkv server at "
-                    f"{self.endpoint}: {exc or 'timed out'}"
-                ) from None
-            self._unanswered.add(req.rid)
 
     def _read_unanswered(self, conn: framing.Connection) -> bool:
         """Read what is there to read now, expecting only replies nobody waited for (False:
@@ -696,10 +684,7 @@ class Client:
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
             finish = p.FinishRetrieve(self._rid(), self._token(), slots.lease)
-            if wait_release:
-                self._call(finish)
-            else:
-                self._send_unanswered(finish)
+            self._call(finish, answered=wait_release)
         return result
 
     def _each_slot(

@@ -181,7 +181,7 @@ def test_a_retrieve_that_does_not_wait_for_its_release(
 
         bogus = p.FinishRetrieve(client._rid(), client._token(), 999_999)
         with caplog.at_level(logging.WARNING, logger="tierkv.client"):
-            client._send_unanswered(bogus)
+            client._call(bogus, answered=False)
             assert client.lookup(tokens).hits == 2  # served on the same connection
         assert client._conn is conn
         assert "a release this client did not wait for failed" in caplog.text
