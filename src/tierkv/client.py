@@ -121,6 +121,7 @@ class PreparedStore:
     slots: p.StoreSlots
     first_chunk: int
     expected: int  # chunks from first_chunk on that the store names
+    pool: ShmPool | None  # the mapping the slots are in (see Client._call_for_slots)
 
 
 @dataclass(slots=True)
@@ -206,7 +207,10 @@ class Client:
         self._conn: framing.Connection | None = None
         self._pid = os.getpid()  # a forked child must not share its parent's connection
         self._closed = False
-        self._io = threading.Lock()
+        # Held for each round trip, and across a registration and the pool mapping it brings
+        # (reentrant: a registration's round trip runs inside it), so that every reply that
+        # names slots is read while the pool it names them in is the one mapped.
+        self._io = threading.RLock()
         self._rids = itertools.count(1)
         # Requests sent without waiting for their replies (a retrieve's release): the next
         # call reads those replies first, and logs the ones that are errors.
@@ -378,24 +382,32 @@ class Client:
         chunk_tokens: int,
     ) -> Registration:
         layout = p.Layout([int(d) for d in chunk_shape], str(dtype), token_axis)
-        reply: p.Registered = self._call(
-            p.Register(
-                self._rid(),
-                p.PROTOCOL_VERSION,
-                model,
+        with self._io:  # no other request between the answer and mapping its pool
+            return self._registered(
                 layout,
-                world_size,
-                rank,
-                tenant_salt,
-                name,
-                os.getpid(),
-                self.auth_token,
-                engine_id,
-                role,
-                process_scope(),
-                chunk_tokens,
+                self._call(
+                    p.Register(
+                        self._rid(),
+                        p.PROTOCOL_VERSION,
+                        model,
+                        layout,
+                        world_size,
+                        rank,
+                        tenant_salt,
+                        name,
+                        os.getpid(),
+                        self.auth_token,
+                        engine_id,
+                        role,
+                        process_scope(),
+                        chunk_tokens,
+                    )
+                ),
             )
-        )
+
+    def _registered(self, layout: p.Layout, reply: p.Registered) -> Registration:
+        """Map the pool a REGISTER answer names (unless mapped already) and keep the
+        registration."""
         if (
             self.pool is None
             or self.pool.name != reply.pool_name
@@ -444,13 +456,15 @@ class Client:
             self.registration = None
 
     # -- views -----------------------------------------------------------------------------
-    def slot_view(self, slot: p.Slot) -> npt.NDArray[Any]:
+    def slot_view(self, slot: p.Slot, pool: ShmPool | None = None) -> npt.NDArray[Any]:
         """Zero-copy numpy view of a slot, shaped like the chunk (partial chunks: fewer
-        tokens on the token axis)."""
+        tokens on the token axis), in ``pool`` (default: the pool mapped now)."""
         reg = self.registration
-        pool = self.pool
+        pool = self.pool if pool is None else pool
         if reg is None or pool is None or self._np_dtype is None:
             raise TierKVError("call register() first")
+        if pool.closed:
+            raise _pool_gone()
         if slot.offset < 0 or slot.length <= 0 or slot.offset + slot.length > pool.size:
             raise TierKVError(f"server sent a slot outside the pool: {slot}")
         shape = list(reg.layout.shape)
@@ -597,10 +611,17 @@ class Client:
     def _prepare_store(
         self, sel: p.ChunkSelector, first_chunk: int, expected: int
     ) -> PreparedStore:
-        slots: p.StoreSlots = self._call(
-            p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
-        )
-        return PreparedStore(slots, first_chunk, expected)
+        req = p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
+        slots, pool = self._call_for_slots(req)
+        return PreparedStore(slots, first_chunk, expected, pool)
+
+    def _call_for_slots(self, req: Any) -> tuple[Any, ShmPool | None]:
+        """A request answered with slots, and the pool mapping they are in: the one mapped
+        while the answer came (a registration maps a new pool under the same lock). Slots are
+        only ever viewed in that mapping: after a server restart and a registration by
+        another thread, the new pool at the old slots' offsets holds other chunks."""
+        with self._io:
+            return self._call(req), self.pool
 
     def finish_store(
         self,
@@ -624,8 +645,18 @@ class Client:
         result = StoreResult(present=slots.present, no_space=slots.no_space)
         if not slots.slots:
             return result
+        if prepared.pool is not self.pool:
+            raise _pool_gone()  # the server that reserved them is gone, and its leases
         try:
-            self._each_slot(slots.slots, gather, chunks, prepared.first_chunk, True, caller_copies)
+            self._each_slot(
+                slots.slots,
+                prepared.pool,
+                gather,
+                chunks,
+                prepared.first_chunk,
+                True,
+                caller_copies,
+            )
         except BaseException:
             self.abort_store(prepared)
             raise
@@ -675,12 +706,13 @@ class Client:
         else:
             sel = self._selector(tokens, hashes, partial_last, salt)
             req = p.PrepareRetrieve(self._rid(), self._token(), chunks=sel, first_chunk=first_chunk)
-        slots: p.RetrieveSlots = self._call(req)
+        slots: p.RetrieveSlots
+        slots, pool = self._call_for_slots(req)
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
             return result
         try:
-            self._each_slot(slots.slots, scatter, out, first_chunk, False, caller_copies)
+            self._each_slot(slots.slots, pool, scatter, out, first_chunk, False, caller_copies)
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:
             finish = p.FinishRetrieve(self._rid(), self._token(), slots.lease)
@@ -690,14 +722,16 @@ class Client:
     def _each_slot(
         self,
         slots: Sequence[p.Slot],
+        pool: ShmPool | None,
         callback: Callable[[int, npt.NDArray[Any]], None] | None,
         arrays: Sequence[Any] | None,
         first_chunk: int,
         into_slots: bool,
         caller_copies: bool | None,
     ) -> None:
-        """For every slot, ``callback(chunk, view)`` or one copy between the view and
-        ``arrays[chunk - first_chunk]`` (into the slots for a store). Array copies run on the
+        """For every slot, ``callback(chunk, view)`` or one copy between the view (in
+        ``pool``, the mapping the slots were given in) and ``arrays[chunk - first_chunk]``
+        (into the slots for a store). Array copies run on the
         copy threads, callbacks only with ``parallel_callbacks``; returns only when every
         call has ended."""
         if callback is None:
@@ -710,7 +744,7 @@ class Client:
                 else:
                     _copy_into(array, view)
 
-        views = [(slot.chunk, self.slot_view(slot)) for slot in slots]
+        views = [(slot.chunk, self.slot_view(slot, pool)) for slot in slots]
         fn = callback or copy
         if callback is not None and not self.parallel_callbacks:
             for chunk, view in views:
@@ -807,6 +841,14 @@ def _copy_into(dst: Any, src: Any) -> None:
     if d.dtype != s.dtype:
         s = s.view(d.dtype)
     d.copy_(s)
+
+
+def _pool_gone() -> LeaseExpiredError:
+    return LeaseExpiredError(
+        p.ErrorCode.NOT_FOUND,
+        "the slots were given in a pool this client no longer maps (the server restarted "
+        "and the client registered again): store or retrieve again",
+    )
 
 
 def _chunk_count_error(given: int, expected: int, first_chunk: int) -> str:

@@ -33,7 +33,12 @@ from support.servers import (
     chunk_data,
     register,
 )
-from tierkv.client import Client, NotRegisteredError, ServerUnavailableError
+from tierkv.client import (
+    Client,
+    LeaseExpiredError,
+    NotRegisteredError,
+    ServerUnavailableError,
+)
 from tierkv.pool import SHM_DIR, ShmPool, segment_exists
 
 SHORT_TTLS = [
@@ -237,6 +242,33 @@ def test_server_killed_and_restarted(server_factory: Callable[..., ServerProcess
         with srv.client() as fresh:
             register(fresh)
             check_bytes(fresh, data, 2)
+
+
+def test_a_store_reserved_before_a_server_restart_never_writes_into_the_new_pool(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A store reserved, the server killed and restarted, the client registered again (as
+    an engine's link does on its next call) and another engine's chunks committed at the
+    same offsets of the new pool: finishing the old reservation is refused without copying
+    a byte, and the new chunks stay intact."""
+    srv = server_factory("16MiB")
+    old, new = toks(40_000, 2), toks(50_000, 2)
+    with srv.client(timeout=5.0) as client:
+        register(client)
+        prepared = client.prepare_store(old)
+        assert [s.chunk for s in prepared.slots.slots] == [0, 1]
+        srv.kill()
+        srv.start()
+        register(client)  # maps the new pool
+        with srv.client(timeout=5.0) as other:
+            register(other)
+            stored = other.store(new, [chunk_data(new, i) for i in range(2)])
+            assert stored.stored == [0, 1]
+            with pytest.raises(LeaseExpiredError, match="no longer maps"):
+                client.finish_store(prepared, [np.full(CHUNK_SHAPE, 7.0, np.float32)] * 2)
+            check_bytes(other, new, 2)
+            check_bytes(client, new, 2)
+            assert client.lookup(old).hits == 0
 
 
 def test_sigterm_shuts_down_cleanly(server_factory: Callable[..., ServerProcess]) -> None:
