@@ -382,28 +382,24 @@ class Client:
         chunk_tokens: int,
     ) -> Registration:
         layout = p.Layout([int(d) for d in chunk_shape], str(dtype), token_axis)
+        req = p.Register(
+            self._rid(),
+            p.PROTOCOL_VERSION,
+            model,
+            layout,
+            world_size,
+            rank,
+            tenant_salt,
+            name,
+            os.getpid(),
+            self.auth_token,
+            engine_id,
+            role,
+            process_scope(),
+            chunk_tokens,
+        )
         with self._io:  # no other request between the answer and mapping its pool
-            return self._registered(
-                layout,
-                self._call(
-                    p.Register(
-                        self._rid(),
-                        p.PROTOCOL_VERSION,
-                        model,
-                        layout,
-                        world_size,
-                        rank,
-                        tenant_salt,
-                        name,
-                        os.getpid(),
-                        self.auth_token,
-                        engine_id,
-                        role,
-                        process_scope(),
-                        chunk_tokens,
-                    )
-                ),
-            )
+            return self._registered(layout, self._call(req))
 
     def _registered(self, layout: p.Layout, reply: p.Registered) -> Registration:
         """Map the pool a REGISTER answer names (unless mapped already) and keep the
@@ -731,9 +727,8 @@ class Client:
     ) -> None:
         """For every slot, ``callback(chunk, view)`` or one copy between the view (in
         ``pool``, the mapping the slots were given in) and ``arrays[chunk - first_chunk]``
-        (into the slots for a store). Array copies run on the
-        copy threads, callbacks only with ``parallel_callbacks``; returns only when every
-        call has ended."""
+        (into the slots for a store). Array copies run on the copy threads, callbacks only
+        with ``parallel_callbacks``; returns only when every call has ended."""
         if callback is None:
             assert arrays is not None
 

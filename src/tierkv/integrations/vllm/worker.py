@@ -245,9 +245,12 @@ class WorkerSide:
         per step; a no-op without stores). The reservation's round trip then overlaps the
         forward pass that computes the chunks, and ``wait_for_save`` only copies and
         commits."""
-        if meta is self._prepared_for or not meta.stores:
-            return
-        if self.layout is None or not self.can_save:
+        if (
+            meta is self._prepared_for
+            or not meta.stores
+            or self.layout is None
+            or not self.can_save
+        ):
             return
         self._give_back_unused()  # a step whose wait_for_save never came
         self._prepared_for = meta
