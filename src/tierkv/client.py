@@ -227,6 +227,11 @@ class Client:
         self._np_dtype: np.dtype[Any] | None = None
         self._segment: tuple[int, int] | None = None
 
+    @property
+    def copy_threads(self) -> int:
+        """The threads that copy a large batch, the calling thread included where it joins."""
+        return self._copier.threads
+
     # -- transport -------------------------------------------------------------------------
     def _disconnect(self) -> None:
         if self._conn is not None:

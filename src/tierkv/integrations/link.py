@@ -53,6 +53,9 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Map every page of the pool when attaching (MAP_POPULATE): the engine's copies into
     # slots never stop on a page fault (with the server's --prefault, the pages exist).
     populate: bool = True
+    # Threads that copy a request's chunks; None: the integration's default (the cores, at
+    # most 4, unless the integration knows better: see ServerLink's default_copy_threads).
+    copy_threads: int | None = None
 
     def resolved(self: S) -> S:
         """With the defaults from the environment filled in; raises ValueError naming the
@@ -61,6 +64,8 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("timeout must be positive")
         if self.retry_interval < 0:
             raise ValueError("retry_interval must be >= 0")
+        if self.copy_threads is not None and self.copy_threads < 1:
+            raise ValueError("copy_threads must be at least 1 (omit it for the default)")
         return msgspec.structs.replace(
             self,
             endpoint=self.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
@@ -83,13 +88,17 @@ class ServerLink:
         clock: Callable[[], float] = time.monotonic,
         parallel_callbacks: bool = False,
         on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
+        default_copy_threads: Callable[[], int | None] = lambda: None,
     ) -> None:
         """``what`` names the engine side in log lines ("scheduler", "worker rank 0");
         ``log`` is the engine's logger for tierkv (where its operators look);
         ``parallel_callbacks`` and ``on_pool`` are the client's (gather/scatter on its copy
-        threads; what to do with each pool mapping)."""
+        threads; what to do with each pool mapping); ``default_copy_threads()``, asked when
+        the client is built, gives its copy threads where the settings leave them out (None:
+        the client's default)."""
         self.parallel_callbacks = parallel_callbacks
         self.on_pool = on_pool
+        self._default_copy_threads = default_copy_threads
         self.settings = settings
         self._register = register
         self.what = what
@@ -114,6 +123,7 @@ class ServerLink:
                     auth_token=self.settings.auth_token,
                     parallel_callbacks=self.parallel_callbacks,
                     populate=self.settings.populate,
+                    copy_threads=self.copy_threads(),
                     on_pool=self.on_pool,
                 )
             client = self._client
@@ -137,6 +147,12 @@ class ServerLink:
                 self._registered = True
                 self._back()
             return client
+
+    def copy_threads(self) -> int | None:
+        """The copy threads the client is built with (None: the client's default)."""
+        if self.settings.copy_threads is not None:
+            return self.settings.copy_threads
+        return self._default_copy_threads()
 
     def registration(self) -> Registration | None:
         """The client's current registration (None before it registered)."""

@@ -230,7 +230,11 @@ def test_unsupported_pools_and_settings_are_refused_with_the_reason(
         sp.create_backend(
             sp.storage_config({"endpont": srv.endpoint}), sp.host_pool("mha", "page_first")
         )
-    for bad, key in (({"timeout": 0}, "timeout"), ({"populate": "sometimes"}, "populate")):
+    for bad, key in (
+        ({"timeout": 0}, "timeout"),
+        ({"populate": "sometimes"}, "populate"),
+        ({"copy_threads": 0}, "copy_threads"),
+    ):
         with pytest.raises(SettingsError, match=key):
             sp.create_backend(
                 sp.storage_config({"endpoint": srv.endpoint, **bad}),

@@ -128,6 +128,11 @@ def test_settings_defaults_and_validation() -> None:
         ConnectorSettings.from_extra_config({"populate": "sometimes"})
     with pytest.raises(SettingsError, match="async_store"):
         ConnectorSettings.from_extra_config({"async_store": "sometimes"})
+    assert s.copy_threads is None
+    assert ConnectorSettings.from_extra_config({"copy_threads": "2"}).copy_threads == 2
+    for bad in (0, -1, "two"):
+        with pytest.raises(SettingsError, match="copy_threads"):
+            ConnectorSettings.from_extra_config({"copy_threads": bad})
 
 
 # -- roles against a real server -----------------------------------------------------------------
@@ -178,6 +183,7 @@ def make_engine(
     retry_interval: float = 5.0,
     store_decode: bool = False,
     async_store: bool = False,
+    **extra: Any,
 ) -> Engine:
     settings = ConnectorSettings.from_extra_config(
         {
@@ -185,6 +191,7 @@ def make_engine(
             "timeout": timeout,
             "retry_interval": retry_interval,
             "store_decode": store_decode,
+            **extra,
         }
     )
     can_load, can_save = role != "kv_producer", role != "kv_consumer"
@@ -405,6 +412,29 @@ def test_a_reservation_no_store_takes_is_given_back(server: Any) -> None:
     with server.client(timeout=5.0) as admin:
         stats = admin.stats()
     assert stats.write_leases == 0 and stats.writing == 0 and stats.objects == 0
+
+
+def test_a_cpu_engine_copies_on_vllms_thread_alone_unless_configured(server: Any) -> None:
+    """A KV cache in host memory: the worker's client copies with one thread, vLLM's own
+    (the engine's OpenMP threads hold the other cores); ``copy_threads`` overrides it.
+    Either way the chunks go through byte-exact."""
+    a = make_engine(server.endpoint, "engine-a")
+    b = make_engine(server.endpoint, "engine-b", copy_threads=2)
+    for engine in (a, b):
+        client = engine.worker.link.client()
+        assert client is not None
+    assert a.worker.link.client().copy_threads == 1  # type: ignore[union-attr]
+    assert b.worker.link.client().copy_threads == 2  # type: ignore[union-attr]
+    tokens = list(range(2500, 2500 + 512))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    _, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for i in range(4):
+        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
+            assert torch.equal(x, y)
 
 
 def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:

@@ -13,6 +13,8 @@ Every other key is tierkv's, and optional::
     retry_interval  after a failed RPC, seconds during which the server is not asked again
                     (default 5.0); every call in between is a plain miss
     populate        map every page of the pool when attaching (default true)
+    copy_threads    threads that copy a batch's pages between the pool and the host pool
+                    (default: the cores, at most 4)
     model_id        the model identity in the namespace (default: SGLang's model name)
     tenant          an extra namespace salt: engines with different tenants never share KV
                     (SGLang's per-request ``extra_key`` and cache salt already seed its page

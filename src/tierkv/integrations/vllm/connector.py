@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from tierkv.copier import default_threads
 from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
@@ -115,6 +116,12 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         of its loads and stores (a worker-role connector only). A store's seconds are its own
         (RPCs and copy), not the time it queued behind others on the store thread."""
         return self._require_worker().stats_snapshot()
+
+    @property
+    def worker_copy_threads(self) -> int:
+        """The threads this worker copies chunks with (``copy_threads``, vLLM's own
+        included)."""
+        return self._require_worker().link.copy_threads() or default_threads()
 
     def wait_for_stores(self, timeout: float | None = None) -> bool:
         """Block until every store this worker submitted has ended (tests, benchmarks);

@@ -12,6 +12,10 @@ Every key is optional::
                     (default 5.0); every request in between is a plain miss
     populate        map every page of the pool when attaching (default true), so that stores
                     never stop on page faults (run the server with --prefault)
+    copy_threads    threads that copy a step's chunks between the pool and the KV cache
+                    (default: 1, vLLM's own thread, for a cache in host memory, whose
+                    engine's OpenMP threads hold the other cores; the cores, at most 4, for
+                    a cache on a GPU)
     page_lock_pool  when the KV cache is on a GPU, page-lock the pool mapping with CUDA
                     (cudaHostRegister) so that chunks cross by DMA (default true; about
                     0.09 s per GiB of pool at start, measured on an H200; ignored for
