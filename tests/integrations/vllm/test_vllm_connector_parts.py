@@ -318,6 +318,19 @@ def load(engine: Engine, rid: str, tokens: list[int], local: int = 0) -> tuple[A
     return req, blocks
 
 
+def assert_loads_exactly(a: Engine, a_blocks: list[int], b: Engine, tokens: list[int]) -> None:
+    """Engine ``b`` loads ``tokens`` (stored by ``a`` from ``a_blocks``) in one step: every
+    block arrives, byte for byte."""
+    _, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    for i in range(len(tokens) // BLOCK):
+        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
+            assert torch.equal(x, y)
+
+
 @pytest.fixture
 def server(server_factory: Callable[..., Any]) -> Any:
     return server_factory(pool_size="64MiB")
@@ -380,14 +393,7 @@ def test_stores_reserved_during_the_forward_pass_are_copied_and_committed_after_
     assert stats.write_leases == 0 and stats.writing == 0 and stats.ready == 2
     assert (a.worker.stats["store_prepare_seconds"] > 0) == reserve_first
 
-    _, b_blocks = load(b, "b-1", tokens)
-    b_meta = b.scheduler.build_connector_meta(step_output([]))
-    b.worker.start_load_kv(b_meta)
-    b.worker.wait_for_save(b_meta)
-    assert b.worker.get_block_ids_with_load_errors() == set()
-    for i in range(4):
-        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
-            assert torch.equal(x, y)
+    assert_loads_exactly(a, a_blocks, b, tokens)
 
 
 def test_a_reservation_no_store_takes_is_given_back(server: Any) -> None:
@@ -420,21 +426,11 @@ def test_a_cpu_engine_copies_on_vllms_thread_alone_unless_configured(server: Any
     Either way the chunks go through byte-exact."""
     a = make_engine(server.endpoint, "engine-a")
     b = make_engine(server.endpoint, "engine-b", copy_threads=2)
-    for engine in (a, b):
-        client = engine.worker.link.client()
-        assert client is not None
-    assert a.worker.link.client().copy_threads == 1  # type: ignore[union-attr]
-    assert b.worker.link.client().copy_threads == 2  # type: ignore[union-attr]
+    a_client, b_client = a.worker.link.client(), b.worker.link.client()
+    assert a_client is not None and b_client is not None
+    assert (a_client.copy_threads, b_client.copy_threads) == (1, 2)
     tokens = list(range(2500, 2500 + 512))
-    a_blocks = compute_and_store(a, "a-1", tokens)
-    _, b_blocks = load(b, "b-1", tokens)
-    meta = b.scheduler.build_connector_meta(step_output([]))
-    b.worker.start_load_kv(meta)
-    b.worker.wait_for_save(meta)
-    assert b.worker.get_block_ids_with_load_errors() == set()
-    for i in range(4):
-        for x, y in zip(a.block_bytes(a_blocks[i]), b.block_bytes(b_blocks[i]), strict=True):
-            assert torch.equal(x, y)
+    assert_loads_exactly(a, compute_and_store(a, "a-1", tokens), b, tokens)
 
 
 def test_blocks_vllm_already_has_are_never_written(server: Any) -> None:
