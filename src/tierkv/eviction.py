@@ -8,6 +8,12 @@ so a crashed engine's locks are reclaimed even when no request arrives. Stores n
 for it: a reservation that does not fit is skipped and the store path merely wakes the
 controller.
 
+A pass evicts in batches of at most ``batch`` objects, each under the index lock, and lets
+other threads run between two (the lock released, the GIL given up): the RPC loop's next
+reservation or lookup, which needs that lock, waits for one batch at most, not for the whole
+pass (80 objects of 8 MiB took 0.4 to 0.6 ms of CPU in one lock hold, up to 1.2 ms of wall
+time when the thread lost its core meanwhile).
+
 Tenant quotas (:mod:`tierkv.tenants`): each pass first brings every tenant above its quota
 back to it by evicting that tenant's own least recently used objects, so one tenant's
 stores never evict another's while it is over its quota; the watermark pass follows.
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from tierkv.index import Evicted, ObjectIndex
@@ -28,6 +35,7 @@ EvictListener = Callable[[list[Evicted]], None]
 DEFAULT_HIGH_WATERMARK = 0.8
 DEFAULT_LOW_WATERMARK = 0.7
 DEFAULT_INTERVAL = 0.1
+DEFAULT_BATCH = 16  # objects evicted under one hold of the index lock
 
 
 class EvictionController:
@@ -39,11 +47,15 @@ class EvictionController:
         high: float = DEFAULT_HIGH_WATERMARK,
         low: float = DEFAULT_LOW_WATERMARK,
         interval: float = DEFAULT_INTERVAL,
+        batch: int = DEFAULT_BATCH,
     ) -> None:
         if not 0.0 < low <= high <= 1.0:
             raise ValueError(f"watermarks must satisfy 0 < low <= high <= 1, got {low}, {high}")
         if not interval > 0:  # also rejects NaN
             raise ValueError(f"eviction interval must be positive, got {interval}")
+        if batch < 1:
+            raise ValueError(f"eviction batch must be at least 1, got {batch}")
+        self.batch = batch
         self.index = index
         self.high = high
         self.low = low
@@ -79,7 +91,7 @@ class EvictionController:
             log.debug("evicted %d objects of tenants over their quota", len(evicted))
         used = self.index.used
         if used > self._high_bytes:
-            more = self.index.evict(used - self._low_bytes)
+            more = self._evict_in_batches(used - self._low_bytes)
             if more:
                 log.debug("evicted %d objects (pool was %d bytes used)", len(more), used)
             evicted += more
@@ -89,6 +101,20 @@ class EvictionController:
                     listener(evicted)
                 except Exception:
                     log.exception("eviction listener %r failed", listener)
+        return evicted
+
+    def _evict_in_batches(self, nbytes: int) -> list[Evicted]:
+        """Evict ``nbytes`` (aligned) in batches of at most ``batch`` objects, letting other
+        threads run between two."""
+        evicted: list[Evicted] = []
+        aligned = self.index.allocator.aligned
+        while nbytes > 0:
+            batch = self.index.evict(nbytes, self.batch)
+            if not batch:
+                break  # nothing evictable is left
+            evicted += batch
+            nbytes -= sum(aligned(e.length) for e in batch)
+            time.sleep(0)  # gives up the GIL: a waiting RPC thread takes it now
         return evicted
 
     def alive(self) -> bool:

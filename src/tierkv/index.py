@@ -504,24 +504,27 @@ class ObjectIndex:
                 self._unmap(entry)
             return [e.key for e in entries]
 
-    def evict(self, nbytes: int) -> list[Evicted]:
+    def evict(self, nbytes: int, max_objects: int | None = None) -> list[Evicted]:
         """Evict least recently used unlocked, unpinned objects until ``nbytes`` (aligned) are
-        freed or nothing evictable is left. Pinned objects in the LRU are stepped over, so a
-        call costs O(evicted + pinned); the pins are the write-behind's queue, which is
-        bounded (see the module docstring).
+        freed, ``max_objects`` are evicted, or nothing evictable is left. Pinned objects in
+        the LRU are stepped over, so a call costs O(evicted + pinned); the pins are the
+        write-behind's queue, which is bounded (see the module docstring).
 
         Where some tenants have quotas, the objects of the tenants without one (unlimited)
         or above theirs go first, least recently used first; the objects of tenants within
         their quotas only when those are not enough. A quota is thus also a share of the
         pool its tenant keeps while the quotas fit in the pool."""
+        if max_objects is not None and max_objects < 1:
+            raise ValueError(f"max_objects must be at least 1, not {max_objects}")
         with self._lock:
             first = self._evict_first()
             if first is None:
-                return self._evict(self._lru, nbytes)[0]
+                return self._evict(self._lru, nbytes, limit=max_objects)[0]
             lru, skip = first
-            evicted, freed = self._evict(lru, nbytes, skip)
-            if freed < nbytes:
-                evicted += self._evict(self._lru, nbytes - freed)[0]
+            evicted, freed = self._evict(lru, nbytes, skip, max_objects)
+            left = None if max_objects is None else max_objects - len(evicted)
+            if freed < nbytes and left != 0:
+                evicted += self._evict(self._lru, nbytes - freed, limit=left)[0]
             return evicted
 
     def _evict_first(self) -> tuple[dict[Entry, None], frozenset[int]] | None:
@@ -761,16 +764,21 @@ class ObjectIndex:
         return selected
 
     def _evict(
-        self, lru: dict[Entry, None], nbytes: int, skip: frozenset[int] = frozenset()
+        self,
+        lru: dict[Entry, None],
+        nbytes: int,
+        skip: frozenset[int] = frozenset(),
+        limit: int | None = None,
     ) -> tuple[list[Evicted], int]:
         """Evict from ``lru`` (the global LRU or one tenant's), oldest first, stepping over
         pinned objects and those of the tenants in ``skip``, until ``nbytes`` (aligned) are
-        freed or nothing is left; returns what was evicted and the bytes freed."""
+        freed, ``limit`` objects are evicted, or nothing is left; returns what was evicted
+        and the bytes freed."""
         victims: list[Entry] = []
         freed = 0
         size_of = self.allocator.size_of
         for entry in lru:  # oldest first; collect, then mutate
-            if freed >= nbytes:
+            if freed >= nbytes or len(victims) == limit:
                 break
             if entry.pins or entry.tenant in skip:
                 continue

@@ -125,6 +125,29 @@ def test_above_high_evicts_lru_first_down_to_low() -> None:
     assert controller.run_once() == []
 
 
+def test_a_pass_evicts_in_batches_with_the_index_lock_released_between_them() -> None:
+    """Each batch is one call into the index (one hold of its lock); the pass still
+    evicts least recently used first, down to low, and reports one list."""
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW, batch=1)
+    calls: list[int | None] = []
+    evict = index.evict
+
+    def counted(nbytes: int, max_objects: int | None = None) -> list[Evicted]:
+        assert not index._lock.locked()  # released between two batches
+        calls.append(max_objects)
+        return evict(nbytes, max_objects)
+
+    index.evict = counted  # type: ignore[method-assign]
+    keys = fill(index, 0, 9)
+    evicted = controller.run_once()
+    assert [e.key for e in evicted] == keys[:4]
+    assert calls == [1, 1, 1, 1]
+    assert index.used == 5 * BLOCK
+    with pytest.raises(ValueError, match="batch"):
+        EvictionController(make(), batch=0)
+
+
 def test_eviction_stops_as_soon_as_usage_is_at_or_below_low() -> None:
     index = make()
     controller = EvictionController(index, high=HIGH, low=LOW)

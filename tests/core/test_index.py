@@ -594,6 +594,18 @@ def test_evict_frees_at_least_the_bytes_asked_for_and_reports_tier() -> None:
     figures(index, evictions=2, evicted_bytes=2 * BLOCK, used=3 * BLOCK)
 
 
+def test_evict_stops_at_max_objects_and_refuses_a_limit_below_one() -> None:
+    index, _ = make()
+    store(index, [k(0), k(1), k(2), k(3)])
+    first = index.evict(100 * BLOCK, max_objects=3)
+    assert [e.key for e in first] == [k(3), k(2), k(1)]  # LRU order, three only
+    assert [e.key for e in index.evict(100 * BLOCK, max_objects=3)] == [k(0)]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_objects"):
+            index.evict(BLOCK, max_objects=bad)
+    index.check()
+
+
 def test_lru_evicts_the_last_chunks_of_a_committed_batch_first() -> None:
     index, _ = make()
     store(index, [k(0), k(1), k(2), k(3)])

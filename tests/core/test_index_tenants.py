@@ -219,6 +219,21 @@ def test_the_watermark_takes_unlimited_and_over_quota_tenants_first() -> None:
     index.check()
 
 
+def test_evictions_in_batches_see_a_tenant_back_within_its_quota() -> None:
+    """Each call decides anew who is above a quota: once a tenant is back within its quota,
+    the next batch takes the unlimited tenants' chunks, and then the oldest of everyone."""
+    index, d = make()
+    a, b = index.tenants.id_of("a"), index.tenants.id_of("b")
+    index.set_quotas({a: 8 * BLOCK, b: 2 * BLOCK}, None, hard=False)
+    for name, n in (("a", 4), ("b", 3), ("c", 3)):
+        for i in range(n):  # one chunk a batch: commit order is LRU order
+            index.commit(index.reserve_write([key(d[name], i)], BLOCK, 1).lease_id, 1)
+    evicted = [e.key for _ in range(5) for e in index.evict(BLOCK, max_objects=1)]
+    assert evicted == [key(d["b"], 0), *(key(d["c"], i) for i in range(3)), key(d["a"], 0)]
+    assert used_by(index) == {"a": 3 * BLOCK, "b": 2 * BLOCK}
+    index.check()
+
+
 def test_tenant_ids_list_the_digests_of_each_tenant() -> None:
     index, d = make()
     tenants = index.tenants
