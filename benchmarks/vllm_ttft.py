@@ -39,7 +39,9 @@ engine one, vLLM's own, whose OpenMP threads hold the other cores; ``--copy-thre
 sets it): as many chunks of the same size, each from its own source buffer as the
 connector's come from distinct paged blocks. A memcpy by every core (at most 4), with the
 connector's figures against it, and one of every chunk from one buffer (which stays in the
-core's cache) are printed beside it. The last line is
+core's cache) are printed beside it, and the spread of the steps' store and load GB/s (one
+figure per engine step that stored or loaded: a whole run's slow stores show there as a low
+median, a few slow ones as a low minimum). The last line is
 ``vllm_ttft vanilla_ms=V cold_ms=A warm_ms=B speedup=C overhead=D store_vs_memcpy=E
 load_vs_memcpy=F``. Goals: C >= 3, D <= 0.03, E and F >= 0.7.
 
@@ -162,25 +164,40 @@ HOOKS = (
 )
 
 
-def time_hooks() -> dict[str, float]:
+# The worker's methods that store (wait_for_save) and load (start_load_kv): each call's
+# bytes and seconds, from the worker's totals before and after it.
+PER_CALL = {"wait_for_save": "store", "start_load_kv": "load"}
+
+
+def time_hooks(per_call: dict[str, list[float]]) -> dict[str, float]:
     """Time every call vLLM makes into the connector (both roles run in this process):
-    returns the running total in seconds, under "seconds"."""
+    returns the running total in seconds, under "seconds". Appends the GB/s of each step's
+    stores and of each step's loads to ``per_call["store"]`` and ``per_call["load"]``."""
     from tierkv.integrations.vllm.connector import TierKVConnector
 
     spent = {"seconds": 0.0}
 
-    def timed(method: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
+    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        what = PER_CALL.get(name)
+
+        def call(connector: Any, *args: Any, **kwargs: Any) -> Any:
+            before = connector.worker_stats if what else None
             start = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                return method(connector, *args, **kwargs)
             finally:
                 spent["seconds"] += time.perf_counter() - start
+                if what and before is not None:
+                    after = connector.worker_stats
+                    moved = after[f"{what}_bytes"] - before[f"{what}_bytes"]
+                    took = after[f"{what}_seconds"] - before[f"{what}_seconds"]
+                    if moved:
+                        per_call[what].append(moved / took / 1e9)
 
         return call
 
     for name in HOOKS:
-        setattr(TierKVConnector, name, timed(getattr(TierKVConnector, name)))
+        setattr(TierKVConnector, name, timed(name, getattr(TierKVConnector, name)))
     return spent
 
 
@@ -216,7 +233,8 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
     try:
         if not ours.poll(600) or ours.recv() != "ready":
             raise SystemExit("the vanilla vLLM engine did not start")
-        hooks = time_hooks()
+        per_call: dict[str, list[float]] = {"store": [], "load": []}
+        hooks = time_hooks(per_call)
         llm = engine(args, model_dir, endpoint)
 
         def vanilla_ttft(tokens: list[int]) -> float:
@@ -234,7 +252,8 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
     finally:
         if child.is_alive():
             child.kill()
-    report(*(list(column) for column in zip(*measured, strict=True)))
+    columns = (list(column) for column in zip(*measured, strict=True))
+    report(None if args.async_store else per_call, *columns)
 
 
 def measure(
@@ -267,8 +286,14 @@ def measure(
 
 
 def report(
-    vanilla: list[float], cold: list[float], warm: list[float], in_connector: list[float]
+    per_call: dict[str, list[float]] | None,
+    vanilla: list[float],
+    cold: list[float],
+    warm: list[float],
+    in_connector: list[float],
 ) -> None:
+    """Print the figures; ``per_call``: each step's store and load GB/s (synchronous stores
+    only: an asynchronous store's bytes land after its step's call returned)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     stats = worker_stats()
@@ -292,6 +317,12 @@ def report(
         f"loads {load_gbps / all_cores:.2f} of it); one thread from one cached source "
         f"{one_source:.2f} GB/s"
     )
+    for what, rates in (per_call or {}).items():
+        if rates:
+            print(
+                f"connector: each step's {what}s {min(rates):.2f} / {statistics.median(rates):.2f}"
+                f" / {max(rates):.2f} GB/s (min / median / max of {len(rates)} steps)"
+            )
     vanilla_ms = statistics.median(vanilla) * 1000
     cold_ms = statistics.median(cold) * 1000
     warm_ms = statistics.median(warm) * 1000
