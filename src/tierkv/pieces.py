@@ -108,11 +108,11 @@ def recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
         got = sock.recv_into(view[pos:], min(PIECE, n - pos))
         if not got:
             raise ConnectionError("peer closed the connection")
+        if (pos + got) // PIECE != pos // PIECE:  # once a piece (a receive is at most one)
+            give_way()
         pos += got
         if pos - hashed >= HASH_STEP or pos == n:
             hasher.update(view[hashed:pos])
-            if hashed // PIECE != pos // PIECE:  # once a piece
-                give_way()
             hashed = pos
     digest: bytes = hasher.digest()
     return digest

@@ -33,14 +33,18 @@ class Submit(Protocol):
 
 
 class WorkerPool:
-    """``workers`` threads named ``name-N`` running submitted calls in submission order."""
+    """``workers`` threads named ``name-N`` running submitted calls in submission order;
+    each first calls ``initializer`` if given (its priority, for one)."""
 
-    def __init__(self, workers: int, name: str) -> None:
+    def __init__(
+        self, workers: int, name: str, initializer: Callable[[], object] | None = None
+    ) -> None:
         if workers < 1:
             raise ValueError("a worker pool needs at least one thread")
         self.name = name
         self._queue: queue.SimpleQueue[Task | None] = queue.SimpleQueue()
         self._closed = False
+        self._initializer = initializer
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
             for i in range(workers)
@@ -55,6 +59,8 @@ class WorkerPool:
         self._queue.put((fn, args))
 
     def _work(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         while True:
             task = self._queue.get()
             if task is None:

@@ -90,15 +90,20 @@ def test_socket_pieces_arrive_whole_with_their_checksum(
     monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
     ways = {"send": 0, "recv": 0}
+    t = threading.Thread(target=lambda: pieces.send_all(sender, [head, data]))
 
     def give_way() -> None:
-        ways["send" if threading.current_thread() is not threading.main_thread() else "recv"] += 1
+        # Counted by thread: a thread another test left running may give way meanwhile.
+        me = threading.current_thread()
+        if me is t:
+            ways["send"] += 1
+        elif me is threading.main_thread():
+            ways["recv"] += 1
 
     monkeypatch.setattr(pieces, "give_way", give_way)
     sender, receiver = _pair()
     head, data = b"header-of-32-bytes-exactly-here!", _payload(n)
     try:
-        t = threading.Thread(target=pieces.send_all, args=(sender, [head, data]))
         t.start()
         got_head = bytearray(len(head))
         pieces.recv_exact(receiver, memoryview(got_head))

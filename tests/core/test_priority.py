@@ -1,6 +1,6 @@
 """Data threads run at a lower CPU priority and with a longer time slice than the thread that
 serves requests, give way between pieces of bulk work, and make it wait at most 1 ms for the
-GIL."""
+GIL; a server's RPC loop and request workers run with a short time slice."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from support.servers import ServerProcess
 from tierkv import priority
+from tierkv.client import Client
+from tierkv.config import ServerConfig
 
 
 def _nice_of_this_thread() -> int:
@@ -107,3 +110,52 @@ def test_only_a_data_thread_gives_way(monkeypatch: pytest.MonkeyPatch) -> None:
     with ThreadPoolExecutor(1, initializer=priority.data_thread) as pool:
         tid = pool.submit(data_work).result()
     assert yields == [tid, tid]
+
+
+def _slices_of(pid: int) -> list[int]:
+    """The time slice (ns) of every thread of process ``pid``."""
+    slices = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for line in (task / "sched").read_text().splitlines():
+            if line.startswith("se.slice"):
+                slices.append(int(line.split(":")[1]))
+    return slices
+
+
+def _skip_without_slices() -> int:
+    base = _slice_of_this_thread()
+    if base is None:
+        pytest.skip("this kernel does not show time slices (/proc/<pid>/task/<tid>/sched)")
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        if pool.submit(_slice_of_this_thread).result() == base:
+            pytest.skip("this kernel has no per-thread slices (Linux 6.12 and later have)")
+    return base
+
+
+def test_a_control_thread_gets_a_short_slice_at_its_own_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """So that, woken, it takes a core at once from threads of the default slice."""
+    base = _skip_without_slices()
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        got = pool.submit(lambda: (_slice_of_this_thread(), _nice_of_this_thread())).result()
+    assert got == (priority.CONTROL_SLICE_NS, _nice_of_this_thread())
+    assert base > priority.CONTROL_SLICE_NS
+    monkeypatch.setenv("TIERKV_CONTROL_SLICE_US", "0")  # off: the kernel's default
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        assert pool.submit(_slice_of_this_thread).result() == base
+    monkeypatch.setenv("TIERKV_CONTROL_SLICE_US", "500")
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        assert pool.submit(_slice_of_this_thread).result() == 500_000
+
+
+def test_a_servers_rpc_loop_and_request_workers_have_the_short_slice(
+    server: ServerProcess,
+) -> None:
+    _skip_without_slices()
+    with Client(server.endpoint) as client:
+        client.ping()  # the loop has started
+    assert server.proc is not None
+    slices = _slices_of(server.proc.pid)
+    workers = ServerConfig().workers
+    assert slices.count(priority.CONTROL_SLICE_NS) == 1 + workers, slices

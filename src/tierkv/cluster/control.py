@@ -32,6 +32,7 @@ import zmq
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import ControlSigner
 from tierkv.config import ConfigError
+from tierkv.priority import control_thread
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class ControlServer:
     def _serve(self) -> None:
         sock = self.sock
         assert sock is not None
+        control_thread()  # a peer's lookup waits for this thread: it takes a core first
         while not self._stop.is_set():
             try:
                 if not sock.poll(POLL_MS):

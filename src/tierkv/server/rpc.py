@@ -31,6 +31,7 @@ import msgspec
 
 from tierkv import framing
 from tierkv import protocol as p
+from tierkv.priority import control_thread
 from tierkv.server.service import CacheService
 from tierkv.workers import WorkerPool
 
@@ -96,7 +97,8 @@ class RpcServer:
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self.last_tick = service.clock()  # when the loop last went round (health checks)
-        self._executor = WorkerPool(service.cfg.workers, "tierkv-rpc")  # never blocks the loop
+        # Never blocks the loop; its threads, like the loop's, take a core first when woken.
+        self._executor = WorkerPool(service.cfg.workers, "tierkv-rpc", control_thread)
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.request_decoder.decode
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
@@ -145,6 +147,7 @@ class RpcServer:
         """Serve until :meth:`stop`, then answer what is queued and close the sockets."""
         if not self._bound:
             self.start()
+        control_thread()
         last_sweep = self.service.clock()
         try:
             while not self._stop.is_set():
