@@ -13,9 +13,10 @@ Two experiments with real server processes, each against a bound measured in the
     lookups' p50/p99 (hashed by the server).
 (b) ``under_transfer``: one engine process looks up a fresh 32k-token prompt every 10 ms on
     server B while B fetches 256 MiB from peer A (another engine's lookup) and prefetches
-    128 MiB from its disk tier (a third engine's lookup). Every round's peer working set is
-    a prompt A has just stored: B writes what it fetched behind to its own disk tier, which
-    B asks before the peer, so a working set fetched again would come from B's disk. The
+    128 MiB from its disk tier (a third engine's lookup; ``--slow-tier redis``: from a Redis
+    tier instead). Every round's peer working set is a prompt A has just stored: B writes
+    what it fetched behind to its own tier, which B asks before the peer, so a working set
+    fetched again would come from there. The
     lookups' p99 inside the transfer windows, and outside them (the same engine, the same
     server, idle).
 
@@ -57,6 +58,7 @@ from tierkv import framing
 from tierkv.client import Client
 from tierkv.demo.local_process import stop_process
 from tierkv.gc_pauses import freeze_startup
+from tiers import redis_server
 
 MIB = 1 << 20
 CHUNK_TOKENS = 256
@@ -333,16 +335,18 @@ def looker_main(endpoint: str, seconds: float, period: float, out_path: str) -> 
     Path(out_path).write_text(json.dumps(samples))
 
 
-def under_transfer(root: Path, rounds: int) -> dict[str, Any]:
+def under_transfer(root: Path, rounds: int, slow_tier: str) -> dict[str, Any]:
+    """(b); ``slow_tier``: the tier spec of B's local tier ("disk" or a Redis URL)."""
     root.mkdir(parents=True)
     peer_chunks, disk_chunks = 32, 16
     pa, pb = free_port_pair(), free_port_pair()
-    disk = root / "disk"
+    tier = (
+        f"disk:path={root / 'disk'},capacity=2GiB"
+        if slow_tier == "disk"
+        else f"redis:url={slow_tier}"
+    )
     a = Server(str(root), "a", pa, pa, 512 * MIB)
-    b = Server(
-        str(root), "b", pb, pa, 768 * MIB,
-        ("--tier", f"disk:path={disk},capacity=2GiB"),
-    )  # fmt: skip
+    b = Server(str(root), "b", pb, pa, 768 * MIB, ("--tier", tier))
     try:
         wait_for(lambda: members(a.addr) == members(b.addr) == {a.addr, b.addr})
         src = np.random.default_rng(1).random(SHAPE, dtype=np.float32)
@@ -415,7 +419,8 @@ def under_transfer(root: Path, rounds: int) -> dict[str, Any]:
                                                      for lo, hi in busy_spans)]  # fmt: skip
     span = statistics.median(hi - lo for lo, hi in windows)
     print(
-        f"(b) {rounds} rounds of 256 MiB from peer A + 128 MiB from B's disk tier "
+        f"(b) {rounds} rounds of 256 MiB from peer A + 128 MiB from B's "
+        f"{'disk' if slow_tier == 'disk' else 'Redis'} tier "
         f"(median {span * 1e3:.0f} ms each), a 32k-token lookup every 10 ms on B"
     )
     print(
@@ -440,6 +445,13 @@ def main() -> None:
     ap.add_argument("--per-request", type=int, default=16, help="chunks per store request")
     ap.add_argument("--rounds", type=int, default=12, help="transfer rounds in (b)")
     ap.add_argument("--only", choices=("a", "b"), help="run one experiment")
+    ap.add_argument(
+        "--slow-tier",
+        choices=("disk", "redis"),
+        default="disk",
+        help="B's local tier in (b): its disk tier, or a Redis tier on a redis-server "
+        "this script starts",
+    )
     ap.add_argument("--looker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     ap.add_argument("--pinger", nargs=4, help=argparse.SUPPRESS)
@@ -462,7 +474,15 @@ def main() -> None:
             if args.only != "b"
             else None
         )
-        b = under_transfer(root / "b", args.rounds) if args.only != "a" else None
+        if args.only != "a" and args.slow_tier == "redis":
+            with redis_server(str(root)) as url:
+                if url is None:
+                    raise SystemExit("--slow-tier redis: redis-server is not installed")
+                b = under_transfer(root / "b", args.rounds, url)
+        elif args.only != "a":
+            b = under_transfer(root / "b", args.rounds, "disk")
+        else:
+            b = None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     floors = []

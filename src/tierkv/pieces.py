@@ -26,6 +26,8 @@ import socket
 from collections import deque
 from collections.abc import Sequence
 
+import xxhash
+
 from tierkv.framing import drop_sent
 from tierkv.priority import give_way
 from tierkv.tiers.base import checksummer
@@ -97,11 +99,14 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         pos += got
 
 
-def recv_hashed(sock: socket.socket, view: memoryview) -> bytes:
+def recv_hashed(
+    sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_128 | None = None
+) -> bytes:
     """Fill ``view`` (bytes) from ``sock`` at most :data:`PIECE` bytes a call and return its
     checksum, hashing what arrived as soon as :data:`HASH_STEP` bytes have (a receive often
-    returns less than asked)."""
-    hasher = checksummer()
+    returns less than asked). ``hasher``: a running checksum to go on from (of the bytes
+    before ``view``; the digest then covers both)."""
+    hasher = checksummer() if hasher is None else hasher
     pos, n = 0, len(view)
     hashed = 0
     while pos < n:

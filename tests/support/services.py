@@ -240,6 +240,72 @@ class RedisServer(_Service):
             return s.recv(1 << 16)
 
 
+class RedisTlsServer(RedisServer):
+    """A `redis-server` that also serves TLS (a self-signed certificate for ``localhost``,
+    made here) on a second port; the plain port stays for the readiness probe."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+        self.tls_port = free_port()
+        self.cert, self.key = workdir / "cert.pem", workdir / "key.pem"
+        _self_signed(self.cert, self.key)
+
+    @property
+    def url(self) -> str:
+        return f"rediss://localhost:{self.tls_port}/0?ssl_ca_certs={self.cert}"
+
+    def _argv(self, port: int) -> list[str]:
+        return [
+            *super()._argv(port),
+            "--tls-port", str(self.tls_port),
+            "--tls-cert-file", str(self.cert),
+            "--tls-key-file", str(self.key),
+            "--tls-ca-cert-file", str(self.cert),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
+
+
+def _self_signed(cert_path: Path, key_path: Path) -> None:
+    """Write a self-signed certificate for ``localhost`` and its key (PEM)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+@pytest.fixture
+def redis_tls_server() -> Iterator[str]:
+    """URL (``rediss://``) of a running real redis-server that speaks TLS."""
+    for server in _running(RedisTlsServer, "tierkv-redis-tls-"):
+        yield server.url
+
+
 @pytest.fixture
 def redis_service() -> Iterator[RedisServer]:
     """A running real redis-server, stopped (and its files removed) after the test."""
