@@ -9,8 +9,10 @@ Two experiments with real server processes, each against a bound measured in the
     scheduler does for a new request: a miss) and then looks it up; once all have stored,
     every engine retrieves its prompt. Aggregate store and retrieve GB/s (each round's
     bytes over that round's span, first start to last end) against a memcpy of the same
-    chunks by 8 threads at once (the same number of copiers) in this process, and the
-    lookups' p50/p99 (hashed by the server).
+    chunks by 8 threads at once (the same number of copiers) in this process, measured
+    right before each phase while the engines wait (:class:`Gate`: this VM's memory
+    bandwidth drifts by a tenth or more within seconds), and the lookups' p50/p99 (hashed
+    by the server).
 (b) ``under_transfer``: one engine process looks up a fresh 32k-token prompt every 10 ms on
     server B while B fetches 256 MiB from peer A (another engine's lookup) and prefetches
     128 MiB from its disk tier (a third engine's lookup; ``--slow-tier redis``: from a Redis
@@ -181,7 +183,7 @@ class Floor:
 
 # -- (a) 8 engines at once -------------------------------------------------------------------
 def engine_main(
-    endpoint: str, idx: int, prompts: int, per_request: int, barrier: Any, out: Any
+    endpoint: str, idx: int, prompts: int, per_request: int, gate: Any, out: Any
 ) -> None:
     """One engine process, per prompt: store it request by request and look it up (while the
     other engines store theirs), then, once every engine has stored, retrieve it (while the
@@ -198,7 +200,7 @@ def engine_main(
     lookups: list[float] = []
     for p in range(prompts):
         tokens = prompt(idx * 1000 + p)
-        barrier.wait()
+        gate.wait()
         t0 = time.monotonic()
         stored = 0
         for first in range(0, n_chunks, per_request):
@@ -215,7 +217,7 @@ def engine_main(
         t0 = time.monotonic()
         found = client.lookup(tokens, request_id=rid)
         lookups.append(time.monotonic() - t0)
-        barrier.wait()
+        gate.wait()
         t0 = time.monotonic()
         got = client.retrieve(request_id=rid, out=[dst] * n_chunks)
         retrieves.append((t0, time.monotonic(), len(got.retrieved)))
@@ -236,23 +238,58 @@ def phase_gbps(per_engine: list[list[tuple[float, float, int]]]) -> tuple[float,
     return chunks * CHUNK_BYTES / seconds / 1e9, chunks
 
 
-def memcpy_gbps(threads: int, chunks_each: int) -> float:
-    """``threads`` copiers at once, each copying ``chunks_each`` 8 MiB chunks into a pool-sized
-    buffer of its own (touched), as 8 engines copy into the pool."""
-    srcs = [np.random.default_rng(t).random(SHAPE, dtype=np.float32) for t in range(threads)]
-    dsts = [np.ones((chunks_each, *SHAPE), np.float32) for _ in range(threads)]
+class Memcpy:
+    """The bound: ``threads`` copiers at once, each copying ``chunks_each`` 8 MiB chunks into
+    a buffer of its own (touched), as 8 engines copy into the pool. Buffers made once."""
 
-    def copy(t: int) -> None:
-        for i in range(chunks_each):
-            np.copyto(dsts[t][i], srcs[t])
+    def __init__(self, threads: int, chunks_each: int) -> None:
+        self.threads, self.chunks_each = threads, chunks_each
+        rngs = [np.random.default_rng(t) for t in range(threads)]
+        self.srcs = [rng.random(SHAPE, dtype=np.float32) for rng in rngs]
+        self.dsts = [np.ones((chunks_each, *SHAPE), np.float32) for _ in range(threads)]
 
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(3):
-            t0 = time.perf_counter()
-            list(pool.map(copy, range(threads)))
-            best = min(best, time.perf_counter() - t0)
-    return threads * chunks_each * CHUNK_BYTES / best / 1e9
+    def gbps(self) -> float:
+        """Best of three."""
+
+        def copy(t: int) -> None:
+            for i in range(self.chunks_each):
+                np.copyto(self.dsts[t][i], self.srcs[t])
+
+        best = float("inf")
+        with ThreadPoolExecutor(self.threads) as pool:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                list(pool.map(copy, range(self.threads)))
+                best = min(best, time.perf_counter() - t0)
+        return self.threads * self.chunks_each * CHUNK_BYTES / best / 1e9
+
+
+class Gate:
+    """Where every engine waits before each phase, and the parent with them: once all have
+    finished the previous phase the parent measures the bound (:class:`Memcpy`) on the idle
+    machine, then lets the phase start. This VM's memory bandwidth drifts by a tenth or more
+    within seconds; a bound measured right before each phase follows it."""
+
+    def __init__(self, ctx: Any, engines: int) -> None:
+        self._done = ctx.Barrier(engines + 1)
+        self._go = ctx.Barrier(engines + 1)
+
+    def wait(self) -> None:  # an engine
+        self._done.wait()
+        self._go.wait()
+
+    def measure_and_open(self, memcpy: Memcpy, timeout: float = 600.0) -> float:  # the parent
+        self._done.wait(timeout)
+        try:
+            return memcpy.gbps()
+        finally:
+            self._go.wait(timeout)
+
+
+def per_phase_bound(bounds: list[float]) -> float:
+    """The bound rate of equal phases each measured against its own bound: the harmonic
+    mean (a memcpy of each phase's bytes at that phase's rate, over the total time)."""
+    return len(bounds) / sum(1 / b for b in bounds)
 
 
 def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[str, Any]:
@@ -266,18 +303,22 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
     srv = start_server(root, pool, True, ("--high-watermark", "0.9", "--low-watermark", "0.85"))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    barrier = ctx.Barrier(engines)
+    gate = Gate(ctx, engines)
+    memcpy = Memcpy(engines, 8)
+    store_bounds: list[float] = []
+    retrieve_bounds: list[float] = []
     try:
         procs = [
-            ctx.Process(
-                target=engine_main, args=(srv.endpoint, i, prompts, per_request, barrier, out)
-            )
+            ctx.Process(target=engine_main, args=(srv.endpoint, i, prompts, per_request, gate, out))
             for i in range(engines)
         ]
         t0 = time.perf_counter()
         with Floor(root) as floor:
             for proc in procs:
                 proc.start()
+            for _ in range(prompts):
+                store_bounds.append(gate.measure_and_open(memcpy))
+                retrieve_bounds.append(gate.measure_and_open(memcpy))
             results = [out.get(timeout=600) for _ in procs]
         wall = time.perf_counter() - t0
         for proc in procs:
@@ -291,24 +332,33 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
     lookups = [x for r in results for x in r["lookups"]]
     phases = [ph for r in results for ph in r["stores"] + r["retrieves"]]
     floor_rtt = within(floor.samples, [(min(p[0] for p in phases), max(p[1] for p in phases))])
-    bound = memcpy_gbps(engines, 8)
+    after = memcpy.gbps()  # once more after the run (the bound before each phase decides)
+    store_bound, retrieve_bound = per_phase_bound(store_bounds), per_phase_bound(retrieve_bounds)
     expected = engines * prompts * (PROMPT_TOKENS // CHUNK_TOKENS)
     print(
         f"(a) {engines} engines x {prompts} prompts of {PROMPT_TOKENS} tokens "
         f"({PROMPT_TOKENS // CHUNK_TOKENS} x 8 MiB, {per_request} per store request), "
         f"{wall:.1f} s: stored {stored}/{expected}, retrieved {retrieved}"
     )
+    spread = " / ".join(f"{b:.1f}" for b in store_bounds + retrieve_bounds)
     print(
-        f"    store {store_gbps:.2f} GB/s, retrieve {retrieve_gbps:.2f} GB/s, "
-        f"memcpy by {engines} threads {bound:.2f} GB/s; lookup (32k tokens) "
-        f"p50 {statistics.median(lookups) * 1e3:.2f} ms p99 {pct(lookups, 0.99) * 1e3:.2f} ms"
+        f"    store {store_gbps:.2f} GB/s against a memcpy by {engines} threads of "
+        f"{store_bound:.2f} GB/s measured right before each store phase; retrieve "
+        f"{retrieve_gbps:.2f} GB/s against {retrieve_bound:.2f} before each retrieve phase "
+        f"(each phase's bound, stores then retrieves: {spread}; once more after the run: "
+        f"{after:.2f}, against which store {store_gbps / after:.2f}, retrieve "
+        f"{retrieve_gbps / after:.2f})"
+    )
+    print(
+        f"    lookup (32k tokens) p50 {statistics.median(lookups) * 1e3:.2f} ms "
+        f"p99 {pct(lookups, 0.99) * 1e3:.2f} ms"
     )
     print(f"    floor: {describe_rtt(floor_rtt)}")
     return {
         "floor_p99_ms": pct(floor_rtt, 0.99) * 1e3,
         "steal": floor.steal_share,
-        "store": store_gbps / bound,
-        "retrieve": retrieve_gbps / bound,
+        "store": store_gbps / store_bound,
+        "retrieve": retrieve_gbps / retrieve_bound,
         "lookup_p99_ms": pct(lookups, 0.99) * 1e3,
     }
 
@@ -441,7 +491,7 @@ def under_transfer(root: Path, rounds: int, slow_tier: str) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
-    ap.add_argument("--prompts", type=int, default=3, help="prompts per engine")
+    ap.add_argument("--prompts", type=int, default=5, help="prompts per engine")
     ap.add_argument("--per-request", type=int, default=16, help="chunks per store request")
     ap.add_argument("--rounds", type=int, default=12, help="transfer rounds in (b)")
     ap.add_argument("--only", choices=("a", "b"), help="run one experiment")
