@@ -7,7 +7,9 @@ from A's pool straight into reserved slots of B's pool, verifying checksums), po
 QUERY_PREFETCH, and retrieves the chunks into its own (pre-touched) buffers. Between
 repetitions B's pool is cleared, so every repetition crosses the network again. The bound,
 measured in the same run: one raw TCP stream of the same number of bytes between two
-processes (``sendall`` from a touched buffer, ``recv_into`` a touched buffer).
+processes (``sendall`` from a touched buffer, ``recv_into`` a touched buffer). The fetch and
+the bounds take turns, a repetition of each in turn, so that they see the same moments of
+this VM's drifting bandwidth.
 
 Directory lookup latency: an outside reader (the benchmark process, not a member, so every
 entry is a round trip away, one per owner, all owners in parallel) resolves the keys of a
@@ -163,86 +165,124 @@ def raw_sender(port: int, nbytes: int, rounds: int, streams: int) -> None:
         t.join()
 
 
-def raw_tcp_seconds(nbytes: int, rounds: int, streams: int = 1) -> list[float]:
-    """Rounds of ``nbytes`` from a sender process over ``streams`` parallel connections
-    (``recv_into`` a touched buffer, one receiving thread per connection)."""
-    port = free_port_pair()
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--raw-sender", str(port), str(nbytes), str(rounds),
-         str(streams)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    socks: list[socket.socket] = []
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-        dst = np.ones(nbytes, dtype=np.uint8)  # touched
-        view = memoryview(dst)
-        for _ in range(streams):
-            sock = socket.create_connection(("127.0.0.1", port))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            socks.append(sock)
+class RawTcp:
+    """The bound: rounds of ``nbytes`` from a sender process over ``streams`` parallel
+    connections (``recv_into`` a touched buffer, one receiving thread per connection); at
+    most ``rounds`` calls of :meth:`round`, each timed alone."""
 
-        def receive(sock: socket.socket, lo: int, hi: int) -> None:
-            sock.sendall(b"g")
-            while lo < hi:
-                n = sock.recv_into(view[lo:hi], hi - lo)
-                if not n:
-                    raise ConnectionError("raw sender closed early")
-                lo += n
+    def __init__(self, nbytes: int, rounds: int, streams: int = 1) -> None:
+        self.nbytes, self.rounds, self.streams = nbytes, rounds, streams
 
-        times = []
-        with ThreadPoolExecutor(streams) as pool:
-            parts = list(zip(socks, stream_bounds(nbytes, streams), strict=True))
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                for fut in [pool.submit(receive, s, lo, hi) for s, (lo, hi) in parts]:
-                    fut.result()
-                times.append(time.perf_counter() - t0)
-        return times
-    finally:
-        for sock in socks:
+    def __enter__(self) -> RawTcp:
+        port = free_port_pair()
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, "--raw-sender", str(port), str(self.nbytes),
+             str(self.rounds), str(self.streams)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        self.socks: list[socket.socket] = []
+        try:
+            assert self.child.stdout is not None
+            assert self.child.stdout.readline().strip() == "ready"
+            self.view = memoryview(np.ones(self.nbytes, dtype=np.uint8))  # touched
+            for _ in range(self.streams):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.socks.append(sock)
+            self.pool = ThreadPoolExecutor(self.streams)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self, "pool"):
+            self.pool.shutdown()
+        for sock in self.socks:
             sock.close()
-        child.wait(30)
+        self.child.wait(30)
+
+    def _receive(self, sock: socket.socket, lo: int, hi: int) -> None:
+        sock.sendall(b"g")
+        while lo < hi:
+            n = sock.recv_into(self.view[lo:hi], hi - lo)
+            if not n:
+                raise ConnectionError("raw sender closed early")
+            lo += n
+
+    def round(self) -> float:
+        """Seconds for one round of ``nbytes``."""
+        parts = zip(self.socks, stream_bounds(self.nbytes, self.streams), strict=True)
+        t0 = time.perf_counter()
+        for fut in [self.pool.submit(self._receive, s, lo, hi) for s, (lo, hi) in parts]:
+            fut.result()
+        return time.perf_counter() - t0
 
 
 # -- the peer fetch ----------------------------------------------------------------------
-def fetch_seconds(
-    b: Server, tokens: np.ndarray[Any, Any], shape: tuple[int, ...], src: list[Any], rounds: int
-) -> list[float]:
-    n = len(src)
-    out = [np.ones(shape, np.float32) for _ in range(n)]  # the engine's (touched) buffers
-    times = []
-    with b.client() as engine:
-        engine.register("bench-model", shape, "float32", token_axis=1)
-        for r in range(rounds):
-            engine.clear()  # B's pool forgets the chunks: this round fetches them from A
-            rid = f"bench-{r}"
-            t0 = time.perf_counter()
-            result = engine.lookup(tokens, request_id=rid)
-            hits = result.hits
-            if result.prefetching:
-                while True:  # an engine polls; this one every 0.5 ms
-                    status = engine.query_prefetch(rid)
-                    if status.done:
-                        hits = status.hits
-                        break
-                    time.sleep(0.0005)
-            t1 = time.perf_counter()
-            got = engine.retrieve(request_id=rid, out=out)
-            times.append(time.perf_counter() - t0)
-            print(
-                f"  round {r}: LOOKUP + prefetch {(t1 - t0) * 1e3:.1f} ms, "
-                f"retrieve {(time.perf_counter() - t1) * 1e3:.1f} ms",
-                flush=True,
-            )
-            if hits != n or len(got.retrieved) != n:
-                raise RuntimeError(f"round {r}: {hits} hits, {len(got.retrieved)} retrieved of {n}")
-            for i in range(n):
-                if not np.array_equal(out[i], src[i]):
-                    raise RuntimeError(f"round {r}: chunk {i} differs")
-            for arr in out:
-                arr.fill(1.0)
+class PeerFetch:
+    """The measured path: an engine on B looks the prompt up (B's pool cleared first, so the
+    prefetch fetches every chunk from A), polls the prefetch, retrieves into its own touched
+    buffers, and checks every byte."""
+
+    def __init__(
+        self, b: Server, tokens: np.ndarray[Any, Any], shape: tuple[int, ...], src: list[Any]
+    ) -> None:
+        self.b, self.tokens, self.shape, self.src = b, tokens, shape, src
+
+    def __enter__(self) -> PeerFetch:
+        self.out = [np.ones(self.shape, np.float32) for _ in self.src]
+        self.engine = self.b.client()
+        self.engine.register("bench-model", self.shape, "float32", token_axis=1)
+        self.rounds = 0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.close()
+
+    def round(self) -> float:
+        """Seconds for one fetch, LOOKUP to the end of the retrieve."""
+        n, engine, r = len(self.src), self.engine, self.rounds
+        self.rounds += 1
+        engine.clear()  # B's pool forgets the chunks: this round fetches them from A
+        rid = f"bench-{r}"
+        t0 = time.perf_counter()
+        result = engine.lookup(self.tokens, request_id=rid)
+        hits = result.hits
+        if result.prefetching:
+            while True:  # an engine polls; this one every 0.5 ms
+                status = engine.query_prefetch(rid)
+                if status.done:
+                    hits = status.hits
+                    break
+                time.sleep(0.0005)
+        t1 = time.perf_counter()
+        got = engine.retrieve(request_id=rid, out=self.out)
+        seconds = time.perf_counter() - t0
+        print(
+            f"  round {r}: LOOKUP + prefetch {(t1 - t0) * 1e3:.1f} ms, "
+            f"retrieve {(time.perf_counter() - t1) * 1e3:.1f} ms",
+            flush=True,
+        )
+        if hits != n or len(got.retrieved) != n:
+            raise RuntimeError(f"round {r}: {hits} hits, {len(got.retrieved)} retrieved of {n}")
+        for i in range(n):
+            if not np.array_equal(self.out[i], self.src[i]):
+                raise RuntimeError(f"round {r}: chunk {i} differs")
+        for arr in self.out:
+            arr.fill(1.0)
+        return seconds
+
+
+def interleaved(repeat: int, *measures: Any) -> list[list[float]]:
+    """``repeat`` rounds of every measure in turn (fetch, raw, ...): this VM's bandwidth
+    drifts within seconds, so each is measured beside the others rather than in a block of
+    its own. Returns each measure's seconds."""
+    times: list[list[float]] = [[] for _ in measures]
+    for _ in range(repeat):
+        for measure, out in zip(measures, times, strict=True):
+            out.append(measure.round())
     return times
 
 
@@ -345,10 +385,13 @@ def main() -> None:
         wait_for(lambda: all(reader.resolve(keys)))
         reader.close()
 
-        fetch = fetch_seconds(b, tokens, shape, src, args.repeat)
-        raw = raw_tcp_seconds(nbytes, args.repeat)
         streams = DEFAULT_STREAMS_PER_FETCH
-        raw_par = raw_tcp_seconds(nbytes, args.repeat, streams)
+        with (
+            PeerFetch(b, tokens, shape, src) as peer_fetch,
+            RawTcp(nbytes, args.repeat) as raw_tcp,
+            RawTcp(nbytes, args.repeat, streams) as raw_tcp_par,
+        ):
+            fetch, raw, raw_par = interleaved(args.repeat, peer_fetch, raw_tcp, raw_tcp_par)
         lookups = lookup_latencies(a, 512, args.lookups)
         ryw_hits, ryw_wait, ryw_plain = read_your_writes(a, b, args.ryw_rounds)
     finally:
