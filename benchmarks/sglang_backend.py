@@ -9,7 +9,8 @@ What is measured, all in one run on this machine:
   with SGLang's real host pool (``page_first``, 64-token pages; Llama-3-8B's KV at tensor
   parallel 2 by default: 32 layers, 4 KV heads per rank, head size 128, bf16, 8 MiB a page);
 - the bound: a memcpy of the same bytes (contiguous page-sized buffers, tierkv's copier with
-  the same number of threads as the client);
+  the same number of threads as the client), taking turns with the set and the get round by
+  round;
 - SGLang's own file backend (``HiCacheFile``) on the same pages, its reads served from the
   page cache (files just written), through the generic path SGLang uses for it (flat pages,
   then ``set_from_flat_data_page``);
@@ -65,6 +66,22 @@ def median_time(
     return statistics.median(times)
 
 
+def interleaved_medians(
+    rounds: int, *measures: tuple[Callable[[], Any], Callable[[], Any]]
+) -> list[float]:
+    """For each (fn, before) pair, the median seconds of ``fn()`` over ``rounds``, the
+    measures taking turns round by round after one warm-up round; ``before()`` untimed."""
+    times: list[list[float]] = [[] for _ in measures]
+    for r in range(rounds + 1):
+        for (fn, before), out in zip(measures, times, strict=True):
+            before()
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -97,12 +114,13 @@ def main() -> None:
     pages_dst = [np.empty_like(a) for a in pages_src]
     sizes = [page_bytes] * n
     pairs = list(zip(pages_dst, pages_src, strict=True))
-    t_memcpy = median_time(lambda: copier.run(lambda pr: np.copyto(*pr), pairs, sizes), args.rounds)
-    copier.close()
+
+    def memcpy() -> None:
+        copier.run(lambda pr: np.copyto(*pr), pairs, sizes)
 
     with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
         root = Path(tmp)
-        # -- tierkv, one node ------------------------------------------------------------------
+        # -- tierkv, one node, taking turns with the bound ------------------------------------
         srv = start_server(root, pool_bytes=batch_bytes * 3, prefault=True)
         try:
             cfg = sp.storage_config({"endpoint": srv.endpoint, "timeout": 60})
@@ -118,20 +136,22 @@ def main() -> None:
             def do_set() -> None:
                 assert all(backend.batch_set_v1(fresh[0], src_idx)), "set failed"
 
-            t_set = median_time(do_set, args.rounds, before=new_keys)
-            keys = fresh[0]
-            assert reader.batch_exists(keys) == n
-
             def do_get() -> None:
-                assert all(reader.batch_get_v1(keys, dst_idx)), "get failed"
+                assert reader.batch_exists(fresh[0]) == n
+                assert all(reader.batch_get_v1(fresh[0], dst_idx)), "get failed"
 
-            t_get = median_time(do_get, args.rounds)
+            # One round of each in turn (this VM's bandwidth drifts within seconds), the first
+            # a warm-up; medians over the others.
+            t_memcpy, t_set, t_get = interleaved_medians(
+                args.rounds, (memcpy, lambda: None), (do_set, new_keys), (do_get, lambda: None)
+            )
             for i in range(n):
                 assert sp.page_bytes(dst, n + i) == sp.page_bytes(src, i), "wrong bytes"
             backend.close()
             reader.close()
         finally:
             stop_process(srv.proc)
+            copier.close()
 
         # -- SGLang's file backend ------------------------------------------------------------
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
