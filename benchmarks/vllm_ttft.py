@@ -37,11 +37,13 @@ into the blocks, as timed by the worker) against a memcpy of the same chunks in 
 process by as many threads as the connector copies with (its ``copy_threads``: on a CPU
 engine one, vLLM's own, whose OpenMP threads hold the other cores; ``--copy-threads``
 sets it): as many chunks of the same size, each from its own source buffer as the
-connector's come from distinct paged blocks. A memcpy by every core (at most 4), with the
-connector's figures against it, and one of every chunk from one buffer (which stays in the
-core's cache) are printed beside it, and the spread of the steps' store and load GB/s (one
-figure per engine step that stored or loaded: a whole run's slow stores show there as a low
-median, a few slow ones as a low minimum). The last line is
+connector's come from distinct paged blocks, measured right after each round (a run lasts
+minutes, and this VM's memory bandwidth drifts within seconds; the rounds' harmonic mean is
+the bound, the figure at the end of the run is printed beside). A memcpy by every core (at
+most 4), with the connector's figures against it, and one of every chunk from one buffer
+(which stays in the core's cache) are printed beside it, and the spread of the steps'
+store and load GB/s (one figure per engine step that stored or loaded: a whole run's slow
+stores show there as a low median, a few slow ones as a low minimum). The last line is
 ``vllm_ttft vanilla_ms=V cold_ms=A warm_ms=B speedup=C overhead=D store_vs_memcpy=E
 load_vs_memcpy=F``. Goals: C >= 3, D <= 0.03, E and F >= 0.7.
 
@@ -244,16 +246,30 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
 
         vanilla_ttft(warmup)  # first-call costs
         request(llm, warmup)
-        measured = [
-            measure(llm, prompt, i, vanilla_ttft, hooks) for i, prompt in enumerate(prompts)
-        ]
+        measured = []
+        bounds: list[float] = []
+        for i, prompt in enumerate(prompts):
+            before = worker_stats()
+            measured.append(measure(llm, prompt, i, vanilla_ttft, hooks))
+            bounds.append(round_bound(before, worker_stats()))
         ours.send(None)
         child.join(60)
     finally:
         if child.is_alive():
             child.kill()
     columns = (list(column) for column in zip(*measured, strict=True))
-    report(None if args.async_store else per_call, *columns)
+    report(None if args.async_store else per_call, bounds, *columns)
+
+
+def round_bound(before: dict[str, float], after: dict[str, float]) -> float:
+    """The bound for one round's stores and loads, measured right after them (this VM's
+    memory bandwidth drifts within seconds; a run lasts minutes): a memcpy of as many chunks
+    of the same size as the round stored, by as many threads as the connector copies with."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    chunks = int(after["stored_chunks"] - before["stored_chunks"])
+    chunk_bytes = int(after["store_bytes"] - before["store_bytes"]) // max(chunks, 1)
+    return memcpy_gbps(chunk_bytes, max(chunks, 1), get_kv_transfer_group().worker_copy_threads)
 
 
 def measure(
@@ -287,13 +303,16 @@ def measure(
 
 def report(
     per_call: dict[str, list[float]] | None,
+    bounds: list[float],
     vanilla: list[float],
     cold: list[float],
     warm: list[float],
     in_connector: list[float],
 ) -> None:
     """Print the figures; ``per_call``: each step's store and load GB/s (synchronous stores
-    only: an asynchronous store's bytes land after its step's call returned)."""
+    only: an asynchronous store's bytes land after its step's call returned); ``bounds``:
+    each round's memcpy bound (their harmonic mean is the run's: the rounds move the same
+    bytes)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     stats = worker_stats()
@@ -303,8 +322,9 @@ def report(
     chunk_bytes = int(stats["store_bytes"]) // max(chunks, 1)
     threads = get_kv_transfer_group().worker_copy_threads
     cores = default_threads()
-    bound = memcpy_gbps(chunk_bytes, chunks, threads)
-    all_cores = bound if cores == threads else memcpy_gbps(chunk_bytes, chunks, cores)
+    bound = len(bounds) / sum(1 / b for b in bounds)
+    at_end = memcpy_gbps(chunk_bytes, chunks, threads)
+    all_cores = at_end if cores == threads else memcpy_gbps(chunk_bytes, chunks, cores)
     one_source = memcpy_gbps(chunk_bytes, chunks, 1, distinct_sources=False)
     print(
         f"connector: copies with {threads} thread(s); stores {store_gbps:.2f} GB/s "
@@ -312,7 +332,10 @@ def report(
         f"their reservations, during the forward passes, "
         f"{stats['store_prepare_seconds'] * 1e3:.1f} ms), loads {load_gbps:.2f} GB/s "
         f"({stats['load_bytes'] / 2**20:.0f} MiB in {stats['load_seconds'] * 1e3:.1f} ms); "
-        f"memcpy of the same chunks by {threads} thread(s) {bound:.2f} GB/s; by {cores} "
+        f"memcpy of the same chunks by {threads} thread(s) {bound:.2f} GB/s (each round's, "
+        f"measured right after it: {' / '.join(f'{b:.2f}' for b in bounds)}; once more at "
+        f"the end: {at_end:.2f}, against which stores {store_gbps / at_end:.2f} and loads "
+        f"{load_gbps / at_end:.2f}); by {cores} "
         f"threads (every core) {all_cores:.2f} GB/s (stores {store_gbps / all_cores:.2f} and "
         f"loads {load_gbps / all_cores:.2f} of it); one thread from one cached source "
         f"{one_source:.2f} GB/s"
