@@ -70,10 +70,11 @@ def test_while_data_moves_a_thread_waits_at_most_one_millisecond_for_the_gil() -
     assert before > priority.DATA_SWITCH_INTERVAL
 
 
-def _slice_of_this_thread() -> int | None:
-    """The scheduler's time slice of the calling thread (ns), where the kernel shows it."""
+def _slice_in(task: Path) -> int | None:
+    """The scheduler's time slice (ns) of the thread whose /proc directory is ``task``, where
+    the kernel shows it."""
     try:
-        text = Path(f"/proc/self/task/{threading.get_native_id()}/sched").read_text()
+        text = (task / "sched").read_text()
     except OSError:
         return None
     for line in text.splitlines():
@@ -82,15 +83,26 @@ def _slice_of_this_thread() -> int | None:
     return None
 
 
-def test_a_data_thread_gets_a_longer_time_slice_than_the_caller() -> None:
-    """So that a woken control thread, with the default (shorter) slice, may preempt it."""
+def _slice_of_this_thread() -> int | None:
+    return _slice_in(Path(f"/proc/self/task/{threading.get_native_id()}"))
+
+
+def _skip_without_slices() -> int:
+    """This thread's slice; skips where the kernel shows no slices or has no custom ones."""
     base = _slice_of_this_thread()
     if base is None:
         pytest.skip("this kernel does not show time slices (/proc/<pid>/task/<tid>/sched)")
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        if pool.submit(_slice_of_this_thread).result() == base:
+            pytest.skip("this kernel has no per-thread slices (Linux 6.12 and later have)")
+    return base
+
+
+def test_a_data_thread_gets_a_longer_time_slice_than_the_caller() -> None:
+    """So that a woken control thread, with the default (shorter) slice, may preempt it."""
+    base = _skip_without_slices()
     with ThreadPoolExecutor(1, initializer=priority.data_thread) as pool:
         lowered = pool.submit(lambda: (_slice_of_this_thread(), _nice_of_this_thread())).result()
-    if lowered[0] == base:
-        pytest.skip("this kernel has no per-thread slices (Linux 6.12 and later have)")
     assert lowered == (priority.DATA_SLICE_NS, min(19, _nice_of_this_thread() + priority.DATA_NICE))
     assert base < priority.DATA_SLICE_NS
     assert _slice_of_this_thread() == base  # the calling thread keeps its slice
@@ -112,24 +124,9 @@ def test_only_a_data_thread_gives_way(monkeypatch: pytest.MonkeyPatch) -> None:
     assert yields == [tid, tid]
 
 
-def _slices_of(pid: int) -> list[int]:
+def _slices_of(pid: int) -> list[int | None]:
     """The time slice (ns) of every thread of process ``pid``."""
-    slices = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for line in (task / "sched").read_text().splitlines():
-            if line.startswith("se.slice"):
-                slices.append(int(line.split(":")[1]))
-    return slices
-
-
-def _skip_without_slices() -> int:
-    base = _slice_of_this_thread()
-    if base is None:
-        pytest.skip("this kernel does not show time slices (/proc/<pid>/task/<tid>/sched)")
-    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
-        if pool.submit(_slice_of_this_thread).result() == base:
-            pytest.skip("this kernel has no per-thread slices (Linux 6.12 and later have)")
-    return base
+    return [_slice_in(task) for task in Path(f"/proc/{pid}/task").iterdir()]
 
 
 def test_a_control_thread_gets_a_short_slice_at_its_own_priority(
