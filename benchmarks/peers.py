@@ -36,6 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -275,14 +276,17 @@ class PeerFetch:
         return seconds
 
 
-def interleaved(repeat: int, *measures: Any) -> list[list[float]]:
-    """``repeat`` rounds of every measure in turn (fetch, raw, ...): this VM's bandwidth
-    drifts within seconds, so each is measured beside the others rather than in a block of
-    its own. Returns each measure's seconds."""
+def interleaved(repeat: int, *measures: Callable[[], float], warmup: int = 0) -> list[list[float]]:
+    """``warmup + repeat`` rounds of every measure in turn (each a call that returns its
+    seconds: the fetch, raw TCP, ...): this VM's bandwidth drifts within seconds, so each is
+    measured beside the others rather than in a block of its own. Returns each measure's
+    seconds, the warm-up rounds left out."""
     times: list[list[float]] = [[] for _ in measures]
-    for _ in range(repeat):
+    for r in range(warmup + repeat):
         for measure, out in zip(measures, times, strict=True):
-            out.append(measure.round())
+            seconds = measure()
+            if r >= warmup:
+                out.append(seconds)
     return times
 
 
@@ -391,7 +395,9 @@ def main() -> None:
             RawTcp(nbytes, args.repeat) as raw_tcp,
             RawTcp(nbytes, args.repeat, streams) as raw_tcp_par,
         ):
-            fetch, raw, raw_par = interleaved(args.repeat, peer_fetch, raw_tcp, raw_tcp_par)
+            fetch, raw, raw_par = interleaved(
+                args.repeat, peer_fetch.round, raw_tcp.round, raw_tcp_par.round
+            )
         lookups = lookup_latencies(a, 512, args.lookups)
         ryw_hits, ryw_wait, ryw_plain = read_your_writes(a, b, args.ryw_rounds)
     finally:

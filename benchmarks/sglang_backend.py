@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from peers import TOKEN, Server, free_port_pair, members, wait_for
+from peers import TOKEN, Server, free_port_pair, interleaved, members, wait_for
 from shm_path import start_server
 from support import sglang_pools as sp
 from tierkv.copier import Copier, default_threads
@@ -52,34 +52,23 @@ def keys_for(prefix: str, n: int) -> list[str]:
     return [hashlib.sha256(f"{prefix}-{i}".encode()).hexdigest() for i in range(n)]
 
 
+def timer(fn: Callable[[], Any], before: Callable[[], Any] = lambda: None) -> Callable[[], float]:
+    """A call that runs ``before()`` untimed, then ``fn()``, and returns the latter's seconds."""
+
+    def timed() -> float:
+        before()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return timed
+
+
 def median_time(
     fn: Callable[[], Any], rounds: int, before: Callable[[], Any] = lambda: None
 ) -> float:
     """Median seconds of ``fn()`` over ``rounds`` (after one warm-up), ``before()`` untimed."""
-    times = []
-    for r in range(rounds + 1):
-        before()
-        t0 = time.perf_counter()
-        fn()
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def interleaved_medians(
-    rounds: int, *measures: tuple[Callable[[], Any], Callable[[], Any]]
-) -> list[float]:
-    """For each (fn, before) pair, the median seconds of ``fn()`` over ``rounds``, the
-    measures taking turns round by round after one warm-up round; ``before()`` untimed."""
-    times: list[list[float]] = [[] for _ in measures]
-    for r in range(rounds + 1):
-        for (fn, before), out in zip(measures, times, strict=True):
-            before()
-            t0 = time.perf_counter()
-            fn()
-            if r:
-                out.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return statistics.median(interleaved(rounds, timer(fn, before), warmup=1)[0])
 
 
 def main() -> None:
@@ -142,8 +131,11 @@ def main() -> None:
 
             # One round of each in turn (this VM's bandwidth drifts within seconds), the first
             # a warm-up; medians over the others.
-            t_memcpy, t_set, t_get = interleaved_medians(
-                args.rounds, (memcpy, lambda: None), (do_set, new_keys), (do_get, lambda: None)
+            t_memcpy, t_set, t_get = (
+                statistics.median(t)
+                for t in interleaved(
+                    args.rounds, timer(memcpy), timer(do_set, new_keys), timer(do_get), warmup=1
+                )
             )
             for i in range(n):
                 assert sp.page_bytes(dst, n + i) == sp.page_bytes(src, i), "wrong bytes"

@@ -297,11 +297,14 @@ class RedisTier(Tier):
         whose replies were not all read cleanly is closed, never reused."""
         conn = self._pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            return self._retry.call_with_retry(
-                lambda: _exchange(conn, commands, read), lambda _exc: conn.disconnect()
+            # A failed attempt has closed the connection already; the next one reconnects.
+            result = self._retry.call_with_retry(
+                lambda: _exchange(conn, commands, read), lambda _exc: None
             )
         finally:
             self._pool.release(conn)  # type: ignore[no-untyped-call]
+        self.outage.ok()  # Redis answered (per-command errors are reported by the caller)
+        return result
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -344,7 +347,6 @@ class RedisTier(Tier):
             return results
         finally:
             commands.clear()  # drop the references to the pool views
-        self.outage.ok()
         refused: list[Exception] = []
         for i, reply in zip(positions, replies, strict=True):
             if isinstance(reply, ReplyError):
@@ -398,7 +400,6 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("load", exc, len(items))
             return [LoadStatus.ERROR] * len(items)
-        self.outage.ok()
         statuses: list[LoadStatus] = []
         bad: list[tuple[bytes, object]] = []  # (key, the corrupt value) to delete
         for (key, _), header, dest, reply in zip(items, headers, dests, replies, strict=True):
@@ -551,14 +552,12 @@ def _exchange(conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Re
         if not replies.clean:
             raise ProtocolError("more bytes arrived than the replies to the commands sent")
         return result
-    except TimeoutError as exc:  # socket.timeout
-        conn.disconnect()
-        raise RedisTimeoutError(f"redis tier: {exc or 'timed out'}") from exc
-    except OSError as exc:  # ConnectionError and ProtocolError included
-        conn.disconnect()
-        raise RedisConnectionError(f"redis tier: {exc}") from exc
-    except BaseException:
-        conn.disconnect()
+    except BaseException as exc:
+        conn.disconnect()  # where the stream stands is unknown: never reuse the connection
+        if isinstance(exc, TimeoutError):  # socket.timeout
+            raise RedisTimeoutError(f"redis tier: {exc or 'timed out'}") from exc
+        if isinstance(exc, OSError):  # ConnectionError and ProtocolError included
+            raise RedisConnectionError(f"redis tier: {exc}") from exc
         raise
 
 

@@ -55,13 +55,12 @@ class Replies:
 
     # -- buffer ----------------------------------------------------------------------------
     def _more(self) -> None:
-        """Receive more into the buffer (moving what is unread to its start first)."""
+        """Receive more into the buffer (moving what is unread to its start first; there is
+        room: :meth:`_line` gives up on lines longer than :data:`MAX_LINE`)."""
         if self._start:
             unread = self._end - self._start
             self._buf[:unread] = self._buf[self._start : self._end]
             self._start, self._end = 0, unread
-        if self._end == len(self._buf):
-            raise ProtocolError(f"a reply line longer than {len(self._buf)} bytes")
         got = self.sock.recv_into(memoryview(self._buf)[self._end :])
         if not got:
             raise ConnectionError("the server closed the connection")
@@ -137,12 +136,12 @@ class Replies:
             self._crlf()
             return bytes(value)
         self._fill(header)
-        hasher = checksummer()
         took = self._exact(dest)
-        hasher.update(dest[:took])
-        digest = recv_hashed(self.sock, dest[took:], hasher) if took < len(dest) else None
+        hasher = checksummer(dest[:took])
+        if took < len(dest):
+            recv_hashed(self.sock, dest[took:], hasher)  # goes on with the same running hash
         self._crlf()
-        return Filled(hasher.digest() if digest is None else digest)
+        return Filled(hasher.digest())
 
     @property
     def clean(self) -> bool:
