@@ -146,6 +146,20 @@ def test_a_control_thread_gets_a_short_slice_at_its_own_priority(
         assert pool.submit(_slice_of_this_thread).result() == 500_000
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"), [("two", "default"), ("", "default"), ("-5", "base")]
+)
+def test_a_bad_control_slice_setting_never_stops_a_thread(
+    monkeypatch: pytest.MonkeyPatch, value: str, expected: str
+) -> None:
+    """Not a number: the default slice; negative: the kernel's own (as 0)."""
+    base = _skip_without_slices()
+    monkeypatch.setenv("TIERKV_CONTROL_SLICE_US", value)
+    with ThreadPoolExecutor(1, initializer=priority.control_thread) as pool:
+        got = pool.submit(_slice_of_this_thread).result()
+    assert got == (priority.CONTROL_SLICE_NS if expected == "default" else base)
+
+
 def test_a_servers_rpc_loop_and_request_workers_have_the_short_slice(
     server: ServerProcess,
 ) -> None:
