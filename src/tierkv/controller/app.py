@@ -17,6 +17,7 @@ from tierkv.controller.service import ControllerService
 from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
 from tierkv.server.http import HttpServer
+from tierkv.thread_names import name_os_threads
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Controller:
 def run(cfg: ControllerConfig) -> int:
     """Serve until SIGTERM/SIGINT."""
     setup_logging(cfg.log_level, cfg.log_format)
+    name_os_threads("tierkv-ctl")  # before any thread starts
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -16,6 +16,7 @@ from tierkv.config import ServerConfig
 from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
 from tierkv.server.wiring import Server
+from tierkv.thread_names import name_os_threads
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ def run(cfg: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT. A part that fails to start raises (everything started
     before it is stopped first)."""
     setup_logging(cfg.log_level, cfg.log_format)
+    name_os_threads("tierkv-server")  # before any thread starts
     server = Server(cfg)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
