@@ -112,6 +112,9 @@ class StoreResult:
     present: list[int] = field(default_factory=list)  # already in the cache
     no_space: list[int] = field(default_factory=list)  # skipped: the pool is full
     cleared: int = 0  # written but deleted (cleared) before the commit
+    # False: the commit was sent without waiting for its answer (finish_store(confirm=
+    # False)); ``stored`` is then what it commits if it succeeds (Client.settle says).
+    confirmed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,9 +215,11 @@ class Client:
         # names slots is read while the pool it names them in is the one mapped.
         self._io = threading.RLock()
         self._rids = itertools.count(1)
-        # Requests sent without waiting for their replies (a retrieve's release): the next
-        # call reads those replies first, and logs the ones that are errors.
-        self._unanswered: set[int] = set()
+        # Requests sent without waiting for their replies (a retrieve's release, an
+        # unconfirmed commit), by rid, with their names: the next call or settle() reads
+        # those replies first, and logs the ones that are errors (counted in _failed_unanswered).
+        self._unanswered: dict[int, str] = {}
+        self._failed_unanswered = 0
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.reply_decoder.decode
         self._executor: ThreadPoolExecutor | None = None
@@ -276,7 +281,7 @@ class Client:
                     # reason is already here to read.
                     deadline = min(deadline, time.monotonic() + 0.1)
                 if not answered:
-                    self._unanswered.add(req.rid)
+                    self._unanswered[req.rid] = p.request_name(req)
                     return None
                 reply = self._await_reply(conn, req.rid, deadline)
             except (OSError, framing.FrameTooLargeError) as exc:
@@ -307,14 +312,41 @@ class Client:
 
     def _took_unanswered(self, reply: Any) -> bool:
         """Whether ``reply`` answers a request sent without waiting (then it is done with)."""
-        if reply.rid not in self._unanswered:
+        name = self._unanswered.pop(reply.rid, None)
+        if name is None:
             return False
-        self._unanswered.discard(reply.rid)
         if isinstance(reply, p.Error):
+            self._failed_unanswered += 1
             log.warning(
-                "tierkv server: a release this client did not wait for failed: %s", reply.message
+                "tierkv server: a %s this client did not wait for failed: %s", name, reply.message
             )
         return True
+
+    def settle(self, timeout: float | None = None) -> int:
+        """Wait for the answers to every request sent without waiting (unconfirmed commits,
+        releases): once it returns, the server has carried them out, and a commit's chunks
+        are visible wherever a confirmed commit's would be (on this server; in a cluster,
+        in the directory too). Returns how many of them failed since the last call (each is
+        logged). Raises :class:`ServerUnavailableError` when the answers do not come (the
+        connection is then closed: a server that lost it never carried out what it had not
+        read)."""
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        with self._io:
+            conn = self._conn
+            try:
+                while self._unanswered and conn is not None:
+                    for frame in conn.receive(deadline):
+                        if not self._took_unanswered(self._decode(frame)):
+                            raise ConnectionError("a reply to no request sent")
+            except (OSError, framing.FrameTooLargeError) as exc:
+                self._disconnect()
+                raise ServerUnavailableError(
+                    f"no answer from tierkv server at {self.endpoint} within {wait:.1f} s to "
+                    f"requests sent without waiting ({exc})"
+                ) from None
+            failed, self._failed_unanswered = self._failed_unanswered, 0
+        return failed
 
     def _await_reply(self, conn: framing.Connection, rid: int, deadline: float) -> Any:
         while True:
@@ -631,10 +663,15 @@ class Client:
         *,
         gather: Gather | None = None,
         caller_copies: bool | None = None,
+        confirm: bool = True,
     ) -> StoreResult:
         """The second phase of a store: copy the reserved chunks in (``chunks`` or
         ``gather`` as for :meth:`store`) and commit them. Aborts the reservation if a copy
-        raises."""
+        raises. ``confirm=False``: return once the commit is sent, without waiting for the
+        server's answer (the result says ``confirmed=False``; this client's next call or
+        :meth:`settle` reads it, and a failure is logged and counted by :meth:`settle`): for
+        an engine whose next forward pass would only wait for that answer, when nothing
+        reads the chunks before it settles."""
         if (chunks is None) == (gather is None):
             raise ValueError("give exactly one of chunks or gather")
         if chunks is not None and len(chunks) != prepared.expected:
@@ -661,7 +698,13 @@ class Client:
         except BaseException:
             self.abort_store(prepared)
             raise
-        done: p.Committed = self._call(p.CommitStore(self._rid(), self._token(), slots.lease))
+        commit = p.CommitStore(self._rid(), self._token(), slots.lease)
+        if not confirm:
+            self._call(commit, answered=False)
+            result.stored = [s.chunk for s in slots.slots]
+            result.confirmed = False
+            return result
+        done: p.Committed = self._call(commit)
         result.cleared = done.cleared
         result.stored = [s.chunk for s in slots.slots[: done.committed]]
         return result

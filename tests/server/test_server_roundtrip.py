@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -184,7 +186,55 @@ def test_a_retrieve_that_does_not_wait_for_its_release(
             client._call(bogus, answered=False)
             assert client.lookup(tokens).hits == 2  # served on the same connection
         assert client._conn is conn
-        assert "a release this client did not wait for failed" in caplog.text
+        assert "a finish_retrieve this client did not wait for failed" in caplog.text
+
+
+def test_a_commit_that_does_not_wait_for_its_answer(
+    server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """finish_store(confirm=False) returns once the commit is sent (unconfirmed, naming what
+    it commits); settle() waits for the answer, after which another client sees the chunks.
+    A commit that fails (a lease the server never gave) is logged and counted by settle(),
+    and the connection serves on with committed data intact."""
+    tokens = list(range(9000, 9000 + 256 * 3))
+    data = [chunk_data(tokens, i) for i in range(3)]
+    with server.client() as client, server.client() as other:
+        register(client)
+        register(other)
+        prepared = client.prepare_store(tokens)
+        result = client.finish_store(prepared, data, confirm=False)
+        assert result.stored == [0, 1, 2] and not result.confirmed
+        assert len(client._unanswered) == 1  # nobody read the answer yet
+        conn = client._conn
+        assert client.settle() == 0
+        assert not client._unanswered and client._conn is conn
+        assert other.lookup(tokens).hits == 3  # at once: settled means committed
+        assert client.settle() == 0  # nothing left to wait for
+
+        # The next call reads an unconfirmed commit's answer on its way.
+        more = list(range(20_000, 20_000 + 256))
+        prepared = client.prepare_store(more)
+        client.finish_store(prepared, [chunk_data(more, 0)], confirm=False)
+        assert client.lookup(more).hits == 1 and not client._unanswered
+
+        third = list(range(30_000, 30_000 + 256))
+        reserved = client.prepare_store(third)
+        bogus = dataclasses.replace(
+            reserved, slots=msgspec.structs.replace(reserved.slots, lease=999_999)
+        )
+        with caplog.at_level(logging.WARNING, logger="tierkv.client"):
+            assert not client.finish_store(bogus, [chunk_data(third, 0)], confirm=False).confirmed
+            assert client.settle() == 1
+            assert client.settle() == 0  # counted once
+        assert "a commit_store this client did not wait for failed" in caplog.text
+        assert client._conn is conn
+        client.abort_store(reserved)
+        assert client.lookup(third).hits == 0 and client.lookup(more).hits == 1
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(3)]
+        assert client.retrieve(tokens, out).complete
+        for i in range(3):
+            np.testing.assert_array_equal(out[i], data[i])
+        assert client.stats().write_leases == 0
 
 
 def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(

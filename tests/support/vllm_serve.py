@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,16 @@ class VllmServer(_HttpService):
     start_timeout = 600.0  # about 30 s on an idle 2-core machine; CI may be loaded
 
     def __init__(
-        self, workdir: Path, model: Path, kv_transfer_config: dict[str, Any] | None = None
+        self,
+        workdir: Path,
+        model: Path,
+        kv_transfer_config: dict[str, Any] | None = None,
+        extra_args: Sequence[str] = (),
     ) -> None:
         super().__init__(workdir)
         self.model = model
         self.kv_transfer_config = kv_transfer_config
+        self.extra_args = list(extra_args)  # more of vLLM's own options
 
     def _argv(self, port: int) -> list[str]:
         argv = [
@@ -101,7 +107,7 @@ class VllmServer(_HttpService):
         ]  # fmt: skip
         if self.kv_transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
-        return argv
+        return argv + self.extra_args
 
     def _env(self) -> dict[str, str]:
         return {

@@ -396,6 +396,47 @@ def test_stores_reserved_during_the_forward_pass_are_copied_and_committed_after_
     assert_loads_exactly(a, a_blocks, b, tokens)
 
 
+@pytest.mark.parametrize("prompt", [1100, 1024])
+def test_a_prefill_steps_commits_are_not_waited_for_until_the_request_can_finish(
+    server: Any, prompt: int
+) -> None:
+    """A prompt prefilled in steps of 512 tokens: the commits of the steps after which the
+    prompt is still being computed are sent without waiting for their answers (read by the
+    next step's reservation); the step in which the request can finish (the tail step that
+    stores nothing, or the step that stores the last chunks) waits for every one, so that
+    at its end another client sees every chunk, and the bytes load exactly."""
+    a, b = make_engine(server.endpoint, "engine-a"), make_engine(server.endpoint, "engine-b")
+    tokens = list(range(40_000, 40_000 + prompt))
+    req = request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    blocks = a.blocks(-(-prompt // BLOCK))
+    a.scheduler.update_state_after_alloc(req, blocks, 0)
+    client = a.worker.link.client()
+    assert client is not None
+    steps = [
+        step_output([("a-1", blocks, 0, 512)]),
+        step_output([], cached=[("a-1", [], 512, 512)]),
+        step_output([], cached=[("a-1", [], 1024, prompt - 1024)]),
+    ][: 2 if prompt == 1024 else 3]
+    for i, output in enumerate(steps):
+        meta = a.scheduler.build_connector_meta(output)
+        last = i == len(steps) - 1
+        assert ("a-1" in meta.prefilling) == (not last)
+        a.worker.prepare_stores(meta)
+        a.worker.wait_for_save(meta)
+        with server.client(timeout=5.0) as admin:
+            ready = admin.stats().ready
+        if last:  # settled: every commit is done and visible elsewhere, at once
+            assert not a.worker._unconfirmed and not client._unanswered
+            assert ready == 4
+        else:
+            assert a.worker._unconfirmed == {"a-1"}
+            assert len(client._unanswered) == 1  # this step's commit only: the next
+            # step's reservation read the one before
+    assert a.worker.stats["stored_chunks"] == 4
+    assert_loads_exactly(a, blocks, b, tokens)
+
+
 def test_a_reservation_no_store_takes_is_given_back(server: Any) -> None:
     """A step whose wait_for_save never comes (vLLM's forward pass raised): its reservations
     are given back when the next step reserves, and at shutdown."""

@@ -8,7 +8,9 @@ the consumer. Prompts of 3 to 11 full chunks (and a partial one) are sent back t
 completions (one streamed) and as a chat; every one must be answered with the tokens of a
 vLLM instance without tierkv (greedy), and the consumer must have loaded every full chunk of
 every prompt from tierkv: B's lookup finds them on A the moment A's store returned (the
-commit waits for the directory, ``--commit-publish-timeout``). Then the producer is stopped:
+commit waits for the directory, ``--commit-publish-timeout``). The producer prefills in steps
+of 512 tokens, so most prompts' early commits are not waited for: read-your-writes must hold
+all the same. Then the producer is stopped:
 the proxy still answers, the same tokens, from the consumer computing the prompt itself.
 """
 
@@ -40,6 +42,7 @@ FULL_CHUNKS = [3, 11, 5, 8, 4, 6, 3]  # per completion prompt, each plus a parti
 STREAMED = 3  # this completion is streamed (its answer carries no connector report)
 FALLBACK_CHUNKS = 4  # the prompt sent once the producer is down
 MAX_TOKENS = 16
+PRODUCER_STEP = ["--max-num-batched-tokens", "512"]  # so that long prompts prefill in steps
 
 
 @pytest.fixture(autouse=True)
@@ -58,10 +61,10 @@ def vllm_servers() -> Iterator[Callable[..., list[VllmServer]]]:
     each in its own short temporary directory; all are stopped and removed after the test."""
     started: list[VllmServer] = []
 
-    def start(specs: list[tuple[Path, dict[str, Any] | None]]) -> list[VllmServer]:
+    def start(specs: list[tuple[Any, ...]]) -> list[VllmServer]:
+        """Each spec: (model, kv_transfer_config[, more vLLM options])."""
         servers = [
-            VllmServer(Path(tempfile.mkdtemp(prefix="tierkv-vllm-")), model, config)
-            for model, config in specs
+            VllmServer(Path(tempfile.mkdtemp(prefix="tierkv-vllm-")), *spec) for spec in specs
         ]
         started.extend(servers)
         with ThreadPoolExecutor(len(servers)) as pool:
@@ -161,7 +164,9 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
     reference, producer, consumer = vllm_servers(
         [
             (tiny_model, None),
-            (tiny_model, connector_config(a, "kv_producer")),
+            # Prefill in steps of 512 tokens: the commits of a prompt's steps but its last
+            # are not waited for; the step in which the request can finish waits for them all.
+            (tiny_model, connector_config(a, "kv_producer"), PRODUCER_STEP),
             (tiny_model, connector_config(b, "kv_consumer")),
         ]
     )

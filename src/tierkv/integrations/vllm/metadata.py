@@ -32,6 +32,9 @@ class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     stores: list[StoreSpec] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Requests whose prompt is still being computed after this step: they produce no token
+    # in it, so none can finish in it (and hand its KV to another engine).
+    prefilling: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -313,7 +313,7 @@ class SchedulerSide:
                 continue
             state.block_ids = list(new.block_ids[0]) if new.block_ids else []
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
-            self._plan_store(state, computed, meta)
+            self._plan_step(state, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests.get(rid)
@@ -325,7 +325,7 @@ class SchedulerSide:
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
-            self._plan_store(state, computed, meta)
+            self._plan_step(state, computed, meta)
         return meta
 
     def _note_preemptions(self, scheduler_output: Any, meta: TierKVConnectorMetadata) -> None:
@@ -338,6 +338,14 @@ class SchedulerSide:
             if state is not None and state.stores_running:
                 meta.preempted.append(rid)
                 state.stores_running = False  # none is left running after that wait
+
+    def _plan_step(self, state: RequestState, computed: int, meta: TierKVConnectorMetadata) -> None:
+        """A scheduled request, ``computed`` tokens with KV once this step has run: its
+        stores, and whether its prompt is still being computed (then the workers may leave
+        this step's commits unconfirmed: the request cannot finish in it)."""
+        if computed < state.request.num_prompt_tokens:
+            meta.prefilling.add(state.request.request_id)
+        self._plan_store(state, computed, meta)
 
     def _plan_store(
         self, state: RequestState, computed: int, meta: TierKVConnectorMetadata

@@ -13,8 +13,12 @@ engine id its scheduler looks up with). Then, every step:
 - stores: before the forward pass (``bind_connector_metadata``, or after the step's loads),
   the rank's prepare thread reserves slots for the chunks the scheduler planned, so the
   round trip runs while the forward pass computes them; after it (``wait_for_save``), copy
-  each chunk straight from the blocks into its slot, commit. Chunks the pool already holds
-  are skipped by the server. A failed store is a future miss, nothing else; a reservation
+  each chunk straight from the blocks into its slot, commit. In a step after which the
+  request's prompt is still being computed (a long prefill, in steps), the commit's answer
+  is not waited for: the request cannot finish in that step, and the step in which it can
+  waits for every commit of it still unanswered (``_settle``), so a finished request's
+  chunks are in the pool (and a cluster's directory) before vLLM hands it on. Chunks the
+  pool already holds are skipped by the server. A failed store is a future miss, nothing else; a reservation
   whose store does not run (its request's load failed in this step) is given back.
   With ``async_store`` the step's stores go to the rank's store thread
   (:class:`~tierkv.integrations.vllm.stores.StoreQueue`, first in, first out) and
@@ -117,6 +121,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
+        # Requests with commits sent without waiting for the answer (synchronous stores of a
+        # step in which the request's prompt is still being computed), until settled.
+        self._unconfirmed: set[str] = set()
         # Totals for this process (tests, logs and benchmarks read them): chunks, and the
         # time the engine spent in stores (waiting for the reservation, the copies out of its
         # blocks, the commit) and in loads (the RPCs and the copies into its blocks), with the
@@ -314,7 +321,8 @@ class WorkerSide:
                     if future is not None:  # reserved before its load failed
                         self._abort(future)
                     continue  # never store what was computed on top of a failed load
-                self._submit_store(spec, future)
+                self._submit_store(spec, future, confirm=spec.request_id not in meta.prefilling)
+        self._settle(meta.prefilling)
         # After this step's stores were submitted: get_finished reports these once none of
         # their stores is pending (at once when synchronous). vLLM puts a finished request
         # into the finished_req_ids of the same step whose metadata releases it, so the id
@@ -322,11 +330,39 @@ class WorkerSide:
         # (before: when vLLM defers wait_for_save past get_finished, with a draft model).
         self._releasing.update(meta.release)
 
-    def _submit_store(self, spec: StoreSpec, prepared: Future[PreparedStore | None] | None) -> None:
+    def _submit_store(
+        self, spec: StoreSpec, prepared: Future[PreparedStore | None] | None, confirm: bool
+    ) -> None:
         if self._stores is None:
-            self._store(spec, prepared)
+            self._store(spec, prepared, confirm)
         else:
             self._stores.submit(spec.request_id, lambda: self._store(spec, prepared))
+
+    def _settle(self, prefilling: set[str]) -> None:
+        """At the end of a step's stores: wait for the answers to the commits sent without
+        waiting, unless every request they belong to is still computing its prompt after
+        this step (``prefilling``). A synchronous store waits for its commit only when its
+        request may finish in the step: a finished request's KV may be read elsewhere at
+        once (a decode engine on another node, through the cluster's directory, which a
+        commit's answer waits for), so every commit of it must be done by then. The other
+        commits' answers are read by the client's next call (usually the prepare thread's
+        reservation, during the next forward pass) or here, so the engine's thread does not
+        wait a round trip after each step of a long prefill. A commit that failed is a
+        future miss (logged); the chunks reported written for it are then too many."""
+        if not self._unconfirmed or self._unconfirmed <= prefilling:
+            return
+        start = time.perf_counter()
+        failed = self.link.call("settling of stores", lambda c: c.settle(), None)
+        self._unconfirmed.clear()
+        with self._lock:
+            self.stats["store_seconds"] += time.perf_counter() - start
+        if failed:
+            log.warning(
+                "tierkv worker rank %d: %d commit(s) not waited for failed; their chunks are "
+                "future misses",
+                self.rank,
+                failed,
+            )
 
     def handle_preemptions(self, meta: TierKVConnectorMetadata) -> None:
         """Before the forward pass: the blocks of the requests vLLM preempted are free again
@@ -338,8 +374,14 @@ class WorkerSide:
         """Block until every store submitted so far has ended (False: ``timeout`` ran out)."""
         return True if self._stores is None else self._stores.drain(timeout)
 
-    def _store(self, spec: StoreSpec, reserved: Future[PreparedStore | None] | None) -> None:
-        """Copy and commit one store (reserving first if the prepare thread did not)."""
+    def _store(
+        self,
+        spec: StoreSpec,
+        reserved: Future[PreparedStore | None] | None,
+        confirm: bool = True,
+    ) -> None:
+        """Copy and commit one store (reserving first if the prepare thread did not).
+        ``confirm=False``: do not wait for the commit's answer (see :meth:`_settle`)."""
         layout = self.layout
         assert layout is not None
 
@@ -369,10 +411,14 @@ class WorkerSide:
                 if prepared is None  # the reservation failed (logged): a future miss
                 else self.link.call(
                     f"store of {spec.request_id}",
-                    lambda c: c.finish_store(prepared, gather=gather, caller_copies=caller_copies),
+                    lambda c: c.finish_store(
+                        prepared, gather=gather, caller_copies=caller_copies, confirm=confirm
+                    ),
                     None,
                 )
             )
+        if result is not None and not result.confirmed:
+            self._unconfirmed.add(spec.request_id)
         stored = 0 if result is None else len(result.stored)
         with self._lock:  # the store thread's results, read by vLLM's thread
             self._timed("store", start, stored)
@@ -425,6 +471,7 @@ class WorkerSide:
             )
         self._give_back_unused()
         self._prepare_thread.shutdown(wait=True)
+        self._settle(set())
         self.link.close()
 
 
