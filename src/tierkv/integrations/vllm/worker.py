@@ -18,8 +18,9 @@ engine id its scheduler looks up with). Then, every step:
   is not waited for: the request cannot finish in that step, and the step in which it can
   waits for every commit of it still unanswered (``_settle``), so a finished request's
   chunks are in the pool (and a cluster's directory) before vLLM hands it on. Chunks the
-  pool already holds are skipped by the server. A failed store is a future miss, nothing else; a reservation
-  whose store does not run (its request's load failed in this step) is given back.
+  pool already holds are skipped by the server. A failed store is a future miss, nothing
+  else; a reservation whose store does not run (its request's load failed in this step) is
+  given back.
   With ``async_store`` the step's stores go to the rank's store thread
   (:class:`~tierkv.integrations.vllm.stores.StoreQueue`, first in, first out) and
   ``wait_for_save`` returns at once; the copy still reads the blocks directly, so they must
