@@ -286,12 +286,6 @@ class Gate:
             self._go.wait(timeout)
 
 
-def per_phase_bound(bounds: list[float]) -> float:
-    """The bound rate of equal phases each measured against its own bound: the harmonic
-    mean (a memcpy of each phase's bytes at that phase's rate, over the total time)."""
-    return len(bounds) / sum(1 / b for b in bounds)
-
-
 def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[str, Any]:
     root.mkdir(parents=True)
     # Every engine's prompt stays in the pool until it has read it back: room for all of
@@ -333,7 +327,10 @@ def engines8(root: Path, engines: int, prompts: int, per_request: int) -> dict[s
     phases = [ph for r in results for ph in r["stores"] + r["retrieves"]]
     floor_rtt = within(floor.samples, [(min(p[0] for p in phases), max(p[1] for p in phases))])
     after = memcpy.gbps()  # once more after the run (the bound before each phase decides)
-    store_bound, retrieve_bound = per_phase_bound(store_bounds), per_phase_bound(retrieve_bounds)
+    # Equal phases, each against its own bound: the harmonic mean of the bounds is the rate
+    # of a memcpy of every phase's bytes at that phase's rate, over the total time.
+    store_bound = statistics.harmonic_mean(store_bounds)
+    retrieve_bound = statistics.harmonic_mean(retrieve_bounds)
     expected = engines * prompts * (PROMPT_TOKENS // CHUNK_TOKENS)
     print(
         f"(a) {engines} engines x {prompts} prompts of {PROMPT_TOKENS} tokens "

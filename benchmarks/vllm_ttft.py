@@ -322,7 +322,7 @@ def report(
     chunk_bytes = int(stats["store_bytes"]) // max(chunks, 1)
     threads = get_kv_transfer_group().worker_copy_threads
     cores = default_threads()
-    bound = len(bounds) / sum(1 / b for b in bounds)
+    bound = statistics.harmonic_mean(bounds)
     at_end = memcpy_gbps(chunk_bytes, chunks, threads)
     all_cores = at_end if cores == threads else memcpy_gbps(chunk_bytes, chunks, cores)
     one_source = memcpy_gbps(chunk_bytes, chunks, 1, distinct_sources=False)
