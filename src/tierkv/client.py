@@ -49,6 +49,9 @@ Gather = Callable[[int, npt.NDArray[Any]], None]
 Scatter = Callable[[int, npt.NDArray[Any]], None]
 
 DEFAULT_TIMEOUT = 10.0
+# A small request's reply comes 30 to 100 us after it is sent when the server's core is
+# awake: spin that long before sleeping (see framing.Connection).
+DEFAULT_REPLY_SPIN = 100e-6
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -192,6 +195,7 @@ class Client:
         parallel_callbacks: bool = False,
         data_priority: bool = True,
         on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
+        reply_spin: float = DEFAULT_REPLY_SPIN,
     ) -> None:
         """``copy_threads``: threads that copy a large batch (default: the cores, at most
         4). Arrays given as ``chunks``/``out`` are always copied by them; ``gather``/
@@ -202,7 +206,12 @@ class Client:
         False: the calling thread copies a share (with ``copy_threads=1``, all of it).
         ``on_pool(pool)`` runs each time the client maps a pool (at registration, again
         after a server restart) and may return a function that runs before that mapping is
-        closed (a GPU engine page-locks it: :mod:`tierkv.integrations.vllm.pinning`)."""
+        closed (a GPU engine page-locks it: :mod:`tierkv.integrations.vllm.pinning`).
+        ``reply_spin``: seconds the calling thread keeps reading for a reply before it
+        sleeps (:class:`tierkv.framing.Connection`; 0: sleep at once)."""
+        if reply_spin < 0:
+            raise ValueError("reply_spin must be >= 0")
+        self.reply_spin = reply_spin
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
         self.auth_token = auth_token
@@ -256,7 +265,7 @@ class Client:
             self._disconnect()
             conn = None
         if conn is None:
-            conn = self._conn = framing.Connection.open(self.endpoint, deadline)
+            conn = self._conn = framing.Connection.open(self.endpoint, deadline, self.reply_spin)
         return conn
 
     def _call(self, req: Any, timeout: float | None = None, *, answered: bool = True) -> Any:

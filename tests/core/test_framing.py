@@ -97,6 +97,46 @@ def test_connection_close_and_timeout() -> None:
         conn.close()
 
 
+def test_a_spinning_connection_reads_a_reply_that_comes_while_it_spins() -> None:
+    """With ``spin`` the receiver keeps reading instead of sleeping in poll: a reply that
+    comes within the spin is read without any poll; one that comes later, a message that
+    arrives in pieces, a timeout and a close all behave as without spinning."""
+    a, b = socket.socketpair()
+    conn = framing.Connection(b, spin=5.0)
+    polls: list[int] = []
+    wait = conn._wait
+
+    def counted(event: int, deadline: float) -> None:
+        polls.append(event)
+        wait(event, deadline)
+
+    conn._wait = counted  # type: ignore[method-assign]
+    try:
+        timer = threading.Timer(0.02, lambda: a.sendall(frame(b"soon")))
+        timer.start()
+        assert [bytes(f) for f in conn.receive(time.monotonic() + 10)] == [b"soon"]
+        timer.join()
+        assert polls == []  # read while spinning: never slept
+
+        conn.spin = 0.001
+        message = frame(b"x" * 1000)
+        a.sendall(message[:10])  # a partial message: the spin ends, then poll waits
+        timer = threading.Timer(0.05, lambda: a.sendall(message[10:]))
+        timer.start()
+        assert [bytes(f) for f in conn.receive(time.monotonic() + 10)] == [b"x" * 1000]
+        timer.join()
+        assert polls  # the rest came after the spin: it slept in poll for it
+
+        with pytest.raises(TimeoutError):
+            conn.receive(time.monotonic() + 0.05)
+        conn.spin = 5.0
+        a.close()
+        with pytest.raises(framing.ConnectionClosedError):
+            conn.receive(time.monotonic() + 10)  # seen while spinning
+    finally:
+        conn.close()
+
+
 def test_connection_sends_a_message_larger_than_the_socket_buffer() -> None:
     a, b = socket.socketpair()
     conn, peer = framing.Connection(a), framing.Connection(b, scratch=4096)

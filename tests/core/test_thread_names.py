@@ -31,6 +31,7 @@ def test_os_names_drop_the_shared_prefix_and_fit_the_kernels_limit() -> None:
     assert thread_names.os_name("é" * 10) == ("é" * 7).encode()
 
 
+@pytest.mark.processes
 def test_threads_started_after_the_call_carry_their_names() -> None:
     # In a child interpreter: the call changes every later thread of its process.
     code = (
@@ -64,6 +65,7 @@ def test_this_process_is_left_alone_unless_asked() -> None:
         t.join()
 
 
+@pytest.mark.processes
 def test_a_servers_threads_are_named_by_what_they_do(server: ServerProcess) -> None:
     with Client(server.endpoint) as client:
         client.ping()  # every part has started
@@ -80,6 +82,7 @@ def test_a_servers_threads_are_named_by_what_they_do(server: ServerProcess) -> N
     assert "eviction" in names, names
 
 
+@pytest.mark.processes
 def test_a_controllers_process_and_threads_are_named(tmp_path: Path) -> None:
     with running_controller(tmp_path) as controller:
         assert controller.proc is not None

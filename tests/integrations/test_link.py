@@ -11,7 +11,7 @@ import pytest
 from support.servers import ServerProcess, register
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
-from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
 
 
 def test_a_wrong_auth_token_backs_off_instead_of_registering_again(
@@ -38,3 +38,31 @@ def test_a_wrong_auth_token_backs_off_instead_of_registering_again(
     assert "TIERKV_AUTH_TOKEN" in warnings[0]
     with Client(srv.endpoint, auth_token="right") as admin:
         assert admin.stats().errors.get("unauthorized") == 1
+
+
+def test_the_links_client_spins_for_replies_as_configured(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """``reply_spin_us`` reaches the client's connection (default 100 us, 0: sleep at once);
+    a negative or non-numeric value is refused by name."""
+    srv = server_factory()
+    for extra, spin in (
+        ({}, 100e-6),
+        ({"reply_spin_us": "0"}, 0.0),
+        ({"reply_spin_us": 250}, 250e-6),
+    ):
+        settings = ConnectorSettings.from_extra_config({"endpoint": srv.endpoint, **extra})
+        link = ServerLink(settings, register, "worker rank 0", logging.getLogger("engine"))
+        try:
+            assert link.call("ping", lambda c: c.ping() or 1, 0) == 1
+            client = link.client()
+            assert client is not None and client._conn is not None
+            assert client.reply_spin == pytest.approx(spin)
+            assert client._conn.spin == pytest.approx(spin)
+        finally:
+            link.close()
+    for bad in (-1, "soon"):
+        with pytest.raises(SettingsError, match="reply_spin_us"):
+            ConnectorSettings.from_extra_config({"endpoint": srv.endpoint, "reply_spin_us": bad})
+    with pytest.raises(ValueError, match="reply_spin"):
+        Client(srv.endpoint, reply_spin=-0.001)

@@ -27,6 +27,7 @@ from typing import TypeVar
 import msgspec
 
 from tierkv.client import (
+    DEFAULT_REPLY_SPIN,
     Client,
     LeaseExpiredError,
     NotRegisteredError,
@@ -56,6 +57,9 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Threads that copy a request's chunks; None: the integration's default (the cores, at
     # most 4, unless the integration knows better: see ServerLink's default_copy_threads).
     copy_threads: int | None = None
+    # Microseconds a thread waiting for a reply keeps reading before it sleeps (0: sleep at
+    # once): see tierkv.framing.Connection. At most this much CPU per RPC.
+    reply_spin_us: int = round(DEFAULT_REPLY_SPIN * 1e6)
 
     def resolved(self: S) -> S:
         """With the defaults from the environment filled in; raises ValueError naming the
@@ -66,6 +70,8 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("retry_interval must be >= 0")
         if self.copy_threads is not None and self.copy_threads < 1:
             raise ValueError("copy_threads must be at least 1 (omit it for the default)")
+        if self.reply_spin_us < 0:
+            raise ValueError("reply_spin_us must be >= 0")
         return msgspec.structs.replace(
             self,
             endpoint=self.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
@@ -125,6 +131,7 @@ class ServerLink:
                     populate=self.settings.populate,
                     copy_threads=self.copy_threads(),
                     on_pool=self.on_pool,
+                    reply_spin=self.settings.reply_spin_us * 1e-6,
                 )
             client = self._client
             if (self._down_since is not None or not self._registered) and not _socket_present(

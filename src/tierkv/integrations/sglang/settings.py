@@ -15,6 +15,8 @@ Every other key is tierkv's, and optional::
     populate        map every page of the pool when attaching (default true)
     copy_threads    threads that copy a batch's pages between the pool and the host pool
                     (default: the cores, at most 4)
+    reply_spin_us   microseconds a thread waiting for the server's reply keeps reading
+                    before it sleeps (default 100; 0: sleep at once)
     model_id        the model identity in the namespace (default: SGLang's model name)
     tenant          an extra namespace salt: engines with different tenants never share KV
                     (SGLang's per-request ``extra_key`` and cache salt already seed its page

@@ -16,6 +16,9 @@ Every key is optional::
                     (default: 1, vLLM's own thread, for a cache in host memory, whose
                     engine's OpenMP threads hold the other cores; the cores, at most 4, for
                     a cache on a GPU)
+    reply_spin_us   microseconds a thread waiting for the server's reply keeps reading
+                    before it sleeps (default 100; 0: sleep at once): requests back to back
+                    take about half the time on a VM, whose idle cores halt
     page_lock_pool  when the KV cache is on a GPU, page-lock the pool mapping with CUDA
                     (cudaHostRegister) so that chunks cross by DMA (default true; about
                     0.09 s per GiB of pool at start, measured on an H200; ignored for
