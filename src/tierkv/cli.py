@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+
+# tierkv's processes never multiply matrices: numpy's BLAS needs no thread pool of its own,
+# which OpenBLAS would start at numpy's import (an idle thread named "python" in top -H).
+# Set before the first import of numpy; a value from the environment is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from tierkv import __version__
 from tierkv.config import ConfigError, add_arguments, load

@@ -80,6 +80,7 @@ def test_a_servers_threads_are_named_by_what_they_do(server: ServerProcess) -> N
         f"rpc-{i}" for i in range(workers)
     ], names
     assert "eviction" in names, names
+    assert "python" not in names, names  # no BLAS thread pool: the server never uses one
 
 
 @pytest.mark.processes
