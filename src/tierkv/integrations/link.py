@@ -21,8 +21,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -38,6 +38,7 @@ from tierkv.client import (
     UnauthorizedError,
     default_endpoint,
 )
+from tierkv.options import OptionError, convert
 from tierkv.pool import ShmPool
 
 T = TypeVar("T")
@@ -80,6 +81,22 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 S = TypeVar("S", bound=LinkSettings)
+
+
+class SettingsError(ValueError):
+    """A bad value in an engine's extra config for tierkv; the message names the key."""
+
+
+def settings_from(extra: Mapping[str, Any], cls: type[S], what: str) -> S:
+    """``extra`` (the engine's extra config, ``what`` its name in messages) as ``cls``,
+    resolved (:meth:`LinkSettings.resolved`); SettingsError naming the key for a bad or
+    unknown one."""
+    try:
+        return convert(dict(extra), cls, what=what).resolved()
+    except OptionError as exc:
+        raise SettingsError(str(exc)) from None
+    except ValueError as exc:
+        raise SettingsError(f"{what}.{exc}") from None
 
 
 class ServerLink:

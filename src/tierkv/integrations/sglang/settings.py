@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tierkv.integrations.link import LinkSettings
-from tierkv.options import OptionError, convert
+from tierkv.integrations.link import LinkSettings, settings_from
+from tierkv.integrations.link import SettingsError as SettingsError
 
 WHAT = "hicache-storage-backend-extra-config"
 
@@ -51,10 +51,6 @@ SGLANG_KEYS = frozenset(
 )
 
 
-class SettingsError(ValueError):
-    """A bad value in the extra config; the message names the key."""
-
-
 class BackendSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_id: str = ""
     tenant: str = ""
@@ -62,9 +58,4 @@ class BackendSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_fi
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
         ours = {k: v for k, v in dict(extra or {}).items() if k not in SGLANG_KEYS}
-        try:
-            return convert(ours, cls, what=WHAT).resolved()
-        except OptionError as exc:
-            raise SettingsError(str(exc)) from None
-        except ValueError as exc:
-            raise SettingsError(f"{WHAT}.{exc}") from None
+        return settings_from(ours, cls, WHAT)

@@ -52,17 +52,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from tierkv.integrations.link import LinkSettings
-from tierkv.options import OptionError, convert
+from tierkv.integrations.link import LinkSettings, SettingsError, settings_from
 
 WHAT = "kv_connector_extra_config"
 
 HASH_MODES = ("auto", "vllm", "tokens")
 KV_LAYOUTS = ("auto", "native", "split_last")
-
-
-class SettingsError(ValueError):
-    """A bad value in kv_connector_extra_config; the message names the key."""
 
 
 class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,12 +73,7 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         """Validate the extra config; unknown keys are an error (a typo must not pass)."""
-        try:
-            settings = convert(dict(extra or {}), cls, what=WHAT).resolved()
-        except OptionError as exc:
-            raise SettingsError(str(exc)) from None
-        except ValueError as exc:
-            raise SettingsError(f"{WHAT}.{exc}") from None
+        settings = settings_from(extra or {}, cls, WHAT)
         if settings.chunk_size <= 0:
             raise SettingsError(f"{WHAT}.chunk_size must be positive")
         if settings.hashes not in HASH_MODES:
