@@ -656,7 +656,7 @@ def test_write_behind_and_prefetch_holders_leave_no_leases(env: Env) -> None:
 
 # -- the hand-off to the service -----------------------------------------------------------
 def test_a_retrieve_that_took_the_lookups_locks_keeps_them_when_the_prefetch_lands(
-    env: Env,
+    env: Env, tmp_path: Path
 ) -> None:
     """Through the real service: LOOKUP hits chunk 0 in the pool and starts a prefetch of
     chunks 1-3; the engine does not wait and PREPARE_RETRIEVEs chunk 0 at once; the prefetch
@@ -669,7 +669,13 @@ def test_a_retrieve_that_took_the_lookups_locks_keeps_them_when_the_prefetch_lan
 
     mem = MemTier()
     run = env.pool.name + "-svc"
-    cfg = ServerConfig(pool_name=run, pool_size=env.pool.size, http_port=0, instance=run[-20:])
+    cfg = ServerConfig(
+        pool_name=run,
+        pool_size=env.pool.size,
+        http_port=0,
+        instance=run[-20:],
+        runtime_dir=str(tmp_path / "run"),  # not the default one under /tmp, left behind
+    )
     server = Server(cfg, tiers=[mem]).start()
     service = server.service
     try:
