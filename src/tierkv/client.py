@@ -294,17 +294,21 @@ class Client:
                     return None
                 reply = self._await_reply(conn, req.rid, deadline)
             except (OSError, framing.FrameTooLargeError) as exc:
-                # No reply, or a broken connection: a late reply must not be mistaken for
-                # the answer to a later request, so the next call connects afresh.
-                self._disconnect()
-                why = "no reply" if isinstance(exc, TimeoutError) else f"connection lost ({exc})"
-                raise ServerUnavailableError(
-                    f"{why} from tierkv server at {self.endpoint} within {wait:.1f} s "
-                    f"({p.request_name(req)}): is it running?"
-                ) from None
+                raise self._unavailable(exc, wait, p.request_name(req)) from None
         if isinstance(reply, p.Error):
             _raise_for(reply)
         return reply
+
+    def _unavailable(self, exc: Exception, wait: float, what: str) -> ServerUnavailableError:
+        """No reply, or a broken connection: disconnect (a late reply must not be mistaken
+        for the answer to a later request, so the next call connects afresh) and return the
+        error to raise, naming ``what`` waited."""
+        self._disconnect()
+        why = "no reply" if isinstance(exc, TimeoutError) else f"connection lost ({exc})"
+        return ServerUnavailableError(
+            f"{why} from tierkv server at {self.endpoint} within {wait:.1f} s ({what}): "
+            "is it running?"
+        )
 
     def _read_unanswered(self, conn: framing.Connection) -> bool:
         """Read what is there to read now, expecting only replies nobody waited for (False:
@@ -349,11 +353,7 @@ class Client:
                         if not self._took_unanswered(self._decode(frame)):
                             raise ConnectionError("a reply to no request sent")
             except (OSError, framing.FrameTooLargeError) as exc:
-                self._disconnect()
-                raise ServerUnavailableError(
-                    f"no answer from tierkv server at {self.endpoint} within {wait:.1f} s to "
-                    f"requests sent without waiting ({exc})"
-                ) from None
+                raise self._unavailable(exc, wait, "requests sent without waiting") from None
             failed, self._failed_unanswered = self._failed_unanswered, 0
         return failed
 

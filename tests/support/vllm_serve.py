@@ -95,10 +95,6 @@ class VllmServer(_HttpService):
         self.extra_args = list(extra_args)  # more of vLLM's own options
         self._segments_before = python_segments()
 
-    def start(self) -> VllmServer:
-        self._segments_before = python_segments()
-        return super().start()
-
     def _argv(self, port: int) -> list[str]:
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
