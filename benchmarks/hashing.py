@@ -4,7 +4,8 @@ Times ``chunk_keys`` on the three forms tokens arrive in: a uint32 numpy array, 
 little-endian bytes (what the server receives on the wire) and a Python list (what a naive
 client sends). The bound, measured in the same run, is SHA-256 (the keys' hash) over the same
 bytes in one call: the chain hashes them in 512 calls, each with a 16-byte link and its own
-final padding block. Reports medians over repeats; the last line is
+final padding block. Also times the chain's loop in Python, what runs where the C helper
+(``tierkv._keychain``) was not built. Reports medians over repeats; the last line is
 ``hash_128k_tokens_ms=X`` for the packed-bytes (server) path.
 
 Usage: python benchmarks/hashing.py [--repeats N]
@@ -21,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tierkv import keys
 from tierkv.keys import DEFAULT_CHUNK_SIZE, Namespace, chunk_keys
 
 NUM_TOKENS = 128 * 1024
@@ -60,6 +62,13 @@ def main() -> None:
         "packed bytes": median_ms(lambda: chunk_keys(digest, as_bytes), args.repeats),
         "python list": median_ms(lambda: chunk_keys(digest, as_list), args.repeats),
     }
+    # The chain's loop in Python (what runs where tierkv._keychain was not built).
+    step = DEFAULT_CHUNK_SIZE * 4
+    view = memoryview(as_bytes)
+    python_ms = median_ms(
+        lambda: keys._hash_pieces_python(digest, view, 0, len(as_bytes), step, digest),
+        args.repeats,
+    )
 
     mib = len(as_bytes) / 2**20
     print(
@@ -72,6 +81,11 @@ def main() -> None:
             f"  {'chunk_keys, ' + name:<26} {ms:8.3f} ms  {mib / ms * 1e3:9.0f} MiB/s"
             f"  {ms / bound:6.1f}x bound  {ms / chunks * 1e3:6.2f} us/chunk"
         )
+    print(
+        f"  {'the loop in Python':<26} {python_ms:8.3f} ms  {mib / python_ms * 1e3:9.0f} MiB/s"
+        f"  {python_ms / bound:6.1f}x bound  (chunk_keys hashes in "
+        f"{'C, tierkv._keychain' if keys.NATIVE_CHAIN else 'Python: _keychain not built'})"
+    )
     server_ms = results["packed bytes"]
     verdict = "within" if server_ms <= TARGET_MS else "OVER"
     print(f"  server path {verdict} the {TARGET_MS:.0f} ms target")

@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
 # Install the system programs that tierkv's tests run for real (Redis, and headless Chromium
-# for the dashboard test), using the system package manager, only when they are missing.
-# Idempotent and silent when everything is present; run by `make venv` / `make test` before
-# the Python dependencies.
+# for the dashboard test) and what its C helper is built with (a C compiler, OpenSSL's
+# headers, and Python's: tierkv._keychain), using the system package manager, only when they
+# are missing. Idempotent and silent when everything is present; run by `make venv` /
+# `make test` before the Python dependencies, with the Python the venv is made from.
 #
-# To require another program, add one line to REQUIRED: "<command on PATH> <apt package>".
+# To require another program, add one line to REQUIRED: "<command on PATH> <apt package>";
+# a file instead: "</absolute/path> <apt package>".
+#
+# Usage: ensure-system-deps.sh [PYTHON]
 set -euo pipefail
+PYTHON=${1:-python3}
 
 REQUIRED=(
   "redis-server redis-server"
   "chromium chromium"
+  "cc gcc"
+  "/usr/include/openssl/evp.h libssl-dev"
 )
 
 have() {
+  if [[ $1 == /* ]]; then
+    [ -e "$1" ]
+    return
+  fi
   # Debian installs some daemons to /usr/sbin, which a non-root PATH may lack.
   command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]
 }
+
+# Python's headers: with the interpreter (pyenv, python.org builds) or, for Debian's own
+# python3, in python3-dev.
+python_h=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h
+REQUIRED+=("$python_h python3-dev")
 
 missing=()
 for entry in "${REQUIRED[@]}"; do

@@ -15,6 +15,10 @@ per chunk is the whole cost of a long prompt's chain. OpenSSL's SHA-256 on CPUs 
 instructions (x86 since Zen and Ice Lake, Arm v8.2) hashed a 512-chunk chain in 0.54 ms
 here against blake3's 0.87 ms. Keys must resist deliberate collisions (one prompt must
 never be served another's KV), so a non-cryptographic hash is not an option.
+
+The hashing loop runs in C (:mod:`tierkv._keychain`, OpenSSL's SHA-256 without the
+interpreter's share per chunk: 0.34 ms for those 512 chunks) where it was built, and in
+Python otherwise (:data:`NATIVE_CHAIN`); both give the same keys.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import hashlib
 import operator
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias, overload
 
 import msgspec
@@ -203,17 +207,36 @@ def _chain(
     count = num_chunks(len(data) // TOKEN_DTYPE.itemsize, chunk_size, partial_last)
     if limit is not None:
         count = min(count, limit)
+    prev = known[-1][-DIGEST_SIZE:] if known else namespace_digest
+    return _hash_pieces(prev, data, len(known) * step, count * step, step, prefix)
+
+
+def _hash_pieces_python(
+    prev: bytes, data: memoryview, start: int, stop: int, step: int, prefix: bytes
+) -> list[bytes]:
+    """``prefix + h`` for each piece ``data[s : s + step]``, ``s`` in ``range(start,
+    min(stop, len(data)), step)``, with ``h = sha256(h of the piece before || piece)[:16]``
+    and ``prev`` the ``h`` before the first piece. The reference for :mod:`tierkv._keychain`
+    and what runs where it could not be built."""
     out: list[bytes] = []
     append = out.append
     fresh = _SHA256.copy  # a copy of an initialised context: cheaper than a new one
-    prev = known[-1][-DIGEST_SIZE:] if known else namespace_digest
-    for start in range(len(known) * step, count * step, step):
+    for s in range(start, min(stop, len(data)), step):
         h = fresh()
         h.update(prev)
-        h.update(data[start : start + step])
+        h.update(data[s : s + step])
         prev = h.digest()[:DIGEST_SIZE]
         append(prefix + prev)
     return out
+
+
+_hash_pieces: Callable[[bytes, memoryview, int, int, int, bytes], list[bytes]]
+try:
+    from tierkv._keychain import chain as _hash_pieces
+except ImportError:  # built without a C compiler or OpenSSL's headers: the same keys, slower
+    _hash_pieces = _hash_pieces_python
+NATIVE_CHAIN = _hash_pieces is not _hash_pieces_python
+"""Whether chains are hashed by the C helper :mod:`tierkv._keychain` (about 1.7x faster)."""
 
 
 def chunk_hashes(
