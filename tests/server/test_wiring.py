@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from support.httputil import free_port
+from support.clusterkit import free_ports
 from tierkv.config import ServerConfig, from_mapping
 from tierkv.pool import segment_exists
 from tierkv.server.rpc import EndpointInUseError
@@ -47,7 +47,8 @@ def test_a_failed_start_stops_every_part_that_started(tmp_path: Path) -> None:
     """HTTP is the last part: with its port taken, the pool, eviction, disk tier, cluster
     node (control and data ports), tiering and RPC had all started, and all are stopped."""
     taken = socket.create_server(("127.0.0.1", 0))
-    cluster_port = free_port()
+    # free_ports: the data port (cluster_port + 1) is free too, so HTTP is what fails.
+    cluster_port, http_port = free_ports(2)
     cfg, _ = _config(tmp_path, taken.getsockname()[1], cluster_port)
     before = _part_threads()
     server = Server(cfg)
@@ -63,7 +64,7 @@ def test_a_failed_start_stops_every_part_that_started(tmp_path: Path) -> None:
     for port in (cluster_port, cluster_port + 1):  # control and data ports are free again
         socket.create_server(("127.0.0.1", port)).close()
     # The same configuration starts once the port is free (nothing was left behind).
-    cfg2, _ = _config(tmp_path, free_port(), cluster_port)
+    cfg2, _ = _config(tmp_path, http_port, cluster_port)
     with Server(cfg2).start_background() as again:
         assert again.cluster is not None and again.cluster.node_id.endswith(str(cluster_port))
     assert _part_threads() == before
@@ -77,7 +78,7 @@ def test_the_server_process_exits_with_one_line_when_a_part_cannot_start(
     port = taken.getsockname()[1]
     instance = uuid.uuid4().hex[:10]
     pool_name = f"tierkv-test-{instance}"
-    cluster_port = free_port()
+    (cluster_port,) = free_ports(1)
     try:
         argv = [
             sys.executable, "-m", "tierkv.cli", "server",
