@@ -116,8 +116,10 @@ class StoreResult:
     no_space: list[int] = field(default_factory=list)  # skipped: the pool is full
     cleared: int = 0  # written but deleted (cleared) before the commit
     # False: the commit was sent without waiting for its answer (finish_store(confirm=
-    # False)); ``stored`` is then what it commits if it succeeds (Client.settle says).
+    # False)); ``stored`` is then what it commits if it succeeds (Client.settle says, and
+    # Client.commit_shortfalls names this commit by ``commit_rid`` if it committed fewer).
     confirmed: bool = True
+    commit_rid: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,10 +227,13 @@ class Client:
         self._io = threading.RLock()
         self._rids = itertools.count(1)
         # Requests sent without waiting for their replies (a retrieve's release, an
-        # unconfirmed commit), by rid, with their names: the next call or settle() reads
-        # those replies first, and logs the ones that are errors (counted in _failed_unanswered).
-        self._unanswered: dict[int, str] = {}
+        # unconfirmed commit), by rid, with their names and (commits) the chunks they commit:
+        # the next call or settle() reads those replies first, and logs the ones that are
+        # errors (counted in _failed_unanswered). Commits that committed fewer chunks (or
+        # none: failed, or lost with the connection) go into _shortfalls, by rid.
+        self._unanswered: dict[int, tuple[str, int]] = {}
         self._failed_unanswered = 0
+        self._shortfalls: dict[int, int] = {}
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.reply_decoder.decode
         self._executor: ThreadPoolExecutor | None = None
@@ -252,6 +257,9 @@ class Client:
             self._conn.close()  # in a forked child: its copy only, the parent's stays open
             self._conn = None
         self._pid = os.getpid()
+        for rid, (_, chunks) in self._unanswered.items():
+            if chunks:  # its answer is lost with the connection: not known to be committed
+                self._shortfalls[rid] = chunks
         self._unanswered.clear()
 
     def _connection(self, deadline: float) -> framing.Connection | None:
@@ -268,10 +276,13 @@ class Client:
             conn = self._conn = framing.Connection.open(self.endpoint, deadline, self.reply_spin)
         return conn
 
-    def _call(self, req: Any, timeout: float | None = None, *, answered: bool = True) -> Any:
+    def _call(
+        self, req: Any, timeout: float | None = None, *, answered: bool = True, commits: int = 0
+    ) -> Any:
         """Send ``req`` and return its reply (raising the error it is). ``answered=False``:
         return None once it is sent; the next call reads its reply (and logs it if it is an
-        error): for a release whose outcome changes nothing for the caller."""
+        error): for a release whose outcome changes nothing for the caller, or a commit of
+        ``commits`` chunks whose shortfall :meth:`commit_shortfalls` reports."""
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         with self._io:
@@ -290,7 +301,7 @@ class Client:
                     # reason is already here to read.
                     deadline = min(deadline, time.monotonic() + 0.1)
                 if not answered:
-                    self._unanswered[req.rid] = p.request_name(req)
+                    self._unanswered[req.rid] = (p.request_name(req), commits)
                     return None
                 reply = self._await_reply(conn, req.rid, deadline)
             except (OSError, framing.FrameTooLargeError) as exc:
@@ -325,15 +336,31 @@ class Client:
 
     def _took_unanswered(self, reply: Any) -> bool:
         """Whether ``reply`` answers a request sent without waiting (then it is done with)."""
-        name = self._unanswered.pop(reply.rid, None)
-        if name is None:
+        sent = self._unanswered.pop(reply.rid, None)
+        if sent is None:
             return False
+        name, chunks = sent
         if isinstance(reply, p.Error):
             self._failed_unanswered += 1
             log.warning(
                 "tierkv server: a %s this client did not wait for failed: %s", name, reply.message
             )
+            if chunks:
+                self._shortfalls[reply.rid] = chunks
+        elif isinstance(reply, p.Committed) and reply.committed < chunks:
+            self._shortfalls[reply.rid] = chunks - reply.committed
         return True
+
+    def commit_shortfalls(self) -> dict[int, int]:
+        """The commits sent without waiting (``finish_store(confirm=False)``) that committed
+        fewer chunks than their results' ``stored``, by ``commit_rid``: how many fewer (all
+        of them when the commit failed, or when its answer was lost with the connection and
+        it is not known to have been carried out). Each is reported once, from when its
+        answer was read (by :meth:`settle`, or any call) or lost; commits not named here
+        committed all their chunks, once :meth:`settle` has returned."""
+        with self._io:
+            out, self._shortfalls = self._shortfalls, {}
+        return out
 
     def settle(self, timeout: float | None = None) -> int:
         """Wait for the answers to every request sent without waiting (unconfirmed commits,
@@ -709,9 +736,10 @@ class Client:
             raise
         commit = p.CommitStore(self._rid(), self._token(), slots.lease)
         if not confirm:
-            self._call(commit, answered=False)
+            self._call(commit, answered=False, commits=len(slots.slots))
             result.stored = [s.chunk for s in slots.slots]
             result.confirmed = False
+            result.commit_rid = commit.rid
             return result
         done: p.Committed = self._call(commit)
         result.cleared = done.cleared

@@ -195,7 +195,9 @@ def test_a_commit_that_does_not_wait_for_its_answer(
     """finish_store(confirm=False) returns once the commit is sent (unconfirmed, naming what
     it commits); settle() waits for the answer, after which another client sees the chunks.
     A commit that fails (a lease the server never gave) is logged and counted by settle(),
-    and the connection serves on with committed data intact."""
+    and the connection serves on with committed data intact. commit_shortfalls() names, once,
+    each commit that committed fewer chunks than it was sent for: failed, cleared before it
+    committed, or lost with the connection."""
     tokens = list(range(9000, 9000 + 256 * 3))
     data = [chunk_data(tokens, i) for i in range(3)]
     with server.client() as client, server.client() as other:
@@ -210,6 +212,7 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         assert not client._unanswered and client._conn is conn
         assert other.lookup(tokens).hits == 3  # at once: settled means committed
         assert client.settle() == 0  # nothing left to wait for
+        assert client.commit_shortfalls() == {}  # it committed everything it was sent for
 
         # The next call reads an unconfirmed commit's answer on its way.
         more = list(range(20_000, 20_000 + 256))
@@ -223,10 +226,13 @@ def test_a_commit_that_does_not_wait_for_its_answer(
             reserved, slots=msgspec.structs.replace(reserved.slots, lease=999_999)
         )
         with caplog.at_level(logging.WARNING, logger="tierkv.client"):
-            assert not client.finish_store(bogus, [chunk_data(third, 0)], confirm=False).confirmed
+            failed = client.finish_store(bogus, [chunk_data(third, 0)], confirm=False)
+            assert not failed.confirmed and failed.stored == [0]
             assert client.settle() == 1
             assert client.settle() == 0  # counted once
         assert "a commit_store this client did not wait for failed" in caplog.text
+        assert client.commit_shortfalls() == {failed.commit_rid: 1}
+        assert client.commit_shortfalls() == {}  # reported once
         assert client._conn is conn
         client.abort_store(reserved)
         assert client.lookup(third).hits == 0 and client.lookup(more).hits == 1
@@ -235,6 +241,25 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         for i in range(3):
             np.testing.assert_array_equal(out[i], data[i])
         assert client.stats().write_leases == 0
+
+        # Written, then cleared before the commit: it commits none of them.
+        fourth = list(range(40_000, 40_000 + 256 * 2))
+        reserved = client.prepare_store(fourth)
+        client.clear()  # this namespace's chunks, those written under the lease included
+        cleared = client.finish_store(
+            reserved, [chunk_data(fourth, i) for i in range(2)], confirm=False
+        )
+        assert client.settle() == 0  # not an error: the commit says what it committed
+        assert client.commit_shortfalls() == {cleared.commit_rid: 2}
+        assert client.lookup(fourth).hits == 0
+
+        # Sent, and the connection lost before the answer was read: not known to be done.
+        fifth = list(range(50_000, 50_000 + 256))
+        reserved = client.prepare_store(fifth)
+        lost = client.finish_store(reserved, [chunk_data(fifth, 0)], confirm=False)
+        client._disconnect()  # what a broken connection does
+        assert client.commit_shortfalls() == {lost.commit_rid: 1}
+        assert client.settle() == 0 and client.commit_shortfalls() == {}
 
 
 def test_a_client_clears_its_own_namespaces_and_only_an_admin_clears_all(

@@ -437,6 +437,43 @@ def test_a_prefill_steps_commits_are_not_waited_for_until_the_request_can_finish
     assert_loads_exactly(a, blocks, b, tokens)
 
 
+def test_a_commit_not_waited_for_that_fails_is_taken_back_from_the_written_chunks(
+    server_factory: Callable[..., Any],
+) -> None:
+    """The first step's commit is sent without waiting and fails (its reservation expired
+    before the copy: write_ttl 0.5 s); the step in which the request can finish settles it,
+    and the chunks that step reported written for it are taken back, so the request's
+    ``written_chunks`` and the worker's ``stored_chunks`` count what the server holds."""
+    server = server_factory(pool_size="64MiB", extra=["--write-ttl", "0.5"])
+    a = make_engine(server.endpoint, "engine-a")
+    tokens = list(range(60_000, 60_000 + 1024))
+    req = request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    blocks = a.blocks(1024 // BLOCK)
+    a.scheduler.update_state_after_alloc(req, blocks, 0)
+    steps = [
+        step_output([("a-1", blocks, 0, 512)]),
+        step_output([], cached=[("a-1", [], 512, 512)]),
+    ]
+    reported = []
+    for i, output in enumerate(steps):
+        meta = a.scheduler.build_connector_meta(output)
+        a.worker.prepare_stores(meta)
+        if i == 0:
+            a.worker._prepare_thread.submit(lambda: None).result(timeout=10)  # reserved
+            time.sleep(1.5)  # and expired: the server reclaims it
+        a.worker.wait_for_save(meta)
+        worker_meta = a.worker_meta()
+        reported.append(worker_meta.ranks[0].written_chunks["a-1"] if worker_meta else None)
+        a.scheduler.update_connector_output(worker_meta)
+    assert reported == [2, 0]  # 2 sent without waiting, then 2 written and 2 taken back
+    report = a.scheduler.request_finished(req)["tierkv"]
+    assert report["ranks"] == [{"rank": 0, "loaded_tokens": 0, "written_chunks": 2}]
+    assert a.worker.stats["stored_chunks"] == 2
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().ready == 2
+
+
 def test_a_reservation_no_store_takes_is_given_back(server: Any) -> None:
     """A step whose wait_for_save never comes (vLLM's forward pass raised): its reservations
     are given back when the next step reserves, and at shutdown."""

@@ -123,8 +123,10 @@ class WorkerSide:
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
         # Requests with commits sent without waiting for the answer (synchronous stores of a
-        # step in which the request's prompt is still being computed), until settled.
+        # step in which the request's prompt is still being computed), until settled; and
+        # those commits, by rid: (request id, chunks reported written for it).
         self._unconfirmed: set[str] = set()
+        self._commits: dict[int, tuple[str, int]] = {}
         # Totals for this process (tests, logs and benchmarks read them): chunks, and the
         # time the engine spent in stores (waiting for the reservation, the copies out of its
         # blocks, the commit) and in loads (the RPCs and the copies into its blocks), with the
@@ -349,21 +351,38 @@ class WorkerSide:
         commits' answers are read by the client's next call (usually the prepare thread's
         reservation, during the next forward pass) or here, so the engine's thread does not
         wait a round trip after each step of a long prefill. A commit that failed is a
-        future miss (logged); the chunks reported written for it are then too many."""
+        future miss (logged); the chunks it did not commit (all of a failed one's, or of one
+        whose answer was lost) are taken back from what this rank reported written, in this
+        step's report, before the request can finish."""
         if not self._unconfirmed or self._unconfirmed <= prefilling:
             return
         start = time.perf_counter()
-        failed = self.link.call("settling of stores", lambda c: c.settle(), None)
+        settled = self.link.call(
+            "settling of stores", lambda c: (c.settle(), c.commit_shortfalls()), None
+        )
         self._unconfirmed.clear()
+        commits, self._commits = self._commits, {}
+        if settled is None:  # no answers: none of these commits is known to be done
+            shortfalls = {rid: chunks for rid, (_, chunks) in commits.items()}
+        else:
+            failed, shortfalls = settled
+            if failed:
+                log.warning(
+                    "tierkv worker rank %d: %d commit(s) not waited for failed; their chunks "
+                    "are future misses",
+                    self.rank,
+                    failed,
+                )
         with self._lock:
             self.stats["store_seconds"] += time.perf_counter() - start
-        if failed:
-            log.warning(
-                "tierkv worker rank %d: %d commit(s) not waited for failed; their chunks are "
-                "future misses",
-                self.rank,
-                failed,
-            )
+            # The chunks those commits did not commit were reported written: take them back
+            # (the scheduler adds each step's counts up) before the request can finish.
+            written = self._report.written_chunks
+            for rid, missing in shortfalls.items():
+                request_id = commits.get(rid, ("", 0))[0]
+                if request_id:
+                    self.stats["stored_chunks"] -= missing
+                    written[request_id] = written.get(request_id, 0) - missing
 
     def handle_preemptions(self, meta: TierKVConnectorMetadata) -> None:
         """Before the forward pass: the blocks of the requests vLLM preempted are free again
@@ -418,9 +437,10 @@ class WorkerSide:
                     None,
                 )
             )
+        stored = 0 if result is None else len(result.stored)
         if result is not None and not result.confirmed:
             self._unconfirmed.add(spec.request_id)
-        stored = 0 if result is None else len(result.stored)
+            self._commits[result.commit_rid] = (spec.request_id, stored)
         with self._lock:  # the store thread's results, read by vLLM's thread
             self._timed("store", start, stored)
             if stored:
