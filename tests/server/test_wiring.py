@@ -3,6 +3,7 @@ that started before it, in-process and as the `tierkv server` process."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from support.clusterkit import free_ports
+from tierkv import keys
 from tierkv.config import ServerConfig, from_mapping
 from tierkv.pool import segment_exists
 from tierkv.server.rpc import EndpointInUseError
@@ -100,3 +102,29 @@ def test_the_server_process_exits_with_one_line_when_a_part_cannot_start(
     assert len(lines) == 1 and lines[0].startswith("tierkv server: cannot serve HTTP"), lines
     assert not segment_exists(pool_name)
     assert not (tmp_path / "run" / "rpc.sock").exists()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_server_says_when_it_hashes_token_ids_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, native: bool
+) -> None:
+    """Where tierkv._keychain was not built the server still serves, and says so once at
+    start: an operator sees why its lookups of long prompts are slower."""
+    monkeypatch.setattr(keys, "NATIVE_CHAIN", native)
+    instance = uuid.uuid4().hex[:10]
+    cfg = from_mapping(
+        {
+            "instance": instance,
+            "runtime_dir": str(tmp_path / "run"),
+            "pool_name": f"tierkv-test-{instance}",
+            "pool_size": "8MiB",
+            "http_port": 0,
+        }
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="tierkv.server.wiring"),
+        Server(cfg).start_background(),
+    ):
+        pass
+    said = [r.getMessage() for r in caplog.records if "_keychain" in r.getMessage()]
+    assert len(said) == (0 if native else 1)

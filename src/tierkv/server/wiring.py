@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from tierkv import __version__
+from tierkv import __version__, keys
 from tierkv.allocator import Allocator
 from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
@@ -257,6 +257,12 @@ class Server:
             format_bytes(self.pool.size),
             cfg.chunk_size,
         )
+        if not keys.NATIVE_CHAIN:
+            log.warning(
+                "tierkv._keychain is not built (tierkv was installed without a C compiler or "
+                "OpenSSL's headers): token ids are hashed in Python, about 1.6x slower; "
+                "reinstall tierkv where they are present"
+            )
 
     def document(self) -> dict[str, object]:
         """The status document (GET /status, the dashboard, Prometheus)."""
