@@ -24,20 +24,23 @@ from tierkv.server.wiring import Server
 PART_THREADS = ("tierkv-eviction", "tierkv-cluster", "tierkv-peer", "tierkv-tier", "tierkv-rpc")
 
 
-def _config(tmp_path: Path, http_port: int, cluster_port: int) -> tuple[ServerConfig, str]:
+def _config(
+    tmp_path: Path, http_port: int, cluster_port: int | None = None
+) -> tuple[ServerConfig, str]:
+    """A server of an 8 MiB pool; with ``cluster_port``, also a cluster node and a disk tier."""
     instance = uuid.uuid4().hex[:10]
-    cfg = from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "8MiB",
-            "http_port": http_port,
-            "cluster_seeds": f"127.0.0.1:{cluster_port}",
-            "cluster_port": cluster_port,
-            "tiers": [{"name": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB"}],
-        }
-    )
+    mapping: dict[str, object] = {
+        "instance": instance,
+        "runtime_dir": str(tmp_path / "run"),
+        "pool_name": f"tierkv-test-{instance}",
+        "pool_size": "8MiB",
+        "http_port": http_port,
+    }
+    if cluster_port is not None:
+        mapping["cluster_seeds"] = f"127.0.0.1:{cluster_port}"
+        mapping["cluster_port"] = cluster_port
+        mapping["tiers"] = [{"name": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB"}]
+    cfg = from_mapping(mapping)
     return cfg, instance
 
 
@@ -111,16 +114,7 @@ def test_a_server_says_when_it_hashes_token_ids_in_python(
     """Where tierkv._keychain was not built the server still serves, and says so once at
     start: an operator sees why its lookups of long prompts are slower."""
     monkeypatch.setattr(keys, "NATIVE_CHAIN", native)
-    instance = uuid.uuid4().hex[:10]
-    cfg = from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "8MiB",
-            "http_port": 0,
-        }
-    )
+    cfg, _ = _config(tmp_path, 0)
     with (
         caplog.at_level(logging.WARNING, logger="tierkv.server.wiring"),
         Server(cfg).start_background(),
