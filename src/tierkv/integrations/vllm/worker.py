@@ -122,10 +122,9 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
-        # Requests with commits sent without waiting for the answer (synchronous stores of a
-        # step in which the request's prompt is still being computed), until settled; and
-        # those commits, by rid: (request id, chunks reported written for it).
-        self._unconfirmed: set[str] = set()
+        # Commits sent without waiting for the answer (synchronous stores of a step in which
+        # the request's prompt is still being computed), until settled, by rid: (request id,
+        # chunks reported written for it).
         self._commits: dict[int, tuple[str, int]] = {}
         # Totals for this process (tests, logs and benchmarks read them): chunks, and the
         # time the engine spent in stores (waiting for the reservation, the copies out of its
@@ -360,7 +359,6 @@ class WorkerSide:
         settled = self.link.call(
             "settling of stores", lambda c: (c.settle(), c.commit_shortfalls()), None
         )
-        self._unconfirmed.clear()
         commits, self._commits = self._commits, {}
         if settled is None:  # no answers: none of these commits is known to be done
             shortfalls = {rid: chunks for rid, (_, chunks) in commits.items()}
@@ -379,10 +377,15 @@ class WorkerSide:
             # (the scheduler adds each step's counts up) before the request can finish.
             written = self._report.written_chunks
             for rid, missing in shortfalls.items():
-                request_id = commits.get(rid, ("", 0))[0]
-                if request_id:
+                if rid in commits:  # else settled before (a lost link counted it then)
+                    request_id = commits[rid][0]
                     self.stats["stored_chunks"] -= missing
                     written[request_id] = written.get(request_id, 0) - missing
+
+    @property
+    def _unconfirmed(self) -> set[str]:
+        """The requests with commits not settled yet."""
+        return {request_id for request_id, _ in self._commits.values()}
 
     def handle_preemptions(self, meta: TierKVConnectorMetadata) -> None:
         """Before the forward pass: the blocks of the requests vLLM preempted are free again
@@ -439,7 +442,6 @@ class WorkerSide:
             )
         stored = 0 if result is None else len(result.stored)
         if result is not None and not result.confirmed:
-            self._unconfirmed.add(spec.request_id)
             self._commits[result.commit_rid] = (spec.request_id, stored)
         with self._lock:  # the store thread's results, read by vLLM's thread
             self._timed("store", start, stored)
