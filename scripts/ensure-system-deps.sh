@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install the system programs that tierkv's tests run for real (Redis, and headless Chromium
-# for the dashboard test) and what its C helper is built with (a C compiler, OpenSSL's
-# headers, and Python's: tierkv._keychain), using the system package manager, only when they
-# are missing. Idempotent and silent when everything is present; run by `make venv` /
-# `make test` before the Python dependencies, with the Python the venv is made from.
+# for the dashboard test) and what its C helpers are built with (a C compiler, OpenSSL's
+# headers, and Python's: tierkv._keychain, tierkv._streamcopy), using the system package
+# manager, only when they are missing. Idempotent and silent when everything is present;
+# run by `make venv` / `make test` before the Python dependencies, with the Python the venv
+# is made from.
 #
 # To require another program, add one line to REQUIRED: "<command on PATH> <apt package>";
 # a file instead: "</absolute/path> <apt package>".

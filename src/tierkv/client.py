@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from tierkv import dtypes, framing, keys
 from tierkv import protocol as p
+from tierkv.arraycopy import copy_array
 from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
 from tierkv.liveness import process_scope
@@ -906,9 +907,7 @@ def _copy_into(dst: Any, src: Any) -> None:
                 f"chunk of shape {src.shape}/{src.dtype} does not fit a slot of "
                 f"{dst.shape}/{dst.dtype}"
             )
-        if dst.dtype != src.dtype:
-            src = src.view(dst.dtype)
-        np.copyto(dst, src, casting="no")
+        copy_array(dst, src)
         return
     import torch  # tensors on either side
 

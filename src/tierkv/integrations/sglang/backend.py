@@ -42,12 +42,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from tierkv.arraycopy import copy_array
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.pages import (
     PageGeometry,
     UnsupportedPoolError,
-    copy_into,
     geometry_of,
     page_hash,
     page_views,
@@ -189,7 +189,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         hashes, views = prepared
 
         def store(client: Client) -> list[bool]:
-            done = client.store(hashes=hashes, gather=lambda c, dst: copy_into(dst, views[c]))
+            done = client.store(hashes=hashes, gather=lambda c, dst: copy_array(dst, views[c]))
             held = set(done.stored) | set(done.present)
             return [i in held for i in range(len(hashes))]
 
@@ -213,7 +213,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         hashes, views = prepared
 
         def load(client: Client) -> list[bool]:
-            got = client.retrieve(hashes=hashes, scatter=lambda c, src: copy_into(views[c], src))
+            got = client.retrieve(hashes=hashes, scatter=lambda c, src: copy_array(views[c], src))
             read = set(got.retrieved)
             return [i in read for i in range(len(hashes))]
 
@@ -252,7 +252,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
 
         def load(client: Client) -> list[torch.Tensor | None]:
             got = client.retrieve(
-                hashes=hashes, scatter=lambda c, src: copy_into(flats[c], src.reshape(-1))
+                hashes=hashes, scatter=lambda c, src: copy_array(flats[c], src.reshape(-1))
             )
             read = set(got.retrieved)
             return [targets[i] if i in read else None for i in range(len(keys))]
@@ -286,7 +286,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
 
         def store(client: Client) -> bool:
             done = client.store(
-                hashes=hashes, gather=lambda c, dst: copy_into(dst.reshape(-1), flats[c])
+                hashes=hashes, gather=lambda c, dst: copy_array(dst.reshape(-1), flats[c])
             )
             return len(done.stored) + len(done.present) == len(keys)
 

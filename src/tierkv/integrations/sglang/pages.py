@@ -16,7 +16,8 @@ chunk holds the page's bytes in the host pool's own order: for each layout the s
 Since layouts order the same bytes differently, the layout is part of the namespace, as are
 the pool kind, page size and dtype: pages are shared only where the bytes mean the same.
 A page's view is a view of the host pool's buffer, so moving it is one copy between the
-host pool and the tierkv slot (numpy's, on the client's copy threads).
+host pool and the tierkv slot (:func:`tierkv.arraycopy.copy_array`, on the client's copy
+threads).
 
 Keys: SGLang names pages by strings (the hex SHA-256 of a prefix-chained page hash, or
 backend-defined strings); :func:`page_hash` turns each into the bytes tierkv keys by.
@@ -28,7 +29,6 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import numpy.typing as npt
 
 # The axis of the page's tokens in get_data_page(index, flat=False), per kind and layout.
@@ -120,19 +120,13 @@ def page_views(pool: Any, host_indices: Any, count: int) -> list[npt.NDArray[Any
 
 def raw_array(tensor: Any) -> npt.NDArray[Any]:
     """A numpy view of a CPU tensor (any strides) with its elements as integers of the same
-    size: the same memory, for numpy's copies (numpy has no bfloat16 or float8, and torch's
-    multi-threaded copy of a few MiB can be an order of magnitude slower than numpy's)."""
+    size: the same memory, for :mod:`tierkv.arraycopy`'s copies (numpy has no bfloat16 or
+    float8, and torch's multi-threaded copy of a few MiB can be an order of magnitude slower
+    than one thread's)."""
     import torch
 
     raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return tensor.view(raw[tensor.element_size()]).numpy()  # type: ignore[no-any-return]
-
-
-def copy_into(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
-    """One copy between two arrays of the same shape and element size."""
-    if dst.shape != src.shape or dst.dtype.itemsize != src.dtype.itemsize:
-        raise ValueError(f"a page of {src.shape}/{src.dtype} does not fit {dst.shape}/{dst.dtype}")
-    np.copyto(dst, src if src.dtype == dst.dtype else src.view(dst.dtype), casting="no")
 
 
 # Tags keep the three key forms apart, so no string of one form maps to the bytes of another.

@@ -33,10 +33,11 @@ Chunk formats in the pool (``format_tag`` goes into the namespace with the chunk
 Copies go straight between the paged blocks and the pool's slot view: one copy per run of
 consecutive blocks (a prefill's blocks usually are, so usually one per chunk) for all layers
 at once when the layers sit in one allocation at a constant stride (vLLM's usual case), else
-one per run and layer. Caches in host memory (the CPU backend) are copied by numpy on
-the calling thread over integer views of the same bytes (:func:`host_array`): one thread, like
-a memcpy, and the GIL released during each copy. A torch ``copy_`` would split every block
-over the process's OpenMP threads, which vLLM's CPU worker binds to the cores: with another
+one per run and layer. Caches in host memory (the CPU backend) are copied on the calling
+thread over integer views of the same bytes (:func:`host_array`) by
+:func:`tierkv.arraycopy.copy_array` (non-temporal stores): one thread, like a memcpy, and
+the GIL released during each copy. A torch ``copy_`` would split every block over the
+process's OpenMP threads, which vLLM's CPU worker binds to the cores: with another
 process on one of those cores, each copy waits for a thread that is not running (measured:
 0.15 instead of 4-6 GB/s). Caches on an accelerator are copied with ``copy_``: a whole
 chunk's blocks are gathered into (or scattered from) a buffer on the device, one per copy
@@ -55,6 +56,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from tierkv.arraycopy import copy_array
 
 NATIVE = "native"
 SPLIT_LAST = "split_last"
@@ -191,7 +194,7 @@ class PagedKVLayout:
         host = self._host_chunk(chunk)
         if host is not None:
             for paged, part in self._block_parts(blocks, host, host=True):
-                np.copyto(part, paged)
+                copy_array(part, paged)
             return
         pairs = list(blocks)
         staging = self._staging(pairs, chunk)
@@ -206,7 +209,7 @@ class PagedKVLayout:
         host = self._host_chunk(chunk)
         if host is not None:
             for paged, part in self._block_parts(blocks, host, host=True):
-                np.copyto(paged, part)
+                copy_array(paged, part)
             return
         pairs = list(blocks)
         staging = self._staging(pairs, chunk)

@@ -1,0 +1,6 @@
+"""Types of the C helper ``_streamcopy.c`` (see :mod:`tierkv.arraycopy`)."""
+
+from typing import Any
+
+def copy(dst: Any, src: Any) -> bool: ...
+def kind() -> str: ...
