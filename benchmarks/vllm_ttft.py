@@ -68,6 +68,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from tierkv import arraycopy
+from tierkv.arraycopy import copy_array
 from tierkv.copier import default_threads
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -326,6 +328,7 @@ def report(
     at_end = memcpy_gbps(chunk_bytes, chunks, threads)
     all_cores = at_end if cores == threads else memcpy_gbps(chunk_bytes, chunks, cores)
     one_source = memcpy_gbps(chunk_bytes, chunks, 1, distinct_sources=False)
+    streaming = memcpy_gbps(chunk_bytes, chunks, threads, copy=copy_array)
     print(
         f"connector: copies with {threads} thread(s); stores {store_gbps:.2f} GB/s "
         f"({stats['store_bytes'] / 2**20:.0f} MiB in {stats['store_seconds'] * 1e3:.1f} ms; "
@@ -338,7 +341,9 @@ def report(
         f"{load_gbps / at_end:.2f}); by {cores} "
         f"threads (every core) {all_cores:.2f} GB/s (stores {store_gbps / all_cores:.2f} and "
         f"loads {load_gbps / all_cores:.2f} of it); one thread from one cached source "
-        f"{one_source:.2f} GB/s"
+        f"{one_source:.2f} GB/s; the connector's own streaming copy ({arraycopy.STORES}) of "
+        f"the same chunks by {threads} thread(s) {streaming:.2f} GB/s (stores "
+        f"{store_gbps / streaming:.2f} and loads {load_gbps / streaming:.2f} of it)"
     )
     for what, rates in (per_call or {}).items():
         if rates:
@@ -385,29 +390,35 @@ def worker_stats() -> dict[str, float]:
 
 
 def memcpy_gbps(
-    chunk_bytes: int, chunks: int, threads: int, distinct_sources: bool = True
+    chunk_bytes: int,
+    chunks: int,
+    threads: int,
+    distinct_sources: bool = True,
+    copy: Callable[[Any, Any], None] | None = None,
 ) -> float:
     """``threads`` threads copying ``chunks`` chunks of ``chunk_bytes`` into distinct
     buffers (thread t copies chunks t, t + threads, ...), each from its own source buffer (as
     the connector's chunks come from distinct blocks of the paged cache), or with
     ``distinct_sources`` False all from one buffer that stays in the core's cache (a bound no
-    copy of ``chunks`` different chunks reaches). Best of five."""
+    copy of ``chunks`` different chunks reaches). ``copy``: numpy's (glibc's memcpy, the
+    bound; the default) or the connector's streaming one. Best of five."""
     import numpy as np
 
+    copy_one = copy or np.copyto
     sources = chunks if distinct_sources else 1
     src = [np.ones(chunk_bytes, np.uint8) for _ in range(sources)]
     dst = [np.zeros(chunk_bytes, np.uint8) for _ in range(chunks)]
     shares = [range(t, chunks, threads) for t in range(threads)]
 
-    def copy(share: range) -> None:
+    def copy_share(share: range) -> None:
         for i in share:
-            np.copyto(dst[i], src[i % sources])  # releases the GIL
+            copy_one(dst[i], src[i % sources])  # releases the GIL
 
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(5):
             start = time.perf_counter()
-            list(pool.map(copy, shares))
+            list(pool.map(copy_share, shares))
             best = min(best, time.perf_counter() - start)
     return chunk_bytes * chunks / best / 1e9
 
