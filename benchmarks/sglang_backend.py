@@ -10,7 +10,8 @@ What is measured, all in one run on this machine:
   parallel 2 by default: 32 layers, 4 KV heads per rank, head size 128, bf16, 8 MiB a page);
 - the bound: a memcpy of the same bytes (contiguous page-sized buffers, tierkv's copier with
   the same number of threads as the client), taking turns with the set and the get round by
-  round;
+  round; the backend copies with non-temporal stores (:mod:`tierkv.arraycopy`), which can
+  beat it, so the same copies made that way are timed and printed beside;
 - SGLang's own file backend (``HiCacheFile``) on the same pages, its reads served from the
   page cache (files just written), through the generic path SGLang uses for it (flat pages,
   then ``set_from_flat_data_page``);
@@ -41,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from peers import TOKEN, Server, free_port_pair, interleaved, members, wait_for
 from shm_path import start_server
 from support import sglang_pools as sp
+from tierkv import arraycopy
+from tierkv.arraycopy import copy_array
 from tierkv.copier import Copier, default_threads
 from tierkv.demo.local_process import stop_process
 
@@ -107,6 +110,9 @@ def main() -> None:
     def memcpy() -> None:
         copier.run(lambda pr: np.copyto(*pr), pairs, sizes)
 
+    def streaming() -> None:  # the backend's own copy (non-temporal stores), printed beside
+        copier.run(lambda pr: copy_array(*pr), pairs, sizes)
+
     with tempfile.TemporaryDirectory(prefix="tierkv-sglang-bench-") as tmp:
         root = Path(tmp)
         # -- tierkv, one node, taking turns with the bound ------------------------------------
@@ -131,10 +137,15 @@ def main() -> None:
 
             # One round of each in turn (this VM's bandwidth drifts within seconds), the first
             # a warm-up; medians over the others.
-            t_memcpy, t_set, t_get = (
+            t_memcpy, t_stream, t_set, t_get = (
                 statistics.median(t)
                 for t in interleaved(
-                    args.rounds, timer(memcpy), timer(do_set, new_keys), timer(do_get), warmup=1
+                    args.rounds,
+                    timer(memcpy),
+                    timer(streaming),
+                    timer(do_set, new_keys),
+                    timer(do_get),
+                    warmup=1,
                 )
             )
             for i in range(n):
@@ -202,6 +213,8 @@ def main() -> None:
 
     gb = batch_bytes / 1e9
     print(f"memcpy          {gb / t_memcpy:6.2f} GB/s  ({default_threads()} threads)")
+    print(f"streaming copy  {gb / t_stream:6.2f} GB/s  (the backend's, {arraycopy.STORES}; "
+          f"set {t_stream / t_set:.2f} and get {t_stream / t_get:.2f} of it)")  # fmt: skip
     print(f"tierkv set      {gb / t_set:6.2f} GB/s   get {gb / t_get:6.2f} GB/s")
     print(f"file backend    set {gb / t_file_set:6.2f} GB/s   get {gb / t_file_get:6.2f} GB/s")
     print(f"immediate remote lookups that hit: {hit} of {args.remote_rounds}")
