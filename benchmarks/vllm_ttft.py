@@ -33,7 +33,8 @@ direct measure of what tierkv adds to the engine's critical path.
 the time they hold the engine after the forward pass, i.e. the copy out of the paged blocks
 and the commit, plus any wait for the reservation that the worker's prepare thread makes
 during the forward pass, whose own time is printed beside; its loads: the RPCs and the copy
-into the blocks, as timed by the worker) against a memcpy of the same chunks in this
+into the blocks, as timed by the worker; the rounds' only: the warm-up request's store, with
+its first-call costs, is printed apart) against a memcpy of the same chunks in this
 process by as many threads as the connector copies with (its ``copy_threads``: on a CPU
 engine one, vLLM's own, whose OpenMP threads hold the other cores; ``--copy-threads``
 sets it): as many chunks of the same size, each from its own source buffer as the
@@ -248,6 +249,11 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
 
         vanilla_ttft(warmup)  # first-call costs
         request(llm, warmup)
+        # The warm-up's store (its first-call costs) is not part of the figures.
+        print(f"warm-up: stores {' / '.join(f'{r:.2f}' for r in per_call['store'])} GB/s")
+        since = worker_stats()
+        for rates in per_call.values():
+            rates.clear()
         measured = []
         bounds: list[float] = []
         for i, prompt in enumerate(prompts):
@@ -260,7 +266,7 @@ def run(args: argparse.Namespace, model_dir: Path, vocab: int, endpoint: str) ->
         if child.is_alive():
             child.kill()
     columns = (list(column) for column in zip(*measured, strict=True))
-    report(None if args.async_store else per_call, bounds, *columns)
+    report(None if args.async_store else per_call, since, bounds, *columns)
 
 
 def round_bound(before: dict[str, float], after: dict[str, float]) -> float:
@@ -305,6 +311,7 @@ def measure(
 
 def report(
     per_call: dict[str, list[float]] | None,
+    since: dict[str, float],
     bounds: list[float],
     vanilla: list[float],
     cold: list[float],
@@ -312,12 +319,13 @@ def report(
     in_connector: list[float],
 ) -> None:
     """Print the figures; ``per_call``: each step's store and load GB/s (synchronous stores
-    only: an asynchronous store's bytes land after its step's call returned); ``bounds``:
+    only: an asynchronous store's bytes land after its step's call returned); ``since``:
+    the worker's totals after the warm-up (the figures count the rounds only); ``bounds``:
     each round's memcpy bound (their harmonic mean is the run's: the rounds move the same
     bytes)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    stats = worker_stats()
+    stats = {k: v - since.get(k, 0.0) for k, v in worker_stats().items()}
     store_gbps = stats["store_bytes"] / stats["store_seconds"] / 1e9
     load_gbps = stats["load_bytes"] / stats["load_seconds"] / 1e9
     chunks = int(stats["stored_chunks"])

@@ -1,4 +1,4 @@
-"""One copy of a chunk between two numpy arrays, with non-temporal stores where built.
+"""One copy of a chunk between two arrays in host memory, with non-temporal stores where built.
 
 Every copy of KV bytes that tierkv makes on the engine's side (a chunk into its pool slot
 at a store, out of it at a retrieve, vLLM's paged blocks gathered into a slot or scattered
@@ -8,7 +8,8 @@ the destination's cache lines before they are written (a third of a plain memcpy
 traffic) and no eviction of the caller's working set for bytes that another process or a
 much later forward pass reads. 16-18 GB/s against glibc memcpy's 11-13 for 2 MiB chunks on
 the CI machine type (``benchmarks/shm_path.py`` prints both bounds). Without the helper
-(built at install when a C compiler is there; :data:`STREAMING`) numpy copies.
+(built at install when a C compiler is there; :data:`STREAMING`) numpy copies. Tensors in
+host memory are copied through :func:`host_view`, a numpy view of the same bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ on another architecture), or ``numpy`` (no helper)."""
 STREAMING = _stream_copy is not None
 """Whether :func:`copy_array` copies with the C helper :mod:`tierkv._streamcopy`."""
 
+COPIES = {
+    "avx2": "non-temporal AVX2 stores",
+    "sse2": "non-temporal SSE2 stores",
+    "memcpy": "memcpy (no non-temporal stores on this architecture)",
+}.get(STORES, "numpy (tierkv._streamcopy was not built: about a third slower)")
+"""The copies in words, for logs."""
+
 
 def copy_array(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     """Copy ``src`` into ``dst``: the same shape and element size (the element types may
@@ -46,3 +54,20 @@ def copy_array(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     if _stream_copy is not None and _stream_copy(dst, src):
         return
     np.copyto(dst, src if src.dtype == dst.dtype else src.view(dst.dtype), casting="no")
+
+
+# numpy has no bfloat16 or float8: host tensors are viewed as integers of their element size.
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def host_view(tensor: Any) -> npt.NDArray[Any] | None:
+    """A numpy view of a torch tensor in host memory: the same bytes, shape and strides, as
+    the integer type of its element size (the bytes are what is copied). None for a tensor
+    on another device or of an element size no integer type has."""
+    name = _INT_OF_SIZE.get(tensor.element_size())
+    if tensor.device.type != "cpu" or name is None:
+        return None
+    import torch
+
+    array: npt.NDArray[Any] = tensor.detach().view(getattr(torch, name)).numpy()
+    return array

@@ -36,7 +36,7 @@ import numpy.typing as npt
 
 from tierkv import dtypes, framing, keys
 from tierkv import protocol as p
-from tierkv.arraycopy import copy_array
+from tierkv.arraycopy import copy_array, host_view
 from tierkv.config import default_runtime_dir
 from tierkv.copier import Copier
 from tierkv.liveness import process_scope
@@ -900,26 +900,40 @@ def _segment_id(name: str) -> tuple[int, int] | None:
 
 
 def _copy_into(dst: Any, src: Any) -> None:
-    """One copy of a chunk between a numpy view and an array or tensor of the same shape."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        if dst.shape != src.shape or dst.dtype.itemsize != src.dtype.itemsize:
+    """One copy of a chunk between a numpy view and an array or tensor of the same shape:
+    :func:`~tierkv.arraycopy.copy_array` when both are in host memory (a tensor through its
+    numpy view), else torch's copy (to or from an accelerator)."""
+    d, s = _host_array(dst), _host_array(src)
+    if d is not None and s is not None:
+        if d.shape != s.shape or d.dtype.itemsize != s.dtype.itemsize:
             raise LayoutError(
-                f"chunk of shape {src.shape}/{src.dtype} does not fit a slot of "
-                f"{dst.shape}/{dst.dtype}"
+                f"chunk of shape {s.shape} ({s.dtype.itemsize}-byte elements) does not fit a "
+                f"slot of {d.shape} ({d.dtype.itemsize}-byte elements)"
             )
-        copy_array(dst, src)
+        copy_array(d, s)
         return
-    import torch  # tensors on either side
+    import torch  # a tensor on an accelerator on one side
 
-    d = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
-    s = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
-    if tuple(d.shape) != tuple(s.shape) or d.element_size() != s.element_size():
+    dt = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+    st = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+    if tuple(dt.shape) != tuple(st.shape) or dt.element_size() != st.element_size():
         raise LayoutError(
-            f"chunk of shape {tuple(s.shape)} does not fit a slot of {tuple(d.shape)}"
+            f"chunk of shape {tuple(st.shape)} does not fit a slot of {tuple(dt.shape)}"
         )
-    if d.dtype != s.dtype:
-        s = s.view(d.dtype)
-    d.copy_(s)
+    if dt.dtype != st.dtype:
+        st = st.view(dt.dtype)
+    dt.copy_(st)
+
+
+def _host_array(chunk: Any) -> npt.NDArray[Any] | None:
+    """A chunk as a numpy array when it is in host memory (None: a tensor elsewhere)."""
+    if isinstance(chunk, np.ndarray):
+        return chunk
+    if not callable(getattr(chunk, "element_size", None)):
+        raise LayoutError(
+            f"a chunk must be a numpy array or a torch tensor, not {type(chunk).__name__}"
+        )
+    return host_view(chunk)
 
 
 def _pool_gone() -> LeaseExpiredError:

@@ -44,9 +44,9 @@ def _guarded(shape: tuple[int, ...], dtype: Any, offset: int) -> tuple[np.ndarra
 
 
 @st.composite
-def strided_pairs(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(raw buffer, destination view in it, source view, destination offset): the source a
-    random view (sliced, transposed, axes moved, steps) of a random array."""
+def strided_pairs(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(raw buffer, destination view in it at a random offset, source view): the source a
+    random view (sliced, reversed, stepped, axes moved) of a random array."""
     dtype = draw(st.sampled_from([np.uint8, np.int16, np.int32, np.int64]))
     ndim = draw(st.integers(1, 5))
     base_shape = draw(st.lists(st.integers(1, 12), min_size=ndim, max_size=ndim))
@@ -69,16 +69,16 @@ def strided_pairs(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         raw, wide = _guarded((*view.shape[:-1], view.shape[-1] * 2), dtype, offset)
         dst = wide[..., ::2]
         wide[..., 1::2] = 0x55
-    return raw, dst, view, offset
+    return raw, dst, view
 
 
 @built
 @settings(max_examples=400, deadline=None)
 @given(case=strided_pairs())
 def test_any_view_is_copied_exactly_and_nothing_else_is_written(
-    case: tuple[np.ndarray, np.ndarray, np.ndarray, int],
+    case: tuple[np.ndarray, np.ndarray, np.ndarray],
 ) -> None:
-    raw, dst, src, offset = case
+    raw, dst, src = case
     before = raw.copy()
     arraycopy.copy_array(dst, src)
     np.testing.assert_array_equal(dst, src)

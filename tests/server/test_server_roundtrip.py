@@ -103,6 +103,29 @@ def test_a_caller_that_copies_takes_chunks_beside_the_copy_threads(server: Serve
         assert stats.read_locked == 0 and stats.write_leases == 0 and stats.read_leases == 0
 
 
+def test_host_tensors_of_any_dtype_go_through_the_streaming_copy(server: ServerProcess) -> None:
+    """bfloat16 tensors in host memory (numpy has no bfloat16) are stored from and retrieved
+    into as they are, strided ones too; anything that is neither an array nor a tensor is a
+    LayoutError that leaves nothing behind."""
+    torch = pytest.importorskip("torch")
+    shape = (2, 256, 64)
+    tokens = list(range(256 * 3))
+    gen = torch.Generator().manual_seed(4)
+    chunks = [torch.randn((2, 64, 256), generator=gen).to(torch.bfloat16).transpose(1, 2)]
+    chunks += [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    with server.client(copy_threads=2) as c:
+        c.register("bf16-model", shape, "bfloat16", token_axis=1)
+        for bad in ([b"x" * 65536] * 3, [[0.0] * 4] * 3):
+            with pytest.raises(LayoutError, match="numpy array or a torch tensor"):
+                c.store(tokens, bad)
+        assert c.stats().objects == 0 and c.stats().write_leases == 0
+        assert c.store(tokens, chunks).stored == [0, 1, 2]
+        out = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3)]
+        assert c.retrieve(tokens, out).complete
+        for got, want in zip(out, chunks, strict=True):
+            assert torch.equal(got, want)
+
+
 def test_a_failing_copy_aborts_the_store_and_keeps_serving(server: ServerProcess) -> None:
     """One chunk of a parallel batch does not fit its slot: the store raises, nothing of it
     is committed, no lease stays behind, and the next store works."""

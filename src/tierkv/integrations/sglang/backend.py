@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tierkv.arraycopy import copy_array
+from tierkv.arraycopy import COPIES, copy_array
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.pages import (
@@ -101,12 +101,13 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.geometry = geometry
         self._torch_dtype = mem_pool_host.dtype
         log.info(
-            "tierkv %s: %s pages of %d tokens, %s, server %s",
+            "tierkv %s: %s pages of %d tokens, %s, server %s, copies by %s",
             self.link.what,
             geometry.format_tag,
             geometry.page_size,
             "storing and reading" if self.writer else "reading (another rank stores)",
             self.settings.endpoint,
+            COPIES,
         )
         self.link.client()  # register now: a misconfiguration shows at start, not later
 

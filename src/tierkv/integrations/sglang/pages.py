@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy.typing as npt
 
+from tierkv.arraycopy import host_view
+
 # The axis of the page's tokens in get_data_page(index, flat=False), per kind and layout.
 TOKEN_AXIS = {
     ("mha", "layer_first"): 2,
@@ -119,14 +121,15 @@ def page_views(pool: Any, host_indices: Any, count: int) -> list[npt.NDArray[Any
 
 
 def raw_array(tensor: Any) -> npt.NDArray[Any]:
-    """A numpy view of a CPU tensor (any strides) with its elements as integers of the same
-    size: the same memory, for :mod:`tierkv.arraycopy`'s copies (numpy has no bfloat16 or
-    float8, and torch's multi-threaded copy of a few MiB can be an order of magnitude slower
-    than one thread's)."""
-    import torch
-
-    raw = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return tensor.view(raw[tensor.element_size()]).numpy()  # type: ignore[no-any-return]
+    """The numpy view (:func:`tierkv.arraycopy.host_view`) of a tensor of SGLang's host
+    pool, which is in host memory (:class:`UnsupportedPoolError` otherwise)."""
+    view = host_view(tensor)
+    if view is None:
+        raise UnsupportedPoolError(
+            f"a host pool tensor on {tensor.device} with {tensor.element_size()}-byte elements: "
+            "tierkv copies pages in host memory only"
+        )
+    return view
 
 
 # Tags keep the three key forms apart, so no string of one form maps to the bytes of another.

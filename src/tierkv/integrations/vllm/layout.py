@@ -34,7 +34,7 @@ Copies go straight between the paged blocks and the pool's slot view: one copy p
 consecutive blocks (a prefill's blocks usually are, so usually one per chunk) for all layers
 at once when the layers sit in one allocation at a constant stride (vLLM's usual case), else
 one per run and layer. Caches in host memory (the CPU backend) are copied on the calling
-thread over integer views of the same bytes (:func:`host_array`) by
+thread over integer views of the same bytes (:func:`tierkv.arraycopy.host_view`) by
 :func:`tierkv.arraycopy.copy_array` (non-temporal stores): one thread, like a memcpy, and
 the GIL released during each copy. A torch ``copy_`` would split every block over the
 process's OpenMP threads, which vLLM's CPU worker binds to the cores: with another
@@ -57,7 +57,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tierkv.arraycopy import copy_array
+from tierkv.arraycopy import copy_array, host_view
 
 NATIVE = "native"
 SPLIT_LAST = "split_last"
@@ -75,8 +75,6 @@ BACKEND_CONTENT = {
 }
 # Backends whose native block format depends on a kernel variant (named after a "/").
 VARIANT_BACKENDS = ("CPU_ATTN",)
-# Integer dtypes by element size: host copies move the bytes of any KV dtype through these.
-HOST_COPY_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class UnsupportedLayoutError(ValueError):
@@ -106,16 +104,16 @@ class PagedKVLayout:
     views: tuple[torch.Tensor, ...]
     stacked: torch.Tensor | None  # [layers, *view shape] over all layers, when possible
     backend: str = ""
-    # numpy views of views/stacked when the cache is in host memory (see host_array)
+    # numpy views of views/stacked when the cache is in host memory (see arraycopy.host_view)
     host_views: tuple[npt.NDArray[Any], ...] | None = field(default=None, init=False)
     host_stacked: npt.NDArray[Any] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        arrays = [host_array(v) for v in self.views]
+        arrays = [host_view(v) for v in self.views]
         if all(a is not None for a in arrays):
             self.host_views = tuple(a for a in arrays if a is not None)
             if self.stacked is not None:
-                self.host_stacked = host_array(self.stacked)
+                self.host_stacked = host_view(self.stacked)
 
     @property
     def native(self) -> bool:
@@ -243,7 +241,7 @@ class PagedKVLayout:
         """The chunk as a numpy view when both it and the cache are in host memory."""
         if self.host_views is None or chunk.dtype != self.dtype:
             return None
-        return host_array(chunk)
+        return host_view(chunk)
 
     def _block_parts(
         self, blocks: Iterable[tuple[int, int]], chunk: Any, host: bool
@@ -435,17 +433,6 @@ def _mismatch(
         f"{geometry.num_kv_heads} KV heads of size {geometry.head_size} and blocks of "
         f"{geometry.block_size} tokens"
     )
-
-
-def host_array(tensor: torch.Tensor) -> npt.NDArray[Any] | None:
-    """A numpy view of a tensor in host memory: the same bytes, shape and strides, as the
-    integer dtype of its element size (numpy has no bfloat16 or fp8). None for a tensor on
-    another device or of another element size."""
-    int_dtype = HOST_COPY_DTYPES.get(tensor.element_size())
-    if tensor.device.type != "cpu" or int_dtype is None:
-        return None
-    array: npt.NDArray[Any] = tensor.detach().view(int_dtype).numpy()
-    return array
 
 
 _staging = threading.local()  # per copy thread: device buffers by (shape, dtype, device)

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from tierkv.arraycopy import COPIES
 from tierkv.client import Client, PreparedStore
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
@@ -173,13 +174,15 @@ class WorkerSide:
         self.layout = detect_layout(kv_caches, geometry, backends, content)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
         log.info(
-            "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s",
+            "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s; "
+            "copies in host memory by %s",
             self.rank,
             self.world_size,
             self.layout.describe(),
             self.chunk_size,
             self.bpc,
             self.layout.chunk_shape(self.chunk_size),
+            COPIES,
         )
         self.link.client()  # register now, so the scheduler's lookups see this rank
         return self.layout
