@@ -3,8 +3,7 @@
  * copy(dst, src) -> bool
  *
  * dst and src export the buffer protocol with strides (numpy arrays of any strides; dst
- * writable), have the same shape and the same item size, and do not overlap. The copy goes
- * by contiguous runs (the innermost dimensions that are contiguous in both); each run of
+ * writable) and have the same shape and the same item size. The copy goes by contiguous runs (the innermost dimensions that are contiguous in both); each run of
  * 256 bytes or more is written with non-temporal ("streaming") stores on x86-64, which
  * write whole cache lines to memory without reading them first and without evicting the
  * caller's working set. A plain memcpy reads every destination line before writing it (a
@@ -15,10 +14,12 @@
  * than the caches (a load), so caching its lines buys nothing.
  *
  * Returns False, having copied nothing, when the arrays' contiguous runs are shorter than
- * 64 bytes (a transposed view): numpy's own strided loop is the better copy there. Raises
- * ValueError for arrays that do not match or overlap, TypeError for objects without
- * strided buffers (a torch tensor: hand over its numpy view), BufferError for a read-only
- * dst. On other architectures every run is a memcpy.
+ * 64 bytes (a transposed view: numpy's own strided loop is the better copy there) or when
+ * the byte ranges they span overlap (numpy copies overlapping arrays correctly; two
+ * interleaved views that share no element also land there). Raises ValueError for arrays
+ * that do not match, TypeError for objects without strided buffers (a torch tensor: hand
+ * over its numpy view), BufferError for a read-only dst. On other architectures every run
+ * is a memcpy.
  *
  * The GIL is released during the copy (a chunk takes 0.1 to 1 ms), as numpy's copies do;
  * the buffers stay held until the copy has ended. A store fence ends every copy, so the
@@ -217,11 +218,7 @@ copy(PyObject *self, PyObject *args)
     char *dlo, *dhi, *slo, *shi;
     extent(&d, d.strides, &dlo, &dhi);
     extent(&s, s.strides, &slo, &shi);
-    if (dlo < shi && slo < dhi) {
-        PyErr_SetString(PyExc_ValueError, "source and destination overlap");
-        goto done;
-    }
-    if (made < 0) {
+    if (made < 0 || (dlo < shi && slo < dhi)) {
         result = Py_False;
         goto done;
     }
@@ -251,8 +248,8 @@ kind(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS,
      "copy(dst, src) -> bool: copy src into dst (same shape and item size, any strides) "
-     "with non-temporal stores; False if their contiguous runs are too short (copied "
-     "nothing)."},
+     "with non-temporal stores; False if their contiguous runs are too short or their "
+     "byte ranges overlap (copied nothing: numpy's copy is the one for those)."},
     {"kind", kind, METH_NOARGS, "kind() -> str: the stores this CPU copies with."},
     {NULL, NULL, 0, NULL},
 };

@@ -45,8 +45,8 @@ COPIES = {
 
 def copy_array(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     """Copy ``src`` into ``dst``: the same shape and element size (the element types may
-    differ: the bytes are copied as they are), any strides, not overlapping. ValueError if
-    they do not match."""
+    differ: the bytes are copied as they are), any strides. ValueError if they do not match.
+    Overlapping arrays and runs too short to stream are copied by numpy."""
     if dst.shape != src.shape or dst.dtype.itemsize != src.dtype.itemsize:
         raise ValueError(
             f"an array of {src.shape}/{src.dtype} does not fit one of {dst.shape}/{dst.dtype}"
