@@ -3,8 +3,8 @@
  * copy(dst, src) -> bool
  *
  * dst and src export the buffer protocol with strides (numpy arrays of any strides; dst
- * writable) and have the same shape and the same item size. The copy goes by contiguous runs (the innermost dimensions that are contiguous in both); each run of
- * 256 bytes or more is written with non-temporal ("streaming") stores on x86-64, which
+ * writable) and have the same shape and the same item size. The copy goes by contiguous
+ * runs (the innermost dimensions that are contiguous in both); each run of 256 bytes or more is written with non-temporal ("streaming") stores on x86-64, which
  * write whole cache lines to memory without reading them first and without evicting the
  * caller's working set. A plain memcpy reads every destination line before writing it (a
  * third of its memory traffic) and leaves the copied bytes in the caches. Measured here
