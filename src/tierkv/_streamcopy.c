@@ -4,14 +4,15 @@
  *
  * dst and src export the buffer protocol with strides (numpy arrays of any strides; dst
  * writable) and have the same shape and the same item size. The copy goes by contiguous
- * runs (the innermost dimensions that are contiguous in both); each run of 256 bytes or more is written with non-temporal ("streaming") stores on x86-64, which
- * write whole cache lines to memory without reading them first and without evicting the
- * caller's working set. A plain memcpy reads every destination line before writing it (a
- * third of its memory traffic) and leaves the copied bytes in the caches. Measured here
- * (2 MiB chunks between an engine's array and a shared-memory pool, caches cold): 16-18
- * GB/s against glibc memcpy's 11-13, in both directions. A KV chunk's copy is read next by
- * another process (a store into the pool) or by the forward pass of a prompt far larger
- * than the caches (a load), so caching its lines buys nothing.
+ * runs (the innermost dimensions that are contiguous in both); each run of 256 bytes or
+ * more is written with non-temporal ("streaming") stores on x86-64, which write whole cache
+ * lines to memory without reading them first and without evicting the caller's working
+ * set. A plain memcpy reads every destination line before writing it (a third of its
+ * memory traffic) and leaves the copied bytes in the caches. Measured here (2 MiB chunks
+ * between an engine's array and a shared-memory pool, caches cold): 16-18 GB/s against
+ * glibc memcpy's 11-13, in both directions. A KV chunk's copy is read next by another
+ * process (a store into the pool) or by the forward pass of a prompt far larger than the
+ * caches (a load), so caching its lines buys nothing.
  *
  * Returns False, having copied nothing, when the arrays' contiguous runs are shorter than
  * 64 bytes (a transposed view: numpy's own strided loop is the better copy there) or when
