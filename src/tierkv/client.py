@@ -905,12 +905,10 @@ def _copy_into(dst: Any, src: Any) -> None:
     numpy view), else torch's copy (to or from an accelerator)."""
     d, s = _host_array(dst), _host_array(src)
     if d is not None and s is not None:
-        if d.shape != s.shape or d.dtype.itemsize != s.dtype.itemsize:
-            raise LayoutError(
-                f"chunk of shape {s.shape} ({s.dtype.itemsize}-byte elements) does not fit a "
-                f"slot of {d.shape} ({d.dtype.itemsize}-byte elements)"
-            )
-        copy_array(d, s)
+        try:
+            copy_array(d, s)
+        except ValueError as exc:  # shapes or element sizes that do not match
+            raise LayoutError(f"a chunk does not fit its slot: {exc}") from exc
         return
     import torch  # a tensor on an accelerator on one side
 
