@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from support.servers import ServerProcess, register
-from tierkv.client import Client
+from support.servers import CHUNK_SIZE, ServerProcess, chunk_data, register
+from tierkv.client import Client, NotRegisteredError
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
+from tierkv.protocol import ErrorCode
 
 
 def test_a_wrong_auth_token_backs_off_instead_of_registering_again(
@@ -66,3 +67,57 @@ def test_the_links_client_spins_for_replies_as_configured(
             ConnectorSettings.from_extra_config({"endpoint": srv.endpoint, "reply_spin_us": bad})
     with pytest.raises(ValueError, match="reply_spin"):
         Client(srv.endpoint, reply_spin=-0.001)
+
+
+def test_a_restarted_server_is_registered_with_again_and_the_call_retried(
+    server_factory: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """kill -9 and a restart at the same endpoint: the first call after it meets
+    NotRegisteredError, registers again and retries once; the caller gets the call's real
+    result, never an exception (a server that keeps refusing: the fallback)."""
+    srv = server_factory()
+    settings = ConnectorSettings.from_extra_config({"endpoint": srv.endpoint})
+    registrations: list[int] = []
+
+    def register_engine(client: Client) -> None:
+        registrations.append(register(client).client)
+
+    link = ServerLink(settings, register_engine, "worker rank 0", logging.getLogger("engine"))
+    caplog.set_level(logging.INFO, logger="engine")
+    tokens = list(range(2 * CHUNK_SIZE))
+    chunks = [chunk_data(tokens, i) for i in range(2)]
+    try:
+        stored = link.call("store", lambda c: len(c.store(tokens, chunks).stored), -1)
+        assert stored == 2 and len(registrations) == 1
+        srv.kill()
+        srv.start()
+        for _ in range(3):  # the first meets the restart; none raises
+            stored = link.call("store", lambda c: len(c.store(tokens, chunks).stored), -1)
+            assert stored in (0, 2), stored
+        assert len(registrations) == 2  # once again, not once per call
+        assert link.failures == 0  # an answer, not an outage
+        hits = link.call("lookup", lambda c: c.lookup(tokens, wait=True).hits, -1)
+        assert hits == 2  # the chunks stored after the restart
+    finally:
+        link.close()
+    assert any("registering again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_server_that_keeps_refusing_the_client_gives_the_fallback(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """NotRegisteredError again right after registering again: the fallback, no loop."""
+    srv = server_factory()
+    settings = ConnectorSettings.from_extra_config({"endpoint": srv.endpoint})
+    link = ServerLink(settings, register, "worker rank 0", logging.getLogger("engine"))
+    calls: list[int] = []
+
+    def refused(client: Client) -> int:
+        calls.append(1)
+        raise NotRegisteredError(ErrorCode.NOT_REGISTERED, "who are you?")
+
+    try:
+        assert link.call("lookup", refused, -1) == -1
+        assert len(calls) == 2
+    finally:
+        link.close()

@@ -192,10 +192,19 @@ class ServerLink:
             try:
                 result = fn(client)
             except NotRegisteredError:
+                # The server restarted (it no longer knows this client): register again and
+                # retry once; a second refusal is a miss like any other failure.
                 with self._lock:
-                    self._registered = False  # the server restarted: register again, once
+                    self._registered = False
                 if attempt:
                     return fallback
+                self._log.info(
+                    "tierkv %s: server at %s does not know this engine (restarted): "
+                    "registering again",
+                    self.what,
+                    self.settings.endpoint,
+                )
+                continue
             except UnauthorizedError as exc:
                 # A wrong auth token: registering again cannot help. Back off like an
                 # unavailable server (one WARNING naming the cause, then plain misses).
