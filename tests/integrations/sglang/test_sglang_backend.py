@@ -341,6 +341,79 @@ def test_a_frozen_server_costs_one_timeout_then_plain_misses(
         os.kill(srv.proc.pid, signal.SIGCONT)
 
 
+def test_a_server_killed_and_restarted_under_traffic_raises_nothing_and_hits_resume(
+    srv: ServerProcess, backends: list[Any]
+) -> None:
+    """kill -9 and a restart at the same endpoint while four threads store, look up and load
+    pages (as SGLang's cache controller does): no call raises, none answers wrong bytes, and
+    once the server is back the backend registers again by itself and hits resume."""
+    import threading
+
+    src, dst = sp.host_pool("mha", "page_first"), sp.host_pool("mha", "page_first")
+    sp.fill_random(src, seed=7)
+    writer = make(backends, srv, src, extra={"timeout": 0.5, "retry_interval": 0.2})
+    reader = make(backends, srv, dst, extra={"timeout": 0.5, "retry_interval": 0.2})
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    rounds = [0] * 4
+    hits_per_thread: list[list[int]] = [[] for _ in range(4)]
+
+    def traffic(t: int) -> None:
+        keys = keys_for(f"traffic-{t}", 2)
+        mine, theirs = [2 * t, 2 * t + 1], [8 + 2 * t, 9 + 2 * t]
+        while not stop.is_set():
+            try:
+                writer.batch_set_v1(keys, sp.indices(src, mine))
+                hits = reader.batch_exists(keys)
+                got = reader.batch_get_v1(keys, sp.indices(dst, theirs))
+                for ok, s, d in zip(got, mine, theirs, strict=True):
+                    if ok:
+                        assert sp.page_bytes(dst, d) == sp.page_bytes(src, s)
+                hits_per_thread[t].append(hits)
+                rounds[t] += 1
+            except BaseException as exc:  # what would reach SGLang
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=traffic, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: min(rounds) >= 3 or bool(errors))
+        srv.kill()  # a crash, under traffic: segment and socket file left behind
+        before = list(rounds)
+        wait_until(lambda: min(r - b for r, b in zip(rounds, before, strict=True)) >= 2)
+        srv.start()  # the same endpoint
+        restarted = [len(h) for h in hits_per_thread]
+        wait_until(
+            lambda: (
+                bool(errors)
+                or all(2 in h[n:] for h, n in zip(hits_per_thread, restarted, strict=True))
+            )
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert errors == [], errors
+    keys = keys_for("after-restart", 3)
+    assert writer.batch_set_v1(keys, sp.indices(src, [12, 13, 14])) == [True] * 3
+    assert reader.batch_get_v1(keys, sp.indices(dst, [15, 16, 17])) == [True] * 3
+    assert [sp.page_bytes(dst, p) for p in (15, 16, 17)] == [
+        sp.page_bytes(src, p) for p in (12, 13, 14)
+    ]
+    with srv.client() as c:
+        assert c.stats().clients == 2  # each backend registered once again, not once a call
+    assert_clean(srv)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 # -- stats and clear -------------------------------------------------------------------------
 def test_get_stats_reports_pages_and_bandwidth_and_clear_empties_the_pool(
     srv: ServerProcess, backends: list[Any]

@@ -22,7 +22,9 @@ the chunks, and the retrieve; one rank only, as the patch applies to the worker 
 process), batch (run every prompt in one ``generate`` call, concurrently, instead of one by
 one; with few blocks vLLM then preempts requests: ``preemptions`` in the output counts them,
 ``preempted_waits`` the preempted requests whose stores the worker was told to wait for, in
-``handle_preemptions``: one rank only, the worker in this process).
+``handle_preemptions``: one rank only, the worker in this process), retry_interval (the
+connector's), pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
+for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts).
 
 Before it writes its output the engine steps until vLLM has freed every finished request's
 blocks: with asynchronous stores that is when every store has ended (committed or failed), so
@@ -112,6 +114,16 @@ def drain(llm: Any, timeout: float = 120.0) -> None:
         llm.llm_engine.step()
 
 
+def pause(where: Path, i: int) -> None:
+    """Tell the test prompt ``i`` is done, and wait until it says go on."""
+    (where / f"paused-{i}").touch()
+    deadline = time.monotonic() + 300
+    while not (where / f"resume-{i}").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"never told to resume after prompt {i}")
+        time.sleep(0.05)
+
+
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     tp = int(config.get("tensor_parallel_size", 1))
@@ -134,6 +146,8 @@ def main(config_path: str) -> None:
             extra["store_decode"] = True
         if config.get("tenant"):
             extra["tenant"] = config["tenant"]
+        if "retry_interval" in config:
+            extra["retry_interval"] = float(config["retry_interval"])
         if "async_store" in config:
             extra["async_store"] = bool(config["async_store"])
         kwargs["kv_transfer_config"] = {
@@ -195,10 +209,13 @@ def main(config_path: str) -> None:
         outs = llm.generate(list(requests), list(params), use_tqdm=False)
         results.extend(result(out) for out in outs)
     else:
-        for prompt in config["prompts"]:
+        pauses = {int(i) for i in config.get("pause_after", [])}
+        for i, prompt in enumerate(config["prompts"]):
             request, params = prepare(prompt)
             (out,) = llm.generate([request], params, use_tqdm=False)
             results.append(result(out))
+            if i in pauses:
+                pause(Path(config["pause_dir"]), i)
     if config.get("endpoint"):
         drain(llm)
     report: dict[str, Any] = {"results": results, **preemptions}

@@ -353,6 +353,64 @@ def test_server_killed_during_instance_b_is_recomputed_without_hanging(
     assert time.monotonic() - started < ENGINE_TIMEOUT
 
 
+def test_server_killed_and_restarted_under_traffic_reaches_no_exception_into_the_engine(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """kill -9 of the server between two prompts, one prompt served while it is down, then a
+    restart at the same endpoint: the engine's scheduler and worker meet NotRegisteredError,
+    register again and go on; no exception reaches vLLM, the outputs stay exact, and hits
+    resume from what is stored after the restart."""
+    prompts_a, prompts_b, _ = workload
+    stored, other = prompts_a[0], prompts_b[0]  # doc1 + a question; doc1 + another
+    server = server_factory(pool_size="256MiB")
+    retry = 0.5
+    engine = engines(
+        "E",
+        model=str(tiny_model),
+        endpoint=server.endpoint,
+        prefix_caching=False,  # every prompt asks tierkv
+        async_store=False,
+        retry_interval=retry,
+        prompts=[stored, other, stored, stored, other],
+        pause_after=[1, 2],
+        pause_dir=str(tmp_path),
+    )
+
+    def wait_paused(i: int) -> None:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not (tmp_path / f"paused-{i}").exists():
+            if engine.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the engine did not reach prompt {i}:\n{engine.log()}")
+            time.sleep(0.05)
+
+    wait_paused(1)
+    server.kill()  # a crash: pool segment and socket file left behind
+    (tmp_path / "resume-1").touch()  # prompt 2 runs against the dead server
+    wait_paused(2)
+    server.start()  # the same endpoint; the stale segment is removed
+    time.sleep(2 * retry)  # the link's back-off after prompt 2's failures has passed
+    (tmp_path / "resume-2").touch()
+    results = engine.results()
+
+    tierkv = [r["tierkv"] for r in results]
+    assert [t["hit_tokens"] for t in tierkv] == [0, 512, 0, 0, 512], tierkv
+    assert [t["loaded_tokens"] for t in tierkv] == [0, 512, 0, 0, 512], tierkv
+    written = [t["ranks"][0]["written_chunks"] for t in tierkv]
+    assert written == [2, 0, 0, 2, 0], tierkv  # nothing while the server was down
+    assert results[1]["tokens"] == results[4]["tokens"] == reference[0]
+    assert results[0]["tokens"] == results[2]["tokens"] == results[3]["tokens"]
+    log = engine.log_path.read_text(errors="replace")
+    assert "Traceback" not in log and "UnboundLocalError" not in log, engine.log(200)
+    assert "registering again" in log, engine.log(200)
+    with server.client(timeout=5.0) as client:  # the scheduler's and the worker's, once each
+        assert client.stats().errors == {"not_registered": 2}
+
+
 def test_kv_role_producer_never_loads_and_consumer_never_stores(
     tiny_model: Path,
     workload: Any,
