@@ -3,8 +3,11 @@ a real server: needs no engine."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -119,5 +122,46 @@ def test_a_server_that_keeps_refusing_the_client_gives_the_fallback(
     try:
         assert link.call("lookup", refused, -1) == -1
         assert len(calls) == 2
+    finally:
+        link.close()
+
+
+def test_threads_meeting_a_restart_at_once_register_again_only_once(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """Eight threads' calls all refused with NotRegisteredError at the same moment (the server
+    restarted under them): one registration follows, not one per thread (a second
+    registration would be a second client of the same rank), and every call answers."""
+    srv = server_factory()
+    settings = ConnectorSettings.from_extra_config({"endpoint": srv.endpoint})
+    registrations: list[int] = []
+
+    def register_engine(client: Client) -> None:
+        registrations.append(register(client).client)
+
+    link = ServerLink(settings, register_engine, "worker rank 0", logging.getLogger("engine"))
+    tokens = list(range(2 * CHUNK_SIZE))
+    chunks = [chunk_data(tokens, i) for i in range(2)]
+    threads = 8
+    together = threading.Barrier(threads)
+
+    def store(client: Client) -> int:
+        try:
+            return len(client.store(tokens, chunks).stored)
+        except NotRegisteredError:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait(30)  # every thread refused before any registers again
+            raise
+
+    try:
+        assert link.call("store", store, -1) == 2
+        srv.kill()
+        srv.start()
+        with ThreadPoolExecutor(threads) as pool:
+            answers = list(pool.map(lambda _: link.call("store", store, -1), range(threads)))
+        assert all(a in (0, 2) for a in answers), answers
+        assert len(registrations) == 2, registrations
+        with Client(srv.endpoint) as admin:
+            assert admin.stats().clients == 1
     finally:
         link.close()

@@ -130,15 +130,20 @@ class ServerLink:
         self._lock = threading.Lock()
         self._client: Client | None = None
         self._registered = False
+        self._generation = 0  # registrations made: a call knows which one it ran under
         self._down_until = 0.0
         self._down_since: float | None = None
         self.failures = 0
 
     def client(self) -> Client | None:
         """The registered client, or None while the server is considered down."""
+        return self._registered_client()[0]
+
+    def _registered_client(self) -> tuple[Client | None, int]:
+        """:meth:`client`, and the registration it is under (a count)."""
         with self._lock:
             if self._clock() < self._down_until:
-                return None
+                return None, self._generation
             if self._client is None:
                 self._client = Client(
                     self.settings.endpoint,
@@ -161,16 +166,17 @@ class ServerLink:
                     ),
                     what,
                 )
-                return None
+                return None, self._generation
             if not self._registered:
                 try:
                     self._register(client)
                 except Exception as exc:
                     self._failed(exc, "register")
-                    return None
+                    return None, self._generation
                 self._registered = True
+                self._generation += 1
                 self._back()
-            return client
+            return client, self._generation
 
     def copy_threads(self) -> int | None:
         """The copy threads the client is built with (None: the client's default)."""
@@ -186,16 +192,20 @@ class ServerLink:
     def call(self, what: str, fn: Callable[[Client], T], fallback: T) -> T:
         """``fn(client)``, or ``fallback`` if the server is down or the call fails."""
         for attempt in range(2):
-            client = self.client()
+            client, generation = self._registered_client()
             if client is None:
                 return fallback
             try:
                 result = fn(client)
             except NotRegisteredError:
                 # The server restarted (it no longer knows this client): register again and
-                # retry once; a second refusal is a miss like any other failure.
+                # retry once; a second refusal is a miss like any other failure. Calls of
+                # other threads that ran under the same registration meet the same refusal:
+                # only the first registers again (a second registration would be a second
+                # client of this rank), the others retry under the new one.
                 with self._lock:
-                    self._registered = False
+                    if self._generation == generation:
+                        self._registered = False
                 if attempt:
                     return fallback
                 self._log.info(
