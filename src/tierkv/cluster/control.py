@@ -34,6 +34,7 @@ import zmq
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import OLD_AUTH_BYTES, ControlSigner
+from tierkv.cluster.replay import REPLAYED
 from tierkv.config import ConfigError
 from tierkv.logs import FailureLog
 from tierkv.priority import control_thread
@@ -170,7 +171,8 @@ class ControlServer:
         if why:
             self.refused += 1
             self.refusals.failed("request", why)
-            return m.Refused(0, f"unauthenticated cluster request: {why} (--auth-token)")
+            hint = "" if why.startswith(REPLAYED) else " (--auth-token)"
+            return m.Refused(0, f"unauthenticated cluster request: {why}{hint}")
         try:
             req = self._decode(payload)
         # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
@@ -277,7 +279,6 @@ class ControlClient:
         for addr, msg in requests.items():
             msg.rid = next(self._rids)
             payload = m.encode(msg)
-            auth = self.signer.sign_request(payload)
             try:
                 sock = self._lease(addr)
             except zmq.ZMQError as exc:
@@ -285,6 +286,9 @@ class ControlClient:
                 # the other requests of this call go on.
                 log.debug("cannot reach cluster peer %r: %s", addr, exc)
                 continue
+            # Signed just before it is sent: requests of this process's threads reach a
+            # peer nearly in the order of their counters (the peer's replay window).
+            auth = self.signer.sign_request(payload)
             try:
                 sock.send_multipart([auth, payload], zmq.NOBLOCK)
             except zmq.ZMQError:

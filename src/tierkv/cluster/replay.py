@@ -33,6 +33,7 @@ from dataclasses import dataclass
 WINDOW = 8192  # requests of one sender that may arrive out of order
 MAX_SENDERS = 4096  # senders remembered at once
 FORGET_EVERY_NS = 10**9  # how often idle senders are looked for
+REPLAYED = "replayed"  # how every reason of a refusal here begins
 
 
 @dataclass
@@ -83,7 +84,7 @@ class ReplayGuard:
         served = self._senders.get(sender)
         if served is None:
             if stamp <= self._floor:
-                return "replayed (a request of a sender forgotten to make room)"
+                return f"{REPLAYED} (a request of a sender forgotten to make room)"
             if len(self._senders) >= self.max_senders:
                 self._evict_one()
             self._senders[sender] = _Served(counter, 1, stamp)
@@ -96,11 +97,11 @@ class ReplayGuard:
             age = served.high - counter
             if age >= self.window:
                 return (
-                    f"replayed, or older than the last {self.window} requests of its sender "
+                    f"{REPLAYED}, or older than the last {self.window} requests of its sender "
                     "(delayed in transit)"
                 )
             if served.bits >> age & 1:
-                return "replayed (this request was served already)"
+                return f"{REPLAYED} (this request was served already)"
             served.bits |= 1 << age
         served.stamp = max(served.stamp, stamp)
         return ""
@@ -115,4 +116,4 @@ class ReplayGuard:
         self._floor = max(self._floor, self._senders.pop(sender).stamp)
 
 
-__all__ = ["MAX_SENDERS", "WINDOW", "ReplayGuard"]
+__all__ = ["MAX_SENDERS", "REPLAYED", "WINDOW", "ReplayGuard"]
