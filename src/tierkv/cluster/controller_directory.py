@@ -14,8 +14,9 @@ One thread talks to the controller, so everything it sends is in the order it ha
   boot of the server (its boot token tells a restarted controller).
 
 Registrations that fail (the controller away, or refusing: another cluster token) are retried
-every second and logged as one :class:`~tierkv.logs.FailureLog`: the first at WARNING with its
-cause, a summary at most once a minute, one INFO line when registered again.
+every second (or every ``interval``, if shorter) and logged as one
+:class:`~tierkv.logs.FailureLog`: the first at WARNING with its cause, a summary at most once
+a minute, one INFO line when registered again.
 
 ``resolve`` is one round trip to the controller. The holders it names come with their data
 addresses, which :meth:`get` hands to the peer tier (the membership's role in ring mode).
@@ -304,8 +305,6 @@ def _why(reply: object) -> str:
     """A failed call's cause, for the log."""
     if reply is None:
         return "no answer"
-    if isinstance(reply, m.Refused):
-        return f"refused: {reply.reason}"
-    if isinstance(reply, cm.Ack):
+    if isinstance(reply, (m.Refused, cm.Ack)):
         return f"refused: {reply.reason}"
     return f"unexpected reply {type(reply).__name__}"
