@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
-from tierkv.cluster.auth import AUTH_BYTES, ControlSigner, derive_key, hello_proof, nonce
+import os
+import random
+import threading
+from typing import Any
+
+import zmq
+
+from tierkv.cluster import messages as m
+from tierkv.cluster.auth import (
+    AUTH_BYTES,
+    OLD_AUTH_BYTES,
+    REQUEST_HEAD,
+    ControlSigner,
+    derive_key,
+    hello_proof,
+    nonce,
+)
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.replay import ReplayGuard
+
+SKEW_NS = 300 * 10**9
 
 
 def test_requests_verify_only_unchanged_and_under_the_same_secret() -> None:
@@ -46,3 +66,137 @@ def test_hello_proofs_depend_on_role_nonces_reader_and_secret() -> None:
     assert proof != hello_proof(key, b"holder", a, b, b"reader-2")
     assert proof != hello_proof(derive_key("other"), b"holder", a, b, b"reader-1")
     assert derive_key("secret") != b"secret" and len(key) == 32
+
+
+def test_a_signed_request_is_served_once() -> None:
+    server, sender = ControlSigner("secret"), ControlSigner("secret")
+    auth = sender.sign_request(b"payload")
+    assert server.check_request(auth, b"payload") == ""
+    assert "replayed" in server.check_request(auth, b"payload")
+    assert "replayed" in server.check_request(auth, b"payload")
+    assert server.replays.refused == 2
+    # Another server has not served it: single use is per receiver.
+    assert ControlSigner("secret").check_request(auth, b"payload") == ""
+    # Each signature is new, even for the same payload.
+    assert server.check_request(sender.sign_request(b"payload"), b"payload") == ""
+
+
+def test_the_old_frame_format_is_refused_with_a_clear_reason() -> None:
+    reason = ControlSigner("secret").check_request(bytes(OLD_AUTH_BYTES), b"payload")
+    assert "older tierkv" in reason and "upgrade" in reason
+    auth = bytearray(ControlSigner("secret").sign_request(b"x"))
+    auth[0] = 9  # an unknown version
+    assert "no request signature" in ControlSigner("secret").check_request(bytes(auth), b"x")
+
+
+def test_requests_out_of_order_within_the_window_are_all_served_once() -> None:
+    guard = ReplayGuard(SKEW_NS, window=64, clock_ns=lambda: 10**18)
+    order = list(range(1, 1001))
+    rng = random.Random(7)
+    for lo in range(0, 1000, 50):  # shuffled in blocks narrower than the window
+        block = order[lo : lo + 50]
+        rng.shuffle(block)
+        order[lo : lo + 50] = block
+    assert all(guard.first_use(b"s" * 8, c, 10**18) == "" for c in order)
+    assert all("replayed" in guard.first_use(b"s" * 8, c, 10**18) for c in order[-64:])
+    assert "replayed" in guard.first_use(b"s" * 8, 900, 10**18)  # older than the window
+    assert guard.first_use(b"s" * 8, 1001, 10**18) == ""
+    assert guard.first_use(b"t" * 8, 5, 10**18) == ""  # another sender's counters
+    assert guard.refused == 65
+
+
+def test_idle_senders_are_forgotten_and_a_full_table_keeps_refusing_replays() -> None:
+    now = [10**18]
+    guard = ReplayGuard(SKEW_NS, window=64, max_senders=4, clock_ns=lambda: now[0])
+    for i in range(4):
+        assert guard.first_use(bytes([i]) * 8, 1, now[0] + i) == ""
+    # A fifth sender drops the one heard from least recently; that one's requests stay
+    # refused (older than the floor), a new sender's are served.
+    assert guard.first_use(b"\x09" * 8, 1, now[0] + 10) == ""
+    assert len(guard) == 4
+    assert "replayed" in guard.first_use(b"\x00" * 8, 1, now[0])
+    # Senders silent for longer than the clock window are forgotten: what they signed is
+    # refused by the timestamp check from then on.
+    now[0] += SKEW_NS + 2 * 10**9
+    assert guard.first_use(b"\x0a" * 8, 1, now[0]) == ""
+    assert len(guard) == 1
+
+
+def test_stamps_are_unique_across_threads_and_forks() -> None:
+    signer = ControlSigner("secret")
+    seen: list[tuple[bytes, int]] = []
+    lock = threading.Lock()
+
+    def sign() -> None:
+        mine = [
+            REQUEST_HEAD.unpack(signer.sign_request(b"x")[: REQUEST_HEAD.size]) for _ in range(500)
+        ]
+        with lock:
+            seen.extend((sender, counter) for _, sender, counter, _ in mine)
+
+    threads = [threading.Thread(target=sign) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 8 * 500
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child signs with its own sender id
+        os.close(read)
+        os.write(write, signer.sign_request(b"x")[: REQUEST_HEAD.size])
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, REQUEST_HEAD.size)
+    os.close(read)
+    os.waitpid(pid, 0)
+    mine = signer.sign_request(b"x")[: REQUEST_HEAD.size]
+    assert REQUEST_HEAD.unpack(child)[1] != REQUEST_HEAD.unpack(mine)[1]
+
+
+def test_concurrent_signers_are_all_served() -> None:
+    """Many threads sign and the server checks in whatever order they come: all pass."""
+    server = ControlSigner("secret")
+    client = ControlSigner("secret")
+    signed: list[bytes] = []
+    lock = threading.Lock()
+
+    def sign() -> None:
+        for _ in range(300):
+            auth = client.sign_request(b"p")
+            with lock:
+                signed.append(auth)
+
+    workers = [threading.Thread(target=sign) for _ in range(16)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    head = signed[:1000]
+    random.Random(3).shuffle(head)  # and some arrive well out of order
+    signed[:1000] = head
+    assert [server.check_request(a, b"p") for a in signed] == [""] * len(signed)
+
+
+def test_a_peer_of_the_older_format_is_named_in_its_refusal() -> None:
+    """A node of the version before single-use requests cannot read our signature and
+    refuses, signing in its format: the caller gets the refusal, saying why."""
+    router: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    old = m.Refused(0, "unauthenticated cluster request: no request signature (--auth-token)")
+
+    def answer() -> None:
+        ident, _, _ = router.recv_multipart()
+        router.send_multipart([ident, bytes(OLD_AUTH_BYTES), m.encode(old)])
+
+    peer = threading.Thread(target=answer)
+    peer.start()
+    client = ControlClient("secret", 10.0)
+    try:
+        reply = client.call(f"127.0.0.1:{port}", m.GetMembers(0))
+    finally:
+        peer.join()
+        client.close()
+        router.close(linger=0)
+    assert isinstance(reply, m.Refused) and "older tierkv" in reply.reason, reply

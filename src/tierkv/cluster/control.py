@@ -3,8 +3,11 @@
 The server binds ``tcp://HOST:PORT`` and answers each request on its own thread; handlers
 are small dict operations (membership, directory entries), so they run inline. Requests and
 replies are signed with the cluster secret (:mod:`tierkv.cluster.auth`): a request whose
-signature is wrong is refused before it is even decoded; one that cannot be decoded gets
-:class:`Refused` too; both are counted and change nothing. Messages above
+signature is wrong, or that was served already (a replay), is refused before it is even
+decoded; one that cannot be decoded gets :class:`Refused` too; all are counted and change
+nothing. They are logged as one :class:`~tierkv.logs.FailureLog` (:class:`RefusalLog`): the
+first at WARNING with its cause, then a summary at most once a minute, never a line each (a
+port under attack, or a node with the wrong token, would otherwise flood the log). Messages above
 ``max_message_bytes`` are dropped by ZMQ itself. A reply whose signature does not match its
 request is ignored (counted), as if it never came.
 
@@ -30,8 +33,10 @@ import msgspec
 import zmq
 
 from tierkv.cluster import messages as m
-from tierkv.cluster.auth import ControlSigner
+from tierkv.cluster.auth import OLD_AUTH_BYTES, ControlSigner
+from tierkv.cluster.replay import REPLAYED
 from tierkv.config import ConfigError
+from tierkv.logs import FailureLog
 from tierkv.priority import control_thread
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,18 @@ Handler = Callable[[Any], Any]
 
 def tcp(addr: str) -> str:
     return f"tcp://{addr}"
+
+
+class RefusalLog(FailureLog):
+    """Requests a control port refused: a :class:`~tierkv.logs.FailureLog` whose episode
+    never ends (refusals have no "works again"), worded for refusals."""
+
+    FIRST = (
+        "%(what)s: refused a request: %(error)s; further refusals are logged at DEBUG and "
+        "summarised at most every %(interval).0fs"
+    )
+    STILL = "%(what)s: %(failures)d requests refused in %(lasted).0fs; the last: %(error)s"
+    EACH = "%(what)s: refused a request: %(error)s"
 
 
 class ControlServer:
@@ -64,7 +81,7 @@ class ControlServer:
         self.signer = ControlSigner(token)
         self.handlers = dict(handlers)
         self.ctx = ctx or zmq.Context.instance()
-        self.refused = 0
+        self.refused = 0  # unauthenticated: no or a wrong signature, too old, replayed
         self.malformed = 0
         self.served = 0
         self.host, self.port = host, port  # port 0: the one bind() got
@@ -73,6 +90,20 @@ class ControlServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._decode = decoder.decode
+        self.refusals = RefusalLog(f"cluster control port {host}:{port}", log)
+
+    @property
+    def replayed(self) -> int:
+        """Requests refused as replays (counted in :attr:`refused` too)."""
+        return self.signer.replays.refused
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "served": self.served,
+            "refused": self.refused,
+            "replayed": self.replayed,
+            "malformed": self.malformed,
+        }
 
     def bind(self) -> None:
         """Open the listening socket (once); :attr:`port` is known from then on."""
@@ -95,6 +126,7 @@ class ControlServer:
         assert isinstance(endpoint, bytes)
         self.port = int(endpoint.decode().rsplit(":", 1)[1])
         self.sock = sock
+        self.refusals.what = f"cluster control port {self.host}:{self.port}"
 
     def start(self) -> None:
         """Bind (if not yet) and serve on a thread."""
@@ -138,13 +170,15 @@ class ControlServer:
         why = self.signer.check_request(auth, payload)
         if why:
             self.refused += 1
-            log.warning("refused a cluster request: %s", why)
-            return m.Refused(0, f"unauthenticated cluster request: {why} (--auth-token)")
+            self.refusals.failed("request", why)
+            hint = "" if why.startswith(REPLAYED) else " (--auth-token)"
+            return m.Refused(0, f"unauthenticated cluster request: {why}{hint}")
         try:
             req = self._decode(payload)
         # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             self.malformed += 1
+            self.refusals.failed("request", f"malformed: {exc}")
             return m.Refused(0, f"malformed cluster request: {exc}")
         handler = self.handlers.get(type(req))
         if handler is None:
@@ -245,7 +279,6 @@ class ControlClient:
         for addr, msg in requests.items():
             msg.rid = next(self._rids)
             payload = m.encode(msg)
-            auth = self.signer.sign_request(payload)
             try:
                 sock = self._lease(addr)
             except zmq.ZMQError as exc:
@@ -253,6 +286,9 @@ class ControlClient:
                 # the other requests of this call go on.
                 log.debug("cannot reach cluster peer %r: %s", addr, exc)
                 continue
+            # Signed just before it is sent: requests of this process's threads reach a
+            # peer nearly in the order of their counters (the peer's replay window).
+            auth = self.signer.sign_request(payload)
             try:
                 sock.send_multipart([auth, payload], zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -286,6 +322,8 @@ class ControlClient:
                         if not isinstance(reply, m.Refused):
                             continue
                         reply.rid = rid
+                        if len(frames[0]) == OLD_AUTH_BYTES:  # it could not read ours either
+                            reply.reason = f"the peer runs an older tierkv: {reply.reason}"
                     if reply.rid != rid:
                         continue  # cannot happen on a fresh lease; ignore defensively
                     replies[addr] = reply

@@ -13,6 +13,11 @@ One thread talks to the controller, so everything it sends is in the order it ha
 - heartbeats every ``interval`` seconds; the reply says whether the controller knows this
   boot of the server (its boot token tells a restarted controller).
 
+Registrations that fail (the controller away, or refusing: another cluster token) are retried
+every second (or every ``interval``, if shorter) and logged as one
+:class:`~tierkv.logs.FailureLog`: the first at WARNING with its cause, a summary at most once
+a minute, one INFO line when registered again.
+
 ``resolve`` is one round trip to the controller. The holders it names come with their data
 addresses, which :meth:`get` hands to the peer tier (the membership's role in ring mode).
 """
@@ -32,6 +37,7 @@ from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
 from tierkv.controller import messages as cm
 from tierkv.keys import KEY_SIZE
+from tierkv.logs import FailureLog
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +72,7 @@ class ControllerDirectory(Directory):
         self._seq = 0
         self._controller_boot = 0
         self._thread: threading.Thread | None = None
+        self.failures = FailureLog(f"controller {controller}", log)
         self.counts: dict[str, int] = {
             "registrations": 0,
             "syncs": 0,
@@ -194,7 +201,7 @@ class ControllerDirectory(Directory):
     def _register_and_sync(self) -> None:
         reply = self.client.call(self.controller, cm.Register(0, self.me, self.namespaces()))
         if not isinstance(reply, cm.Registered):
-            log.warning("controller %s did not register this server: %r", self.controller, reply)
+            self.failures.failed("registering this server", _why(reply))
             return
         self._controller_boot = reply.controller_boot
         self.counts["registrations"] += 1
@@ -218,8 +225,9 @@ class ControllerDirectory(Directory):
                 ),
             )
             if not (isinstance(ack, cm.Ack) and ack.ok):
-                log.warning("controller refused a full sync part: %r", ack)
+                self.failures.failed(f"full sync part {part}", _why(ack))
                 return
+        self.failures.ok()
         self._set_registered(True)
         self.counts["syncs"] += 1
         log.info("registered with controller %s; full sync of %d keys", self.controller, len(held))
@@ -285,8 +293,18 @@ class ControllerDirectory(Directory):
     def stats(self) -> dict[str, object]:
         return {
             "mode": "controller",
+            "registration_failures": self.failures.total_failures,
             "controller": self.controller,
             "registered": self._registered,
             "seq": self._seq,
             **self.counts,
         }
+
+
+def _why(reply: object) -> str:
+    """A failed call's cause, for the log."""
+    if reply is None:
+        return "no answer"
+    if isinstance(reply, (m.Refused, cm.Ack)):
+        return f"refused: {reply.reason}"
+    return f"unexpected reply {type(reply).__name__}"

@@ -14,6 +14,10 @@ the change (its pool is empty, its entries must be re-published to it) and repor
 change of membership. Dead members and seeds keep being probed, so a restarted seed is found
 again even if its own seed list names nobody alive. A node that stops cleanly sends LEAVE.
 
+A peer that refuses our heartbeats (another cluster token) is logged as one
+:class:`~tierkv.logs.FailureLog` per peer: the first refusal at WARNING with its cause, then
+a summary at most once a minute, one INFO line once it answers again.
+
 Changes are reported by ``on_change(old, new)`` (maps of node id to member info) from the
 membership thread, never under a lock, in the order they happened.
 """
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
+from tierkv.logs import FailureLog
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class Membership:
         self.heartbeats_received = 0
         self.changes = 0
         self.refused_by_peers = 0
+        self._refusing: dict[str, FailureLog] = {}  # by control address (heartbeat thread)
         self.left = 0  # members that said LEAVE
 
     # -- queries ---------------------------------------------------------------------------
@@ -260,8 +266,12 @@ class Membership:
             replies = self.client.call_many(
                 {addr: msg for addr in targets}, timeout=0.8 * self.interval
             )
+            for addr in set(self._refusing) - set(targets):
+                del self._refusing[addr]
             for addr, reply in replies.items():
                 if isinstance(reply, m.HeartbeatAck):
+                    if (refusing := self._refusing.pop(addr, None)) is not None:
+                        refusing.ok()
                     if reply.sender.node_id == self.me.node_id:
                         self._self_addrs.add(addr)
                         continue
@@ -269,7 +279,10 @@ class Membership:
                     self._gossip(reply.members)
                 elif isinstance(reply, m.Refused):
                     self.refused_by_peers += 1
-                    log.error("cluster peer %s refused our heartbeat: %s", addr, reply.reason)
+                    refusing = self._refusing.get(addr)
+                    if refusing is None:
+                        refusing = self._refusing[addr] = FailureLog(f"cluster peer {addr}", log)
+                    refusing.failed("heartbeat", f"refused: {reply.reason}")
         self._expire()
         self._report()
 

@@ -477,9 +477,7 @@ class ClusterNode:
             "promoted": self.promoted,
             "stale_withdrawn": self.stale_withdrawn,
             "control": {
-                "served": self.control.served,
-                "refused": self.control.refused,
-                "malformed": self.control.malformed,
+                **self.control.stats(),
                 "calls": self.client.calls,
                 "timeouts": self.client.timeouts,
                 "bad_replies": self.client.bad_replies,

@@ -36,6 +36,7 @@ class Controller:
             max_message_bytes=cfg.max_message_bytes,
             decoder=cm.request_decoder,
         )
+        self.service.control_stats = self.control.stats
         self.http: HttpServer | None = None
 
     def start(self) -> Controller:

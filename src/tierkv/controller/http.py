@@ -48,6 +48,11 @@ class ControllerCollector(Collector):
         for name, key, what in (
             ("registrations", "registrations", "server registrations"),
             ("heartbeats", "heartbeats", "heartbeats received"),
+            (
+                "heartbeats_out_of_sequence",
+                "heartbeats_out_of_sequence",
+                "heartbeats whose sequence differed from the controller's (a full sync followed)",
+            ),
             ("admits", "admits", "keys admitted by reports"),
             ("evicts", "evicts", "keys evicted by reports"),
             ("reports", "reports", "reports applied"),
@@ -66,6 +71,18 @@ class ControllerCollector(Collector):
         dereg.add_metric(["clean"], c["deregistered_clean"])
         dereg.add_metric(["operator"], c["deregistered_operator"])
         yield dereg
+        control = s.control_stats()
+        refused = CounterMetricFamily(
+            "tierkv_controller_control_refused",
+            "control requests refused (unauthenticated: no or a wrong signature, too old; "
+            "replayed; malformed)",
+            labels=["reason"],
+        )
+        replayed = control.get("replayed", 0)
+        refused.add_metric(["unauthenticated"], control.get("refused", 0) - replayed)
+        refused.add_metric(["replayed"], replayed)
+        refused.add_metric(["malformed"], control.get("malformed", 0))
+        yield refused
         yield CounterMetricFamily(
             "tierkv_controller_index_merges",
             "merges of reports into the index's sorted array",

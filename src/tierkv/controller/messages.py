@@ -73,12 +73,13 @@ class Heartbeat(Struct, tag="c_hb"):
     rid: int
     instance: str
     boot: int
-    seq: int  # the last report sequence number this server sent
+    seq: int  # the last report or sync sequence number the controller acknowledged
 
 
 class HeartbeatReply(Struct, tag="c_hb_ack"):
     """``known`` False: the controller does not know this boot of the instance (it restarted,
-    or declared the server dead): register again and send a full sync."""
+    or declared the server dead), or not at the heartbeat's sequence number (its entries
+    differ from what the server holds): register again and send a full sync."""
 
     rid: int
     controller_boot: int

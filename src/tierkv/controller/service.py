@@ -5,7 +5,13 @@ reports applied to the index (:mod:`tierkv.controller.index`), and lookups.
   namespaces. A new boot token of a known instance (it restarted between two heartbeats)
   drops the old boot's entries at once.
 - Heartbeat: refreshes the server's last-seen time; the reply carries the controller's boot
-  token and whether it knows this boot of the server (if not: register and full sync).
+  token and whether it knows this boot of the server *at the sequence number the heartbeat
+  carries* (if not: register and full sync at once). A server sends its reports, syncs and
+  heartbeats from one thread, each after the previous one's answer, so a heartbeat's
+  sequence is exactly the last one the controller applied; any difference means the
+  controller's entries for it are not what the server holds (e.g. a late duplicate Register
+  emptied them), and only a full sync repairs that. A registration not yet followed by its
+  full sync has no sequence (:data:`UNSYNCED`), so it never matches.
 - Report: admits and evicts with a sequence number; applied only in order (a gap, or an
   unknown boot, is refused and the server re-syncs). Reports come from one sender thread
   per server and each waits for its answer, so order on the wire is order of events.
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
 ACTIVITY = 50  # recent events kept for the dashboard
+UNSYNCED = -1  # the sequence of a registration whose full sync has not ended
 
 
 @dataclass
@@ -51,7 +58,7 @@ class Instance:
     namespaces: list[cm.NamespaceInfo]
     registered_at: float
     last_seen: float
-    seq: int = 0  # last report or sync applied
+    seq: int = UNSYNCED  # last report or sync applied
     sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
     sync_bytes: int = 0
     syncs: int = 0
@@ -78,6 +85,7 @@ class ControllerService:
             "registrations": 0,
             "restarts_noticed": 0,
             "heartbeats": 0,
+            "heartbeats_out_of_sequence": 0,
             "admits": 0,
             "evicts": 0,
             "reports": 0,
@@ -92,6 +100,8 @@ class ControllerService:
             "deregistered_operator": 0,
         }
         self.lookup_seconds: list[float] = []  # the metrics collector drains it
+        # The control port's counters (served, refused, replayed, malformed): set by the app.
+        self.control_stats: Callable[[], dict[str, int]] = dict
         self.activity: deque[dict[str, object]] = deque(maxlen=ACTIVITY)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -202,7 +212,22 @@ class ControllerService:
     def on_heartbeat(self, req: cm.Heartbeat) -> cm.HeartbeatReply:
         self.counts["heartbeats"] += 1
         with self._lock:
-            known = self._current(req.instance, req.boot) is not None
+            state = self._current(req.instance, req.boot)
+            if state is None:
+                return cm.HeartbeatReply(req.rid, self.boot, False)
+            have, syncing = state.seq, bool(state.sync_parts)
+        known = have == req.seq and not syncing
+        if not known:
+            # Not a loop: the server's next heartbeat follows its full sync, which sets
+            # state.seq to the very sequence that heartbeat carries (module docstring).
+            self.counts["heartbeats_out_of_sequence"] += 1
+            log.info(
+                "server %s is at sequence %d, the controller at %d%s: asked to re-sync",
+                req.instance,
+                req.seq,
+                have,
+                " (its full sync left unfinished)" if syncing else "",
+            )
         return cm.HeartbeatReply(req.rid, self.boot, known)
 
     def on_report(self, req: cm.Report) -> cm.Ack:
@@ -354,6 +379,7 @@ class ControllerService:
             "index_bytes": self.index.nbytes(),
             "index_merges": self.index.merges,
             "activity": list(self.activity),
+            "control": self.control_stats(),
             **self.counts,
         }
 

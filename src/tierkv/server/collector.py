@@ -269,7 +269,7 @@ class StatsCollector(Collector):
         yield _labelled(
             CounterMetricFamily,
             "tierkv_cluster_refused",
-            "Cluster requests refused (wrong or missing shared secret, malformed)",
+            "Cluster requests refused (wrong or missing shared secret, replayed, malformed)",
             "plane",
             {
                 "control": cluster["control"]["refused"] + cluster["control"]["malformed"],

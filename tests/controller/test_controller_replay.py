@@ -1,0 +1,184 @@
+"""A live server's index in the controller survives replays and heals from late duplicates:
+
+- a Register of the server captured on the wire (a relay between server and controller
+  keeps a copy of every request) and played again is refused; the server's keys stay;
+- a late duplicate Register (signed, never seen before: e.g. one that timed out and was
+  retried, delivered after the retry) empties the server's keys; the server's next
+  heartbeat carries its sequence number, the controller's differs, and a full sync repairs
+  the index at once, although the server stores nothing meanwhile;
+- the controller's heartbeat answers, unit by unit (:class:`ControllerService`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from support.clusterkit import wait_for
+from support.controllers import ControllerProcess, ctl_call, start_server
+from support.kvops import store, tokens_for
+from support.servers import ServerProcess
+from tierkv.cluster import messages as m
+from tierkv.controller import messages as cm
+from tierkv.controller.service import ControllerService
+from tierkv.keys import KEY_SIZE
+
+Factory = Callable[..., ServerProcess]
+CHUNKS = 4
+
+
+class Tap:
+    """A ZMQ relay (ROUTER in front, DEALER to the controller) that keeps a copy of every
+    request it forwards: what an attacker on the path would capture."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.captured: list[list[bytes]] = []  # [auth, payload] of each request
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.addr = ""
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        for sock in (front, back):
+            sock.setsockopt(zmq.LINGER, 0)
+        port = front.bind_to_random_port("tcp://127.0.0.1")
+        back.connect(f"tcp://{self.upstream}")
+        self.addr = f"127.0.0.1:{port}"
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(front, zmq.POLLIN)
+        poller.register(back, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(50):
+                    frames = sock.recv_multipart()
+                    if sock is front:
+                        self.captured.append(frames[-2:])
+                        back.send_multipart(frames)
+                    else:
+                        front.send_multipart(frames)
+        finally:
+            front.close(linger=0)
+            back.close(linger=0)
+
+    def requests(self, kind: type) -> list[list[bytes]]:
+        return [f for f in list(self.captured) if isinstance(cm.request_decoder.decode(f[1]), kind)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    ctl = ControllerProcess(tmp_path).start()
+    try:
+        yield ctl
+    finally:
+        ctl.stop()
+
+
+def replay(addr: str, frames: list[bytes]) -> Any:
+    with zmq.Context.instance().socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{addr}")
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), "no answer from the controller"
+        return cm.reply_decoder.decode(sock.recv_multipart()[-1])
+
+
+def keys_of(ctl: ControllerProcess, instance: str) -> int:
+    return int(ctl.instances().get(instance, {}).get("keys", -1))
+
+
+def syncs_applied(ctl: ControllerProcess) -> int:
+    status = ctl.status()
+    assert status is not None
+    return int(status["syncs"])
+
+
+@pytest.mark.processes
+def test_a_replayed_register_of_a_live_server_is_refused(
+    server_factory: Factory, controller: ControllerProcess
+) -> None:
+    tap = Tap(controller.addr)
+    try:
+        a = start_server(server_factory, tap.addr)
+        wait_for(lambda: a.node_id in controller.instances())
+        store(a, tokens_for(1, CHUNKS), CHUNKS)
+        wait_for(lambda: keys_of(controller, a.node_id) == CHUNKS)
+        (register, *_) = tap.requests(cm.Register)
+        before = controller.status()
+        assert before is not None
+        reply = replay(controller.addr, register)
+        assert isinstance(reply, m.Refused) and "replayed" in reply.reason, reply
+        after = controller.status()
+        assert after is not None
+        assert after["registrations"] == before["registrations"]
+        assert keys_of(controller, a.node_id) == CHUNKS
+        assert after["control"]["replayed"] == 1, after["control"]
+    finally:
+        tap.close()
+
+
+@pytest.mark.processes
+def test_a_late_duplicate_register_is_repaired_by_the_next_heartbeat(
+    server_factory: Factory, controller: ControllerProcess
+) -> None:
+    a = start_server(server_factory, controller.addr)
+    wait_for(lambda: a.node_id in controller.instances())
+    keys = store(a, tokens_for(2, CHUNKS), CHUNKS)
+    wait_for(lambda: keys_of(controller, a.node_id) == CHUNKS)
+    located = ctl_call(controller.addr, m.Resolve(0, keys))
+    assert isinstance(located, cm.Located)
+    (me,) = located.holders
+    syncs = syncs_applied(controller)
+    # The same server's registration again, arriving late: its entries are emptied.
+    assert isinstance(ctl_call(controller.addr, cm.Register(0, me, [])), cm.Registered)
+    # The server stores nothing more: only its heartbeat can tell the difference.
+    wait_for(lambda: syncs_applied(controller) > syncs)
+    wait_for(lambda: keys_of(controller, a.node_id) == CHUNKS)
+    assert controller.holders(keys) == [{a.node_id}] * CHUNKS
+    status = controller.status()
+    assert status is not None and status["heartbeats_out_of_sequence"] >= 1
+
+
+def test_heartbeats_are_known_only_at_the_controllers_sequence() -> None:
+    service = ControllerService()
+    try:
+        me = m.MemberInfo("s:1", "s:1", "s:2", 7)
+
+        def beat(seq: int, boot: int = 7) -> bool:
+            reply = service.on_heartbeat(cm.Heartbeat(0, "s:1", boot, seq))
+            return reply.known
+
+        def sync(seq: int, n: int, part: int = 0, last: bool = True) -> bool:
+            keys = b"".join(bytes([i + 1]) * KEY_SIZE for i in range(n))
+            ack = service.on_sync(cm.SyncBatch(0, "s:1", 7, seq, part, last, keys, bytes(n)))
+            return ack.ok
+
+        assert isinstance(service.on_register(cm.Register(0, me, [])), cm.Registered)
+        assert not beat(0)  # registered, not synced yet: no sequence matches
+        assert sync(5, 3) and beat(5) and not beat(4) and not beat(6) and not beat(5, boot=8)
+        report = cm.Report(0, "s:1", 7, 6, bytes([9]) * KEY_SIZE, bytes(1), b"")
+        assert service.on_report(report).ok and beat(6) and not beat(5)
+        assert service.index.size("s:1") == 4
+        # A duplicate registration of the same boot empties the entries: out of sequence.
+        assert isinstance(service.on_register(cm.Register(0, me, [])), cm.Registered)
+        assert service.index.size("s:1") == 0 and not beat(6)
+        # A full sync left unfinished is not "known" either; a finished one is.
+        assert sync(6, 2, part=0, last=False) and not beat(6)
+        assert sync(6, 2, part=1, last=True) and beat(6)
+        assert service.counts["heartbeats_out_of_sequence"] == 6
+    finally:
+        service.close()
