@@ -11,7 +11,7 @@ collision); a bucket that differs is listed and repaired alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -45,28 +45,29 @@ def empty() -> Summary:
 
 
 class Summaries:
-    """An owner's summaries, one per holder, kept up to date entry by entry. Not
-    thread-safe: its shard calls it under its lock."""
+    """An owner's summaries, one per holder, kept up to date entry by entry (hashes computed
+    a batch at a time). Not thread-safe: its shard calls it under its lock."""
 
     def __init__(self) -> None:
         self._by_holder: dict[str, Summary] = {}
 
-    def add(self, holder: str, key: bytes, incarnation: int, where: int) -> None:
-        counts, hashes = self._by_holder.setdefault(holder, empty())
-        b = bucket(key)
-        counts[b] += 1
-        hashes[b] ^= entry_hash(key, incarnation, where)
-
-    def remove(self, holder: str, key: bytes, incarnation: int, where: int) -> None:
-        summary = self._by_holder.get(holder)
-        if summary is None:
+    def apply(self, changes: Sequence[tuple[str, bytes, int, int]], sign: int) -> None:
+        """Count entries ``(holder, key, incarnation, where)`` in (``sign`` 1) or out (-1)."""
+        if not changes:
             return
-        counts, hashes = summary
-        b = bucket(key)
-        counts[b] -= 1
-        hashes[b] ^= entry_hash(key, incarnation, where)
-        if not any(counts):
-            del self._by_holder[holder]
+        words = keys_words([c[1] for c in changes])
+        hashes = hashes_of(words, [c[3] for c in changes], [c[2] for c in changes])
+        by_holder = self._by_holder
+        for (holder, key, _, _), h in zip(changes, hashes.tolist(), strict=True):
+            counts, xors = by_holder.get(holder) or by_holder.setdefault(holder, empty())
+            b = key[8] & (BUCKETS - 1)
+            counts[b] += sign
+            xors[b] ^= h
+        if sign < 0:
+            for holder in {c[0] for c in changes}:
+                summary = by_holder.get(holder)
+                if summary is not None and not any(summary[0]):
+                    del by_holder[holder]
 
     def get(self, holder: str) -> Summary:
         counts, hashes = self._by_holder.get(holder) or empty()
@@ -87,18 +88,9 @@ def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     return np.asarray(z ^ (z >> np.uint64(31)), dtype=np.uint64)
 
 
-def hashes_of(
-    words: npt.NDArray[np.uint64], wheres: npt.NDArray[np.uint64], incarnation: int
-) -> npt.NDArray[np.uint64]:
-    """:func:`entry_hash` of many entries of one holder: ``words`` are the keys' second
-    little-endian words (``keys_words``), ``wheres`` their tiers."""
-    base = np.uint64((incarnation * _INC) & _MASK)
-    with np.errstate(over="ignore"):
-        return _mix(words + base + wheres * np.uint64(_WHERE))
-
-
 def keys_words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """The second little-endian 64-bit word of each 32-byte key."""
+    """The second little-endian 64-bit word of each 32-byte key (what a hash and a bucket
+    are taken from)."""
     if not keys:
         return np.zeros(0, dtype=np.uint64)
     raw = np.frombuffer(b"".join(keys), dtype="<u8")
@@ -107,15 +99,80 @@ def keys_words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     return np.ascontiguousarray(raw.reshape(len(keys), 4)[:, 1], dtype=np.uint64)
 
 
-def summarise(words: npt.NDArray[np.uint64], hashes: npt.NDArray[np.uint64]) -> Summary:
-    """The summary of entries given by their keys' words and their hashes."""
-    buckets = (words & np.uint64(BUCKETS - 1)).astype(np.intp)
-    counts = np.bincount(buckets, minlength=BUCKETS)
-    order = np.argsort(buckets, kind="stable")
-    sorted_hashes = hashes[order]
-    starts = np.searchsorted(buckets[order], np.arange(BUCKETS))
-    xors = [0] * BUCKETS
-    for b in range(BUCKETS):
-        if counts[b]:
-            xors[b] = int(np.bitwise_xor.reduce(sorted_hashes[starts[b] : starts[b] + counts[b]]))
-    return [int(c) for c in counts], xors
+def hashes_of(
+    words: npt.NDArray[np.uint64], wheres: Sequence[int], incarnations: int | Sequence[int]
+) -> npt.NDArray[np.uint64]:
+    """:func:`entry_hash` of many entries at once: their keys' :func:`keys_words`, their
+    tiers, and one incarnation for all or one each."""
+    if isinstance(incarnations, int):
+        base: npt.NDArray[np.uint64] | np.uint64 = np.uint64((incarnations * _INC) & _MASK)
+    else:
+        base = np.fromiter(
+            ((i * _INC) & _MASK for i in incarnations), dtype=np.uint64, count=len(words)
+        )
+    tiers = np.fromiter(wheres, dtype=np.uint64, count=len(words))
+    with np.errstate(over="ignore"):
+        return _mix(words + base + tiers * np.uint64(_WHERE))
+
+
+class Expected:
+    """What a holder expects each owner to list for it: its entries (``keys``, 32 bytes,
+    each once, and their tiers ``wheres``), hashed once with its ``incarnation``; ``arcs``
+    and ``arc_owners``: where the ring puts each key (:meth:`tierkv.cluster.ring.Ring.arcs`)."""
+
+    def __init__(
+        self,
+        keys: Sequence[bytes],
+        wheres: Sequence[int],
+        incarnation: int,
+        arcs: npt.NDArray[np.intp],
+        arc_owners: Sequence[tuple[str, ...]],
+    ) -> None:
+        self.incarnation = incarnation
+        self.arc_owners = arc_owners
+        words = keys_words(keys)
+        hashes = hashes_of(words, wheres, incarnation)
+        buckets = (words & np.uint64(BUCKETS - 1)).astype(np.uint8)
+        order = np.argsort(buckets, kind="stable")  # by bucket: each one a slice
+        self._keys, self._wheres = keys, wheres
+        self._order = order
+        self.buckets = buckets[order]
+        self.hashes = hashes[order]
+        self.arcs = arcs[order]
+        ends = np.cumsum(np.bincount(self.buckets, minlength=BUCKETS))
+        self.bounds = [(0 if i == 0 else int(ends[i - 1]), int(ends[i])) for i in range(BUCKETS)]
+
+    def _share(self, owner: str) -> npt.NDArray[np.bool_]:
+        """Which entries ``owner`` should list."""
+        table = np.fromiter(
+            (owner in names for names in self.arc_owners),
+            dtype=np.bool_,
+            count=len(self.arc_owners),
+        )
+        return table[self.arcs] if len(table) else np.zeros(len(self.arcs), dtype=np.bool_)
+
+    def summary(self, owner: str) -> Summary:
+        """The summary ``owner`` should have of this holder's entries."""
+        sel = self._share(owner)
+        counts = np.bincount(self.buckets[sel], minlength=BUCKETS)
+        mine = np.where(sel, self.hashes, np.uint64(0))
+        xors = [int(np.bitwise_xor.reduce(mine[a:b])) if b > a else 0 for a, b in self.bounds]
+        return [int(c) for c in counts], xors
+
+    def differences(
+        self, owner: str, buckets: Iterable[int], listed: Iterable[tuple[bytes, int, int]]
+    ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+        """Given ``owner``'s entries of this holder in ``buckets`` (``(key, incarnation,
+        where)``): the entries to publish to it again (missing or wrong) and the keys to
+        withdraw from it (not held)."""
+        sel = self._share(owner)
+        mine: dict[bytes, int] = {}
+        for b in set(buckets):
+            if 0 <= b < BUCKETS:
+                lo, hi = self.bounds[b]
+                for i in self._order[np.flatnonzero(sel[lo:hi]) + lo].tolist():
+                    mine[self._keys[i]] = int(self._wheres[i])
+        theirs = {k: (i, w) for k, i, w in listed}
+        inc = self.incarnation
+        publish = [(k, w) for k, w in mine.items() if theirs.get(k) != (inc, w)]
+        return publish, [k for k in theirs if k not in mine]

@@ -42,7 +42,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from tierkv.cluster import digest
 from tierkv.cluster import messages as m
@@ -163,65 +162,87 @@ class Shard:
         return len(self._entries)
 
     def _set(
-        self, key: bytes, old: tuple[tuple[str, int, int], ...], entry: tuple[str, int, int]
-    ) -> None:
-        """Put ``entry`` for ``key`` in place of its holder's previous one (lock held)."""
+        self,
+        key: bytes,
+        entry: tuple[str, int, int],
+        added: list[tuple[str, bytes, int, int]],
+        removed: list[tuple[str, bytes, int, int]],
+    ) -> bool:
+        """Put ``entry`` for ``key`` in place of its holder's previous one, noting the
+        summaries' changes (lock held); False if it was there already."""
         holder = entry[0]
-        summaries = self._summaries
+        old = self._entries.get(key, ())
         for e in old:
             if e[0] == holder:
-                summaries.remove(holder, key, e[1], e[2])
-        self._entries[key] = (*(e for e in old if e[0] != holder), entry)
-        summaries.add(holder, key, entry[1], entry[2])
+                if e == entry:
+                    return False
+                removed.append((holder, key, e[1], e[2]))
+                old = tuple(o for o in old if o[0] != holder)
+                break
+        self._entries[key] = (*old, entry)
+        added.append((holder, key, entry[1], entry[2]))
+        return True
 
     def _cut(
         self,
         key: bytes,
         old: tuple[tuple[str, int, int], ...],
         gone: Callable[[tuple[str, int, int]], bool],
+        removed: list[tuple[str, bytes, int, int]],
     ) -> int:
-        """Drop the entries of ``key`` that are ``gone`` (lock held); returns how many."""
+        """Drop the entries of ``key`` that are ``gone``, noting them in ``removed`` (lock
+        held); returns how many."""
         kept = tuple(e for e in old if not gone(e))
         if len(kept) == len(old):
             return 0
-        for e in old:
-            if gone(e):
-                self._summaries.remove(e[0], key, e[1], e[2])
+        removed.extend((e[0], key, e[1], e[2]) for e in old if gone(e))
         if kept:
             self._entries[key] = kept
         else:
             del self._entries[key]
         return len(old) - len(kept)
 
+    def _account(
+        self, added: list[tuple[str, bytes, int, int]], removed: list[tuple[str, bytes, int, int]]
+    ) -> None:
+        self._summaries.apply(removed, -1)
+        self._summaries.apply(added, 1)
+
     def put(self, holder: str, incarnation: int, entries: Iterable[tuple[bytes, int]]) -> int:
         n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
-            table = self._entries
             for key, where in entries:
-                self._set(key, table.get(key, ()), (holder, incarnation, int(where)))
+                self._set(key, (holder, incarnation, int(where)), added, removed)
                 n += 1
+            self._account(added, removed)
         return n
 
     def put_many(self, entries: Iterable[tuple[bytes, str, int, int]]) -> int:
         n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             table = self._entries
             for key, holder, incarnation, where in entries:
-                old = table.get(key, ())
-                if any(e[0] == holder and e[1] > incarnation for e in old):
+                if any(e[0] == holder and e[1] > incarnation for e in table.get(key, ())):
                     continue  # an entry of a previous life of that holder
-                self._set(key, old, (holder, incarnation, where))
+                self._set(key, (holder, incarnation, where), added, removed)
                 n += 1
+            self._account(added, removed)
         return n
 
     def remove(self, holder: str, keys: Iterable[bytes]) -> int:
         n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             table = self._entries
             for key in keys:
                 old = table.get(key)
-                if old and self._cut(key, old, lambda e: e[0] == holder):
+                if old and self._cut(key, old, lambda e: e[0] == holder, removed):
                     n += 1
+            self._account([], removed)
         return n
 
     def get(self, keys: Sequence[bytes]) -> list[tuple[tuple[str, int, int], ...]]:
@@ -239,9 +260,11 @@ class Shard:
         def stale(e: tuple[str, int, int]) -> bool:
             return e[0] in gone and e[1] <= gone[e[0]]
 
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             for key, old in list(self._entries.items()):
-                n += self._cut(key, old, stale)
+                n += self._cut(key, old, stale, removed)
+            self._account([], removed)
         return n
 
     def drop_holders(self, holders: Iterable[str]) -> int:
@@ -250,9 +273,11 @@ class Shard:
         if not out:
             return 0
         n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             for key, old in list(self._entries.items()):
-                n += self._cut(key, old, lambda e: e[0] in out)
+                n += self._cut(key, old, lambda e: e[0] in out, removed)
+            self._account([], removed)
         return n
 
     def items(self) -> list[tuple[bytes, tuple[tuple[str, int, int], ...]]]:
@@ -260,11 +285,13 @@ class Shard:
             return list(self._entries.items())
 
     def drop(self, keys: Iterable[bytes]) -> None:
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             for key in keys:
                 old = self._entries.get(key)
                 if old:
-                    self._cut(key, old, lambda e: True)
+                    self._cut(key, old, lambda e: True, removed)
+            self._account([], removed)
 
     # -- anti-entropy ----------------------------------------------------------------------
     def summary(self, holder: str) -> digest.Summary:
@@ -548,49 +575,26 @@ class HashDirectory(Directory):
         members, ring = self.current()
         self._purge_unknown(members)
         me, inc = self.me.node_id, self.me.incarnation
-        claims = [(k, w) for k, w in claims if _valid(k, w)]
-        keys = [k for k, _ in claims]
-        words = digest.keys_words(keys)
-        wheres = np.fromiter((int(w) for _, w in claims), dtype=np.uint64, count=len(claims))
-        hashes = digest.hashes_of(words, wheres, inc)
-        owner_sets: dict[tuple[str, ...], int] = {}
-        set_of = np.fromiter(
-            (owner_sets.setdefault(o, len(owner_sets)) for o in ring.owners_many(keys)),
-            dtype=np.intp,
-            count=len(keys),
-        )
-        sets_with: dict[str, list[int]] = {}
-        for owners, i in owner_sets.items():
-            for owner in owners:
-                sets_with.setdefault(owner, []).append(i)
-
-        def share(owner: str) -> npt.NDArray[np.bool_]:
-            return np.isin(set_of, sets_with.get(owner, []))
-
-        def differences(
-            owner: str, buckets: list[int], theirs: list[tuple[bytes, int, int]]
-        ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
-            """(entries to publish, keys to withdraw) for ``owner`` in ``buckets``."""
-            sel = share(owner) & np.isin(words & np.uint64(digest.BUCKETS - 1), buckets)
-            mine = {claims[i][0]: int(claims[i][1]) for i in np.flatnonzero(sel).tolist()}
-            listed = {k: (i, w) for k, i, w in theirs}
-            pubs = [(k, w) for k, w in mine.items() if listed.get(k) != (inc, w)]
-            return pubs, [k for k in listed if k not in mine]
-
+        held = dict(claims)  # each key once
+        if not all(len(k) == KEY_SIZE for k in held):
+            held = {k: w for k, w in held.items() if _valid(k, w)}
+        keys = list(held)
+        arcs = ring.arcs(keys) if len(ring) else np.zeros(len(keys), dtype=np.intp)
+        expected = digest.Expected(keys, list(held.values()), inc, arcs, ring.arc_owners)
         calls: dict[str, m.Struct] = {}
         owner_at: dict[str, str] = {}
         for owner, info in members.items():
-            sel = share(owner)
-            expected = digest.summarise(words[sel], hashes[sel])
+            summary = expected.summary(owner)
             if owner == me:
-                buckets = digest.differing(expected, self.shard.summary(me))
+                buckets = digest.differing(summary, self.shard.summary(me))
                 if buckets:
-                    pubs, unpubs = differences(me, buckets, self.shard.entries_of(me, buckets))
+                    listed = self.shard.entries_of(me, buckets)
+                    pubs, unpubs = expected.differences(me, buckets, listed)
                     self.shard.put(me, inc, pubs)
                     self.shard.remove(me, unpubs)
                     self._repaired(me, len(pubs) + len(unpubs))
             elif not self.client.suspect(info.control):  # a silent owner costs no wait
-                calls[info.control] = m.Digest(0, me, *expected)
+                calls[info.control] = m.Digest(0, me, *summary)
                 owner_at[info.control] = owner
         fixes_pub: dict[str, list[tuple[bytes, int]]] = {}
         fixes_unpub: dict[str, list[m.Struct]] = {}
@@ -598,7 +602,7 @@ class HashDirectory(Directory):
             if not isinstance(reply, m.DigestDiff) or not reply.buckets:
                 continue
             owner = owner_at[addr]
-            pubs, unpubs = differences(owner, reply.buckets, reply.entries)
+            pubs, unpubs = expected.differences(owner, reply.buckets, reply.entries)
             fixes_pub[owner] = pubs
             fixes_unpub[owner] = [m.Unpublish(0, me, b) for b in _batches(unpubs)]
             self._repaired(owner, len(pubs) + len(unpubs))
@@ -606,6 +610,8 @@ class HashDirectory(Directory):
         self._send(fixes_unpub)
 
     def _repaired(self, owner: str, n: int) -> None:
+        if not n:
+            return  # the buckets differed while entries changed: the next round tells
         self.counts["repair_differences"] += 1
         self.counts["repaired"] += n
         log.info("directory owner %s listed %d entries of this node wrong: repaired", owner, n)
