@@ -400,8 +400,8 @@ def control_request(env: ClusterEnv) -> st.SearchStrategy[msgspec.Struct]:
             m.Digest,
             rid=I64,
             holder=node_id,
-            counts=st.lists(I64, max_size=17),
-            hashes=st.lists(I64, max_size=17),
+            counts=st.lists(I64, min_size=16, max_size=16) | st.lists(I64, max_size=17),
+            hashes=st.lists(I64, min_size=16, max_size=16) | st.lists(I64, max_size=17),
         ),
         st.builds(m.GetStatus, rid=I64),
     )
