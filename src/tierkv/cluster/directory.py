@@ -16,7 +16,8 @@ own shard included), a summary of the entries that owner should list for it
 (:mod:`tierkv.cluster.digest`: per bucket of keys, a count and an XOR of entry hashes; the
 owner keeps its side up to date entry by entry), and where a bucket differs the owner lists
 its entries of that node there, and the node re-publishes what is missing or wrong and
-withdraws the rest. Entries of holders that are no members are dropped after a few rounds.
+withdraws the rest (rounds are spaced further apart where they would take more than 1 % of a
+core). Entries of holders that are no members are dropped after a few rounds.
 A shard keeps every holder's entry of a key (none pushes another out: the repair would put
 it back and push the next out, for ever).
 
@@ -56,6 +57,7 @@ Where = m.Where
 BATCH = 65536  # entries per message
 MAX_LISTED = 16 * BATCH  # entries an owner lists in one answer to a digest
 UNKNOWN_ROUNDS = 3  # repair rounds after which entries of a holder that is no member go
+REPAIR_CPU_SHARE = 0.01  # the anti-entropy's rounds are spaced to use at most this of a core
 _NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on request"
 
 _T = TypeVar("_T")
@@ -474,7 +476,9 @@ class HashDirectory(Directory):
                     self._republish_all()
                 if self.clock() >= self._next_repair:
                     self._next_repair = self.clock() + self.repair_interval
-                    self._repair()
+                    # At most REPAIR_CPU_SHARE of a core, however much this node holds.
+                    spacing = self._repair() / REPAIR_CPU_SHARE
+                    self._next_repair = max(self._next_repair, self.clock() + spacing)
             except Exception:
                 log.exception("directory publisher failed")
 
@@ -559,18 +563,22 @@ class HashDirectory(Directory):
                 log.debug("directory update not acknowledged by %s", failed)
 
     # -- anti-entropy ----------------------------------------------------------------------
-    def _repair(self) -> None:
+    def _repair(self) -> float:
         """One anti-entropy round: compare, with every owner (this node included), the
         summary of the entries it should list for this node with its own; where a bucket
         differs, re-publish what it lacks or lists wrong and withdraw what this node does not
-        hold. Entries of holders that are no members for ``UNKNOWN_ROUNDS`` rounds go."""
+        hold. Entries of holders that are no members for ``UNKNOWN_ROUNDS`` rounds go.
+        Returns the CPU seconds the comparison took (not the updates sent)."""
+        cpu = time.thread_time()
         claims = self.claimed()
         with self._cond:
             if self._view_changed:
-                return  # the rebalance comes first (and re-publishes everything)
+                return 0.0  # the rebalance comes first (and re-publishes everything)
             pending, self._taken = self._queue.take()
         if pending:  # claimed before the snapshot: reaches the owners before the comparison
+            sending = time.thread_time()
             self._send_updates(pending)
+            cpu += time.thread_time() - sending
         self.counts["repair_rounds"] += 1
         members, ring = self.current()
         self._purge_unknown(members)
@@ -606,8 +614,10 @@ class HashDirectory(Directory):
             fixes_pub[owner] = pubs
             fixes_unpub[owner] = [m.Unpublish(0, me, b) for b in _batches(unpubs)]
             self._repaired(owner, len(pubs) + len(unpubs))
+        spent = time.thread_time() - cpu
         self._send_publishes(fixes_pub)
         self._send(fixes_unpub)
+        return spent
 
     def _repaired(self, owner: str, n: int) -> None:
         if not n:
