@@ -4,7 +4,7 @@ An owner's entries for one holder are summarised per bucket of keys (``BUCKETS``
 picked by a byte of the key): the number of entries and the XOR of a 64-bit hash of each
 ``(key, incarnation, where)``. XOR and counts do not depend on order, so an owner keeps its
 summaries up to date entry by entry (:class:`Summaries`, O(1) per change) and a holder
-computes the same summaries from what it holds in one vectorised pass (:func:`summarise`).
+computes the same summaries from what it holds in one vectorised pass (:class:`Expected`).
 Equal summaries: the owner lists exactly what the holder holds (up to a 64-bit hash
 collision); a bucket that differs is listed and repaired alone.
 """
