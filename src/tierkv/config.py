@@ -102,6 +102,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     member_ttl: float = 5.0
     directory_replicas: int = 2
     ring_vnodes: int = 160
+    directory_repair_interval: float = 5.0
     peer_connections: int = 16
     peer_timeout: float = 2.0
     commit_publish_timeout: float = 2.0
@@ -275,6 +276,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("peer_timeout must be a positive number of seconds")
         if not (self.commit_publish_timeout >= 0 and math.isfinite(self.commit_publish_timeout)):
             raise ConfigError("commit_publish_timeout must be >= 0 seconds (0: do not wait)")
+        if not (
+            self.directory_repair_interval >= 0 and math.isfinite(self.directory_repair_interval)
+        ):
+            raise ConfigError("directory_repair_interval must be >= 0 seconds (0: never)")
         if self.directory_replicas < 1 or self.ring_vnodes < 1 or self.peer_connections < 1:
             raise ConfigError("directory_replicas, ring_vnodes and peer_connections must be >= 1")
         if not is_loopback(self.cluster_host) and not self.auth_token:
@@ -354,6 +359,9 @@ FIELD_HELP: dict[str, str] = {
     "member_ttl": "seconds without a heartbeat after which a cluster member is declared dead",
     "directory_replicas": "cluster members holding each directory entry",
     "ring_vnodes": "virtual nodes per member on the directory's consistent-hash ring",
+    "directory_repair_interval": "in ring mode, seconds between a node's checks that every "
+    "directory owner lists exactly the chunks it published (a summary per owner; entries an "
+    "owner lost or lists wrong are sent again); 0: never",
     "peer_connections": "most data-plane connections to one peer",
     "peer_timeout": "seconds a cluster request or transfer may stall before it counts as failed",
     "commit_publish_timeout": "in a cluster, seconds a store's commit waits until the "

@@ -222,6 +222,8 @@ def test_invalid_values_name_the_option(option: str, value: str) -> None:
         ("peer_timeout", "nan"),
         ("directory_replicas", "0"),
         ("ring_vnodes", "0"),
+        ("directory_repair_interval", "-1"),
+        ("directory_repair_interval", "inf"),
         ("peer_connections", "0"),
         ("cluster_host", "0.0.0.0"),  # beyond loopback without auth_token
     ],

@@ -9,8 +9,17 @@ interface later.
 Writes are asynchronous: ``publish`` and ``unpublish`` only queue; a publisher thread drains
 the queue, groups the keys by owner and sends one batch per owner (all owners at once), so
 a commit never waits for the network. Entries held by this node's own shard are applied
-directly. Nothing is retried: a lost update is repaired by the next membership change (or
-shows up as a miss, which is safe).
+directly. Nothing is retried; a node's own entries are written by that node only (a
+PUBLISH or UNPUBLISH naming it as holder is refused). A lost or wrong entry is repaired by
+the anti-entropy: every ``repair_interval`` seconds each node compares, with each owner (its
+own shard included), a summary of the entries that owner should list for it
+(:mod:`tierkv.cluster.digest`: per bucket of keys, a count and an XOR of entry hashes; the
+owner keeps its side up to date entry by entry), and where a bucket differs the owner lists
+its entries of that node there, and the node re-publishes what is missing or wrong and
+withdraws the rest (rounds are spaced further apart where they would take more than 1 % of a
+core). Entries of holders that are no members are dropped after a few rounds.
+A shard keeps every holder's entry of a key (none pushes another out: the repair would put
+it back and push the next out, for ever).
 
 Reads are batched: :meth:`HashDirectory.resolve` asks each key's first owner (this node
 first when it is one, owners that timed out recently last), all owners in one round trip;
@@ -26,12 +35,16 @@ directory heals itself after joins, leaves and restarts.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, TypeVar
 
+import numpy as np
+
+from tierkv.cluster import digest
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.membership import Membership
@@ -41,8 +54,11 @@ from tierkv.keys import KEY_SIZE
 log = logging.getLogger(__name__)
 
 Where = m.Where
-MAX_HOLDERS = 4  # holders remembered per key (newest kept)
 BATCH = 65536  # entries per message
+MAX_LISTED = 16 * BATCH  # entries an owner lists in one answer to a digest
+UNKNOWN_ROUNDS = 3  # repair rounds after which entries of a holder that is no member go
+REPAIR_CPU_SHARE = 0.01  # the anti-entropy's rounds are spaced to use at most this of a core
+_NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on request"
 
 _T = TypeVar("_T")
 _WHERE = frozenset(int(w) for w in Where)
@@ -134,54 +150,101 @@ class PublishQueue:
 
 
 class Shard:
-    """This node's part of the directory: key -> ((holder, incarnation, where), ...)."""
+    """This node's part of the directory: key -> ((holder, incarnation, where), ...), one
+    entry per holder, newest last; and per holder, the summary of its entries that the
+    holder compares with its own (:mod:`tierkv.cluster.digest`), kept up to date entry by
+    entry."""
 
     def __init__(self) -> None:
         self._entries: dict[bytes, tuple[tuple[str, int, int], ...]] = {}
+        self._summaries = digest.Summaries()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _set(
+        self,
+        key: bytes,
+        entry: tuple[str, int, int],
+        added: list[tuple[str, bytes, int, int]],
+        removed: list[tuple[str, bytes, int, int]],
+    ) -> bool:
+        """Put ``entry`` for ``key`` in place of its holder's previous one, noting the
+        summaries' changes (lock held); False if it was there already."""
+        holder = entry[0]
+        old = self._entries.get(key, ())
+        for e in old:
+            if e[0] == holder:
+                if e == entry:
+                    return False
+                removed.append((holder, key, e[1], e[2]))
+                old = tuple(o for o in old if o[0] != holder)
+                break
+        self._entries[key] = (*old, entry)
+        added.append((holder, key, entry[1], entry[2]))
+        return True
+
+    def _cut(
+        self,
+        key: bytes,
+        old: tuple[tuple[str, int, int], ...],
+        gone: Callable[[tuple[str, int, int]], bool],
+        removed: list[tuple[str, bytes, int, int]],
+    ) -> int:
+        """Drop the entries of ``key`` that are ``gone``, noting them in ``removed`` (lock
+        held); returns how many."""
+        kept = tuple(e for e in old if not gone(e))
+        if len(kept) == len(old):
+            return 0
+        removed.extend((e[0], key, e[1], e[2]) for e in old if gone(e))
+        if kept:
+            self._entries[key] = kept
+        else:
+            del self._entries[key]
+        return len(old) - len(kept)
+
+    def _account(
+        self, added: list[tuple[str, bytes, int, int]], removed: list[tuple[str, bytes, int, int]]
+    ) -> None:
+        self._summaries.apply(removed, -1)
+        self._summaries.apply(added, 1)
+
     def put(self, holder: str, incarnation: int, entries: Iterable[tuple[bytes, int]]) -> int:
         n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
-            table = self._entries
             for key, where in entries:
-                old = table.get(key, ())
-                kept = tuple(e for e in old if e[0] != holder)[-(MAX_HOLDERS - 1) :]
-                table[key] = (*kept, (holder, incarnation, int(where)))
+                self._set(key, (holder, incarnation, int(where)), added, removed)
                 n += 1
+            self._account(added, removed)
         return n
 
     def put_many(self, entries: Iterable[tuple[bytes, str, int, int]]) -> int:
         n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             table = self._entries
             for key, holder, incarnation, where in entries:
-                old = table.get(key, ())
-                if any(e[0] == holder and e[1] > incarnation for e in old):
+                if any(e[0] == holder and e[1] > incarnation for e in table.get(key, ())):
                     continue  # an entry of a previous life of that holder
-                kept = tuple(e for e in old if e[0] != holder)[-(MAX_HOLDERS - 1) :]
-                table[key] = (*kept, (holder, incarnation, where))
+                self._set(key, (holder, incarnation, where), added, removed)
                 n += 1
+            self._account(added, removed)
         return n
 
     def remove(self, holder: str, keys: Iterable[bytes]) -> int:
         n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             table = self._entries
             for key in keys:
                 old = table.get(key)
-                if not old:
-                    continue
-                kept = tuple(e for e in old if e[0] != holder)
-                if len(kept) != len(old):
+                if old and self._cut(key, old, lambda e: e[0] == holder, removed):
                     n += 1
-                    if kept:
-                        table[key] = kept
-                    else:
-                        del table[key]
+            self._account([], removed)
         return n
 
     def get(self, keys: Sequence[bytes]) -> list[tuple[tuple[str, int, int], ...]]:
@@ -195,16 +258,28 @@ class Shard:
         if not gone:
             return 0
         n = 0
+
+        def stale(e: tuple[str, int, int]) -> bool:
+            return e[0] in gone and e[1] <= gone[e[0]]
+
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
-            table = self._entries
-            for key, old in list(table.items()):
-                kept = tuple(e for e in old if e[0] not in gone or e[1] > gone[e[0]])
-                if len(kept) != len(old):
-                    n += len(old) - len(kept)
-                    if kept:
-                        table[key] = kept
-                    else:
-                        del table[key]
+            for key, old in list(self._entries.items()):
+                n += self._cut(key, old, stale, removed)
+            self._account([], removed)
+        return n
+
+    def drop_holders(self, holders: Iterable[str]) -> int:
+        """Drop every entry of ``holders``."""
+        out = set(holders)
+        if not out:
+            return 0
+        n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            for key, old in list(self._entries.items()):
+                n += self._cut(key, old, lambda e: e[0] in out, removed)
+            self._account([], removed)
         return n
 
     def items(self) -> list[tuple[bytes, tuple[tuple[str, int, int], ...]]]:
@@ -212,9 +287,35 @@ class Shard:
             return list(self._entries.items())
 
     def drop(self, keys: Iterable[bytes]) -> None:
+        removed: list[tuple[str, bytes, int, int]] = []
         with self._lock:
             for key in keys:
-                self._entries.pop(key, None)
+                old = self._entries.get(key)
+                if old:
+                    self._cut(key, old, lambda e: True, removed)
+            self._account([], removed)
+
+    # -- anti-entropy ----------------------------------------------------------------------
+    def summary(self, holder: str) -> digest.Summary:
+        """The summary of ``holder``'s entries here (O(1))."""
+        with self._lock:
+            return self._summaries.get(holder)
+
+    def holders(self) -> list[str]:
+        """The holders that have entries here."""
+        with self._lock:
+            return self._summaries.holders()
+
+    def entries_of(self, holder: str, buckets: Iterable[int]) -> list[tuple[bytes, int, int]]:
+        """``holder``'s entries in ``buckets``: ``(key, incarnation, where)`` (a scan of the
+        shard: only for summaries that differ)."""
+        wanted = set(buckets)
+        out: list[tuple[bytes, int, int]] = []
+        for key, entries in self.items():
+            for h, incarnation, where in entries:
+                if h == holder and digest.bucket(key) in wanted:
+                    out.append((key, incarnation, where))
+        return out
 
 
 class HashDirectory(Directory):
@@ -230,13 +331,21 @@ class HashDirectory(Directory):
         settle: float = 0.1,
         republish_interval: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        repair_interval: float = 5.0,
+        claimed: Callable[[], list[tuple[bytes, Where]]] | None = None,
     ) -> None:
+        """``held``: what this node holds, verified (re-published after membership changes
+        and every ``republish_interval``); ``claimed``: what it has published, as recorded
+        (cheaper; what the owners' entries are compared with every ``repair_interval``
+        seconds, 0: never; default: ``held``)."""
         self.membership = membership
         self.settle = settle
         self.republish_interval = republish_interval
         self.clock = clock
         self.client = client
         self.held = held
+        self.claimed = claimed or held
+        self.repair_interval = repair_interval
         self.replicas = replicas
         self.vnodes = vnodes
         self.me = membership.me
@@ -250,6 +359,8 @@ class HashDirectory(Directory):
         self._view_changed = False  # a membership change not yet applied
         self._changed_at = 0.0
         self._next_republish = clock() + republish_interval
+        self._next_repair = clock() + repair_interval if repair_interval > 0 else math.inf
+        self._unknown: dict[str, int] = {}  # holder not a member -> repair rounds it was not
         self._stop = False
         self._busy = False
         self._thread: threading.Thread | None = None
@@ -271,6 +382,11 @@ class HashDirectory(Directory):
             "republished": 0,
             "purged": 0,
             "rebalances": 0,
+            "repair_rounds": 0,  # anti-entropy: summaries compared with every owner
+            "repair_differences": 0,  # owners (this node included) whose entries differed
+            "repaired": 0,  # entries re-published or withdrawn by the anti-entropy
+            "served_digests": 0,
+            "unknown_purged": 0,  # entries of holders that are not members, dropped
         }
         membership.add_listener(self._membership_changed)
 
@@ -358,6 +474,11 @@ class HashDirectory(Directory):
                 if self.clock() >= self._next_republish:
                     self._next_republish = self.clock() + self.republish_interval
                     self._republish_all()
+                if self.clock() >= self._next_repair:
+                    self._next_repair = self.clock() + self.repair_interval
+                    # At most REPAIR_CPU_SHARE of a core, however much this node holds.
+                    spacing = self._repair() / REPAIR_CPU_SHARE
+                    self._next_repair = max(self._next_repair, self.clock() + spacing)
             except Exception:
                 log.exception("directory publisher failed")
 
@@ -369,9 +490,9 @@ class HashDirectory(Directory):
             if self._view_changed and now >= self._changed_at + self.settle:
                 self._view_changed = False
                 return True
-            if self._queue or now >= self._next_republish:
+            if self._queue or now >= min(self._next_republish, self._next_repair):
                 return False
-            wake = self._next_republish
+            wake = min(self._next_republish, self._next_repair)
             if self._view_changed:
                 wake = min(wake, self._changed_at + self.settle)
             self._cond.wait(max(0.001, wake - now))
@@ -440,6 +561,85 @@ class HashDirectory(Directory):
             if failed:
                 self.counts["publish_failures"] += len(failed)
                 log.debug("directory update not acknowledged by %s", failed)
+
+    # -- anti-entropy ----------------------------------------------------------------------
+    def _repair(self) -> float:
+        """One anti-entropy round: compare, with every owner (this node included), the
+        summary of the entries it should list for this node with its own; where a bucket
+        differs, re-publish what it lacks or lists wrong and withdraw what this node does not
+        hold. Entries of holders that are no members for ``UNKNOWN_ROUNDS`` rounds go.
+        Returns the CPU seconds the comparison took (not the updates sent)."""
+        cpu = time.thread_time()
+        claims = self.claimed()
+        with self._cond:
+            if self._view_changed:
+                return 0.0  # the rebalance comes first (and re-publishes everything)
+            pending, self._taken = self._queue.take()
+        if pending:  # claimed before the snapshot: reaches the owners before the comparison
+            sending = time.thread_time()
+            self._send_updates(pending)
+            cpu += time.thread_time() - sending
+        self.counts["repair_rounds"] += 1
+        members, ring = self.current()
+        self._purge_unknown(members)
+        me, inc = self.me.node_id, self.me.incarnation
+        held = dict(claims)  # each key once
+        if not all(len(k) == KEY_SIZE for k in held):
+            held = {k: w for k, w in held.items() if _valid(k, w)}
+        keys = list(held)
+        arcs = ring.arcs(keys) if len(ring) else np.zeros(len(keys), dtype=np.intp)
+        expected = digest.Expected(keys, list(held.values()), inc, arcs, ring.arc_owners)
+        calls: dict[str, m.Struct] = {}
+        owner_at: dict[str, str] = {}
+        for owner, info in members.items():
+            summary = expected.summary(owner)
+            if owner == me:
+                buckets = digest.differing(summary, self.shard.summary(me))
+                if buckets:
+                    listed = self.shard.entries_of(me, buckets)
+                    pubs, unpubs = expected.differences(me, buckets, listed)
+                    self.shard.put(me, inc, pubs)
+                    self.shard.remove(me, unpubs)
+                    self._repaired(me, len(pubs) + len(unpubs))
+            elif not self.client.suspect(info.control):  # a silent owner costs no wait
+                calls[info.control] = m.Digest(0, me, *summary)
+                owner_at[info.control] = owner
+        fixes_pub: dict[str, list[tuple[bytes, int]]] = {}
+        fixes_unpub: dict[str, list[m.Struct]] = {}
+        for addr, reply in self.client.call_many(calls).items():
+            if not isinstance(reply, m.DigestDiff) or not reply.buckets:
+                continue
+            owner = owner_at[addr]
+            pubs, unpubs = expected.differences(owner, reply.buckets, reply.entries)
+            fixes_pub[owner] = pubs
+            fixes_unpub[owner] = [m.Unpublish(0, me, b) for b in _batches(unpubs)]
+            self._repaired(owner, len(pubs) + len(unpubs))
+        spent = time.thread_time() - cpu
+        self._send_publishes(fixes_pub)
+        self._send(fixes_unpub)
+        return spent
+
+    def _repaired(self, owner: str, n: int) -> None:
+        if not n:
+            return  # the buckets differed while entries changed: the next round tells
+        self.counts["repair_differences"] += 1
+        self.counts["repaired"] += n
+        log.info("directory owner %s listed %d entries of this node wrong: repaired", owner, n)
+
+    def _purge_unknown(self, members: Mapping[str, m.MemberInfo]) -> None:
+        """Drop the entries of holders that have not been members for ``UNKNOWN_ROUNDS``
+        rounds (a holder's publishes may come before its first heartbeat: not at once)."""
+        absent = [h for h in self.shard.holders() if h not in members]
+        self._unknown = {h: self._unknown.get(h, 0) + 1 for h in absent}
+        gone = [h for h, rounds in self._unknown.items() if rounds >= UNKNOWN_ROUNDS]
+        if gone:
+            n = self.shard.drop_holders(gone)
+            self.counts["unknown_purged"] += n
+            for h in gone:
+                del self._unknown[h]
+            log.info(
+                "directory: dropped %d entries of %d holders that are no members", n, len(gone)
+            )
 
     # -- membership changes ----------------------------------------------------------------
     def _rebalance(self) -> None:
@@ -510,18 +710,35 @@ class HashDirectory(Directory):
         return out
 
     # -- control handlers (on the control server thread) -----------------------------------
-    def on_publish(self, req: m.Publish) -> m.Done:
+    def on_publish(self, req: m.Publish) -> m.Done | m.Refused:
+        if req.holder == self.me.node_id:
+            return m.Refused(req.rid, _NOT_FROM_OUTSIDE)
         self.counts["served_publish"] += 1
         entries = [(k, w) for k, w in req.entries if _valid(k, w)]
         return m.Done(req.rid, self.shard.put(req.holder, req.incarnation, entries))
 
-    def on_unpublish(self, req: m.Unpublish) -> m.Done:
+    def on_unpublish(self, req: m.Unpublish) -> m.Done | m.Refused:
+        if req.holder == self.me.node_id:
+            return m.Refused(req.rid, _NOT_FROM_OUTSIDE)
         return m.Done(req.rid, self.shard.remove(req.holder, req.keys))
 
     def on_handoff(self, req: m.Handoff) -> m.Done:
-        n = self.shard.put_many([e for e in req.entries if _valid(e[0], e[3])])
+        # This node's own entries are its own to write (see on_publish): never handed over.
+        me = self.me.node_id
+        n = self.shard.put_many([e for e in req.entries if _valid(e[0], e[3]) and e[1] != me])
         self.counts["handoff_received"] += n
         return m.Done(req.rid, n)
+
+    def on_digest(self, req: m.Digest) -> m.DigestDiff | m.Refused:
+        """A holder's summary of what this node should list for it: the buckets that differ
+        and this node's entries of that holder in them (at most ``MAX_LISTED``; the next
+        round lists the rest)."""
+        if len(req.counts) != digest.BUCKETS or len(req.hashes) != digest.BUCKETS:
+            return m.Refused(req.rid, f"a directory digest has {digest.BUCKETS} buckets")
+        self.counts["served_digests"] += 1
+        buckets = digest.differing((req.counts, req.hashes), self.shard.summary(req.holder))
+        entries = self.shard.entries_of(req.holder, buckets) if buckets else []
+        return m.DigestDiff(req.rid, buckets, entries[:MAX_LISTED])
 
     def on_resolve(self, req: m.Resolve) -> m.Resolved:
         self.counts["served_resolves"] += 1

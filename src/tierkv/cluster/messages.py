@@ -101,6 +101,25 @@ class Resolved(Struct, tag="resolved"):
     found: list[tuple[int, int, int]]
 
 
+class Digest(Struct, tag="digest"):
+    """What a holder expects an owner to list for it, summarised per bucket of keys (see
+    :mod:`tierkv.cluster.digest`): entry count and XOR of entry hashes per bucket."""
+
+    rid: int
+    holder: str
+    counts: list[int]
+    hashes: list[int]
+
+
+class DigestDiff(Struct, tag="digest_diff"):
+    """An owner's answer to :class:`Digest`: the buckets whose summary differs from its own,
+    and its entries of that holder in them: ``(key, incarnation, Where)`` (none: in sync)."""
+
+    rid: int
+    buckets: list[int]
+    entries: list[tuple[bytes, int, int]]
+
+
 class GetStatus(Struct, tag="status"):
     rid: int
 
@@ -122,8 +141,10 @@ class Refused(Struct, tag="refused"):
     reason: str
 
 
-Request = Heartbeat | Leave | GetMembers | Publish | Unpublish | Handoff | Resolve | GetStatus
-Reply = HeartbeatAck | MemberList | Resolved | NodeStatus | Done | Refused
+Request = (
+    Heartbeat | Leave | GetMembers | Publish | Unpublish | Handoff | Resolve | Digest | GetStatus
+)
+Reply = HeartbeatAck | MemberList | Resolved | DigestDiff | NodeStatus | Done | Refused
 
 encode = msgspec.msgpack.Encoder().encode
 request_decoder = msgspec.msgpack.Decoder(Request)

@@ -58,6 +58,7 @@ class ClusterSettings:
     vnodes: int
     connections: int
     timeout: float
+    repair_interval: float = 5.0
 
     @property
     def advertise_host(self) -> str:
@@ -88,6 +89,7 @@ class ClusterSettings:
             vnodes=cfg.ring_vnodes,
             connections=cfg.peer_connections,
             timeout=cfg.peer_timeout,
+            repair_interval=cfg.directory_repair_interval,
         )
 
 
@@ -202,6 +204,8 @@ class ClusterNode:
             settings.replicas,
             settings.vnodes,
             settle=2 * settings.heartbeat_interval,
+            repair_interval=settings.repair_interval,
+            claimed=self._claimed,
         )
         self.membership, self.directory = membership, directory
         membership.add_listener(self._membership_changed)
@@ -215,6 +219,7 @@ class ClusterNode:
                 m.Unpublish: directory.on_unpublish,
                 m.Handoff: directory.on_handoff,
                 m.Resolve: directory.on_resolve,
+                m.Digest: directory.on_digest,
             }
         )
 
@@ -367,6 +372,14 @@ class ClusterNode:
             with self._lock:
                 for k in stale:
                     self._published.pop(k, None)
+        return out
+
+    def _claimed(self) -> list[tuple[bytes, Where]]:
+        """What this node has published, as recorded (what its directory owners should
+        list; compared with them by the directory's anti-entropy)."""
+        with self._lock:
+            out = [(k, Where.POOL) for k in self._published]
+            out += [(k, Where.DISK) for k in self._on_disk]
         return out
 
     def published_usage(self) -> tuple[int, int]:

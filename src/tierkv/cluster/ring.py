@@ -80,7 +80,16 @@ class Ring:
         """Owners of each key, in one vectorised pass."""
         if not self.members:
             return [()] * len(keys)
+        owners = self._owners
+        return [owners[i] for i in self.arcs(keys).tolist()]
+
+    def arcs(self, keys: Sequence[bytes]) -> npt.NDArray[np.intp]:
+        """The arc of each key: its index into :attr:`arc_owners` (a non-empty ring)."""
         pos = np.searchsorted(self._points, key_points(keys), side="left")
         pos[pos == len(self._points)] = 0
-        owners = self._owners
-        return [owners[i] for i in pos.tolist()]
+        return np.asarray(pos, dtype=np.intp)
+
+    @property
+    def arc_owners(self) -> list[tuple[str, ...]]:
+        """The owners of the keys of each arc (see :meth:`arcs`)."""
+        return self._owners
