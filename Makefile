@@ -90,6 +90,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/shm_path.py
 	$(PY) benchmarks/tiers.py
 	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/directory_repair.py
 	$(PY) benchmarks/load.py
 
 clean:
