@@ -43,7 +43,7 @@ class Mini:
     def __init__(self, seeds: list[str], port: int = 0, token: str = TOKEN) -> None:
         self.server = bind(port, token)
         self.addr = f"127.0.0.1:{self.server.port}"
-        self.client = ControlClient(token, 0.3, suspect_for=0.5)
+        self.client = ControlClient(token, 0.3)
         self.me = m.MemberInfo(self.addr, self.addr, "127.0.0.1:1", time.time_ns())
         self.held: list[tuple[bytes, Where]] = []
         self.membership = Membership(self.me, seeds, self.client, INTERVAL, TTL)

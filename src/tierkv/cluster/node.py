@@ -468,6 +468,7 @@ class ClusterNode:
                 "heartbeats_sent": ms.heartbeats_sent,
                 "heartbeats_received": ms.heartbeats_received,
                 "refused_by_peers": ms.refused_by_peers,
+                "unreachable": ms.unreachable,
             }
             if ms is not None
             else {},
@@ -482,7 +483,12 @@ class ClusterNode:
                 "malformed": self.control.malformed,
                 "calls": self.client.calls,
                 "timeouts": self.client.timeouts,
+                "quiet_timeouts": self.client.quiet_timeouts,
                 "bad_replies": self.client.bad_replies,
+                "suspect": self.client.suspects(),
+                "suspected": self.client.suspected,
+                "probes": self.client.probes,
+                "recovered": self.client.recovered,
             },
             "transport": self.transport.stats(),
             "peer_tier": self.tier.stats(),
