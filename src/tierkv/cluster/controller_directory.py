@@ -159,7 +159,7 @@ class ControllerDirectory(Directory):
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
-        if self._registered:
+        if self._registered and not self.client.suspect(self.controller):
             self.client.call(
                 self.controller, cm.Deregister(0, self.me.node_id, self.me.incarnation)
             )
