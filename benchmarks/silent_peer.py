@@ -124,7 +124,7 @@ class Engine:
 
     def _tokens(self) -> list[int]:
         self.seq += 1
-        base = (os.getpid() % 1000) * 10**7 + self.seq * 10_000
+        base = (os.getpid() % 100) * 10**7 + self.seq * 10_000
         return list(range(base, base + 256 * CHUNKS))
 
     def store(self) -> float:
