@@ -96,6 +96,38 @@ def test_a_frozen_ring_owner_costs_one_timeout_then_stores_and_lookups_skip_it(
     assert status(a)["control"]["recovered"] >= 1
 
 
+def test_a_frozen_holder_costs_one_fetch_timeout_then_its_chunks_miss_at_once(
+    server_factory: Factory,
+) -> None:
+    a = start_node(server_factory, [], seed_self=True, extra=SILENT_NOT_DEAD)
+    b = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
+    c = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
+    wait_for(lambda: converged([a, b, c]))
+    tokens = tokens_for(5, CHUNKS)
+    with c.client() as producer:  # C's commit returns once the owners know the chunks
+        register(producer)
+        producer.store(tokens, [chunk_data(tokens, j) for j in range(CHUNKS)])
+
+    def fetches_from_c() -> int:
+        received = status(a)["transport"]["received"]
+        return int(received.get(c.node_id, {}).get("requests", 0))
+
+    with a.client() as engine:
+        register(engine)
+        with frozen(pid_of(c)):
+            for i in range(6):
+                assert engine.lookup(tokens, request_id=f"f{i}", wait=True).hits == 0
+                engine.end_session(f"f{i}")
+            assert fetches_from_c() <= 1  # one fetch waited for C, the others skipped it
+            assert status(a)["control"]["suspect"] == [c.addr]
+        wait_for(lambda: status(a)["control"]["suspect"] == [])
+        assert engine.lookup(tokens, request_id="back", wait=True).hits == CHUNKS
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
+        assert engine.retrieve(request_id="back", out=out).retrieved == list(range(CHUNKS))
+        for j in range(CHUNKS):
+            np.testing.assert_array_equal(out[j], chunk_data(tokens, j))
+
+
 def test_a_frozen_controller_costs_one_timeout_then_lookups_miss_at_once(
     server_factory: Factory, tmp_path: Path
 ) -> None:

@@ -239,6 +239,11 @@ class ControlClient:
         with self._lock:
             return list(self._suspect)
 
+    def mark_suspect(self, addr: str) -> None:
+        """``addr`` failed on another channel (a data-plane fetch timed out): suspect until
+        it answers a probe, like a peer whose call timed out."""
+        self._suspected(addr)
+
     def _suspected(self, addr: str) -> None:
         with self._lock:
             if addr in self._suspect or self._closed:
