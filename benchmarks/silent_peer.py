@@ -7,7 +7,9 @@ loopback, the default ``--peer-timeout`` (2 s).
   runs (the baseline), then with the controller frozen.
 - ring mode: servers A, B and C (``--member-ttl 60``: C stays a silent member, not a dead
   one, for the whole run); ``--ops`` stores on A (each commit waits for its directory
-  publish) and ``--ops`` lookups of missing chunks, first with C running, then frozen.
+  publish), ``--ops`` lookups of missing chunks and ``--ops`` lookups of chunks only C holds
+  (fetched from C while it runs; misses while it is frozen), first with C running, then
+  frozen.
 
 For each frozen phase: the first operation (which may wait out the peer timeout once) and
 the others (p50, max), in ms, and the max of the others over the peer timeout: the goal is a
@@ -16,7 +18,8 @@ silent peer costing one timeout, not one per request, i.e. a ratio well below 1.
     python benchmarks/silent_peer.py [--ops 10]
 
 The last line is machine-readable: ``silent_peer ctl_lookup_rest_max_ms=A
-ring_store_rest_max_ms=B ring_lookup_rest_max_ms=C worst_rest_over_timeout=D``.
+ring_store_rest_max_ms=B ring_lookup_rest_max_ms=C ring_held_lookup_rest_max_ms=D
+worst_rest_over_timeout=E``.
 """
 
 from __future__ import annotations
@@ -114,35 +117,41 @@ def wait_for(what: Callable[[], bool], timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-class Engine:
-    """An engine on one server: stores and looks up fresh token sequences."""
+def prompt(seq: int) -> list[int]:
+    base = (os.getpid() % 100) * 10**7 + seq * 10_000
+    return list(range(base, base + 256 * CHUNKS))
 
-    def __init__(self, srv: Proc) -> None:
+
+class Engine:
+    """An engine on one server: stores and looks up token sequences (``prompt(seq)``; fresh
+    ones by default)."""
+
+    def __init__(self, srv: Proc, first: int = 0) -> None:
         self.client = Client(srv.endpoint, timeout=60.0, auth_token=TOKEN)
         self.client.register("bench-model", SHAPE, "float32", token_axis=1)
-        self.seq = 0
-
-    def _tokens(self) -> list[int]:
-        self.seq += 1
-        base = (os.getpid() % 100) * 10**7 + self.seq * 10_000
-        return list(range(base, base + 256 * CHUNKS))
+        self.seq = first
 
     def store(self) -> float:
-        tokens = self._tokens()
+        self.seq += 1
         data = [np.full(SHAPE, i, np.float32) for i in range(CHUNKS)]
         t = time.perf_counter()
-        self.client.store(tokens, data)
+        self.client.store(prompt(self.seq), data)
         return time.perf_counter() - t
 
-    def lookup_miss(self) -> float:
+    def lookup(self, seq: int = 0, hits: int = 0) -> float:
+        """A lookup (waiting for its prefetch) of ``prompt(seq)`` (a fresh one by default)
+        that must find ``hits`` chunks."""
+        self.seq += 1
         rid = f"r{self.seq}"
-        tokens = self._tokens()
         t = time.perf_counter()
-        hits = self.client.lookup(tokens, request_id=rid, wait=True).hits
+        found = self.client.lookup(prompt(seq or self.seq), request_id=rid, wait=True).hits
         took = time.perf_counter() - t
         self.client.end_session(rid)
-        assert hits == 0
+        assert found == hits, (found, hits)
         return took
+
+    def lookup_miss(self) -> float:
+        return self.lookup()
 
     def close(self) -> None:
         self.client.close()
@@ -189,7 +198,7 @@ def controller_mode(root: str, ops: int) -> float:
         ctl.stop()
 
 
-def ring_mode(root: str, ops: int) -> tuple[float, float]:
+def ring_mode(root: str, ops: int) -> tuple[float, float, float]:
     ports = [free_port_pair() for _ in range(3)]
     seeds = ["--cluster-seeds", f"127.0.0.1:{ports[0]}", "--member-ttl", "60"]
     servers: list[Proc] = []
@@ -203,16 +212,24 @@ def ring_mode(root: str, ops: int) -> tuple[float, float]:
 
         wait_for(converged)
         time.sleep(1.0)  # every view complete (members learn each other by gossip)
+        held_by_c = Engine(servers[2], first=10**4)  # 2 x ops prompts only C holds
+        for _ in range(2 * ops):
+            held_by_c.store()
+        held_by_c.close()
+        c_prompts = iter(range(10**4 + 1, 10**4 + 2 * ops + 1))
         engine = Engine(servers[0])
         base_store = timed(engine.store, ops)
         base_lookup = timed(engine.lookup_miss, ops)
+        base_c = timed(lambda: engine.lookup(next(c_prompts), CHUNKS), ops)  # fetched from C
         with servers[2].frozen():
             frozen_store = timed(engine.store, ops)
             frozen_lookup = timed(engine.lookup_miss, ops)
+            frozen_c = timed(lambda: engine.lookup(next(c_prompts), 0), ops)  # C cannot serve
         engine.close()
         return (
             report("ring: store (commit)", base_store, frozen_store),
             report("ring: lookup (miss)", base_lookup, frozen_lookup),
+            report("ring: lookup (C's chunks)", base_c, frozen_c),
         )
     finally:
         for srv in servers:
@@ -225,11 +242,12 @@ def main() -> None:
     args = ap.parse_args()
     root = tempfile.mkdtemp(prefix="tierkv-silent-")
     ctl = controller_mode(root, args.ops)
-    store, lookup = ring_mode(root, args.ops)
-    worst = max(ctl, store, lookup) / (PEER_TIMEOUT * 1000)
+    store, lookup, held = ring_mode(root, args.ops)
+    worst = max(ctl, store, lookup, held) / (PEER_TIMEOUT * 1000)
     print(
         f"silent_peer ctl_lookup_rest_max_ms={ctl:.1f} ring_store_rest_max_ms={store:.1f} "
-        f"ring_lookup_rest_max_ms={lookup:.1f} worst_rest_over_timeout={worst:.3f}"
+        f"ring_lookup_rest_max_ms={lookup:.1f} ring_held_lookup_rest_max_ms={held:.1f} "
+        f"worst_rest_over_timeout={worst:.3f}"
     )
 
 
