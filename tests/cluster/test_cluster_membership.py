@@ -40,11 +40,15 @@ def bind(port: int, token: str) -> ControlServer:
 class Mini:
     """Control server + membership + directory: a cluster node without pool or data plane."""
 
-    def __init__(self, seeds: list[str], port: int = 0, token: str = TOKEN) -> None:
+    def __init__(
+        self, seeds: list[str], port: int = 0, token: str = TOKEN, advertise: str = ""
+    ) -> None:
+        """``advertise``: the control address it tells others (its own by default)."""
         self.server = bind(port, token)
         self.addr = f"127.0.0.1:{self.server.port}"
-        self.client = ControlClient(token, 0.3, suspect_for=0.5)
-        self.me = m.MemberInfo(self.addr, self.addr, "127.0.0.1:1", time.time_ns())
+        self.client = ControlClient(token, 0.3)
+        control = advertise or self.addr
+        self.me = m.MemberInfo(self.addr, control, "127.0.0.1:1", time.time_ns())
         self.held: list[tuple[bytes, Where]] = []
         self.membership = Membership(self.me, seeds, self.client, INTERVAL, TTL)
         self.directory = HashDirectory(self.membership, self.client, lambda: list(self.held))
@@ -108,8 +112,8 @@ def wait_for(what: Callable[[], Any], timeout: float = 15.0) -> Any:
 def spawn() -> Iterator[Callable[..., Mini]]:
     nodes: list[Mini] = []
 
-    def make(seeds: list[str], port: int = 0, token: str = TOKEN) -> Mini:
-        node = Mini(seeds, port, token)
+    def make(seeds: list[str], port: int = 0, token: str = TOKEN, advertise: str = "") -> Mini:
+        node = Mini(seeds, port, token, advertise)
         nodes.append(node)
         return node
 
@@ -133,6 +137,35 @@ def cluster(spawn: Callable[..., Mini], n: int) -> list[Mini]:
     wait_for(lambda: converged(nodes))
     assert all(n.directory.flush() for n in nodes)  # directories follow the settled view
     return nodes
+
+
+def test_a_member_heard_from_but_not_answering_is_unreachable_from_here(
+    spawn: Callable[..., Mini],
+) -> None:
+    """A one-way partition: B's heartbeats reach A, A's calls to B go nowhere (B advertises
+    a control address nobody serves yet). A takes B out of its view, B's heartbeats do not
+    bring it back; once the address answers (a relay to B's handlers), B is back."""
+    a = spawn([])
+    a.membership.seeds = [a.addr]
+    relay = ControlServer("127.0.0.1", 0, TOKEN, {})
+    relay.bind()  # a port of our own, not served until relay.start()
+    b = spawn([a.addr], advertise=f"127.0.0.1:{relay.port}")
+    try:
+        wait_for(lambda: b.members() == {a.addr, b.addr})  # B reaches A
+        wait_for(lambda: a.members() == {a.addr})
+        assert a.membership.unreachable >= 1
+        heard = a.membership.heartbeats_received
+        wait_for(lambda: a.membership.heartbeats_received >= heard + 10)
+        assert a.members() == {a.addr}  # still heard from, still out
+        assert b.members() == {a.addr, b.addr}
+        assert [r["state"] for r in a.membership.describe() if r["node_id"] == b.addr] == [
+            "unreachable"
+        ]
+        relay.handlers.update(b.server.handlers)
+        relay.start()
+        wait_for(lambda: a.members() == {a.addr, b.addr})
+    finally:
+        relay.close()
 
 
 def test_nodes_join_through_any_seed_and_learn_everyone(spawn: Callable[..., Mini]) -> None:

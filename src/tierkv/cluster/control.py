@@ -15,8 +15,14 @@ The client leases one DEALER socket per call from a per-peer pool (so directory 
 one owner from several threads run concurrently) and returns it only after a clean call; a
 socket whose call timed out is closed, never reused, so a late reply can never be taken for
 the answer to a later request. :meth:`ControlClient.call_many` sends to several peers at
-once and waits for all replies together: one round trip, however many owners. A peer that
-timed out is *suspect* for a while, so callers can ask its replicas first.
+once and waits for all replies together: one round trip, however many owners.
+
+A peer that timed out is *suspect* until it answers again: callers skip it (lookups answer
+without it, publishes to it are deferred), so a silent peer or controller costs one timeout,
+not one per request. While any peer is suspect, a probe thread sends each one a cheap request
+(an empty ``Resolve``, which cluster nodes and the controller both answer) every
+``probe_interval`` seconds with a short timeout; any answer, to a probe or to any other call
+(a heartbeat), ends the suspicion.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 100
 DEFAULT_MAX_MESSAGE = 64 * 2**20
+PROBE_INTERVAL = 0.5  # seconds between probes of suspect peers
+PROBE_TIMEOUT = 1.0  # the most a probe waits (less when the client's timeout is shorter)
 
 Handler = Callable[[Any], Any]
 
@@ -201,26 +209,34 @@ class ControlClient:
         timeout: float,
         ctx: zmq.Context[Any] | None = None,
         max_idle_per_peer: int = 16,
-        suspect_for: float = 5.0,
+        probe_interval: float = PROBE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         decoder: msgspec.msgpack.Decoder[Any] = m.reply_decoder,
     ) -> None:
-        """``decoder``: the replies expected (the cluster's by default)."""
+        """``decoder``: the replies expected (the cluster's by default).
+        ``probe_interval``: seconds between probes of suspect peers."""
         self.signer = ControlSigner(token)
         self._decode = decoder.decode
         self.timeout = timeout
         self.ctx = ctx or zmq.Context.instance()
         self.max_idle = max_idle_per_peer
-        self.suspect_for = suspect_for
+        self.probe_interval = probe_interval
+        self.probe_timeout = min(timeout, PROBE_TIMEOUT)
         self.clock = clock
         self._idle: dict[str, list[zmq.Socket[Any]]] = {}
-        self._suspect: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}  # address -> since when
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._closed = False
-        self.timeouts = 0
+        self._prober: threading.Thread | None = None
+        self._probe_wake = threading.Event()
+        self.timeouts = 0  # requests that timed out (heartbeats and probes not counted)
+        self.quiet_timeouts = 0  # heartbeats and probes that timed out (suspect=False)
         self.calls = 0
         self.bad_replies = 0  # replies whose signature did not match (ignored)
+        self.suspected = 0  # times a peer became suspect
+        self.probes = 0  # probes sent to suspect peers
+        self.recovered = 0  # suspect peers that answered again
 
     # -- sockets ---------------------------------------------------------------------------
     def _lease(self, addr: str) -> zmq.Socket[Any]:
@@ -247,10 +263,55 @@ class ControlClient:
                 return
         sock.close(linger=0)
 
+    # -- suspicion -------------------------------------------------------------------------
     def suspect(self, addr: str) -> bool:
-        """Whether ``addr`` timed out recently."""
-        until = self._suspect.get(addr)
-        return until is not None and self.clock() < until
+        """Whether ``addr`` timed out and has not answered anything since."""
+        return addr in self._suspect
+
+    def suspects(self) -> list[str]:
+        """The addresses suspect now."""
+        with self._lock:
+            return list(self._suspect)
+
+    def mark_suspect(self, addr: str) -> None:
+        """``addr`` failed on another channel (a data-plane fetch timed out): suspect until
+        it answers a probe, like a peer whose call timed out."""
+        self._suspected(addr)
+
+    def _suspected(self, addr: str) -> None:
+        with self._lock:
+            if addr in self._suspect or self._closed:
+                return
+            self._suspect[addr] = self.clock()
+            self.suspected += 1
+            start = self._prober is None
+            if start:
+                self._prober = threading.Thread(
+                    target=self._probe_loop, name="tierkv-cluster-probe", daemon=True
+                )
+        log.info("cluster peer %s did not answer in time: suspect until it answers", addr)
+        if start:
+            assert self._prober is not None
+            self._prober.start()
+
+    def _answered(self, addr: str) -> None:
+        if addr not in self._suspect:
+            return
+        with self._lock:
+            since = self._suspect.pop(addr, None)
+            if since is None:
+                return
+            self.recovered += 1
+        log.info("cluster peer %s answers again (suspect for %.1f s)", addr, self.clock() - since)
+
+    def _probe_loop(self) -> None:
+        """While peers are suspect: probe each, every ``probe_interval`` seconds."""
+        while not self._probe_wake.wait(self.probe_interval):
+            addrs = self.suspects()
+            if not addrs:
+                continue
+            self.probes += len(addrs)
+            self.call_many({a: m.Resolve(0, []) for a in addrs}, self.probe_timeout, False)
 
     def forget(self, addr: str) -> None:
         """Drop pooled sockets to a peer that left (their connections would only retry)."""
@@ -266,10 +327,12 @@ class ControlClient:
         return self.call_many({addr: msg}, timeout).get(addr)
 
     def call_many(
-        self, requests: Mapping[str, Any], timeout: float | None = None
+        self, requests: Mapping[str, Any], timeout: float | None = None, suspect: bool = True
     ) -> dict[str, Any]:
         """Send every request at once, wait for the replies together (up to ``timeout``);
-        returns the replies that came back, by address."""
+        returns the replies that came back, by address. A peer that does not answer becomes
+        suspect, unless ``suspect`` is False (calls with a short timeout of their own, such as
+        heartbeats, whose misses mean less than a request's); any reply ends suspicion."""
         if not requests:
             return {}
         deadline = self.clock() + (self.timeout if timeout is None else timeout)
@@ -329,12 +392,15 @@ class ControlClient:
                     replies[addr] = reply
                     poller.unregister(sock)
                     del pending[sock]
-                    self._suspect.pop(addr, None)
+                    self._answered(addr)
                     self._give_back(addr, sock, clean=True)
         finally:
             for sock, (addr, _, _) in pending.items():
-                self.timeouts += 1
-                self._suspect[addr] = self.clock() + self.suspect_for
+                if suspect:
+                    self.timeouts += 1
+                    self._suspected(addr)
+                else:
+                    self.quiet_timeouts += 1
                 self._give_back(addr, sock, clean=False)
         return replies
 
@@ -343,5 +409,9 @@ class ControlClient:
             self._closed = True
             socks = [s for idle in self._idle.values() for s in idle]
             self._idle.clear()
+            prober, self._prober = self._prober, None
+        self._probe_wake.set()
+        if prober is not None and prober is not threading.current_thread():
+            prober.join(5.0)
         for sock in socks:
             sock.close(linger=0)

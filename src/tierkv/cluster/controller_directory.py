@@ -20,6 +20,10 @@ a minute, one INFO line when registered again.
 
 ``resolve`` is one round trip to the controller. The holders it names come with their data
 addresses, which :meth:`get` hands to the peer tier (the membership's role in ring mode).
+A controller that timed out is *suspect* until it answers again (the client probes it in
+the background, :class:`~tierkv.cluster.control.ControlClient`): meanwhile ``resolve``
+answers "not found" at once and commits do not wait for their reports, so a silent or
+unreachable controller costs one timeout, not one per local miss.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class ControllerDirectory(Directory):
             "resolved_keys": 0,
             "resolve_found": 0,
             "resolve_failures": 0,
+            "resolve_skipped": 0,  # resolves answered "none" at once: controller suspect
+            "publish_waits_skipped": 0,  # commits that did not wait: controller suspect
             "published": 0,
             "unpublished": 0,
         }
@@ -104,8 +110,12 @@ class ControllerDirectory(Directory):
 
     def wait_published(self, ticket: int, timeout: float) -> bool:
         """Wait until the report carrying ``ticket`` is acknowledged. While this server is
-        not registered (controller away, a full sync under way) nothing is waited for: the
-        next full sync, or the reports right after it, carry the keys."""
+        not registered (controller away, a full sync under way) or the controller is
+        suspect, nothing is waited for: the next full sync, or the reports right after it,
+        carry the keys."""
+        if self.client.suspect(self.controller):
+            self.counts["publish_waits_skipped"] += 1
+            return True
         with self._cond:
             return self._cond.wait_for(
                 lambda: self._queue.done(ticket) or self._stop or not self._registered, timeout
@@ -116,8 +126,11 @@ class ControllerDirectory(Directory):
             return []
         self.counts["resolves"] += 1
         self.counts["resolved_keys"] += len(keys)
-        reply = self.client.call(self.controller, m.Resolve(0, list(keys)))
         out: list[list[Location]] = [[] for _ in keys]
+        if self.client.suspect(self.controller):
+            self.counts["resolve_skipped"] += 1
+            return out  # misses at once, never a wait: the probe brings it back
+        reply = self.client.call(self.controller, m.Resolve(0, list(keys)))
         if not isinstance(reply, cm.Located):
             self.counts["resolve_failures"] += 1
             return out  # a controller that cannot answer: misses, never wrong answers
@@ -153,7 +166,7 @@ class ControllerDirectory(Directory):
         if self._thread is not None:
             self._thread.join(5.0)
             self._thread = None
-        if self._registered:
+        if self._registered and not self.client.suspect(self.controller):
             self.client.call(
                 self.controller, cm.Deregister(0, self.me.node_id, self.me.incarnation)
             )
@@ -297,6 +310,11 @@ class ControllerDirectory(Directory):
             "controller": self.controller,
             "registered": self._registered,
             "seq": self._seq,
+            "controller_suspect": self.client.suspect(self.controller),
+            "calls": self.client.calls,
+            "timeouts": self.client.timeouts,
+            "suspected": self.client.suspected,
+            "probes": self.client.probes,
             **self.counts,
         }
 

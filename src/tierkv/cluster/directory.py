@@ -9,10 +9,13 @@ interface later.
 Writes are asynchronous: ``publish`` and ``unpublish`` only queue; a publisher thread drains
 the queue, groups the keys by owner and sends one batch per owner (all owners at once), so
 a commit never waits for the network. Entries held by this node's own shard are applied
-directly. Nothing is retried; a node's own entries are written by that node only (a
-PUBLISH or UNPUBLISH naming it as holder is refused). A lost or wrong entry is repaired by
-the anti-entropy: every ``repair_interval`` seconds each node compares, with each owner (its
-own shard included), a summary of the entries that owner should list for it
+directly. Updates for an owner that is *suspect* (it timed out and has not answered since,
+:class:`~tierkv.cluster.control.ControlClient`) are not sent: they wait, merged, until it
+answers a probe again, so a silent owner costs one timeout, not one per store. Nothing else
+is retried; a node's own entries are written by that node only (a PUBLISH or UNPUBLISH
+naming it as holder is refused). A lost or wrong entry is repaired by the anti-entropy:
+every ``repair_interval`` seconds each node compares, with each owner (its own shard
+included), a summary of the entries that owner should list for it
 (:mod:`tierkv.cluster.digest`: per bucket of keys, a count and an XOR of entry hashes; the
 owner keeps its side up to date entry by entry), and where a bucket differs the owner lists
 its entries of that node there, and the node re-publishes what is missing or wrong and
@@ -22,9 +25,10 @@ A shard keeps every holder's entry of a key (none pushes another out: the repair
 it back and push the next out, for ever).
 
 Reads are batched: :meth:`HashDirectory.resolve` asks each key's first owner (this node
-first when it is one, owners that timed out recently last), all owners in one round trip;
-keys still unresolved (owner dead or silent, entry not moved yet) are asked of the next
-replica, up to ``replicas`` rounds. Holders that are not live members are dropped.
+first when it is one), all owners in one round trip; keys still unresolved (owner dead,
+entry not moved yet) are asked of the next replica, up to ``replicas`` rounds. Suspect
+owners are not asked at all: a key only they know is a miss at once, never a wait. Holders
+that are not live members are dropped.
 
 Membership changes rebalance: entries of departed or restarted holders are purged, entries
 move to the owners that are new for them (and leave a node that no longer owns them), and
@@ -59,6 +63,7 @@ MAX_LISTED = 16 * BATCH  # entries an owner lists in one answer to a digest
 UNKNOWN_ROUNDS = 3  # repair rounds after which entries of a holder that is no member go
 REPAIR_CPU_SHARE = 0.01  # the anti-entropy's rounds are spaced to use at most this of a core
 _NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on request"
+DEFERRED_CHECK = 0.25  # seconds between checks whether a suspect owner answers again
 
 _T = TypeVar("_T")
 _WHERE = frozenset(int(w) for w in Where)
@@ -87,7 +92,8 @@ class Directory(ABC):
     def wait_published(self, ticket: int, timeout: float) -> bool:
         """Wait until the publishes up to ``ticket`` have been sent to the keys' owners and
         answered (acknowledged, refused or timed out); False if ``timeout`` passed first.
-        After True, a resolve from any node whose view of the members agrees finds them."""
+        Owners that are suspect (silent since a timeout) are not waited for. After True, a
+        resolve from any node whose view of the members agrees finds them."""
 
     @abstractmethod
     def unpublish(self, keys: Sequence[bytes]) -> None:
@@ -356,6 +362,9 @@ class HashDirectory(Directory):
         self._cond = threading.Condition(self._lock)
         self._queue = PublishQueue()
         self._taken = 0  # the last ticket of the batch being sent
+        # Updates for suspect owners (publisher thread only): owner -> key -> Where or -1.
+        self._deferred: dict[str, dict[bytes, int]] = {}
+        self._deferred_check = 0.0
         self._view_changed = False  # a membership change not yet applied
         self._changed_at = 0.0
         self._next_republish = clock() + republish_interval
@@ -371,10 +380,14 @@ class HashDirectory(Directory):
             "publish_failures": 0,
             "publish_waits": 0,  # commits that waited for their publish (read-your-writes)
             "publish_wait_timeouts": 0,
+            "publish_deferred": 0,  # updates held back for a suspect owner
+            "publish_deferred_sent": 0,  # ... sent once it answered again
+            "publish_deferred_dropped": 0,  # ... dropped: the owner left
             "resolves": 0,
             "resolved_keys": 0,
             "resolve_found": 0,
             "resolve_rpcs": 0,
+            "resolve_skipped": 0,  # owners not asked: suspect
             "served_resolves": 0,
             "served_publish": 0,
             "handoff_sent": 0,
@@ -471,6 +484,8 @@ class HashDirectory(Directory):
                     self._rebalance()
                 if pending:
                     self._send_updates(pending)
+                if self._deferred and self.clock() >= self._deferred_check:
+                    self._send_deferred()
                 if self.clock() >= self._next_republish:
                     self._next_republish = self.clock() + self.republish_interval
                     self._republish_all()
@@ -492,7 +507,11 @@ class HashDirectory(Directory):
                 return True
             if self._queue or now >= min(self._next_republish, self._next_repair):
                 return False
+            if self._deferred and now >= self._deferred_check:
+                return False
             wake = min(self._next_republish, self._next_repair)
+            if self._deferred:
+                wake = min(wake, self._deferred_check)
             if self._view_changed:
                 wake = min(wake, self._changed_at + self.settle)
             self._cond.wait(max(0.001, wake - now))
@@ -511,9 +530,56 @@ class HashDirectory(Directory):
         self.counts["published"] += n_pub
         self.counts["unpublished"] += len(pending) - n_pub
         pubs, unpubs = self._route(pending, self.current()[1])
+        self._defer_suspect(pubs, unpubs)
         self._send_publishes(pubs)
         me = self.me.node_id
         self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
+
+    def _defer_suspect(
+        self, pubs: dict[str, list[tuple[bytes, int]]], unpubs: dict[str, list[bytes]]
+    ) -> None:
+        """Take the updates for suspect owners out of ``pubs`` and ``unpubs`` and keep them
+        (merged, the latest per key) until the owner answers again."""
+        members, _ = self.current()
+        for owner in set(pubs) | set(unpubs):
+            info = members.get(owner)
+            if info is None or not self.client.suspect(info.control):
+                continue
+            held = self._deferred.setdefault(owner, {})
+            entries = pubs.pop(owner, [])
+            keys = unpubs.pop(owner, [])
+            held.update(entries)
+            held.update(dict.fromkeys(keys, -1))
+            self.counts["publish_deferred"] += len(entries) + len(keys)
+        if self._deferred and not self._deferred_check:
+            self._deferred_check = self.clock() + DEFERRED_CHECK
+
+    def _send_deferred(self) -> None:
+        """Send what waited for owners that answer again; drop what waited for owners that
+        left (their successors got everything from the rebalance)."""
+        self._deferred_check = self.clock() + DEFERRED_CHECK
+        members, _ = self.current()
+        pubs: dict[str, list[tuple[bytes, int]]] = {}
+        unpubs: dict[str, list[bytes]] = {}
+        for owner, held in list(self._deferred.items()):
+            info = members.get(owner)
+            if info is None:
+                self.counts["publish_deferred_dropped"] += len(held)
+            elif self.client.suspect(info.control):
+                continue
+            else:
+                pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
+                unpubs[owner] = [k for k, w in held.items() if w < 0]
+                self.counts["publish_deferred_sent"] += len(held)
+            del self._deferred[owner]
+        if not self._deferred:
+            self._deferred_check = 0.0
+        if pubs or unpubs:
+            self._send_publishes({o: e for o, e in pubs.items() if e})
+            me = self.me.node_id
+            self._send(
+                {o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items() if k}
+            )
 
     def _route(
         self, updates: dict[bytes, int], ring: Ring
@@ -544,15 +610,20 @@ class HashDirectory(Directory):
         self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
 
     def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
-        """Send each owner its messages, every owner at once, one message each per round."""
+        """Send each owner its messages, every owner at once, one message each per round.
+        Suspect owners are skipped (publishes to them were deferred before)."""
         members, _ = self.current()
         rounds = max((len(v) for v in per_owner.values()), default=0)
         for r in range(rounds):
             calls: dict[str, m.Struct] = {}
             for owner, msgs in per_owner.items():
                 info = members.get(owner)
-                if info is not None and r < len(msgs):
-                    calls[info.control] = msgs[r]
+                if info is None or r >= len(msgs):
+                    continue
+                if self.client.suspect(info.control):
+                    self.counts["publish_failures"] += 1
+                    continue
+                calls[info.control] = msgs[r]
             if not calls:
                 continue
             self.counts["publish_batches"] += len(calls)
@@ -684,6 +755,7 @@ class HashDirectory(Directory):
         pubs, _ = self._route({key: int(where) for key, where in self.held()}, new_ring)
         republished = sum(len(v) for v in pubs.values())
         self.counts["republished"] += republished
+        self._defer_suspect(pubs, {})
         self._send_publishes(pubs)
         log.info(
             "directory rebalanced: %d entries kept, %d handed off, %d dropped, %d re-published",
@@ -698,7 +770,7 @@ class HashDirectory(Directory):
         if not keys:
             return []
         members, ring = self.current()
-        found, rpcs = resolve_keys(
+        found, rpcs, skipped = resolve_keys(
             keys, members, ring, self.client, self.me.node_id, self.shard.get
         )
         _, live = self.membership.view()
@@ -706,6 +778,7 @@ class HashDirectory(Directory):
         self.counts["resolves"] += 1
         self.counts["resolved_keys"] += len(keys)
         self.counts["resolve_rpcs"] += rpcs
+        self.counts["resolve_skipped"] += skipped
         self.counts["resolve_found"] += sum(1 for locs in out if locs)
         return out
 
@@ -765,27 +838,26 @@ def resolve_keys(
     client: ControlClient,
     me: str = "",
     local: Callable[[Sequence[bytes]], list[tuple[tuple[str, int, int], ...]]] | None = None,
-) -> tuple[list[list[Location]], int]:
-    """Holders of each key, and the number of owner round trips it took.
+) -> tuple[list[list[Location]], int, int]:
+    """Holders of each key, the number of owner round trips it took, and the number of
+    owners skipped because they are suspect (silent since a timeout: never waited for).
 
     Each key is asked of its first owner (``me`` first when it is one: ``local`` answers
-    without a round trip; then owners not known to be failing), every owner in one parallel
-    round trip; keys still unresolved are asked of the next replica, up to ``replicas``
-    rounds."""
+    without a round trip; suspect owners are not asked), every owner in one parallel round
+    trip; keys still unresolved are asked of the next replica, up to ``replicas`` rounds."""
     n = len(keys)
     found: list[list[Location]] = [[] for _ in range(n)]
     orders: dict[tuple[str, ...], list[str]] = {}
+    suspect = {o: client.suspect(i.control) for o, i in members.items() if o != me}
+    skipped = 0
 
     def order(owners: tuple[str, ...]) -> list[str]:
+        nonlocal skipped
         ranked = orders.get(owners)
         if ranked is None:
-            ranked = orders[owners] = sorted(
-                owners,
-                key=lambda o: (
-                    o != me,
-                    o not in members or client.suspect(members[o].control),
-                ),
-            )
+            asked = [o for o in owners if not suspect.get(o, False)]
+            skipped += len(owners) - len(asked)
+            ranked = orders[owners] = sorted(asked, key=lambda o: (o != me, o not in members))
         return ranked
 
     choices = [order(o) for o in ring.owners_many(keys)]
@@ -819,7 +891,7 @@ def resolve_keys(
         remaining = [i for i in remaining if not found[i]]
         if not remaining:
             break
-    return found, rpcs
+    return found, rpcs, skipped
 
 
 class DirectoryReader:

@@ -5,7 +5,13 @@ every member it believes alive, to its configured seeds, to members it has only 
 (gossip candidates) and to members that died recently; the heartbeat and its reply both
 carry the sender's live members. A member is *alive* only on direct evidence (a heartbeat
 from it, or its reply to ours) within the last ``ttl`` seconds; members learnt second-hand
-are merely probed, so gossip can never resurrect a dead node. Since every node holds the
+are merely probed, so gossip can never resurrect a dead node.
+
+Partitions can be one-way: a node that still hears a peer's heartbeats but whose own calls
+to it go unanswered for ``ttl`` seconds cannot use it (its stores would wait on it, its
+reads would time out), so it declares the peer *unreachable from here*: out of this node's
+view, as if dead, while the peer may still count this node in. Its heartbeats alone do not
+bring it back; an answer to one of ours does (it keeps being probed). Since every node holds the
 list and any live member answers a joiner with it, the list survives the loss of any node,
 the first seed included; a joiner needs one live seed.
 
@@ -42,7 +48,8 @@ ChangeListener = Callable[[dict[str, m.MemberInfo], dict[str, m.MemberInfo]], No
 @dataclass(slots=True)
 class _Member:
     info: m.MemberInfo
-    last_seen: float
+    last_seen: float  # the last direct evidence of life (its heartbeat, its answer)
+    last_answer: float  # the last answer to a call of ours (from when it joined)
 
 
 class Membership:
@@ -71,6 +78,7 @@ class Membership:
         self._members: dict[str, _Member] = {}
         self._candidates: dict[str, float] = {}  # control address -> until when to probe
         self._dead: dict[str, tuple[m.MemberInfo, float]] = {}  # node id -> (info, when)
+        self._unreachable: set[str] = set()  # node ids heard from that do not answer us
         self._self_addrs: set[str] = {me.control}
         self._reported: dict[str, m.MemberInfo] = {me.node_id: me}
         self._view: dict[str, m.MemberInfo] | None = None
@@ -84,6 +92,7 @@ class Membership:
         self.refused_by_peers = 0
         self._refusing: dict[str, FailureLog] = {}  # by control address (heartbeat thread)
         self.left = 0  # members that said LEAVE
+        self.unreachable = 0  # times a member heard from was declared unreachable from here
 
     # -- queries ---------------------------------------------------------------------------
     def add_listener(self, listener: ChangeListener) -> None:
@@ -130,14 +139,17 @@ class Membership:
 
         with self._lock:
             rows = [row(mem.info, mem.last_seen, "alive") for mem in self._members.values()]
-            rows += [row(info, when, "dead") for info, when in self._dead.values()]
+            rows += [
+                row(info, when, "unreachable" if nid in self._unreachable else "dead")
+                for nid, (info, when) in self._dead.items()
+            ]
         rows.append(row(self.me, now, "self"))
         return sorted(rows, key=lambda r: str(r["node_id"]))
 
     # -- control handlers (on the control server thread) -----------------------------------
     def on_heartbeat(self, req: m.Heartbeat) -> m.HeartbeatAck:
         self.heartbeats_received += 1
-        self._saw(req.sender)
+        self._saw(req.sender, answered=False)
         self._gossip(req.members)
         return m.HeartbeatAck(req.rid, self.me, self._live_infos())
 
@@ -150,6 +162,8 @@ class Membership:
                 del self._members[info.node_id]
                 self._changed_locked()
                 self._dead[info.node_id] = (info, self.clock())
+            if mem is None or gone:
+                self._unreachable.discard(info.node_id)
         if gone:
             self.left += 1
             log.info("cluster member %s left", info.node_id)
@@ -164,8 +178,9 @@ class Membership:
         with self._lock:
             return [mem.info for mem in self._members.values()]
 
-    def _saw(self, info: m.MemberInfo) -> None:
-        """Direct evidence that ``info`` is alive."""
+    def _saw(self, info: m.MemberInfo, answered: bool = True) -> None:
+        """Direct evidence that ``info`` is alive: its answer to our call (``answered``) or
+        its own heartbeat (which does not bring back a member unreachable from here)."""
         if info.node_id == self.me.node_id:
             if info.control != self.me.control:
                 self._self_addrs.add(info.control)
@@ -175,13 +190,21 @@ class Membership:
             mem = self._members.get(info.node_id)
             if mem is not None and info.incarnation < mem.info.incarnation:
                 return  # a late message of a previous life
+            if not answered and info.node_id in self._unreachable:
+                self._candidates[info.control] = now + 3 * self.ttl  # keep probing it
+                return
             if mem is None or mem.info != info:
-                self._members[info.node_id] = _Member(info, now)
+                self._members[info.node_id] = _Member(info, now, now)
                 self._changed_locked()
                 changed = True
             else:
                 mem.last_seen = now
+                if answered:
+                    mem.last_answer = now
                 changed = False
+            if answered and info.node_id in self._unreachable:
+                self._unreachable.discard(info.node_id)
+                log.info("cluster member %s answers this node again", info.node_id)
             self._dead.pop(info.node_id, None)
             self._candidates.pop(info.control, None)
         if changed:
@@ -202,15 +225,28 @@ class Membership:
         now = self.clock()
         with self._lock:
             for nid, mem in list(self._members.items()):
-                if now - mem.last_seen > self.ttl:
-                    del self._members[nid]
-                    self._changed_locked()
-                    self._dead[nid] = (mem.info, now)
+                silent = now - mem.last_seen > self.ttl
+                if not silent and now - mem.last_answer <= self.ttl:
+                    continue
+                del self._members[nid]
+                self._changed_locked()
+                self._dead[nid] = (mem.info, now)
+                if silent:
                     log.warning(
                         "cluster member %s missed heartbeats for %.1f s: declared dead",
                         nid,
                         now - mem.last_seen,
                     )
+                    continue
+                self._unreachable.add(nid)
+                self.unreachable += 1
+                log.warning(
+                    "cluster member %s has not answered this node for %.1f s (though it "
+                    "was heard from %.1f s ago): unreachable from here, out of this view",
+                    nid,
+                    now - mem.last_answer,
+                    now - mem.last_seen,
+                )
             horizon = max(60.0, 20 * self.ttl)
             for nid, (_, when) in list(self._dead.items()):
                 if now - when > horizon:
@@ -264,7 +300,7 @@ class Membership:
             msg = m.Heartbeat(0, self.me, self._live_infos())
             self.heartbeats_sent += len(targets)
             replies = self.client.call_many(
-                {addr: msg for addr in targets}, timeout=0.8 * self.interval
+                {addr: msg for addr in targets}, timeout=0.8 * self.interval, suspect=False
             )
             for addr in set(self._refusing) - set(targets):
                 del self._refusing[addr]
@@ -318,4 +354,6 @@ class Membership:
     def leave(self) -> None:
         """Tell every live member that this node is going away (best effort)."""
         msg = m.Leave(0, self.me)
-        self.client.call_many({info.control: msg for info in self._live_infos()}, timeout=1.0)
+        self.client.call_many(
+            {info.control: msg for info in self._live_infos()}, timeout=1.0, suspect=False
+        )

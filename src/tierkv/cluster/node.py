@@ -171,7 +171,7 @@ class ClusterNode:
                 interval=settings.heartbeat_interval,
             )
             self.directory = directory
-            self.tier = PeerTier(self.node_id, directory, directory, self.transport, self)
+            self.tier = PeerTier(self.node_id, directory, directory, self.transport, self, self)
         else:
             self._join_ring()
         self.control.start()
@@ -209,7 +209,9 @@ class ClusterNode:
         )
         self.membership, self.directory = membership, directory
         membership.add_listener(self._membership_changed)
-        self.tier = PeerTier(self.node_id, directory, membership, self.transport, publisher=self)
+        self.tier = PeerTier(
+            self.node_id, directory, membership, self.transport, publisher=self, health=self
+        )
         self.control.handlers.update(
             {
                 m.Heartbeat: membership.on_heartbeat,
@@ -247,6 +249,19 @@ class ClusterNode:
         for nid, info in old.items():
             if nid != self.node_id and new.get(nid) != info:
                 self.transport.forget(info)
+
+    # -- holders that failed (the peer tier's Health) --------------------------------------
+    def holder_suspect(self, node_id: str) -> bool:
+        """Whether a holder timed out (a fetch, or a control call) and has not answered
+        since: lookups leave it out until it answers a probe."""
+        info = self.tier.membership.get(node_id)
+        return info is not None and self.client.suspect(info.control)
+
+    def holder_failed(self, node_id: str) -> None:
+        """A fetch from this holder failed outright: suspect until it answers a probe."""
+        info = self.tier.membership.get(node_id)
+        if info is not None:
+            self.client.mark_suspect(info.control)
 
     # -- the engines' namespaces -----------------------------------------------------------
     def serve_namespaces(self, source: Callable[[], list[cm.NamespaceInfo]]) -> None:
@@ -481,6 +496,7 @@ class ClusterNode:
                 "heartbeats_sent": ms.heartbeats_sent,
                 "heartbeats_received": ms.heartbeats_received,
                 "refused_by_peers": ms.refused_by_peers,
+                "unreachable": ms.unreachable,
             }
             if ms is not None
             else {},
@@ -493,7 +509,12 @@ class ClusterNode:
                 **self.control.stats(),
                 "calls": self.client.calls,
                 "timeouts": self.client.timeouts,
+                "quiet_timeouts": self.client.quiet_timeouts,
                 "bad_replies": self.client.bad_replies,
+                "suspect": self.client.suspects(),
+                "suspected": self.client.suspected,
+                "probes": self.client.probes,
+                "recovered": self.client.recovered,
             },
             "transport": self.transport.stats(),
             "peer_tier": self.tier.stats(),

@@ -6,7 +6,10 @@ chunks from their holders straight into the reserved slots, every holder in para
 preferring a holder that has the chunk in its pool over one that must promote it from
 disk, and trying the next holder of a chunk whose first holder failed. So the existing
 LOOKUP / QUERY_PREFETCH flow serves remote chunks with no engine change; a chunk that is
-gone is a miss that ends the prefix, never an error.
+gone is a miss that ends the prefix, never an error. A holder whose fetch failed outright
+(connection lost, timed out) is reported to :class:`Health`, which makes it suspect until it
+answers a probe; suspect holders are skipped, so a silent holder costs one timeout, not one
+per lookup.
 
 ``store`` is how this node's own chunks become visible to the cluster: the write-behind
 hands it every committed engine chunk (views of pinned pool slots); it records their
@@ -50,6 +53,14 @@ class Publisher(Protocol):
     def published_usage(self) -> tuple[int, int]: ...
 
 
+class Health(Protocol):
+    """Which holders to skip: the node tracks them (suspect until they answer a probe)."""
+
+    def holder_suspect(self, node_id: str) -> bool: ...
+
+    def holder_failed(self, node_id: str) -> None: ...
+
+
 class Members(Protocol):
     """Where a holder's data plane is: the membership (ring mode) or the controller
     directory (controller mode) knows."""
@@ -67,16 +78,19 @@ class PeerTier(Tier):
         membership: Members,
         transport: Transport,
         publisher: Publisher,
+        health: Health | None = None,
     ) -> None:
         self.node_id = node_id
         self.directory = directory
         self.membership = membership
         self.transport = transport
         self.publisher = publisher
+        self.health = health
         self._where: OrderedDict[bytes, tuple[float, list[Location]]] = OrderedDict()
         self._lock = threading.Lock()
         self.resolved = 0
         self.found = 0
+        self.skipped = 0  # holders left out of a lookup: suspect
 
     # -- lookups ---------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -93,8 +107,21 @@ class PeerTier(Tier):
         def preference(loc: Location) -> tuple[int, float]:
             return int(loc.where), draw.setdefault(loc.holder, random.random())
 
+        suspect: dict[str, bool] = {}
+
+        def usable(holder: str) -> bool:
+            if holder == me:
+                return False
+            if self.health is None:
+                return True
+            skip = suspect.get(holder)
+            if skip is None:
+                skip = suspect[holder] = self.health.holder_suspect(holder)
+                self.skipped += skip
+            return not skip
+
         found = [
-            sorted((loc for loc in locs if loc.holder != me), key=preference)
+            sorted((loc for loc in locs if usable(loc.holder)), key=preference)
             for locs in self.directory.resolve(keys)
         ]
         now = time.monotonic()
@@ -155,9 +182,11 @@ class PeerTier(Tier):
                 batches.append((info, [items[i] for i in idx]))
                 order.append(idx)
             fetched = self.transport.fetch_many(batches, verified)
-            for idx, results in zip(order, fetched, strict=True):
+            for (info, _), idx, results in zip(batches, order, fetched, strict=True):
                 for i, st in zip(idx, results, strict=True):
                     statuses[i] = st
+                if self.health is not None and all(st is LoadStatus.ERROR for st in results):
+                    self.health.holder_failed(info.node_id)
             attempt += 1
             todo = [
                 i for i in todo if statuses[i] is not LoadStatus.OK and attempt < len(choices[i])
@@ -187,7 +216,7 @@ class PeerTier(Tier):
         return TierUsage(objects, nbytes, 0)
 
     def stats(self) -> dict[str, int]:
-        return {"resolved": self.resolved, "found": self.found}
+        return {"resolved": self.resolved, "found": self.found, "skipped": self.skipped}
 
     def copies(self) -> str:
         return (
