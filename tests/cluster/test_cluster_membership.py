@@ -318,3 +318,21 @@ def test_outside_reader_resolves_like_a_member(spawn: Callable[..., Mini]) -> No
         reader.close()
     with pytest.raises(PermissionError):
         DirectoryReader(nodes[1].addr, "wrong").refresh()
+
+
+def test_a_heartbeat_claiming_this_nodes_id_at_another_address_changes_nothing(
+    spawn: Callable[..., Mini],
+) -> None:
+    """A signed heartbeat naming A's node id with B's control address (another process
+    claiming A's id, or a fuzzer): A keeps calling B and B stays a member."""
+    a, b = cluster(spawn, 2)
+    forged = m.MemberInfo(a.me.node_id, b.addr, a.me.data, a.me.incarnation)
+    client = ControlClient(TOKEN, 2.0)
+    try:
+        assert isinstance(client.call(a.addr, m.Heartbeat(0, forged, [])), m.HeartbeatAck)
+    finally:
+        client.close()
+    assert a.membership.self_claims == 1
+    assert b.addr in a.membership.targets()
+    time.sleep(3 * TTL)  # longer than a member may stay unanswered
+    assert a.members() == {a.addr, b.addr}

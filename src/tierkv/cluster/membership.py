@@ -92,6 +92,7 @@ class Membership:
         self.refused_by_peers = 0
         self._refusing: dict[str, FailureLog] = {}  # by control address (heartbeat thread)
         self.left = 0  # members that said LEAVE
+        self.self_claims = 0  # heartbeats naming this node's id with another address
         self.unreachable = 0  # times a member heard from was declared unreachable from here
 
     # -- queries ---------------------------------------------------------------------------
@@ -182,8 +183,11 @@ class Membership:
         """Direct evidence that ``info`` is alive: its answer to our call (``answered``) or
         its own heartbeat (which does not bring back a member unreachable from here)."""
         if info.node_id == self.me.node_id:
+            # Its own heartbeat looped back through a seed address (that address is learnt
+            # from the reply, in tick), or another process claiming this node's id: never a
+            # reason to stop calling the address it names, which may be a real peer's.
             if info.control != self.me.control:
-                self._self_addrs.add(info.control)
+                self.self_claims += 1
             return
         now = self.clock()
         with self._lock:

@@ -496,6 +496,7 @@ class ClusterNode:
                 "heartbeats_sent": ms.heartbeats_sent,
                 "heartbeats_received": ms.heartbeats_received,
                 "refused_by_peers": ms.refused_by_peers,
+                "self_claims": ms.self_claims,
                 "unreachable": ms.unreachable,
             }
             if ms is not None
