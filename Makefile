@@ -91,6 +91,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/tiers.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/directory_repair.py
+	$(PY) benchmarks/silent_peer.py
 	$(PY) benchmarks/load.py
 
 clean:
