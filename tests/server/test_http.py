@@ -355,7 +355,6 @@ def test_metrics_add_up_after_a_known_workload(server_factory: Servers) -> None:
     }
     # Requests by type and outcome, and as many latency observations.
     expected = {
-        ("ping", "ok"): 1,  # the test fixture's start-up probe
         ("register", "ok"): 1,
         ("prepare_store", "ok"): 17,
         ("commit_store", "ok"): 15,
@@ -370,6 +369,9 @@ def test_metrics_add_up_after_a_known_workload(server_factory: Servers) -> None:
         for (name, labels), v in m.items()
         if name == "tierkv_requests_total" and v
     }
+    # The fixture's start-up probes: a PING not answered within 0.5 s (a server still
+    # starting on a loaded machine) is sent again, and both are answered.
+    assert requests.pop(("ping", "ok")) >= 1
     assert requests == expected
     for kind in ("lookup", "prepare_store", "commit_store", "prepare_retrieve"):
         count = sum(v for (t, _), v in expected.items() if t == kind)
