@@ -227,6 +227,9 @@ class ObjectIndex:
         # Called, under the index lock, with the keys of objects whose store expired before
         # its commit (so that lookups can tell "expired" from "never stored"); must be cheap.
         self.on_write_expired: Callable[[list[bytes]], None] | None = None
+        # Likewise with what an eviction took, before any lookup can miss it: a miss right
+        # after is then "evicted", not "absent" (the eviction's listeners run after a pass).
+        self.on_evicted: Callable[[list[Evicted]], None] | None = None
 
     # -- writes ----------------------------------------------------------------------------
     def reserve_write(
@@ -797,6 +800,8 @@ class ObjectIndex:
             evicted.append(Evicted(entry.key, entry.length, entry.tier))
         self._evictions += len(evicted)
         self._evicted_bytes += freed
+        if evicted and self.on_evicted is not None:
+            self.on_evicted(evicted)
         return evicted, freed
 
     def _free_slot(self, entry: Entry) -> int:

@@ -373,3 +373,19 @@ def test_stop_returns_promptly_with_a_long_interval() -> None:
     controller.wait_for_fresh_pass()
     controller.stop()
     assert controller._thread is None
+
+
+def test_a_miss_right_after_an_eviction_knows_it_was_evicted() -> None:
+    """The index tells the lookup accounting what it evicts under its own lock, so a lookup
+    that misses a chunk between the eviction and the end of the pass (when the controller's
+    listeners run) counts it as evicted, not absent."""
+    from tierkv.server.metrics import ServiceMetrics
+    from tierkv.server.tiering.lookups import LookupAccounting
+
+    index = make()
+    controller = EvictionController(index, high=HIGH, low=LOW)
+    lookups = LookupAccounting(ServiceMetrics(controller), index)
+    keys = fill(index, 0, 9)
+    evicted = index.evict(2 * BLOCK, max_objects=2)  # one batch of a pass, no listener yet
+    assert [e.key for e in evicted] == keys[:2]
+    assert [lookups.gone.reason(key) for key in keys[:3]] == ["evicted", "evicted", "absent"]

@@ -68,7 +68,7 @@ def env() -> Iterator[Env]:
     index = ObjectIndex(Allocator(pool.size, 4096), 600.0, 300.0, clock=clock)
     eviction = EvictionController(index)
     metrics = ServiceMetrics(eviction)
-    lookups = LookupAccounting(metrics, index, eviction)
+    lookups = LookupAccounting(metrics, index)
     tier = MemTier()
     tiering = Tiering(
         index,

@@ -134,7 +134,7 @@ class Server:
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
         metrics = ServiceMetrics(self.eviction)
-        lookups = LookupAccounting(metrics, self.index, self.eviction)
+        lookups = LookupAccounting(metrics, self.index)
         self.eviction.start()
         self._started_part("eviction", self.eviction.stop)
 

@@ -7,8 +7,9 @@ reasons are defined in :mod:`tierkv.server.metrics`.
 
 To tell a chunk that was evicted, or whose store expired, from one never seen, the server
 remembers the keys that recently left the pool that way: a bounded insertion-ordered map
-(oldest forgotten first, ~150 bytes a key), fed by the eviction controller and by the
-index's write-lease expiry. A key re-stored and then looked up is a hit and never consulted.
+(oldest forgotten first, ~150 bytes a key), fed by the index itself, under its lock, as it
+evicts objects or expires write leases: a lookup that misses a chunk an instant after it left
+already knows why. A key re-stored and then looked up is a hit and never consulted.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import logging
 import threading
 from collections.abc import Iterable, Sequence
 
-from tierkv.eviction import EvictionController
 from tierkv.index import Evicted, ObjectIndex
 from tierkv.server.metrics import POOL, ServiceMetrics
 from tierkv.server.tiering.prefetch import PrefetchJob
@@ -61,12 +61,10 @@ class RecentlyGone:
 class LookupAccounting:
     """Turns lookup outcomes into ``tierkv_lookup_chunks_total`` counts."""
 
-    def __init__(
-        self, metrics: ServiceMetrics, index: ObjectIndex, eviction: EvictionController
-    ) -> None:
+    def __init__(self, metrics: ServiceMetrics, index: ObjectIndex) -> None:
         self.metrics = metrics
         self.gone = RecentlyGone()
-        eviction.add_listener(self.gone.on_evicted)
+        index.on_evicted = self.gone.on_evicted
         index.on_write_expired = self.gone.on_write_expired
 
     def record(self, keys: Sequence[bytes], hits: int) -> None:
