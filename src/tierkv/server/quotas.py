@@ -291,50 +291,26 @@ class Quotas:
 
     def tenant(self, name: str) -> dict[str, Any]:
         """GET /quota/{tenant}: its limits and usage, per tier."""
-        limit, source = self.limit_of(name)
-        tid = self.tenants.find(name)
-        figures = {f.tenant: f for f in self.index.tenant_figures()}
-        f = figures.get(tid) if tid is not None else None
-        doc: dict[str, Any] = {
-            "tenant": name,
-            "tag": tenant_tag(name),
-            "limit": limit,
-            "limit_gb": None if limit is None else limit / GIB,
-            "source": source,
-            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
-            "usage": {"pool": f.used if f else 0},
-            "evictions": f.evictions if f else 0,
-            "evicted_bytes": f.evicted_bytes if f else 0,
-            "refused_chunks": f.refused_chunks if f else 0,
-            "refused_bytes": f.refused_bytes if f else 0,
-            "tiers": {},
-        }
-        for tier, quota in self._tiers.items():
-            tier_limit, tier_source = self.limit_of(name, tier)
-            t = quota.figures().get(tid) if tid is not None else None
-            doc["usage"][tier] = t.used if t else 0
-            doc["tiers"][tier] = {
-                "limit": tier_limit,
-                "source": tier_source,
-                "used": t.used if t else 0,
-                "evictions": t.evictions if t else 0,
-                "evicted_bytes": t.evicted_bytes if t else 0,
-                "refused_chunks": t.refused_chunks if t else 0,
-                "refused_bytes": t.refused_bytes if t else 0,
-            }
-        return doc
+        return self._tenant_doc(name, *self._figures())
 
     def listing(self) -> dict[str, Any]:
         """GET /quota: the settings and every tenant with a quota or with chunks. Tenants
         without a quota are shown by tag only (their names are salts, which let an engine
-        read the tenant's KV); tenants with one by the name the quota was set under."""
+        read the tenant's KV); tenants with one by the name the quota was set under.
+
+        Linear in the tenants: the figures of the pool and of each tier are read once (a
+        read per tenant, each a pass over every tenant under the index's lock, made it
+        quadratic and held engines' lookups behind that lock)."""
         named = self.named()
-        shown: dict[str, dict[str, Any]] = {n: self.tenant(n) for n in sorted(named)}
-        for tid in self._tenant_ids():
+        pool, tiers = self._figures()
+        shown: dict[str, dict[str, Any]] = {
+            n: self._tenant_doc(n, pool, tiers) for n in sorted(named)
+        }
+        for tid in self._tenant_ids(pool, tiers):
             name = self.tenants.name_of(tid)
             if name in shown:
                 continue
-            row = self.tenant(name)
+            row = self._tenant_doc(name, pool, tiers)
             if name not in RESERVED:
                 row["tenant"] = None
             shown[name] = row
@@ -397,6 +373,50 @@ class Quotas:
             return self._mode, -1 if default is None else default
 
     # -- internals -------------------------------------------------------------------------
+    def _figures(self) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
+        """The pool's figures and each tier's, by tenant id (one read of each)."""
+        pool = {f.tenant: f for f in self.index.tenant_figures()}
+        return pool, {tier: quota.figures() for tier, quota in self._tiers.items()}
+
+    def _tenant_doc(
+        self,
+        name: str,
+        pool: Mapping[int, TenantFigures],
+        tiers: Mapping[str, Mapping[int, TenantFigures]],
+    ) -> dict[str, Any]:
+        """A tenant's document (:meth:`tenant`) from figures already read."""
+        limit, source = self.limit_of(name)
+        tid = self.tenants.find(name)
+        f = pool.get(tid) if tid is not None else None
+        doc: dict[str, Any] = {
+            "tenant": name,
+            "tag": tenant_tag(name),
+            "limit": limit,
+            "limit_gb": None if limit is None else limit / GIB,
+            "source": source,
+            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
+            "usage": {"pool": f.used if f else 0},
+            "evictions": f.evictions if f else 0,
+            "evicted_bytes": f.evicted_bytes if f else 0,
+            "refused_chunks": f.refused_chunks if f else 0,
+            "refused_bytes": f.refused_bytes if f else 0,
+            "tiers": {},
+        }
+        for tier, figures in tiers.items():
+            tier_limit, tier_source = self.limit_of(name, tier)
+            t = figures.get(tid) if tid is not None else None
+            doc["usage"][tier] = t.used if t else 0
+            doc["tiers"][tier] = {
+                "limit": tier_limit,
+                "source": tier_source,
+                "used": t.used if t else 0,
+                "evictions": t.evictions if t else 0,
+                "evicted_bytes": t.evicted_bytes if t else 0,
+                "refused_chunks": t.refused_chunks if t else 0,
+                "refused_bytes": t.refused_bytes if t else 0,
+            }
+        return doc
+
     def _tenant_ids(
         self,
         pool: Mapping[int, object] | None = None,
