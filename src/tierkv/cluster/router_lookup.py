@@ -62,8 +62,12 @@ def parse(body: bytes) -> LookupRequest:
         raise LookupError_(400, "give exactly one of model or namespace")
     if (req.tokens is None) == (req.hashes is None):
         raise LookupError_(400, "give exactly one of tokens or hashes")
-    if req.chunk_tokens < 0 or (req.chunk_tokens and not req.namespace):
-        raise LookupError_(400, "chunk_tokens must be positive, and comes with a namespace")
+    if not 0 <= req.chunk_tokens <= keys.MAX_CHUNK_TOKENS or (
+        req.chunk_tokens and not req.namespace
+    ):
+        raise LookupError_(
+            400, f"chunk_tokens must be 1..{keys.MAX_CHUNK_TOKENS}, and comes with a namespace"
+        )
     if req.namespace and not _is_hex(req.namespace, keys.DIGEST_SIZE):
         raise LookupError_(400, "namespace must be 32 hex digits")
     if req.tokens is not None and any(not 0 <= t < 2**32 for t in req.tokens):

@@ -75,7 +75,7 @@ def _config_change(doc: Any) -> tuple[dict[str, int | None], str]:
         default = {"pool": parse_default(doc["default_limit"])}
     elif "default_limit_gb" in doc:
         value = doc["default_limit_gb"]
-        default = {"pool": None if value is None else parse_gb(value)}
+        default = {"pool": None if value is None else parse_gb(value, "default_limit_gb")}
     elif "default_limits" in doc:
         limits = doc["default_limits"]
         if isinstance(limits, dict):  # "unlimited" where a size could be

@@ -49,6 +49,7 @@ NO_QUOTA = {
 MODES = ("soft", "hard")
 UNLIMITED = "unlimited"
 GIB = 2**30
+MAX_LIMIT = 2**63 - 1  # bytes: a quota beyond it (8 EiB) is refused, not stored
 MAX_NAME = 1024  # characters of a tenant name (a salt's limit)
 TOP_TENANTS = 32  # tenants shown one by one in status reports; the rest in one row
 
@@ -71,32 +72,50 @@ class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
 
 def parse_limit(value: Any, what: str = "limit") -> int:
     """Bytes from a JSON or YAML value: an integer number of bytes or a size ("8GiB").
-    Negative, NaN, infinite, fractional-byte and non-numeric values are refused."""
+    Negative, NaN, infinite, fractional-byte, non-numeric values and values above
+    :data:`MAX_LIMIT` are refused."""
     if isinstance(value, bool) or value is None:
         raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or not value.is_integer():
             raise QuotaError(f"{what} must be a whole, finite number of bytes >= 0, not {value}")
-        return int(value)
+        return _at_most_max(int(value), what)
     if isinstance(value, int):
         if value < 0:
             raise QuotaError(f"{what} must be >= 0 bytes, not {value}")
-        return value
+        return _at_most_max(value, what)
     if isinstance(value, str):
         try:
-            return parse_size(value)
+            return _at_most_max(parse_size(value), what)
         except OptionError as exc:
             raise QuotaError(f"{what}: {exc}") from None
+        except OverflowError:
+            raise QuotaError(f"{what} {value[:40]!r} is too large") from None
     raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
 
 
-def parse_gb(value: Any) -> int:
-    """Bytes from LMCache's ``limit_gb`` (GiB, a finite number >= 0)."""
+def parse_gb(value: Any, what: str = "limit_gb") -> int:
+    """Bytes from LMCache's ``limit_gb`` (GiB, a finite number >= 0, at most
+    :data:`MAX_LIMIT` bytes)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise QuotaError(f"limit_gb must be a number, not {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise QuotaError(f"limit_gb must be a finite number >= 0, not {value}")
-    return int(value * GIB)
+        raise QuotaError(f"{what} must be a number, not {value!r}")
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        raise QuotaError(f"{what} must be a finite number >= 0, not {value}")
+    if value > MAX_LIMIT // GIB:
+        raise QuotaError(f"{what} must be at most {MAX_LIMIT // GIB} GiB, not {_brief(value)}")
+    return _at_most_max(int(value * GIB), what)
+
+
+def _brief(number: float) -> str:
+    """A number for a message (a JSON integer may have thousands of digits)."""
+    text = repr(number)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+
+
+def _at_most_max(limit: int, what: str) -> int:
+    if limit > MAX_LIMIT:
+        raise QuotaError(f"{what} must be at most {MAX_LIMIT} bytes (8 EiB), not {_brief(limit)}")
+    return limit
 
 
 def parse_default(value: Any) -> int | None:
