@@ -13,7 +13,7 @@ import pytest
 
 from support.clusterkit import TOKEN, Node, converged, start_node, wait_for
 from support.controllers import ControllerProcess, running_controller, start_server
-from support.httputil import free_port, request
+from support.httputil import declare_huge_body, free_port, request
 from support.kvops import fetch, held_locally, store, tokens_for
 from support.servers import ServerProcess, register
 
@@ -142,20 +142,40 @@ BAD_BODIES: list[tuple[object, int, str]] = [
     ({"namespace": NS, "hashes": ["xyz"]}, 400, "hex strings"),
     ({"namespace": NS, "hashes": [""]}, 400, "hex strings"),
     ({"model": "m", "tokens": [1], "chunk_tokens": 4}, 400, "comes with a namespace"),
-    ({"namespace": NS, "tokens": [1], "chunk_tokens": -4}, 400, "must be positive"),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": -4}, 400, "chunk_tokens must be 1.."),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": 2**61}, 400, "chunk_tokens must be 1.."),
+    ({"namespace": NS, "tokens": [1] * 9, "chunk_tokens": 2**63}, 400, "chunk_tokens must be"),
+    ({"namespace": NS, "hashes": ["00"], "chunk_tokens": 2**62}, 400, "chunk_tokens must be"),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": 2**64}, 400, "chunk_tokens"),
     ({"model": "nobody", "tokens": [1]}, 404, "no engine of model 'nobody'"),
     ({"namespace": NS, "tokens": [1]}, 404, "not registered here"),
-    (b"x" * (4 * 2**20 + 1), 413, "body larger than"),
 ]
+
+
+def refuses_bad_bodies(url: str) -> None:
+    for body, status, reason in BAD_BODIES:
+        got, answer = lookup(url, body)
+        assert got == status and reason in answer["error"], (body, answer)
+    got, answer = declare_huge_body(url, "POST", "/lookup", AUTH)
+    assert got == 413 and "larger than" in answer["error"], answer
+    # It keeps answering.
+    assert lookup(url, {"namespace": NS, "hashes": ["00"]}) == (200, {"chunks": 1, "instances": []})
 
 
 def test_bad_lookup_bodies_are_refused_with_a_reason(controller: ControllerProcess) -> None:
     url = f"http://127.0.0.1:{controller.http_port}"
-    for body, status, reason in BAD_BODIES:
-        got, answer = lookup(url, body)
-        assert got == status and reason in answer["error"], (body, answer)
-    # The controller keeps answering.
-    assert lookup(url, {"namespace": NS, "hashes": ["00"]}) == (200, {"chunks": 1, "instances": []})
+    refuses_bad_bodies(url)
+    status, answer = declare_huge_body(url, "POST", "/instances/remove", AUTH)
+    assert status == 413 and "larger than" in answer["error"]
+    assert "Traceback" not in controller.log() and " ERROR " not in controller.log()
+
+
+def test_a_ring_server_refuses_bad_lookups_like_the_controller(server_factory: Factory) -> None:
+    port = free_port()
+    node = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(port)])
+    refuses_bad_bodies(f"http://127.0.0.1:{port}")
+    text = node.server.log()
+    assert "Traceback" not in text and " ERROR " not in text, text[-2000:]
 
 
 def test_lookup_needs_the_token(controller: ControllerProcess) -> None:

@@ -85,3 +85,22 @@ def scrape(base: str) -> Samples:
 
 def val(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def declare_huge_body(
+    base: str, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """Send a request that declares a 10 GB body and sends 10 bytes of it: (the status and
+    JSON error of the reply, which must come without the rest of the body, and the
+    connection closed after it). A server that waits for the body fails this in 10 s."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Content-Length: 10737418240"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n0123456789").encode())
+        reply = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)
