@@ -78,13 +78,23 @@ def test_controller_lookup_agrees_with_what_each_server_holds(
         "model": "test-model", "chunks": 4, "tokens": 1024, "tiers": {"pool": 4, "disk": 0},
     }  # fmt: skip
     assert answer["instances"][1]["tokens"] == 512
-    # By namespace and the chunks' hashes (no engine needed): the same holders.
-    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
     # The engine has unregistered; its server tells the controller from a sender thread.
-    wait_for(lambda: {r["tokens"] for r in lookup(url, by_hash)[1]["instances"]} == {None})
+    wait_for(lambda: all(not i["namespaces"] for i in controller.instances().values()))
+    # By namespace and the chunks' hashes (no engine needed): the same holders, and their
+    # tokens (the controller remembers the namespace while its chunks are held).
+    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
     status, answer = lookup(url, by_hash)
     assert status == 200 and runs(answer) == want
-    assert {row["tokens"] for row in answer["instances"]} == {None}  # chunk size unknown
+    assert [row["tokens"] for row in answer["instances"]] == [1024, 512]
+    # By model, with no engine of it registered anywhere: the chunks held still answer.
+    status, answer = lookup(url, by_model)
+    assert status == 200 and runs(answer) == want, answer
+    # Gone from every pool, the namespace is forgotten.
+    for node in nodes:
+        with node.client() as client:
+            client.clear(everything=True)
+    wait_for(lambda: lookup(url, by_model)[0] == 404)
+    assert "no engine of model 'test-model'" in lookup(url, by_model)[1]["error"]
 
 
 def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> None:
@@ -114,8 +124,17 @@ def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> N
         a.node_id: 1024,
         b.node_id: 512,
     }
-    # A server without such an engine: by namespace, with the tokens per chunk.
-    status, answer = lookup(urls[2], {"namespace": digest, "tokens": tokens})
+    # Every engine has left (A's stored, B's fetched, C's only looked up): each server
+    # remembers the model's namespaces while chunks of them are held, and answers by model.
+    by_model = {"model": "test-model", "tokens": tokens}
+    for url in urls:
+        status, answer = lookup(url, by_model)
+        assert status == 200 and runs(answer) == want, (url, answer)
+        assert {r["tokens"] for r in answer["instances"]} == {1024, 512}
+    status, answer = lookup(urls[2], {"model": "other-model", "tokens": tokens})
+    assert status == 404 and "no engine of model 'other-model'" in answer["error"], answer
+    # A namespace no engine of this server had: by namespace, with the tokens per chunk.
+    status, answer = lookup(urls[2], {"namespace": "cd" * 16, "tokens": tokens})
     assert status == 404 and "chunk_tokens" in answer["error"]
     body = {"namespace": digest, "tokens": tokens, "chunk_tokens": 256}
     status, answer = lookup(urls[2], body)
