@@ -162,7 +162,9 @@ _sched_yield = getattr(os, "sched_yield", None)
 def moving_data() -> Iterator[None]:
     """Around bulk data work on data threads (a tier load or store, serving a peer): while
     any runs in this process, a thread waiting for the GIL forces a switch after
-    :data:`DATA_SWITCH_INTERVAL`; the interpreter's own interval comes back after the last."""
+    :data:`DATA_SWITCH_INTERVAL`; the interpreter's own interval comes back after the last.
+    Also around Python work done for HTTP clients beside the RPC loop
+    (:func:`sharing_the_gil`)."""
     with _moving.lock:
         if not _moving.count:
             _moving.restore = sys.getswitchinterval()
@@ -175,6 +177,12 @@ def moving_data() -> Iterator[None]:
             _moving.count -= 1
             if not _moving.count:
                 sys.setswitchinterval(_moving.restore)
+
+
+sharing_the_gil = moving_data
+"""Around work for HTTP clients (a router's lookup, a quota listing) that runs Python on
+other threads than the RPC loop: the same short switch interval as :func:`moving_data`,
+so that an engine's request waits at most that long for the GIL."""
 
 
 class _Moving:

@@ -2,10 +2,20 @@
 is read (bounded), authorized like every POST (:func:`tierkv.server.http.make_authorizer`)
 and answered by :mod:`tierkv.cluster.router_lookup` on a worker thread (a lookup may wait
 for the directory's round trip). Bad bodies get a 400 (unknown model or namespace: 404)
-with the reason."""
+with the reason.
+
+Routers must not starve engines: the lookups run in the server's process, beside its RPC
+loop, and every Python thread that runs holds the GIL the RPC loop needs. So at most
+:data:`AT_ONCE` lookups are answered at a time, the others wait their turn in the event
+loop (costing nothing), and while any is in flight the interpreter's switch interval is
+short (:func:`tierkv.priority.sharing_the_gil`): the RPC loop, woken by an engine's
+request, waits at most that long for the GIL. Measured with ``benchmarks/router_load.py``
+(50 router clients on the CI machine type): see :mod:`tierkv.priority`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -13,19 +23,26 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from tierkv.cluster.router_lookup import MAX_BODY, LookupError_
+from tierkv.priority import sharing_the_gil
 from tierkv.server.http import Authorizer, authorized_body, error_reply
+
+AT_ONCE = 2  # lookups answered at a time (two: one may wait on a directory round trip)
 
 
 def add_lookup_route(
     app: FastAPI, authorize: Authorizer, answer: Callable[[bytes], dict[str, object]]
 ) -> None:
+    turns = asyncio.Semaphore(AT_ONCE)
+
     @app.post("/lookup")
     async def lookup(request: Request) -> JSONResponse:
         body = await authorized_body(request, authorize, MAX_BODY)
         if isinstance(body, JSONResponse):
             return body
-        try:
-            reply = await run_in_threadpool(answer, body)
-        except LookupError_ as exc:
-            return error_reply(exc.status, str(exc))
-        return JSONResponse(reply, headers={"Cache-Control": "no-store"})
+        async with turns:
+            with sharing_the_gil():
+                try:
+                    reply = await run_in_threadpool(answer, body)
+                except LookupError_ as exc:
+                    return error_reply(exc.status, str(exc))
+                return JSONResponse(reply, headers={"Cache-Control": "no-store"})
