@@ -21,6 +21,7 @@ from support.httputil import (
     declare_huge_body,
     free_port,
     get_json,
+    raw_request,
     request,
     scrape,
     val,
@@ -532,6 +533,11 @@ def test_a_declared_huge_body_gets_an_early_413_on_every_write(server_factory: S
         status, doc = declare_huge_body(base, method, path, auth)
         assert status == 413 and "larger than" in doc["error"], (path, status, doc)
     assert declare_huge_body(base, "POST", "/lookup")[0] == 401  # authorization comes first
+    # A body of no declared length is cut off at the limit as it arrives.
+    chunked = {**auth, "Transfer-Encoding": "chunked"}
+    body = b"%x\r\n%s\r\n0\r\n\r\n" % (5000, b"y" * 5000)
+    status, doc = raw_request(base, "POST", "/clear-cache", chunked, body)
+    assert status == 413 and "larger than 4096" in doc["error"], doc
     assert request("GET", base + "/healthcheck").status == 200
     assert get_json(base + "/quota/t")["source"] == "default"  # nothing was set
     text = node.server.log()
