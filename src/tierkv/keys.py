@@ -38,6 +38,7 @@ import numpy.typing as npt
 DIGEST_SIZE = 16
 KEY_SIZE = 2 * DIGEST_SIZE
 DEFAULT_CHUNK_SIZE = 256
+MAX_CHUNK_TOKENS = 1 << 20  # tokens in one chunk at most (of a client, or a router's lookup)
 MAX_PRECOMPUTED_HASH_SIZE = 64
 TOKEN_DTYPE = np.dtype("<u4")
 _TOKEN_LIMIT = 1 << 32

@@ -63,6 +63,14 @@ alternating: the lookup p99 averaged 6.3 to 7.2 ms in three configurations with 
 to 9.8 in three with 5 ms). Only then: with no data threads, a short interval only
 interrupts control work with other control work (8 engines on one server, ``load.py`` (a):
 p99 5.7 to 6.6 ms with 1 ms throughout, 5.1 to 5.8 with 5 ms, three runs each).
+
+Python work done for HTTP clients in the server's process (a router's ``POST /lookup``, a
+``GET /quota`` listing) holds the GIL the same way, on uvicorn's threads. While any runs
+(:func:`sharing_the_gil`) the interval is :data:`HTTP_SWITCH_INTERVAL`, shorter still: an
+engine's LOOKUP takes the GIL several times on its way (the RPC loop's receive, a worker,
+the loop's send), each a wait of up to one interval behind router work that never stops
+while 50 routers keep sending (``benchmarks/router_load.py``; the figures in
+:mod:`tierkv.server.lookup_http`).
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ from collections.abc import Iterator
 DATA_NICE = 10  # added to the process's nice for data threads (Linux caps nice at 19)
 DATA_SLICE_NS = 3_000_000  # a data thread's time slice (Linux's default: 0.7 ms x 1+log2 cores)
 DATA_SWITCH_INTERVAL = 0.001  # seconds a thread waits for the GIL while data moves
+HTTP_SWITCH_INTERVAL = 0.0002  # seconds, while Python work for HTTP clients runs
 CONTROL_SLICE_NS = 200_000  # the RPC loop's time slice (the kernel's minimum is 0.1 ms)
 
 
@@ -163,26 +172,48 @@ def moving_data() -> Iterator[None]:
     """Around bulk data work on data threads (a tier load or store, serving a peer): while
     any runs in this process, a thread waiting for the GIL forces a switch after
     :data:`DATA_SWITCH_INTERVAL`; the interpreter's own interval comes back after the last."""
+    with _short_switches(DATA_SWITCH_INTERVAL):
+        yield
+
+
+@contextlib.contextmanager
+def sharing_the_gil() -> Iterator[None]:
+    """Around Python work for HTTP clients (a router's lookup, a quota listing) on other
+    threads than the RPC loop: while any runs, a thread waiting for the GIL forces a switch
+    after :data:`HTTP_SWITCH_INTERVAL`, so an engine's request, which takes the GIL several
+    times on its way through the RPC loop and its workers, waits at most that long each
+    time (see :mod:`tierkv.server.lookup_http`)."""
+    with _short_switches(HTTP_SWITCH_INTERVAL):
+        yield
+
+
+@contextlib.contextmanager
+def _short_switches(interval: float) -> Iterator[None]:
+    """The switch interval at most ``interval`` while the block runs: the shortest of the
+    blocks running in this process applies; the interpreter's own comes back after the
+    last."""
     with _moving.lock:
-        if not _moving.count:
+        if not _moving.active:
             _moving.restore = sys.getswitchinterval()
-            sys.setswitchinterval(min(_moving.restore, DATA_SWITCH_INTERVAL))
-        _moving.count += 1
+        _moving.active[interval] = _moving.active.get(interval, 0) + 1
+        sys.setswitchinterval(min([_moving.restore, *_moving.active]))
     try:
         yield
     finally:
         with _moving.lock:
-            _moving.count -= 1
-            if not _moving.count:
-                sys.setswitchinterval(_moving.restore)
+            _moving.active[interval] -= 1
+            if not _moving.active[interval]:
+                del _moving.active[interval]
+            sys.setswitchinterval(min([_moving.restore, *_moving.active]))
 
 
 class _Moving:
-    """How many :func:`moving_data` blocks run, and the interval to restore after them."""
+    """The intervals of the :func:`_short_switches` blocks running (interval -> blocks),
+    and the interval to restore after them."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.count = 0
+        self.active: dict[float, int] = {}
         self.restore = sys.getswitchinterval()
 
 

@@ -196,6 +196,15 @@ class TenantTally:
         self.refused_chunks[tid] = self.refused_chunks.get(tid, 0) + chunks
         self.refused_bytes[tid] = self.refused_bytes.get(tid, 0) + nbytes
 
+    def copy(self) -> TenantTally:
+        """A copy to read figures from without the owner's lock: its dicts are copied (one
+        C-level pass each, cheap under the lock), the rows are built from it after."""
+        out = TenantTally(self.unlimited)
+        out.limits, out.default, out.hard = dict(self.limits), self.default, self.hard
+        out.evictions, out.evicted_bytes = dict(self.evictions), dict(self.evicted_bytes)
+        out.refused_chunks, out.refused_bytes = dict(self.refused_chunks), dict(self.refused_bytes)
+        return out
+
     def figures(self, used: Mapping[int, int]) -> list[TenantFigures]:
         """A row for every tenant with bytes in ``used`` (tenant id -> bytes), a quota or a
         figure, in tenant id order."""

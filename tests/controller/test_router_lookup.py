@@ -13,7 +13,7 @@ import pytest
 
 from support.clusterkit import TOKEN, Node, converged, start_node, wait_for
 from support.controllers import ControllerProcess, running_controller, start_server
-from support.httputil import free_port, request
+from support.httputil import declare_huge_body, free_port, request
 from support.kvops import fetch, held_locally, store, tokens_for
 from support.servers import ServerProcess, register
 
@@ -78,13 +78,23 @@ def test_controller_lookup_agrees_with_what_each_server_holds(
         "model": "test-model", "chunks": 4, "tokens": 1024, "tiers": {"pool": 4, "disk": 0},
     }  # fmt: skip
     assert answer["instances"][1]["tokens"] == 512
-    # By namespace and the chunks' hashes (no engine needed): the same holders.
-    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
     # The engine has unregistered; its server tells the controller from a sender thread.
-    wait_for(lambda: {r["tokens"] for r in lookup(url, by_hash)[1]["instances"]} == {None})
+    wait_for(lambda: all(not i["namespaces"] for i in controller.instances().values()))
+    # By namespace and the chunks' hashes (no engine needed): the same holders, and their
+    # tokens (the controller remembers the namespace while its chunks are held).
+    by_hash = {"namespace": digest, "hashes": [k[16:].hex() for k in keys]}
     status, answer = lookup(url, by_hash)
     assert status == 200 and runs(answer) == want
-    assert {row["tokens"] for row in answer["instances"]} == {None}  # chunk size unknown
+    assert [row["tokens"] for row in answer["instances"]] == [1024, 512]
+    # By model, with no engine of it registered anywhere: the chunks held still answer.
+    status, answer = lookup(url, by_model)
+    assert status == 200 and runs(answer) == want, answer
+    # Gone from every pool, the namespace is forgotten.
+    for node in nodes:
+        with node.client() as client:
+            client.clear(everything=True)
+    wait_for(lambda: lookup(url, by_model)[0] == 404)
+    assert "no engine of model 'test-model'" in lookup(url, by_model)[1]["error"]
 
 
 def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> None:
@@ -114,8 +124,17 @@ def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> N
         a.node_id: 1024,
         b.node_id: 512,
     }
-    # A server without such an engine: by namespace, with the tokens per chunk.
-    status, answer = lookup(urls[2], {"namespace": digest, "tokens": tokens})
+    # Every engine has left (A's stored, B's fetched, C's only looked up): each server
+    # remembers the model's namespaces while chunks of them are held, and answers by model.
+    by_model = {"model": "test-model", "tokens": tokens}
+    for url in urls:
+        status, answer = lookup(url, by_model)
+        assert status == 200 and runs(answer) == want, (url, answer)
+        assert {r["tokens"] for r in answer["instances"]} == {1024, 512}
+    status, answer = lookup(urls[2], {"model": "other-model", "tokens": tokens})
+    assert status == 404 and "no engine of model 'other-model'" in answer["error"], answer
+    # A namespace no engine of this server had: by namespace, with the tokens per chunk.
+    status, answer = lookup(urls[2], {"namespace": "cd" * 16, "tokens": tokens})
     assert status == 404 and "chunk_tokens" in answer["error"]
     body = {"namespace": digest, "tokens": tokens, "chunk_tokens": 256}
     status, answer = lookup(urls[2], body)
@@ -142,20 +161,40 @@ BAD_BODIES: list[tuple[object, int, str]] = [
     ({"namespace": NS, "hashes": ["xyz"]}, 400, "hex strings"),
     ({"namespace": NS, "hashes": [""]}, 400, "hex strings"),
     ({"model": "m", "tokens": [1], "chunk_tokens": 4}, 400, "comes with a namespace"),
-    ({"namespace": NS, "tokens": [1], "chunk_tokens": -4}, 400, "must be positive"),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": -4}, 400, "chunk_tokens must be 1.."),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": 2**61}, 400, "chunk_tokens must be 1.."),
+    ({"namespace": NS, "tokens": [1] * 9, "chunk_tokens": 2**63}, 400, "chunk_tokens must be"),
+    ({"namespace": NS, "hashes": ["00"], "chunk_tokens": 2**62}, 400, "chunk_tokens must be"),
+    ({"namespace": NS, "tokens": [1], "chunk_tokens": 2**64}, 400, "chunk_tokens"),
     ({"model": "nobody", "tokens": [1]}, 404, "no engine of model 'nobody'"),
     ({"namespace": NS, "tokens": [1]}, 404, "not registered here"),
-    (b"x" * (4 * 2**20 + 1), 413, "body larger than"),
 ]
+
+
+def refuses_bad_bodies(url: str) -> None:
+    for body, status, reason in BAD_BODIES:
+        got, answer = lookup(url, body)
+        assert got == status and reason in answer["error"], (body, answer)
+    got, answer = declare_huge_body(url, "POST", "/lookup", AUTH)
+    assert got == 413 and "larger than" in answer["error"], answer
+    # It keeps answering.
+    assert lookup(url, {"namespace": NS, "hashes": ["00"]}) == (200, {"chunks": 1, "instances": []})
 
 
 def test_bad_lookup_bodies_are_refused_with_a_reason(controller: ControllerProcess) -> None:
     url = f"http://127.0.0.1:{controller.http_port}"
-    for body, status, reason in BAD_BODIES:
-        got, answer = lookup(url, body)
-        assert got == status and reason in answer["error"], (body, answer)
-    # The controller keeps answering.
-    assert lookup(url, {"namespace": NS, "hashes": ["00"]}) == (200, {"chunks": 1, "instances": []})
+    refuses_bad_bodies(url)
+    status, answer = declare_huge_body(url, "POST", "/instances/remove", AUTH)
+    assert status == 413 and "larger than" in answer["error"]
+    assert "Traceback" not in controller.log() and " ERROR " not in controller.log()
+
+
+def test_a_ring_server_refuses_bad_lookups_like_the_controller(server_factory: Factory) -> None:
+    port = free_port()
+    node = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(port)])
+    refuses_bad_bodies(f"http://127.0.0.1:{port}")
+    text = node.server.log()
+    assert "Traceback" not in text and " ERROR " not in text, text[-2000:]
 
 
 def test_lookup_needs_the_token(controller: ControllerProcess) -> None:

@@ -70,6 +70,18 @@ def test_while_data_moves_a_thread_waits_at_most_one_millisecond_for_the_gil() -
     assert before > priority.DATA_SWITCH_INTERVAL
 
 
+def test_http_work_shortens_the_interval_further_and_the_shortest_block_applies() -> None:
+    before = sys.getswitchinterval()
+    with priority.moving_data():
+        with priority.sharing_the_gil():
+            assert sys.getswitchinterval() == pytest.approx(priority.HTTP_SWITCH_INTERVAL)
+            with priority.moving_data():  # a longer one inside changes nothing
+                assert sys.getswitchinterval() == pytest.approx(priority.HTTP_SWITCH_INTERVAL)
+        assert sys.getswitchinterval() == pytest.approx(priority.DATA_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == before
+    assert priority.HTTP_SWITCH_INTERVAL < priority.DATA_SWITCH_INTERVAL < before
+
+
 def _slice_in(task: Path) -> int | None:
     """The scheduler's time slice (ns) of the thread whose /proc directory is ``task``, where
     the kernel shows it."""

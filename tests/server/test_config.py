@@ -489,3 +489,15 @@ def test_the_ring_and_a_controller_are_one_choice() -> None:
         config.load(
             env={"TIERKV_CLUSTER_SEEDS": "127.0.0.1:8792", "TIERKV_CONTROLLER": "127.0.0.1:8800"}
         )
+
+
+def test_the_controller_takes_sizes_like_the_server() -> None:
+    from tierkv.controller.config import ControllerConfig
+
+    def controller(*argv: str) -> object:
+        return config.load_as(ControllerConfig, build_parser().parse_args(["controller", *argv]))
+
+    cfg = controller("--max-message-bytes", "64MiB")
+    assert isinstance(cfg, ControllerConfig) and cfg.max_message_bytes == 64 * MIB
+    with pytest.raises(ConfigError, match="max_message_bytes='much': not a size"):
+        controller("--max-message-bytes", "much")

@@ -16,7 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.httputil import free_port, get_json, request, scrape, val, wait_for
+from support.clusterkit import TOKEN, start_node
+from support.httputil import (
+    declare_huge_body,
+    free_port,
+    get_json,
+    raw_request,
+    request,
+    scrape,
+    val,
+    wait_for,
+)
 from support.raw_rpc import Raw
 from support.servers import (
     CHUNK_BYTES,
@@ -500,7 +510,7 @@ def test_a_client_gone_in_the_middle_of_a_body_is_a_quiet_event(server_factory: 
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(
                 b"POST /clear-cache HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                b"Content-Length: 100000\r\n\r\n0123456789"
+                b"Content-Length: 4000\r\n\r\n0123456789"  # within the limit: read
             )
     wait_for(
         "three quiet disconnects in the log",
@@ -508,4 +518,29 @@ def test_a_client_gone_in_the_middle_of_a_body_is_a_quiet_event(server_factory: 
     )
     assert request("GET", base + "/status").status == 200
     text = srv.log()
+    assert "Traceback" not in text and " ERROR " not in text, text[-2000:]
+
+
+def test_a_declared_huge_body_gets_an_early_413_on_every_write(server_factory: Servers) -> None:
+    port = free_port()  # a ring server: /lookup too
+    node = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(port)])
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for method, path in (
+        ("POST", "/clear-cache"),
+        ("POST", "/lookup"),
+        ("PUT", "/quota/t"),
+        ("PUT", "/quota/config"),
+    ):
+        status, doc = declare_huge_body(base, method, path, auth)
+        assert status == 413 and "larger than" in doc["error"], (path, status, doc)
+    assert declare_huge_body(base, "POST", "/lookup")[0] == 401  # authorization comes first
+    # A body of no declared length is cut off at the limit as it arrives.
+    chunked = {**auth, "Transfer-Encoding": "chunked"}
+    body = b"%x\r\n%s\r\n0\r\n\r\n" % (5000, b"y" * 5000)
+    status, doc = raw_request(base, "POST", "/clear-cache", chunked, body)
+    assert status == 413 and "larger than 4096" in doc["error"], doc
+    assert request("GET", base + "/healthcheck").status == 200
+    assert get_json(base + "/quota/t")["source"] == "default"  # nothing was set
+    text = node.server.log()
     assert "Traceback" not in text and " ERROR " not in text, text[-2000:]

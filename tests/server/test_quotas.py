@@ -150,7 +150,12 @@ BAD_PUTS = [
     ("/quota/t", {"limit_gb": -0.5}, "finite number >= 0"),
     ("/quota/t", b'{"limit_gb": NaN}', "finite number"),
     ("/quota/t", b'{"limit_gb": Infinity}', "finite number"),
+    ("/quota/t", {"limit_gb": 1e300}, "limit_gb must be at most 8589934591 GiB"),
+    ("/quota/t", {"limit_gb": 10**30}, "limit_gb must be at most"),
     ("/quota/t", {"limit": 1.5}, "whole"),
+    ("/quota/t", {"limit": 2**63}, "limit must be at most 9223372036854775807 bytes"),
+    ("/quota/t", {"limit": "9" * 400}, "too large"),
+    ("/quota/t", {"limits": {"disk": 1e30}}, "limits.disk must be at most"),
     ("/quota/t", {"limit": "lots"}, "not a size"),
     ("/quota/t", {"limit": True}, "number of bytes"),
     ("/quota/t", {"limit": "1GiB", "limit_gb": 1}, "exactly one"),
@@ -171,6 +176,10 @@ BAD_PUTS = [
     ("/quota/config", {"mode": "medium"}, "soft"),
     ("/quota/config", {}, "JSON object"),
     ("/quota/config", {"default_limit_gb": float("inf")}, "finite"),
+    ("/quota/config", {"default_limit_gb": 1e308}, "default_limit_gb must be at most"),
+    ("/quota/config", b'{"default_limit_gb": NaN}', "default_limit_gb must be a finite"),
+    ("/quota/config", {"default_limit_gb": -1}, "default_limit_gb must be a finite number >= 0"),
+    ("/quota/config", {"default_limit": 1e300}, "default limit must be at most"),
     ("/quota/config", {"default_limits": {"disk": -1}}, "default_limits.disk must be >= 0"),
     ("/quota/config", {"default_limits": {"redis": 1}}, "unknown tier 'redis'"),
     ("/quota/config", {"default_limits": []}, "tier -> size"),
@@ -199,6 +208,7 @@ def test_bad_quota_requests_get_a_400_and_change_nothing(server_factory: Servers
     assert get_json(base + "/quota/=config")["limit"] == 7
     assert "default_limit" in get_json(base + "/quota/config")
     assert srv.proc is not None and srv.proc.poll() is None
+    assert "Traceback" not in srv.log() and " ERROR " not in srv.log()
 
 
 def test_quota_writes_need_the_token_and_the_same_origin(server_factory: Servers) -> None:

@@ -85,3 +85,43 @@ def scrape(base: str) -> Samples:
 
 def val(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def declare_huge_body(
+    base: str, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    """Send a request that declares a 10 GB body and sends 10 bytes of it: (the status and
+    JSON error of the reply, which must come without the rest of the body, and the
+    connection closed after it). A server that waits for the body fails this in 10 s."""
+    head = {"Content-Length": "10737418240", **(headers or {})}
+    return raw_request(base, method, path, head, b"0123456789")
+
+
+def raw_request(
+    base: str, method: str, path: str, headers: dict[str, str], body: bytes
+) -> tuple[int, Any]:
+    """One request written as is on a fresh connection (``headers`` and ``body`` exactly
+    as given, e.g. a Content-Length that lies): the reply's status and JSON body, read up
+    to its Content-Length or until the server closes the connection."""
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, content = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(content)
+
+
+def _length(reply: bytes) -> int:
+    """The Content-Length of a reply whose head is in ``reply``."""
+    for line in reply.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 1 << 62  # until closed

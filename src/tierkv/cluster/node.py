@@ -34,6 +34,7 @@ from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.config import ServerConfig
 from tierkv.controller import messages as cm
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
+from tierkv.keys import DIGEST_SIZE
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier, checksum
 
@@ -134,6 +135,10 @@ class ClusterNode:
         self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
         self._on_disk: set[bytes] = set()
         self._engines: Callable[[], list[cm.NamespaceInfo]] = list
+        # The namespaces of this server's engines, those that left included, kept while this
+        # node holds chunks of them (pruned when :meth:`_held` lists what it holds), oldest
+        # first: a router's lookup by model still finds the chunks of an engine gone.
+        self._known_namespaces: dict[bytes, cm.NamespaceInfo] = {}
         self.promoted = 0
         self.stale_withdrawn = 0
         self._started = False
@@ -274,20 +279,34 @@ class ClusterNode:
         return self._engines()
 
     def namespaces_changed(self) -> None:
+        current = self._engines()
+        with self._lock:
+            known = self._known_namespaces
+            for ns in current:
+                known.pop(ns.digest, None)
+                known[ns.digest] = ns
+            while len(known) > cm.MAX_NAMESPACES:
+                del known[next(iter(known))]
         self.directory.namespaces_changed()
 
     def router_lookup(self, body: bytes) -> dict[str, object]:
         """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) through this server's
-        directory: the same answer, in ring or controller mode, as the controller's."""
+        directory: the same answer, in ring or controller mode, as the controller's. The
+        namespaces are those of the engines registered here and of those gone whose chunks
+        this node still holds."""
         members = self.tier.membership
 
         def address(node_id: str) -> str | None:
             info = members.get(node_id)
             return info.data if info is not None else None
 
+        namespaces = self.namespaces()
+        named = {ns.digest for ns in namespaces}
+        with self._lock:
+            namespaces += [ns for d, ns in self._known_namespaces.items() if d not in named]
         return router_lookup.answer(
             body,
-            self.namespaces(),
+            namespaces,
             lambda ks: router_lookup.from_locations(self.directory.resolve(ks)),
             address,
         )
@@ -383,10 +402,13 @@ class ClusterNode:
         on_disk = self._disk_has(disk_keys)
         out += [(k, Where.DISK) for k, has in zip(disk_keys, on_disk, strict=True) if has]
         stale = [k for k, has in zip(pool_keys, present, strict=True) if not has]
-        if stale:  # deleted or cleared without an eviction: forget them
-            with self._lock:
-                for k in stale:
-                    self._published.pop(k, None)
+        named = {ns.digest for ns in self._engines()}
+        held = named | {k[:DIGEST_SIZE] for k, _ in out}
+        with self._lock:
+            for k in stale:  # deleted or cleared without an eviction: forget them
+                self._published.pop(k, None)
+            for digest in [d for d in self._known_namespaces if d not in held]:
+                del self._known_namespaces[digest]  # an engine gone, none of its chunks here
         return out
 
     def _claimed(self) -> list[tuple[bytes, Where]]:

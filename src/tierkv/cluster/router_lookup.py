@@ -17,8 +17,10 @@ in each tier. Every holder is listed, best first.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -35,10 +37,13 @@ MAX_BODY = 4 * 2**20
 Holders = Callable[[list[bytes]], dict[str, I8]]  # keys -> instance -> tier of each key
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]  # checked while decoding: no pass
+
+
 class LookupRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str = ""
     namespace: str = ""
-    tokens: list[int] | None = None
+    tokens: list[TokenId] | None = None
     hashes: list[str] | None = None
     chunk_tokens: int = 0
 
@@ -55,6 +60,8 @@ def parse(body: bytes) -> LookupRequest:
     try:
         req = msgspec.json.decode(body, type=LookupRequest)
     except msgspec.ValidationError as exc:
+        if "`$.tokens[" in str(exc):
+            raise LookupError_(400, f"token ids must be 0 <= id < 2**32 ({exc})") from None
         raise LookupError_(400, f"bad lookup request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise LookupError_(400, f"the body is not JSON: {exc}") from None
@@ -62,12 +69,14 @@ def parse(body: bytes) -> LookupRequest:
         raise LookupError_(400, "give exactly one of model or namespace")
     if (req.tokens is None) == (req.hashes is None):
         raise LookupError_(400, "give exactly one of tokens or hashes")
-    if req.chunk_tokens < 0 or (req.chunk_tokens and not req.namespace):
-        raise LookupError_(400, "chunk_tokens must be positive, and comes with a namespace")
+    if not 0 <= req.chunk_tokens <= keys.MAX_CHUNK_TOKENS or (
+        req.chunk_tokens and not req.namespace
+    ):
+        raise LookupError_(
+            400, f"chunk_tokens must be 1..{keys.MAX_CHUNK_TOKENS}, and comes with a namespace"
+        )
     if req.namespace and not _is_hex(req.namespace, keys.DIGEST_SIZE):
         raise LookupError_(400, "namespace must be 32 hex digits")
-    if req.tokens is not None and any(not 0 <= t < 2**32 for t in req.tokens):
-        raise LookupError_(400, "token ids must be 0 <= id < 2**32")
     if req.hashes is not None:
         if len(req.hashes) > MAX_CHUNKS:
             raise LookupError_(400, f"more than {MAX_CHUNKS} hashes")
@@ -151,8 +160,10 @@ def _keys(req: LookupRequest, digest: bytes, chunk_tokens: int) -> list[bytes]:
         raise LookupError_(
             400, f"{n_chunks} chunks of {chunk_tokens} tokens: more than {MAX_CHUNKS}"
         )
-    packed = np.asarray(req.tokens[: n_chunks * chunk_tokens], dtype="<u4").tobytes()
-    return keys.chunk_keys(digest, packed, chunk_tokens)
+    packed = array.array("I", req.tokens[: n_chunks * chunk_tokens])  # a C loop, no numpy
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return keys.chunk_keys(digest, packed.tobytes(), chunk_tokens)
 
 
 def from_locations(locations: list[list[Location]]) -> dict[str, I8]:

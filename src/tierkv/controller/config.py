@@ -8,6 +8,7 @@ import math
 import msgspec
 
 from tierkv.config import ConfigError, http_url, is_loopback
+from tierkv.options import Size
 
 
 class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -18,7 +19,7 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     http_port: int = 8801
     heartbeat_interval: float = 10.0
     dead_after: float = 30.0
-    max_message_bytes: int = 256 * 2**20
+    max_message_bytes: Size = 256 * 2**20
     log_level: str = "info"
     log_format: str = "text"
 

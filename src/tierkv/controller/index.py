@@ -295,6 +295,11 @@ class ControllerIndex:
                 return {}
             return {d.hex(): [int(x) for x in c] for d, c in h.namespaces.items()}
 
+    def held_namespaces(self) -> set[bytes]:
+        """The namespace digests some instance holds keys of."""
+        with self._lock:
+            return {d for h in self._holders.values() for d in h.namespaces}
+
     def total(self) -> int:
         with self._lock:
             return sum(len(h.table) for h in self._holders.values())

@@ -17,7 +17,7 @@ import msgspec
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.messages import Struct
-from tierkv.keys import DIGEST_SIZE
+from tierkv.keys import DIGEST_SIZE, MAX_CHUNK_TOKENS
 
 MAX_NAMESPACES = 4096  # per server
 MAX_MODEL = 256  # characters of a model name
@@ -40,8 +40,8 @@ class NamespaceInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown
             return f"a namespace digest must be {DIGEST_SIZE} bytes"
         if not 0 < len(self.model) <= MAX_MODEL:
             return f"a model name must have 1-{MAX_MODEL} characters"
-        if self.chunk_tokens <= 0 or not 0 <= self.rank < self.world_size:
-            return "chunk_tokens must be positive and 0 <= rank < world_size"
+        if not 0 < self.chunk_tokens <= MAX_CHUNK_TOKENS or not 0 <= self.rank < self.world_size:
+            return f"chunk_tokens must be 1..{MAX_CHUNK_TOKENS} and 0 <= rank < world_size"
         return ""
 
 

@@ -102,6 +102,9 @@ class ControllerService:
         self.lookup_seconds: list[float] = []  # the metrics collector drains it
         # The control port's counters (served, refused, replayed, malformed): set by the app.
         self.control_stats: Callable[[], dict[str, int]] = dict
+        # Every namespace a server named, kept while some instance holds keys of it: a
+        # lookup by model still finds the chunks of an engine that left.
+        self._known_namespaces: dict[bytes, cm.NamespaceInfo] = {}
         self.activity: deque[dict[str, object]] = deque(maxlen=ACTIVITY)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class ControllerService:
         with self._lock:
             old = self._instances.get(member.node_id)
             self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
+            self._remember(req.namespaces)
         restarted = old is not None and old.member.incarnation != member.incarnation
         if old is not None:
             # A re-registration starts from nothing: its full sync follows.
@@ -207,6 +211,7 @@ class ControllerService:
             if state is None:
                 return m.Refused(req.rid, "namespaces: unknown boot of this server")
             state.namespaces = list(req.namespaces)
+            self._remember(req.namespaces)
         return m.Done(req.rid, len(req.namespaces))
 
     def on_heartbeat(self, req: cm.Heartbeat) -> cm.HeartbeatReply:
@@ -325,11 +330,33 @@ class ControllerService:
         self.lookup_seconds.append(time.perf_counter() - t)
         return cm.Located(req.rid, holders, out)
 
+    def _remember(self, namespaces: list[cm.NamespaceInfo]) -> None:
+        """Note namespaces a server named (caller holds the lock); those no instance names
+        any more and none holds keys of are forgotten here, so the memory stays within
+        what the index holds."""
+        for ns in namespaces:
+            self._known_namespaces[ns.digest] = ns
+        if len(self._known_namespaces) > 2 * cm.MAX_NAMESPACES:
+            self._known_namespaces = self._still_known(self.index.held_namespaces())
+
+    def _still_known(self, held: set[bytes]) -> dict[bytes, cm.NamespaceInfo]:
+        """The remembered namespaces some instance names or holds keys of (lock held)."""
+        named = {ns.digest for s in self._instances.values() for ns in s.namespaces}
+        return {d: ns for d, ns in self._known_namespaces.items() if d in held or d in named}
+
     def router_lookup(self, body: bytes) -> dict[str, object]:
-        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) from the index."""
+        """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) from the index: the
+        namespaces registered servers name, and those of engines gone whose keys some
+        instance still holds."""
+        held = self.index.held_namespaces()
         with self._lock:
             members = {i: s.member for i, s in self._instances.items()}
             namespaces = [ns for s in self._instances.values() for ns in s.namespaces]
+            self._known_namespaces = self._still_known(held)
+            named = {ns.digest for ns in namespaces}
+            namespaces += [
+                ns for d, ns in self._known_namespaces.items() if d in held and d not in named
+            ]
 
         def address(instance: str) -> str | None:
             member = members.get(instance)

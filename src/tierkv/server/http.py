@@ -202,8 +202,17 @@ async def authorized_body(
 
 async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
     """The request body, at most ``limit`` bytes (never buffers a huge one), or the reply
-    to send instead: 413 when it is larger, 400 when the client went away in the middle
-    (a quiet event: any local process can do that; the reply goes nowhere)."""
+    to send instead: 413 when it is larger (at once when its ``Content-Length`` says so:
+    the connection is closed, nothing of the body is waited for), 400 when the client went
+    away in the middle (a quiet event: any local process can do that; the reply goes
+    nowhere)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return error_reply(
+            413,
+            f"body larger than {limit} bytes (Content-Length: {declared[:20]})",
+            {"Connection": "close"},
+        )
     body = bytearray()
     try:
         async for chunk in request.stream():

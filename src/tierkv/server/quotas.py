@@ -49,6 +49,7 @@ NO_QUOTA = {
 MODES = ("soft", "hard")
 UNLIMITED = "unlimited"
 GIB = 2**30
+MAX_LIMIT = 2**63 - 1  # bytes: a quota beyond it (8 EiB) is refused, not stored
 MAX_NAME = 1024  # characters of a tenant name (a salt's limit)
 TOP_TENANTS = 32  # tenants shown one by one in status reports; the rest in one row
 
@@ -71,32 +72,50 @@ class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
 
 def parse_limit(value: Any, what: str = "limit") -> int:
     """Bytes from a JSON or YAML value: an integer number of bytes or a size ("8GiB").
-    Negative, NaN, infinite, fractional-byte and non-numeric values are refused."""
+    Negative, NaN, infinite, fractional-byte, non-numeric values and values above
+    :data:`MAX_LIMIT` are refused."""
     if isinstance(value, bool) or value is None:
         raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
     if isinstance(value, float):
         if not math.isfinite(value) or value < 0 or not value.is_integer():
             raise QuotaError(f"{what} must be a whole, finite number of bytes >= 0, not {value}")
-        return int(value)
+        return _at_most_max(int(value), what)
     if isinstance(value, int):
         if value < 0:
             raise QuotaError(f"{what} must be >= 0 bytes, not {value}")
-        return value
+        return _at_most_max(value, what)
     if isinstance(value, str):
         try:
-            return parse_size(value)
+            return _at_most_max(parse_size(value), what)
         except OptionError as exc:
             raise QuotaError(f"{what}: {exc}") from None
+        except OverflowError:
+            raise QuotaError(f"{what} {value[:40]!r} is too large") from None
     raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
 
 
-def parse_gb(value: Any) -> int:
-    """Bytes from LMCache's ``limit_gb`` (GiB, a finite number >= 0)."""
+def parse_gb(value: Any, what: str = "limit_gb") -> int:
+    """Bytes from LMCache's ``limit_gb`` (GiB, a finite number >= 0, at most
+    :data:`MAX_LIMIT` bytes)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise QuotaError(f"limit_gb must be a number, not {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise QuotaError(f"limit_gb must be a finite number >= 0, not {value}")
-    return int(value * GIB)
+        raise QuotaError(f"{what} must be a number, not {value!r}")
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        raise QuotaError(f"{what} must be a finite number >= 0, not {value}")
+    if value > MAX_LIMIT // GIB:
+        raise QuotaError(f"{what} must be at most {MAX_LIMIT // GIB} GiB, not {_brief(value)}")
+    return _at_most_max(int(value * GIB), what)
+
+
+def _brief(number: float) -> str:
+    """A number for a message (a JSON integer may have thousands of digits)."""
+    text = repr(number)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+
+
+def _at_most_max(limit: int, what: str) -> int:
+    if limit > MAX_LIMIT:
+        raise QuotaError(f"{what} must be at most {MAX_LIMIT} bytes (8 EiB), not {_brief(limit)}")
+    return limit
 
 
 def parse_default(value: Any) -> int | None:
@@ -291,50 +310,26 @@ class Quotas:
 
     def tenant(self, name: str) -> dict[str, Any]:
         """GET /quota/{tenant}: its limits and usage, per tier."""
-        limit, source = self.limit_of(name)
-        tid = self.tenants.find(name)
-        figures = {f.tenant: f for f in self.index.tenant_figures()}
-        f = figures.get(tid) if tid is not None else None
-        doc: dict[str, Any] = {
-            "tenant": name,
-            "tag": tenant_tag(name),
-            "limit": limit,
-            "limit_gb": None if limit is None else limit / GIB,
-            "source": source,
-            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
-            "usage": {"pool": f.used if f else 0},
-            "evictions": f.evictions if f else 0,
-            "evicted_bytes": f.evicted_bytes if f else 0,
-            "refused_chunks": f.refused_chunks if f else 0,
-            "refused_bytes": f.refused_bytes if f else 0,
-            "tiers": {},
-        }
-        for tier, quota in self._tiers.items():
-            tier_limit, tier_source = self.limit_of(name, tier)
-            t = quota.figures().get(tid) if tid is not None else None
-            doc["usage"][tier] = t.used if t else 0
-            doc["tiers"][tier] = {
-                "limit": tier_limit,
-                "source": tier_source,
-                "used": t.used if t else 0,
-                "evictions": t.evictions if t else 0,
-                "evicted_bytes": t.evicted_bytes if t else 0,
-                "refused_chunks": t.refused_chunks if t else 0,
-                "refused_bytes": t.refused_bytes if t else 0,
-            }
-        return doc
+        return self._tenant_doc(name, *self._figures())
 
     def listing(self) -> dict[str, Any]:
         """GET /quota: the settings and every tenant with a quota or with chunks. Tenants
         without a quota are shown by tag only (their names are salts, which let an engine
-        read the tenant's KV); tenants with one by the name the quota was set under."""
+        read the tenant's KV); tenants with one by the name the quota was set under.
+
+        Linear in the tenants: the figures of the pool and of each tier are read once (a
+        read per tenant, each a pass over every tenant under the index's lock, made it
+        quadratic and held engines' lookups behind that lock)."""
         named = self.named()
-        shown: dict[str, dict[str, Any]] = {n: self.tenant(n) for n in sorted(named)}
-        for tid in self._tenant_ids():
+        pool, tiers = self._figures()
+        shown: dict[str, dict[str, Any]] = {
+            n: self._tenant_doc(n, pool, tiers) for n in sorted(named)
+        }
+        for tid in self._tenant_ids(pool, tiers):
             name = self.tenants.name_of(tid)
             if name in shown:
                 continue
-            row = self.tenant(name)
+            row = self._tenant_doc(name, pool, tiers)
             if name not in RESERVED:
                 row["tenant"] = None
             shown[name] = row
@@ -397,6 +392,50 @@ class Quotas:
             return self._mode, -1 if default is None else default
 
     # -- internals -------------------------------------------------------------------------
+    def _figures(self) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
+        """The pool's figures and each tier's, by tenant id (one read of each)."""
+        pool = {f.tenant: f for f in self.index.tenant_figures()}
+        return pool, {tier: quota.figures() for tier, quota in self._tiers.items()}
+
+    def _tenant_doc(
+        self,
+        name: str,
+        pool: Mapping[int, TenantFigures],
+        tiers: Mapping[str, Mapping[int, TenantFigures]],
+    ) -> dict[str, Any]:
+        """A tenant's document (:meth:`tenant`) from figures already read."""
+        limit, source = self.limit_of(name)
+        tid = self.tenants.find(name)
+        f = pool.get(tid) if tid is not None else None
+        doc: dict[str, Any] = {
+            "tenant": name,
+            "tag": tenant_tag(name),
+            "limit": limit,
+            "limit_gb": None if limit is None else limit / GIB,
+            "source": source,
+            "limits": {t: self.limit_of(name, t)[0] for t in TIERS},  # tier or not
+            "usage": {"pool": f.used if f else 0},
+            "evictions": f.evictions if f else 0,
+            "evicted_bytes": f.evicted_bytes if f else 0,
+            "refused_chunks": f.refused_chunks if f else 0,
+            "refused_bytes": f.refused_bytes if f else 0,
+            "tiers": {},
+        }
+        for tier, figures in tiers.items():
+            tier_limit, tier_source = self.limit_of(name, tier)
+            t = figures.get(tid) if tid is not None else None
+            doc["usage"][tier] = t.used if t else 0
+            doc["tiers"][tier] = {
+                "limit": tier_limit,
+                "source": tier_source,
+                "used": t.used if t else 0,
+                "evictions": t.evictions if t else 0,
+                "evicted_bytes": t.evicted_bytes if t else 0,
+                "refused_chunks": t.refused_chunks if t else 0,
+                "refused_bytes": t.refused_bytes if t else 0,
+            }
+        return doc
+
     def _tenant_ids(
         self,
         pool: Mapping[int, object] | None = None,

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 LOOKUP_FIRST_STEP = 1  # keys a lookup hashes and checks first (then 4x as many each time)
 MAX_NAME = 256  # characters of a client name or engine id
 MAX_MODEL = 1024  # characters of a model identity or tenant salt
-MAX_CHUNK_TOKENS = 1 << 20  # tokens in one chunk of a client that cuts its own chunks
 
 Handler = Callable[[Any], Any]
 RemovedListener = Callable[[list[bytes]], None]
@@ -243,9 +242,9 @@ class CacheService:
                 p.ErrorCode.BAD_REQUEST, f"token_axis {layout.token_axis} out of range"
             )
         tokens = layout.shape[layout.token_axis]
-        if chunk_tokens < 0 or chunk_tokens > MAX_CHUNK_TOKENS:
+        if chunk_tokens < 0 or chunk_tokens > keys.MAX_CHUNK_TOKENS:
             raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"chunk_tokens must be in 0..{MAX_CHUNK_TOKENS}"
+                p.ErrorCode.BAD_REQUEST, f"chunk_tokens must be in 0..{keys.MAX_CHUNK_TOKENS}"
             )
         expected = chunk_tokens or self.cfg.chunk_size
         if tokens != expected:

@@ -193,4 +193,5 @@ class TierQuota:
         order); evictions count only the chunks this quota evicted from the tier."""
         usage = self.usage()
         with self._lock:
-            return {f.tenant: f for f in self._tally.figures(usage)}
+            tally = self._tally.copy()  # the rows built without the lock
+        return {f.tenant: f for f in tally.figures(usage)}
