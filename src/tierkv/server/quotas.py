@@ -323,7 +323,7 @@ class Quotas:
         read per tenant, each a pass over every tenant under the index's lock, made it
         quadratic and held engines' lookups behind that lock)."""
         named = self.named()
-        pool, tiers = self._figures()
+        pool, tiers = self._figures(between)
         shown: dict[str, dict[str, Any]] = {}
         for n in sorted(named):
             between()
@@ -396,9 +396,11 @@ class Quotas:
             return self._mode, -1 if default is None else default
 
     # -- internals -------------------------------------------------------------------------
-    def _figures(self) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
+    def _figures(
+        self, between: Callable[[], None] = lambda: None
+    ) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
         """The pool's figures and each tier's, by tenant id (one read of each)."""
-        pool = {f.tenant: f for f in self.index.tenant_figures()}
+        pool = {f.tenant: f for f in self.index.tenant_figures(between)}
         return pool, {tier: quota.figures() for tier, quota in self._tiers.items()}
 
     def _tenant_doc(
