@@ -23,8 +23,11 @@ against 4.8 / 5.1 / 4.1 ms), and while ``GET /quota`` of 4,000 tenants runs back
 2.03 / 1.53 / 1.54x; with the short switch interval alone, 2.42 / 2.12 / 3.78x and
 4.06 / 2.45 / 3.32x the same day; with neither, 17 and 24x. A bare round trip between two
 other processes rose 1.4 to 2.1x in the same windows (the router clients' own CPU on two
-cores). Two at a time and a 1 ms interval gave 2.6 / 2.2 / 2.1x; one at a time was within
-the noise of two.
+cores). Later the same evening, with another session's vLLM engines and server busy on
+the same two cores (load average 3 to 5), the final code gave 2.27 / 1.55 / 1.34x and
+0.62 / 3.43 / 2.41x (idle p99 3.8 to 9.0 ms), and without the check point in the quota
+figures' pass 2.06x and 2.18x. Two at a time and a 1 ms interval gave 2.6 / 2.2 / 2.1x;
+one at a time was within the noise of two.
 """
 
 from __future__ import annotations
