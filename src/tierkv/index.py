@@ -580,13 +580,14 @@ class ObjectIndex:
                 if (lim := limit_of(tid)) is not None
             )
 
-    def tenant_figures(self) -> list[TenantFigures]:
+    def tenant_figures(self, between: Callable[[], None] = lambda: None) -> list[TenantFigures]:
         """Every tenant with a slot, a quota or a figure, in tenant id order. The rows are
         built after the lock is released (copied under it): engines' requests that need
-        the lock never wait for a pass over thousands of tenants."""
+        the lock never wait for a pass over thousands of tenants. ``between``: called
+        between tenants (a server's check point, :mod:`tierkv.server.engine_first`)."""
         with self._lock:
             tally, used = self._tally.copy(), dict(self._tused)
-        return tally.figures(used)
+        return tally.figures(used, between)
 
     def expire(self) -> tuple[int, int]:
         """Expire overdue leases now. Returns (write slots freed, read locks and pins

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from tierkv.keys import DIGEST_SIZE
@@ -205,19 +205,26 @@ class TenantTally:
         out.refused_chunks, out.refused_bytes = dict(self.refused_chunks), dict(self.refused_bytes)
         return out
 
-    def figures(self, used: Mapping[int, int]) -> list[TenantFigures]:
+    def figures(
+        self, used: Mapping[int, int], between: Callable[[], None] = lambda: None
+    ) -> list[TenantFigures]:
         """A row for every tenant with bytes in ``used`` (tenant id -> bytes), a quota or a
-        figure, in tenant id order."""
+        figure, in tenant id order; ``between`` is called between tenants (a server's
+        check point, :mod:`tierkv.server.engine_first`)."""
         tids = sorted({*used, *self.limits, *self.evictions, *self.refused_chunks})
-        return [
-            TenantFigures(
-                tenant=tid,
-                used=used.get(tid, 0),
-                limit=self.limit_of(tid),
-                evictions=self.evictions.get(tid, 0),
-                evicted_bytes=self.evicted_bytes.get(tid, 0),
-                refused_chunks=self.refused_chunks.get(tid, 0),
-                refused_bytes=self.refused_bytes.get(tid, 0),
-            )
-            for tid in tids
-        ]
+        rows = []
+        for tid in tids:
+            between()
+            rows.append(self._row(tid, used))
+        return rows
+
+    def _row(self, tid: int, used: Mapping[int, int]) -> TenantFigures:
+        return TenantFigures(
+            tenant=tid,
+            used=used.get(tid, 0),
+            limit=self.limit_of(tid),
+            evictions=self.evictions.get(tid, 0),
+            evicted_bytes=self.evicted_bytes.get(tid, 0),
+            refused_chunks=self.refused_chunks.get(tid, 0),
+            refused_bytes=self.refused_bytes.get(tid, 0),
+        )

@@ -289,11 +289,14 @@ class ClusterNode:
                 del known[next(iter(known))]
         self.directory.namespaces_changed()
 
-    def router_lookup(self, body: bytes) -> dict[str, object]:
+    def router_lookup(
+        self, body: bytes, between: Callable[[], None] = lambda: None
+    ) -> dict[str, object]:
         """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) through this server's
         directory: the same answer, in ring or controller mode, as the controller's. The
         namespaces are those of the engines registered here and of those gone whose chunks
-        this node still holds."""
+        this node still holds. ``between``: the check point between its steps (the
+        server's :mod:`tierkv.server.engine_first` gate)."""
         members = self.tier.membership
 
         def address(node_id: str) -> str | None:
@@ -309,6 +312,7 @@ class ClusterNode:
             namespaces,
             lambda ks: router_lookup.from_locations(self.directory.resolve(ks)),
             address,
+            between,
         )
 
     # -- publishing this node's chunks -----------------------------------------------------

@@ -95,15 +95,25 @@ def _is_hex(text: str, size: int = 0) -> bool:
     return 0 < len(raw) <= keys.MAX_PRECOMPUTED_HASH_SIZE
 
 
+def _no_pause() -> None:
+    pass
+
+
 def answer(
     body: bytes,
     namespaces: Sequence[cm.NamespaceInfo],
     holders: Holders,
     address: Callable[[str], str | None],
+    between: Callable[[], None] = _no_pause,
 ) -> dict[str, Any]:
     """The reply to a lookup ``body``, given the namespaces known here, the holders of a
-    batch of keys and the data address of an instance (None: not a live instance)."""
+    batch of keys and the data address of an instance (None: not a live instance).
+    ``between`` is called between the steps (parse, hash, directory, reply): a server's
+    check point that lets its engines' requests go first
+    (:mod:`tierkv.server.engine_first`)."""
+    between()
     req = parse(body)
+    between()
     targets = _namespaces(req, namespaces)
     rows: list[dict[str, Any]] = []
     chunks = 0
@@ -113,7 +123,10 @@ def answer(
         chunks = max(chunks, len(ks))
         if not ks:
             continue
-        for instance, (run, tiers) in prefix_runs(holders(ks)).items():
+        between()
+        held = holders(ks)
+        between()
+        for instance, (run, tiers) in prefix_runs(held).items():
             addr = address(instance)
             if addr is None:
                 continue

@@ -50,6 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from tierkv.server.engine_first import EnginesFirstMiddleware, no_gate
 from tierkv.server.quotas import Quotas
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
@@ -146,10 +147,14 @@ def create_app(
     auth_token: str = "",
     quotas: Quotas | None = None,
     router_lookup: Callable[[bytes], dict[str, object]] | None = None,
+    wait_turn: Callable[[], None] = no_gate,
 ) -> FastAPI:
     """The FastAPI application of one server (with ``quotas``: the /quota endpoints; with
-    ``router_lookup``, a cluster's: ``POST /lookup``)."""
+    ``router_lookup``, a cluster's: ``POST /lookup``). ``wait_turn``: the check point
+    that lets the engines' requests go first (:mod:`tierkv.server.engine_first`), before
+    each request reaches the app and inside the listings."""
     app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(EnginesFirstMiddleware, wait_turn=wait_turn)
     page = dashboard_html()
     authorize = make_authorizer(auth_token)
 
@@ -162,7 +167,7 @@ def create_app(
     if quotas is not None:
         from tierkv.server.quota_http import add_quota_routes
 
-        add_quota_routes(app, quotas, authorize)
+        add_quota_routes(app, quotas, authorize, wait_turn)
     if router_lookup is not None:
         from tierkv.server.lookup_http import add_lookup_route
 

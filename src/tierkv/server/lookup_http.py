@@ -7,19 +7,27 @@ with the reason.
 Routers must not starve engines: the lookups run in the server's process, beside its RPC
 loop, and every Python thread that runs holds the GIL the RPC loop needs. So at most
 :data:`AT_ONCE` lookups are answered at a time, the others wait their turn in the event
-loop (costing nothing), and while any is in flight the interpreter's switch interval is
-short (:func:`tierkv.priority.sharing_the_gil`): the RPC loop, woken by an engine's
-request, waits at most that long for the GIL each time it needs it. Token ids are checked
-while the body is decoded and packed without numpy (a Python pass over 4k ids cost more
-than the rest of the lookup).
+loop (costing nothing); while any is in flight the interpreter's switch interval is short
+(:func:`tierkv.priority.sharing_the_gil`): the RPC loop, woken by an engine's request,
+waits at most that long for the GIL each time it needs it; and while an engine's request
+is in flight, a lookup waits between its steps (parse, hash, directory, reply), as every
+HTTP request does before the app sees it (:mod:`tierkv.server.engine_first`). Token ids
+are checked while the body is decoded and packed without numpy (a Python pass over 4k ids
+cost more than the rest of the lookup).
 
 Measured with ``benchmarks/router_load.py`` (50 router clients, a 4k-token prompt each, an
 engine's 32k-token LOOKUP every 10 ms; the CI machine type, shared with other sessions,
-three runs): engine LOOKUP p99 6.8 / 8.3 / 10.5 ms under the routers against 4.3 / 4.0 /
-4.5 ms idle in the same run (1.56 / 2.08 / 2.34x); before, 64.5 and 47.1 ms against 3.7 and
-2.0 ms (17 and 24x). A bare round trip between two other processes rose 1.8 to 3.2x in
-the same windows (the router clients' own CPU). Two at a time and a 1 ms interval gave
-2.6 / 2.2 / 2.1x; one at a time was within the noise of two.
+three runs each, ratios against the idle phase of the same run): with the engines-first
+gate, engine LOOKUP p99 under the routers 1.34 / 1.81 / 1.52x idle (6.4 / 9.2 / 6.2 ms
+against 4.8 / 5.1 / 4.1 ms), and while ``GET /quota`` of 4,000 tenants runs back to back
+2.03 / 1.53 / 1.54x; with the short switch interval alone, 2.42 / 2.12 / 3.78x and
+4.06 / 2.45 / 3.32x the same day; with neither, 17 and 24x. A bare round trip between two
+other processes rose 1.4 to 2.1x in the same windows (the router clients' own CPU on two
+cores). Later the same evening, with another session's vLLM engines and server busy on
+the same two cores (load average 3 to 5), the final code gave 2.27 / 1.55 / 1.34x and
+0.62 / 3.43 / 2.41x (idle p99 3.8 to 9.0 ms), and without the check point in the quota
+figures' pass 2.06x and 2.18x. Two at a time and a 1 ms interval gave 2.6 / 2.2 / 2.1x;
+one at a time was within the noise of two.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ bad values get a 400 with the reason.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from tierkv.priority import sharing_the_gil
+from tierkv.server.engine_first import no_gate
 from tierkv.server.http import Authorizer, authorized_body, error_reply
 from tierkv.server.quotas import (
     GIB,
@@ -92,18 +94,25 @@ def _config_change(doc: Any) -> tuple[dict[str, int | None], str]:
 NO_STORE = {"Cache-Control": "no-store"}
 
 
-def _listing_json(quotas: Quotas) -> bytes:
+def _listing_json(quotas: Quotas, between: Callable[[], None]) -> bytes:
     """GET /quota's body, encoded a tenant at a time (one encoding of the whole document
-    is a C call that holds the GIL throughout: milliseconds with thousands of tenants)."""
-    doc = quotas.listing()
+    is a C call that holds the GIL throughout: milliseconds with thousands of tenants),
+    with the check point ``between`` tenants."""
+    doc = quotas.listing(between)
     rows = doc.pop("tenants")
     head = msgspec.json.encode(doc)[:-1]  # without its closing brace
-    parts = [msgspec.json.encode(row) for row in rows]
+    parts = []
+    for row in rows:
+        between()
+        parts.append(msgspec.json.encode(row))
     return b"".join([head, b',"tenants":[', b",".join(parts), b"]}"])
 
 
-def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> None:
-    """Add the /quota endpoints to ``app``."""
+def add_quota_routes(
+    app: FastAPI, quotas: Quotas, authorize: Authorizer, wait_turn: Callable[[], None] = no_gate
+) -> None:
+    """Add the /quota endpoints to ``app`` (``wait_turn``: the check point of a listing,
+    :mod:`tierkv.server.engine_first`)."""
 
     async def write(request: Request) -> Any:
         """The JSON body of an authorized write, or the reply to send instead."""
@@ -113,9 +122,9 @@ def add_quota_routes(app: FastAPI, quotas: Quotas, authorize: Authorizer) -> Non
     @app.get("/quota")
     async def listing() -> Response:
         # Built and encoded off the event loop, a tenant at a time, with the short switch
-        # interval: an engine's request waits little for the GIL meanwhile.
+        # interval, waiting between tenants while an engine's request is in flight.
         with sharing_the_gil():
-            body = await run_in_threadpool(_listing_json, quotas)
+            body = await run_in_threadpool(_listing_json, quotas, wait_turn)
         return Response(body, media_type="application/json", headers=NO_STORE)
 
     @app.get("/quota/config")

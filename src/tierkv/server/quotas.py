@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -312,20 +312,24 @@ class Quotas:
         """GET /quota/{tenant}: its limits and usage, per tier."""
         return self._tenant_doc(name, *self._figures())
 
-    def listing(self) -> dict[str, Any]:
+    def listing(self, between: Callable[[], None] = lambda: None) -> dict[str, Any]:
         """GET /quota: the settings and every tenant with a quota or with chunks. Tenants
         without a quota are shown by tag only (their names are salts, which let an engine
         read the tenant's KV); tenants with one by the name the quota was set under.
+        ``between`` is called between tenants (the server's check point that lets engines'
+        requests go first, :mod:`tierkv.server.engine_first`).
 
         Linear in the tenants: the figures of the pool and of each tier are read once (a
         read per tenant, each a pass over every tenant under the index's lock, made it
         quadratic and held engines' lookups behind that lock)."""
         named = self.named()
-        pool, tiers = self._figures()
-        shown: dict[str, dict[str, Any]] = {
-            n: self._tenant_doc(n, pool, tiers) for n in sorted(named)
-        }
+        pool, tiers = self._figures(between)
+        shown: dict[str, dict[str, Any]] = {}
+        for n in sorted(named):
+            between()
+            shown[n] = self._tenant_doc(n, pool, tiers)
         for tid in self._tenant_ids(pool, tiers):
+            between()
             name = self.tenants.name_of(tid)
             if name in shown:
                 continue
@@ -392,9 +396,11 @@ class Quotas:
             return self._mode, -1 if default is None else default
 
     # -- internals -------------------------------------------------------------------------
-    def _figures(self) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
+    def _figures(
+        self, between: Callable[[], None] = lambda: None
+    ) -> tuple[dict[int, TenantFigures], dict[str, dict[int, TenantFigures]]]:
         """The pool's figures and each tier's, by tenant id (one read of each)."""
-        pool = {f.tenant: f for f in self.index.tenant_figures()}
+        pool = {f.tenant: f for f in self.index.tenant_figures(between)}
         return pool, {tier: quota.figures() for tier, quota in self._tiers.items()}
 
     def _tenant_doc(

@@ -32,6 +32,7 @@ import msgspec
 from tierkv import framing
 from tierkv import protocol as p
 from tierkv.priority import control_thread
+from tierkv.server.engine_first import EngineFirst
 from tierkv.server.service import CacheService
 from tierkv.workers import WorkerPool
 
@@ -91,9 +92,13 @@ class _Connection:
 class RpcServer:
     """Serves one :class:`CacheService` on one endpoint until :meth:`stop`."""
 
-    def __init__(self, service: CacheService, endpoint: str) -> None:
+    def __init__(
+        self, service: CacheService, endpoint: str, engines: EngineFirst | None = None
+    ) -> None:
         self.service = service
         self.endpoint = endpoint
+        # Engine requests in flight: HTTP work for routers waits for them (engine_first).
+        self.engines = engines if engines is not None else EngineFirst()
         self._stop = threading.Event()
         self._stopped = threading.Event()
         self.last_tick = service.clock()  # when the loop last went round (health checks)
@@ -104,7 +109,7 @@ class RpcServer:
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
         self._bound = False
         self._scratch = bytearray(framing.SCRATCH_BYTES)  # shared: one reader runs at a time
-        self._results: queue.SimpleQueue[tuple[_Connection, bytes]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[_Connection, bytes | None]] = queue.SimpleQueue()
         self._conns: dict[int, _Connection] = {}
 
     listener: socket.socket  # from start() on
@@ -151,17 +156,13 @@ class RpcServer:
         last_sweep = self.service.clock()
         try:
             while not self._stop.is_set():
-                for key, mask in self.selector.select(POLL_SECONDS):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._forward_results()
-                    else:
-                        conn: _Connection = key.data
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(conn)
-                        if mask & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
-                            self._receive(conn)
+                events = self.selector.select(POLL_SECONDS)
+                if events:
+                    self.engines.started()  # the loop's own turn: routers wait meanwhile
+                    try:
+                        self._serve_events(events)
+                    finally:
+                        self.engines.finished()
                 now = self.service.clock()
                 self.last_tick = now
                 if now - last_sweep >= 1.0:
@@ -170,6 +171,19 @@ class RpcServer:
             self._shutdown()
         finally:
             self._stopped.set()
+
+    def _serve_events(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        for key, mask in events:
+            if key.data == "accept":
+                self._accept()
+            elif key.data == "wake":
+                self._forward_results()
+            else:
+                conn: _Connection = key.data
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(conn)
+                if mask & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+                    self._receive(conn)
 
     def _accept(self) -> None:
         for _ in range(MAX_BATCH):
@@ -219,13 +233,18 @@ class RpcServer:
             return
         if type(req) in self.service.blocking:
             self._executor.submit(self._run_blocking, conn, req)
+            self.engines.started()  # finished when its reply is forwarded (this thread)
             return
         self._reply(conn, self.service.handle(req))
 
     def _run_blocking(self, conn: _Connection, req: Any) -> None:
-        self._results.put((conn, self._encode(self.service.handle(req))))
-        with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"x")
+        payload = None  # no reply if the handler raised (the pool logs it)
+        try:
+            payload = self._encode(self.service.handle(req))
+        finally:
+            self._results.put((conn, payload))
+            with contextlib.suppress(BlockingIOError, OSError):
+                self._wake_w.send(b"x")
 
     def _forward_results(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -236,7 +255,8 @@ class RpcServer:
                 conn, payload = self._results.get_nowait()
             except queue.Empty:
                 return
-            if conn.sock.fileno() in self._conns:
+            self.engines.finished()
+            if payload is not None and conn.sock.fileno() in self._conns:
                 self._send(conn, payload)
 
     def _reply(self, conn: _Connection, reply: Any) -> None:

@@ -18,6 +18,7 @@ prints it as one line. :meth:`Server.close` runs the same stack after a normal s
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ from tierkv.gc_pauses import GcPauseCollector
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
 from tierkv.server.collector import StatsCollector
+from tierkv.server.engine_first import EngineFirst
 from tierkv.server.health import Health
 from tierkv.server.http import HttpServer, create_app
 from tierkv.server.metrics import ServiceMetrics
@@ -66,6 +68,7 @@ class Server:
     registry: ClientRegistry
     status: StatusBuilder
     service: CacheService
+    engines: EngineFirst
     rpc: RpcServer
     http: HttpServer | None
 
@@ -229,7 +232,9 @@ class Server:
         metrics.registry.register(GcPauseCollector())
 
         # RPC: the engines' endpoint (framed msgpack on a Unix or TCP socket; ipc is 0600).
-        self.rpc = RpcServer(self.service, cfg.rpc_endpoint)
+        # Engine requests in flight there make HTTP work for routers wait (engine_first).
+        self.engines = EngineFirst()
+        self.rpc = RpcServer(self.service, cfg.rpc_endpoint, self.engines)
         self._started_part("rpc", self.rpc.close)
         self.rpc.start()
 
@@ -243,7 +248,12 @@ class Server:
                 health.checks,
                 cfg.auth_token,
                 self.quotas,
-                cluster.router_lookup if cluster is not None else None,
+                (
+                    functools.partial(cluster.router_lookup, between=self.engines.wait_turn)
+                    if cluster is not None
+                    else None
+                ),
+                self.engines.wait_turn,
             )
             http = HttpServer(cfg, app)
             self._started_part("http", http.stop)
