@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
+from support.controllers import ControllerProcess, running_controller
 from support.servers import ServerProcess, stop_and_clean
 
 pytest_plugins = ["support.services"]
@@ -30,6 +31,7 @@ PROCESS_FIXTURES = frozenset(
     {
         "server",
         "server_factory",
+        "controller",
         "redis_service",
         "redis_server",
         "s3_service",
@@ -91,3 +93,10 @@ def server_factory(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
 def server(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     """One real server with a 64 MiB pool."""
     return server_factory()
+
+
+@pytest.fixture
+def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
+    """A real `tierkv controller` (no HTTP); tests that want its HTTP define their own."""
+    with running_controller(tmp_path) as ctl:
+        yield ctl

@@ -8,8 +8,7 @@ that refuses it."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -32,15 +31,6 @@ from tierkv.cluster.auth import OLD_AUTH_BYTES, ControlSigner
 pytestmark = pytest.mark.processes
 Factory = Callable[..., ServerProcess]
 FRAMES = 1000
-
-
-@pytest.fixture
-def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    ctl = ControllerProcess(tmp_path).start()
-    try:
-        yield ctl
-    finally:
-        ctl.stop()
 
 
 def bad_frames(n: int) -> list[list[bytes]]:

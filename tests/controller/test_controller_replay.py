@@ -12,8 +12,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -77,15 +76,6 @@ class Tap:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10)
-
-
-@pytest.fixture
-def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    ctl = ControllerProcess(tmp_path).start()
-    try:
-        yield ctl
-    finally:
-        ctl.stop()
 
 
 def replay(addr: str, frames: list[bytes]) -> Any:

@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -18,15 +17,6 @@ from tierkv.controller import messages as cm
 
 pytestmark = pytest.mark.processes
 Factory = Callable[..., ServerProcess]
-
-
-@pytest.fixture
-def controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    ctl = ControllerProcess(tmp_path).start()
-    try:
-        yield ctl
-    finally:
-        ctl.stop()
 
 
 def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b_via_the_controller(
