@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from peers import free_port_pair
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
@@ -48,18 +48,6 @@ TOKEN = "silent-peer-bench"
 PEER_TIMEOUT = 2.0
 CHUNKS = 4
 SHAPE = (2, 256, 16)
-
-
-def free_port_pair() -> int:
-    while True:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return int(port)
 
 
 class Proc:
