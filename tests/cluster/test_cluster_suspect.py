@@ -51,13 +51,23 @@ def pid_of(node: Node) -> int:
     return node.server.proc.pid
 
 
+def ring_of(server_factory: Factory, n: int) -> list[Node]:
+    """``n`` ring nodes seeded by the first, converged; silent members are not declared dead
+    during a test."""
+    first = start_node(server_factory, [], seed_self=True, extra=SILENT_NOT_DEAD)
+    nodes = [first]
+    for _ in range(n - 1):
+        nodes.append(
+            start_node(server_factory, [first.port], seed_self=True, extra=SILENT_NOT_DEAD)
+        )
+    wait_for(lambda: converged(nodes))
+    return nodes
+
+
 def test_a_frozen_ring_owner_costs_one_timeout_then_stores_and_lookups_skip_it(
     server_factory: Factory,
 ) -> None:
-    a = start_node(server_factory, [], seed_self=True, extra=SILENT_NOT_DEAD)
-    b = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
-    c = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
-    wait_for(lambda: converged([a, b, c]))
+    a, b, c = ring_of(server_factory, 3)
     ring = Ring([a.node_id, b.node_id, c.node_id])
     before = status(a)
     stored: list[bytes] = []
@@ -99,10 +109,7 @@ def test_a_frozen_ring_owner_costs_one_timeout_then_stores_and_lookups_skip_it(
 def test_a_frozen_holder_costs_one_fetch_timeout_then_its_chunks_miss_at_once(
     server_factory: Factory,
 ) -> None:
-    a = start_node(server_factory, [], seed_self=True, extra=SILENT_NOT_DEAD)
-    b = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
-    c = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
-    wait_for(lambda: converged([a, b, c]))
+    a, _, c = ring_of(server_factory, 3)
     tokens = tokens_for(5, CHUNKS)
     with c.client() as producer:  # C's commit returns once the owners know the chunks
         register(producer)
@@ -172,9 +179,7 @@ def chunk_keys_of(node: Node, tokens: list[int]) -> list[bytes]:
 def test_a_prefetch_not_done_in_time_is_a_miss_not_an_error(server_factory: Factory) -> None:
     """The reader's wait for a prefetch ends with the hits the pool had, never an error,
     even while the prefetch itself still waits on a frozen holder."""
-    a = start_node(server_factory, [], seed_self=True, extra=SILENT_NOT_DEAD)
-    b = start_node(server_factory, [a.port], seed_self=True, extra=SILENT_NOT_DEAD)
-    wait_for(lambda: converged([a, b]))
+    a, b = ring_of(server_factory, 2)
     tokens = tokens_for(9, CHUNKS)
     with b.client() as producer:
         register(producer)
