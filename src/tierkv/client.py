@@ -645,6 +645,7 @@ class Client:
         partial_last: bool = False,
         salt: str = "",
         caller_copies: bool | None = None,
+        notes: Sequence[bytes] | None = None,
     ) -> StoreResult:
         """Store chunks ``first_chunk..`` of a token sequence (or of precomputed hashes).
 
@@ -653,6 +654,7 @@ class Client:
         must fill the zero-copy slot view ``dst`` for chunk position ``chunk``.
         ``caller_copies``: this thread copies chunks too, beside the copy threads (default:
         only without ``data_priority``); for a thread that has nothing else to do meanwhile.
+        ``notes``: see :meth:`prepare_store`.
         The same as :meth:`prepare_store` followed by :meth:`finish_store`.
         """
         if (chunks is None) == (gather is None):
@@ -661,7 +663,7 @@ class Client:
         expected = self._num_chunks(sel) - first_chunk
         if chunks is not None and len(chunks) != expected:
             raise ValueError(_chunk_count_error(len(chunks), expected, first_chunk))
-        prepared = self._prepare_store(sel, first_chunk, expected)
+        prepared = self._prepare_store(sel, first_chunk, expected, notes)
         return self.finish_store(prepared, chunks, gather=gather, caller_copies=caller_copies)
 
     def prepare_store(
@@ -672,20 +674,31 @@ class Client:
         first_chunk: int = 0,
         partial_last: bool = False,
         salt: str = "",
+        notes: Sequence[bytes] | None = None,
     ) -> PreparedStore:
         """The first phase of a store: reserve slots for the chunks ``first_chunk..`` the
         pool lacks. Follow with :meth:`finish_store` (copy and commit) or
         :meth:`abort_store`; a reservation neither finishes nor aborts is reclaimed after
         the server's ``write_ttl`` or when this client goes away. An engine reserves while
         its forward pass computes the chunks, so that only the copy and the commit are left
-        for after it."""
+        for after it. ``notes``: one per chunk ``first_chunk..`` (b"": none), the engine's
+        own description of each chunk, which every engine of its namespaces reads from the
+        server's chunk feed (:meth:`read_chunk_events`) once the chunk is committed."""
         sel = self._selector(tokens, hashes, partial_last, salt)
-        return self._prepare_store(sel, first_chunk, self._num_chunks(sel) - first_chunk)
+        expected = self._num_chunks(sel) - first_chunk
+        return self._prepare_store(sel, first_chunk, expected, notes)
 
     def _prepare_store(
-        self, sel: p.ChunkSelector, first_chunk: int, expected: int
+        self,
+        sel: p.ChunkSelector,
+        first_chunk: int,
+        expected: int,
+        notes: Sequence[bytes] | None = None,
     ) -> PreparedStore:
-        req = p.PrepareStore(self._rid(), self._token(), sel, first_chunk)
+        if notes is not None and len(notes) != expected:
+            raise ValueError(f"{len(notes)} notes for {expected} chunks: give one per chunk")
+        note_list = None if notes is None else [bytes(n) for n in notes]
+        req = p.PrepareStore(self._rid(), self._token(), sel, first_chunk, note_list)
         slots, pool = self._call_for_slots(req)
         return PreparedStore(slots, first_chunk, expected, pool)
 
@@ -853,6 +866,31 @@ class Client:
 
     def lookup_async(self, *args: Any, **kwargs: Any) -> Future[p.LookupResult]:
         return self._submit(self.lookup, *args, **kwargs)
+
+    # -- the chunk feed --------------------------------------------------------------------
+    def read_chunk_events(self, after: int, limit: int = 4096) -> p.ChunkEvents:
+        """The server's chunk feed for this client's namespaces (its engine's): the noted
+        chunks stored and removed after sequence number ``after``
+        (:mod:`tierkv.server.chunk_feed`). ``resync`` in the reply, or an ``epoch`` other
+        than before (a restarted server): read :meth:`read_chunk_snapshot` instead."""
+        reply: p.ChunkEvents = self._call(
+            p.ReadChunkEvents(self._rid(), self._token(), after, limit)
+        )
+        return reply
+
+    def read_chunk_snapshot(self) -> tuple[int, int, list[p.ChunkEvent]]:
+        """What this client's namespaces hold now, every page: (epoch, the sequence number
+        to read events after, a stored event per noted chunk)."""
+        chunks: list[p.ChunkEvent] = []
+        page = 0
+        while True:
+            reply: p.ChunkSnapshot = self._call(
+                p.ReadChunkSnapshot(self._rid(), self._token(), page)
+            )
+            chunks += reply.chunks  # (a server restarted meanwhile has no page N > 0)
+            if not reply.next_page:
+                return reply.epoch, reply.seq, chunks
+            page = reply.next_page
 
     # -- administration --------------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> None:

@@ -92,6 +92,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     write_behind_max_bytes: Size = 2**30
     prefetch_max_inflight: int = 16
     prefetch_timeout: float = 10.0
+    chunk_feed_events: int = 65536
     cluster_seeds: str = ""
     controller: str = ""
     cluster_host: str = "127.0.0.1"
@@ -174,6 +175,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("client_reservation_share must be in (0, 1]")
         if self.workers < 1 or self.tier_workers < 1:
             raise ConfigError("workers and tier_workers must be at least 1")
+        if self.chunk_feed_events < 1:
+            raise ConfigError("chunk_feed_events must be at least 1")
         if self.prefetch_max_inflight < 0:
             raise ConfigError("prefetch_max_inflight must be >= 0 (0: no prefetch)")
         if self.write_behind_max_bytes < 0:
@@ -345,6 +348,8 @@ FIELD_HELP: dict[str, str] = {
     "the tiers",
     "prefetch_max_inflight": "most prefetches from the tiers running at once",
     "prefetch_timeout": "seconds after which an unfinished prefetch is reported as done",
+    "chunk_feed_events": "events the chunk feed keeps for engines that read it late (KV "
+    "events for routers); one further behind reads a snapshot instead",
     "cluster_seeds": "join a cluster of servers: HOST:PORT,... of some members' cluster ports "
     "(the first server may list itself); empty: no cluster",
     "controller": "join a cluster through a `tierkv controller` at HOST:PORT (its control "

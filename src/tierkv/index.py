@@ -109,6 +109,7 @@ class Entry(msgspec.Struct, eq=False, gc=False):
     live: bool = True  # False once deleted/cleared/evicted from the key map
     tier: str = ""  # where the bytes came from ("" = written by an engine)
     tenant: int = OTHER_ID  # the tenant its slot is charged to (see tierkv.tenants)
+    note: bytes = b""  # the storing engine's description of the chunk (tierkv.server.chunk_feed)
 
 
 @dataclass(eq=False, slots=True)
@@ -230,6 +231,11 @@ class ObjectIndex:
         # Likewise with what an eviction took, before any lookup can miss it: a miss right
         # after is then "evicted", not "absent" (the eviction's listeners run after a pass).
         self.on_evicted: Callable[[list[Evicted]], None] | None = None
+        # Likewise with the noted chunks that became ready, as (key, note), and the keys of
+        # noted ready chunks the pool stopped offering (evicted, cleared, deleted): the
+        # chunk feed's events (tierkv.server.chunk_feed), in the order the index saw them.
+        self.on_stored: Callable[[list[tuple[bytes, bytes]]], None] | None = None
+        self.on_removed: Callable[[list[bytes]], None] | None = None
 
     # -- writes ----------------------------------------------------------------------------
     def reserve_write(
@@ -239,6 +245,7 @@ class ObjectIndex:
         holder: int,
         tier: str = "",
         holder_limit: int = 0,
+        notes: Sequence[bytes] | None = None,
     ) -> WriteReservation:
         """Reserve a slot for each new key. Present keys (ready, being written, or repeated
         within this batch) and keys that do not fit are skipped and reported; this never
@@ -257,6 +264,8 @@ class ObjectIndex:
                 raise ValueError(f"{len(keys)} keys but {len(lengths)} lengths")
             if lengths and min(lengths) <= 0:
                 raise ValueError(f"chunk lengths must be positive, got {min(lengths)}")
+        if notes is not None and len(notes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(notes)} notes")
         with self._lock:
             now = self.clock()
             self._expire(now)
@@ -302,6 +311,8 @@ class ObjectIndex:
                 if limit is not None and used > limit:
                     result.quota_exceeded = True
                 entry = Entry(key, offset, length, State.WRITING, tier=tier, tenant=tid)
+                if notes is not None:
+                    entry.note = notes[i]
                 entries[key] = entry
                 lease.entries.append(entry)
                 result.slots.append((i, offset, length))
@@ -344,6 +355,8 @@ class ObjectIndex:
                     result.committed_bytes += entry.length
             result.committed = len(ready)
             self._touch(ready)
+            if self.on_stored is not None and (noted := [(e.key, e.note) for e in ready if e.note]):
+                self.on_stored(noted)
             return result
 
     def abort(self, lease_id: int, holder: int) -> int:
@@ -485,13 +498,13 @@ class ObjectIndex:
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove objects from the index. Returns how many keys were present."""
         with self._lock:
-            n = 0
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    self._unmap(entry)
-                    n += 1
-            return n
+            entries = list(
+                {e.key: e for key in keys if (e := self._entries.get(key)) is not None}.values()
+            )
+            for entry in entries:
+                self._unmap(entry)
+            self._announce_removed(entries)
+            return len(entries)
 
     def clear(self, prefix: bytes = b"") -> int:
         """Remove every object (with ``prefix``: every object whose key starts with it, e.g.
@@ -505,6 +518,7 @@ class ObjectIndex:
             entries = [e for e in self._entries.values() if e.key.startswith(prefix)]
             for entry in entries:
                 self._unmap(entry)
+            self._announce_removed(entries)
             return [e.key for e in entries]
 
     def evict(self, nbytes: int, max_objects: int | None = None) -> list[Evicted]:
@@ -806,7 +820,16 @@ class ObjectIndex:
         self._evicted_bytes += freed
         if evicted and self.on_evicted is not None:
             self.on_evicted(evicted)
+        self._announce_removed(victims)
         return evicted, freed
+
+    def _announce_removed(self, entries: list[Entry]) -> None:
+        """Tell :attr:`on_removed` which of these entries, just taken out of the key map,
+        were noted ready chunks (the others were never announced)."""
+        if self.on_removed is not None and (
+            keys := [e.key for e in entries if e.note and e.state is State.READY]
+        ):
+            self.on_removed(keys)
 
     def _free_slot(self, entry: Entry) -> int:
         """Give the entry's slot back to the allocator and its bytes back to its tenant's

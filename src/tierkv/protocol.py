@@ -22,8 +22,9 @@ from typing import Any
 import msgspec
 
 # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
-# salts equal to a reserved tenant name (~default, ~other) are refused
-PROTOCOL_VERSION = 4
+# salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
+# (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot)
+PROTOCOL_VERSION = 5
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -112,6 +113,9 @@ class PrepareStore(Struct, tag="prepare_store"):
     client: int
     chunks: ChunkSelector
     first_chunk: int = 0
+    # One per chunk from first_chunk on (b"": none): the engine's description of the chunk,
+    # announced to every engine of its namespaces once committed (tierkv.server.chunk_feed).
+    notes: list[bytes] | None = None
 
 
 class CommitStore(Struct, tag="commit_store"):
@@ -173,6 +177,25 @@ class Clear(Struct, tag="clear"):
     everything: bool = False
 
 
+class ReadChunkEvents(Struct, tag="read_chunk_events"):
+    """The chunk feed's events of the client's namespaces (its engine's: every rank, every
+    cache salt) after sequence number ``after``."""
+
+    rid: int
+    client: int
+    after: int
+    limit: int = 4096
+
+
+class ReadChunkSnapshot(Struct, tag="read_chunk_snapshot"):
+    """What the client's namespaces hold now (noted chunks), one page at a time: ``page`` 0
+    takes the snapshot, later pages continue it (the reply says which is next)."""
+
+    rid: int
+    client: int
+    page: int = 0
+
+
 class Ping(Struct, tag="ping"):
     rid: int
 
@@ -198,6 +221,8 @@ Request = (
     | Clear
     | Ping
     | GetStats
+    | ReadChunkEvents
+    | ReadChunkSnapshot
 )
 
 
@@ -282,6 +307,35 @@ class RetrieveSlots(Struct, tag="retrieve_slots"):
     lease: int  # 0 when nothing is locked
     slots: list[Slot]
     missing: list[int]
+
+
+CHUNK_STORED = 0
+CHUNK_REMOVED = 1
+
+
+class ChunkEvent(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One event of the chunk feed: ``kind`` CHUNK_STORED (with its note) or CHUNK_REMOVED."""
+
+    seq: int
+    kind: int
+    key: bytes
+    note: bytes
+
+
+class ChunkEvents(Struct, tag="chunk_events"):
+    rid: int
+    epoch: int  # the feed's: another value than before means another server (resync)
+    events: list[ChunkEvent]
+    last: int  # read on after this
+    resync: bool  # the events asked for are gone: read a snapshot
+
+
+class ChunkSnapshot(Struct, tag="chunk_snapshot"):
+    rid: int
+    epoch: int
+    seq: int  # the snapshot is current at this sequence number: read events after it
+    chunks: list[ChunkEvent]  # stored events (seq 0) of what is held
+    next_page: int  # 0: that was the last page
 
 
 class TierStats(msgspec.Struct, forbid_unknown_fields=True):
@@ -403,6 +457,7 @@ class Stats(Struct, tag="stats_result"):
     tenants: list[TenantInfo] = []  # by pool bytes, largest first; beyond the first 32: one row
     quota_mode: str = ""
     default_quota: int = -1  # bytes, -1: unlimited
+    chunk_feed: dict[str, int] = {}  # the chunk feed's figures (tierkv.server.chunk_feed)
 
 
 class EvictionEvent(msgspec.Struct):
@@ -424,6 +479,8 @@ Reply = (
     | Committed
     | RetrieveSlots
     | Stats
+    | ChunkEvents
+    | ChunkSnapshot
 )
 
 _request_encoder = msgspec.msgpack.Encoder()

@@ -196,7 +196,12 @@ def typed_requests(env: RpcEnv) -> dict[type, st.SearchStrategy[Any]]:
         p.Lookup: st.builds(p.Lookup, rid=rid, client=tok, chunks=SELECTOR, request_id=TEXT),
         p.QueryPrefetch: st.builds(p.QueryPrefetch, rid=rid, client=tok, request_id=TEXT),
         p.PrepareStore: st.builds(
-            p.PrepareStore, rid=rid, client=tok, chunks=SELECTOR, first_chunk=I64
+            p.PrepareStore,
+            rid=rid,
+            client=tok,
+            chunks=SELECTOR,
+            first_chunk=I64,
+            notes=st.none() | st.lists(st.binary(max_size=64), max_size=10),
         ),
         p.CommitStore: st.builds(p.CommitStore, rid=rid, client=tok, lease=lease, only=only),
         p.AbortStore: st.builds(p.AbortStore, rid=rid, client=tok, lease=lease),
@@ -223,6 +228,8 @@ def typed_requests(env: RpcEnv) -> dict[type, st.SearchStrategy[Any]]:
         p.GetStats: st.builds(
             p.GetStats, rid=rid, client=tok, auth_token=st.just(RPC_TOKEN) | TEXT
         ),
+        p.ReadChunkEvents: st.builds(p.ReadChunkEvents, rid=rid, client=tok, after=I64, limit=I64),
+        p.ReadChunkSnapshot: st.builds(p.ReadChunkSnapshot, rid=rid, client=tok, page=I64),
     }
 
 

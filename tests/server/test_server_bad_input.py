@@ -129,6 +129,8 @@ def samples(token: int) -> dict[type, msgspec.Struct]:
         p.Clear: p.Clear(7, token),
         p.Ping: p.Ping(7),
         p.GetStats: p.GetStats(7, token, ""),
+        p.ReadChunkEvents: p.ReadChunkEvents(7, token, 0),
+        p.ReadChunkSnapshot: p.ReadChunkSnapshot(7, token, 0),
     }
 
 

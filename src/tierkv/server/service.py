@@ -23,6 +23,7 @@ from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.liveness import trackable
 from tierkv.pool import ShmPool
+from tierkv.server.chunk_feed import MAX_NOTE_BYTES, ChunkFeed, SnapshotPages
 from tierkv.server.chunk_keys import ChunkKeys
 from tierkv.server.errors import RequestError
 from tierkv.server.metrics import ServiceMetrics
@@ -64,6 +65,8 @@ class CacheService:
         metrics: ServiceMetrics,
         snapshot: Callable[[int], p.Stats],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        feed: ChunkFeed | None = None,
     ) -> None:
         """``snapshot(rid)`` builds the STATS reply (the server's one status builder)."""
         self.cfg = cfg
@@ -76,6 +79,9 @@ class CacheService:
         self.metrics = metrics
         self.snapshot = snapshot
         self.clock = clock
+        # The noted chunks' events (tierkv.server.chunk_feed); fed by the index's hooks.
+        self.feed = feed if feed is not None else ChunkFeed()
+        self.snapshot_pages = SnapshotPages()
         self.chunk_keys = ChunkKeys(cfg.chunk_size, cfg.max_chunks_per_request)
         self.reservation_limit = int(cfg.client_reservation_share * index.capacity)
         self.removed_listeners: list[RemovedListener] = []  # chunks cleared from the pool
@@ -94,9 +100,11 @@ class CacheService:
             p.Clear: self.clear,
             p.Ping: self.ping,
             p.GetStats: self.stats,
+            p.ReadChunkEvents: self.read_chunk_events,
+            p.ReadChunkSnapshot: self.read_chunk_snapshot,
         }
         # Requests that may take long (whole-index walks) run on the worker pool.
-        self.blocking: frozenset[type] = frozenset({p.Clear, p.GetStats})
+        self.blocking: frozenset[type] = frozenset({p.Clear, p.GetStats, p.ReadChunkSnapshot})
         self._publisher: CommitPublisher | None = None
         self._publish_timeout = 0.0
 
@@ -141,6 +149,7 @@ class CacheService:
         """Periodic work of the RPC loop: idle sessions, and clients that went away."""
         self.sessions.expire()
         self.registry.reap()
+        self.snapshot_pages.expire(self.clock(), self.registry.__contains__)
 
     # -- registration ----------------------------------------------------------------------
     def register(self, req: p.Register) -> p.Registered:
@@ -296,7 +305,11 @@ class CacheService:
     def prepare_store(self, req: p.PrepareStore) -> p.StoreSlots:
         reg = self._worker(req.client)
         ks, lengths = self.chunk_keys.of(reg, req.chunks, req.first_chunk)
-        res = self.index.reserve_write(ks, lengths, reg.token, holder_limit=self.reservation_limit)
+        if req.notes is not None:
+            _check_notes(req.notes, len(ks))
+        res = self.index.reserve_write(
+            ks, lengths, reg.token, holder_limit=self.reservation_limit, notes=req.notes
+        )
         if res.quota_exceeded:
             self.eviction.wake()
         elif res.no_space or res.slots:
@@ -337,6 +350,31 @@ class CacheService:
     def abort_store(self, req: p.AbortStore) -> p.Ok:
         reg = self._client(req.client)
         return p.Ok(req.rid, self.index.abort(req.lease, reg.token))
+
+    # -- the chunk feed --------------------------------------------------------------------
+    def read_chunk_events(self, req: p.ReadChunkEvents) -> p.ChunkEvents:
+        reg = self._client(req.client)
+        if req.after < 0 or req.limit < 1:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, "after must be >= 0 and limit >= 1")
+        batch = self.feed.read(self.registry.engine_namespaces(reg), req.after, req.limit)
+        return p.ChunkEvents(req.rid, self.feed.epoch, batch.events, batch.last, batch.resync)
+
+    def read_chunk_snapshot(self, req: p.ReadChunkSnapshot) -> p.ChunkSnapshot:
+        reg = self._client(req.client)
+        now = self.clock()
+        if req.page == 0:
+            seq, chunks = self.feed.snapshot(self.registry.engine_namespaces(reg))
+            page = self.snapshot_pages.first(reg.token, seq, chunks, now)
+        else:
+            found = self.snapshot_pages.next(reg.token, req.page, now)
+            if found is None:
+                raise RequestError(
+                    p.ErrorCode.NOT_FOUND,
+                    f"no snapshot page {req.page} is open for this client (not the next page, "
+                    "or the snapshot expired): read again from page 0",
+                )
+            page = found
+        return p.ChunkSnapshot(req.rid, self.feed.epoch, page.seq, page.chunks, page.next_page)
 
     # -- lookup and retrieve ---------------------------------------------------------------
     def lookup(self, req: p.Lookup) -> p.LookupResult:
@@ -497,3 +535,15 @@ class CacheService:
         if req.client not in self.registry and not self.token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         return self.snapshot(req.rid)
+
+
+def _check_notes(notes: list[bytes], chunks: int) -> None:
+    if len(notes) != chunks:
+        raise RequestError(
+            p.ErrorCode.BAD_REQUEST, f"{len(notes)} notes for {chunks} chunks: give one per chunk"
+        )
+    if notes and (largest := max(map(len, notes))) > MAX_NOTE_BYTES:
+        raise RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"a chunk's note is {largest} bytes, more than {MAX_NOTE_BYTES}",
+        )

@@ -104,8 +104,11 @@ class StatusBuilder:
         cluster: Callable[[], dict[str, Any]] | None = None,
         quotas: Quotas | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        feed: Callable[[], dict[str, int]] | None = None,
     ) -> None:
-        """``cluster()`` gives the cluster node's figures (None: not in a cluster)."""
+        """``cluster()`` gives the cluster node's figures (None: not in a cluster);
+        ``feed()`` the chunk feed's."""
         self.cfg = cfg
         self.pool = pool
         self.index = index
@@ -115,6 +118,7 @@ class StatusBuilder:
         self.tiering = tiering
         self.cluster = cluster
         self.quotas = quotas
+        self.feed = feed
         self.clock = clock
         self.started = clock()
         self.usage = TierUsageCache(clock=clock)
@@ -201,6 +205,7 @@ class StatusBuilder:
             tenants=self.quotas.rows() if self.quotas else [],
             quota_mode=mode,
             default_quota=default_quota,
+            chunk_feed=self.feed() if self.feed is not None else {},
         )
 
 

@@ -32,6 +32,7 @@ from tierkv.eviction import EvictionController
 from tierkv.gc_pauses import GcPauseCollector
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
+from tierkv.server.chunk_feed import ChunkFeed
 from tierkv.server.collector import StatsCollector
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.health import Health
@@ -122,6 +123,10 @@ class Server:
             cfg.read_ttl,
             tenants=self.tenants,
         )
+        # What engines tell routers (KV events): the index announces noted chunks to it.
+        self.feed = ChunkFeed(cfg.chunk_feed_events)
+        self.index.on_stored = self.feed.stored
+        self.index.on_removed = self.feed.removed
         self.quotas = Quotas(
             self.index,
             self.tenants,
@@ -207,6 +212,7 @@ class Server:
             self.tiering,
             cluster.stats if cluster is not None else None,
             self.quotas,
+            feed=self.feed_figures,
         )
         self.service = CacheService(
             cfg,
@@ -218,6 +224,7 @@ class Server:
             self.sessions,
             metrics,
             self.status.snapshot,
+            feed=self.feed,
         )
         if cluster is not None:
             registry = self.registry
@@ -273,6 +280,10 @@ class Server:
                 "OpenSSL's headers): token ids are hashed in Python, about 1.6x slower; "
                 "reinstall tierkv where they are present"
             )
+
+    def feed_figures(self) -> dict[str, int]:
+        """The chunk feed's figures, with the snapshots being read (status, metrics)."""
+        return {**self.feed.figures(), "open_snapshots": len(self.service.snapshot_pages)}
 
     def document(self) -> dict[str, object]:
         """The status document (GET /status, the dashboard, Prometheus)."""

@@ -1,0 +1,255 @@
+"""What the pool offers, as a stream of events that engines relay to KV-aware routers.
+
+An engine may give each chunk it stores a *note*: its own description of the chunk (for
+vLLM, the blocks' hashes and token ids in the form of vLLM's KV events), opaque to the
+server. While the pool holds a noted chunk, every engine attached to the server whose
+namespaces include the chunk's may announce it: the pool is shared, so an engine can load
+what another one stored. The feed records, in one order shared by all namespaces:
+
+- ``CHUNK_STORED`` (key, note) when a noted chunk is committed (it can be loaded from then on);
+- ``CHUNK_REMOVED`` (key) when the pool stops offering it: eviction (watermark or quota), clear,
+  delete. The note stays with the chunk until then, so a reader that missed the store can
+  still learn it from a snapshot.
+
+Readers pull: :meth:`ChunkFeed.read` returns the events of their namespaces after the last
+sequence number they saw. The log is bounded (:data:`MAX_EVENTS` events, :data:`MAX_LOG_NOTE_BYTES`
+of notes); a reader that fell behind what was dropped is told to *resync*: it reads a
+:meth:`ChunkFeed.snapshot` of what its namespaces hold now (the chunks with their notes and the
+sequence number they are current at), then reads on from there. A reader compares the feed's
+``epoch`` (random, per server process) with the one it saw: a restarted server is a new feed,
+and the reader resyncs from its snapshot, which then removes everything the old server held.
+
+Called under the pool index's lock (:meth:`stored`, :meth:`removed`), so the events of one
+chunk are in the order the index saw them; the feed's own lock is taken after the index's,
+never the other way round, and :meth:`read` and :meth:`snapshot` take only the feed's.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from tierkv.protocol import CHUNK_REMOVED, CHUNK_STORED
+from tierkv.protocol import ChunkEvent as Event
+
+MAX_EVENTS = 65536  # events the log keeps for readers that are behind
+MAX_LOG_NOTE_BYTES = 64 * 2**20  # notes the log keeps (each note is shared with the chunk)
+MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note at most
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What :meth:`ChunkFeed.read` returns: ``events`` in order; ``last``: the sequence number
+    the reader is complete up to (ask again after it); ``resync``: events the reader needed
+    were dropped (it was too far behind), read a snapshot."""
+
+    events: list[Event]
+    last: int
+    resync: bool
+
+
+class ChunkFeed:
+    """The stored/removed events of noted chunks, and what each namespace holds now."""
+
+    def __init__(
+        self, max_events: int = MAX_EVENTS, max_log_note_bytes: int = MAX_LOG_NOTE_BYTES
+    ) -> None:
+        if max_events < 1 or max_log_note_bytes < 0:
+            raise ValueError("the feed must keep at least one event")
+        self.epoch = secrets.randbits(63) | 1  # never 0: 0 is "no feed seen yet"
+        self.max_events = max_events
+        self.max_log_note_bytes = max_log_note_bytes
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._log: deque[tuple[Event, bytes]] = deque()  # (event, namespace)
+        self._log_note_bytes = 0
+        self._dropped_upto = 0  # the highest sequence number no longer in the log
+        self._held: dict[bytes, dict[bytes, bytes]] = {}  # namespace -> key -> note
+        self.held_note_bytes = 0
+        self.resyncs = 0  # reads answered "resync" (status, metrics)
+
+    # -- writers (under the index's lock) --------------------------------------------------
+    def stored(self, chunks: Iterable[tuple[bytes, bytes]]) -> None:
+        """Noted chunks (key, note) were committed."""
+        with self._lock:
+            for key, note in chunks:
+                ns = key[:16]
+                held = self._held.get(ns)
+                if held is None:
+                    held = self._held[ns] = {}
+                old = held.get(key)
+                if old is not None:
+                    self.held_note_bytes -= len(old)
+                held[key] = note
+                self.held_note_bytes += len(note)
+                self._append(Event(self._next(), CHUNK_STORED, key, note), ns)
+            self._trim()
+
+    def removed(self, keys: Iterable[bytes]) -> None:
+        """The pool no longer offers these (noted, committed) chunks."""
+        with self._lock:
+            for key in keys:
+                ns = key[:16]
+                held = self._held.get(ns)
+                note = held.pop(key, None) if held is not None else None
+                if note is None:
+                    continue  # never announced here (the feed started after its store)
+                self.held_note_bytes -= len(note)
+                if not held:
+                    del self._held[ns]
+                self._append(Event(self._next(), CHUNK_REMOVED, key, b""), ns)
+            self._trim()
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _append(self, event: Event, ns: bytes) -> None:
+        self._log.append((event, ns))
+        self._log_note_bytes += len(event.note)
+
+    def _trim(self) -> None:
+        log = self._log
+        while log and (
+            len(log) > self.max_events or self._log_note_bytes > self.max_log_note_bytes
+        ):
+            event, _ = log.popleft()
+            self._log_note_bytes -= len(event.note)
+            self._dropped_upto = event.seq
+
+    # -- readers ---------------------------------------------------------------------------
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last event (0: none yet)."""
+        return self._seq
+
+    def read(self, namespaces: Sequence[bytes] | set[bytes], after: int, limit: int) -> Batch:
+        """The events of ``namespaces`` with a sequence number above ``after``, at most
+        ``limit`` (the oldest first)."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        wanted = namespaces if isinstance(namespaces, set) else set(namespaces)
+        with self._lock:
+            if after > self._seq or after < self._dropped_upto:
+                # Ahead of this feed: another server's numbers (a restart); behind what
+                # was dropped: events are missing. Either way, start from a snapshot.
+                self.resyncs += 1
+                return Batch([], self._seq, True)
+            newer: list[Event] = []
+            for event, ns in reversed(self._log):  # newest first: stop at `after`
+                if event.seq <= after:
+                    break
+                if ns in wanted:
+                    newer.append(event)
+            last = self._seq
+        newer.reverse()
+        if len(newer) > limit:
+            newer = newer[:limit]
+            last = newer[-1].seq
+        return Batch(newer, last, False)
+
+    def snapshot(self, namespaces: Iterable[bytes]) -> tuple[int, list[Event]]:
+        """What ``namespaces`` hold now: (the sequence number it is current at, a stored
+        event of sequence number 0 per noted chunk). Reading on after that number keeps it
+        current."""
+        with self._lock:
+            held = [item for ns in namespaces for item in self._held.get(ns, {}).items()]
+            seq = self._seq
+        return seq, [Event(0, CHUNK_STORED, key, note) for key, note in held]
+
+    def figures(self) -> dict[str, int]:
+        """For status and metrics."""
+        with self._lock:
+            return {
+                "epoch": self.epoch,
+                "seq": self._seq,
+                "log_events": len(self._log),
+                "log_note_bytes": self._log_note_bytes,
+                "held_chunks": sum(len(h) for h in self._held.values()),
+                "held_note_bytes": self.held_note_bytes,
+                "resyncs": self.resyncs,
+            }
+
+
+PAGE_CHUNKS = 4096  # chunks in one snapshot page at most
+PAGE_NOTE_BYTES = 2**20  # notes in one snapshot page at most (a page holds one at least)
+SNAPSHOT_TTL = 60.0  # seconds a snapshot waits for its next page
+
+
+@dataclass(slots=True)
+class _Open:
+    seq: int
+    chunks: list[Event]
+    next_page: int
+    start: int  # index in chunks of the next page's first chunk
+    deadline: float
+
+
+class SnapshotPages:
+    """The snapshots clients are reading, one per client, in pages that fit a message.
+    A snapshot whose next page is not asked for within :data:`SNAPSHOT_TTL` is dropped
+    (:meth:`expire`), so a client that died reading one leaves nothing behind. Thread-safe
+    (pages are served on the RPC loop's worker pool: taking a snapshot of a large pool is a
+    walk over its noted chunks)."""
+
+    def __init__(self, ttl: float = SNAPSHOT_TTL) -> None:
+        self.ttl = ttl
+        self._lock = threading.Lock()
+        self._open: dict[int, _Open] = {}  # client token -> its snapshot
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def first(self, client: int, seq: int, chunks: list[Event], now: float) -> Page:
+        """Page 0 of a new snapshot (replacing the client's previous one)."""
+        with self._lock:
+            self._open.pop(client, None)
+            return self._page(client, _Open(seq, chunks, 0, 0, 0.0), now)
+
+    def next(self, client: int, page: int, now: float) -> Page | None:
+        """Page ``page`` of the client's snapshot; None: no such page open (never taken,
+        expired, or not the next one)."""
+        with self._lock:
+            pages = self._open.get(client)
+            if pages is None or pages.next_page != page or pages.deadline < now:
+                return None
+            return self._page(client, pages, now)
+
+    def _page(self, client: int, pages: _Open, now: float) -> Page:
+        chunks, start = pages.chunks, pages.start
+        end, size = start, 0
+        while end < len(chunks) and end - start < PAGE_CHUNKS:
+            size += len(chunks[end].note)
+            if size > PAGE_NOTE_BYTES and end > start:
+                break
+            end += 1
+        if end >= len(chunks):
+            self._open.pop(client, None)
+            return Page(pages.seq, chunks[start:end], 0)
+        pages.start, pages.next_page, pages.deadline = end, pages.next_page + 1, now + self.ttl
+        self._open[client] = pages
+        return Page(pages.seq, chunks[start:end], pages.next_page)
+
+    def expire(self, now: float, registered: Callable[[int], bool]) -> int:
+        """Drop snapshots nobody read on in time, and those of clients that are no longer
+        ``registered`` (gone, or reaped); returns how many."""
+        with self._lock:
+            gone = [
+                c for c, pages in self._open.items() if pages.deadline < now or not registered(c)
+            ]
+            for client in gone:
+                del self._open[client]
+            return len(gone)
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    """One page of a snapshot: ``seq``, the snapshot's sequence number."""
+
+    seq: int
+    chunks: list[Event]
+    next_page: int  # 0: the last one

@@ -1,0 +1,232 @@
+"""The chunk feed through a real server: engines (clients in processes of their own) that
+share a namespace all read what any of them stored with a note, and every removal (clear,
+eviction, quota); a reader that fell behind, or whose server restarted, resyncs and ends
+at the truth; bad requests get clear errors; a reader killed mid-snapshot leaves nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, register
+from tierkv import protocol as p
+from tierkv.client import Client, NotRegisteredError, ServerError
+
+pytestmark = pytest.mark.processes
+
+
+def toks(start: int, n_chunks: int) -> list[int]:
+    return list(range(start, start + n_chunks * CHUNK_SIZE))
+
+
+def note(tokens: list[int], i: int) -> bytes:
+    return f"chunk {i} of prompt {tokens[0]}".encode()
+
+
+def store(client: Client, tokens: list[int], n: int, noted: bool = True) -> None:
+    notes = [note(tokens, i) for i in range(n)] if noted else None
+    got = client.store(tokens, [chunk_data(tokens, i) for i in range(n)], notes=notes)
+    assert got.stored == list(range(n)), got
+
+
+class Follower:
+    """An engine's view of the pool built only from the feed (what it would announce)."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.held: dict[bytes, bytes] = {}
+        self.epoch = 0
+        self.after = 0
+        self.resyncs = 0
+
+    def catch_up(self) -> dict[bytes, bytes]:
+        while True:
+            reply = self.client.read_chunk_events(self.after, limit=5)
+            if reply.resync or reply.epoch != self.epoch:
+                self.resyncs += 1
+                self.epoch, self.after, chunks = self.client.read_chunk_snapshot()
+                self.held = {ev.key: ev.note for ev in chunks}
+                continue
+            for ev in reply.events:
+                if ev.kind == p.CHUNK_STORED:
+                    self.held[ev.key] = ev.note
+                else:
+                    assert ev.kind == p.CHUNK_REMOVED and not ev.note
+                    del self.held[ev.key]  # only what was announced is withdrawn
+            self.after = reply.last
+            if not reply.events:
+                return self.held
+
+    def notes(self) -> set[bytes]:
+        return set(self.catch_up().values())
+
+
+def test_every_engine_of_the_namespace_reads_what_any_stored(server: ServerProcess) -> None:
+    with server.client() as a, server.client() as b, server.client() as other:
+        register(a), register(b), register(other, model="another-model")
+        fa, fb, fo = Follower(a), Follower(b), Follower(other)
+        assert fa.notes() == fb.notes() == set()
+        prompt = toks(10, 3)
+        store(a, prompt, 3)
+        store(b, toks(5000, 1), 1, noted=False)  # no note: nothing to announce
+        want = {note(prompt, i) for i in range(3)}
+        assert fa.notes() == fb.notes() == want
+        assert fo.notes() == set()  # another model's namespace
+        again = b.store(prompt, [chunk_data(prompt, i) for i in range(3)], notes=[b"?"] * 3)
+        assert again.present == [0, 1, 2]  # already held: nothing new, notes unchanged
+        assert fb.catch_up() and fb.after == fa.after
+        assert b.clear() == 4
+        assert fa.notes() == fb.notes() == set()
+        assert fa.resyncs == fb.resyncs == 1  # the first read only
+
+
+def test_evictions_reach_every_reader_and_the_view_equals_the_pool(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A pool of 24 chunks takes 12 prompts of 4: the oldest go; the readers' views end
+    equal to what lookups find, chunk for chunk."""
+    srv = server_factory("1MiB")  # 32 slots of 32 KiB; eviction keeps some room free
+    with srv.client() as a, srv.client() as b:
+        register(a), register(b)
+        fa, fb = Follower(a), Follower(b)
+        prompts = {1000 * (i + 1): 4 for i in range(12)}
+        for start, n in prompts.items():
+            store(a, toks(start, n), n)
+            fb.catch_up()  # b reads as it goes, a only at the end
+        deadline = time.monotonic() + 10
+        while a.stats().evictions == 0:
+            assert time.monotonic() < deadline, "nothing was evicted"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the eviction pass ends
+        held = fa.notes()
+        assert held == fb.notes()
+        assert 0 < len(held) < 48
+        truth = set()
+        for start, n in prompts.items():
+            tokens = toks(start, n)
+            for i in range(n):  # one chunk at a time: by its precomputed position
+                out = [np.zeros_like(chunk_data(tokens, i))]  # type: ignore[call-overload]
+                got = a.retrieve(tokens[: (i + 1) * CHUNK_SIZE], out, first_chunk=i)
+                if got.retrieved == [i]:
+                    truth.add(note(tokens, i))
+        assert held == truth
+
+
+def test_a_store_that_never_commits_is_never_announced(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    srv = server_factory(extra=["--write-ttl", "0.5"])
+    with srv.client() as a, srv.client() as b:
+        register(a), register(b)
+        fb = Follower(b)
+        tokens = toks(1, 2)
+        a.prepare_store(tokens, notes=[b"x", b"y"])  # reserved, never written
+        time.sleep(1.0)
+        a.ping()
+        assert b.stats().write_leases == 0  # expired
+        assert fb.notes() == set()
+
+
+def test_a_reader_far_behind_resyncs(server_factory: Callable[..., ServerProcess]) -> None:
+    srv = server_factory(extra=["--chunk-feed-events", "4"])
+    with srv.client() as a, srv.client() as b:
+        register(a), register(b)
+        fb = Follower(b)
+        fb.catch_up()
+        for start in (100, 2000, 4000):
+            store(a, toks(start, 3), 3)
+        a.clear()
+        store(a, toks(9000, 2), 2)
+        assert fb.notes() == {note(toks(9000, 2), i) for i in range(2)}
+        assert fb.resyncs == 2
+        assert a.stats().chunk_feed["resyncs"] >= 1
+
+
+def test_a_restarted_server_is_a_new_feed(server_factory: Callable[..., ServerProcess]) -> None:
+    srv = server_factory()
+    with srv.client(timeout=5.0) as a, srv.client(timeout=5.0) as b:
+        register(a), register(b)
+        fb = Follower(b)
+        store(a, toks(1, 2), 2)
+        assert len(fb.notes()) == 2
+        old_epoch = fb.epoch
+        srv.kill()
+        srv.start()
+        for c in (a, b):
+            with pytest.raises(NotRegisteredError):
+                c.read_chunk_events(0)
+            register(c)
+        store(a, toks(77, 1), 1)
+        assert fb.notes() == {note(toks(77, 1), 0)}  # the old server's chunks are gone
+        assert fb.epoch != old_epoch
+
+
+def test_bad_feed_requests_get_clear_errors_and_change_nothing(server: ServerProcess) -> None:
+    with server.client() as a:
+        register(a)
+        store(a, toks(1, 2), 2)
+        tokens = toks(500, 2)
+        data = [chunk_data(tokens, i) for i in range(2)]
+        for notes, match in (
+            ([b"one"], "1 notes for 2 chunks"),
+            ([b"ok", bytes(65 * 1024)], "note is 66560 bytes"),
+        ):
+            with pytest.raises(ValueError if len(notes) == 1 else ServerError, match=match):
+                a.store(tokens, data, notes=notes)
+        # The same, past the client's own check: the server answers BAD_REQUEST.
+        with pytest.raises(ServerError, match="1 notes for 2 chunks"):
+            a._call(p.PrepareStore(a._rid(), a._token(), a._selector(tokens, None, False, ""), 0,
+                                   [b"one"]))  # fmt: skip
+        for after, limit in ((-1, 10), (0, 0)):
+            with pytest.raises(ServerError, match="after must be >= 0 and limit >= 1"):
+                a.read_chunk_events(after, limit)
+        with pytest.raises(ServerError, match="no snapshot page 3"):
+            a._call(p.ReadChunkSnapshot(a._rid(), a._token(), 3))
+        s = a.stats()
+        assert s.objects == 2 and s.used == 2 * CHUNK_BYTES and s.write_leases == 0
+        assert Follower(a).notes() == {note(toks(1, 2), i) for i in range(2)}
+        assert a.lookup(tokens).hits == 0
+
+
+def read_first_page_and_hang(endpoint: str, ready: Any) -> None:
+    client = Client(endpoint)
+    register(client)
+    reply = client._call(p.ReadChunkSnapshot(client._rid(), client._token(), 0))
+    assert reply.next_page == 1
+    ready.set()
+    time.sleep(3600)
+
+
+def test_a_reader_killed_mid_snapshot_leaves_nothing(server: ServerProcess) -> None:
+    """Three pages of 60 KiB notes; the reader dies after the first: its snapshot goes
+    with its registration (the server watches its process)."""
+    with server.client() as a:
+        register(a)
+        tokens = toks(3, 40)
+        notes = [bytes([i]) * (60 * 1024) for i in range(40)]
+        a.store(tokens, [chunk_data(tokens, i) for i in range(40)], notes=notes)
+        _, seq, chunks = a.read_chunk_snapshot()  # every page, in order
+        assert sorted(ev.note for ev in chunks) == sorted(notes) and seq == 40
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        proc = ctx.Process(target=read_first_page_and_hang, args=(server.endpoint, ready))
+        proc.start()
+        try:
+            assert ready.wait(60)
+            assert a.stats().chunk_feed["open_snapshots"] == 1
+        finally:
+            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            proc.join(30)
+        deadline = time.monotonic() + 15
+        while a.stats().chunk_feed["open_snapshots"]:
+            assert time.monotonic() < deadline, "the dead reader's snapshot was kept"
+            time.sleep(0.1)
+        assert a.stats().clients == 1
