@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from support.httputil import free_port, get_json, request
 from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, register
 from tierkv import protocol as p
 from tierkv.client import Client, NotRegisteredError, ServerError
@@ -230,3 +231,19 @@ def test_a_reader_killed_mid_snapshot_leaves_nothing(server: ServerProcess) -> N
             assert time.monotonic() < deadline, "the dead reader's snapshot was kept"
             time.sleep(0.1)
         assert a.stats().clients == 1
+
+
+def test_the_feed_in_status_and_metrics(server_factory: Callable[..., ServerProcess]) -> None:
+    port = free_port()
+    srv = server_factory(extra=["--http-port", str(port)])
+    with srv.client() as a:
+        register(a)
+        store(a, toks(1, 3), 3)
+        a.clear()
+        feed = get_json(f"http://127.0.0.1:{port}/status")["chunk_feed"]
+        assert feed["seq"] == 6 and feed["held_chunks"] == 0 and feed["epoch"] > 0
+        reply = request("GET", f"http://127.0.0.1:{port}/metrics")
+        text = reply.body.decode()
+        assert reply.status == 200
+        assert "tierkv_chunk_feed_events_total 6.0" in text
+        assert "tierkv_chunk_feed_held_chunks 0.0" in text

@@ -111,6 +111,28 @@ class StatsCollector(Collector):
             "client_idle_ttl without a request",
             locks["clients_expired"],
         )
+        feed = st["chunk_feed"]
+        if feed:
+            yield _counter(
+                "tierkv_chunk_feed_events",
+                "Events of the chunk feed (noted chunks stored and removed) since start",
+                feed["seq"],
+            )
+            yield _counter(
+                "tierkv_chunk_feed_resyncs",
+                "Chunk feed reads answered 'resync' (the reader was behind what the log keeps)",
+                feed["resyncs"],
+            )
+            yield _gauge(
+                "tierkv_chunk_feed_held_chunks",
+                "Noted chunks the pool holds (what engines announce to routers)",
+                feed["held_chunks"],
+            )
+            yield _gauge(
+                "tierkv_chunk_feed_note_bytes",
+                "Bytes of the notes of the chunks the pool holds",
+                feed["held_note_bytes"],
+            )
         ev = st["evictions"]
         yield _counter("tierkv_evictions", "Objects evicted from the pool", ev["objects"])
         yield _counter("tierkv_evicted_bytes", "Pool bytes freed by eviction", ev["bytes"])

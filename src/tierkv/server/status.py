@@ -277,6 +277,8 @@ def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
             "default_limit": s.default_quota,
             "rows": [msgspec.to_builtins(t) for t in s.tenants],
         },
+        # The chunk feed engines read for KV events (tierkv.server.chunk_feed).
+        "chunk_feed": s.chunk_feed,
         # Membership, directory, per-peer transfers (None when not in a cluster).
         "cluster": s.cluster or None,
         "config": as_dict(cfg),
