@@ -19,6 +19,7 @@ import pytest
 from support.httputil import free_port, get_json, request
 from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, register
 from tierkv import protocol as p
+from tierkv.chunk_follower import ChunkFollower
 from tierkv.client import Client, NotRegisteredError, ServerError
 
 pytestmark = pytest.mark.processes
@@ -38,33 +39,15 @@ def store(client: Client, tokens: list[int], n: int, noted: bool = True) -> None
     assert got.stored == list(range(n)), got
 
 
-class Follower:
+class Follower(ChunkFollower):
     """An engine's view of the pool built only from the feed (what it would announce)."""
 
     def __init__(self, client: Client) -> None:
-        self.client = client
-        self.held: dict[bytes, bytes] = {}
-        self.epoch = 0
-        self.after = 0
-        self.resyncs = 0
+        super().__init__(client.read_chunk_events, client.read_chunk_snapshot, limit=5)
 
     def catch_up(self) -> dict[bytes, bytes]:
-        while True:
-            reply = self.client.read_chunk_events(self.after, limit=5)
-            if reply.resync or reply.epoch != self.epoch:
-                self.resyncs += 1
-                self.epoch, self.after, chunks = self.client.read_chunk_snapshot()
-                self.held = {ev.key: ev.note for ev in chunks}
-                continue
-            for ev in reply.events:
-                if ev.kind == p.CHUNK_STORED:
-                    self.held[ev.key] = ev.note
-                else:
-                    assert ev.kind == p.CHUNK_REMOVED and not ev.note
-                    del self.held[ev.key]  # only what was announced is withdrawn
-            self.after = reply.last
-            if not reply.events:
-                return self.held
+        self.poll()
+        return self.held
 
     def notes(self) -> set[bytes]:
         return set(self.catch_up().values())

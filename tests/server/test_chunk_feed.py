@@ -10,6 +10,7 @@ import pytest
 
 from tierkv import protocol as p
 from tierkv.allocator import Allocator
+from tierkv.chunk_follower import ChunkFollower
 from tierkv.index import ObjectIndex
 from tierkv.server.chunk_feed import PAGE_CHUNKS, ChunkFeed, SnapshotPages
 
@@ -43,39 +44,24 @@ def store(index: ObjectIndex, keys: list[bytes], notes: list[bytes] | None = Non
         index.commit(res.lease_id, 1)
 
 
-class Reader:
-    """What an engine keeps: the noted chunks of its namespaces as the feed told it."""
+class Reader(ChunkFollower):
+    """An engine following ``feed`` for ``namespaces`` (as the server's RPC would)."""
 
     def __init__(self, feed: ChunkFeed, namespaces: set[bytes]) -> None:
-        self.feed, self.namespaces = feed, namespaces
-        self.held: dict[bytes, bytes] = {}
-        self.after = 0
-        self.epoch = 0
-        self.resyncs = 0
+        self.feed = feed
+        super().__init__(self._events, self._snapshot)
+        self.namespaces = namespaces
+
+    def _events(self, after: int, limit: int) -> p.ChunkEvents:
+        batch = self.feed.read(self.namespaces, after, limit)
+        return p.ChunkEvents(0, self.feed.epoch, batch.events, batch.last, batch.resync)
+
+    def _snapshot(self) -> tuple[int, int, list[p.ChunkEvent]]:
+        return (self.feed.epoch, *self.feed.snapshot(self.namespaces))
 
     def catch_up(self, limit: int = 7) -> None:
-        while True:
-            if self.epoch != self.feed.epoch:
-                self.resync()
-                continue
-            batch = self.feed.read(self.namespaces, self.after, limit)
-            if batch.resync:
-                self.resync()
-                continue
-            for ev in batch.events:
-                if ev.kind == p.CHUNK_STORED:
-                    self.held[ev.key] = ev.note
-                else:
-                    self.held.pop(ev.key, None)
-            self.after = batch.last
-            if not batch.events:
-                return
-
-    def resync(self) -> None:
-        self.resyncs += 1
-        self.epoch = self.feed.epoch
-        self.after, chunks = self.feed.snapshot(self.namespaces)
-        self.held = {ev.key: ev.note for ev in chunks}
+        self.limit = limit
+        self.poll()
 
 
 def test_noted_commits_are_announced_to_their_namespace_only() -> None:
@@ -230,3 +216,38 @@ def test_notes_must_match_the_keys() -> None:
     with pytest.raises(ValueError, match="2 keys but 1 notes"):
         index.reserve_write([key(NS_A, 0), key(NS_A, 1)], LEN, holder=1, notes=[b"x"])
     assert index.used == 0
+
+
+def test_the_changes_to_announce_converge_whatever_was_missed() -> None:
+    """What an engine announces is the sum of the changes it took; after a resync the
+    changes carry the removed chunks' old notes (the server's removals carry keys only)."""
+    index, feed, _ = fed_index(slots=64, max_events=4)
+    reader = Reader(feed, {NS_A})
+    announced: dict[bytes, bytes] = {}
+
+    def publish() -> None:
+        reader.catch_up()
+        for change in reader.take():
+            if change.held:
+                announced[change.key] = change.note
+            else:
+                assert announced.pop(change.key) == change.note
+
+    store(index, [key(NS_A, i) for i in range(3)], [b"a", b"b", b"c"])
+    publish()
+    assert announced == {key(NS_A, 0): b"a", key(NS_A, 1): b"b", key(NS_A, 2): b"c"}
+    index.delete([key(NS_A, 0)])
+    store(index, [key(NS_A, i) for i in range(3, 9)], [b"%d" % i for i in range(3, 9)])
+    index.delete([key(NS_A, 1)])
+    store(index, [key(NS_A, 1)], [b"b again"])  # re-stored with another note
+    publish()  # far behind: a resync
+    assert reader.resyncs == 2
+    assert announced == {ev.key: ev.note for ev in feed.snapshot({NS_A})[1]}
+    assert announced[key(NS_A, 1)] == b"b again"
+    gone = reader.forget()
+    assert {c.key for c in gone} == set(announced) and not any(c.held for c in gone)
+    assert reader.take() == [] and reader.held == {}
+    for change in gone:
+        assert announced.pop(change.key) == change.note
+    publish()  # starts afresh
+    assert reader.resyncs == 3 and announced == {ev.key: ev.note for ev in feed.snapshot({NS_A})[1]}
