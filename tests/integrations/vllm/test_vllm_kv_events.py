@@ -1,0 +1,107 @@
+"""KV events of the pool in vLLM's form, against vLLM's own: a chunk's note describes its
+blocks exactly as vLLM's block pool does when it caches them (hashes, parent, token ids,
+LoRA, cache salt, group), and ranks' parts announce a chunk only when all are held."""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from tierkv.chunk_follower import Change
+    from tierkv.integrations.vllm.kv_events import (
+        MEDIUM,
+        RankedBlocks,
+        chunk_note,
+        removed_event,
+        stored_event,
+    )
+except ImportError:  # the conftest fails every test with the reason
+    pass
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 16
+CHUNK_BLOCKS = 4  # a chunk of 64 tokens
+
+
+def request(tokens: list[int], **kw: object) -> Request:
+    init_none_hash(sha256_cbor)
+    return Request(
+        "r",
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256_cbor),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def vllms_own(req: Request, first: int, count: int, group: int = 0) -> BlockStored:
+    """The event vLLM's block pool emits for caching blocks first..first+count of req."""
+    pool = BlockPool(64, enable_caching=True, hash_block_size=BLOCK, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(first + count)
+    if first:
+        pool.cache_full_blocks(req, blocks[:first], 0, first, BLOCK, group)
+        pool.take_events()
+    pool.cache_full_blocks(req, blocks, first, first + count, BLOCK, group)
+    (event,) = pool.take_events()
+    assert isinstance(event, BlockStored)
+    return event
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"cache_salt": "tenant-7"},
+        {"lora_request": LoRARequest("adapter-a", 3, "/nowhere")},
+    ],
+    ids=["plain", "cache_salt", "lora"],
+)
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+def test_a_notes_event_is_vllms_own_event_in_the_pools_medium(
+    kw: dict[str, object], chunk: int
+) -> None:
+    req = request(list(range(1000, 1000 + 3 * CHUNK_BLOCKS * BLOCK + 5)), **kw)
+    first = chunk * CHUNK_BLOCKS
+    ours = stored_event(chunk_note(req, first, CHUNK_BLOCKS, BLOCK, group_idx=0))
+    theirs = vllms_own(req, first, CHUNK_BLOCKS)
+    assert ours.medium == MEDIUM and theirs.medium == "GPU"
+    for field in BlockStored.__struct_fields__:
+        if field != "medium":
+            assert getattr(ours, field) == getattr(theirs, field), field
+    assert len(ours.block_hashes) == CHUNK_BLOCKS and len(ours.token_ids) == CHUNK_BLOCKS * BLOCK
+    removed = removed_event(chunk_note(req, first, CHUNK_BLOCKS, BLOCK, group_idx=0))
+    assert removed == BlockRemoved(block_hashes=theirs.block_hashes, medium=MEDIUM, group_idx=0)
+
+
+def test_a_chunk_beyond_the_requests_hashes_is_refused() -> None:
+    req = request(list(range(2 * BLOCK)))
+    with pytest.raises(ValueError, match="2 block hashes, not 4"):
+        chunk_note(req, 0, 4, BLOCK)
+
+
+def test_ranks_announce_a_chunk_once_every_part_is_held_and_withdraw_it_at_the_first_loss() -> None:
+    req = request(list(range(2 * CHUNK_BLOCKS * BLOCK)))
+    n0, n1 = (chunk_note(req, c * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK) for c in range(2))
+    blocks = RankedBlocks(ranks=2)
+    assert blocks.events([Change(True, b"r0c0", n0), Change(True, b"r0c1", n1)]) == []
+    (stored,) = blocks.events([Change(True, b"r1c0", n0)])
+    assert isinstance(stored, BlockStored) and stored == stored_event(n0)
+    assert blocks.events([Change(True, b"r1c0", n0)]) == []  # told twice: once announced
+    (removed,) = blocks.events([Change(False, b"r0c0", n0)])
+    assert removed == removed_event(n0)
+    assert blocks.events([Change(False, b"r1c0", n0), Change(False, b"r0c1", n1)]) == []
+    # Another engine's note in another form is announced as nothing, never as garbage.
+    one = RankedBlocks(ranks=1)
+    assert one.events([Change(True, b"x", b"not a vLLM event"), Change(True, b"y", n1)]) == [
+        stored_event(n1)
+    ]
