@@ -892,6 +892,12 @@ class Client:
                 return reply.epoch, reply.seq, chunks
             page = reply.next_page
 
+    def router_lookup(self, body: bytes) -> tuple[int, bytes]:
+        """A router's ``POST /lookup`` ``body`` answered by the server: (HTTP status, JSON
+        body). Needs no registration; the auth token where the server has one."""
+        reply: p.RouterAnswer = self._call(p.RouterLookup(self._rid(), self.auth_token, body))
+        return reply.status, reply.body
+
     # -- administration --------------------------------------------------------------------
     def ping(self, timeout: float | None = None) -> None:
         self._call(p.Ping(self._rid()), timeout=timeout)

@@ -23,7 +23,7 @@ import msgspec
 
 # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
 # salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
-# (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot)
+# (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup
 PROTOCOL_VERSION = 5
 
 
@@ -196,6 +196,16 @@ class ReadChunkSnapshot(Struct, tag="read_chunk_snapshot"):
     page: int = 0
 
 
+class RouterLookup(Struct, tag="router_lookup"):
+    """A router's ``POST /lookup`` body, passed on by the server's HTTP front process
+    (:mod:`tierkv.server.front`); answered like the HTTP request (a status and a JSON
+    body). Needs the auth token on a server that has one."""
+
+    rid: int
+    auth_token: str
+    body: bytes
+
+
 class Ping(Struct, tag="ping"):
     rid: int
 
@@ -223,6 +233,7 @@ Request = (
     | GetStats
     | ReadChunkEvents
     | ReadChunkSnapshot
+    | RouterLookup
 )
 
 
@@ -336,6 +347,12 @@ class ChunkSnapshot(Struct, tag="chunk_snapshot"):
     seq: int  # the snapshot is current at this sequence number: read events after it
     chunks: list[ChunkEvent]  # stored events (seq 0) of what is held
     next_page: int  # 0: that was the last page
+
+
+class RouterAnswer(Struct, tag="router_answer"):
+    rid: int
+    status: int  # the HTTP status of the answer
+    body: bytes  # its JSON body
 
 
 class TierStats(msgspec.Struct, forbid_unknown_fields=True):
@@ -481,6 +498,7 @@ Reply = (
     | Stats
     | ChunkEvents
     | ChunkSnapshot
+    | RouterAnswer
 )
 
 _request_encoder = msgspec.msgpack.Encoder()

@@ -230,6 +230,9 @@ def typed_requests(env: RpcEnv) -> dict[type, st.SearchStrategy[Any]]:
         ),
         p.ReadChunkEvents: st.builds(p.ReadChunkEvents, rid=rid, client=tok, after=I64, limit=I64),
         p.ReadChunkSnapshot: st.builds(p.ReadChunkSnapshot, rid=rid, client=tok, page=I64),
+        p.RouterLookup: st.builds(
+            p.RouterLookup, rid=rid, auth_token=st.just(RPC_TOKEN) | TEXT, body=st.binary()
+        ),
     }
 
 

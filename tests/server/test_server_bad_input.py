@@ -131,6 +131,7 @@ def samples(token: int) -> dict[type, msgspec.Struct]:
         p.GetStats: p.GetStats(7, token, ""),
         p.ReadChunkEvents: p.ReadChunkEvents(7, token, 0),
         p.ReadChunkSnapshot: p.ReadChunkSnapshot(7, token, 0),
+        p.RouterLookup: p.RouterLookup(7, "", b'{"model": "m", "tokens": []}'),
     }
 
 
@@ -390,7 +391,7 @@ def test_unknown_client_token_for_every_request_that_names_one(
     raw = Raw(srv.endpoint)
     try:
         for typ, msg in samples(987654321).items():
-            if typ in (p.Register, p.Ping, p.GetStats):
+            if typ in (p.Register, p.Ping, p.GetStats, p.RouterLookup):
                 continue  # no client token (GetStats needs one only with --auth-token)
             expect_error(
                 raw.call(msg), EC.NOT_REGISTERED, "unknown client", "register again", rid=7

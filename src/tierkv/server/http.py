@@ -32,9 +32,10 @@ Reading (GET) needs no token. Errors are JSON: ``{"error": "..."}``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import secrets
+import os
 import socket
 import threading
 import time
@@ -48,9 +49,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from tierkv.server.engine_first import EnginesFirstMiddleware, no_gate
+from tierkv.server.front_process import FrontProcess, FrontSettings
+from tierkv.server.http_requests import (
+    authorized_body,
+    error_reply,
+    make_authorizer,
+)
 from tierkv.server.quotas import Quotas
 from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.service import CacheService
@@ -58,7 +64,6 @@ from tierkv.server.service import CacheService
 log = logging.getLogger(__name__)
 
 NAMESPACE_HEX = 32  # a namespace digest is 16 bytes
-MAX_BODY = 4096
 # The dashboard may talk to this server and nothing else.
 DASHBOARD_CSP = (
     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -103,41 +108,6 @@ def page_response(page: str) -> HTMLResponse:
     return HTMLResponse(
         page, headers={"Cache-Control": "no-store", "Content-Security-Policy": DASHBOARD_CSP}
     )
-
-
-def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-Authorizer = Callable[[Request], JSONResponse | None]
-
-
-def make_authorizer(auth_token: str) -> Authorizer:
-    """The check every state-changing request passes (see the module doc)."""
-
-    def authorize(request: Request) -> JSONResponse | None:
-        """None if ``request`` may change state, else the refusal (see the module doc)."""
-        origin = request.headers.get("origin")
-        if origin is not None and not _same_origin(origin, request):
-            return error_reply(403, f"cross-origin request from {origin[:100]!r} refused")
-        if not auth_token:
-            return None  # loopback only (see config validation): local users may clear
-        header = request.headers.get("authorization")
-        if header is None:
-            return error_reply(
-                401,
-                "this endpoint needs 'Authorization: Bearer <auth_token>' (the server's "
-                "--auth-token)",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), auth_token.encode()
-        ):
-            return error_reply(403, "wrong token", {"WWW-Authenticate": "Bearer"})
-        return None
-
-    return authorize
 
 
 def create_app(
@@ -194,50 +164,6 @@ def create_app(
     return app
 
 
-async def authorized_body(
-    request: Request, authorize: Authorizer, limit: int = MAX_BODY
-) -> bytes | JSONResponse:
-    """The body of a request that changes state (at most ``limit`` bytes), or the reply to
-    send instead (refused, too large, cut short)."""
-    denied = authorize(request)
-    if denied is not None:
-        return denied
-    return await read_body(request, limit)
-
-
-async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
-    """The request body, at most ``limit`` bytes (never buffers a huge one), or the reply
-    to send instead: 413 when it is larger (at once when its ``Content-Length`` says so:
-    the connection is closed, nothing of the body is waited for), 400 when the client went
-    away in the middle (a quiet event: any local process can do that; the reply goes
-    nowhere)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        return error_reply(
-            413,
-            f"body larger than {limit} bytes (Content-Length: {declared[:20]})",
-            {"Connection": "close"},
-        )
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return error_reply(413, f"body larger than {limit} bytes")
-    except ClientDisconnect:
-        log.debug(
-            "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
-        )
-        return error_reply(400, "the client disconnected before the end of the body")
-    return bytes(body)
-
-
-def _same_origin(origin: str, request: Request) -> bool:
-    """Whether ``origin`` (an Origin header) is this server as the client addressed it."""
-    host = request.headers.get("host")
-    return host is not None and origin.lower() == f"{request.url.scheme}://{host}".lower()
-
-
 def _parse_clear_body(body: bytes) -> bytes:
     """The namespace prefix a /clear-cache body names (b"" for everything)."""
     if not body.strip():
@@ -274,12 +200,17 @@ class HttpSettings(Protocol):
 
 
 class HttpServer:
-    """uvicorn serving an app on a pre-bound socket, on its own thread."""
+    """uvicorn serving an app on a pre-bound socket, on its own thread. With ``front``, the
+    port belongs to an HTTP front process (:mod:`tierkv.server.front`) and the app serves
+    the front only, on a private Unix socket (``front.core_socket``)."""
 
-    def __init__(self, cfg: HttpSettings, app: FastAPI) -> None:
+    def __init__(self, cfg: HttpSettings, app: FastAPI, front: FrontSettings | None = None) -> None:
         self.host, self.port = cfg.http_host, cfg.http_port
         self.url = cfg.http_url
         self.sock: socket.socket | None = None
+        self.front_settings = front
+        self.front: FrontProcess | None = None
+        self._core_sock: socket.socket | None = None
         config = uvicorn.Config(
             app,
             log_config=None,  # keep the server's logging set-up
@@ -305,8 +236,11 @@ class HttpServer:
                 "another --http-port (0 disables HTTP)"
             ) from None
         self.sock.set_inheritable(False)
+        served = self.sock
+        if self.front_settings is not None:
+            served = self._core_sock = _private_socket(self.front_settings.core_socket)
         self._thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, name="tierkv-http", daemon=True
+            target=self.server.run, kwargs={"sockets": [served]}, name="tierkv-http", daemon=True
         )
         self._thread.start()
         deadline = time.monotonic() + timeout
@@ -316,9 +250,15 @@ class HttpServer:
             if time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start in time")
             time.sleep(0.01)
+        if self.front_settings is not None:
+            self.front = FrontProcess(self.sock, self.front_settings)
+            self.front.start()
         log.info("HTTP on %s (dashboard, /status, /metrics, /healthcheck)", self.url)
 
     def stop(self, timeout: float = 5.0) -> None:
+        if self.front is not None:
+            self.front.stop(timeout)
+            self.front = None
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)
@@ -326,6 +266,29 @@ class HttpServer:
         self.close()
 
     def close(self) -> None:
-        """Release the socket (also when the server never started)."""
+        """Release the sockets (also when the server never started)."""
         if self.sock is not None:
             self.sock.close()
+        if self._core_sock is not None:
+            self._core_sock.close()
+            self._core_sock = None
+            assert self.front_settings is not None
+            with contextlib.suppress(OSError):
+                os.unlink(self.front_settings.core_socket)
+
+
+def _private_socket(path: str) -> socket.socket:
+    """A listening Unix socket at ``path`` that only this user can connect to (a stale
+    file of a server that was killed is replaced)."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock

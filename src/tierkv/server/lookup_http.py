@@ -39,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierkv.cluster.router_lookup import MAX_BODY, LookupError_
 from tierkv.priority import sharing_the_gil
-from tierkv.server.http import Authorizer, authorized_body, error_reply
+from tierkv.server.http_requests import Authorizer, authorized_body, error_reply
 
 AT_ONCE = 2  # lookups answered at a time (two: one may wait on a directory round trip)
 

@@ -33,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierkv.priority import sharing_the_gil
 from tierkv.server.engine_first import no_gate
-from tierkv.server.http import Authorizer, authorized_body, error_reply
+from tierkv.server.http_requests import Authorizer, authorized_body, error_reply
 from tierkv.server.quotas import (
     GIB,
     UNLIMITED,

@@ -16,8 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import msgspec
+
 from tierkv import __version__, dtypes, keys
 from tierkv import protocol as p
+from tierkv.cluster.router_lookup import LookupError_
 from tierkv.config import ServerConfig
 from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
@@ -102,9 +105,14 @@ class CacheService:
             p.GetStats: self.stats,
             p.ReadChunkEvents: self.read_chunk_events,
             p.ReadChunkSnapshot: self.read_chunk_snapshot,
+            p.RouterLookup: self.router_lookup,
         }
         # Requests that may take long (whole-index walks) run on the worker pool.
-        self.blocking: frozenset[type] = frozenset({p.Clear, p.GetStats, p.ReadChunkSnapshot})
+        # Router lookups may wait for the directory's owners (a network round trip).
+        self.blocking: frozenset[type] = frozenset(
+            {p.Clear, p.GetStats, p.ReadChunkSnapshot, p.RouterLookup}
+        )
+        self._router_lookup: Callable[[bytes], dict[str, object]] | None = None
         self._publisher: CommitPublisher | None = None
         self._publish_timeout = 0.0
 
@@ -116,6 +124,24 @@ class CacheService:
         self._publisher = publisher
         self._publish_timeout = timeout
         self.blocking = self.blocking | {p.CommitStore}
+
+    def serve_router_lookups(self, answer: Callable[[bytes], dict[str, object]]) -> None:
+        """Answer ROUTER_LOOKUP (a cluster's ``POST /lookup``, from the HTTP front) with
+        ``answer`` (:mod:`tierkv.cluster.router_lookup`)."""
+        self._router_lookup = answer
+
+    def router_lookup(self, req: p.RouterLookup) -> p.RouterAnswer:
+        if not self.token_ok(req.auth_token):
+            raise RequestError(p.ErrorCode.UNAUTHORIZED, "router lookups need the auth token")
+        answer = self._router_lookup
+        if answer is None:
+            return p.RouterAnswer(req.rid, 404, _error_body(
+                "POST /lookup is answered by servers in a cluster (or the controller)"
+            ))  # fmt: skip
+        try:
+            return p.RouterAnswer(req.rid, 200, msgspec.json.encode(answer(req.body)))
+        except LookupError_ as exc:
+            return p.RouterAnswer(req.rid, exc.status, _error_body(str(exc)))
 
     # -- dispatch --------------------------------------------------------------------------
     def handle(self, req: Any) -> Any:
@@ -535,6 +561,10 @@ class CacheService:
         if req.client not in self.registry and not self.token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         return self.snapshot(req.rid)
+
+
+def _error_body(message: str) -> bytes:
+    return msgspec.json.encode({"error": message})
 
 
 def _check_notes(notes: list[bytes], chunks: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,7 @@ from tierkv.pool import ShmPool, format_bytes
 from tierkv.server.chunk_feed import ChunkFeed
 from tierkv.server.collector import StatsCollector
 from tierkv.server.engine_first import EngineFirst
+from tierkv.server.front_process import FrontSettings
 from tierkv.server.health import Health
 from tierkv.server.http import HttpServer, create_app
 from tierkv.server.metrics import ServiceMetrics
@@ -245,8 +247,13 @@ class Server:
         self._started_part("rpc", self.rpc.close)
         self.rpc.start()
 
-        # HTTP: health, status, metrics, the dashboard, admin requests.
+        # HTTP: health, status, metrics, the dashboard, admin requests; served by a front
+        # process that answers routers' lookups over RPC (tierkv.server.front).
         self.http = None
+        if cluster is not None:
+            self.service.serve_router_lookups(
+                functools.partial(cluster.router_lookup, between=self.engines.wait_turn)
+            )
         if cfg.http_port:
             health = Health(self.rpc, self.eviction)
             app = create_app(
@@ -255,14 +262,17 @@ class Server:
                 health.checks,
                 cfg.auth_token,
                 self.quotas,
-                (
-                    functools.partial(cluster.router_lookup, between=self.engines.wait_turn)
-                    if cluster is not None
-                    else None
-                ),
+                None,  # POST /lookup: the front asks the RPC loop (ROUTER_LOOKUP)
                 self.engines.wait_turn,
             )
-            http = HttpServer(cfg, app)
+            front = FrontSettings(
+                core_socket=os.path.join(cfg.resolved_runtime_dir, "http.sock"),
+                rpc_endpoint=self.endpoint if cluster is not None else "",
+                auth_token=cfg.auth_token,
+                log_level=cfg.log_level,
+                log_format=cfg.log_format,
+            )
+            http = HttpServer(cfg, app, front)
             self._started_part("http", http.stop)
             http.start()
             self.http = http

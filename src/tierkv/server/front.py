@@ -1,0 +1,206 @@
+"""The HTTP front of a server: a process of its own that owns the server's HTTP port.
+
+Routers send ``POST /lookup`` all the time (50 of them back to back, in the campaign that
+measured it), and in the server's process the HTTP stack's Python (uvicorn, Starlette,
+FastAPI) held the GIL that the RPC loop needs for every engine request: an engine's LOOKUP
+p99 rose 2 to 5x however short the GIL's switch interval. So the HTTP work runs here:
+
+- ``POST /lookup`` (a cluster's): authorized and read here (:func:`tierkv.server.http.
+  authorized_body`), then answered by the server over RPC (ROUTER_LOOKUP, the body as it came:
+  the server parses, hashes and resolves it, on its worker pool, and returns the JSON);
+- every other request (dashboard, status, metrics, quotas, clear-cache) is passed on to the
+  server's own HTTP app, which serves a private Unix socket in its runtime directory.
+
+This process runs at a lower CPU priority than the server (:func:`tierkv.priority.
+data_thread`: a higher nice value and a long time slice, inherited by all its threads): on
+a busy node, an engine's request and the server's RPC loop take a core from it at once, and
+no lock or GIL is shared with them, so lowering it costs them nothing.
+
+The server starts it (:mod:`tierkv.server.front_process`), hands it the bound listening
+socket and restarts it if it dies; it exits with the server (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+import httpx
+import uvicorn
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from tierkv.client import Client
+from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
+from tierkv.logs import setup_logging
+from tierkv.priority import data_thread
+from tierkv.server.front_process import READY, TOKEN_ENV
+from tierkv.server.http_requests import (
+    Authorizer,
+    authorized_body,
+    error_reply,
+    make_authorizer,
+    read_body,
+)
+from tierkv.thread_names import name_os_threads
+
+log = logging.getLogger(__name__)
+
+MAX_PASSED_BODY = 64 * 2**10  # bodies passed on to the server (its endpoints take less)
+AT_ONCE = 4  # router lookups in flight to the server at a time
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",  # recomputed for the body as passed on
+    }
+)
+PR_SET_PDEATHSIG = 1
+
+
+class FrontApp:
+    """The front's ASGI app: router lookups over RPC, everything else to the server."""
+
+    def __init__(
+        self,
+        core: httpx.AsyncClient,
+        authorize: Authorizer,
+        router_lookup: Callable[[bytes], tuple[int, bytes]] | None,
+    ) -> None:
+        self.core = core
+        self.authorize = authorize
+        self.router_lookup = router_lookup
+        self.turns = asyncio.Semaphore(AT_ONCE)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan, no websockets
+        request = Request(scope, receive)
+        if self.router_lookup is not None and scope["path"] == "/lookup":
+            if request.method == "POST":
+                response = await self.lookup(request, self.router_lookup)
+            else:
+                response = error_reply(405, "Method Not Allowed", {"Allow": "POST"})
+        else:
+            response = await self.pass_on(request)
+        await response(scope, receive, send)
+
+    async def lookup(
+        self, request: Request, answer: Callable[[bytes], tuple[int, bytes]]
+    ) -> Response:
+        body = await authorized_body(request, self.authorize, MAX_LOOKUP_BODY)
+        if isinstance(body, Response):
+            return body
+        async with self.turns:
+            try:
+                status, reply = await run_in_threadpool(answer, body)
+            except Exception as exc:  # the server is down or restarting: say so, briefly
+                log.debug("router lookup failed: %s", exc)
+                return error_reply(503, f"the server did not answer: {exc}")
+        return Response(
+            reply,
+            status_code=status,
+            media_type="application/json",
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def pass_on(self, request: Request) -> Response:
+        body = await read_body(request, MAX_PASSED_BODY)
+        if isinstance(body, Response):
+            return body
+        # (values without surrounding blanks, which are not part of a value: RFC 9110 5.5)
+        headers = [(k, v.strip()) for k, v in request.headers.items() if k not in HOP_BY_HOP]
+        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+        try:
+            reply = await self.core.request(request.method, url, headers=headers, content=body)
+        except httpx.HTTPError as exc:
+            return error_reply(503, f"the server's HTTP did not answer: {exc}")
+        kept = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_BY_HOP}
+        return Response(reply.content, status_code=reply.status_code, headers=kept)
+
+
+class _Lookups:
+    """ROUTER_LOOKUP over RPC, one client per thread of the pool that runs them."""
+
+    def __init__(self, endpoint: str, auth_token: str) -> None:
+        self.endpoint, self.auth_token = endpoint, auth_token
+        self._local = threading.local()
+
+    def __call__(self, body: bytes) -> tuple[int, bytes]:
+        client: Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = Client(
+                self.endpoint, timeout=30.0, auth_token=self.auth_token
+            )
+        return client.router_lookup(body)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="tierkv's HTTP front (started by the server)")
+    ap.add_argument("--fd", type=int, required=True, help="the bound listening socket")
+    ap.add_argument("--core", required=True, help="the server's private HTTP socket (a path)")
+    ap.add_argument("--rpc", default="", help="the server's RPC endpoint (router lookups)")
+    ap.add_argument("--parent", type=int, default=0, help="exit if this pid is gone")
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-format", default="text")
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    if args.parent and os.getppid() != args.parent:
+        return  # the server died before this process could watch it
+    data_thread()  # before any thread starts: every thread of this process inherits it
+    name_os_threads("tierkv-front")
+    setup_logging(args.log_level, args.log_format)
+    token = os.environ.pop(TOKEN_ENV, "")
+    sock = socket.socket(fileno=args.fd)
+    core = httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=args.core), base_url="http://tierkv", timeout=60.0
+    )
+    lookups = _Lookups(args.rpc, token) if args.rpc else None
+    app = FrontApp(core, make_authorizer(token), lookups)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        server_header=False,
+        ws="none",
+        timeout_graceful_shutdown=2,
+    )
+    server = uvicorn.Server(config)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+
+    def tell_when_ready() -> None:
+        while not server.started and not server.should_exit:
+            threading.Event().wait(0.01)
+        if server.started:
+            os.write(sys.stdout.fileno(), READY)
+
+    threading.Thread(target=tell_when_ready, name="tierkv-front-ready", daemon=True).start()
+    server.run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    main()

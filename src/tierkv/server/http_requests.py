@@ -1,0 +1,95 @@
+"""The request-side pieces every tierkv HTTP app shares (a server's, its front's, the
+controller's): JSON errors, the authorization of state-changing requests, and bounded
+bodies. Starlette only: the front process imports this without FastAPI."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 4096
+
+
+def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+Authorizer = Callable[[Request], JSONResponse | None]
+
+
+def make_authorizer(auth_token: str) -> Authorizer:
+    """The check every state-changing request passes (see the module doc)."""
+
+    def authorize(request: Request) -> JSONResponse | None:
+        """None if ``request`` may change state, else the refusal (see the module doc)."""
+        origin = request.headers.get("origin")
+        if origin is not None and not _same_origin(origin, request):
+            return error_reply(403, f"cross-origin request from {origin[:100]!r} refused")
+        if not auth_token:
+            return None  # loopback only (see config validation): local users may clear
+        header = request.headers.get("authorization")
+        if header is None:
+            return error_reply(
+                401,
+                "this endpoint needs 'Authorization: Bearer <auth_token>' (the server's "
+                "--auth-token)",
+                {"WWW-Authenticate": "Bearer"},
+            )
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), auth_token.encode()
+        ):
+            return error_reply(403, "wrong token", {"WWW-Authenticate": "Bearer"})
+        return None
+
+    return authorize
+
+
+async def authorized_body(
+    request: Request, authorize: Authorizer, limit: int = MAX_BODY
+) -> bytes | JSONResponse:
+    """The body of a request that changes state (at most ``limit`` bytes), or the reply to
+    send instead (refused, too large, cut short)."""
+    denied = authorize(request)
+    if denied is not None:
+        return denied
+    return await read_body(request, limit)
+
+
+async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
+    """The request body, at most ``limit`` bytes (never buffers a huge one), or the reply
+    to send instead: 413 when it is larger (at once when its ``Content-Length`` says so:
+    the connection is closed, nothing of the body is waited for), 400 when the client went
+    away in the middle (a quiet event: any local process can do that; the reply goes
+    nowhere)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return error_reply(
+            413,
+            f"body larger than {limit} bytes (Content-Length: {declared[:20]})",
+            {"Connection": "close"},
+        )
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return error_reply(413, f"body larger than {limit} bytes")
+    except ClientDisconnect:
+        log.debug(
+            "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
+        )
+        return error_reply(400, "the client disconnected before the end of the body")
+    return bytes(body)
+
+
+def _same_origin(origin: str, request: Request) -> bool:
+    """Whether ``origin`` (an Origin header) is this server as the client addressed it."""
+    host = request.headers.get("host")
+    return host is not None and origin.lower() == f"{request.url.scheme}://{host}".lower()
