@@ -892,10 +892,11 @@ class Client:
                 return reply.epoch, reply.seq, chunks
             page = reply.next_page
 
-    def router_lookup(self, body: bytes) -> tuple[int, bytes]:
-        """A router's ``POST /lookup`` ``body`` answered by the server: (HTTP status, JSON
-        body). Needs no registration; the auth token where the server has one."""
-        reply: p.RouterAnswer = self._call(p.RouterLookup(self._rid(), self.auth_token, body))
+    def router_lookup(self, query: p.RouterQuery) -> tuple[int, bytes]:
+        """A router's ``POST /lookup`` (decoded and packed:
+        :func:`tierkv.cluster.router_lookup.query_of`) answered by the server: (HTTP status,
+        JSON body). Needs no registration; the auth token where the server has one."""
+        reply: p.RouterAnswer = self._call(p.RouterLookup(self._rid(), self.auth_token, query))
         return reply.status, reply.body
 
     # -- administration --------------------------------------------------------------------

@@ -117,6 +117,18 @@ def data_thread() -> None:
         pass  # not Linux, or not allowed: the thread keeps the process's priority
 
 
+def yielding_thread() -> None:
+    """Give the calling thread the data threads' long time slice, :data:`DATA_SLICE_NS`, at
+    its nice value: any thread of the default slice that wakes (an engine's, a server's RPC
+    loop) takes its core at once, and it keeps its fair share of the CPU otherwise. For a
+    process that serves others with less urgency (a server's HTTP front,
+    :mod:`tierkv.server.front`: its threads inherit it when called before they start), where
+    a higher nice value would starve it on a busy node."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        _set_nice_and_slice(tid, os.getpriority(os.PRIO_PROCESS, tid), DATA_SLICE_NS)
+
+
 def _control_slice_ns() -> int:
     """:data:`CONTROL_SLICE_NS`, or ``$TIERKV_CONTROL_SLICE_US`` microseconds (0: the
     kernel's default slice)."""

@@ -196,14 +196,26 @@ class ReadChunkSnapshot(Struct, tag="read_chunk_snapshot"):
     page: int = 0
 
 
+class RouterQuery(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """A router's ``POST /lookup``, checked and packed by the server's HTTP front process
+    (:mod:`tierkv.cluster.router_lookup`): the namespace by ``model`` or ``namespace`` (a
+    16-byte digest); the prompt as ``tokens`` (little-endian uint32 ids) or ``hashes``."""
+
+    model: str
+    namespace: bytes
+    tokens: bytes | None
+    hashes: list[bytes] | None
+    chunk_tokens: int
+
+
 class RouterLookup(Struct, tag="router_lookup"):
-    """A router's ``POST /lookup`` body, passed on by the server's HTTP front process
+    """A router's lookup, passed on by the server's HTTP front process
     (:mod:`tierkv.server.front`); answered like the HTTP request (a status and a JSON
     body). Needs the auth token on a server that has one."""
 
     rid: int
     auth_token: str
-    body: bytes
+    query: RouterQuery
 
 
 class Ping(Struct, tag="ping"):

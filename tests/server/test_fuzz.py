@@ -231,7 +231,17 @@ def typed_requests(env: RpcEnv) -> dict[type, st.SearchStrategy[Any]]:
         p.ReadChunkEvents: st.builds(p.ReadChunkEvents, rid=rid, client=tok, after=I64, limit=I64),
         p.ReadChunkSnapshot: st.builds(p.ReadChunkSnapshot, rid=rid, client=tok, page=I64),
         p.RouterLookup: st.builds(
-            p.RouterLookup, rid=rid, auth_token=st.just(RPC_TOKEN) | TEXT, body=st.binary()
+            p.RouterLookup,
+            rid=rid,
+            auth_token=st.just(RPC_TOKEN) | TEXT,
+            query=st.builds(
+                p.RouterQuery,
+                model=TEXT,
+                namespace=st.binary(max_size=20),
+                tokens=st.none() | st.binary(max_size=2048),
+                hashes=st.none() | st.lists(st.binary(max_size=70), max_size=8),
+                chunk_tokens=I64,
+            ),
         ),
     }
 

@@ -131,7 +131,7 @@ def samples(token: int) -> dict[type, msgspec.Struct]:
         p.GetStats: p.GetStats(7, token, ""),
         p.ReadChunkEvents: p.ReadChunkEvents(7, token, 0),
         p.ReadChunkSnapshot: p.ReadChunkSnapshot(7, token, 0),
-        p.RouterLookup: p.RouterLookup(7, "", b'{"model": "m", "tokens": []}'),
+        p.RouterLookup: p.RouterLookup(7, "", p.RouterQuery("m", b"", b"", None, 0)),
     }
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tierkv import protocol as p
 from tierkv.cluster import messages as m
 from tierkv.cluster import router_lookup
 from tierkv.cluster.control import ControlClient, ControlServer
@@ -290,7 +291,7 @@ class ClusterNode:
         self.directory.namespaces_changed()
 
     def router_lookup(
-        self, body: bytes, between: Callable[[], None] = lambda: None
+        self, query: p.RouterQuery, between: Callable[[], None] = lambda: None
     ) -> dict[str, object]:
         """``POST /lookup`` (:mod:`tierkv.cluster.router_lookup`) through this server's
         directory: the same answer, in ring or controller mode, as the controller's. The
@@ -307,8 +308,8 @@ class ClusterNode:
         named = {ns.digest for ns in namespaces}
         with self._lock:
             namespaces += [ns for d, ns in self._known_namespaces.items() if d not in named]
-        return router_lookup.answer(
-            body,
+        return router_lookup.answer_query(
+            query,
             namespaces,
             lambda ks: router_lookup.from_locations(self.directory.resolve(ks)),
             address,

@@ -26,6 +26,7 @@ import msgspec
 import numpy as np
 
 from tierkv import keys
+from tierkv import protocol as p
 from tierkv.cluster.directory import Location, Where
 from tierkv.controller import messages as cm
 from tierkv.controller.index import prefix_runs
@@ -57,32 +58,58 @@ class LookupError_(ValueError):
 
 
 def parse(body: bytes) -> LookupRequest:
+    """A ``POST /lookup`` body, decoded (JSON; token ids checked while decoding)."""
     try:
-        req = msgspec.json.decode(body, type=LookupRequest)
+        return msgspec.json.decode(body, type=LookupRequest)
     except msgspec.ValidationError as exc:
         if "`$.tokens[" in str(exc):
             raise LookupError_(400, f"token ids must be 0 <= id < 2**32 ({exc})") from None
         raise LookupError_(400, f"bad lookup request: {exc}") from None
     except msgspec.DecodeError as exc:
         raise LookupError_(400, f"the body is not JSON: {exc}") from None
-    if bool(req.model) == bool(req.namespace):
+
+
+def query_of(req: LookupRequest) -> p.RouterQuery:
+    """A decoded request, packed (token ids as bytes, hex as bytes) and checked
+    (:func:`check`): what a server's HTTP front sends the server (one C pass each: 4k token
+    ids in Python cost more than the rest of a lookup)."""
+    if req.namespace and not _is_hex(req.namespace, keys.DIGEST_SIZE):
+        raise LookupError_(400, "namespace must be 32 hex digits")
+    if req.hashes is not None and not all(_is_hex(h) for h in req.hashes):
+        raise LookupError_(400, "hashes must be hex strings of 1-64 bytes")
+    tokens = None
+    if req.tokens is not None:
+        packed = array.array("I", req.tokens)  # a C loop, no numpy
+        if sys.byteorder != "little":
+            packed.byteswap()
+        tokens = packed.tobytes()
+    hashes = [bytes.fromhex(h) for h in req.hashes] if req.hashes is not None else None
+    namespace = bytes.fromhex(req.namespace)
+    return check(p.RouterQuery(req.model, namespace, tokens, hashes, req.chunk_tokens))
+
+
+def check(query: p.RouterQuery) -> p.RouterQuery:
+    """``query`` if it can be answered, else LookupError_ (400) saying why."""
+    if bool(query.model) == bool(query.namespace):
         raise LookupError_(400, "give exactly one of model or namespace")
-    if (req.tokens is None) == (req.hashes is None):
+    if (query.tokens is None) == (query.hashes is None):
         raise LookupError_(400, "give exactly one of tokens or hashes")
-    if not 0 <= req.chunk_tokens <= keys.MAX_CHUNK_TOKENS or (
-        req.chunk_tokens and not req.namespace
+    if not 0 <= query.chunk_tokens <= keys.MAX_CHUNK_TOKENS or (
+        query.chunk_tokens and not query.namespace
     ):
         raise LookupError_(
             400, f"chunk_tokens must be 1..{keys.MAX_CHUNK_TOKENS}, and comes with a namespace"
         )
-    if req.namespace and not _is_hex(req.namespace, keys.DIGEST_SIZE):
+    if query.namespace and len(query.namespace) != keys.DIGEST_SIZE:
         raise LookupError_(400, "namespace must be 32 hex digits")
-    if req.hashes is not None:
-        if len(req.hashes) > MAX_CHUNKS:
+    if query.tokens is not None and len(query.tokens) % 4:
+        raise LookupError_(400, "token ids must be packed as 4 bytes each")
+    if query.hashes is not None:
+        if len(query.hashes) > MAX_CHUNKS:
             raise LookupError_(400, f"more than {MAX_CHUNKS} hashes")
-        if not all(_is_hex(h) for h in req.hashes):
+        if not all(0 < len(h) <= keys.MAX_PRECOMPUTED_HASH_SIZE for h in query.hashes):
             raise LookupError_(400, "hashes must be hex strings of 1-64 bytes")
-    return req
+    return query
 
 
 def _is_hex(text: str, size: int = 0) -> bool:
@@ -112,8 +139,20 @@ def answer(
     check point that lets its engines' requests go first
     (:mod:`tierkv.server.engine_first`)."""
     between()
-    req = parse(body)
+    query = query_of(parse(body))
+    return answer_query(query, namespaces, holders, address, between)
+
+
+def answer_query(
+    query: p.RouterQuery,
+    namespaces: Sequence[cm.NamespaceInfo],
+    holders: Holders,
+    address: Callable[[str], str | None],
+    between: Callable[[], None] = _no_pause,
+) -> dict[str, Any]:
+    """:func:`answer` for a request already decoded and packed (:func:`query_of`)."""
     between()
+    req = check(query)
     targets = _namespaces(req, namespaces)
     rows: list[dict[str, Any]] = []
     chunks = 0
@@ -146,15 +185,15 @@ def answer(
 
 
 def _namespaces(
-    req: LookupRequest, known: Sequence[cm.NamespaceInfo]
+    req: p.RouterQuery, known: Sequence[cm.NamespaceInfo]
 ) -> list[tuple[bytes, cm.NamespaceInfo | None]]:
     if req.namespace:
-        digest = bytes.fromhex(req.namespace)
+        digest = req.namespace
         info = next((ns for ns in known if ns.digest == digest), None)
         if info is None and req.tokens is not None and not req.chunk_tokens:
             raise LookupError_(
                 404,
-                f"namespace {req.namespace} is not registered here: its tokens per chunk are "
+                f"namespace {digest.hex()} is not registered here: its tokens per chunk are "
                 "unknown (give chunk_tokens, or look it up by hashes)",
             )
         return [(digest, info)]
@@ -164,19 +203,16 @@ def _namespaces(
     return sorted(found.items())
 
 
-def _keys(req: LookupRequest, digest: bytes, chunk_tokens: int) -> list[bytes]:
+def _keys(req: p.RouterQuery, digest: bytes, chunk_tokens: int) -> list[bytes]:
     if req.hashes is not None:
-        return keys.keys_from_hashes(digest, [bytes.fromhex(h) for h in req.hashes])
+        return keys.keys_from_hashes(digest, req.hashes)
     assert req.tokens is not None
-    n_chunks = len(req.tokens) // chunk_tokens
+    n_chunks = len(req.tokens) // 4 // chunk_tokens
     if n_chunks > MAX_CHUNKS:
         raise LookupError_(
             400, f"{n_chunks} chunks of {chunk_tokens} tokens: more than {MAX_CHUNKS}"
         )
-    packed = array.array("I", req.tokens[: n_chunks * chunk_tokens])  # a C loop, no numpy
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return keys.chunk_keys(digest, packed.tobytes(), chunk_tokens)
+    return keys.chunk_keys(digest, req.tokens[: n_chunks * chunk_tokens * 4], chunk_tokens)
 
 
 def from_locations(locations: list[list[Location]]) -> dict[str, I8]:

@@ -5,16 +5,18 @@ measured it), and in the server's process the HTTP stack's Python (uvicorn, Star
 FastAPI) held the GIL that the RPC loop needs for every engine request: an engine's LOOKUP
 p99 rose 2 to 5x however short the GIL's switch interval. So the HTTP work runs here:
 
-- ``POST /lookup`` (a cluster's): authorized and read here (:func:`tierkv.server.http.
-  authorized_body`), then answered by the server over RPC (ROUTER_LOOKUP, the body as it came:
-  the server parses, hashes and resolves it, on its worker pool, and returns the JSON);
+- ``POST /lookup`` (a cluster's): authorized, read, decoded and checked here (token ids
+  packed into bytes: :func:`tierkv.cluster.router_lookup.query_of`), then answered by the
+  server over RPC (ROUTER_LOOKUP: it hashes the prompt, asks its directory and returns the
+  JSON answer, on its worker pool);
 - every other request (dashboard, status, metrics, quotas, clear-cache) is passed on to the
   server's own HTTP app, which serves a private Unix socket in its runtime directory.
 
-This process runs at a lower CPU priority than the server (:func:`tierkv.priority.
-data_thread`: a higher nice value and a long time slice, inherited by all its threads): on
-a busy node, an engine's request and the server's RPC loop take a core from it at once, and
-no lock or GIL is shared with them, so lowering it costs them nothing.
+This process yields the CPU (:func:`tierkv.priority.yielding_thread`: a long time slice,
+inherited by all its threads): on a busy node, an engine's request and the server's RPC
+loop take a core from it at once, and no lock or GIL is shared with them. It keeps its
+nice value, and so its fair share of the CPU: a higher one starved the routers' lookups
+behind any busy process (p50 0.57 s under 50 routers on 2 cores).
 
 The server starts it (:mod:`tierkv.server.front_process`), hands it the bound listening
 socket and restarts it if it dies; it exits with the server (``PR_SET_PDEATHSIG``).
@@ -26,6 +28,7 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
+import json
 import logging
 import os
 import signal
@@ -42,9 +45,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from tierkv.client import Client
+from tierkv.cluster import router_lookup
 from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
 from tierkv.logs import setup_logging
-from tierkv.priority import data_thread
+from tierkv.priority import yielding_thread
 from tierkv.server.front_process import READY, TOKEN_ENV
 from tierkv.server.http_requests import (
     Authorizer,
@@ -144,12 +148,17 @@ class _Lookups:
         self._local = threading.local()
 
     def __call__(self, body: bytes) -> tuple[int, bytes]:
+        """(status, JSON body): decoded, checked and packed here; answered by the server."""
+        try:
+            query = router_lookup.query_of(router_lookup.parse(body))
+        except router_lookup.LookupError_ as exc:
+            return exc.status, json.dumps({"error": str(exc)}).encode()
         client: Client | None = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = Client(
                 self.endpoint, timeout=30.0, auth_token=self.auth_token
             )
-        return client.router_lookup(body)
+        return client.router_lookup(query)
 
 
 def _die_with_parent() -> None:
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     if args.parent and os.getppid() != args.parent:
         return  # the server died before this process could watch it
-    data_thread()  # before any thread starts: every thread of this process inherits it
+    yielding_thread()  # before any thread starts: every thread of this process inherits it
     name_os_threads("tierkv-front")
     setup_logging(args.log_level, args.log_format)
     token = os.environ.pop(TOKEN_ENV, "")

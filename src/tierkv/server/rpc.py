@@ -109,7 +109,9 @@ class RpcServer:
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
         self._bound = False
         self._scratch = bytearray(framing.SCRATCH_BYTES)  # shared: one reader runs at a time
-        self._results: queue.SimpleQueue[tuple[_Connection, bytes | None]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[_Connection, bytes | None, bool]] = (
+            queue.SimpleQueue()
+        )
         self._conns: dict[int, _Connection] = {}
 
     listener: socket.socket  # from start() on
@@ -232,17 +234,21 @@ class RpcServer:
             self._reply(conn, reply)
             return
         if type(req) in self.service.blocking:
-            self._executor.submit(self._run_blocking, conn, req)
-            self.engines.started()  # finished when its reply is forwarded (this thread)
+            # An engine's request counts until its reply is forwarded (on this thread);
+            # a router's lookup is the work that waits for them, not one of them.
+            engine = type(req) not in self.service.router_work
+            self._executor.submit(self._run_blocking, conn, req, engine)
+            if engine:
+                self.engines.started()
             return
         self._reply(conn, self.service.handle(req))
 
-    def _run_blocking(self, conn: _Connection, req: Any) -> None:
+    def _run_blocking(self, conn: _Connection, req: Any, engine: bool) -> None:
         payload = None  # no reply if the handler raised (the pool logs it)
         try:
             payload = self._encode(self.service.handle(req))
         finally:
-            self._results.put((conn, payload))
+            self._results.put((conn, payload, engine))
             with contextlib.suppress(BlockingIOError, OSError):
                 self._wake_w.send(b"x")
 
@@ -252,10 +258,11 @@ class RpcServer:
                 pass
         while True:
             try:
-                conn, payload = self._results.get_nowait()
+                conn, payload, engine = self._results.get_nowait()
             except queue.Empty:
                 return
-            self.engines.finished()
+            if engine:
+                self.engines.finished()
             if payload is not None and conn.sock.fileno() in self._conns:
                 self._send(conn, payload)
 

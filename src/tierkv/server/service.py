@@ -26,6 +26,7 @@ from tierkv.eviction import EvictionController
 from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.liveness import trackable
 from tierkv.pool import ShmPool
+from tierkv.priority import sharing_the_gil
 from tierkv.server.chunk_feed import MAX_NOTE_BYTES, ChunkFeed, SnapshotPages
 from tierkv.server.chunk_keys import ChunkKeys
 from tierkv.server.errors import RequestError
@@ -112,7 +113,10 @@ class CacheService:
         self.blocking: frozenset[type] = frozenset(
             {p.Clear, p.GetStats, p.ReadChunkSnapshot, p.RouterLookup}
         )
-        self._router_lookup: Callable[[bytes], dict[str, object]] | None = None
+        # Requests for routers, not engines: they wait at the engines-first check points
+        # (tierkv.server.engine_first) instead of holding them up.
+        self.router_work: frozenset[type] = frozenset({p.RouterLookup})
+        self._router_lookup: Callable[[p.RouterQuery], dict[str, object]] | None = None
         self._publisher: CommitPublisher | None = None
         self._publish_timeout = 0.0
 
@@ -125,9 +129,9 @@ class CacheService:
         self._publish_timeout = timeout
         self.blocking = self.blocking | {p.CommitStore}
 
-    def serve_router_lookups(self, answer: Callable[[bytes], dict[str, object]]) -> None:
+    def serve_router_lookups(self, answer: Callable[[p.RouterQuery], dict[str, object]]) -> None:
         """Answer ROUTER_LOOKUP (a cluster's ``POST /lookup``, from the HTTP front) with
-        ``answer`` (:mod:`tierkv.cluster.router_lookup`)."""
+        ``answer`` (:func:`tierkv.cluster.router_lookup.answer_query`)."""
         self._router_lookup = answer
 
     def router_lookup(self, req: p.RouterLookup) -> p.RouterAnswer:
@@ -139,9 +143,11 @@ class CacheService:
                 "POST /lookup is answered by servers in a cluster (or the controller)"
             ))  # fmt: skip
         try:
-            return p.RouterAnswer(req.rid, 200, msgspec.json.encode(answer(req.body)))
+            with sharing_the_gil():  # an engine's request waits for the GIL briefly
+                reply = msgspec.json.encode(answer(req.query))
         except LookupError_ as exc:
             return p.RouterAnswer(req.rid, exc.status, _error_body(str(exc)))
+        return p.RouterAnswer(req.rid, 200, reply)
 
     # -- dispatch --------------------------------------------------------------------------
     def handle(self, req: Any) -> Any:
