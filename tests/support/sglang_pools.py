@@ -164,3 +164,59 @@ def create_backend(config: Any, pool: Any) -> Any:
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     return backend
+
+
+def mamba_pool(
+    *,
+    layers: int = 3,
+    slots: int = 16,
+    heads: int = 4,
+    state_dim: int = 8,
+    conv_dim: int = 16,
+    conv_width: int = 3,
+    side_state: bool = True,
+    layout: str = "page_first",
+) -> Any:
+    """A real SGLang Mamba state host pool (``MambaPoolHost``): per slot an fp32 SSM state,
+    a bf16 conv state per layer and (``side_state``) an int32 per-slot side state, so a
+    page mixes three dtypes; page size 1 (one slot)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, heads, state_dim, state_dim, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, conv_dim, conv_width, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=(
+            (torch.zeros(slots, 6, dtype=torch.int32),) if side_state else ()
+        ),
+    )
+    return MambaPoolHost(
+        info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout
+    )
+
+
+def fill_random_mamba(pool: Any, seed: int) -> None:
+    """Random values in every state buffer of a Mamba host pool."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for buf in pool.get_hybrid_pool_buffer():
+        if buf.dtype.is_floating_point:
+            buf.copy_(torch.randn(buf.shape, generator=gen, dtype=torch.float32).to(buf.dtype))
+        else:
+            buf.copy_(torch.randint(-(2**30), 2**30, buf.shape, generator=gen, dtype=buf.dtype))
+
+
+def slot_bytes(pool: Any, slot: int) -> bytes:
+    """The bytes of one slot (page) of a flat-page pool, in SGLang's flat order."""
+    import torch
+
+    return bytes(pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).numpy())
+
+
+def slots(pool_slots: list[int]) -> Any:
+    """Host indices of Mamba slots (page size 1)."""
+    import torch
+
+    return torch.tensor(pool_slots, dtype=torch.int64)
