@@ -8,6 +8,9 @@ Runs in the SGLang environment (.venv-sglang): ``make test`` runs it there.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,8 @@ def backends() -> Iterator[list[Any]]:
 class Hybrid:
     """One engine rank's host pools: KV (the anchor), sliding-window KV, Mamba states."""
 
-    def __init__(self, **mamba: Any) -> None:
-        self.kv = sp.host_pool("mha", "page_first")
+    def __init__(self, kv: str = "mha", **mamba: Any) -> None:
+        self.kv = sp.host_pool(kv, "page_first")
         self.swa = sp.host_pool("mha", "page_first")
         self.mamba = sp.mamba_pool(**mamba)
 
@@ -284,3 +287,217 @@ def test_v2_answers_equal_sglangs_file_backend(
     assert ours[20] == [sp.page_bytes(mine.swa, p) for p in (5, 6)]
     assert ours[21] == [sp.page_bytes(mine.kv, p) for p in (0, 1, 2)]
     assert len(set(ours[21])) == 3  # random pages, not zeros
+
+
+# -- a pool that cannot restore its state exactly gives a miss -------------------------------
+def test_a_state_that_cannot_be_restored_exactly_is_a_miss(
+    srv: ServerProcess, backends: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    src = Hybrid()
+    src.fill(seed=5)
+    writer = make(backends, srv, src)
+    keys = keys_for("miss", 4)
+    assert writer.batch_set_v1(keys, sp.indices(src.kv, [0, 1, 2, 3])) == [True] * 4
+    assert writer.batch_set_v2([transfer(PoolName.MAMBA, [keys[3]], sp.slots([2]), trailing)])
+    mamba_q = [transfer(PoolName.MAMBA, ["?"], policy=trailing)]
+    assert make(backends, srv, Hybrid()).batch_exists_v2(keys, mamba_q).kv_hit_pages == 4
+    # Mamba states of other shapes (16 heads of 4x4 instead of 4 of 8x8) have the same size
+    # per slot: their bytes mean something else, so they are never restored from these.
+    other = make(backends, srv, Hybrid(heads=16, state_dim=4))
+    assert other.sidecars["mamba"].geometry.nbytes == writer.sidecars["mamba"].geometry.nbytes
+    assert (other.batch_exists_v2(keys, mamba_q).kv_hit_pages, other.batch_exists(keys)) == (0, 4)
+    reader = make(backends, srv, Hybrid())
+    caplog.set_level(logging.WARNING, logger="sglang.tierkv")
+    # A policy tierkv does not know, a pool it does not have: no hit, one line saying why.
+    for query in (
+        [transfer(PoolName.MAMBA, ["?"], policy=PoolHitPolicy.BLOCK_GROUPS)],
+        [transfer(PoolName.INDEXER, ["?"])],
+        [*mamba_q, transfer(PoolName.MAMBA, ["?"], policy="some_new_policy")],
+    ):
+        hit = reader.batch_exists_v2(keys, query)
+        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (0, []), query
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3 and "block_groups" in warnings[0] and "indexer" in warnings[1]
+    assert reader.batch_get_v2([transfer(PoolName.INDEXER, keys[:1], sp.indices(src.kv, [5]))]) == {
+        PoolName.INDEXER: [False]
+    }
+    assert_clean(srv)
+
+
+def test_mamba_states_are_per_rank_where_mla_kv_is_shared(
+    srv: ServerProcess, backends: list[Any]
+) -> None:
+    """With an MLA model the KV pages are the same on every rank (rank 0 writes them) but
+    the Mamba states are sharded: every rank stores and reads its own."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    ranks = [Hybrid(kv="mla") for _ in range(2)]
+    for r, hybrid in enumerate(ranks):
+        hybrid.fill(seed=10 + r)
+    backend = [make(backends, srv, ranks[r], mla=True, tp_rank=r, tp_size=2) for r in range(2)]
+    keys = keys_for("mla-mamba", 3)
+    mamba_q = [transfer(PoolName.MAMBA, ["?"], policy=trailing)]
+    for r in range(2):
+        assert backend[r].batch_set_v1(keys, sp.indices(ranks[r].kv, [0, 1, 2])) == [True] * 3
+    assert backend[1].batch_exists(keys) == 3  # rank 0's KV pages
+    stored = backend[0].batch_set_v2([transfer(PoolName.MAMBA, [keys[2]], sp.slots([5]), trailing)])
+    assert stored == {PoolName.MAMBA: [True]}
+    assert backend[0].batch_exists_v2(keys, mamba_q).kv_hit_pages == 3
+    assert backend[1].batch_exists_v2(keys, mamba_q).kv_hit_pages == 0  # not rank 1's state
+    assert backend[1].batch_set_v2([transfer(PoolName.MAMBA, [keys[2]], sp.slots([6]), trailing)])
+    assert backend[1].batch_exists_v2(keys, mamba_q).kv_hit_pages == 3
+    for r, slot in ((0, 5), (1, 6)):
+        reader = Hybrid(kv="mla")
+        fresh = make(backends, srv, reader, mla=True, tp_rank=r, tp_size=2)
+        got = fresh.batch_get_v2([transfer(PoolName.MAMBA, [keys[2]], sp.slots([0]), trailing)])
+        assert got == {PoolName.MAMBA: [True]}
+        assert sp.slot_bytes(reader.mamba, 0) == sp.slot_bytes(ranks[r].mamba, slot)
+
+
+# -- bad input: a logged miss, the server keeps serving --------------------------------------
+def test_bad_v2_input_is_a_logged_miss_and_stored_pages_stay_intact(
+    srv: ServerProcess, backends: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    src = Hybrid()
+    src.fill(seed=7)
+    backend = make(backends, srv, src)
+    keys = keys_for("bad-v2", 3)
+    good = backend.batch_set_v2(
+        [
+            transfer(PoolName.KV, keys, sp.indices(src.kv, [0, 1, 2])),
+            transfer(PoolName.MAMBA, keys[2:], sp.slots([4]), trailing),
+        ]
+    )
+    assert good == {PoolName.KV: [True] * 3, PoolName.MAMBA: [True]}
+    caplog.set_level(logging.WARNING, logger="sglang.tierkv")
+    mamba, kv = PoolName.MAMBA, PoolName.KV
+    for bad, expected in (
+        (transfer(mamba, keys[:2], sp.slots([5])), [False, False]),  # too few indices
+        (transfer(mamba, keys[:1], sp.slots([5, 6])), [False]),  # too many
+        (transfer(mamba, keys[:1], None), [False]),
+        (transfer(mamba, keys[:1], [5]), [False]),  # not a tensor
+        (transfer(mamba, keys[:1], sp.slots([10_000])), [False]),  # outside the pool
+        (transfer(mamba, keys[:1], sp.slots([-3])), [False]),
+        (transfer(mamba, [7], sp.slots([5])), [False]),  # a key that is not a str
+        (transfer(kv, ["", keys[0]], sp.indices(src.kv, [5, 6])), [False, False]),
+        (transfer("no-such-pool", keys[:1], sp.slots([5])), [False]),
+        (transfer(mamba, None, sp.slots([5])), []),
+    ):
+        for call in (backend.batch_set_v2, backend.batch_get_v2):
+            assert call([bad]) == {bad.name: expected}, (call, bad)
+    assert backend.batch_get_v2([object()]) == {}  # type: ignore[list-item]
+    assert backend.batch_set_v2(None) == {}
+    assert backend.batch_exists_v2([keys[0], 7], []).kv_hit_pages == 0  # type: ignore[list-item]
+    assert backend.batch_exists_v2(keys, [object()]).kv_hit_pages == 0  # type: ignore[list-item]
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) >= 10
+    # Bad input is the caller's, not the server's: no link took the server for down.
+    assert [s.link.failures for s in (backend.kv, *backend.sidecars.values())] == [0, 0, 0]
+    # The server kept serving, the stored pages are intact and nothing is left locked.
+    dst = Hybrid()
+    reader = make(backends, srv, dst)
+    hit = reader.batch_exists_v2(keys, [transfer(mamba, ["?"], policy=trailing)])
+    assert hit.kv_hit_pages == 3
+    got = reader.batch_get_v2(
+        [
+            transfer(kv, keys, sp.indices(dst.kv, [3, 4, 5])),
+            transfer(mamba, keys[2:], sp.slots([1]), trailing),
+        ]
+    )
+    assert got == {kv: [True] * 3, mamba: [True]}
+    assert [sp.page_bytes(dst.kv, p) for p in (3, 4, 5)] == [
+        sp.page_bytes(src.kv, p) for p in (0, 1, 2)
+    ]
+    assert sp.slot_bytes(dst.mamba, 1) == sp.slot_bytes(src.mamba, 4)
+    assert_clean(srv)
+
+
+# -- a server killed under v2 traffic --------------------------------------------------------
+def test_a_server_killed_and_restarted_under_v2_traffic_raises_nothing_and_hits_resume(
+    srv: ServerProcess, backends: list[Any]
+) -> None:
+    """kill -9 and a restart at the same endpoint while SGLang-like backup and prefetch
+    threads move KV pages and Mamba/SWA sidecars: no call raises, nothing read is wrong,
+    every pool's client registers again by itself and hybrid hits resume."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    src, dst = Hybrid(), Hybrid()
+    src.fill(seed=9)
+    fast = {"timeout": 0.5, "retry_interval": 0.2}
+    writer = make(backends, srv, src, extra=fast)
+    reader = make(backends, srv, dst, extra=fast)
+    query = [
+        transfer(PoolName.MAMBA, ["?"], policy=trailing),
+        transfer(PoolName.SWA, ["?", "?"], policy=trailing),
+    ]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    hits: list[list[int]] = [[] for _ in range(2)]
+
+    def traffic(t: int) -> None:
+        keys = keys_for(f"v2-traffic-{t}", 3)
+        mine = [3 * t, 3 * t + 1, 3 * t + 2]
+        while not stop.is_set():
+            try:
+                writer.batch_set_v2(
+                    [
+                        transfer(PoolName.MAMBA, keys[2:], sp.slots([t]), trailing),
+                        transfer(PoolName.SWA, keys[1:], sp.indices(src.swa, mine[1:]), trailing),
+                    ]
+                )
+                writer.batch_set_v1(keys, sp.indices(src.kv, mine))
+                hit = reader.batch_exists_v2(keys, query)
+                got = reader.batch_get_v2(
+                    [
+                        transfer(PoolName.KV, keys, sp.indices(dst.kv, mine)),
+                        transfer(PoolName.MAMBA, keys[2:], sp.slots([t]), trailing),
+                        transfer(PoolName.SWA, keys[1:], sp.indices(dst.swa, mine[1:]), trailing),
+                    ]
+                )
+                for ok, page in zip(got[PoolName.KV], mine, strict=True):
+                    assert not ok or sp.page_bytes(dst.kv, page) == sp.page_bytes(src.kv, page)
+                for ok, page in zip(got[PoolName.SWA], mine[1:], strict=True):
+                    assert not ok or sp.page_bytes(dst.swa, page) == sp.page_bytes(src.swa, page)
+                if got[PoolName.MAMBA] == [True]:
+                    assert sp.slot_bytes(dst.mamba, t) == sp.slot_bytes(src.mamba, t)
+                hits[t].append(hit.kv_hit_pages)
+            except BaseException as exc:  # what would reach SGLang
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=traffic, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: min(len(h) for h in hits) >= 3 or bool(errors))
+        srv.kill()
+        before = [len(h) for h in hits]
+        wait_until(lambda: min(len(h) - b for h, b in zip(hits, before, strict=True)) >= 2)
+        srv.start()
+        restarted = [len(h) for h in hits]
+        wait_until(
+            lambda: bool(errors) or all(3 in h[n:] for h, n in zip(hits, restarted, strict=True))
+        )
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert errors == [], errors
+    assert all(0 in h for h in hits)  # misses while the server was down
+    with srv.client() as c:
+        assert c.stats().clients == 6  # two engines, three pools each, registered once again
+    assert_clean(srv)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
