@@ -220,3 +220,61 @@ def slots(pool_slots: list[int]) -> Any:
     import torch
 
     return torch.tensor(pool_slots, dtype=torch.int64)
+
+
+def single_rank() -> Any:
+    """A context in which SGLang's cache controller can be built outside a launched engine:
+    the parallel widths a launcher would publish, for one rank (no TP, PP or DCP)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(
+        attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False, tp_rank=0, tp_size=1, pp_rank=0,
+        pp_size=1,
+    )  # fmt: skip
+
+
+def hybrid_controller(extra: dict[str, Any], *, page_size: int = 16, pages: int = 32) -> Any:
+    """SGLang's real ``HybridCacheController`` on the CPU over a real device KV pool
+    (``MHATokenToKVPool``), its allocator, the host KV pool built from the device pool's
+    buffers and a Mamba state host pool, with the tierkv backend (``extra``: tierkv's keys)
+    attached as SGLang attaches a dynamic backend. Call inside :func:`single_rank`."""
+    import threading
+
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = page_size * pages
+    device = MHATokenToKVPool(
+        tokens, page_size, torch.bfloat16, 2, 16, 4, device="cpu", enable_memory_saver=False
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, page_size, torch.bfloat16, "cpu", device, need_sort=False
+    )
+    kv = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first",
+        pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0,
+        end_layer=4,
+    )  # fmt: skip
+    group = HostPoolGroup(
+        [
+            PoolEntry(PoolName.KV, kv, device, lambda layer: layer, is_primary_index_anchor=True),
+            PoolEntry(PoolName.MAMBA, mamba_pool(), None, lambda layer: None),
+        ]
+    )
+    config = {
+        "backend_name": "tierkv",
+        "module_path": "tierkv.integrations.sglang",
+        "class_name": "TierKVStorage",
+        "interface_v1": 1,
+        **extra,
+    }
+    return HybridCacheController(
+        allocator, group, page_size, tp_group=None, load_cache_event=threading.Event(),
+        io_backend="direct", storage_backend="dynamic", model_name="tiny-hybrid",
+        storage_backend_extra_config=config,
+    )  # fmt: skip
