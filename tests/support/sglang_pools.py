@@ -278,3 +278,29 @@ def hybrid_controller(extra: dict[str, Any], *, page_size: int = 16, pages: int 
         io_backend="direct", storage_backend="dynamic", model_name="tiny-hybrid",
         storage_backend_extra_config=config,
     )  # fmt: skip
+
+
+def dsa_pools(layout: str = "page_first", *, page_size: int = 64, pages: int = 8) -> Any:
+    """A real DeepSeek sparse-attention pair: the MLA host KV pool and its DSA indexer
+    host pool (``DSAIndexerPoolHost``, uint8 index keys with their scales, on the KV pool's
+    host indices), both built from a real CPU ``DSATokenToKVPool``. Call inside
+    :func:`single_rank`."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    tokens = page_size * pages
+    device = DSATokenToKVPool(
+        tokens, page_size, 32, torch.bfloat16, 16, 2, "cpu", index_head_dim=128,
+        enable_memory_saver=False, kv_cache_dim=48,
+    )  # fmt: skip
+    kv = MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0,
+        end_layer=2, target_layer_num=2,
+    )  # fmt: skip
+    indexer = DSAIndexerPoolHost(
+        make_dsa_indexer_pool_decl(device), kv, pin_memory=False, device="cpu"
+    )
+    return kv, indexer

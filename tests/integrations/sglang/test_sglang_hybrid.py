@@ -178,6 +178,11 @@ def test_hybrid_pools_round_trip_byte_exact(srv: ServerProcess, backends: list[A
     }
     assert sp.slot_bytes(dst.mamba, 12) == before
     assert_clean(srv)
+    # clear() empties every pool of the engine, its sidecars too.
+    assert writer.clear() is True
+    assert reader.batch_exists(keys) == 0
+    mamba_only = transfer(PoolName.MAMBA, keys[5:6], sp.slots([13]), trailing)
+    assert reader.batch_get_v2([mamba_only]) == {PoolName.MAMBA: [False]}
 
 
 # -- the same answers as SGLang's own file backend -------------------------------------------
@@ -501,3 +506,101 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+# -- DeepSeek sparse attention: indexer pages on every KV page -------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_dsa_indexer_pages_round_trip_and_gate_the_hit_on_every_page(
+    srv: ServerProcess, backends: list[Any], tmp_path: Path, layout: str
+) -> None:
+    """The indexer pool (all-pages policy) must hold every page of the prefix: a missing
+    indexer page ends the hit there, as in SGLang's file backend; the pages read are
+    byte-exact; the indexer pages are replicated like the MLA KV (rank 0 writes, every rank
+    reads)."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheFile,
+        HiCacheStorageConfig,
+        PoolName,
+    )
+
+    indexer_name, kv_name = PoolName.INDEXER, PoolName.KV
+    with sp.single_rank():
+        ranks = [sp.dsa_pools(layout) for _ in range(2)]
+        readers = [sp.dsa_pools(layout) for _ in range(2)]
+        reference_pools = sp.dsa_pools(layout)
+    for r, (kv, indexer) in enumerate(ranks):
+        sp.fill_random(kv, seed=20 + r)
+        gen = torch.Generator().manual_seed(30 + r)
+        buf = indexer.index_k_with_scale_buffer
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.int32).to(buf.dtype))
+
+    def attach_dsa(backend: Any, kv: Any, indexer: Any) -> Any:
+        backend.register_mem_pool_host(kv)
+        backend.register_mem_host_pool_v2(kv, kv_name)
+        backend.register_mem_host_pool_v2(indexer, indexer_name)
+        return backend
+
+    def dsa(pools: tuple[Any, Any], rank: int) -> Any:
+        config = sp.storage_config(
+            {"endpoint": srv.endpoint}, mla=True, tp_rank=rank, tp_size=2,
+            page_first=layout == "page_first",
+        )  # fmt: skip
+        backend = attach_dsa(sp.create_backend(config, pools[0]), *pools)
+        backends.append(backend)
+        return backend
+
+    writers = [dsa(ranks[r], r) for r in range(2)]
+    assert writers[0].sidecars["indexer"].geometry.flat
+    keys = keys_for(f"dsa-{layout}", 4)
+    kv0, indexer0 = ranks[0]
+
+    def store(backend: Any, pools: tuple[Any, Any], pages: list[int], ix: list[int]) -> Any:
+        return backend.batch_set_v2(
+            [
+                transfer(kv_name, [keys[p] for p in pages], sp.indices(pools[0], pages)),
+                transfer(indexer_name, [keys[p] for p in ix], sp.indices(pools[1], ix)),
+            ]
+        )
+
+    # Rank 1 is no storage writer: it reports both pools held and stores neither.
+    assert store(writers[1], ranks[1], [0, 1, 2, 3], [0, 1, 2, 3]) == {
+        kv_name: [True] * 4, indexer_name: [True] * 4,
+    }  # fmt: skip
+    assert writers[1].batch_exists(keys) == 0
+    # Rank 0 stores four KV pages and the indexer pages of pages 0, 1 and 3 (not 2).
+    assert store(writers[0], ranks[0], [0, 1, 2, 3], [0, 1, 3]) == {
+        kv_name: [True] * 4, indexer_name: [True] * 3,
+    }  # fmt: skip
+    query = [transfer(indexer_name, keys)]
+    for r in range(2):
+        reader = dsa(readers[r], r)
+        hit = reader.batch_exists_v2(keys, query)
+        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (2, [1, 2])
+        assert hit.extra_pool_hit_pages == {kv_name: 4, indexer_name: 2}
+        kv, indexer = readers[r]
+        got = reader.batch_get_v2(
+            [
+                transfer(kv_name, keys[:2], sp.indices(kv, [5, 6])),
+                transfer(indexer_name, keys[:2], sp.indices(indexer, [5, 6])),
+            ]
+        )
+        assert got == {kv_name: [True, True], indexer_name: [True, True]}
+        assert [sp.page_bytes(kv, p) for p in (5, 6)] == [sp.page_bytes(kv0, p) for p in (0, 1)]
+        assert [sp.page_bytes(indexer, p) for p in (5, 6)] == [
+            sp.page_bytes(indexer0, p) for p in (0, 1)
+        ]
+    # SGLang's file backend, given the same pages, gives the same answer.
+    config = sp.storage_config({}, mla=True)
+    file_config = HiCacheStorageConfig(
+        **{**config.__dict__, "extra_config": {"file_storage_path": str(tmp_path / "hicache")}}
+    )
+    reference = attach_dsa(HiCacheFile(file_config), *reference_pools)
+    reference_pools[0].kv_buffer.copy_(kv0.kv_buffer)
+    reference_pools[1].index_k_with_scale_buffer.copy_(indexer0.index_k_with_scale_buffer)
+    store(reference, reference_pools, [0, 1, 2, 3], [0, 1, 3])
+    theirs = reference.batch_exists_v2(keys, query)
+    assert (theirs.kv_hit_pages, theirs.extra_pool_hit_pages, theirs.restorable_prefix_pages) == (
+        2, {kv_name: 4, indexer_name: 2}, [1, 2],
+    )  # fmt: skip
+    assert_clean(srv)

@@ -397,9 +397,10 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- administration --------------------------------------------------------------------
     def clear(self) -> bool:
-        """Remove this engine's pages from the tierkv pool (slower tiers keep theirs, as
-        for every tierkv client)."""
-        return self.link.call("clear", lambda c: c.clear() >= 0, False)
+        """Remove this engine's pages, of every pool, from the tierkv pool (slower tiers
+        keep theirs, as for every tierkv client)."""
+        links = [self.link, *(sidecar.link for sidecar in self.sidecars.values())]
+        return all([link.call("clear", lambda c: c.clear() >= 0, False) for link in links])
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics: pages per read/write call and their GB/s since the
