@@ -97,28 +97,43 @@ def assert_clean(srv: ServerProcess) -> None:
 
 
 # -- the hit policies, on their own ----------------------------------------------------------
-def test_restorable_prefixes_follow_each_policy_with_few_probes() -> None:
-    from tierkv.integrations.sglang.hit_policy import Presence, restorable_prefixes
+def test_the_longest_restorable_prefix_follows_each_policy_within_a_probe_budget() -> None:
+    from tierkv.integrations.sglang.hit_policy import PoolCheck, longest_restorable
+
+    def pool(held: set[int], calls: list[tuple[int, int]]) -> Any:
+        def probe(start: int, stop: int) -> int:
+            calls.append((start, stop))
+            n = 0
+            while start + n < stop and start + n in held:
+                n += 1
+            return n
+
+        return probe
 
     held = {0, 1, 2, 4, 5, 7}  # pages 3 and 6 are missing
     calls: list[tuple[int, int]] = []
 
-    def probe(start: int, stop: int) -> int:
-        calls.append((start, stop))
-        n = 0
-        while start + n < stop and start + n in held:
-            n += 1
-        return n
+    def longest(policy: str, window: int, pages: int = 8, budget: int = 32) -> int:
+        calls.clear()
+        return longest_restorable([PoolCheck(policy, window, pool(held, calls), budget)], pages)
 
-    assert restorable_prefixes("all_pages", 0, 8, probe) == [1, 2, 3]
-    assert restorable_prefixes("trailing_pages", 1, 8, probe) == [1, 2, 3, 5, 6, 8]
-    assert restorable_prefixes("trailing_pages", 2, 8, probe) == [1, 2, 3, 6]
-    assert restorable_prefixes("block_groups", 0, 8, probe) == []  # unknown: no prefix
-    assert restorable_prefixes("all_pages", 0, 0, probe) == []
-    calls.clear()
-    presence = Presence(8, probe)
-    assert [presence.present(p) for p in range(8)] == [p in held for p in range(8)]
-    assert presence.probes == 3 == len(calls)  # one per missing page, and one more
+    assert longest("all_pages", 0) == 3 and calls == [(0, 8)]
+    assert longest("trailing_pages", 1) == 8 and calls == [(7, 8)]
+    assert longest("trailing_pages", 2) == 6 and calls == [(6, 8), (5, 6), (4, 5)]
+    assert longest("trailing_pages", 2, pages=5) == 3
+    assert len(calls) == len({s for s, _ in calls})  # no page is probed twice
+    # Past the budget: no hit (a miss), never a guess.
+    assert longest("trailing_pages", 2, budget=2) == 0
+    # Several pools: the longest prefix all of them restore.
+    a_calls: list[tuple[int, int]] = []
+    checks = [
+        PoolCheck("trailing_pages", 1, pool({2, 5}, a_calls)),  # states after pages 2, 5
+        PoolCheck("trailing_pages", 2, pool({1, 2, 3, 4}, [])),  # windows ending 2..5
+    ]
+    assert longest_restorable(checks, 8) == 3
+    assert [c.longest for c in checks] == [6, 3]
+    with pytest.raises(ValueError, match="block_groups"):
+        PoolCheck("block_groups", 0, pool(held, calls))
 
 
 # -- byte-exact round trips of every pool ----------------------------------------------------
@@ -154,8 +169,8 @@ def test_hybrid_pools_round_trip_byte_exact(srv: ServerProcess, backends: list[A
     hit = reader.batch_exists_v2(keys, query)
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (6, [6])
     assert hit.extra_pool_hit_pages == {PoolName.KV: 6, PoolName.MAMBA: 6, PoolName.SWA: 6}
-    only_mamba = reader.batch_exists_v2(keys, query[:1])
-    assert (only_mamba.kv_hit_pages, only_mamba.restorable_prefix_pages) == (6, [3, 6])
+    only_mamba = reader.batch_exists_v2(keys[:5], query[:1])  # the state after page 2
+    assert (only_mamba.kv_hit_pages, only_mamba.restorable_prefix_pages) == (3, [3])
 
     assert reader.batch_get_v1(keys, sp.indices(dst.kv, [10, 11, 12, 13, 14, 15])) == [True] * 6
     got = reader.batch_get_v2(
@@ -197,8 +212,14 @@ def run_contract(backend: Any, pools: Hybrid) -> list[Any]:
     keys = keys_for("contract-v2", 8)
 
     def result(r: Any) -> Any:
-        pools = {str(k): v for k, v in r.extra_pool_hit_pages.items()}
-        return (r.kv_hit_pages, pools, r.restorable_prefix_pages)
+        # The hit, the KV pool's own count and the longest restorable prefix: what both
+        # backends answer alike (the file backend also lists every shorter restorable
+        # prefix, tierkv only the longest: see hit_policy).
+        return (
+            r.kv_hit_pages,
+            r.extra_pool_hit_pages.get("kv"),
+            max(r.restorable_prefix_pages, default=0),
+        )
 
     def plain(r: dict[Any, list[bool]]) -> dict[str, list[bool]]:
         return {str(k): v for k, v in r.items()}
@@ -231,6 +252,8 @@ def run_contract(backend: Any, pools: Hybrid) -> list[Any]:
         (keys, [transfer(mamba, ["?"], policy=all_pages)]),
         (keys, [transfer(swa, ["?"], policy=all_pages)]),
         (keys_for("absent", 3), [mamba_q]),
+        (keys[:5], [mamba_q]),
+        (keys[:6], [mamba_q, swa_q]),
     ):
         answers.append(result(backend.batch_exists_v2(query_keys, query_pools)))
     got = backend.batch_get_v2(
@@ -276,22 +299,20 @@ def test_v2_answers_equal_sglangs_file_backend(
     reference = run_contract(attach(HiCacheFile(file_config), theirs), theirs)
     assert ours == reference
     # Not trivially equal: the hits have holes and differ per policy.
-    assert ours[0] == (0, {}, [])
-    assert ours[7] == (7, {"kv": 7, "mamba": 7}, [3, 6, 7])
-    assert ours[8] == (7, {"kv": 7, "swa": 7}, [5, 6, 7])
-    assert ours[9] == ours[10] == (7, {"kv": 7, "mamba": 7, "swa": 7}, [6, 7])
-    # Mamba can restore prefix 3, SWA prefix 5: no length both can restore, no hit.
-    assert ours[11] == (0, {"kv": 5, "mamba": 3, "swa": 5}, [])
-    assert ours[12] == ours[13] == (0, {"kv": 7}, [])  # all pages: none has page 0
-    assert ours[14] == (0, {}, [])
-    assert ours[15] == {"mamba": [True], "swa": [True, True], "kv": [True] * 3}
-    assert ours[16] == {"mamba": [False]}
-    assert ours[17] == {"swa": [False, False]} and ours[18] == {"kv": [True, False]}
+    assert ours[0] == (0, None, 0)
+    assert ours[7] == ours[8] == ours[9] == ours[10] == (7, 7, 7)
+    assert ours[11] == (0, 5, 0)  # Mamba can restore prefix 3, SWA prefix 5: none both
+    assert ours[12] == ours[13] == (0, 7, 0)  # all pages: none has page 0
+    assert ours[14] == (0, None, 0)
+    assert ours[15] == (3, 5, 3) and ours[16] == (6, 6, 6)  # the states after pages 2, 5
+    assert ours[17] == {"mamba": [True], "swa": [True, True], "kv": [True] * 3}
+    assert ours[18] == {"mamba": [False]}
+    assert ours[19] == {"swa": [False, False]} and ours[20] == {"kv": [True, False]}
     # What was read is what was stored: the state of slot 9, the pages of SWA 5, 6, KV 0-2.
-    assert ours[19] == sp.slot_bytes(mine.mamba, 9)
-    assert ours[20] == [sp.page_bytes(mine.swa, p) for p in (5, 6)]
-    assert ours[21] == [sp.page_bytes(mine.kv, p) for p in (0, 1, 2)]
-    assert len(set(ours[21])) == 3  # random pages, not zeros
+    assert ours[21] == sp.slot_bytes(mine.mamba, 9)
+    assert ours[22] == [sp.page_bytes(mine.swa, p) for p in (5, 6)]
+    assert ours[23] == [sp.page_bytes(mine.kv, p) for p in (0, 1, 2)]
+    assert len(set(ours[23])) == 3  # random pages, not zeros
 
 
 # -- a pool that cannot restore its state exactly gives a miss -------------------------------
@@ -576,7 +597,7 @@ def test_dsa_indexer_pages_round_trip_and_gate_the_hit_on_every_page(
     for r in range(2):
         reader = dsa(readers[r], r)
         hit = reader.batch_exists_v2(keys, query)
-        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (2, [1, 2])
+        assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (2, [2])
         assert hit.extra_pool_hit_pages == {kv_name: 4, indexer_name: 2}
         kv, indexer = readers[r]
         got = reader.batch_get_v2(

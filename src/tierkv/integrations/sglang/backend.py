@@ -16,7 +16,7 @@ client, registered for the pool's page geometry (:mod:`tierkv.integrations.sglan
 - Hybrid models (HiCache's v2 interface): every extra host pool SGLang registers with
   ``register_mem_host_pool_v2`` (Mamba states, sliding-window KV, DSA indexer pages, draft
   KV) gets its own namespace (:mod:`~tierkv.integrations.sglang.pool_store`), its pages
-  keyed by the KV page keys. ``batch_exists_v2`` answers the prefix lengths at which every
+  keyed by the KV page keys. ``batch_exists_v2`` answers the longest prefix at which every
   pool can restore its state under the hit policy SGLang gives it
   (:mod:`~tierkv.integrations.sglang.hit_policy`); a pool it cannot judge is a miss.
 - MLA: the KV of a page is the same on every tensor-parallel rank, so all ranks share one
@@ -52,7 +52,8 @@ from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.hit_policy import (
     POLICIES,
-    restorable_prefixes,
+    PoolCheck,
+    longest_restorable,
     window_pages,
 )
 from tierkv.integrations.sglang.pages import (
@@ -321,24 +322,21 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        """The prefix lengths (pages of ``keys``) at which the KV pool and every pool of
-        ``pool_transfers`` can restore their state, each pool under its hit policy; a pool
-        that is not registered or has a policy tierkv does not know restores none."""
+        """The longest prefix (pages of ``keys``) at which the KV pool and every pool of
+        ``pool_transfers`` can restore their state, each pool under its hit policy
+        (:mod:`~tierkv.integrations.sglang.hit_policy`); a pool that is not registered or
+        has a policy tierkv does not know restores none."""
         what = "batch_exists_v2"
         hashes = self._hashes(what, keys)
         if not hashes or self.kv is None:
             return PoolTransferResult(0, {}, [])
-        kv_pages = self.kv.leading(what, hashes)
-        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
+        checks: list[tuple[Any, PoolCheck]] = []
         for transfer in list(pool_transfers or []):
-            if not restorable:
-                break
             try:
                 name, policy = _value(transfer.name), _value(transfer.hit_policy)
                 window = window_pages(policy, transfer.keys)
             except (AttributeError, TypeError) as exc:
-                log.warning("tierkv %s: %s: not a pool transfer (%s): no hit", self.link.what,
+                log.warning("tierkv %s: %s: not a pool transfer (%s); no hit", self.link.what,
                             what, exc)  # fmt: skip
                 return PoolTransferResult(0, {}, [])
             if name == PoolName.KV.value:
@@ -354,12 +352,16 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
                     else f"the {name} pool's hit policy {policy!r} is not supported",
                 )
                 return PoolTransferResult(0, {}, [])
-            pages = restorable_prefixes(policy, window, kv_pages, store.probe(what, hashes))
-            if pages:
-                hits[transfer.name] = pages[-1]
-            restorable &= set(pages)
-        ordered = sorted(restorable)
-        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+            checks.append((transfer.name, PoolCheck(policy, window, store.probe(what, hashes))))
+        kv_pages = self.kv.leading(what, hashes)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        if not checks:
+            return PoolTransferResult(kv_pages, hits, list(range(1, kv_pages + 1)))
+        longest = longest_restorable([check for _, check in checks], kv_pages)
+        for name, check in checks:
+            if check.longest:
+                hits[name] = check.longest
+        return PoolTransferResult(longest, hits, [longest] if longest else [])
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None

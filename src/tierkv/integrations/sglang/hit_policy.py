@@ -14,10 +14,17 @@ hit policy:
 Any other policy (``block_groups``, or one a later SGLang adds) is one this module does not
 know, and a pool it cannot judge restores no prefix: a miss, never a wrong state.
 
-:func:`restorable_prefixes` computes a pool's set from a presence probe; the probe is asked
-about runs of pages only where the answer is not known yet (each answer says which leading
-pages of a run are present and, if short, which page is missing), so a pool costs a few
-lookups, not one per page.
+:func:`longest_restorable` finds the longest prefix every pool can restore, checking
+prefix lengths from the longest down; a presence probe is a lookup of a run of pages (how
+many of its leading pages the pool holds), and each check probes only the pages of its
+window not known yet, at most ``MAX_PROBES`` per pool and query (past that: no hit).
+
+It answers that one length, not every restorable length as SGLang's file backend does:
+a second lookup per shorter length would cost a probe each (a Mamba state exists only at
+the few pages where SGLang stored one), on every prefetch. With several ranks SGLang
+intersects the ranks' answers; ranks back up the same prefixes, so they agree, and where
+one rank lacks the state (its write failed) the intersection is empty: a miss, never a
+state that rank cannot restore.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 POLICIES = frozenset({ALL_PAGES, TRAILING_PAGES})
 
+MAX_PROBES = 32  # presence probes per pool and query (each a lookup)
+
 # probe(start, stop): how many leading pages of pages[start:stop] the pool holds.
 Probe = Callable[[int, int], int]
 
@@ -37,43 +46,72 @@ def window_pages(policy: str, keys: list[str] | None) -> int:
     return max(1, len(keys or ())) if policy == TRAILING_PAGES else 0
 
 
-class Presence:
-    """What is known of one pool's pages ``[0, pages)``. An unknown page is probed with
-    the run from it to the end: one answer marks that run's leading present pages and the
-    missing page after them, so learning every page costs one probe per missing page."""
+class BudgetSpent(Exception):
+    """The pool's probes for this query are spent."""
 
-    def __init__(self, pages: int, probe: Probe) -> None:
+
+class Presence:
+    """What is known of one pool's pages, filled by probing runs of unknown pages."""
+
+    def __init__(self, probe: Probe, budget: int = MAX_PROBES) -> None:
         self._probe = probe
         self._known: dict[int, bool] = {}
-        self.pages = pages
+        self.budget = budget
         self.probes = 0
 
-    def present(self, page: int) -> bool:
-        if page not in self._known:
+    def all_present(self, start: int, stop: int) -> bool:
+        """Whether the pool holds every page of ``[start, stop)``; :class:`BudgetSpent`
+        when that needs a probe past the budget."""
+        page = start
+        while page < stop:
+            if page in self._known:
+                if not self._known[page]:
+                    return False
+                page += 1
+                continue
+            end = page + 1  # the run of unknown pages from here
+            while end < stop and end not in self._known:
+                end += 1
+            if self.probes >= self.budget:
+                raise BudgetSpent
             self.probes += 1
-            held = max(0, min(self._probe(page, self.pages), self.pages - page))
+            held = max(0, min(self._probe(page, end), end - page))
             for i in range(page, page + held):
                 self._known[i] = True
-            if page + held < self.pages:
+            if page + held < end:
                 self._known[page + held] = False
-        return self._known[page]
-
-    def all_present(self, start: int, stop: int) -> bool:
-        """Whether the pool holds every page of ``[start, stop)``."""
-        return all(self.present(page) for page in range(start, stop))
+                return False
+            page = end
+        return True
 
 
-def restorable_prefixes(policy: str, window: int, kv_pages: int, probe: Probe) -> list[int]:
-    """The prefix lengths ``1..kv_pages`` (ascending) at which a pool with ``policy`` can
-    restore its state; ``[]`` for a policy this module does not know."""
-    if policy not in POLICIES or kv_pages <= 0:
-        return []
-    presence = Presence(kv_pages, probe)
-    if policy == ALL_PAGES:
-        boundary = 0
-        while boundary < kv_pages and presence.present(boundary):
-            boundary += 1
-        return list(range(1, boundary + 1))
-    return [
-        end for end in range(1, kv_pages + 1) if presence.all_present(max(0, end - window), end)
-    ]
+class PoolCheck:
+    """Whether one pool restores its state at a prefix length (in pages)."""
+
+    def __init__(self, policy: str, window: int, probe: Probe, budget: int = MAX_PROBES) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"hit policy {policy!r} is not supported")
+        self.policy = policy
+        self.window = window
+        self.presence = Presence(probe, budget)
+        self.longest = 0  # the longest prefix this pool was seen to restore
+
+    def restores(self, end: int) -> bool:
+        """:class:`BudgetSpent` when answering needs a probe past the budget."""
+        start = 0 if self.policy == ALL_PAGES else max(0, end - self.window)
+        ok = self.presence.all_present(start, end)
+        if ok:
+            self.longest = max(self.longest, end)
+        return ok
+
+
+def longest_restorable(checks: list[PoolCheck], kv_pages: int) -> int:
+    """The longest prefix ``<= kv_pages`` every pool of ``checks`` restores (0: none, or
+    not found within the probe budget)."""
+    try:
+        for end in range(kv_pages, 0, -1):
+            if all(check.restores(end) for check in checks):
+                return end
+    except BudgetSpent:
+        pass
+    return 0

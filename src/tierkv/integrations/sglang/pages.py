@@ -13,6 +13,10 @@ chunk holds the page's bytes in the host pool's own order: for each layout the s
     MLA page_first         [page, layers, 1, kv_dim]
     MLA page_first_direct  [1, layers, page, 1, kv_dim]
 
+A hybrid model's other host pools (HiCache's v2 interface) page the same way where they are
+standard-attention or MLA pools (sliding-window or draft KV); Mamba states and DSA indexer
+pages move as SGLang's flat data pages (:func:`flat_geometry`).
+
 Since layouts order the same bytes differently, the layout is part of the namespace, as are
 the pool kind, page size and dtype: pages are shared only where the bytes mean the same.
 A page's view is a view of the host pool's buffer, so moving it is one copy between the
@@ -195,17 +199,6 @@ def page_description(pool: Any) -> tuple[Any, ...]:
     raise UnsupportedPoolError(
         f"tierkv does not know the pages of SGLang's {type(pool).__name__} host pool"
     )
-
-
-def page_views(pool: Any, host_indices: Any, count: int) -> list[npt.NDArray[Any]]:
-    """Views (:func:`raw_array`) of the first ``count`` pages that ``host_indices`` (token
-    indices, a page's worth per page) name in ``pool``."""
-    page_size = int(pool.page_size)
-    if host_indices is None or int(host_indices.numel()) < count * page_size:
-        have = 0 if host_indices is None else int(host_indices.numel())
-        raise ValueError(f"{count} pages need {count * page_size} host indices, got {have}")
-    starts = host_indices[: count * page_size : page_size].tolist()
-    return [raw_array(pool.get_data_page(int(start), flat=False)) for start in starts]
 
 
 def page_starts(pool: Any, host_indices: Any, count: int) -> list[int]:
