@@ -35,8 +35,9 @@ def controllers(srv: ServerProcess) -> Iterator[Callable[[], Any]]:
     """Makes controllers attached to ``srv``; detaches them (their threads stop) after."""
     made: list[Any] = []
 
-    def make() -> Any:
-        ctrl = sp.hybrid_controller({"endpoint": srv.endpoint, "model_id": "tiny-hybrid"})
+    def make(**settings: Any) -> Any:
+        extra = {"endpoint": srv.endpoint, "model_id": "tiny-hybrid", **settings}
+        ctrl = sp.hybrid_controller(extra)
         made.append(ctrl)
         return ctrl
 
@@ -52,9 +53,12 @@ def pools(ctrl: Any) -> tuple[Any, Any]:
     return ctrl.mem_pool_host.get_pool(PoolName.KV), ctrl.mem_pool_host.get_pool(PoolName.MAMBA)
 
 
-def back_up(ctrl: Any, tokens: list[int], state_after_page: int) -> tuple[Any, Any]:
+def back_up(
+    ctrl: Any, tokens: list[int], state_after_page: int, *, stored: bool = True
+) -> tuple[Any, Any]:
     """The controller's backup thread stores the KV pages of ``tokens`` and the Mamba state
-    after page ``state_after_page``; returns the host KV indices and the state's slot."""
+    after page ``state_after_page`` (``stored``: and both succeed, else both fail); returns
+    the host KV indices and the state's slot."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
@@ -67,8 +71,8 @@ def back_up(ctrl: Any, tokens: list[int], state_after_page: int) -> tuple[Any, A
     )  # fmt: skip
     op_id = ctrl.write_storage(host, tokens, hash_value=hashes, extra_pools=[state])
     ack = ctrl.ack_backup_queue.get(timeout=60)
-    assert ack.id == op_id and ack.completed_tokens == len(tokens)
-    assert ack.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: 1}
+    assert ack.id == op_id and ack.completed_tokens == (len(tokens) if stored else 0)
+    assert ack.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: int(stored)}
     return host, slot
 
 
@@ -137,3 +141,45 @@ def test_the_controller_gets_no_hit_past_the_last_restorable_state(
     assert op.storage_hit_count == 3 * PAGE
     op, acks = prefetch(reader, list(range(2 * PAGE)))  # KV stored, no state by page 2
     assert (op.storage_hit_count, acks) == (0, [])
+
+
+def test_a_server_killed_under_the_controllers_traffic_costs_hits_not_errors(
+    srv: ServerProcess, controllers: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """kill -9 of the server between backups and prefetches of SGLang's controller: its
+    backups and prefetches fail softly (no exception reaches the controller, which would
+    log it as an error), and once the server is back at the same endpoint both work again
+    without restarting anything."""
+    import logging
+    import time
+
+    fast = {"timeout": 0.5, "retry_interval": 0.2}
+    writer, reader = controllers(**fast), controllers(**fast)
+    kv, mamba = pools(writer)
+    sp.fill_random(kv, seed=5)
+    sp.fill_random_mamba(mamba, seed=6)
+    tokens = list(range(2 * PAGE))
+    back_up(writer, tokens, state_after_page=1)
+    assert prefetch(reader, tokens)[0].storage_hit_count == 2 * PAGE
+    caplog.set_level(logging.WARNING)
+    srv.kill()
+    back_up(writer, list(range(100, 100 + 2 * PAGE)), state_after_page=1, stored=False)
+    op, acks = prefetch(reader, tokens)
+    assert (op.storage_hit_count, acks) == (0, [])
+    srv.start()  # the same endpoint, an empty pool
+    links = [
+        pool.link
+        for ctrl in (writer, reader)
+        for pool in (ctrl.storage_backend.kv, *ctrl.storage_backend.sidecars.values())
+    ]
+    deadline = time.monotonic() + 60
+    while not all(link.client() is not None for link in links):  # past retry_interval
+        assert time.monotonic() < deadline, "the backends did not reconnect"
+        time.sleep(0.05)
+    _, slot = back_up(writer, tokens, state_after_page=1)
+    op, _ = prefetch(reader, tokens)
+    assert op.storage_hit_count == 2 * PAGE
+    restored = int(op.pool_transfers[0].host_indices[0])
+    assert sp.slot_bytes(pools(reader)[1], restored) == sp.slot_bytes(mamba, int(slot[0]))
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]
