@@ -164,3 +164,143 @@ def create_backend(config: Any, pool: Any) -> Any:
     backend = StorageBackendFactory.create_backend("dynamic", config, pool)
     backend.register_mem_pool_host(pool)
     return backend
+
+
+def mamba_pool(
+    *,
+    layers: int = 3,
+    slots: int = 16,
+    heads: int = 4,
+    state_dim: int = 8,
+    conv_dim: int = 16,
+    conv_width: int = 3,
+    side_state: bool = True,
+    layout: str = "page_first",
+) -> Any:
+    """A real SGLang Mamba state host pool (``MambaPoolHost``): per slot an fp32 SSM state,
+    a bf16 conv state per layer and (``side_state``) an int32 per-slot side state, so a
+    page mixes three dtypes; page size 1 (one slot)."""
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, heads, state_dim, state_dim, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, conv_dim, conv_width, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=(
+            (torch.zeros(slots, 6, dtype=torch.int32),) if side_state else ()
+        ),
+    )
+    return MambaPoolHost(
+        info, 1.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout=layout
+    )
+
+
+def fill_random_mamba(pool: Any, seed: int) -> None:
+    """Random values in every state buffer of a Mamba host pool."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for buf in pool.get_hybrid_pool_buffer():
+        if buf.dtype.is_floating_point:
+            buf.copy_(torch.randn(buf.shape, generator=gen, dtype=torch.float32).to(buf.dtype))
+        else:
+            buf.copy_(torch.randint(-(2**30), 2**30, buf.shape, generator=gen, dtype=buf.dtype))
+
+
+def slot_bytes(pool: Any, slot: int) -> bytes:
+    """The bytes of one slot (page) of a flat-page pool, in SGLang's flat order."""
+    import torch
+
+    return bytes(pool.get_data_page(slot, flat=True).contiguous().view(torch.uint8).numpy())
+
+
+def slots(pool_slots: list[int]) -> Any:
+    """Host indices of Mamba slots (page size 1)."""
+    import torch
+
+    return torch.tensor(pool_slots, dtype=torch.int64)
+
+
+def single_rank() -> Any:
+    """A context in which SGLang's cache controller can be built outside a launched engine:
+    the parallel widths a launcher would publish, for one rank (no TP, PP or DCP)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(
+        attn_dcp_size=1, attn_dcp_rank=0, dcp_enabled=False, tp_rank=0, tp_size=1, pp_rank=0,
+        pp_size=1,
+    )  # fmt: skip
+
+
+def hybrid_controller(extra: dict[str, Any], *, page_size: int = 16, pages: int = 32) -> Any:
+    """SGLang's real ``HybridCacheController`` on the CPU over a real device KV pool
+    (``MHATokenToKVPool``), its allocator, the host KV pool built from the device pool's
+    buffers and a Mamba state host pool, with the tierkv backend (``extra``: tierkv's keys)
+    attached as SGLang attaches a dynamic backend. Call inside :func:`single_rank`."""
+    import threading
+
+    import torch
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    tokens = page_size * pages
+    device = MHATokenToKVPool(
+        tokens, page_size, torch.bfloat16, 2, 16, 4, device="cpu", enable_memory_saver=False
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        tokens, page_size, torch.bfloat16, "cpu", device, need_sort=False
+    )
+    kv = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, "page_first",
+        pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0,
+        end_layer=4,
+    )  # fmt: skip
+    group = HostPoolGroup(
+        [
+            PoolEntry(PoolName.KV, kv, device, lambda layer: layer, is_primary_index_anchor=True),
+            PoolEntry(PoolName.MAMBA, mamba_pool(), None, lambda layer: None),
+        ]
+    )
+    config = {
+        "backend_name": "tierkv",
+        "module_path": "tierkv.integrations.sglang",
+        "class_name": "TierKVStorage",
+        "interface_v1": 1,
+        **extra,
+    }
+    return HybridCacheController(
+        allocator, group, page_size, tp_group=None, load_cache_event=threading.Event(),
+        io_backend="direct", storage_backend="dynamic", model_name="tiny-hybrid",
+        storage_backend_extra_config=config,
+    )  # fmt: skip
+
+
+def dsa_pools(layout: str = "page_first", *, page_size: int = 64, pages: int = 8) -> Any:
+    """A real DeepSeek sparse-attention pair: the MLA host KV pool and its DSA indexer
+    host pool (``DSAIndexerPoolHost``, uint8 index keys with their scales, on the KV pool's
+    host indices), both built from a real CPU ``DSATokenToKVPool``. Call inside
+    :func:`single_rank`."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    tokens = page_size * pages
+    device = DSATokenToKVPool(
+        tokens, page_size, 32, torch.bfloat16, 16, 2, "cpu", index_head_dim=128,
+        enable_memory_saver=False, kv_cache_dim=48,
+    )  # fmt: skip
+    kv = MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+        pin_memory=False, device="cpu", device_capacity_tokens=tokens, start_layer=0,
+        end_layer=2, target_layer_num=2,
+    )  # fmt: skip
+    indexer = DSAIndexerPoolHost(
+        make_dsa_indexer_pool_decl(device), kv, pin_memory=False, device="cpu"
+    )
+    return kv, indexer

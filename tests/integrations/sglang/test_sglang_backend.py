@@ -222,7 +222,7 @@ def test_unsupported_pools_and_settings_are_refused_with_the_reason(
     from tierkv.integrations.sglang.settings import SettingsError
 
     backend = make(backends, srv, sp.host_pool("mha", "page_first"))
-    with pytest.raises(UnsupportedPoolError, match="mamba pool"):
+    with pytest.raises(UnsupportedPoolError, match="mamba host pool"):
         backend.register_mem_host_pool_v2(object(), PoolName.MAMBA)
     with pytest.raises(UnsupportedPoolError, match="not object"):
         backend.register_mem_pool_host(object())

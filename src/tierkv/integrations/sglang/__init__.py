@@ -8,8 +8,12 @@ Load it into SGLang (with ``--enable-hierarchical-cache``) as a dynamic backend:
         "interface_v1": 1, "endpoint": "ipc:///run/tierkv/default/rpc.sock"}'
 
 ``interface_v1`` makes SGLang use the zero-copy calls (one copy per page between its host
-pool and tierkv's shared memory). ``backend.py`` is the backend, ``pages.py`` maps host-pool
-pages to tierkv chunks, ``settings.py`` reads tierkv's keys of the extra config.
+pool and tierkv's shared memory). Hybrid models (Mamba, sliding-window, DSA indexer pools)
+need nothing more: SGLang's hybrid cache controller registers their extra host pools and
+moves them through the v2 calls. ``backend.py`` is the backend, ``pool_store.py`` one host
+pool's pages in tierkv, ``hit_policy.py`` where a hybrid prefix can be restored,
+``pages.py`` maps host-pool pages to tierkv chunks, ``settings.py`` reads tierkv's keys of
+the extra config.
 
 ``TierKVStorage`` is resolved lazily, so the helper modules import without SGLang installed.
 """

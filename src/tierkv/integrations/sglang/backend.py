@@ -12,7 +12,13 @@ client, registered for the pool's page geometry (:mod:`tierkv.integrations.sglan
   fetches the pages it finds in slower tiers or on other nodes into the pool, waiting for
   them (at most ``timeout``), so that the ``batch_get_v1`` that follows reads them locally.
 - The generic calls (``get``/``set``/``batch_get``/``batch_set``/``exists``) move SGLang's
-  flat data pages, in the same byte order; the v2 calls serve the KV pool.
+  flat data pages, in the same byte order.
+- Hybrid models (HiCache's v2 interface): every extra host pool SGLang registers with
+  ``register_mem_host_pool_v2`` (Mamba states, sliding-window KV, DSA indexer pages, draft
+  KV) gets its own namespace (:mod:`~tierkv.integrations.sglang.pool_store`), its pages
+  keyed by the KV page keys. ``batch_exists_v2`` answers the longest prefix at which every
+  pool can restore its state under the hit policy SGLang gives it
+  (:mod:`~tierkv.integrations.sglang.hit_policy`); a pool it cannot judge is a miss.
 - MLA: the KV of a page is the same on every tensor-parallel rank, so all ranks share one
   namespace; only the storage writer (SGLang's ``is_storage_writer``) stores, every rank reads.
 
@@ -26,12 +32,11 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any, TypeVar
 
-import numpy.typing as npt
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
@@ -45,14 +50,21 @@ from sglang.srt.mem_cache.hicache_storage import (
 from tierkv.arraycopy import COPIES, copy_array
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
+from tierkv.integrations.sglang.hit_policy import (
+    POLICIES,
+    PoolCheck,
+    longest_restorable,
+    window_pages,
+)
 from tierkv.integrations.sglang.pages import (
     PageGeometry,
     UnsupportedPoolError,
     geometry_of,
     page_hash,
-    page_views,
     raw_array,
+    sidecar_geometry,
 )
+from tierkv.integrations.sglang.pool_store import PoolStore
 from tierkv.integrations.sglang.settings import BackendSettings
 
 log = logging.getLogger("sglang.tierkv")
@@ -80,6 +92,8 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.writer = bool(storage_config.is_storage_writer)
         self.geometry: PageGeometry | None = None
         self.mem_pool_host: Any = None
+        self.kv: PoolStore | None = None  # the KV pool's pages
+        self.sidecars: dict[str, PoolStore] = {}  # a hybrid model's extra pools, by name
         what = f"tp rank {storage_config.tp_rank}"
         if storage_config.pp_size > 1:
             what += f" pp rank {storage_config.pp_rank}"
@@ -100,6 +114,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.mem_pool_host = mem_pool_host
         self.geometry = geometry
         self._torch_dtype = mem_pool_host.dtype
+        stores = self.writer or geometry.kind != "mla"  # MLA: the writer rank stores
+        self.kv = PoolStore(PoolName.KV.value, mem_pool_host, geometry, self.link, log,
+                            stores=stores)  # fmt: skip
         log.info(
             "tierkv %s: %s pages of %d tokens, %s, server %s, copies by %s",
             self.link.what,
@@ -112,22 +129,62 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self.link.client()  # register now: a misconfiguration shows at start, not later
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        if str(host_pool_name) != PoolName.KV.value:
-            raise UnsupportedPoolError(
-                f"tierkv stores the KV pool only, not SGLang's {host_pool_name!s} pool: hybrid "
-                "models (Mamba, SWA, sparse indexers, ...) are not supported"
-            )
-        if self.mem_pool_host is None:
-            self.register_mem_pool_host(host_pool)
-        elif host_pool is not self.mem_pool_host:
-            raise UnsupportedPoolError("tierkv: a second KV host pool for one storage backend")
+        """Take one of a hybrid model's host pools (SGLang registers the KV pool here too,
+        after ``register_mem_pool_host``). A pool whose pages tierkv cannot copy exactly
+        fails the attach with the reason."""
+        name = _value(host_pool_name)
+        if name == PoolName.KV.value:
+            if self.mem_pool_host is None:
+                self.register_mem_pool_host(host_pool)
+            elif host_pool is not self.mem_pool_host:
+                raise UnsupportedPoolError("tierkv: a second KV host pool for one storage backend")
+        else:
+            self._attach_sidecar(name, host_pool)
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _attach_sidecar(self, name: str, pool: Any) -> None:
+        known = self.sidecars.get(name)
+        if known is not None:
+            if known.pool is pool:
+                return
+            raise UnsupportedPoolError(f"tierkv: a second {name} host pool for one backend")
+        geometry = sidecar_geometry(pool, name)
+        # Pools replicated on every rank (an MLA model's, but for the rank-sharded Mamba
+        # states, as SGLang's own backends key them) share one namespace and one writer.
+        shared = bool(self.config.is_mla_model) and name != PoolName.MAMBA.value
+        link = ServerLink(
+            self.settings,
+            lambda client: self._register_namespace(
+                client, f"{self.model_id}|pool={name}|{geometry.format_tag}", geometry, shared
+            ),
+            f"{self.link.what} {name} pool",
+            log,
+            parallel_callbacks=True,
+        )
+        store = PoolStore(name, pool, geometry, link, log, stores=self.writer or not shared)
+        self.sidecars[name] = store
+        log.info(
+            "tierkv %s: %s pages of %d tokens (%d bytes), %s",
+            link.what,
+            geometry.format_tag,
+            geometry.page_size,
+            geometry.nbytes,
+            "as flat data pages" if geometry.flat else "zero-copy",
+        )
+        link.client()  # register now: a misconfiguration shows at start, not later
 
     def _register(self, client: Client) -> None:
         g = self._require_geometry()
+        self._register_namespace(
+            client, f"{self.model_id}|kv={g.format_tag}", g, shared=g.kind == "mla"
+        )
+
+    def _register_namespace(
+        self, client: Client, model: str, g: PageGeometry, shared: bool
+    ) -> None:
+        """Register ``client`` for pages of geometry ``g`` under ``model``; ``shared``: the
+        same bytes on every tensor-parallel rank (one namespace for all ranks)."""
         cfg = self.config
-        shared = g.kind == "mla"  # the same bytes on every tensor-parallel rank
-        model = f"{self.model_id}|kv={g.format_tag}"
         if cfg.pp_size > 1:
             model += f"|pp={cfg.pp_rank}/{cfg.pp_size}"  # a stage holds its own layers
         if cfg.attn_cp_size > 1:
@@ -156,21 +213,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         """How many leading pages of ``keys`` tierkv can serve, after fetching those it
         holds in slower tiers or on other nodes into the pool (waits at most ``timeout``)."""
         hashes = self._hashes("batch_exists", keys)
-        if not hashes:
+        if not hashes or self.kv is None:
             return 0
-        rid = f"sglang-{uuid.uuid4().hex}"
-
-        def exists(client: Client) -> int:
-            try:
-                found = client.lookup(hashes=hashes, request_id=rid)
-                hits = client.wait_prefetch(rid) if found.prefetching else found.hits
-            finally:
-                # The pages are in the pool now; batch_get_v1 reads them by key, so the
-                # lookup's locks go (an abandoned prefetch must not pin memory).
-                client.end_session(rid)
-            return hits
-
-        return self.link.call("batch_exists", exists, 0)
+        return self.kv.leading("batch_exists", hashes)
 
     def batch_set_v1(
         self,
@@ -180,23 +225,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Store the pages at ``host_indices`` under ``keys``: True for each page tierkv
         holds afterwards (stored now or already there), False where the pool was full."""
-        if not keys:
-            return []
-        if not self.writer:
-            return [True] * len(keys)  # MLA: the writer rank stores these same bytes
-        prepared = self._pages("batch_set_v1", keys, host_indices)
-        if prepared is None:
-            return [False] * len(keys)
-        hashes, views = prepared
-
-        def store(client: Client) -> list[bool]:
-            done = client.store(hashes=hashes, gather=lambda c, dst: copy_array(dst, views[c]))
-            held = set(done.stored) | set(done.present)
-            return [i in held for i in range(len(hashes))]
-
-        return self._timed(
-            True, len(keys), lambda: self.link.call("batch_set_v1", store, [False] * len(keys))
-        )
+        return self._moved("batch_set_v1", self.kv, keys, host_indices, store=True, exact=False)
 
     def batch_get_v1(
         self,
@@ -206,21 +235,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> list[bool]:
         """Read the pages of ``keys`` into the host pool at ``host_indices``: True for each
         page read (SGLang uses the leading run)."""
-        if not keys:
-            return []
-        prepared = self._pages("batch_get_v1", keys, host_indices)
-        if prepared is None:
-            return [False] * len(keys)
-        hashes, views = prepared
-
-        def load(client: Client) -> list[bool]:
-            got = client.retrieve(hashes=hashes, scatter=lambda c, src: copy_array(views[c], src))
-            read = set(got.retrieved)
-            return [i in read for i in range(len(hashes))]
-
-        return self._timed(
-            False, len(keys), lambda: self.link.call("batch_get_v1", load, [False] * len(keys))
-        )
+        return self._moved("batch_get_v1", self.kv, keys, host_indices, store=False, exact=False)
 
     # -- generic interface (flat data pages) -----------------------------------------------
     def get(
@@ -259,7 +274,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             return [targets[i] if i in read else None for i in range(len(keys))]
 
         fallback: list[torch.Tensor | None] = [None] * len(keys)
-        return self._timed(False, len(keys), lambda: self.link.call("batch_get", load, fallback))
+        return self._timed(
+            False, len(keys), self._page_bytes, lambda: self.link.call("batch_get", load, fallback)
+        )
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
@@ -291,57 +308,101 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             )
             return len(done.stored) + len(done.present) == len(keys)
 
-        return self._timed(True, len(keys), lambda: self.link.call("batch_set", store, False))
+        return self._timed(
+            True, len(keys), self._page_bytes, lambda: self.link.call("batch_set", store, False)
+        )
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # -- v2 interface: the KV pool ---------------------------------------------------------
+    # -- v2 interface: a hybrid model's pools ---------------------------------------------
     def batch_exists_v2(
         self,
         keys: list[str],
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        if any(str(t.name) != PoolName.KV.value for t in pool_transfers or []):
-            log.warning("tierkv %s: only the KV pool is stored; no hit", self.link.what)
-            return PoolTransferResult.empty()
-        hits = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(
-            hits, {PoolName.KV: hits} if hits else {}, list(range(1, hits + 1))
-        )
+        """The longest prefix (pages of ``keys``) at which the KV pool and every pool of
+        ``pool_transfers`` can restore their state, each pool under its hit policy
+        (:mod:`~tierkv.integrations.sglang.hit_policy`); a pool that is not registered or
+        has a policy tierkv does not know restores none."""
+        what = "batch_exists_v2"
+        hashes = self._hashes(what, keys)
+        if not hashes or self.kv is None:
+            return PoolTransferResult(0, {}, [])
+        checks: list[tuple[Any, PoolCheck]] = []
+        for transfer in list(pool_transfers or []):
+            try:
+                name, policy = _value(transfer.name), _value(transfer.hit_policy)
+                window = window_pages(policy, transfer.keys)
+            except (AttributeError, TypeError) as exc:
+                log.warning("tierkv %s: %s: not a pool transfer (%s); no hit", self.link.what,
+                            what, exc)  # fmt: skip
+                return PoolTransferResult(0, {}, [])
+            if name == PoolName.KV.value:
+                continue
+            store = self.sidecars.get(name)
+            if store is None or policy not in POLICIES:
+                log.warning(
+                    "tierkv %s: %s: %s; no hit",
+                    self.link.what,
+                    what,
+                    f"the {name} pool is not registered"
+                    if store is None
+                    else f"the {name} pool's hit policy {policy!r} is not supported",
+                )
+                return PoolTransferResult(0, {}, [])
+            checks.append((transfer.name, PoolCheck(policy, window, store.probe(what, hashes))))
+        kv_pages = self.kv.leading(what, hashes)
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        if not checks:
+            return PoolTransferResult(kv_pages, hits, list(range(1, kv_pages + 1)))
+        longest = longest_restorable([check for _, check in checks], kv_pages)
+        for name, check in checks:
+            if check.longest:
+                hits[name] = check.longest
+        return PoolTransferResult(longest, hits, [longest] if longest else [])
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2(transfers, self.batch_get_v1, extra_info)
+        """Read each transfer's pages into its host pool: per pool, True for each page
+        read (SGLang uses the leading run)."""
+        return self._v2("batch_get_v2", transfers, store=False)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2(transfers, self.batch_set_v1, extra_info)
+        """Store each transfer's pages from its host pool: per pool, True for each page
+        tierkv holds afterwards."""
+        return self._v2("batch_set_v2", transfers, store=True)
 
-    def _v2(
-        self,
-        transfers: list[PoolTransfer],
-        move: Callable[[list[str], Any, Any], list[bool]],
-        extra_info: HiCacheStorageExtraInfo | None,
-    ) -> dict[str, list[bool]]:
+    def _v2(self, what: str, transfers: Any, store: bool) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            if str(t.name) != PoolName.KV.value:
-                log.warning("tierkv %s: the %s pool is not stored", self.link.what, t.name)
-                results[str(t.name)] = [False] * len(keys)
-            else:
-                results[str(t.name)] = move(keys, t.host_indices, extra_info)
+        for transfer in list(transfers or []):
+            try:
+                name, keys = _value(transfer.name), list(transfer.keys or [])
+                host_indices = transfer.host_indices
+            except (AttributeError, TypeError) as exc:
+                log.warning("tierkv %s: %s: not a pool transfer (%s)", self.link.what, what, exc)
+                continue
+            pool = self.kv if name == PoolName.KV.value else self.sidecars.get(name)
+            if pool is None:
+                log.warning("tierkv %s: %s: the %s pool is not registered", self.link.what,
+                            what, name)  # fmt: skip
+                results[transfer.name] = [False] * len(keys)
+                continue
+            results[transfer.name] = self._moved(
+                what, pool, keys, host_indices, store=store, exact=True
+            )
         return results
 
     # -- administration --------------------------------------------------------------------
     def clear(self) -> bool:
-        """Remove this engine's pages from the tierkv pool (slower tiers keep theirs, as
-        for every tierkv client)."""
-        return self.link.call("clear", lambda c: c.clear() >= 0, False)
+        """Remove this engine's pages, of every pool, from the tierkv pool (slower tiers
+        keep theirs, as for every tierkv client)."""
+        links = [self.link, *(sidecar.link for sidecar in self.sidecars.values())]
+        return all([link.call("clear", lambda c: c.clear() >= 0, False) for link in links])
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics: pages per read/write call and their GB/s since the
@@ -361,6 +422,8 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
 
     def close(self) -> None:
         self.link.close()
+        for sidecar in self.sidecars.values():
+            sidecar.link.close()
 
     # -- helpers ---------------------------------------------------------------------------
     def _hashes(self, what: str, keys: Sequence[str]) -> list[bytes]:
@@ -370,22 +433,35 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             log.warning("tierkv %s: %s: %s", self.link.what, what, exc)
             return []
 
-    def _pages(
-        self, what: str, keys: Sequence[str], host_indices: Any
-    ) -> tuple[list[bytes], list[npt.NDArray[Any]]] | None:
-        """Hashes of ``keys`` and views of their pages, or None (logged) for bad input."""
+    def _moved(
+        self,
+        what: str,
+        pool: PoolStore | None,
+        keys: Sequence[str],
+        host_indices: Any,
+        *,
+        store: bool,
+        exact: bool,
+    ) -> list[bool]:
+        """Store or load the pages of ``keys`` at ``host_indices`` of ``pool``: True for
+        each page moved; bad input is a logged all-False."""
+        if not keys:
+            return []
+        if pool is None:
+            log.warning("tierkv %s: %s before a host pool was registered", self.link.what, what)
+            return [False] * len(keys)
         hashes = self._hashes(what, keys)
         if not hashes:
-            return None
-        if self.mem_pool_host is None:
-            log.warning("tierkv %s: %s before a host pool was registered", self.link.what, what)
-            return None
-        try:
-            views = page_views(self.mem_pool_host, host_indices, len(keys))
-        except (ValueError, TypeError, IndexError, AttributeError) as exc:
-            log.warning("tierkv %s: %s: %s", self.link.what, what, exc)
-            return None
-        return hashes, views
+            return [False] * len(keys)
+        move = pool.store if store else pool.load
+        return self._timed(
+            store, len(keys), pool.geometry.nbytes, lambda: move(what, hashes, host_indices,
+                                                                 exact=exact)
+        )  # fmt: skip
+
+    @property
+    def _page_bytes(self) -> int:
+        return self.geometry.nbytes if self.geometry is not None else 0
 
     def _flat_fits(self, tensor: Any) -> bool:
         g = self.geometry
@@ -397,14 +473,21 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             and tensor.is_contiguous()
         )
 
-    def _timed(self, store: bool, pages: int, call: Callable[[], T]) -> T:
+    def _timed(self, store: bool, pages: int, page_bytes: int, call: Callable[[], T]) -> T:
         """``call()``, recording the pages and GB/s of the call for get_stats()."""
         start = time.perf_counter()
         result = call()
         elapsed = time.perf_counter() - start
-        g = self.geometry
-        if g is not None and elapsed > 0:
-            gbps = pages * g.nbytes / elapsed / 1e9
+        if elapsed > 0:
+            gbps = pages * page_bytes / elapsed / 1e9
             (self._backup_pages if store else self._prefetch_pages).append(pages)
             (self._backup_gbps if store else self._prefetch_gbps).append(gbps)
         return result
+
+
+def _value(member: Any) -> str:
+    """An SGLang enum member's value (``PoolName``, ``PoolHitPolicy``), or a plain str."""
+    value = member.value if isinstance(member, Enum) else member
+    if not isinstance(value, str):
+        raise TypeError(f"a pool name or hit policy must be a str, got {member!r}")
+    return value

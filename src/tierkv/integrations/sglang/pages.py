@@ -13,6 +13,10 @@ chunk holds the page's bytes in the host pool's own order: for each layout the s
     MLA page_first         [page, layers, 1, kv_dim]
     MLA page_first_direct  [1, layers, page, 1, kv_dim]
 
+A hybrid model's other host pools (HiCache's v2 interface) page the same way where they are
+standard-attention or MLA pools (sliding-window or draft KV); Mamba states and DSA indexer
+pages move as SGLang's flat data pages (:func:`flat_geometry`).
+
 Since layouts order the same bytes differently, the layout is part of the namespace, as are
 the pool kind, page size and dtype: pages are shared only where the bytes mean the same.
 A page's view is a view of the host pool's buffer, so moving it is one copy between the
@@ -61,11 +65,19 @@ class PageGeometry:
     dtype: str  # tierkv's name of the KV dtype (torch's, without "torch.")
     elements: int  # elements in one page
     nbytes: int  # bytes in one page
+    signature: str = ""  # flat pages: a digest of what their bytes hold (see flat_geometry)
 
     @property
     def format_tag(self) -> str:
         """What the chunk bytes mean, for the namespace."""
-        return f"sglang-{self.kind}-{self.layout}-p{self.page_size}"
+        tag = f"sglang-{self.kind}-{self.layout}-p{self.page_size}"
+        return f"{tag}-{self.signature}" if self.signature else tag
+
+    @property
+    def flat(self) -> bool:
+        """Whether pages move as SGLang's flat data pages (a copy each way) rather than as
+        views of the host buffer."""
+        return bool(self.signature)
 
 
 def geometry_of(pool: Any) -> PageGeometry:
@@ -79,8 +91,8 @@ def geometry_of(pool: Any) -> PageGeometry:
     if kind is None:
         raise UnsupportedPoolError(
             f"tierkv stores SGLang's standard-attention (MHATokenToKVPoolHost) and MLA "
-            f"(MLATokenToKVPoolHost) host pools, not {type(pool).__name__}: hybrid models "
-            "(Mamba, SWA, sparse indexers, pool groups) are not supported"
+            f"(MLATokenToKVPoolHost) host pools as the KV pool, not {type(pool).__name__} "
+            "(a hybrid model's other pools come through register_mem_host_pool_v2)"
         )
     layout = str(pool.layout)
     if (kind, layout) not in TOKEN_AXIS:
@@ -109,15 +121,94 @@ def geometry_of(pool: Any) -> PageGeometry:
     return PageGeometry(kind, layout, page_size, shape, axis, dtype, elements, nbytes)
 
 
-def page_views(pool: Any, host_indices: Any, count: int) -> list[npt.NDArray[Any]]:
-    """Views (:func:`raw_array`) of the first ``count`` pages that ``host_indices`` (token
-    indices, a page's worth per page) name in ``pool``."""
+def sidecar_geometry(pool: Any, name: str) -> PageGeometry:
+    """The page geometry of a hybrid model's extra host pool ``name``: a standard-attention
+    or MLA pool (sliding-window or draft KV) pages as views, as the KV pool; any other pool
+    tierkv knows (Mamba states, DSA indexer pages) as flat data pages."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    if type(pool) in (MHATokenToKVPoolHost, MLATokenToKVPoolHost):
+        return geometry_of(pool)
+    return flat_geometry(pool, name)
+
+
+def flat_geometry(pool: Any, kind: str) -> PageGeometry:
+    """The geometry of a sidecar host pool whose pages are not views of one buffer (Mamba
+    states: several tensors of several dtypes per slot; DSA indexer pages): a page moves as
+    SGLang's flat data page (``get_data_page(i, flat=True)``, ``set_from_flat_data_page``),
+    its bytes in the order SGLang's own backends store them. The chunk is those bytes, as
+    ``[page_size, bytes per token]`` uint8. ``signature`` digests the pool's per-page
+    description (:func:`page_description`), so that pools whose bytes mean something else
+    never share pages even where the sizes agree."""
+    for method in ("get_data_page", "set_from_flat_data_page", "get_dummy_flat_data_page"):
+        if not callable(getattr(pool, method, None)):
+            raise UnsupportedPoolError(
+                f"the {kind} host pool ({type(pool).__name__}) has no {method}: tierkv "
+                "cannot copy its pages"
+            )
+    description = page_description(pool)
     page_size = int(pool.page_size)
-    if host_indices is None or int(host_indices.numel()) < count * page_size:
-        have = 0 if host_indices is None else int(host_indices.numel())
+    try:
+        dummy = pool.get_dummy_flat_data_page()
+        page = pool.get_data_page(0, flat=True)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
+        raise UnsupportedPoolError(f"{kind}: its pages cannot be read ({exc})") from exc
+    nbytes = int(dummy.numel()) * int(dummy.element_size())
+    if int(page.numel()) * int(page.element_size()) != nbytes:
+        raise UnsupportedPoolError(
+            f"{kind}: a data page holds {page.numel() * page.element_size()} bytes, its "
+            f"flat page {nbytes}"
+        )
+    if page_size < 1 or nbytes == 0 or nbytes % page_size:
+        raise UnsupportedPoolError(f"{kind}: {nbytes} bytes per page of {page_size} tokens")
+    signature = hashlib.sha256(repr(description).encode()).hexdigest()[:16]
+    layout = str(getattr(pool, "layout", "flat"))
+    shape = (page_size, nbytes // page_size)
+    return PageGeometry(kind, layout, page_size, shape, 0, "uint8", nbytes, nbytes, signature)
+
+
+def page_description(pool: Any) -> tuple[Any, ...]:
+    """What one page of a flat-page sidecar pool holds, independent of the pool's size:
+    the class, and per component its shape and dtype (:class:`UnsupportedPoolError` for a
+    class tierkv does not know how to describe)."""
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    if isinstance(pool, MambaPoolHost):
+        return (
+            "mamba",
+            str(pool.layout),
+            int(pool.num_mamba_layers),
+            tuple(pool.temporal_state_shape),
+            str(pool.temporal_dtype),
+            tuple(tuple(s) for s in pool.conv_state_shapes),
+            str(pool.conv_dtype),
+            tuple((tuple(t.shape[1:]), str(t.dtype)) for t in pool.slot_state_device_tensors),
+        )
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+
+    if isinstance(pool, DSAIndexerPoolHost):
+        return (
+            "dsa-indexer",
+            str(pool.layout),
+            int(pool.page_size),
+            int(pool.layer_num),
+            int(pool.indexer_page_stride_size),
+            str(pool.indexer_dtype),
+        )
+    raise UnsupportedPoolError(
+        f"tierkv does not know the pages of SGLang's {type(pool).__name__} host pool"
+    )
+
+
+def page_starts(pool: Any, host_indices: Any, count: int) -> list[int]:
+    """The first host index of each of the ``count`` pages that ``host_indices`` name:
+    exactly a page's worth of indices per page (ValueError otherwise)."""
+    page_size = int(pool.page_size)
+    have = 0 if host_indices is None else int(host_indices.numel())
+    if have != count * page_size:
         raise ValueError(f"{count} pages need {count * page_size} host indices, got {have}")
-    starts = host_indices[: count * page_size : page_size].tolist()
-    return [raw_array(pool.get_data_page(int(start), flat=False)) for start in starts]
+    return [int(i) for i in host_indices[::page_size].tolist()]
 
 
 def raw_array(tensor: Any) -> npt.NDArray[Any]:

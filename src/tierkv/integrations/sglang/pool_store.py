@@ -1,0 +1,161 @@
+"""``PoolStore``: the pages of one SGLang host pool in one tierkv namespace.
+
+A hybrid model's engine has several host pools (HiCache's v2 interface names them: ``kv``,
+``mamba``, ``swa``, ``indexer``, ...); each pool's pages have their own geometry, so each
+pool has its own tierkv client and namespace (:class:`~tierkv.integrations.link.ServerLink`
+behind a circuit breaker, as for the KV pool). A page of any pool is keyed by the KV page
+key SGLang gives for it (the prefix-chained page hash), in that pool's namespace.
+
+Pages move in one of two ways (:class:`~tierkv.integrations.sglang.pages.PageGeometry`):
+as views of the host buffer (standard-attention and MLA pools: one copy each way), or as
+SGLang's flat data pages (Mamba states, DSA indexer pages: SGLang gathers the page's
+components into one flat page, tierkv copies that, and ``set_from_flat_data_page``
+scatters it back).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tierkv.arraycopy import copy_array
+from tierkv.client import Client
+from tierkv.integrations.link import ServerLink
+from tierkv.integrations.sglang.pages import PageGeometry, page_starts, raw_array
+
+Copy = Callable[[int, npt.NDArray[Any]], None]
+
+
+class PoolStore:
+    """One host pool's pages in tierkv: presence, store and load. Thread-safe (the link
+    is; page copies of one call touch distinct pages)."""
+
+    def __init__(
+        self,
+        name: str,
+        pool: Any,
+        geometry: PageGeometry,
+        link: ServerLink,
+        log: logging.Logger,
+        *,
+        stores: bool,
+    ) -> None:
+        """``stores``: whether this rank writes the pool's pages (False where another rank
+        writes the same bytes to a namespace shared by every rank)."""
+        self.name = name
+        self.pool = pool
+        self.geometry = geometry
+        self.link = link
+        self.stores = stores
+        self._log = log
+        self._flat_dtype: torch.dtype | None = None
+        if geometry.flat:
+            self._flat_dtype = pool.get_dummy_flat_data_page().dtype
+
+    # -- presence --------------------------------------------------------------------------
+    def leading(self, what: str, hashes: list[bytes]) -> int:
+        """How many leading pages of ``hashes`` this namespace holds, after fetching those
+        held in slower tiers or on other nodes into the pool (waits at most ``timeout``)."""
+        if not hashes:
+            return 0
+        rid = f"sglang-{uuid.uuid4().hex}"
+
+        def exists(client: Client) -> int:
+            try:
+                found = client.lookup(hashes=hashes, request_id=rid)
+                hits = client.wait_prefetch(rid) if found.prefetching else found.hits
+            finally:
+                # The pages are in the pool now; the get that follows reads them by key, so
+                # the lookup's locks go (an abandoned prefetch must not pin memory).
+                client.end_session(rid)
+            return hits
+
+        return self.link.call(what, exists, 0)
+
+    def probe(self, what: str, hashes: list[bytes]) -> Callable[[int, int], int]:
+        """``probe(start, stop)``: :meth:`leading` of ``hashes[start:stop]``."""
+        return lambda start, stop: self.leading(what, hashes[start:stop])
+
+    # -- copies ----------------------------------------------------------------------------
+    def store(
+        self, what: str, hashes: list[bytes], host_indices: Any, *, exact: bool
+    ) -> list[bool]:
+        """Store the pages at ``host_indices`` under ``hashes``: True for each page tierkv
+        holds afterwards. ``exact``: ``host_indices`` must hold exactly a page's worth per
+        page (v2), else at least that many (v1)."""
+        n = len(hashes)
+        if not self.stores:
+            return [True] * n  # another rank stores these same bytes
+        copies = self._copies(what, host_indices, n, exact)
+        if copies is None:
+            return [False] * n
+        gather, _ = copies
+
+        def store(client: Client) -> list[bool]:
+            done = client.store(hashes=hashes, gather=gather)
+            held = set(done.stored) | set(done.present)
+            return [i in held for i in range(n)]
+
+        return self.link.call(what, store, [False] * n)
+
+    def load(self, what: str, hashes: list[bytes], host_indices: Any, *, exact: bool) -> list[bool]:
+        """Read the pages of ``hashes`` into the host pool at ``host_indices``: True for
+        each page read."""
+        n = len(hashes)
+        copies = self._copies(what, host_indices, n, exact)
+        if copies is None:
+            return [False] * n
+        _, scatter = copies
+
+        def load(client: Client) -> list[bool]:
+            got = client.retrieve(hashes=hashes, scatter=scatter)
+            read = set(got.retrieved)
+            return [i in read for i in range(n)]
+
+        return self.link.call(what, load, [False] * n)
+
+    def _copies(
+        self, what: str, host_indices: Any, count: int, exact: bool
+    ) -> tuple[Copy, Copy] | None:
+        """``(gather, scatter)`` between chunk slots and the ``count`` pages at
+        ``host_indices``, or None (logged) for indices that do not name them."""
+        pool = self.pool
+        try:
+            if not isinstance(host_indices, torch.Tensor):
+                raise TypeError(f"host indices must be a tensor, not {type(host_indices)}")
+            if exact:
+                starts = page_starts(pool, host_indices, count)
+            else:
+                have, need = int(host_indices.numel()), count * self.geometry.page_size
+                if have < need:
+                    raise ValueError(f"{count} pages need {need} host indices, got {have}")
+                starts = page_starts(pool, host_indices[:need], count)
+            if any(s < 0 or s >= int(pool.size) for s in starts):
+                raise IndexError(f"host indices outside the {self.name} pool")
+            if not self.geometry.flat:
+                views = [raw_array(pool.get_data_page(s, flat=False)) for s in starts]
+        except (ValueError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+            self._log.warning("tierkv %s: %s (%s pool): %s", self.link.what, what, self.name, exc)
+            return None
+        if not self.geometry.flat:
+            return (
+                lambda c, dst: copy_array(dst, views[c]),
+                lambda c, src: copy_array(views[c], src),
+            )
+        dtype = self._flat_dtype
+
+        def gather(c: int, dst: npt.NDArray[Any]) -> None:
+            page = pool.get_data_page(starts[c], flat=True).contiguous().view(torch.uint8)
+            copy_array(dst.reshape(-1), page.numpy())
+
+        def scatter(c: int, src: npt.NDArray[Any]) -> None:
+            flat = torch.from_numpy(np.ascontiguousarray(src).reshape(-1)).view(dtype)
+            pool.set_from_flat_data_page(starts[c], flat)
+
+        return gather, scatter
