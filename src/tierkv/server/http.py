@@ -2,8 +2,10 @@
 
 FastAPI on uvicorn, served from one thread of the server process (handlers that read the
 service run on uvicorn's worker threads, so the event loop never waits for a lock). The
-socket is bound by :meth:`HttpServer.start` before the thread starts, so a port in use
-fails start-up with a clear error instead of a dead HTTP thread.
+port is bound by :meth:`HttpServer.start` before anything serves it, so a port in use
+fails start-up with a clear error. A server's port belongs to its HTTP front process
+(:mod:`tierkv.server.front`), which answers routers' lookups and passes every other request
+on to this app, served on a private Unix socket; the controller serves its app on its port.
 
 Endpoints:
 
@@ -15,8 +17,8 @@ Endpoints:
   ``{"namespace": "<32 hex digits>"}`` (an engine's namespace from /status) removes only
   that namespace's objects. Tiers are not touched.
 - ``/quota``: tenant quotas (:mod:`tierkv.server.quota_http`).
-- ``POST /lookup`` in a cluster: KV-aware lookups for routers
-  (:mod:`tierkv.server.lookup_http`).
+- ``POST /lookup`` in a cluster: KV-aware lookups for routers (answered by the front,
+  :mod:`tierkv.server.front`; on the controller, :mod:`tierkv.server.lookup_http`).
 
 Authorization of requests that change state (every POST, and PUT/DELETE when they exist):
 
@@ -116,13 +118,13 @@ def create_app(
     health: Callable[[], dict[str, bool]],
     auth_token: str = "",
     quotas: Quotas | None = None,
-    router_lookup: Callable[[bytes], dict[str, object]] | None = None,
     wait_turn: Callable[[], None] = no_gate,
 ) -> FastAPI:
-    """The FastAPI application of one server (with ``quotas``: the /quota endpoints; with
-    ``router_lookup``, a cluster's: ``POST /lookup``). ``wait_turn``: the check point
-    that lets the engines' requests go first (:mod:`tierkv.server.engine_first`), before
-    each request reaches the app and inside the listings."""
+    """The FastAPI application of one server (with ``quotas``: the /quota endpoints; a
+    cluster's ``POST /lookup`` is the front's, :mod:`tierkv.server.front`). ``wait_turn``:
+    the check point that lets the engines' requests go first
+    (:mod:`tierkv.server.engine_first`), before each request reaches the app and inside
+    the listings."""
     app = FastAPI(title="tierkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(EnginesFirstMiddleware, wait_turn=wait_turn)
     page = dashboard_html()
@@ -138,10 +140,6 @@ def create_app(
         from tierkv.server.quota_http import add_quota_routes
 
         add_quota_routes(app, quotas, authorize, wait_turn)
-    if router_lookup is not None:
-        from tierkv.server.lookup_http import add_lookup_route
-
-        add_lookup_route(app, authorize, router_lookup)
 
     @app.get("/", response_class=HTMLResponse)
     def dashboard() -> HTMLResponse:

@@ -1,31 +1,14 @@
-"""``POST /lookup`` for KV-aware routers, on a server's HTTP and the controller's: the body
-is read (bounded), authorized like every POST (:func:`tierkv.server.http.make_authorizer`)
-and answered by :mod:`tierkv.cluster.router_lookup` on a worker thread (a lookup may wait
-for the directory's round trip). Bad bodies get a 400 (unknown model or namespace: 404)
-with the reason.
+"""``POST /lookup`` for KV-aware routers on the controller's HTTP: the body is read
+(bounded), authorized like every POST (:func:`tierkv.server.http_requests.make_authorizer`)
+and answered by :mod:`tierkv.cluster.router_lookup` on a worker thread. Bad bodies get a 400
+(unknown model or namespace: 404) with the reason. At most :data:`AT_ONCE` lookups are
+answered at a time (the others wait their turn in the event loop, costing nothing), with a
+short GIL switch interval while they run (:func:`tierkv.priority.sharing_the_gil`), so that
+the controller's own control plane keeps its turns.
 
-Routers must not starve engines: the lookups run in the server's process, beside its RPC
-loop, and every Python thread that runs holds the GIL the RPC loop needs. So at most
-:data:`AT_ONCE` lookups are answered at a time, the others wait their turn in the event
-loop (costing nothing); while any is in flight the interpreter's switch interval is short
-(:func:`tierkv.priority.sharing_the_gil`): the RPC loop, woken by an engine's request,
-waits at most that long for the GIL each time it needs it; and while an engine's request
-is in flight, a lookup waits between its steps (parse, hash, directory, reply), as every
-HTTP request does before the app sees it (:mod:`tierkv.server.engine_first`). Token ids
-are checked while the body is decoded and packed without numpy (a Python pass over 4k ids
-cost more than the rest of the lookup).
-
-Measured with ``benchmarks/router_load.py`` (50 router clients, a 4k-token prompt each, an
-engine's 32k-token LOOKUP every 10 ms; the CI machine type, 2 cores; ratios of the engine's
-LOOKUP p99 against the idle phase of the same run). With neither measure: 17 and 24x. With
-the short switch interval alone: 2.42 / 2.12 / 3.78x under the routers, 4.06 / 2.45 / 3.32x
-while ``GET /quota`` of 4,000 tenants runs back to back. With the engines-first gate too,
-three runs on a quiet machine: 1.34 / 1.81 / 1.52x and 2.03 / 1.53 / 1.54x; three later
-ones: 3.26 / 2.04 / 4.00x and 1.78 / 2.07 / 2.72x. The goal (2x) is thus not met in every
-run. What is left is mostly outside the server's Python: in the same windows a bare round
-trip between two other processes rose 1.4 to 3x (the router clients' own CPU saturates the
-two cores), and the idle p99 itself ranged from 1.8 to 5.1 ms. Two lookups at a time and a
-1 ms interval gave 2.6 / 2.2 / 2.1x; one at a time was within the noise of two.
+A server answers routers from its HTTP front process instead (:mod:`tierkv.server.front`),
+out of its own process: there the HTTP stack's Python held the GIL that the RPC loop needs
+for every engine request (an engine's LOOKUP p99 2 to 5x its idle value under 50 routers).
 """
 
 from __future__ import annotations

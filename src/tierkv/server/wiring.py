@@ -262,7 +262,6 @@ class Server:
                 health.checks,
                 cfg.auth_token,
                 self.quotas,
-                None,  # POST /lookup: the front asks the RPC loop (ROUTER_LOOKUP)
                 self.engines.wait_turn,
             )
             front = FrontSettings(
