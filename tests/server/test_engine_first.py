@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from support.httputil import free_port, wait_for
 from tierkv import protocol as p
 from tierkv.client import Client
@@ -90,6 +92,7 @@ def _config(tmp_path: Path, http_port: int) -> Any:
     )
 
 
+@pytest.mark.processes  # its server's HTTP front is a process
 def test_http_waits_for_an_engine_request_in_flight(tmp_path: Path) -> None:
     """A GetStats (run on the RPC loop's workers) held in its handler: the RPC loop counts
     it in flight, GET /quota waits at the app's door, and both finish once it is

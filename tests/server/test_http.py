@@ -462,6 +462,7 @@ def test_metrics_count_tier_hits_and_corrupt_misses(
 
 
 # -- health ------------------------------------------------------------------------------
+@pytest.mark.processes  # its server's HTTP front is a process
 def test_healthcheck_fails_when_a_part_stops(tmp_path: Path) -> None:
     """An in-process server: stopping its eviction thread turns the health check to 503,
     and stopping the RPC loop ends the HTTP server with it."""

@@ -48,6 +48,7 @@ def _part_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(PART_THREADS)]
 
 
+@pytest.mark.processes  # its server's HTTP front is a process
 def test_a_failed_start_stops_every_part_that_started(tmp_path: Path) -> None:
     """HTTP is the last part: with its port taken, the pool, eviction, disk tier, cluster
     node (control and data ports), tiering and RPC had all started, and all are stopped."""
