@@ -58,6 +58,7 @@ def vllm_installed() -> None:
 
 CHUNK, BLOCK, BPC = 256, 128, 2
 LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32
+LATENT = 576  # an MLA latent: kv_lora_rank 512 + rope 64
 
 
 # -- mapping -------------------------------------------------------------------------------------
@@ -183,8 +184,10 @@ def make_engine(
     retry_interval: float = 5.0,
     store_decode: bool = False,
     async_store: bool = False,
+    mla: bool = False,
     **extra: Any,
 ) -> Engine:
+    """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -206,6 +209,7 @@ def make_engine(
         can_save=can_save,
         world_size=world_size,
         async_store=async_store,
+        shared_ranks=mla,
     )
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -222,10 +226,17 @@ def make_engine(
             can_save=can_save,
             async_store=async_store,
         )
-        cache = cpu_caches()
-        worker.register_kv_caches(
-            cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
-        )
+        if mla:
+            cache = vllm_engine.vllm_cpu_mla_caches(LAYERS, NUM_BLOCKS, BLOCK, LATENT)
+            for t in cache.values():
+                t.copy_(torch.randn(t.shape))
+            geometry = CacheGeometry(BLOCK, 1, LATENT, latent=True)
+            worker.register_kv_caches(cache, geometry, dict.fromkeys(cache, "CPU_MLA"))
+        else:
+            cache = cpu_caches()
+            worker.register_kv_caches(
+                cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
+            )
         workers.append(worker)
         caches.append(cache)
     return Engine(scheduler, workers, caches)
@@ -646,6 +657,41 @@ def test_every_rank_stores_and_loads_its_own_chunks(server: Any) -> None:
         {"rank": 0, "loaded_tokens": 512, "written_chunks": 0},
         {"rank": 1, "loaded_tokens": 512, "written_chunks": 0},
     ]
+
+
+def test_an_mla_engine_stores_once_and_every_rank_loads_that_copy(server: Any) -> None:
+    """MLA: every rank holds the same latent, so rank 0 alone stores, in one namespace, and
+    alone joins the engine's group; the other ranks read the chunks it stored by key."""
+    a = make_engine(server.endpoint, "engine-a", world_size=2, mla=True)
+    b = make_engine(server.endpoint, "engine-b", world_size=2, mla=True)
+    tokens = list(range(3000, 3000 + 700))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.objects == 2  # each chunk once, not once per rank
+    group = [e for e in stats.engines if e.engine_id == "engine-a" and e.role == "worker"]
+    assert [(e.rank, e.world_size) for e in group] == [(0, 1)]
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    (spec,) = meta.loads
+    assert spec.tokens == pack_tokens(tokens[:512])  # the keys, for rank 1's read
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_finished() == (None, {"b-1"})
+        assert worker.get_block_ids_with_load_errors() == set()
+    for rank in (0, 1):  # both ranks get the latents A's rank 0 stored, byte for byte
+        for i in range(4):
+            got, want = b.block_bytes(b_blocks[i], rank), a.block_bytes(a_blocks[i], 0)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert [r["loaded_tokens"] for r in report["ranks"]] == [512, 512]
+
+    # An engine of another tensor-parallel size computes other bytes: it shares nothing.
+    c = make_engine(server.endpoint, "engine-c", world_size=1, mla=True)
+    assert ask(c, request("c-1", tokens)) == (0, False)
 
 
 def test_the_lookup_finds_only_what_every_rank_holds(server: Any) -> None:

@@ -48,12 +48,19 @@ class LoadSpec:
     """Load blocks ``[start_block, end_block)`` of a request from the chunks its lookup locked
     (retrieve by request id). ``block_ids[i]`` is the vLLM block of block ``start_block + i``.
     Blocks before ``start_block`` were computed by vLLM itself and are never written (other
-    requests may be reading them)."""
+    requests may be reading them).
+
+    ``hashes``/``tokens`` (keys of the chunks from chunk 0, as in :class:`StoreSpec`) and
+    ``salt``: set for an MLA engine with several ranks, whose ranks other than 0 read the
+    chunks rank 0 stores by key (the scheduler's lookup locked them for rank 0 only)."""
 
     request_id: str
     start_block: int
     end_block: int
     block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...] | None = None
+    tokens: bytes | None = None
+    salt: str = ""
 
     def blocks_of(self, chunk: int, bpc: int) -> list[tuple[int, int]]:
         """(position of the block within the chunk, vLLM block id) for every block of

@@ -14,6 +14,13 @@ default; never for a ``kv_producer``): see :mod:`tierkv.integrations.vllm.worker
 the blocks a store reads are kept until it ends (delayed frees of finished requests, and
 ``handle_preemptions`` waiting for preempted requests' stores).
 
+MLA caches (DeepSeek-V2/V3 style) are stored once for all tensor-parallel ranks (see
+:mod:`tierkv.integrations.vllm.worker`). On vLLM's CPU platform with several ranks an MLA
+engine stores but never loads: vLLM 0.32's CPU MLA gives other tokens for a prompt whose
+prefix it did not compute itself there (measured with a tiny DeepSeek-V2 at TP=2: also when
+each rank loads back exactly its own bytes), while one rank answers exactly as without
+tierkv.
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -47,6 +54,7 @@ log = logging.getLogger("vllm.tierkv")
 # Block hash functions whose values differ between processes unless PYTHONHASHSEED is set.
 _PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
 _SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
 class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -64,6 +72,13 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         async_store = stores_async(self.settings, can_load=can_load, can_save=can_save)
         model_id = self.settings.model_id or _model_identity(vllm_config)
         self._spec = _attention_spec(kv_cache_config)
+        if can_load and _loads_give_wrong_output(vllm_config, self._spec):
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning(
+                    "tierkv: MLA with tensor parallelism on vLLM's CPU platform computes other "
+                    "tokens on top of a loaded prefix: this engine stores, never loads"
+                )
+            can_load = False
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -83,6 +98,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 can_save=can_save,
                 world_size=int(vllm_config.parallel_config.world_size),
                 async_store=async_store,
+                shared_ranks=_is_latent(self._spec),
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
@@ -139,7 +155,9 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if spec is None:
             raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
         heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
-        geometry = CacheGeometry(int(spec.block_size), heads, int(spec.head_size))
+        geometry = CacheGeometry(
+            int(spec.block_size), heads, int(spec.head_size), latent=_is_latent(spec)
+        )
         worker.register_kv_caches(
             kv_caches,
             geometry,
@@ -254,8 +272,22 @@ def _model_identity(vllm_config: Any) -> str:
     return ident
 
 
+def _is_latent(spec: Any) -> bool:
+    """An MLA spec: one latent vector per token, the same on every tensor-parallel rank."""
+    return spec is not None and type(spec).__name__ == "MLAAttentionSpec"
+
+
+def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:
+    """An MLA engine with several ranks on vLLM's CPU platform (see the module doc)."""
+    if not _is_latent(spec) or int(vllm_config.parallel_config.world_size) <= 1:
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _attention_spec(kv_cache_config: Any) -> Any:
-    """The one attention spec tierkv supports (full attention, one KV cache group)."""
+    """The one attention spec tierkv supports (full attention or MLA, one KV cache group)."""
     if kv_cache_config is None:
         return None
     groups = kv_cache_config.kv_cache_groups
@@ -268,12 +300,15 @@ def _attention_spec(kv_cache_config: Any) -> Any:
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     if specs:
         spec = next(iter(specs.values()))
-    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-        raise UnsupportedLayoutError(
-            f"tierkv supports full attention only, not {type(spec).__name__}"
-        )
-    head_size_v = getattr(spec, "head_size_v", None)
-    if head_size_v not in (None, spec.head_size):
+    kind = type(spec).__name__
+    if kind not in _SUPPORTED_SPECS or getattr(spec, "sliding_window", None):
+        raise UnsupportedLayoutError(f"tierkv supports full attention and MLA only, not {kind}")
+    if _is_latent(spec):
+        if getattr(spec, "model_version", None) or getattr(spec, "alignment", None):
+            raise UnsupportedLayoutError(
+                f"tierkv does not support the MLA cache of model version {spec.model_version}"
+            )
+    elif getattr(spec, "head_size_v", None) not in (None, spec.head_size):
         raise UnsupportedLayoutError("tierkv needs the same head size for K and V")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     if quant not in _SUPPORTED_QUANT_MODES:

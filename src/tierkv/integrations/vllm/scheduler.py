@@ -10,7 +10,9 @@ Per request, in vLLM's order:
    once the load is reported, with any failed blocks already cut off, so wrong KV never
    reaches attention).
 2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
-   without, free the lookup's locks (vLLM computes those chunks itself).
+   without, free the lookup's locks (vLLM computes those chunks itself). An MLA engine with
+   several ranks (``shared_ranks``: one namespace, only rank 0 in the lookup) also puts the
+   chunks' keys into the load, for the other ranks' reads by key.
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
    complete after this step's forward pass and not already known to be cached. With
    ``store_decode`` also the chunks that fill up while the request decodes (see below).
@@ -126,12 +128,15 @@ class SchedulerSide:
         can_save: bool,
         world_size: int = 1,
         async_store: bool = False,
+        shared_ranks: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``async_store``: the workers store on their store threads (see the module doc;
-        the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`)."""
+        the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`).
+        ``shared_ranks``: every rank holds the same KV (MLA), see the module doc."""
         self.settings = settings
         self.world_size = world_size  # ranks (workers) of this engine
+        self.shared_ranks = shared_ranks
         self.model_id = model_id
         self.engine_id = engine_id
         self.block_size = block_size
@@ -149,6 +154,11 @@ class SchedulerSide:
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler", log)
+
+    @property
+    def keyed_loads(self) -> bool:
+        """Loads carry their chunks' keys: ranks other than 0 read a shared cache by key."""
+        return self.shared_ranks and self.world_size > 1
 
     def _register(self, client: Client) -> None:
         reg = client.register_scheduler(
@@ -288,11 +298,15 @@ class SchedulerSide:
             start = state.local_tokens
             end = start + num_external_tokens
             start_block, end_block = start // self.block_size, -(-end // self.block_size)
+            keys = self._selector(state, state.hits) if self.keyed_loads else None
             self._loads[request.request_id] = LoadSpec(
                 request.request_id,
                 start_block,
                 end_block,
                 tuple(block_ids[start_block:end_block]),
+                hashes=tuple(keys["hashes"]) if keys and "hashes" in keys else None,
+                tokens=keys["tokens"] if keys and "tokens" in keys else None,
+                salt=state.salt,
             )
             state.external_tokens = num_external_tokens
             state.loading = True
