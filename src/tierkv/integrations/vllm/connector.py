@@ -21,6 +21,12 @@ prefix it did not compute itself there (measured with a tiny DeepSeek-V2 at TP=2
 each rank loads back exactly its own bytes), while one rank answers exactly as without
 tierkv.
 
+The vLLM versions the connector is tested with are
+:data:`~tierkv.integrations.vllm.interface.TESTED_VLLM_VERSIONS`; every hook of vLLM's base
+class is implemented here or left at its default on purpose
+(:data:`~tierkv.integrations.vllm.interface.KEPT_DEFAULTS`, with the reasons). On another
+vLLM version the scheduler logs the hooks that are neither.
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -40,6 +46,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tierkv.copier import default_threads
+from tierkv.integrations.vllm.interface import (
+    TESTED_VLLM_VERSIONS,
+    connector_bases,
+    interface_gaps,
+)
 from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
@@ -57,8 +68,19 @@ _SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
 _SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 
 
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # a vLLM without per-source hit counts
+    _HIT_SOURCE = None
+
+
 class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
+
+    # Where vLLM counts tierkv's hits: the pool is in host memory (shared memory).
+    _cache_hit_source = _HIT_SOURCE
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
@@ -82,6 +104,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _check_vllm_version(type(self))
             if transfer.kv_load_failure_policy != "recompute":
                 was = transfer.kv_load_failure_policy
                 log.info("tierkv: kv_load_failure_policy set to 'recompute' (was %r)", was)
@@ -261,6 +284,25 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 # -- configuration helpers ---------------------------------------------------------------------
+def _check_vllm_version(connector: type) -> None:
+    """On a vLLM version the connector is not tested with: log it, and the base-class hooks
+    it neither implements nor keeps on purpose (the engine runs on: a cache must not stop
+    it; the tests fail on them instead)."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if version in TESTED_VLLM_VERSIONS:
+        return
+    unlisted, _, _ = interface_gaps(connector, connector_bases())
+    log.warning(
+        "tierkv: vLLM %s is not a version the connector is tested with (%s); connector "
+        "hooks it neither implements nor leaves at their default on purpose: %s",
+        version,
+        ", ".join(TESTED_VLLM_VERSIONS),
+        ", ".join(unlisted) or "none",
+    )
+
+
 def _model_identity(vllm_config: Any) -> str:
     """Model name or path, revision and quantization: what makes weights (and KV) differ."""
     mc = vllm_config.model_config
