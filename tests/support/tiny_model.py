@@ -1,5 +1,6 @@
 """Build small random-weight models locally, for tests and benchmarks: Llama (full
-attention) and DeepSeek-V2 (multi-head latent attention, MLA).
+attention), DeepSeek-V2 (multi-head latent attention, MLA) and Gemma-3 (sliding-window
+and full-attention layers).
 
 Nothing is downloaded: the weights come from a transformers config, the tokenizer
 is a byte-level BPE trained with the ``tokenizers`` library on a few sentences. Both are
@@ -123,6 +124,64 @@ def build_mla_model(out_dir: str | Path, spec: MLAModelSpec | None = None) -> Pa
                 initializer_range=spec.initializer_range,
                 bos_token_id=1,
                 eos_token_id=2,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class SlidingModelSpec:
+    """A Gemma-3-style model: ``sliding_per_full`` sliding-window layers (window of
+    ``sliding_window`` tokens) before each full-attention layer."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    sliding_per_full: int = 3
+    sliding_window: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "float32"
+    seed: int = 0
+
+
+def build_sliding_model(out_dir: str | Path, spec: SlidingModelSpec | None = None) -> Path:
+    """Write a random-weight Gemma-3 text model (sliding-window and full-attention layers)
+    and its tokenizer to ``out_dir`` (reused when it already holds the same spec)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    spec = spec or SlidingModelSpec()
+    period = spec.sliding_per_full + 1
+    layer_types = [
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+        for i in range(spec.num_layers)
+    ]
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                sliding_window=spec.sliding_window,
+                layer_types=layer_types,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
                 tie_word_embeddings=False,
                 torch_dtype=spec.torch_dtype,
             )

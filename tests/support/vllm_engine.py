@@ -58,6 +58,15 @@ def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_mla_model(tmp_path_factory.getbasetemp() / "tiny-deepseek-v2")
 
 
+def tiny_sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random-weight Gemma-3 text model (3 sliding-window layers of 128 tokens,
+    then a full-attention one) with its tokenizer, built once per session."""
+    require_vllm()
+    from support.tiny_model import build_sliding_model
+
+    return build_sliding_model(tmp_path_factory.getbasetemp() / "tiny-gemma3")
+
+
 def vllm_cpu_caches(
     layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: Any = None
 ) -> dict[str, Any]:

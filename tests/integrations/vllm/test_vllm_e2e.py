@@ -13,9 +13,12 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - With tensor parallelism (2 ranks, one worker process each, gloo): every rank registers its
   own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
 - MLA (a tiny DeepSeek-V2, vLLM's CPU_MLA backend, whose prefix caching vLLM turns off): a
-  fresh engine loads the prefix another one stored (576 latent values per token and layer),
-  with one rank and with two (one namespace: rank 0 stores, both load), and answers as an
-  engine without tierkv.
+  fresh engine loads the prefix another one stored (576 latent values per token and layer)
+  and answers as an engine without tierkv; an engine with two ranks stores once for both
+  (rank 0) and never loads (vLLM's CPU MLA answers wrongly on top of a loaded prefix there).
+- Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one;
+  vLLM's hybrid manager off, as for any connector without ``SupportsHMA``): a fresh engine
+  loads a 512-token prefix, every layer's K/V, and answers as an engine without tierkv.
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
 - The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
@@ -703,7 +706,7 @@ def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vllm_engine.tiny_mla_model_dir(tmp_path_factory)
 
 
-def mla_prompts(vocab: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def shared_doc_prompts(vocab: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A's prompt (a 600-token document and a question: two full chunks) and B's: the same
     prompt again, then the document with another question."""
     rng = random.Random(2024)
@@ -728,7 +731,7 @@ def test_mla_prefix_stored_by_one_engine_loads_into_a_fresh_one(
     prompt answers as the first."""
     from support.tiny_model import tokenizer_size
 
-    prompts_a, prompts_b = mla_prompts(tokenizer_size(tiny_mla_model))
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_mla_model))
     server = server_factory(pool_size="256MiB")
     model = {"model": str(tiny_mla_model), "timeout": 60.0}
     tierkv = {**model, "endpoint": server.endpoint, "report_clients": 1}
@@ -764,3 +767,37 @@ def test_mla_prefix_stored_by_one_engine_loads_into_a_fresh_one(
         stats = client.stats()
     assert stats.errors == {}, stats.errors
     assert stats.objects == 2 + 2
+
+
+# -- sliding windows ---------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vllm_engine.tiny_sliding_model_dir(tmp_path_factory)
+
+
+def test_sliding_window_prefix_stored_by_one_engine_loads_into_a_fresh_one(
+    tiny_sliding_model: Path,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """The prefix (512 tokens, four sliding windows long) loads into B, every layer's K/V
+    of every token, and B answers as an engine without tierkv (whose hybrid manager keeps
+    only the sliding layers' last blocks)."""
+    from support.tiny_model import tokenizer_size
+
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(tiny_sliding_model)}
+    reference = engines("reference", **model, prompts=prompts_b)
+    a, b = a_then_b(engines, tmp_path, prompts_a, prompts_b, **model, endpoint=server.endpoint)
+    (result_a,) = a.results()
+    assert result_a["tierkv"]["stored_chunks"] == 2
+    results_b = b.results()
+    assert [r["tokens"] for r in results_b] == [r["tokens"] for r in reference.results()]
+    assert [r["tierkv"]["load_failed_from"] for r in results_b] == [None, None]
+    # B's first prompt loads both chunks; its second finds them in B's own prefix cache.
+    assert results_b[0]["tierkv"]["loaded_tokens"] == 2 * CHUNK
+    assert results_b[0]["num_cached_tokens"] == 2 * CHUNK
+    with server.client(timeout=5.0) as client:
+        assert client.stats().errors == {}

@@ -329,7 +329,8 @@ def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:
 
 
 def _attention_spec(kv_cache_config: Any) -> Any:
-    """The one attention spec tierkv supports (full attention or MLA, one KV cache group)."""
+    """The one attention spec tierkv supports: full attention (sliding windows included, as
+    vLLM hands them with its hybrid manager off) or MLA, in one KV cache group."""
     if kv_cache_config is None:
         return None
     groups = kv_cache_config.kv_cache_groups
@@ -343,8 +344,12 @@ def _attention_spec(kv_cache_config: Any) -> Any:
     if specs:
         spec = next(iter(specs.values()))
     kind = type(spec).__name__
-    if kind not in _SUPPORTED_SPECS or getattr(spec, "sliding_window", None):
+    if kind not in _SUPPORTED_SPECS:
         raise UnsupportedLayoutError(f"tierkv supports full attention and MLA only, not {kind}")
+    # A FullAttentionSpec with a sliding window: vLLM's hybrid manager is off (the connector
+    # does not declare SupportsHMA), so sliding-window layers keep every block, like full
+    # attention; a token's K/V does not depend on the window (only which tokens attention
+    # reads does), so every layer's K/V of every token is stored and loaded.
     if _is_latent(spec):
         if getattr(spec, "model_version", None) or getattr(spec, "alignment", None):
             raise UnsupportedLayoutError(
