@@ -58,12 +58,18 @@ def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_mla_model(tmp_path_factory.getbasetemp() / "tiny-deepseek-v2")
 
 
-def tiny_sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_sliding_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, all_sliding: bool = False
+) -> Path:
     """A 4-layer random-weight Gemma-3 text model (3 sliding-window layers of 128 tokens,
-    then a full-attention one) with its tokenizer, built once per session."""
+    then a full-attention one; ``all_sliding``: 4 sliding ones) with its tokenizer, built
+    once per session."""
     require_vllm()
-    from support.tiny_model import build_sliding_model
+    from support.tiny_model import SlidingModelSpec, build_sliding_model
 
+    if all_sliding:
+        spec = SlidingModelSpec(sliding_per_full=4)  # 4 layers: no full-attention one
+        return build_sliding_model(tmp_path_factory.getbasetemp() / "tiny-gemma3-sliding", spec)
     return build_sliding_model(tmp_path_factory.getbasetemp() / "tiny-gemma3")
 
 

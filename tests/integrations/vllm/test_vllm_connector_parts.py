@@ -1131,3 +1131,39 @@ def test_a_pool_is_page_locked_only_for_a_cache_on_a_gpu() -> None:
     assert page_lock(buf, torch.device("cpu")) is None
     buf.release()
     mm.close()  # raises BufferError if a view of it were still alive
+
+
+# -- which models the connector serves -----------------------------------------------------------
+def kv_cache_config(*group_specs: Any) -> Any:
+    """A KVCacheConfig with one group per spec (one layer each), as vLLM hands it over."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(group_specs)]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None:
+    """Full attention (a sliding window included, as vLLM hands it with its hybrid manager
+    off) and MLA are served; the others are refused with the reason (the connector then
+    stays inactive: the engine runs, every request a miss)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from tierkv.integrations.vllm.connector import _attention_spec, _is_latent
+    from tierkv.integrations.vllm.layout import UnsupportedLayoutError
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    windowed = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128
+    )
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    sliding = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128
+    )
+    assert _attention_spec(kv_cache_config(full)) is full
+    assert _attention_spec(kv_cache_config(windowed)) is windowed
+    assert _is_latent(_attention_spec(kv_cache_config(mla)))
+    with pytest.raises(UnsupportedLayoutError, match="not SlidingWindowSpec"):
+        _attention_spec(kv_cache_config(sliding))
+    two_groups = r"has 2 \(FullAttentionSpec, SlidingWindowSpec\)"
+    with pytest.raises(UnsupportedLayoutError, match=two_groups):
+        _attention_spec(kv_cache_config(full, sliding))

@@ -19,6 +19,9 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one;
   vLLM's hybrid manager off, as for any connector without ``SupportsHMA``): a fresh engine
   loads a 512-token prefix, every layer's K/V, and answers as an engine without tierkv.
+  A model whose every layer has a sliding window (vLLM frees its blocks behind the window,
+  so no prefix chunk survives) starts with tierkv attached, which says once why it stays
+  inactive, and answers as an engine without tierkv.
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
 - The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
@@ -801,3 +804,26 @@ def test_sliding_window_prefix_stored_by_one_engine_loads_into_a_fresh_one(
     assert results_b[0]["num_cached_tokens"] == 2 * CHUNK
     with server.client(timeout=5.0) as client:
         assert client.stats().errors == {}
+
+
+def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+) -> None:
+    from support.tiny_model import tokenizer_size
+
+    model_dir = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, all_sliding=True)
+    _, prompts = shared_doc_prompts(tokenizer_size(model_dir))
+    server = server_factory()
+    reference = engines("reference", model=str(model_dir), prompts=prompts)
+    engine = engines("tierkv", model=str(model_dir), prompts=prompts, endpoint=server.endpoint)
+    results = engine.results()
+    assert [r["tokens"] for r in results] == [r["tokens"] for r in reference.results()]
+    for result in results:
+        assert result["tierkv"]["hit_tokens"] == result["tierkv"]["stored_chunks"] == 0
+    log = engine.log_path.read_text(errors="replace")
+    assert log.count("this engine neither loads nor stores") == 1
+    assert "not SlidingWindowSpec" in log
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == 0

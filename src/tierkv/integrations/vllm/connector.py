@@ -27,6 +27,10 @@ class is implemented here or left at its default on purpose
 (:data:`~tierkv.integrations.vllm.interface.KEPT_DEFAULTS`, with the reasons). On another
 vLLM version the scheduler logs the hooks that are neither.
 
+Models tierkv cannot serve exactly (several KV cache groups, an all-sliding-window cache whose
+blocks vLLM frees behind the window, state caches, unsupported KV quantization) do not stop
+the engine: the connector logs why, once, and neither loads nor stores.
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -93,7 +97,16 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         engine_id = str(transfer.engine_id)
         async_store = stores_async(self.settings, can_load=can_load, can_save=can_save)
         model_id = self.settings.model_id or _model_identity(vllm_config)
-        self._spec = _attention_spec(kv_cache_config)
+        try:
+            self._spec = _attention_spec(kv_cache_config)
+            self._unsupported = ""
+        except UnsupportedLayoutError as e:
+            # A model whose KV tierkv cannot store and restore exactly: the engine runs, and
+            # every request is a miss (never wrong KV, never a failed start).
+            self._spec, self._unsupported = None, str(e)
+            can_load = can_save = False
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("tierkv: %s: this engine neither loads nor stores", e)
         if can_load and _loads_give_wrong_output(vllm_config, self._spec):
             if role == KVConnectorRole.SCHEDULER:
                 log.warning(
@@ -174,6 +187,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- worker role -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._require_worker()
+        if self._unsupported:
+            return  # inactive (logged by the scheduler): no layout, no registration
         spec = self._spec
         if spec is None:
             raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
@@ -235,6 +250,8 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._unsupported:
+            return
         block_ids = blocks.get_block_ids()
         if len(block_ids) != 1:
             raise UnsupportedLayoutError("tierkv supports models with one KV cache group only")
@@ -330,14 +347,17 @@ def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:
 
 def _attention_spec(kv_cache_config: Any) -> Any:
     """The one attention spec tierkv supports: full attention (sliding windows included, as
-    vLLM hands them with its hybrid manager off) or MLA, in one KV cache group."""
+    vLLM hands them with its hybrid manager off) or MLA, in one KV cache group. Raises
+    :class:`UnsupportedLayoutError` saying why for any other (the connector then stays
+    inactive)."""
     if kv_cache_config is None:
         return None
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         raise UnsupportedLayoutError(
             f"tierkv supports models with one KV cache group, this one has {len(groups)} "
-            "(hybrid or sliding-window attention)"
+            f"({', '.join(kinds)})"
         )
     spec = groups[0].kv_cache_spec
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
@@ -345,6 +365,8 @@ def _attention_spec(kv_cache_config: Any) -> Any:
         spec = next(iter(specs.values()))
     kind = type(spec).__name__
     if kind not in _SUPPORTED_SPECS:
+        # SlidingWindowSpec (a model whose every layer has a sliding window): vLLM frees the
+        # blocks behind the window, so no prefix chunk survives to be stored.
         raise UnsupportedLayoutError(f"tierkv supports full attention and MLA only, not {kind}")
     # A FullAttentionSpec with a sliding window: vLLM's hybrid manager is off (the connector
     # does not declare SupportsHMA), so sliding-window layers keep every block, like full
