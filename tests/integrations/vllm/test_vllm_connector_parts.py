@@ -108,6 +108,25 @@ def test_worker_metadata_counts_a_token_only_if_every_rank_loaded_it() -> None:
 
 
 # -- settings ------------------------------------------------------------------------------------
+def test_block_tables_of_several_groups_become_one_entry_per_position() -> None:
+    """vLLM's hybrid allocator hands one block table per group; a position holds every
+    group's id; a chunk with a group's null block (0) ends what a store may take."""
+    from tierkv.integrations.vllm.chunks import block_positions, has_null, real_ids
+    from tierkv.integrations.vllm.scheduler import _intact_chunks
+
+    assert block_positions([[4, 5, 6]]) == [4, 5, 6]
+    positions = block_positions([[0, 0, 9, 12], [3, 4, 5, 6]])
+    assert positions == [(0, 3), (0, 4), (9, 5), (12, 6)]
+    assert block_positions([[1, 2], [3]]) is None  # tables that do not line up
+    assert [has_null(p) for p in positions] == [True, True, False, False]
+    assert real_ids((0, 4)) == [4] and real_ids(0) == [0]  # one group: no null block
+    assert _intact_chunks(positions, 2) == 0
+    assert _intact_chunks([(1, 2), (3, 4), (5, 0), (6, 7)], 2) == 1
+    assert _intact_chunks([7, 8, 9, 10, 11], 2) == 2
+    spec = LoadSpec("r", 0, 4, tuple(positions))
+    assert spec.failed_blocks(set(), 2) == [3, 4, 9, 5, 12, 6]
+
+
 def test_settings_defaults_and_validation() -> None:
     s = ConnectorSettings.from_extra_config({"endpoint": "ipc:///x.sock"})
     assert (s.endpoint, s.chunk_size, s.timeout, s.hashes) == ("ipc:///x.sock", 256, 2.0, "auto")
@@ -1144,26 +1163,33 @@ def kv_cache_config(*group_specs: Any) -> Any:
 
 def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None:
     """Full attention (a sliding window included, as vLLM hands it with its hybrid manager
-    off) and MLA are served; the others are refused with the reason (the connector then
+    off), MLA, and full-attention and sliding-window groups of one geometry (the hybrid
+    manager on) are served; the others are refused with the reason (the connector then
     stays inactive: the engine runs, every request a miss)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    from tierkv.integrations.vllm.connector import _attention_spec, _is_latent
+    from tierkv.integrations.vllm.connector import _attention_spec, _is_latent, _layer_groups
     from tierkv.integrations.vllm.layout import UnsupportedLayoutError
 
-    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
-    windowed = FullAttentionSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128
-    )
+    def attention(spec: Any = FullAttentionSpec, **kw: Any) -> Any:
+        geometry = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.float32, **kw}
+        return spec(**{"block_size": BLOCK, **geometry})
+
+    full, windowed = attention(), attention(sliding_window=128)
+    sliding = attention(SlidingWindowSpec, sliding_window=128)
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    sliding = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=128
-    )
     assert _attention_spec(kv_cache_config(full)) is full
     assert _attention_spec(kv_cache_config(windowed)) is windowed
     assert _is_latent(_attention_spec(kv_cache_config(mla)))
+    hybrid = kv_cache_config(sliding, sliding, full)
+    assert _attention_spec(hybrid) is sliding
+    assert _layer_groups(hybrid) == {f"model.layers.{i}.attn": i for i in range(3)}
+    assert _layer_groups(kv_cache_config(full)) is None
     with pytest.raises(UnsupportedLayoutError, match="not SlidingWindowSpec"):
-        _attention_spec(kv_cache_config(sliding))
-    two_groups = r"has 2 \(FullAttentionSpec, SlidingWindowSpec\)"
-    with pytest.raises(UnsupportedLayoutError, match=two_groups):
-        _attention_spec(kv_cache_config(full, sliding))
+        _attention_spec(kv_cache_config(sliding))  # alone: vLLM frees every old block
+    with pytest.raises(UnsupportedLayoutError, match=r"has 2 \(FullAttentionSpec, MLA"):
+        _attention_spec(kv_cache_config(full, mla))
+    with pytest.raises(UnsupportedLayoutError, match="one block size and head geometry"):
+        _attention_spec(
+            kv_cache_config(full, attention(SlidingWindowSpec, sliding_window=8, head_size=32))
+        )

@@ -16,9 +16,10 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
   fresh engine loads the prefix another one stored (576 latent values per token and layer)
   and answers as an engine without tierkv; an engine with two ranks stores once for both
   (rank 0) and never loads (vLLM's CPU MLA answers wrongly on top of a loaded prefix there).
-- Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one;
-  vLLM's hybrid manager off, as for any connector without ``SupportsHMA``): a fresh engine
-  loads a 512-token prefix, every layer's K/V, and answers as an engine without tierkv.
+- Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one):
+  an engine with vLLM's hybrid manager on (4 KV cache groups) stores a 512-token prefix,
+  every layer's K/V of every token; fresh engines with it off (one group carrying the
+  window) and on load it and answer as an engine without tierkv.
   A model whose every layer has a sliding window (vLLM frees its blocks behind the window,
   so no prefix chunk survives) starts with tierkv attached, which says once why it stays
   inactive, and answers as an engine without tierkv.
@@ -778,32 +779,41 @@ def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return vllm_engine.tiny_sliding_model_dir(tmp_path_factory)
 
 
-def test_sliding_window_prefix_stored_by_one_engine_loads_into_a_fresh_one(
+def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
     tiny_sliding_model: Path,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
     tmp_path: Path,
 ) -> None:
-    """The prefix (512 tokens, four sliding windows long) loads into B, every layer's K/V
-    of every token, and B answers as an engine without tierkv (whose hybrid manager keeps
-    only the sliding layers' last blocks)."""
+    """A (vLLM's hybrid manager on: 4 KV cache groups, 3 sliding-window ones) stores the
+    prefix (512 tokens, four windows long), every layer's K/V of every token; B (hybrid
+    manager off: one group carrying the window) and C (on) load it, fresh engines both,
+    and answer as an engine without tierkv."""
     from support.tiny_model import tokenizer_size
 
     prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
     server = server_factory(pool_size="256MiB")
     model = {"model": str(tiny_sliding_model)}
+    tierkv = {**model, "endpoint": server.endpoint}
     reference = engines("reference", **model, prompts=prompts_b)
-    a, b = a_then_b(engines, tmp_path, prompts_a, prompts_b, **model, endpoint=server.endpoint)
+    a_done = tmp_path / "a.done"
+    a = engines("A", **tierkv, hma=True, prompts=prompts_a, done=str(a_done))
+    b = engines("B", **tierkv, hma=False, prompts=prompts_b, wait_for=str(a_done))
+    c = engines("C", **tierkv, hma=True, prompts=prompts_b, wait_for=str(a_done))
     (result_a,) = a.results()
     assert result_a["tierkv"]["stored_chunks"] == 2
-    results_b = b.results()
-    assert [r["tokens"] for r in results_b] == [r["tokens"] for r in reference.results()]
-    assert [r["tierkv"]["load_failed_from"] for r in results_b] == [None, None]
-    # B's first prompt loads both chunks; its second finds them in B's own prefix cache.
-    assert results_b[0]["tierkv"]["loaded_tokens"] == 2 * CHUNK
-    assert results_b[0]["num_cached_tokens"] == 2 * CHUNK
+    expected = [r["tokens"] for r in reference.results()]
+    for engine in (b, c):
+        results = engine.results()
+        assert [r["tokens"] for r in results] == expected, engine.name
+        assert [r["tierkv"]["load_failed_from"] for r in results] == [None, None]
+        # The first prompt loads both chunks; the second finds them in vLLM's own cache.
+        assert results[0]["tierkv"]["loaded_tokens"] == 2 * CHUNK, engine.name
+        assert results[0]["num_cached_tokens"] == 2 * CHUNK, engine.name
+    assert "kv cache group sizes" not in b.log(400)  # the hybrid manager was off in B
     with server.client(timeout=5.0) as client:
-        assert client.stats().errors == {}
+        stats = client.stats()
+    assert stats.errors == {} and stats.objects == 2
 
 
 def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(

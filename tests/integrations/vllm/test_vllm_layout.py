@@ -461,3 +461,34 @@ def test_mla_caches_tierkv_cannot_map_are_refused(
 ) -> None:
     with pytest.raises(UnsupportedLayoutError, match=message):
         detect_layout({"l.0": torch.zeros(shape)}, MLA_GEOMETRY, {"l.0": backend})
+
+
+# -- several KV cache groups (vLLM's hybrid allocator) ---------------------------------------------
+def test_grouped_layers_copy_their_own_groups_blocks_and_skip_null_ones() -> None:
+    """Two layers of two groups sharing one tensor (as vLLM's hybrid allocator lays them
+    out: a block belongs to one group at a time): each layer moves its own group's blocks,
+    a group's null block (0: behind a sliding window) is never read nor written."""
+    shared = torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=torch.Generator().manual_seed(9))
+    caches = {"model.layers.0.attn": shared, "model.layers.1.attn": shared}
+    groups = {"model.layers.0.attn": 0, "model.layers.1.attn": 1}
+    layout = detect_layout(
+        caches, CacheGeometry(*GEOMETRY_ARGS), dict.fromkeys(caches, "TRITON_ATTN"), groups=groups
+    )
+    assert layout.num_layers == 2 and layout.layer_groups == (0, 1)
+    for copies in (layout, torch_copies(layout)):
+        chunk = torch.zeros(copies.chunk_shape(CHUNK))
+        copies.read_blocks([(0, (5, 2)), (1, (6, 0))], chunk)
+        assert torch.equal(chunk[0, 0, :, :BLOCK], shared[5][..., :HEAD])
+        assert torch.equal(chunk[0, 0, :, BLOCK:], shared[6][..., :HEAD])
+        assert torch.equal(chunk[1, 1, :, :BLOCK], shared[2][..., HEAD:])
+        assert not chunk[:, 1, :, BLOCK:].any()  # layer 1's null block: not read
+
+        before = shared.clone()
+        source = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(10))
+        copies.write_blocks([(0, (3, 0)), (1, (4, 7))], source)
+        assert torch.equal(shared[3][..., :HEAD], source[0, 0, :, :BLOCK])
+        assert torch.equal(shared[4][..., :HEAD], source[0, 0, :, BLOCK:])
+        assert torch.equal(shared[7][..., HEAD:], source[1, 1, :, BLOCK:])
+        untouched = [b for b in range(BLOCKS) if b not in (3, 4, 7)]
+        assert torch.equal(shared[untouched], before[untouched])  # block 0 included
+        shared.copy_(before)

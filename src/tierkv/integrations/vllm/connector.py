@@ -47,9 +47,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from tierkv.copier import default_threads
+from tierkv.integrations.vllm.chunks import block_positions
 from tierkv.integrations.vllm.interface import (
     TESTED_VLLM_VERSIONS,
     connector_bases,
@@ -70,6 +72,7 @@ log = logging.getLogger("vllm.tierkv")
 _PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
 _SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
 _SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_HYBRID_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
 try:
@@ -80,7 +83,7 @@ except ImportError:  # a vLLM without per-source hit counts
     _HIT_SOURCE = None
 
 
-class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
 
     # Where vLLM counts tierkv's hits: the pool is in host memory (shared memory).
@@ -201,6 +204,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
             geometry,
             _backend_names(self._vllm_config, kv_caches),
             self.settings.kv_layout,
+            _layer_groups(self._kv_cache_config),
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -252,11 +256,9 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._unsupported:
             return
-        block_ids = blocks.get_block_ids()
-        if len(block_ids) != 1:
-            raise UnsupportedLayoutError("tierkv supports models with one KV cache group only")
+        positions = block_positions(blocks.get_block_ids())
         self._require_scheduler().update_state_after_alloc(
-            request, block_ids[0], num_external_tokens
+            request, positions or [], num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -268,6 +270,17 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid allocator (SupportsHMA): one block table per KV cache group.
+        return self._finished(request, block_positions(block_ids))
+
+    def _finished(
+        self, request: Any, block_ids: list[Any] | None
     ) -> tuple[bool, dict[str, Any] | None]:
         scheduler = self._require_scheduler()
         params = scheduler.request_finished(request, block_ids)
@@ -354,11 +367,7 @@ def _attention_spec(kv_cache_config: Any) -> Any:
         return None
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise UnsupportedLayoutError(
-            f"tierkv supports models with one KV cache group, this one has {len(groups)} "
-            f"({', '.join(kinds)})"
-        )
+        return _hybrid_spec(groups)
     spec = groups[0].kv_cache_spec
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     if specs:
@@ -383,6 +392,42 @@ def _attention_spec(kv_cache_config: Any) -> Any:
     if quant not in _SUPPORTED_QUANT_MODES:
         raise UnsupportedLayoutError(f"tierkv does not support KV quantization mode {quant}")
     return spec
+
+
+def _hybrid_spec(groups: Any) -> Any:
+    """The spec of a model with several KV cache groups (vLLM's hybrid allocator, which the
+    connector allows by declaring SupportsHMA): full-attention and sliding-window groups
+    whose layers have one geometry (block size, KV heads, head size, dtype). Every group's
+    K/V of every token is stored (so any prefix boundary can be served, and engines with the
+    hybrid allocator off share the chunks); a sliding-window group's blocks behind the
+    window are null: a load skips them, and a chunk with one is not stored."""
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    specs = [g.kv_cache_spec for g in groups]
+    if not set(kinds) <= set(_HYBRID_SPECS):
+        raise UnsupportedLayoutError(
+            f"tierkv supports models with several KV cache groups of {list(_HYBRID_SPECS)} "
+            f"only, this one has {len(groups)} ({', '.join(kinds)})"
+        )
+    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+    if len(shapes) != 1:
+        raise UnsupportedLayoutError(
+            f"tierkv needs one block size and head geometry in every KV cache group: {shapes}"
+        )
+    for spec in specs:
+        quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+        if quant not in _SUPPORTED_QUANT_MODES:
+            raise UnsupportedLayoutError(f"tierkv does not support KV quantization mode {quant}")
+        if getattr(spec, "head_size_v", None) not in (None, spec.head_size):
+            raise UnsupportedLayoutError("tierkv needs the same head size for K and V")
+    return specs[0]
+
+
+def _layer_groups(kv_cache_config: Any) -> dict[str, int] | None:
+    """Each layer's KV cache group, for a model with several."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) < 2:
+        return None
+    return {name: g for g, group in enumerate(groups) for name in group.layer_names}
 
 
 def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:

@@ -48,8 +48,8 @@ KEPT_DEFAULTS: dict[str, str] = {
     "supports_divergent_local_hybrid_hits": "tierkv restores no recurrent state: False",
     "bind_kv_cache_manager": "the default binds the block pool; tierkv uses neither",
     "bind_gpu_block_pool": "tierkv does not track vLLM's block pool",
-    "get_loaded_kv_cache_group_ids": "the default (the prefix-cacheable groups) is what a "
-    "load writes: tierkv serves models with one KV cache group",
+    "get_loaded_kv_cache_group_ids": "the default (the prefix-cacheable groups: full "
+    "attention and sliding windows, the kinds tierkv serves) is what a load writes",
     "get_external_cache_hit_sources": "every external hit counts under _cache_hit_source "
     "(HOST): tierkv serves it from its shared-memory pool (a slower tier or a peer first "
     "copies the chunk into the pool)",
@@ -66,9 +66,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "build_prom_metrics": "the server exports tierkv's Prometheus metrics",
     "reset_cache": "the pool is shared by engines: one engine's reset_prefix_cache must not "
     "drop what others stored (clear it through the server)",
-    # -- SupportsHMA ---------------------------------------------------------------------------
-    "request_finished_all_groups": "the connector does not declare SupportsHMA: vLLM keeps "
-    "one KV cache group for it and calls request_finished",
 }
 
 

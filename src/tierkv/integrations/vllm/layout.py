@@ -69,6 +69,7 @@ import torch
 
 from tierkv.arraycopy import copy_array, host_view
 
+NULL_BLOCK = 0  # vLLM's null block (chunks.NULL_BLOCK): a group's position with no KV
 NATIVE = "native"
 MLA = "mla"
 SPLIT_LAST = "split_last"
@@ -130,6 +131,10 @@ class PagedKVLayout:
     views: tuple[torch.Tensor, ...]
     stacked: torch.Tensor | None  # [layers, *view shape] over all layers, when possible
     backend: str = ""
+    # With several KV cache groups (vLLM's hybrid allocator): each layer's group. The blocks
+    # handed to the copies are then one id per group (chunks.BlockRef), and each layer is
+    # copied from (or to) its own group's block, null blocks skipped.
+    layer_groups: tuple[int, ...] | None = None
     # numpy views of views/stacked when the cache is in host memory (see arraycopy.host_view)
     host_views: tuple[npt.NDArray[Any], ...] | None = field(default=None, init=False)
     host_stacked: npt.NDArray[Any] | None = field(default=None, init=False)
@@ -224,9 +229,10 @@ class PagedKVLayout:
             )
         return position
 
-    def read_blocks(self, blocks: Iterable[tuple[int, int]], chunk: torch.Tensor) -> None:
+    def read_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
         """For every ``(j, block_id)``: copy vLLM block ``block_id`` into the chunk's ``j``-th
-        block (tokens ``[j * block_size, +block_size)``)."""
+        block (tokens ``[j * block_size, +block_size)``). With :attr:`layer_groups`,
+        ``block_id`` is a tuple of one id per group."""
         host = self._host_chunk(chunk)
         if host is not None:
             for paged, part in self._block_parts(blocks, host, host=True):
@@ -239,7 +245,7 @@ class PagedKVLayout:
         if staging is not None:
             chunk.copy_(staging)  # one contiguous copy off the device
 
-    def write_blocks(self, blocks: Iterable[tuple[int, int]], chunk: torch.Tensor) -> None:
+    def write_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
         """For every ``(j, block_id)``: copy the chunk's ``j``-th block into vLLM block
         ``block_id``."""
         host = self._host_chunk(chunk)
@@ -282,7 +288,7 @@ class PagedKVLayout:
         return host_view(chunk)
 
     def _block_parts(
-        self, blocks: Iterable[tuple[int, int]], chunk: Any, host: bool
+        self, blocks: Iterable[tuple[int, Any]], chunk: Any, host: bool
     ) -> Iterator[tuple[Any, Any]]:
         """(paged cache view, chunk view) pairs covering the vLLM blocks ``(j, block_id)``:
         one per run of consecutive blocks (block ids and chunk positions both counting up
@@ -297,6 +303,15 @@ class PagedKVLayout:
         views = self.host_views if host else self.views
         assert views is not None
         move = np.moveaxis if host else torch.movedim
+        if self.layer_groups is not None:
+            refs = list(blocks)
+            for layer, (view, group) in enumerate(zip(views, self.layer_groups, strict=True)):
+                ids = [(j, ref[group]) for j, ref in refs if ref[group] != NULL_BLOCK]
+                for j, block_id, count in block_runs(ids):
+                    kb, t0 = block_id * self.sub_blocks, j * self.sub_blocks * n
+                    m = count * self.sub_blocks
+                    yield move(view[kb : kb + m], 0, -3), self._chunk_run(chunk, t0, m, layer)
+            return
         for j, block_id, count in block_runs(blocks):
             kb, t0, m = block_id * self.sub_blocks, j * self.sub_blocks * n, count * self.sub_blocks
             if stacked is not None:
@@ -339,8 +354,13 @@ def detect_layout(
     geometry: CacheGeometry,
     backends: Mapping[str, str] | None = None,
     content: str = "auto",
+    groups: Mapping[str, int] | None = None,
 ) -> PagedKVLayout:
     """Map vLLM's per-layer KV cache tensors to block views.
+
+    ``groups``: each layer's KV cache group, for a model with several (vLLM's hybrid
+    allocator), whose layers of different groups may share one tensor (their blocks are
+    disjoint): the layout then copies each layer by its own group's block ids.
 
     ``backends`` names each layer's attention backend (``AttentionBackend.get_name()``,
     then ``/variant`` where the block format depends on one: ``CPU_ATTN/amx``);
@@ -355,10 +375,11 @@ def detect_layout(
             f"kv_layout must be 'auto', 'native' or 'split_last', not {content!r}"
         )
     names: list[str] = []
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...], int]] = set()
     for name in sorted(kv_caches, key=_layer_order):
         t = kv_caches[name]
-        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
+        group = (groups or {}).get(name, 0)
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), group)
         if identity in seen:
             continue  # a layer that reuses another layer's KV
         seen.add(identity)
@@ -399,6 +420,7 @@ def detect_layout(
     kernel_block_size = int(views[0].shape[-2] if kind in (NATIVE, MLA) else views[0].shape[3])
     if views[0].device.type == "meta":
         raise UnsupportedLayoutError("KV cache tensors are on the meta device")
+    layer_groups = tuple((groups or {}).get(name, 0) for name in names)
     return PagedKVLayout(
         kind=kind,
         layer_names=tuple(names),
@@ -408,6 +430,7 @@ def detect_layout(
         views=views,
         stacked=_stack(views),
         backend=backend,
+        layer_groups=layer_groups if len(set(layer_groups)) > 1 else None,
     )
 
 

@@ -68,11 +68,14 @@ from tierkv import keys
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import (
+    BlockRef,
     LoadSpec,
     StoreSpec,
+    block_positions,
     blocks_per_chunk,
     chunk_hashes,
     full_chunks,
+    has_null,
 )
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
@@ -104,7 +107,7 @@ class RequestState:
     rank_loaded: dict[int, int] = field(default_factory=dict)  # tokens loaded, by rank
     rank_written: dict[int, int] = field(default_factory=dict)  # chunks written, by rank
     failed_from: int | None = None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[BlockRef] = field(default_factory=list)
     saved_chunks: int = 0  # chunks known cached in tierkv or already handed out for store
     stored_chunks: int = 0  # chunks handed to the workers for store
     # Asynchronous stores: stores were handed to the workers whose end no step has waited
@@ -283,7 +286,7 @@ class SchedulerSide:
         return None
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: list[BlockRef], num_external_tokens: int
     ) -> None:
         state = self.requests.get(request.request_id)
         if state is None or state.phase == ALLOCATED:
@@ -325,7 +328,7 @@ class SchedulerSide:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            state.block_ids = self._positions(state, new.block_ids)
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._plan_step(state, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -335,9 +338,9 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = self._positions(state, new_blocks)
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                state.block_ids.extend(self._positions(state, new_blocks))
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
             self._plan_step(state, computed, meta)
         return meta
@@ -370,6 +373,9 @@ class SchedulerSide:
             return False
         done = self._storable_chunks(state, computed)
         first = state.saved_chunks
+        # Not beyond a chunk with a null block (a sliding-window group's KV behind the window
+        # is gone): later chunks could never be found behind it either.
+        done = min(done, first + _intact_chunks(state.block_ids[first * self.bpc :], self.bpc))
         if done <= first or len(state.block_ids) < done * self.bpc:
             return False
         selector = self._selector(state, done)
@@ -430,7 +436,9 @@ class SchedulerSide:
             state.saved_chunks = min(state.saved_chunks, token // self.chunk_size)
 
     # -- end of a request ------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> dict[str, Any]:
+    def request_finished(
+        self, request: Any, block_ids: list[BlockRef] | None = None
+    ) -> dict[str, Any]:
         """End the request; its figures for ``kv_transfer_params``. ``block_ids``: its blocks
         as vLLM hands them over (for a last decode chunk, see :meth:`keeps_blocks`)."""
         state = self.requests.pop(request.request_id, None)
@@ -475,7 +483,7 @@ class SchedulerSide:
         if state.stores_running and not state.loading and rid not in self._final.release:
             self._final.release.append(rid)
 
-    def _plan_last_store(self, state: RequestState, block_ids: list[int] | None) -> None:
+    def _plan_last_store(self, state: RequestState, block_ids: list[BlockRef] | None) -> None:
         """Plan the complete chunks of a finished request that no step planned yet."""
         if not self.store_decode or state.loading or state.phase != ALLOCATED:
             return  # a request still loading is vLLM's to keep until the load is reported
@@ -486,6 +494,18 @@ class SchedulerSide:
             state.block_ids = list(block_ids)
         if self._plan_store(state, computed, self._final):
             self._final.release.append(request.request_id)
+
+    @staticmethod
+    def _positions(state: RequestState, groups: Any) -> list[BlockRef]:
+        """vLLM's per-group block ids as one entry per position (:func:`block_positions`);
+        groups that do not line up make the request uncacheable."""
+        if not groups:
+            return []
+        positions = block_positions(groups)
+        if positions is None:
+            state.cacheable = False
+            return []
+        return positions
 
     def _free_locks(self, state: RequestState) -> None:
         rid = state.request.request_id
@@ -504,6 +524,14 @@ class SchedulerSide:
         self.requests.clear()
         self._loads.clear()
         self.link.close()
+
+
+def _intact_chunks(block_ids: list[BlockRef], bpc: int) -> int:
+    """Leading whole chunks of ``block_ids`` without a null block."""
+    for i, ref in enumerate(block_ids):
+        if has_null(ref):
+            return i // bpc
+    return len(block_ids) // bpc
 
 
 def _needs_block_hashes(request: Any) -> bool:

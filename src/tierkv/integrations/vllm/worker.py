@@ -179,10 +179,12 @@ class WorkerSide:
         geometry: CacheGeometry,
         backends: Mapping[str, str],
         content: str = "auto",
+        groups: Mapping[str, int] | None = None,
     ) -> PagedKVLayout:
         """Detect the layout (raises :class:`UnsupportedLayoutError` for one it cannot map)
-        and register with the server (a server that is down now is retried later)."""
-        self.layout = detect_layout(kv_caches, geometry, backends, content)
+        and register with the server (a server that is down now is retried later).
+        ``groups``: each layer's KV cache group, for a model with several."""
+        self.layout = detect_layout(kv_caches, geometry, backends, content, groups)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
         log.info(
             "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s; "
