@@ -59,18 +59,19 @@ def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def tiny_sliding_model_dir(
-    tmp_path_factory: pytest.TempPathFactory, all_sliding: bool = False
+    tmp_path_factory: pytest.TempPathFactory, sliding_per_full: int = 3
 ) -> Path:
-    """A 4-layer random-weight Gemma-3 text model (3 sliding-window layers of 128 tokens,
-    then a full-attention one; ``all_sliding``: 4 sliding ones) with its tokenizer, built
-    once per session."""
+    """A 4-layer random-weight Gemma-3 text model with its tokenizer, built once per session:
+    ``sliding_per_full`` sliding-window layers (128 tokens) before each full-attention one
+    (3: Gemma-3's pattern, 4 groups with vLLM's hybrid allocator; 1: alternating, as gpt-oss,
+    2 groups; 4: no full-attention layer)."""
     require_vllm()
     from support.tiny_model import SlidingModelSpec, build_sliding_model
 
-    if all_sliding:
-        spec = SlidingModelSpec(sliding_per_full=4)  # 4 layers: no full-attention one
-        return build_sliding_model(tmp_path_factory.getbasetemp() / "tiny-gemma3-sliding", spec)
-    return build_sliding_model(tmp_path_factory.getbasetemp() / "tiny-gemma3")
+    spec = SlidingModelSpec(sliding_per_full=sliding_per_full)
+    return build_sliding_model(
+        tmp_path_factory.getbasetemp() / f"tiny-gemma3-sw{sliding_per_full}", spec
+    )
 
 
 def vllm_cpu_caches(

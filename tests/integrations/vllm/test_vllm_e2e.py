@@ -19,7 +19,8 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one):
   an engine with vLLM's hybrid manager on (4 KV cache groups) stores a 512-token prefix,
   every layer's K/V of every token; fresh engines with it off (one group carrying the
-  window) and on load it and answer as an engine without tierkv.
+  window) and on load it and answer as an engine without tierkv; the same with sliding and
+  full layers alternating (gpt-oss's pattern, 2 groups).
   A model whose every layer has a sliding window (vLLM frees its blocks behind the window,
   so no prefix chunk survives) starts with tierkv attached, which says once why it stays
   inactive, and answers as an engine without tierkv.
@@ -774,13 +775,12 @@ def test_mla_prefix_stored_by_one_engine_loads_into_a_fresh_one(
 
 
 # -- sliding windows ---------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vllm_engine.tiny_sliding_model_dir(tmp_path_factory)
-
-
+@pytest.mark.parametrize(
+    "sliding_per_full", [3, 1], ids=["gemma3-4-groups", "alternating-2-groups"]
+)
 def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
-    tiny_sliding_model: Path,
+    sliding_per_full: int,
+    tmp_path_factory: pytest.TempPathFactory,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
     tmp_path: Path,
@@ -788,9 +788,11 @@ def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
     """A (vLLM's hybrid manager on: 4 KV cache groups, 3 sliding-window ones) stores the
     prefix (512 tokens, four windows long), every layer's K/V of every token; B (hybrid
     manager off: one group carrying the window) and C (on) load it, fresh engines both,
-    and answer as an engine without tierkv."""
+    and answer as an engine without tierkv. The same with sliding and full layers
+    alternating (gpt-oss's pattern: 2 groups)."""
     from support.tiny_model import tokenizer_size
 
+    tiny_sliding_model = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full)
     prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
     server = server_factory(pool_size="256MiB")
     model = {"model": str(tiny_sliding_model)}
@@ -823,7 +825,7 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
 ) -> None:
     from support.tiny_model import tokenizer_size
 
-    model_dir = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, all_sliding=True)
+    model_dir = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full=4)
     _, prompts = shared_doc_prompts(tokenizer_size(model_dir))
     server = server_factory()
     reference = engines("reference", model=str(model_dir), prompts=prompts)
