@@ -27,9 +27,17 @@ class is implemented here or left at its default on purpose
 (:data:`~tierkv.integrations.vllm.interface.KEPT_DEFAULTS`, with the reasons). On another
 vLLM version the scheduler logs the hooks that are neither.
 
-Models tierkv cannot serve exactly (several KV cache groups, an all-sliding-window cache whose
-blocks vLLM frees behind the window, state caches, unsupported KV quantization) do not stop
-the engine: the connector logs why, once, and neither loads nor stores.
+Sliding windows. Without the hybrid allocator vLLM hands sliding-window layers over as full
+attention (one group carrying the window, every block kept). The connector declares
+``SupportsHMA``, so vLLM keeps the allocator on: full-attention and sliding-window groups of
+one geometry are served (see :func:`_hybrid_spec`). Either way a chunk holds every layer's
+K/V of every token: the same bytes per token as a full-attention model of the same shape,
+any prefix boundary can be served, and engines with the allocator on and off share chunks.
+
+Models tierkv cannot serve exactly (other group kinds, such as Mamba/GDN state or MLA mixed
+with others, groups of different geometries, an all-sliding-window cache whose blocks vLLM
+frees behind the window, unsupported KV quantization) do not stop the engine: the connector
+logs why, once, and neither loads nor stores.
 
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must

@@ -24,6 +24,11 @@ their contents depend on the vLLM version and the attention backend:
   heads, head_size]`` (FlashAttention) or ``[blocks, 2, tokens, heads, head_size]``
   (FlashInfer), possibly with permuted strides.
 
+With several KV cache groups (vLLM's hybrid allocator) layers of different groups may share
+one tensor, each group with its own block table: ``layer_groups`` names each layer's group,
+the copies then take one block id per group for each position and move each layer by its
+group's id, never touching a group's null block (block 0, behind a sliding window).
+
 Detection checks shapes and strides against the cache spec (block size, KV heads, head size)
 and the backend's name, and refuses anything it cannot map with certainty (unknown backends,
 MLA backends with their own block format, mixed layer shapes) with an error that says what
