@@ -1193,3 +1193,28 @@ def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None
         _attention_spec(
             kv_cache_config(full, attention(SlidingWindowSpec, sliding_window=8, head_size=32))
         )
+
+
+def test_chunks_with_a_groups_null_block_are_not_stored(server: Any) -> None:
+    """Two KV cache groups (full attention, sliding window): a request's chunks are stored
+    with one block id per group and position, but never from a chunk on whose sliding
+    blocks vLLM freed (null block 0) on."""
+    from tierkv.integrations.vllm.chunks import block_positions
+
+    engine = make_engine(server.endpoint, "engine-a")
+    tokens = list(range(5000, 5000 + 700))  # 2 full chunks, 6 blocks
+
+    def plan(rid: str, groups: tuple[list[int], ...]) -> Any:
+        req = request(rid, tokens)
+        assert ask(engine, req) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, block_positions(groups) or [], 0)
+        output = step_output([(rid, [], 0, len(tokens))])
+        output.scheduled_new_reqs[0].block_ids = groups
+        return engine.scheduler.build_connector_meta(output)
+
+    full = [1, 2, 3, 4, 5, 6]
+    (spec,) = plan("live", (full, [7, 8, 9, 10, 11, 12])).stores
+    assert (spec.first_chunk, spec.end_chunk) == (0, 2)
+    assert spec.block_ids == ((1, 7), (2, 8), (3, 9), (4, 10))
+    assert plan("chunk-1-freed", (full, [7, 8, 0, 10, 11, 12])).stores[0].end_chunk == 1
+    assert plan("chunk-0-freed", (full, [0, 0, 9, 10, 11, 12])).stores == []

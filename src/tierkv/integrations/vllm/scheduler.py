@@ -373,10 +373,13 @@ class SchedulerSide:
             return False
         done = self._storable_chunks(state, computed)
         first = state.saved_chunks
-        # Not beyond a chunk with a null block (a sliding-window group's KV behind the window
-        # is gone): later chunks could never be found behind it either.
-        done = min(done, first + _intact_chunks(state.block_ids[first * self.bpc :], self.bpc))
         if done <= first or len(state.block_ids) < done * self.bpc:
+            return False
+        # Not from a chunk with a null block on (a sliding-window group's KV behind the
+        # window is gone): later chunks could never be found behind it either.
+        blocks = state.block_ids[first * self.bpc : done * self.bpc]
+        done = first + _intact_chunks(blocks, self.bpc)
+        if done <= first:
             return False
         selector = self._selector(state, done)
         if selector is None:
