@@ -1,6 +1,8 @@
-"""Build small Llama-architecture models with random weights, locally, for tests and benchmarks.
+"""Build small random-weight models locally, for tests and benchmarks: Llama (full
+attention), DeepSeek-V2 (multi-head latent attention, MLA) and Gemma-3 (sliding-window
+and full-attention layers).
 
-Nothing is downloaded: the weights come from a ``LlamaConfig`` (transformers), the tokenizer
+Nothing is downloaded: the weights come from a transformers config, the tokenizer
 is a byte-level BPE trained with the ``tokenizers`` library on a few sentences. Both are
 saved with ``save_pretrained`` into a directory that vLLM loads like any checkpoint.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",
@@ -41,22 +44,178 @@ class ModelSpec:
 def build_model(out_dir: str | Path, spec: ModelSpec | None = None) -> Path:
     """Write a random-weight Llama model and its tokenizer to ``out_dir`` (reused when the
     directory already holds a model built from the same spec)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or ModelSpec()
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class MLAModelSpec:
+    """A DeepSeek-V2-style model with multi-head latent attention (MLA), all layers dense
+    (no experts). vLLM's CPU MLA decode kernel needs ``kv_lora_rank=512`` and
+    ``qk_rope_head_dim=64``: a 576-value latent per token and layer."""
+
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 64
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "float32"
+    seed: int = 0
+
+
+def build_mla_model(out_dir: str | Path, spec: MLAModelSpec | None = None) -> Path:
+    """Write a random-weight DeepSeek-V2 (MLA) model and its tokenizer to ``out_dir`` (reused
+    when the directory already holds a model built from the same spec)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    spec = spec or MLAModelSpec()
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: DeepseekV2ForCausalLM(
+            DeepseekV2Config(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_heads,
+                q_lora_rank=spec.q_lora_rank,
+                kv_lora_rank=spec.kv_lora_rank,
+                qk_nope_head_dim=spec.qk_nope_head_dim,
+                qk_rope_head_dim=spec.qk_rope_head_dim,
+                v_head_dim=spec.v_head_dim,
+                first_k_dense_replace=spec.num_layers,  # every layer dense: no experts
+                n_routed_experts=4,  # unused: every layer is dense
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                moe_intermediate_size=64,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class SlidingModelSpec:
+    """A Gemma-3-style model: ``sliding_per_full`` sliding-window layers (window of
+    ``sliding_window`` tokens) before each full-attention layer."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    sliding_per_full: int = 3
+    sliding_window: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "float32"
+    seed: int = 0
+
+
+def build_sliding_model(out_dir: str | Path, spec: SlidingModelSpec | None = None) -> Path:
+    """Write a random-weight Gemma-3 text model (sliding-window and full-attention layers)
+    and its tokenizer to ``out_dir`` (reused when it already holds the same spec)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    spec = spec or SlidingModelSpec()
+    period = spec.sliding_per_full + 1
+    layer_types = [
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention"
+        for i in range(spec.num_layers)
+    ]
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                sliding_window=spec.sliding_window,
+                layer_types=layer_types,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+def _build(out_dir: str | Path, stamp_data: dict[str, Any], seed: int, make: Any) -> Path:
+    """Save the tokenizer and ``make()``'s model (weights drawn after seeding torch with
+    ``seed``) to ``out_dir``, unless it already holds what ``stamp_data`` describes."""
+    import torch
+
     out = Path(out_dir)
     stamp = out / "tierkv-model-spec.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(spec):
+    if stamp.exists() and json.loads(stamp.read_text()) == stamp_data:
         return out
     out.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(out, int(stamp_data["vocab_size"]))
+    torch.manual_seed(seed)
+    model = make()
+    model.save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps(stamp_data))
+    return out
+
+
+def _build_tokenizer(out: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=min(spec.vocab_size, 400),
+        vocab_size=min(vocab_size, 400),
         special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -65,26 +224,6 @@ def build_model(out_dir: str | Path, spec: ModelSpec | None = None) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     tokenizer.save_pretrained(out)
-
-    torch.manual_seed(spec.seed)
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-        torch_dtype=spec.torch_dtype,
-    )
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
-    stamp.write_text(json.dumps(asdict(spec)))
-    return out
 
 
 def tokenizer_size(model_dir: str | Path) -> int:

@@ -7,8 +7,9 @@ with that message (:func:`require_vllm`, from an autouse fixture in each module)
 engine must not pass as a skipped test.
 
 :func:`tiny_model_dir` builds a random-weight Llama model and a locally trained tokenizer
-once per session (nothing is downloaded); :func:`vllm_cpu_caches` allocates per-layer KV caches
-exactly as vLLM's CPU worker does.
+once per session (nothing is downloaded), :func:`tiny_mla_model_dir` a DeepSeek-V2 (MLA) one;
+:func:`vllm_cpu_caches` and :func:`vllm_cpu_mla_caches` allocate per-layer KV caches exactly
+as vLLM's CPU worker does.
 """
 
 from __future__ import annotations
@@ -48,20 +49,38 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.getbasetemp() / "tiny-llama")
 
 
+def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random-weight DeepSeek-V2 model (MLA: a 576-value latent per token and
+    layer) with its tokenizer, built once per session."""
+    require_vllm()
+    from support.tiny_model import build_mla_model
+
+    return build_mla_model(tmp_path_factory.getbasetemp() / "tiny-deepseek-v2")
+
+
+def tiny_sliding_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, sliding_per_full: int = 3
+) -> Path:
+    """A 4-layer random-weight Gemma-3 text model with its tokenizer, built once per session:
+    ``sliding_per_full`` sliding-window layers (128 tokens) before each full-attention one
+    (3: Gemma-3's pattern, 4 groups with vLLM's hybrid allocator; 1: alternating, as gpt-oss,
+    2 groups; 4: no full-attention layer)."""
+    require_vllm()
+    from support.tiny_model import SlidingModelSpec, build_sliding_model
+
+    spec = SlidingModelSpec(sliding_per_full=sliding_per_full)
+    return build_sliding_model(
+        tmp_path_factory.getbasetemp() / f"tiny-gemma3-sw{sliding_per_full}", spec
+    )
+
+
 def vllm_cpu_caches(
     layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: Any = None
 ) -> dict[str, Any]:
     """Per-layer KV caches (``model.layers.N.self_attn.attn``) exactly as vLLM's CPU worker
     allocates them: one tensor for all layers, layout LBHNC; float32 unless ``dtype``."""
     import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     spec = FullAttentionSpec(
         block_size=block_size,
@@ -69,6 +88,29 @@ def vllm_cpu_caches(
         head_size=head_size,
         dtype=dtype or torch.float32,
     )
+    return _allocate(spec, layers, blocks)
+
+
+def vllm_cpu_mla_caches(
+    layers: int, blocks: int, block_size: int = 16, latent: int = 576, dtype: Any = None
+) -> dict[str, Any]:
+    """Per-layer MLA caches as vLLM's CPU worker allocates them for a DeepSeek-V2 model:
+    ``[blocks, 1, block_size, latent]`` per layer, one tensor for all layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    spec = MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=latent, dtype=dtype or torch.float32
+    )
+    return _allocate(spec, layers, blocks)
+
+
+def _allocate(spec: Any, layers: int, blocks: int) -> dict[str, Any]:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
     page = spec.page_size_bytes
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     tensor = KVCacheTensor(

@@ -12,8 +12,10 @@ Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_con
 timeout (the connector's RPC timeout, default 2.0), store_decode, tenant and async_store (the
 connector options), num_blocks (vLLM's num_gpu_blocks_override: a small KV cache) and
 max_model_len (default 4096),
-tensor_parallel_size (default 1), prefix_caching, prompts ([{"tokens": [...], "salt":
-"..."|null}], see below), max_tokens, out, wait_for (a file to wait for before generating),
+tensor_parallel_size (default 1), prefix_caching, hma (vLLM's hybrid KV cache manager on or
+off; default: vLLM's choice, on unless a connector without ``SupportsHMA`` is attached),
+prompts ([{"tokens": [...], "salt": "..."|null}], see below), max_tokens, out, wait_for (a
+file to wait for before generating),
 done (a file to create after), report_clients (add
 ``tierkv_clients`` to the output: the server's view of this engine's clients, its scheduler
 and one worker per rank, taken before the engine exits), kill_before_first_load (a pid to
@@ -156,6 +158,8 @@ def main(config_path: str) -> None:
             "kv_role": config.get("role", "kv_both"),
             "kv_connector_extra_config": extra,
         }
+    if "hma" in config:
+        kwargs["disable_hybrid_kv_cache_manager"] = not config["hma"]
     llm = LLM(
         model=config["model"],
         dtype="float32",

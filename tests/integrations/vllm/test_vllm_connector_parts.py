@@ -58,6 +58,7 @@ def vllm_installed() -> None:
 
 CHUNK, BLOCK, BPC = 256, 128, 2
 LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32
+LATENT = 576  # an MLA latent: kv_lora_rank 512 + rope 64
 
 
 # -- mapping -------------------------------------------------------------------------------------
@@ -107,6 +108,25 @@ def test_worker_metadata_counts_a_token_only_if_every_rank_loaded_it() -> None:
 
 
 # -- settings ------------------------------------------------------------------------------------
+def test_block_tables_of_several_groups_become_one_entry_per_position() -> None:
+    """vLLM's hybrid allocator hands one block table per group; a position holds every
+    group's id; a chunk with a group's null block (0) ends what a store may take."""
+    from tierkv.integrations.vllm.chunks import block_positions, has_null, real_ids
+    from tierkv.integrations.vllm.scheduler import _intact_chunks
+
+    assert block_positions([[4, 5, 6]]) == [4, 5, 6]
+    positions = block_positions([[0, 0, 9, 12], [3, 4, 5, 6]])
+    assert positions == [(0, 3), (0, 4), (9, 5), (12, 6)]
+    assert block_positions([[1, 2], [3]]) is None  # tables that do not line up
+    assert [has_null(p) for p in positions] == [True, True, False, False]
+    assert real_ids((0, 4)) == [4] and real_ids(0) == [0]  # one group: no null block
+    assert _intact_chunks(positions, 2) == 0
+    assert _intact_chunks([(1, 2), (3, 4), (5, 0), (6, 7)], 2) == 1
+    assert _intact_chunks([7, 8, 9, 10, 11], 2) == 2
+    spec = LoadSpec("r", 0, 4, tuple(positions))
+    assert spec.failed_blocks(set(), 2) == [3, 4, 9, 5, 12, 6]
+
+
 def test_settings_defaults_and_validation() -> None:
     s = ConnectorSettings.from_extra_config({"endpoint": "ipc:///x.sock"})
     assert (s.endpoint, s.chunk_size, s.timeout, s.hashes) == ("ipc:///x.sock", 256, 2.0, "auto")
@@ -183,8 +203,10 @@ def make_engine(
     retry_interval: float = 5.0,
     store_decode: bool = False,
     async_store: bool = False,
+    mla: bool = False,
     **extra: Any,
 ) -> Engine:
+    """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -206,6 +228,7 @@ def make_engine(
         can_save=can_save,
         world_size=world_size,
         async_store=async_store,
+        shared_ranks=mla,
     )
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -222,10 +245,17 @@ def make_engine(
             can_save=can_save,
             async_store=async_store,
         )
-        cache = cpu_caches()
-        worker.register_kv_caches(
-            cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
-        )
+        if mla:
+            cache = vllm_engine.vllm_cpu_mla_caches(LAYERS, NUM_BLOCKS, BLOCK, LATENT)
+            for t in cache.values():
+                t.copy_(torch.randn(t.shape))
+            geometry = CacheGeometry(BLOCK, 1, LATENT, latent=True)
+            worker.register_kv_caches(cache, geometry, dict.fromkeys(cache, "CPU_MLA"))
+        else:
+            cache = cpu_caches()
+            worker.register_kv_caches(
+                cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
+            )
         workers.append(worker)
         caches.append(cache)
     return Engine(scheduler, workers, caches)
@@ -646,6 +676,41 @@ def test_every_rank_stores_and_loads_its_own_chunks(server: Any) -> None:
         {"rank": 0, "loaded_tokens": 512, "written_chunks": 0},
         {"rank": 1, "loaded_tokens": 512, "written_chunks": 0},
     ]
+
+
+def test_an_mla_engine_stores_once_and_every_rank_loads_that_copy(server: Any) -> None:
+    """MLA: every rank holds the same latent, so rank 0 alone stores, in one namespace, and
+    alone joins the engine's group; the other ranks read the chunks it stored by key."""
+    a = make_engine(server.endpoint, "engine-a", world_size=2, mla=True)
+    b = make_engine(server.endpoint, "engine-b", world_size=2, mla=True)
+    tokens = list(range(3000, 3000 + 700))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        stats = admin.stats()
+    assert stats.objects == 2  # each chunk once, not once per rank
+    group = [e for e in stats.engines if e.engine_id == "engine-a" and e.role == "worker"]
+    assert [(e.rank, e.world_size) for e in group] == [(0, 1)]
+
+    req, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    (spec,) = meta.loads
+    assert spec.tokens == pack_tokens(tokens[:512])  # the keys, for rank 1's read
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_finished() == (None, {"b-1"})
+        assert worker.get_block_ids_with_load_errors() == set()
+    for rank in (0, 1):  # both ranks get the latents A's rank 0 stored, byte for byte
+        for i in range(4):
+            got, want = b.block_bytes(b_blocks[i], rank), a.block_bytes(a_blocks[i], 0)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    b.scheduler.update_connector_output(b.worker_meta())
+    report = b.scheduler.request_finished(req)["tierkv"]
+    assert report["hit_tokens"] == 512 and report["loaded_tokens"] == 512
+    assert [r["loaded_tokens"] for r in report["ranks"]] == [512, 512]
+
+    # An engine of another tensor-parallel size computes other bytes: it shares nothing.
+    c = make_engine(server.endpoint, "engine-c", world_size=1, mla=True)
+    assert ask(c, request("c-1", tokens)) == (0, False)
 
 
 def test_the_lookup_finds_only_what_every_rank_holds(server: Any) -> None:
@@ -1085,3 +1150,71 @@ def test_a_pool_is_page_locked_only_for_a_cache_on_a_gpu() -> None:
     assert page_lock(buf, torch.device("cpu")) is None
     buf.release()
     mm.close()  # raises BufferError if a view of it were still alive
+
+
+# -- which models the connector serves -----------------------------------------------------------
+def kv_cache_config(*group_specs: Any) -> Any:
+    """A KVCacheConfig with one group per spec (one layer each), as vLLM hands it over."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(group_specs)]
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None:
+    """Full attention (a sliding window included, as vLLM hands it with its hybrid manager
+    off), MLA, and full-attention and sliding-window groups of one geometry (the hybrid
+    manager on) are served; the others are refused with the reason (the connector then
+    stays inactive: the engine runs, every request a miss)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    from tierkv.integrations.vllm.connector import _attention_spec, _is_latent, _layer_groups
+    from tierkv.integrations.vllm.layout import UnsupportedLayoutError
+
+    def attention(spec: Any = FullAttentionSpec, **kw: Any) -> Any:
+        geometry = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.float32, **kw}
+        return spec(**{"block_size": BLOCK, **geometry})
+
+    full, windowed = attention(), attention(sliding_window=128)
+    sliding = attention(SlidingWindowSpec, sliding_window=128)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    assert _attention_spec(kv_cache_config(full)) is full
+    assert _attention_spec(kv_cache_config(windowed)) is windowed
+    assert _is_latent(_attention_spec(kv_cache_config(mla)))
+    hybrid = kv_cache_config(sliding, sliding, full)
+    assert _attention_spec(hybrid) is sliding
+    assert _layer_groups(hybrid) == {f"model.layers.{i}.attn": i for i in range(3)}
+    assert _layer_groups(kv_cache_config(full)) is None
+    with pytest.raises(UnsupportedLayoutError, match="not SlidingWindowSpec"):
+        _attention_spec(kv_cache_config(sliding))  # alone: vLLM frees every old block
+    with pytest.raises(UnsupportedLayoutError, match=r"has 2 \(FullAttentionSpec, MLA"):
+        _attention_spec(kv_cache_config(full, mla))
+    with pytest.raises(UnsupportedLayoutError, match="one block size and head geometry"):
+        _attention_spec(
+            kv_cache_config(full, attention(SlidingWindowSpec, sliding_window=8, head_size=32))
+        )
+
+
+def test_chunks_with_a_groups_null_block_are_not_stored(server: Any) -> None:
+    """Two KV cache groups (full attention, sliding window): a request's chunks are stored
+    with one block id per group and position, but never from a chunk on whose sliding
+    blocks vLLM freed (null block 0) on."""
+    from tierkv.integrations.vllm.chunks import block_positions
+
+    engine = make_engine(server.endpoint, "engine-a")
+    tokens = list(range(5000, 5000 + 700))  # 2 full chunks, 6 blocks
+
+    def plan(rid: str, groups: tuple[list[int], ...]) -> Any:
+        req = request(rid, tokens)
+        assert ask(engine, req) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, block_positions(groups) or [], 0)
+        output = step_output([(rid, [], 0, len(tokens))])
+        output.scheduled_new_reqs[0].block_ids = groups
+        return engine.scheduler.build_connector_meta(output)
+
+    full = [1, 2, 3, 4, 5, 6]
+    (spec,) = plan("live", (full, [7, 8, 9, 10, 11, 12])).stores
+    assert (spec.first_chunk, spec.end_chunk) == (0, 2)
+    assert spec.block_ids == ((1, 7), (2, 8), (3, 9), (4, 10))
+    assert plan("chunk-1-freed", (full, [7, 8, 0, 10, 11, 12])).stores[0].end_chunk == 1
+    assert plan("chunk-0-freed", (full, [0, 0, 9, 10, 11, 12])).stores == []

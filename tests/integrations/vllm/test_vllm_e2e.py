@@ -12,6 +12,18 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
 - ``kv_role`` is honoured: a producer never loads, a consumer never stores.
 - With tensor parallelism (2 ranks, one worker process each, gloo): every rank registers its
   own client and stores and loads its own chunks; the scheduler's lookup covers both ranks.
+- MLA (a tiny DeepSeek-V2, vLLM's CPU_MLA backend, whose prefix caching vLLM turns off): a
+  fresh engine loads the prefix another one stored (576 latent values per token and layer)
+  and answers as an engine without tierkv; an engine with two ranks stores once for both
+  (rank 0) and never loads (vLLM's CPU MLA answers wrongly on top of a loaded prefix there).
+- Sliding windows (a tiny Gemma-3: 3 sliding-window layers of 128 tokens, then a full one):
+  an engine with vLLM's hybrid manager on (4 KV cache groups) stores a 512-token prefix,
+  every layer's K/V of every token; fresh engines with it off (one group carrying the
+  window) and on load it and answer as an engine without tierkv; the same with sliding and
+  full layers alternating (gpt-oss's pattern, 2 groups).
+  A model whose every layer has a sliding window (vLLM frees its blocks behind the window,
+  so no prefix chunk survives) starts with tierkv attached, which says once why it stays
+  inactive, and answers as an engine without tierkv.
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
 - The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
@@ -688,3 +700,142 @@ def test_requests_preempted_while_their_async_stores_run_answer_as_without_tierk
         0,
         0,
     ), stats
+
+
+# -- MLA -------------------------------------------------------------------------------------------
+MLA_LATENT = 576  # kv_lora_rank 512 + qk_rope_head_dim 64, float32
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return vllm_engine.tiny_mla_model_dir(tmp_path_factory)
+
+
+def shared_doc_prompts(vocab: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A's prompt (a 600-token document and a question: two full chunks) and B's: the same
+    prompt again, then the document with another question."""
+    rng = random.Random(2024)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    doc, qa, qb = tokens(600), tokens(20), tokens(30)
+    return [{"tokens": doc + qa}], [{"tokens": doc + qa}, {"tokens": doc + qb}]
+
+
+def test_mla_prefix_stored_by_one_engine_loads_into_a_fresh_one(
+    tiny_mla_model: Path,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """vLLM's prefix caching is off for MLA on the CPU: whatever B does not compute comes from
+    tierkv. A stores its prompt; B, a fresh engine, loads it and answers as an engine
+    without tierkv. TP2, with two ranks, stores once for both (rank 0) and never loads
+    (vLLM's CPU MLA answers wrongly on top of a loaded prefix with two ranks): its repeated
+    prompt answers as the first."""
+    from support.tiny_model import tokenizer_size
+
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_mla_model))
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(tiny_mla_model), "timeout": 60.0}
+    tierkv = {**model, "endpoint": server.endpoint, "report_clients": 1}
+    reference = engines("reference", **model, prompts=prompts_b)
+    tp2 = engines("TP2", **tierkv, tensor_parallel_size=2, prompts=prompts_a * 2)
+    a, b = a_then_b(engines, tmp_path, prompts_a, prompts_b, **tierkv)
+    output_a, output_b, output_tp2 = a.output(), b.output(), tp2.output()
+    (result_a,) = output_a["results"]
+    assert result_a["tierkv"]["stored_chunks"] == 2
+    assert result_a["tierkv"]["loaded_tokens"] == 0
+
+    results_b = output_b["results"]
+    assert [r["tokens"] for r in results_b] == [r["tokens"] for r in reference.results()]
+    for i, result in enumerate(results_b):
+        tierkv_b = result["tierkv"]
+        assert tierkv_b["hit_tokens"] == tierkv_b["loaded_tokens"] == 2 * CHUNK, (i, tierkv_b)
+        assert tierkv_b["load_failed_from"] is None, (i, tierkv_b)
+        assert result["num_cached_tokens"] == 2 * CHUNK, (i, result)
+
+    first, again = output_tp2["results"]
+    assert [r["written_chunks"] for r in first["tierkv"]["ranks"]] == [2, 0]
+    assert again["tierkv"]["hit_tokens"] == again["tierkv"]["loaded_tokens"] == 0
+    assert again["num_cached_tokens"] == 0 and again["tokens"] == first["tokens"]
+
+    # Every rank is a worker of its engine's one namespace (rank 0 of 1); only rank 0 joins
+    # the engine's group. A chunk holds 576 float32 values per token and layer; the pool
+    # holds each chunk once per engine TP size.
+    for output in (output_a, output_b, output_tp2):
+        workers = [c for c in output["tierkv_clients"] if c["role"] == "worker"]
+        assert [(c["rank"], c["world_size"]) for c in workers] == [(0, 1)]
+        assert [c["chunk_bytes"] for c in workers] == [2 * CHUNK * MLA_LATENT * 4]
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {}, stats.errors
+    assert stats.objects == 2 + 2
+
+
+# -- sliding windows ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sliding_per_full", [3, 1], ids=["gemma3-4-groups", "alternating-2-groups"]
+)
+def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
+    sliding_per_full: int,
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A (vLLM's hybrid manager on: 4 KV cache groups, 3 sliding-window ones) stores the
+    prefix (512 tokens, four windows long), every layer's K/V of every token; B (hybrid
+    manager off: one group carrying the window) and C (on) load it, fresh engines both,
+    and answer as an engine without tierkv. The same with sliding and full layers
+    alternating (gpt-oss's pattern: 2 groups)."""
+    from support.tiny_model import tokenizer_size
+
+    tiny_sliding_model = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full)
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(tiny_sliding_model)}
+    tierkv = {**model, "endpoint": server.endpoint}
+    reference = engines("reference", **model, prompts=prompts_b)
+    a_done = tmp_path / "a.done"
+    a = engines("A", **tierkv, hma=True, prompts=prompts_a, done=str(a_done))
+    b = engines("B", **tierkv, hma=False, prompts=prompts_b, wait_for=str(a_done))
+    c = engines("C", **tierkv, hma=True, prompts=prompts_b, wait_for=str(a_done))
+    (result_a,) = a.results()
+    assert result_a["tierkv"]["stored_chunks"] == 2
+    expected = [r["tokens"] for r in reference.results()]
+    for engine in (b, c):
+        results = engine.results()
+        assert [r["tokens"] for r in results] == expected, engine.name
+        assert [r["tierkv"]["load_failed_from"] for r in results] == [None, None]
+        # The first prompt loads both chunks; the second finds them in vLLM's own cache.
+        assert results[0]["tierkv"]["loaded_tokens"] == 2 * CHUNK, engine.name
+        assert results[0]["num_cached_tokens"] == 2 * CHUNK, engine.name
+    assert "kv cache group sizes" not in b.log(400)  # the hybrid manager was off in B
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {} and stats.objects == 2
+
+
+def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+) -> None:
+    from support.tiny_model import tokenizer_size
+
+    model_dir = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full=4)
+    _, prompts = shared_doc_prompts(tokenizer_size(model_dir))
+    server = server_factory()
+    reference = engines("reference", model=str(model_dir), prompts=prompts)
+    engine = engines("tierkv", model=str(model_dir), prompts=prompts, endpoint=server.endpoint)
+    results = engine.results()
+    assert [r["tokens"] for r in results] == [r["tokens"] for r in reference.results()]
+    for result in results:
+        assert result["tierkv"]["hit_tokens"] == result["tierkv"]["stored_chunks"] == 0
+    log = engine.log_path.read_text(errors="replace")
+    assert log.count("this engine neither loads nor stores") == 1
+    assert "not SlidingWindowSpec" in log
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == 0

@@ -3,7 +3,8 @@
 The CPU cases use KV caches allocated by vLLM itself (``allocate_kv_cache``) and filled by
 the CPU attention backend's own kernel (``cpu_attn_reshape_and_cache``), whose block format
 depends on the ISA (K transposed for ``vec``, pair-packed for ``amx``): a block moved through
-a chunk must hold exactly what the kernel would have written there itself.
+a chunk must hold exactly what the kernel would have written there itself. MLA caches are
+allocated the same way and filled by the CPU MLA backend's own cache write.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ try:
     from tierkv.integrations.vllm.layout import (
         BLOCK_FIRST,
         KV_FIRST,
+        MLA,
+        MLA_FORMAT,
         NATIVE,
         SPLIT_LAST,
         CacheGeometry,
@@ -211,7 +214,7 @@ def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
 @pytest.mark.parametrize(
     ("caches", "backends", "message"),
     [
-        ({"l.0": (BLOCKS, BLOCK, 576)}, {}, "MLA"),
+        ({"l.0": (BLOCKS, BLOCK, 576)}, {}, "MLA cache spec"),
         ({"l.0": (BLOCKS, HEADS, BLOCK, 2 * HEAD)}, {"l.0": "SOME_NEW_BACKEND"}, "does not know"),
         ({"l.0": (BLOCKS, HEADS + 1, BLOCK, 2 * HEAD)}, {"l.0": "CPU_ATTN/vec"}, "not match"),
         ({"l.0": (BLOCKS, HEADS, 24, 2 * HEAD)}, {"l.0": "TRITON_ATTN"}, "does not match"),
@@ -246,6 +249,11 @@ def test_native_override_for_an_unknown_backend_tags_it() -> None:
     assert layout.format_tag.startswith("native:SOME_NEW_BACKEND:")
 
 
+def geometry_of(name: str) -> CacheGeometry:
+    """The cache spec's geometry of a layout of :func:`layouts_of_every_kind`."""
+    return MLA_GEOMETRY if name == "mla" else CacheGeometry(*GEOMETRY_ARGS)
+
+
 def torch_copies(layout: PagedKVLayout) -> PagedKVLayout:
     """The same layout with its host views dropped: copies go through torch ``copy_``, as
     they do for caches on an accelerator."""
@@ -262,8 +270,12 @@ def layouts_of_every_kind() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
     bf16 = vllm_cpu_caches(torch.bfloat16)
     for t in bf16.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    mla = vllm_engine.vllm_cpu_mla_caches(LAYERS, BLOCKS, BLOCK, LATENT)
+    for t in mla.values():
+        t.copy_(torch.randn(t.shape, generator=gen))
     return [
         ("native", bf16, cpu_backends(torch.bfloat16)),
+        ("mla", mla, dict.fromkeys(mla, "CPU_MLA")),
         ("split_last", split_last_caches(), dict.fromkeys(split_last_caches(), "FLASH_ATTN")),
         (
             "split_last_stacked",
@@ -284,12 +296,12 @@ def layouts_of_every_kind() -> list[tuple[str, dict[str, Any], dict[str, str]]]:
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 def test_host_copies_equal_torch_copies_for_every_layout(index: int) -> None:
     """The numpy copies of host caches move exactly what torch ``copy_`` moves, both ways,
     for several blocks of a chunk in any order."""
     name, caches, backends = layouts_of_every_kind()[index]
-    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+    layout = detect_layout(caches, geometry_of(name), backends)
     assert layout.host_views is not None, name
     assert (layout.stacked is None) == (name == "split_last"), name  # per layer: the one case
     reference = torch_copies(layout)
@@ -321,13 +333,13 @@ def test_block_offsets_must_be_whole_blocks() -> None:
         layout.read_block(1, torch.zeros(layout.chunk_shape(CHUNK)), BLOCK // 2)
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 @pytest.mark.parametrize("host", [True, False])
 def test_runs_of_consecutive_blocks_copy_what_single_blocks_do(index: int, host: bool) -> None:
     """A chunk's blocks in runs of consecutive block ids (copied one run at a time) move the
     same bytes, both ways, as the same blocks copied one at a time; numpy and torch."""
     name, caches, backends = layouts_of_every_kind()[index]
-    layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends)
+    layout = detect_layout(caches, geometry_of(name), backends)
     layout = layout if host else torch_copies(layout)
     wide = 4 * CHUNK  # eight blocks: runs of 3, 1 and 2, and a lone one
     blocks = [(0, 1), (1, 2), (2, 3), (3, 7), (4, 4), (5, 5), (7, 0)]
@@ -350,3 +362,133 @@ def test_runs_of_consecutive_blocks_copy_what_single_blocks_do(index: int, host:
     for n, t in caches.items():
         assert torch.equal(t, written[n]), (name, n)
         assert not torch.equal(t, before[n]), (name, n)
+
+
+# -- MLA ---------------------------------------------------------------------------------------
+LATENT, LORA, ROPE = 576, 512, 64  # DeepSeek-V2: kv_lora_rank + qk_rope_head_dim
+MLA_GEOMETRY = CacheGeometry(BLOCK, 1, LATENT, latent=True)
+
+
+def mla_caches(dtype: Any = None) -> dict[str, Any]:
+    """Per-layer MLA caches exactly as vLLM's CPU worker allocates them."""
+    return vllm_engine.vllm_cpu_mla_caches(LAYERS, BLOCKS, BLOCK, LATENT, dtype)
+
+
+def cpu_mla_write(cache: Any, kv_c: Any, k_pe: Any, blocks: list[int]) -> None:
+    """Write the latents of ``len(blocks) * BLOCK`` tokens into ``blocks`` with the CPU MLA
+    backend's own cache write (``CPUMLAImpl.do_kv_cache_update``, which reads nothing of
+    the layer it belongs to)."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    slots = torch.tensor([b * BLOCK + t for b in blocks for t in range(BLOCK)], dtype=torch.long)
+    impl = object.__new__(CPUMLAImpl)
+    impl.do_kv_cache_update(kv_c, k_pe.unsqueeze(1), cache, slots, "auto", torch.ones(()))
+
+
+def mla_backends() -> dict[str, str]:
+    return {f"model.layers.{i}.self_attn.attn": "CPU_MLA" for i in range(LAYERS)}
+
+
+def test_mla_layout_is_one_latent_head_stacked_with_a_shared_format() -> None:
+    caches = mla_caches()
+    layout = detect_layout(caches, MLA_GEOMETRY, mla_backends())
+    assert layout.kind == MLA and layout.latent and layout.as_stored
+    assert layout.format_tag == MLA_FORMAT  # the same for every listed MLA backend
+    assert layout.chunk_shape(CHUNK) == [LAYERS, 1, CHUNK, LATENT]
+    assert layout.token_axis == 2 and layout.num_blocks == BLOCKS
+    assert layout.stacked is not None
+    name = layout.layer_names[2]
+    assert layout.views[2].data_ptr() == caches[name].data_ptr()  # zero-copy views
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_mla_chunk_holds_each_token_latent_contiguously_and_moves_byte_exact(
+    dtype_name: str,
+) -> None:
+    """Engine X's backend writes a chunk's latents into blocks 5 and 2; the chunk holds, per
+    layer, exactly the tokens' ``kv_c ++ k_pe`` in order (a contiguous copy of what was
+    written); scattered into blocks 6 and 1 of engine Y, Y equals what Y's backend writes
+    there for the same latents, byte for byte, and no other block changed."""
+    dtype = getattr(torch, dtype_name)
+    x, y, reference = mla_caches(dtype), mla_caches(dtype), mla_caches(dtype)
+    gen = torch.Generator().manual_seed(11)
+    latents = []
+    for name in sorted(x, key=lambda n: int(n.split(".")[2])):
+        kv_c = torch.randn(CHUNK, LORA, generator=gen).to(dtype)
+        k_pe = torch.randn(CHUNK, ROPE, generator=gen).to(dtype)
+        cpu_mla_write(x[name], kv_c, k_pe, [5, 2])
+        cpu_mla_write(reference[name], kv_c, k_pe, [6, 1])
+        latents.append(torch.cat([kv_c, k_pe], dim=-1))
+    lx = detect_layout(x, MLA_GEOMETRY, mla_backends())
+    ly = detect_layout(y, MLA_GEOMETRY, mla_backends())
+    chunk = torch.zeros(lx.chunk_shape(CHUNK), dtype=dtype)
+    lx.read_blocks([(0, 5), (1, 2)], chunk)
+    assert torch.equal(chunk[:, 0], torch.stack(latents))  # [layers, tokens, latent]
+    ly.write_blocks([(0, 6), (1, 1)], chunk)
+    for name in y:
+        assert torch.equal(y[name].view(torch.uint8), reference[name].view(torch.uint8))
+
+
+def test_mla_three_dimensional_gpu_caches_map_to_the_same_chunk() -> None:
+    """GPU MLA backends hand ``[blocks, tokens, latent]`` per layer: the chunk is the same
+    as from the four-dimensional CPU view of the same bytes."""
+    gen = torch.Generator().manual_seed(12)
+    flat = {f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, BLOCK, LATENT, generator=gen)
+            for i in range(LAYERS)}  # fmt: skip
+    four = {n: t.unsqueeze(1) for n, t in flat.items()}
+    backends = dict.fromkeys(flat, "TRITON_MLA")
+    a = detect_layout(flat, MLA_GEOMETRY, backends)
+    b = detect_layout(four, MLA_GEOMETRY, backends)
+    assert a.chunk_shape(CHUNK) == b.chunk_shape(CHUNK) and a.format_tag == b.format_tag
+    got_a, got_b = torch.zeros(a.chunk_shape(CHUNK)), torch.zeros(b.chunk_shape(CHUNK))
+    a.read_blocks([(0, 3), (1, 7)], got_a)
+    b.read_blocks([(0, 3), (1, 7)], got_b)
+    assert torch.equal(got_a, got_b) and got_a.any()
+
+
+@pytest.mark.parametrize(
+    ("backend", "shape", "message"),
+    [
+        ("AMX_MLA", (BLOCKS, 1, BLOCK, LATENT), "knows the latent cache format"),
+        ("", (BLOCKS, 1, BLOCK, LATENT), "knows the latent cache format"),
+        ("CPU_MLA", (BLOCKS, 2, BLOCK, LATENT), "does not match"),
+        ("CPU_MLA", (BLOCKS, 1, BLOCK, LATENT + 64), "does not match"),
+        ("CPU_MLA", (BLOCKS, 1, 24, LATENT), "does not match"),
+    ],
+)
+def test_mla_caches_tierkv_cannot_map_are_refused(
+    backend: str, shape: tuple[int, ...], message: str
+) -> None:
+    with pytest.raises(UnsupportedLayoutError, match=message):
+        detect_layout({"l.0": torch.zeros(shape)}, MLA_GEOMETRY, {"l.0": backend})
+
+
+# -- several KV cache groups (vLLM's hybrid allocator) ---------------------------------------------
+def test_grouped_layers_copy_their_own_groups_blocks_and_skip_null_ones() -> None:
+    """Two layers of two groups sharing one tensor (as vLLM's hybrid allocator lays them
+    out: a block belongs to one group at a time): each layer moves its own group's blocks,
+    a group's null block (0: behind a sliding window) is never read nor written."""
+    shared = torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD, generator=torch.Generator().manual_seed(9))
+    caches = {"model.layers.0.attn": shared, "model.layers.1.attn": shared}
+    groups = {"model.layers.0.attn": 0, "model.layers.1.attn": 1}
+    layout = detect_layout(
+        caches, CacheGeometry(*GEOMETRY_ARGS), dict.fromkeys(caches, "TRITON_ATTN"), groups=groups
+    )
+    assert layout.num_layers == 2 and layout.layer_groups == (0, 1)
+    for copies in (layout, torch_copies(layout)):
+        chunk = torch.zeros(copies.chunk_shape(CHUNK))
+        copies.read_blocks([(0, (5, 2)), (1, (6, 0))], chunk)
+        assert torch.equal(chunk[0, 0, :, :BLOCK], shared[5][..., :HEAD])
+        assert torch.equal(chunk[0, 0, :, BLOCK:], shared[6][..., :HEAD])
+        assert torch.equal(chunk[1, 1, :, :BLOCK], shared[2][..., HEAD:])
+        assert not chunk[:, 1, :, BLOCK:].any()  # layer 1's null block: not read
+
+        before = shared.clone()
+        source = torch.randn(chunk.shape, generator=torch.Generator().manual_seed(10))
+        copies.write_blocks([(0, (3, 0)), (1, (4, 7))], source)
+        assert torch.equal(shared[3][..., :HEAD], source[0, 0, :, :BLOCK])
+        assert torch.equal(shared[4][..., :HEAD], source[0, 0, :, BLOCK:])
+        assert torch.equal(shared[7][..., HEAD:], source[1, 1, :, BLOCK:])
+        untouched = [b for b in range(BLOCKS) if b not in (3, 4, 7)]
+        assert torch.equal(shared[untouched], before[untouched])  # block 0 included
+        shared.copy_(before)

@@ -10,7 +10,8 @@ Load it into vLLM (V1 engine) with::
 The scheduler role looks prefixes up (``scheduler.py``), the worker role moves KV between
 the paged cache and the pool (``worker.py``); ``layout.py`` detects how the attention backend
 lays out its KV cache, ``chunks.py`` maps vLLM blocks to tierkv chunks, ``settings.py``
-reads ``kv_connector_extra_config``.
+reads ``kv_connector_extra_config``, ``interface.py`` holds the vLLM versions the connector is
+tested with and why each base-class hook it does not implement keeps its default.
 
 ``TierKVConnector`` is resolved lazily, so the helper modules import without vLLM installed.
 """

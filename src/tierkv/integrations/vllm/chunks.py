@@ -9,6 +9,12 @@ block hashes: those are prefix-chained too (each one covers every token before i
 cache salt, LoRA and multimodal inputs), so the hash of a chunk's last block identifies the
 whole prefix up to the end of that chunk.
 
+A model with several KV cache groups (vLLM's hybrid allocator: full-attention and
+sliding-window layers, all groups with one block size) has one block table per group; a block
+position then holds one block id per group (:data:`BlockRef`). A sliding-window group holds
+vLLM's null block (:data:`NULL_BLOCK`) where a position lies behind the window: never read,
+never written, and a chunk with one is never stored (its KV is gone).
+
 Everything here is plain Python (no vLLM, no torch), sent between processes with pickle.
 """
 
@@ -16,6 +22,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+NULL_BLOCK = 0  # vLLM's null block (its block pool's block 0)
+BlockRef = int | tuple[int, ...]  # a position's block id, or one per KV cache group
+
+
+def block_positions(groups: Sequence[Sequence[int]]) -> list[BlockRef] | None:
+    """vLLM's block ids, one list per KV cache group, as one entry per block position (the
+    id for one group, the ids of every group for several); None when the groups' tables
+    differ in length (groups of different block sizes: not supported)."""
+    if len(groups) == 1:
+        return list(groups[0])
+    if len({len(g) for g in groups}) > 1:
+        return None
+    return list(zip(*groups, strict=True))
+
+
+def real_ids(ref: BlockRef) -> list[int]:
+    """The block ids of a position, the null blocks of its groups left out (a model with
+    one group never holds the null block in a request's table)."""
+    if isinstance(ref, int):
+        return [ref]
+    return [i for i in ref if i != NULL_BLOCK]
+
+
+def has_null(ref: BlockRef) -> bool:
+    """A group holds the null block at this position (its KV is gone)."""
+    return not isinstance(ref, int) and NULL_BLOCK in ref
 
 
 def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
@@ -48,14 +81,21 @@ class LoadSpec:
     """Load blocks ``[start_block, end_block)`` of a request from the chunks its lookup locked
     (retrieve by request id). ``block_ids[i]`` is the vLLM block of block ``start_block + i``.
     Blocks before ``start_block`` were computed by vLLM itself and are never written (other
-    requests may be reading them)."""
+    requests may be reading them).
+
+    ``hashes``/``tokens`` (keys of the chunks from chunk 0, as in :class:`StoreSpec`) and
+    ``salt``: set for an MLA engine with several ranks, whose ranks other than 0 read the
+    chunks rank 0 stores by key (the scheduler's lookup locked them for rank 0 only)."""
 
     request_id: str
     start_block: int
     end_block: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[BlockRef, ...]
+    hashes: tuple[bytes, ...] | None = None
+    tokens: bytes | None = None
+    salt: str = ""
 
-    def blocks_of(self, chunk: int, bpc: int) -> list[tuple[int, int]]:
+    def blocks_of(self, chunk: int, bpc: int) -> list[tuple[int, BlockRef]]:
         """(position of the block within the chunk, vLLM block id) for every block of
         ``chunk`` that this load writes."""
         out = []
@@ -68,9 +108,10 @@ class LoadSpec:
     def failed_blocks(self, loaded_chunks: set[int], bpc: int) -> list[int]:
         """vLLM block ids of every block in range whose chunk was not loaded completely."""
         return [
-            self.block_ids[block - self.start_block]
+            block_id
             for block in range(self.start_block, self.end_block)
             if block // bpc not in loaded_chunks
+            for block_id in real_ids(self.block_ids[block - self.start_block])
         ]
 
     def first_failed_block(self, loaded_chunks: set[int], bpc: int) -> int | None:
@@ -90,12 +131,12 @@ class StoreSpec:
     request_id: str
     first_chunk: int
     end_chunk: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[BlockRef, ...]
     hashes: tuple[bytes, ...] | None = None
     tokens: bytes | None = None
     salt: str = ""
 
-    def blocks_of(self, chunk: int, bpc: int) -> tuple[int, ...]:
+    def blocks_of(self, chunk: int, bpc: int) -> tuple[BlockRef, ...]:
         start = (chunk - self.first_chunk) * bpc
         return self.block_ids[start : start + bpc]
 

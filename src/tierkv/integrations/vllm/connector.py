@@ -14,6 +14,31 @@ default; never for a ``kv_producer``): see :mod:`tierkv.integrations.vllm.worker
 the blocks a store reads are kept until it ends (delayed frees of finished requests, and
 ``handle_preemptions`` waiting for preempted requests' stores).
 
+MLA caches (DeepSeek-V2/V3 style) are stored once for all tensor-parallel ranks (see
+:mod:`tierkv.integrations.vllm.worker`). On vLLM's CPU platform with several ranks an MLA
+engine stores but never loads: vLLM 0.32's CPU MLA gives other tokens for a prompt whose
+prefix it did not compute itself there (measured with a tiny DeepSeek-V2 at TP=2: also when
+each rank loads back exactly its own bytes), while one rank answers exactly as without
+tierkv.
+
+The vLLM versions the connector is tested with are
+:data:`~tierkv.integrations.vllm.interface.TESTED_VLLM_VERSIONS`; every hook of vLLM's base
+class is implemented here or left at its default on purpose
+(:data:`~tierkv.integrations.vllm.interface.KEPT_DEFAULTS`, with the reasons). On another
+vLLM version the scheduler logs the hooks that are neither.
+
+Sliding windows. Without the hybrid allocator vLLM hands sliding-window layers over as full
+attention (one group carrying the window, every block kept). The connector declares
+``SupportsHMA``, so vLLM keeps the allocator on: full-attention and sliding-window groups of
+one geometry are served (see :func:`_hybrid_spec`). Either way a chunk holds every layer's
+K/V of every token: the same bytes per token as a full-attention model of the same shape,
+any prefix boundary can be served, and engines with the allocator on and off share chunks.
+
+Models tierkv cannot serve exactly (other group kinds, such as Mamba/GDN state or MLA mixed
+with others, groups of different geometries, an all-sliding-window cache whose blocks vLLM
+frees behind the window, unsupported KV quantization) do not stop the engine: the connector
+logs why, once, and neither loads nor stores.
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -30,9 +55,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from tierkv.copier import default_threads
+from tierkv.integrations.vllm.chunks import block_positions
+from tierkv.integrations.vllm.interface import (
+    TESTED_VLLM_VERSIONS,
+    connector_bases,
+    interface_gaps,
+)
 from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
@@ -47,10 +79,23 @@ log = logging.getLogger("vllm.tierkv")
 # Block hash functions whose values differ between processes unless PYTHONHASHSEED is set.
 _PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
 _SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+_SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_HYBRID_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
-class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HIT_SOURCE: Any = CacheHitSource.HOST
+except ImportError:  # a vLLM without per-source hit counts
+    _HIT_SOURCE = None
+
+
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
+
+    # Where vLLM counts tierkv's hits: the pool is in host memory (shared memory).
+    _cache_hit_source = _HIT_SOURCE
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
@@ -63,10 +108,27 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         engine_id = str(transfer.engine_id)
         async_store = stores_async(self.settings, can_load=can_load, can_save=can_save)
         model_id = self.settings.model_id or _model_identity(vllm_config)
-        self._spec = _attention_spec(kv_cache_config)
+        try:
+            self._spec = _attention_spec(kv_cache_config)
+            self._unsupported = ""
+        except UnsupportedLayoutError as e:
+            # A model whose KV tierkv cannot store and restore exactly: the engine runs, and
+            # every request is a miss (never wrong KV, never a failed start).
+            self._spec, self._unsupported = None, str(e)
+            can_load = can_save = False
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("tierkv: %s: this engine neither loads nor stores", e)
+        if can_load and _loads_give_wrong_output(vllm_config, self._spec):
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning(
+                    "tierkv: MLA with tensor parallelism on vLLM's CPU platform computes other "
+                    "tokens on top of a loaded prefix: this engine stores, never loads"
+                )
+            can_load = False
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            _check_vllm_version(type(self))
             if transfer.kv_load_failure_policy != "recompute":
                 was = transfer.kv_load_failure_policy
                 log.info("tierkv: kv_load_failure_policy set to 'recompute' (was %r)", was)
@@ -83,6 +145,7 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 can_save=can_save,
                 world_size=int(vllm_config.parallel_config.world_size),
                 async_store=async_store,
+                shared_ranks=_is_latent(self._spec),
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
@@ -135,16 +198,21 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- worker role -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._require_worker()
+        if self._unsupported:
+            return  # inactive (logged by the scheduler): no layout, no registration
         spec = self._spec
         if spec is None:
             raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
         heads = int(getattr(spec, "num_heads", spec.num_kv_heads))
-        geometry = CacheGeometry(int(spec.block_size), heads, int(spec.head_size))
+        geometry = CacheGeometry(
+            int(spec.block_size), heads, int(spec.head_size), latent=_is_latent(spec)
+        )
         worker.register_kv_caches(
             kv_caches,
             geometry,
             _backend_names(self._vllm_config, kv_caches),
             self.settings.kv_layout,
+            _layer_groups(self._kv_cache_config),
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -194,11 +262,11 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._require_scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        block_ids = blocks.get_block_ids()
-        if len(block_ids) != 1:
-            raise UnsupportedLayoutError("tierkv supports models with one KV cache group only")
+        if self._unsupported:
+            return
+        positions = block_positions(blocks.get_block_ids())
         self._require_scheduler().update_state_after_alloc(
-            request, block_ids[0], num_external_tokens
+            request, positions or [], num_external_tokens
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -210,6 +278,17 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid allocator (SupportsHMA): one block table per KV cache group.
+        return self._finished(request, block_positions(block_ids))
+
+    def _finished(
+        self, request: Any, block_ids: list[Any] | None
     ) -> tuple[bool, dict[str, Any] | None]:
         scheduler = self._require_scheduler()
         params = scheduler.request_finished(request, block_ids)
@@ -243,6 +322,25 @@ class TierKVConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 # -- configuration helpers ---------------------------------------------------------------------
+def _check_vllm_version(connector: type) -> None:
+    """On a vLLM version the connector is not tested with: log it, and the base-class hooks
+    it neither implements nor keeps on purpose (the engine runs on: a cache must not stop
+    it; the tests fail on them instead)."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    if version in TESTED_VLLM_VERSIONS:
+        return
+    unlisted, _, _ = interface_gaps(connector, connector_bases())
+    log.warning(
+        "tierkv: vLLM %s is not a version the connector is tested with (%s); connector "
+        "hooks it neither implements nor leaves at their default on purpose: %s",
+        version,
+        ", ".join(TESTED_VLLM_VERSIONS),
+        ", ".join(unlisted) or "none",
+    )
+
+
 def _model_identity(vllm_config: Any) -> str:
     """Model name or path, revision and quantization: what makes weights (and KV) differ."""
     mc = vllm_config.model_config
@@ -254,31 +352,90 @@ def _model_identity(vllm_config: Any) -> str:
     return ident
 
 
+def _is_latent(spec: Any) -> bool:
+    """An MLA spec: one latent vector per token, the same on every tensor-parallel rank."""
+    return spec is not None and type(spec).__name__ == "MLAAttentionSpec"
+
+
+def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:
+    """An MLA engine with several ranks on vLLM's CPU platform (see the module doc)."""
+    if not _is_latent(spec) or int(vllm_config.parallel_config.world_size) <= 1:
+        return False
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _attention_spec(kv_cache_config: Any) -> Any:
-    """The one attention spec tierkv supports (full attention, one KV cache group)."""
+    """The one attention spec tierkv supports: full attention (sliding windows included, as
+    vLLM hands them with its hybrid manager off) or MLA, in one KV cache group. Raises
+    :class:`UnsupportedLayoutError` saying why for any other (the connector then stays
+    inactive)."""
     if kv_cache_config is None:
         return None
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
-        raise UnsupportedLayoutError(
-            f"tierkv supports models with one KV cache group, this one has {len(groups)} "
-            "(hybrid or sliding-window attention)"
-        )
+        return _hybrid_spec(groups)
     spec = groups[0].kv_cache_spec
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
     if specs:
         spec = next(iter(specs.values()))
-    if type(spec).__name__ != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
-        raise UnsupportedLayoutError(
-            f"tierkv supports full attention only, not {type(spec).__name__}"
-        )
-    head_size_v = getattr(spec, "head_size_v", None)
-    if head_size_v not in (None, spec.head_size):
+    kind = type(spec).__name__
+    if kind not in _SUPPORTED_SPECS:
+        # SlidingWindowSpec (a model whose every layer has a sliding window): vLLM frees the
+        # blocks behind the window, so no prefix chunk survives to be stored.
+        raise UnsupportedLayoutError(f"tierkv supports full attention and MLA only, not {kind}")
+    # A FullAttentionSpec with a sliding window: vLLM's hybrid manager is off (the connector
+    # does not declare SupportsHMA), so sliding-window layers keep every block, like full
+    # attention; a token's K/V does not depend on the window (only which tokens attention
+    # reads does), so every layer's K/V of every token is stored and loaded.
+    if _is_latent(spec):
+        if getattr(spec, "model_version", None) or getattr(spec, "alignment", None):
+            raise UnsupportedLayoutError(
+                f"tierkv does not support the MLA cache of model version {spec.model_version}"
+            )
+    elif getattr(spec, "head_size_v", None) not in (None, spec.head_size):
         raise UnsupportedLayoutError("tierkv needs the same head size for K and V")
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     if quant not in _SUPPORTED_QUANT_MODES:
         raise UnsupportedLayoutError(f"tierkv does not support KV quantization mode {quant}")
     return spec
+
+
+def _hybrid_spec(groups: Any) -> Any:
+    """The spec of a model with several KV cache groups (vLLM's hybrid allocator, which the
+    connector allows by declaring SupportsHMA): full-attention and sliding-window groups
+    whose layers have one geometry (block size, KV heads, head size, dtype). Every group's
+    K/V of every token is stored (so any prefix boundary can be served, and engines with the
+    hybrid allocator off share the chunks); a sliding-window group's blocks behind the
+    window are null: a load skips them, and a chunk with one is not stored."""
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    specs = [g.kv_cache_spec for g in groups]
+    if not set(kinds) <= set(_HYBRID_SPECS):
+        raise UnsupportedLayoutError(
+            f"tierkv supports models with several KV cache groups of {list(_HYBRID_SPECS)} "
+            f"only, this one has {len(groups)} ({', '.join(kinds)})"
+        )
+    shapes = {(s.block_size, s.num_kv_heads, s.head_size, s.dtype) for s in specs}
+    if len(shapes) != 1:
+        raise UnsupportedLayoutError(
+            f"tierkv needs one block size and head geometry in every KV cache group: {shapes}"
+        )
+    for spec in specs:
+        quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+        if quant not in _SUPPORTED_QUANT_MODES:
+            raise UnsupportedLayoutError(f"tierkv does not support KV quantization mode {quant}")
+        if getattr(spec, "head_size_v", None) not in (None, spec.head_size):
+            raise UnsupportedLayoutError("tierkv needs the same head size for K and V")
+    return specs[0]
+
+
+def _layer_groups(kv_cache_config: Any) -> dict[str, int] | None:
+    """Each layer's KV cache group, for a model with several."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) < 2:
+        return None
+    return {name: g for g, group in enumerate(groups) for name in group.layer_names}
 
 
 def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:

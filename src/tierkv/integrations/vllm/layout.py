@@ -14,13 +14,25 @@ their contents depend on the vLLM version and the attention backend:
     packed in pairs for ``amx``. tierkv moves these regions as they are, tagged with the
     backend, its ISA and the block size, so that only engines storing KV the same way share.
 
+- MLA (multi-head latent attention, DeepSeek-V2/V3 style): one latent vector per token and
+  layer, no K/V axis, ``[blocks, 1, tokens, kv_lora_rank + rope_dim]`` (vLLM >= 0.32) or
+  ``[blocks, tokens, kv_lora_rank + rope_dim]``. The backends listed in ``MLA_BACKENDS``
+  write the normalized latent ``kv_c`` then the rotary key ``k_pe`` into the last axis, so
+  their blocks hold the same bytes: one chunk format for all of them (others are refused).
+
 - older vLLM: five-dimensional tensors with an explicit K/V axis, ``[2, blocks, tokens,
   heads, head_size]`` (FlashAttention) or ``[blocks, 2, tokens, heads, head_size]``
   (FlashInfer), possibly with permuted strides.
 
+With several KV cache groups (vLLM's hybrid allocator) layers of different groups may share
+one tensor, each group with its own block table: ``layer_groups`` names each layer's group,
+the copies then take one block id per group for each position and move each layer by its
+group's id, never touching a group's null block (block 0, behind a sliding window).
+
 Detection checks shapes and strides against the cache spec (block size, KV heads, head size)
-and the backend's name, and refuses anything it cannot map with certainty (MLA caches, unknown
-backends, mixed layer shapes) with an error that says what it saw.
+and the backend's name, and refuses anything it cannot map with certainty (unknown backends,
+MLA backends with their own block format, mixed layer shapes) with an error that says what
+it saw.
 
 Chunk formats in the pool (``format_tag`` goes into the namespace with the chunk shape):
 
@@ -28,7 +40,10 @@ Chunk formats in the pool (``format_tag`` goes into the namespace with the chunk
   chunk_size, head_size]`` (K/V, layer, head, token, dim; token axis 3), the same for every
   such backend, so engines on different backends share chunks;
 - ``native:...`` for the others: ``[layers, kv_heads, chunk_size, 2 * head_size]``, each
-  block's per-head region as the backend stores it, blocks in token order (token axis 2).
+  block's per-head region as the backend stores it, blocks in token order (token axis 2);
+- ``mla_latent`` for MLA caches: ``[layers, 1, chunk_size, kv_lora_rank + rope_dim]`` (token
+  axis 2), blocks moved as they are stored (one latent per token: 576 values for DeepSeek,
+  against ``2 * kv_heads * head_size`` per layer for K/V caches).
 
 Copies go straight between the paged blocks and the pool's slot view: one copy per run of
 consecutive blocks (a prefill's blocks usually are, so usually one per chunk) for all layers
@@ -59,12 +74,15 @@ import torch
 
 from tierkv.arraycopy import copy_array, host_view
 
+NULL_BLOCK = 0  # vLLM's null block (chunks.NULL_BLOCK): a group's position with no KV
 NATIVE = "native"
+MLA = "mla"
 SPLIT_LAST = "split_last"
 KV_FIRST = "kv_first"
 BLOCK_FIRST = "block_first"
 CONTENT_KINDS = (NATIVE, SPLIT_LAST)
 CANONICAL_FORMAT = "kv_2lhtd"
+MLA_FORMAT = "mla_latent"
 
 # Backends whose four-dimensional cache contents are known (checked against their kernels).
 BACKEND_CONTENT = {
@@ -73,6 +91,17 @@ BACKEND_CONTENT = {
     "TRITON_ATTN": SPLIT_LAST,
     "FLEX_ATTENTION": SPLIT_LAST,
 }
+# MLA backends whose cache holds, per token, the normalized latent then the rotary key part
+# (vLLM's concat_and_cache_mla; CPU_MLA's do_kv_cache_update): the same bytes in all of them.
+# Not AMX_MLA (its own packing), nor the sparse and DeepSeek-V4 backends.
+MLA_BACKENDS = (
+    "CPU_MLA",
+    "TRITON_MLA",
+    "FLASHMLA",
+    "FLASH_ATTN_MLA",
+    "FLASHINFER_MLA",
+    "CUTLASS_MLA",
+)
 # Backends whose native block format depends on a kernel variant (named after a "/").
 VARIANT_BACKENDS = ("CPU_ATTN",)
 
@@ -83,18 +112,21 @@ class UnsupportedLayoutError(ValueError):
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """What the cache spec promises: tokens per vLLM block, KV heads (this rank), head size."""
+    """What the cache spec promises: tokens per vLLM block, KV heads (this rank), head size;
+    ``latent``: an MLA cache (one head of ``head_size`` values per token, no K/V)."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
+    latent: bool = False
 
 
 @dataclass
 class PagedKVLayout:
     """A detected layout and per-layer zero-copy views of the blocks: ``[kernel_blocks, 2,
-    heads, tokens, head_size]`` (canonical kinds) or ``[kernel_blocks, heads, tokens,
-    2 * head_size]`` as vLLM gave them (native)."""
+    heads, tokens, head_size]`` (canonical kinds), ``[kernel_blocks, heads, tokens,
+    2 * head_size]`` as vLLM gave them (native) or ``[kernel_blocks, 1, tokens, head_size]``
+    (MLA)."""
 
     kind: str
     layer_names: tuple[str, ...]
@@ -104,6 +136,10 @@ class PagedKVLayout:
     views: tuple[torch.Tensor, ...]
     stacked: torch.Tensor | None  # [layers, *view shape] over all layers, when possible
     backend: str = ""
+    # With several KV cache groups (vLLM's hybrid allocator): each layer's group. The blocks
+    # handed to the copies are then one id per group (chunks.BlockRef), and each layer is
+    # copied from (or to) its own group's block, null blocks skipped.
+    layer_groups: tuple[int, ...] | None = None
     # numpy views of views/stacked when the cache is in host memory (see arraycopy.host_view)
     host_views: tuple[npt.NDArray[Any], ...] | None = field(default=None, init=False)
     host_stacked: npt.NDArray[Any] | None = field(default=None, init=False)
@@ -118,6 +154,16 @@ class PagedKVLayout:
     @property
     def native(self) -> bool:
         return self.kind == NATIVE
+
+    @property
+    def latent(self) -> bool:
+        """An MLA cache: the same on every tensor-parallel rank."""
+        return self.kind == MLA
+
+    @property
+    def as_stored(self) -> bool:
+        """Blocks move as vLLM stores them (native and MLA), not split into K and V."""
+        return self.kind in (NATIVE, MLA)
 
     @property
     def num_layers(self) -> int:
@@ -139,22 +185,24 @@ class PagedKVLayout:
 
     @property
     def token_axis(self) -> int:
-        return 2 if self.native else 3
+        return 2 if self.as_stored else 3
 
     @property
     def layer_axis(self) -> int:
-        return 0 if self.native else 1
+        return 0 if self.as_stored else 1
 
     @property
     def format_tag(self) -> str:
         """What the chunk bytes mean, beyond shape and dtype (part of the namespace)."""
+        if self.latent:
+            return MLA_FORMAT
         if not self.native:
             return CANONICAL_FORMAT
         return f"native:{self.backend}:bs{self.geometry.block_size}:kb{self.kernel_block_size}"
 
     def chunk_shape(self, chunk_size: int) -> list[int]:
         g = self.geometry
-        if self.native:
+        if self.as_stored:
             return [self.num_layers, g.num_kv_heads, chunk_size, int(self.views[0].shape[-1])]
         return [2, self.num_layers, g.num_kv_heads, chunk_size, g.head_size]
 
@@ -186,9 +234,10 @@ class PagedKVLayout:
             )
         return position
 
-    def read_blocks(self, blocks: Iterable[tuple[int, int]], chunk: torch.Tensor) -> None:
+    def read_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
         """For every ``(j, block_id)``: copy vLLM block ``block_id`` into the chunk's ``j``-th
-        block (tokens ``[j * block_size, +block_size)``)."""
+        block (tokens ``[j * block_size, +block_size)``). With :attr:`layer_groups`,
+        ``block_id`` is a tuple of one id per group."""
         host = self._host_chunk(chunk)
         if host is not None:
             for paged, part in self._block_parts(blocks, host, host=True):
@@ -201,7 +250,7 @@ class PagedKVLayout:
         if staging is not None:
             chunk.copy_(staging)  # one contiguous copy off the device
 
-    def write_blocks(self, blocks: Iterable[tuple[int, int]], chunk: torch.Tensor) -> None:
+    def write_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
         """For every ``(j, block_id)``: copy the chunk's ``j``-th block into vLLM block
         ``block_id``."""
         host = self._host_chunk(chunk)
@@ -244,7 +293,7 @@ class PagedKVLayout:
         return host_view(chunk)
 
     def _block_parts(
-        self, blocks: Iterable[tuple[int, int]], chunk: Any, host: bool
+        self, blocks: Iterable[tuple[int, Any]], chunk: Any, host: bool
     ) -> Iterator[tuple[Any, Any]]:
         """(paged cache view, chunk view) pairs covering the vLLM blocks ``(j, block_id)``:
         one per run of consecutive blocks (block ids and chunk positions both counting up
@@ -259,11 +308,20 @@ class PagedKVLayout:
         views = self.host_views if host else self.views
         assert views is not None
         move = np.moveaxis if host else torch.movedim
+        if self.layer_groups is not None:
+            refs = list(blocks)
+            for layer, (view, group) in enumerate(zip(views, self.layer_groups, strict=True)):
+                ids = [(j, ref[group]) for j, ref in refs if ref[group] != NULL_BLOCK]
+                for j, block_id, count in block_runs(ids):
+                    kb, t0 = block_id * self.sub_blocks, j * self.sub_blocks * n
+                    m = count * self.sub_blocks
+                    yield move(view[kb : kb + m], 0, -3), self._chunk_run(chunk, t0, m, layer)
+            return
         for j, block_id, count in block_runs(blocks):
             kb, t0, m = block_id * self.sub_blocks, j * self.sub_blocks * n, count * self.sub_blocks
             if stacked is not None:
                 run = move(stacked[:, kb : kb + m], 1, -3)  # [layers, ..., m, tokens, dim]
-                paged = run if self.native else run.swapaxes(0, 1)  # K/V axis first
+                paged = run if self.as_stored else run.swapaxes(0, 1)  # K/V axis first
                 yield paged, self._chunk_run(chunk, t0, m)
             else:
                 for layer, view in enumerate(views):
@@ -301,8 +359,13 @@ def detect_layout(
     geometry: CacheGeometry,
     backends: Mapping[str, str] | None = None,
     content: str = "auto",
+    groups: Mapping[str, int] | None = None,
 ) -> PagedKVLayout:
     """Map vLLM's per-layer KV cache tensors to block views.
+
+    ``groups``: each layer's KV cache group, for a model with several (vLLM's hybrid
+    allocator), whose layers of different groups may share one tensor (their blocks are
+    disjoint): the layout then copies each layer by its own group's block ids.
 
     ``backends`` names each layer's attention backend (``AttentionBackend.get_name()``,
     then ``/variant`` where the block format depends on one: ``CPU_ATTN/amx``);
@@ -317,10 +380,11 @@ def detect_layout(
             f"kv_layout must be 'auto', 'native' or 'split_last', not {content!r}"
         )
     names: list[str] = []
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[tuple[int, int, tuple[int, ...], int]] = set()
     for name in sorted(kv_caches, key=_layer_order):
         t = kv_caches[name]
-        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
+        group = (groups or {}).get(name, 0)
+        identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), group)
         if identity in seen:
             continue  # a layer that reuses another layer's KV
         seen.add(identity)
@@ -334,12 +398,20 @@ def detect_layout(
                 f"{name}: {tuple(t.shape)} {t.dtype}): hybrid or per-layer caches are not "
                 "supported"
             )
-    kinds = {_content_kind(name, kv_caches[name], backends or {}, content) for name in names}
+    kinds = {
+        MLA if geometry.latent else _content_kind(name, kv_caches[name], backends or {}, content)
+        for name in names
+    }
     if len(kinds) != 1:
         raise UnsupportedLayoutError(f"layers use different attention backends: {kinds}")
     kind = kinds.pop()
     backend_names = {(backends or {}).get(name, "") for name in names}
     backend = backend_names.pop() if len(backend_names) == 1 else ""
+    if kind == MLA and backend not in MLA_BACKENDS:
+        raise UnsupportedLayoutError(
+            f"MLA attention backend {backend or 'unknown'!r}: tierkv knows the latent cache "
+            f"format of {list(MLA_BACKENDS)} only"
+        )
     if kind == NATIVE:
         if not backend:
             raise UnsupportedLayoutError("a native KV layout needs the attention backend's name")
@@ -350,9 +422,10 @@ def detect_layout(
                 "bytes wrongly"
             )
     views = tuple(_block_view(kv_caches[name], geometry, kind, name) for name in names)
-    kernel_block_size = int(views[0].shape[-2] if kind == NATIVE else views[0].shape[3])
+    kernel_block_size = int(views[0].shape[-2] if kind in (NATIVE, MLA) else views[0].shape[3])
     if views[0].device.type == "meta":
         raise UnsupportedLayoutError("KV cache tensors are on the meta device")
+    layer_groups = tuple((groups or {}).get(name, 0) for name in names)
     return PagedKVLayout(
         kind=kind,
         layer_names=tuple(names),
@@ -362,6 +435,7 @@ def detect_layout(
         views=views,
         stacked=_stack(views),
         backend=backend,
+        layer_groups=layer_groups if len(set(layer_groups)) > 1 else None,
     )
 
 
@@ -378,7 +452,7 @@ def _content_kind(
     if tensor.dim() != 4:
         raise UnsupportedLayoutError(
             f"layer {name}: KV cache of shape {tuple(tensor.shape)} is not a paged K/V cache "
-            "(MLA and other latent caches are not supported)"
+            "(an MLA cache comes with vLLM's MLA cache spec)"
         )
     if content != "auto":
         return content
@@ -407,6 +481,14 @@ def _block_view(t: torch.Tensor, geometry: CacheGeometry, kind: str, name: str) 
     copy."""
     heads, head_size, block_size = geometry.num_kv_heads, geometry.head_size, geometry.block_size
     shape = tuple(int(d) for d in t.shape)
+    if kind == MLA:
+        view = t.unsqueeze(1) if t.dim() == 3 else t  # [blocks, 1, tokens, head_size]
+        if view.dim() != 4:
+            raise _mismatch(name, shape, kind, geometry)
+        _, h, n, c = view.shape
+        if h != 1 or heads != 1 or c != head_size or n <= 0 or block_size % n:
+            raise _mismatch(name, shape, kind, geometry)
+        return view
     if kind in (KV_FIRST, BLOCK_FIRST):
         view = t.permute(1, 0, 3, 2, 4) if kind == KV_FIRST else t.permute(0, 1, 3, 2, 4)
         _, two, h, n, d = view.shape

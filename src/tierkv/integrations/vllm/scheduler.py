@@ -10,7 +10,9 @@ Per request, in vLLM's order:
    once the load is reported, with any failed blocks already cut off, so wrong KV never
    reaches attention).
 2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
-   without, free the lookup's locks (vLLM computes those chunks itself).
+   without, free the lookup's locks (vLLM computes those chunks itself). An MLA engine with
+   several ranks (``shared_ranks``: one namespace, only rank 0 in the lookup) also puts the
+   chunks' keys into the load, for the other ranks' reads by key.
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
    complete after this step's forward pass and not already known to be cached. With
    ``store_decode`` also the chunks that fill up while the request decodes (see below).
@@ -66,11 +68,14 @@ from tierkv import keys
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import (
+    BlockRef,
     LoadSpec,
     StoreSpec,
+    block_positions,
     blocks_per_chunk,
     chunk_hashes,
     full_chunks,
+    has_null,
 )
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
@@ -102,7 +107,7 @@ class RequestState:
     rank_loaded: dict[int, int] = field(default_factory=dict)  # tokens loaded, by rank
     rank_written: dict[int, int] = field(default_factory=dict)  # chunks written, by rank
     failed_from: int | None = None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[BlockRef] = field(default_factory=list)
     saved_chunks: int = 0  # chunks known cached in tierkv or already handed out for store
     stored_chunks: int = 0  # chunks handed to the workers for store
     # Asynchronous stores: stores were handed to the workers whose end no step has waited
@@ -126,12 +131,15 @@ class SchedulerSide:
         can_save: bool,
         world_size: int = 1,
         async_store: bool = False,
+        shared_ranks: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``async_store``: the workers store on their store threads (see the module doc;
-        the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`)."""
+        the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`).
+        ``shared_ranks``: every rank holds the same KV (MLA), see the module doc."""
         self.settings = settings
         self.world_size = world_size  # ranks (workers) of this engine
+        self.shared_ranks = shared_ranks
         self.model_id = model_id
         self.engine_id = engine_id
         self.block_size = block_size
@@ -149,6 +157,11 @@ class SchedulerSide:
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler", log)
+
+    @property
+    def keyed_loads(self) -> bool:
+        """Loads carry their chunks' keys: ranks other than 0 read a shared cache by key."""
+        return self.shared_ranks and self.world_size > 1
 
     def _register(self, client: Client) -> None:
         reg = client.register_scheduler(
@@ -273,7 +286,7 @@ class SchedulerSide:
         return None
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_external_tokens: int
+        self, request: Any, block_ids: list[BlockRef], num_external_tokens: int
     ) -> None:
         state = self.requests.get(request.request_id)
         if state is None or state.phase == ALLOCATED:
@@ -288,11 +301,15 @@ class SchedulerSide:
             start = state.local_tokens
             end = start + num_external_tokens
             start_block, end_block = start // self.block_size, -(-end // self.block_size)
+            keys = self._selector(state, state.hits) if self.keyed_loads else None
             self._loads[request.request_id] = LoadSpec(
                 request.request_id,
                 start_block,
                 end_block,
                 tuple(block_ids[start_block:end_block]),
+                hashes=tuple(keys["hashes"]) if keys and "hashes" in keys else None,
+                tokens=keys["tokens"] if keys and "tokens" in keys else None,
+                salt=state.salt,
             )
             state.external_tokens = num_external_tokens
             state.loading = True
@@ -311,7 +328,7 @@ class SchedulerSide:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+            state.block_ids = self._positions(state, new.block_ids)
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._plan_step(state, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -321,9 +338,9 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = self._positions(state, new_blocks)
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                state.block_ids.extend(self._positions(state, new_blocks))
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
             self._plan_step(state, computed, meta)
         return meta
@@ -357,6 +374,12 @@ class SchedulerSide:
         done = self._storable_chunks(state, computed)
         first = state.saved_chunks
         if done <= first or len(state.block_ids) < done * self.bpc:
+            return False
+        # Not from a chunk with a null block on (a sliding-window group's KV behind the
+        # window is gone): later chunks could never be found behind it either.
+        blocks = state.block_ids[first * self.bpc : done * self.bpc]
+        done = first + _intact_chunks(blocks, self.bpc)
+        if done <= first:
             return False
         selector = self._selector(state, done)
         if selector is None:
@@ -416,7 +439,9 @@ class SchedulerSide:
             state.saved_chunks = min(state.saved_chunks, token // self.chunk_size)
 
     # -- end of a request ------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> dict[str, Any]:
+    def request_finished(
+        self, request: Any, block_ids: list[BlockRef] | None = None
+    ) -> dict[str, Any]:
         """End the request; its figures for ``kv_transfer_params``. ``block_ids``: its blocks
         as vLLM hands them over (for a last decode chunk, see :meth:`keeps_blocks`)."""
         state = self.requests.pop(request.request_id, None)
@@ -461,7 +486,7 @@ class SchedulerSide:
         if state.stores_running and not state.loading and rid not in self._final.release:
             self._final.release.append(rid)
 
-    def _plan_last_store(self, state: RequestState, block_ids: list[int] | None) -> None:
+    def _plan_last_store(self, state: RequestState, block_ids: list[BlockRef] | None) -> None:
         """Plan the complete chunks of a finished request that no step planned yet."""
         if not self.store_decode or state.loading or state.phase != ALLOCATED:
             return  # a request still loading is vLLM's to keep until the load is reported
@@ -472,6 +497,18 @@ class SchedulerSide:
             state.block_ids = list(block_ids)
         if self._plan_store(state, computed, self._final):
             self._final.release.append(request.request_id)
+
+    @staticmethod
+    def _positions(state: RequestState, groups: Any) -> list[BlockRef]:
+        """vLLM's per-group block ids as one entry per position (:func:`block_positions`);
+        groups that do not line up make the request uncacheable."""
+        if not groups:
+            return []
+        positions = block_positions(groups)
+        if positions is None:
+            state.cacheable = False
+            return []
+        return positions
 
     def _free_locks(self, state: RequestState) -> None:
         rid = state.request.request_id
@@ -490,6 +527,14 @@ class SchedulerSide:
         self.requests.clear()
         self._loads.clear()
         self.link.close()
+
+
+def _intact_chunks(block_ids: list[BlockRef], bpc: int) -> int:
+    """Leading whole chunks of ``block_ids`` without a null block."""
+    for i, ref in enumerate(block_ids):
+        if has_null(ref):
+            return i // bpc
+    return len(block_ids) // bpc
 
 
 def _needs_block_hashes(request: Any) -> bool:

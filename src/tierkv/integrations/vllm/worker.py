@@ -2,7 +2,18 @@
 
 One :class:`WorkerSide` per rank. ``register_kv_caches`` detects the cache layout and
 registers this rank with the server (model, chunk layout, dtype, rank and world size, and the
-engine id its scheduler looks up with). Then, every step:
+engine id its scheduler looks up with).
+
+An MLA cache (:attr:`PagedKVLayout.latent`) holds the same bytes on every tensor-parallel
+rank, so all ranks share one namespace (registered as rank 0 of 1, as the SGLang backend
+does for MLA; the tensor-parallel size stays in the model identity, since engines of other
+sizes compute other bytes: measured on vLLM's CPU MLA, where they even answer differently
+without tierkv): rank 0 alone stores, and alone joins the engine's group (the scheduler's
+lookup locks the chunks for it and it retrieves them by request id); the other ranks read
+the same chunks by key (``LoadSpec.hashes``/``tokens``). A chunk evicted between the lookup
+and such a read is a failed load on that rank: vLLM recomputes its blocks, on every rank.
+
+Then, every step:
 
 - loads (``start_load_kv``): retrieve by request id the chunks the scheduler's lookup locked
   for this rank, and copy each straight from its pool slot into the request's blocks (one
@@ -168,10 +179,12 @@ class WorkerSide:
         geometry: CacheGeometry,
         backends: Mapping[str, str],
         content: str = "auto",
+        groups: Mapping[str, int] | None = None,
     ) -> PagedKVLayout:
         """Detect the layout (raises :class:`UnsupportedLayoutError` for one it cannot map)
-        and register with the server (a server that is down now is retried later)."""
-        self.layout = detect_layout(kv_caches, geometry, backends, content)
+        and register with the server (a server that is down now is retried later).
+        ``groups``: each layer's KV cache group, for a model with several."""
+        self.layout = detect_layout(kv_caches, geometry, backends, content, groups)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
         log.info(
             "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s; "
@@ -187,19 +200,38 @@ class WorkerSide:
         self.link.client()  # register now, so the scheduler's lookups see this rank
         return self.layout
 
+    @property
+    def shared(self) -> bool:
+        """The ranks' caches hold the same bytes (MLA): one namespace for all of them."""
+        return self.layout is not None and self.layout.latent
+
+    @property
+    def reads_by_key(self) -> bool:
+        """A rank other than 0 of a shared cache: it reads rank 0's chunks by key."""
+        return self.shared and self.rank != 0
+
+    @property
+    def stores_here(self) -> bool:
+        """This rank stores: it may (``kv_role``), and no other rank stores the same bytes."""
+        return self.can_save and not self.reads_by_key
+
     def _register(self, client: Client) -> None:
         layout = self.layout
         assert layout is not None
+        model = f"{self.model_id}|kv={layout.format_tag}"  # what the chunk bytes mean
+        if self.shared:
+            model += f"|tp={self.world_size}"  # see the module doc
         client.register(
-            f"{self.model_id}|kv={layout.format_tag}",  # what the chunk bytes mean
+            model,
             layout.chunk_shape(self.chunk_size),
             layout.dtype_name,
             token_axis=layout.token_axis,
-            world_size=self.world_size,
-            rank=self.rank,
+            world_size=1 if self.shared else self.world_size,
+            rank=0 if self.shared else self.rank,
             tenant_salt=self.settings.tenant,
             name=f"vllm-worker-{self.engine_id[:8]}-rank{self.rank}",
-            engine_id=self.engine_id,
+            # The engine's group has one member per namespace rank: rank 0 (see above).
+            engine_id="" if self.reads_by_key else self.engine_id,
         )
 
     # -- loads -----------------------------------------------------------------------------
@@ -227,13 +259,22 @@ class WorkerSide:
             loaded.add(chunk)
 
         start = time.perf_counter()
+        if self.reads_by_key:
+            if spec.hashes is None and spec.tokens is None:
+                self._finish_load(spec, set())  # no keys to read by: recompute
+                return
+            if spec.hashes is not None:
+                named: dict[str, Any] = {"hashes": spec.hashes}
+            else:
+                named = {"tokens": spec.tokens}
+            named.update(first_chunk=spec.start_block // self.bpc, salt=spec.salt)
+        else:
+            named = {"request_id": spec.request_id}
         result = self.link.call(
             f"retrieve of {spec.request_id}",
             # vLLM's thread waits for the load before its forward pass: it copies too, and
             # does not wait for the server's answer to the release of the chunks' locks.
-            lambda c: c.retrieve(
-                request_id=spec.request_id, scatter=scatter, caller_copies=True, wait_release=False
-            ),
+            lambda c: c.retrieve(scatter=scatter, caller_copies=True, wait_release=False, **named),
             None,
         )
         with self._lock:
@@ -273,7 +314,7 @@ class WorkerSide:
             meta is self._prepared_for
             or not meta.stores
             or self.layout is None
-            or not self.can_save
+            or not self.stores_here
         ):
             return
         self._give_back_unused()  # a step whose wait_for_save never came
@@ -319,7 +360,7 @@ class WorkerSide:
 
     def wait_for_save(self, meta: TierKVConnectorMetadata) -> None:
         failed, self._failed_this_step = self._failed_this_step, set()
-        if meta.stores and self.layout is not None and self.can_save:
+        if meta.stores and self.layout is not None and self.stores_here:
             for i, spec in enumerate(meta.stores):
                 future = self._take_prepared(meta, i)
                 if spec.request_id in failed:
