@@ -1,6 +1,7 @@
 """Build small random-weight models locally, for tests and benchmarks: Llama (full
-attention), DeepSeek-V2 (multi-head latent attention, MLA) and Gemma-3 (sliding-window
-and full-attention layers).
+attention), DeepSeek-V2 (multi-head latent attention, MLA), Gemma-3 (sliding-window
+and full-attention layers), and hybrids with state layers: Nemotron-H (Mamba-2) and
+Qwen3-Next (gated DeltaNet, GDN).
 
 Nothing is downloaded: the weights come from a transformers config, the tokenizer
 is a byte-level BPE trained with the ``tokenizers`` library on a few sentences. Both are
@@ -177,6 +178,131 @@ def build_sliding_model(out_dir: str | Path, spec: SlidingModelSpec | None = Non
                 head_dim=spec.head_dim,
                 sliding_window=spec.sliding_window,
                 layer_types=layer_types,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class MambaHybridSpec:
+    """A Nemotron-H-style hybrid: Mamba-2 state layers, one full-attention layer and MLP
+    layers (``pattern``: ``M`` Mamba-2, ``*`` attention, ``-`` MLP, Nemotron-H's notation)."""
+
+    hidden_size: int = 256
+    pattern: str = "M-*-M-"
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 32
+    ssm_state_size: int = 16
+    n_groups: int = 1
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "float32"
+    seed: int = 0
+
+
+def build_mamba_hybrid_model(out_dir: str | Path, spec: MambaHybridSpec | None = None) -> Path:
+    """Write a random-weight Nemotron-H (Mamba-2 hybrid) model and its tokenizer to
+    ``out_dir`` (reused when it already holds the same spec)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    spec = spec or MambaHybridSpec()
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: NemotronHForCausalLM(
+            NemotronHConfig(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                hybrid_override_pattern=spec.pattern,
+                num_hidden_layers=len(spec.pattern),
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                mamba_num_heads=spec.mamba_num_heads,
+                mamba_head_dim=spec.mamba_head_dim,
+                ssm_state_size=spec.ssm_state_size,
+                n_groups=spec.n_groups,
+                max_position_embeddings=spec.max_position_embeddings,
+                initializer_range=spec.initializer_range,
+                bos_token_id=1,
+                eos_token_id=2,
+                pad_token_id=0,
+                tie_word_embeddings=False,
+                torch_dtype=spec.torch_dtype,
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class GDNHybridSpec:
+    """A Qwen3-Next-style hybrid: gated DeltaNet (GDN) linear-attention layers and a
+    full-attention layer every ``full_attention_interval`` layers; a few small experts per
+    layer (vLLM's Qwen3-Next needs at least one mixture-of-experts layer)."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    full_attention_interval: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    intermediate_size: int = 512
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "bfloat16"
+    seed: int = 0
+
+
+def build_gdn_hybrid_model(out_dir: str | Path, spec: GDNHybridSpec | None = None) -> Path:
+    """Write a random-weight Qwen3-Next (GDN hybrid) model and its tokenizer to ``out_dir``
+    (reused when it already holds the same spec)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    spec = spec or GDNHybridSpec()
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: Qwen3NextForCausalLM(
+            Qwen3NextConfig(
+                vocab_size=spec.vocab_size,
+                hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers,
+                full_attention_interval=spec.full_attention_interval,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                linear_key_head_dim=spec.linear_key_head_dim,
+                linear_value_head_dim=spec.linear_value_head_dim,
+                linear_num_key_heads=spec.linear_num_key_heads,
+                linear_num_value_heads=spec.linear_num_value_heads,
+                num_experts=spec.num_experts,
+                num_experts_per_tok=spec.num_experts_per_tok,
+                moe_intermediate_size=spec.moe_intermediate_size,
+                shared_expert_intermediate_size=spec.moe_intermediate_size,
                 max_position_embeddings=spec.max_position_embeddings,
                 initializer_range=spec.initializer_range,
                 bos_token_id=1,

@@ -7,7 +7,10 @@ with that message (:func:`require_vllm`, from an autouse fixture in each module)
 engine must not pass as a skipped test.
 
 :func:`tiny_model_dir` builds a random-weight Llama model and a locally trained tokenizer
-once per session (nothing is downloaded), :func:`tiny_mla_model_dir` a DeepSeek-V2 (MLA) one;
+once per session (nothing is downloaded), :func:`tiny_mla_model_dir` a DeepSeek-V2 (MLA) one,
+:func:`tiny_sliding_model_dir` a Gemma-3 one, :func:`tiny_mamba_hybrid_model_dir` a
+Nemotron-H (Mamba-2 hybrid) one and :func:`tiny_gdn_hybrid_model_dir` a Qwen3-Next (GDN
+hybrid) one;
 :func:`vllm_cpu_caches` and :func:`vllm_cpu_mla_caches` allocate per-layer KV caches exactly
 as vLLM's CPU worker does.
 """
@@ -72,6 +75,25 @@ def tiny_sliding_model_dir(
     return build_sliding_model(
         tmp_path_factory.getbasetemp() / f"tiny-gemma3-sw{sliding_per_full}", spec
     )
+
+
+def tiny_mamba_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 6-layer random-weight Nemotron-H model (2 Mamba-2 layers, 1 full-attention layer, 3
+    MLP layers) with its tokenizer, built once per session. vLLM 0.32 runs it on the CPU only
+    with its prefix caching off."""
+    require_vllm()
+    from support.tiny_model import build_mamba_hybrid_model
+
+    return build_mamba_hybrid_model(tmp_path_factory.getbasetemp() / "tiny-nemotron-h")
+
+
+def tiny_gdn_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random-weight Qwen3-Next model (3 gated-DeltaNet layers, 1 full-attention
+    layer; meant to run in bfloat16) with its tokenizer, built once per session."""
+    require_vllm()
+    from support.tiny_model import build_gdn_hybrid_model
+
+    return build_gdn_hybrid_model(tmp_path_factory.getbasetemp() / "tiny-qwen3-next")
 
 
 def vllm_cpu_caches(

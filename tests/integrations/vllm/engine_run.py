@@ -11,7 +11,7 @@ config's ``out`` path.
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
 timeout (the connector's RPC timeout, default 2.0), store_decode, tenant and async_store (the
 connector options), num_blocks (vLLM's num_gpu_blocks_override: a small KV cache) and
-max_model_len (default 4096),
+max_model_len (default 4096), dtype (default float32),
 tensor_parallel_size (default 1), prefix_caching, hma (vLLM's hybrid KV cache manager on or
 off; default: vLLM's choice, on unless a connector without ``SupportsHMA`` is attached),
 prompts ([{"tokens": [...], "salt": "..."|null}], see below), max_tokens, out, wait_for (a
@@ -162,7 +162,7 @@ def main(config_path: str) -> None:
         kwargs["disable_hybrid_kv_cache_manager"] = not config["hma"]
     llm = LLM(
         model=config["model"],
-        dtype="float32",
+        dtype=config.get("dtype", "float32"),
         max_model_len=int(config.get("max_model_len", 4096)),
         tensor_parallel_size=tp,
         distributed_executor_backend="uni" if tp == 1 else "mp",

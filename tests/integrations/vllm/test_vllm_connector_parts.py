@@ -1218,3 +1218,68 @@ def test_chunks_with_a_groups_null_block_are_not_stored(server: Any) -> None:
     assert spec.block_ids == ((1, 7), (2, 8), (3, 9), (4, 10))
     assert plan("chunk-1-freed", (full, [7, 8, 0, 10, 11, 12])).stores[0].end_chunk == 1
     assert plan("chunk-0-freed", (full, [0, 0, 9, 10, 11, 12])).stores == []
+
+
+def test_a_mamba_hybrid_engine_starts_with_the_connector_inactive_every_request_a_miss(
+    server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Mamba-2 hybrid (Nemotron-H, vLLM's prefix caching off): one full-attention group and
+    one Mamba state group, whose block size vLLM sets to 4096 tokens (no multiple of the
+    chunk size). Both roles start, the scheduler says once why the connector is inactive,
+    every request is a miss, nothing is stored, and the worker registers the raw int8 page
+    views of the state layers without touching them."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from tierkv.integrations.vllm.connector import TierKVConnector
+
+    block = 4096
+    attention = FullAttentionSpec(
+        block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
+    state = MambaSpec(
+        block_size=block, shapes=((3, 512), (8, 32, 16)), dtypes=(torch.float32, torch.float32)
+    )
+    config = kv_cache_config(attention, state)
+    vllm_config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TierKVConnector",
+            kv_connector_module_path="tierkv.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"endpoint": server.endpoint, "model_id": "nemotron-h"},
+        ),
+        cache_config=CacheConfig(block_size=block),
+    )
+    with caplog.at_level("WARNING", logger="vllm.tierkv"):
+        scheduler = TierKVConnector(vllm_config, KVConnectorRole.SCHEDULER, config)
+        worker = TierKVConnector(vllm_config, KVConnectorRole.WORKER, config)
+    inactive = [r for r in caplog.records if "neither loads nor stores" in r.getMessage()]
+    assert len(inactive) == 1 and "MambaSpec" in inactive[0].getMessage()
+    try:
+        pages = torch.zeros(4, attention.page_size_bytes, dtype=torch.int8)
+        caches = {"model.layers.0.attn": pages[:, : 2 * block * 2 * 64 * 4].view(torch.float32)}
+        caches["model.layers.1.attn"] = pages  # the state layer: raw int8 page views
+        before = pages.clone()
+        worker.register_kv_caches(caches)
+        tokens = list(range(7000, 7000 + 600))
+        for rid in ("first", "again"):
+            req = request(rid, tokens)
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+            scheduler.update_state_after_alloc(
+                req, SimpleNamespace(get_block_ids=lambda: ([1], [2])), 0
+            )
+            meta = scheduler.build_connector_meta(step_output([(rid, [1], 0, len(tokens))]))
+            assert isinstance(meta, TierKVConnectorMetadata)
+            assert meta.loads == [] and meta.stores == []
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+            assert scheduler.request_finished_all_groups(req, ([1], [2]))[0] is False
+        assert torch.equal(pages, before)
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == 0

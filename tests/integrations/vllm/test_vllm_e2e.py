@@ -21,9 +21,11 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
   every layer's K/V of every token; fresh engines with it off (one group carrying the
   window) and on load it and answer as an engine without tierkv; the same with sliding and
   full layers alternating (gpt-oss's pattern, 2 groups).
-  A model whose every layer has a sliding window (vLLM frees its blocks behind the window,
-  so no prefix chunk survives) starts with tierkv attached, which says once why it stays
-  inactive, and answers as an engine without tierkv.
+- Models the connector cannot serve exactly start with tierkv attached, which says once why
+  it stays inactive, and answer as an engine without tierkv (a prompt repeated on a fresh
+  engine too): every layer a sliding window (vLLM frees its blocks behind the window, so no
+  prefix chunk survives), a Mamba-2 hybrid (a tiny Nemotron-H, vLLM's prefix caching off) and
+  a gated-DeltaNet hybrid (a tiny Qwen3-Next in bfloat16; all groups of 384-token blocks).
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
 - The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
@@ -818,24 +820,59 @@ def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
     assert stats.errors == {} and stats.objects == 2
 
 
+# Models the connector cannot serve: (model directory, engine config, why it stays inactive).
+INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[str, Any], str]] = {
+    "all-sliding-window": (
+        lambda f: vllm_engine.tiny_sliding_model_dir(f, sliding_per_full=4),
+        {},
+        "not SlidingWindowSpec",
+    ),
+    # vLLM 0.32 runs Mamba-2 hybrids on the CPU only with its prefix caching off.
+    "mamba2-nemotron-h": (
+        vllm_engine.tiny_mamba_hybrid_model_dir,
+        {"prefix_caching": False},
+        "(FullAttentionSpec, MambaSpec)",
+    ),
+    "gdn-qwen3-next": (
+        vllm_engine.tiny_gdn_hybrid_model_dir,
+        {"dtype": "bfloat16"},
+        "(FullAttentionSpec, MambaSpec)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(INACTIVE_MODELS))
 def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
+    kind: str,
     tmp_path_factory: pytest.TempPathFactory,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
+    tmp_path: Path,
 ) -> None:
+    """A model with KV cache groups the connector cannot store and restore exactly (every
+    layer a sliding window; Mamba-2 or gated-DeltaNet state layers beside attention ones):
+    engines start with tierkv attached, say once why the connector stays inactive, store
+    nothing, load nothing (a prompt repeated on a fresh engine included) and answer as an
+    engine without tierkv."""
     from support.tiny_model import tokenizer_size
 
-    model_dir = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full=4)
-    _, prompts = shared_doc_prompts(tokenizer_size(model_dir))
+    model_dir_of, config, why = INACTIVE_MODELS[kind]
+    model_dir = model_dir_of(tmp_path_factory)
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(model_dir))
+    prompts = [{**p, "ignore_eos": True} for p in prompts_a + prompts_b]
     server = server_factory()
-    reference = engines("reference", model=str(model_dir), prompts=prompts)
-    engine = engines("tierkv", model=str(model_dir), prompts=prompts, endpoint=server.endpoint)
-    results = engine.results()
-    assert [r["tokens"] for r in results] == [r["tokens"] for r in reference.results()]
-    for result in results:
-        assert result["tierkv"]["hit_tokens"] == result["tierkv"]["stored_chunks"] == 0
-    log = engine.log_path.read_text(errors="replace")
-    assert log.count("this engine neither loads nor stores") == 1
-    assert "not SlidingWindowSpec" in log
+    model = {"model": str(model_dir), **config}
+    reference = engines("reference", **model, prompts=prompts)
+    a, b = a_then_b(engines, tmp_path, prompts, prompts, endpoint=server.endpoint, **model)
+    expected = [r["tokens"] for r in reference.results()]
+    for engine in (a, b):
+        results = engine.results()
+        assert [r["tokens"] for r in results] == expected, engine.name
+        for result in results:
+            assert result["tierkv"]["hit_tokens"] == result["tierkv"]["stored_chunks"] == 0
+        log = engine.log_path.read_text(errors="replace")
+        assert log.count("this engine neither loads nor stores") == 1, engine.name
+        assert why in log, engine.name
     with server.client(timeout=5.0) as client:
-        assert client.stats().objects == 0
+        stats = client.stats()
+    assert stats.errors == {} and stats.objects == 0

@@ -150,7 +150,9 @@ class SchedulerSide:
         self.chunk_size = settings.chunk_size
         self.store_decode = settings.store_decode
         self.async_store = async_store
-        self.bpc = blocks_per_chunk(self.chunk_size, block_size)
+        # An inactive connector (a model it cannot serve) plans no chunk: its block size
+        # need not divide the chunk size (a Mamba-2 hybrid's is 4096 tokens here).
+        self.bpc = blocks_per_chunk(self.chunk_size, block_size) if can_load or can_save else 0
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
         self._loads: dict[str, LoadSpec] = {}  # planned by allocations, for the next step
