@@ -91,6 +91,7 @@ def test_the_front_serves_the_port_at_a_lower_priority_and_comes_back_when_kille
     wait_until(lambda: request("GET", base + "/healthcheck").status == 200, "HTTP again")
     assert lookup(base, tokens)["instances"][0]["chunks"] == 3  # type: ignore[index]
     assert "the HTTP front" in srv.log() and "starting another" in srv.log()
+    assert "HTTP Request:" not in srv.log()  # no log line per request passed on
 
 
 def test_the_front_goes_with_the_server(server_factory: Callable[..., ServerProcess]) -> None:

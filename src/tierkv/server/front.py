@@ -131,7 +131,8 @@ class FrontApp:
             return body
         # (values without surrounding blanks, which are not part of a value: RFC 9110 5.5)
         headers = [(k, v.strip()) for k, v in request.headers.items() if k not in HOP_BY_HOP]
-        url = httpx.URL(path=request.url.path, query=request.url.query.encode())
+        query = request.url.query
+        url = httpx.URL(path=request.url.path, query=query.encode()) if query else request.url.path
         try:
             reply = await self.core.request(request.method, url, headers=headers, content=body)
         except httpx.HTTPError as exc:
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server = uvicorn.Server(config)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request passed on
 
     def tell_when_ready() -> None:
         while not server.started and not server.should_exit:
