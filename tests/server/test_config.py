@@ -210,6 +210,8 @@ def test_invalid_values_name_the_option(option: str, value: str) -> None:
         ("prefetch_timeout", "0"),
         ("prefetch_timeout", "nan"),
         ("prefetch_max_inflight", "-1"),
+        ("chunk_feed_events", "0"),
+        ("chunk_feed_events", "many"),
         ("write_behind_max_bytes", "lots"),
         ("write_behind_max_bytes", "-5"),
         ("tiers", "disk:path"),

@@ -54,18 +54,10 @@ def build_model(out_dir: str | Path, spec: ModelSpec | None = None) -> Path:
         spec.seed,
         lambda: LlamaForCausalLM(
             LlamaConfig(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads,
                 num_key_value_heads=spec.num_kv_heads,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                bos_token_id=1,
-                eos_token_id=2,
-                tie_word_embeddings=False,
-                torch_dtype=spec.torch_dtype,
+                **_shared(spec),
             )
         ),
     )
@@ -105,9 +97,6 @@ def build_mla_model(out_dir: str | Path, spec: MLAModelSpec | None = None) -> Pa
         spec.seed,
         lambda: DeepseekV2ForCausalLM(
             DeepseekV2Config(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads,
                 num_key_value_heads=spec.num_heads,
@@ -121,12 +110,7 @@ def build_mla_model(out_dir: str | Path, spec: MLAModelSpec | None = None) -> Pa
                 n_shared_experts=1,
                 num_experts_per_tok=2,
                 moe_intermediate_size=64,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                bos_token_id=1,
-                eos_token_id=2,
-                tie_word_embeddings=False,
-                torch_dtype=spec.torch_dtype,
+                **_shared(spec),
             )
         ),
     )
@@ -169,22 +153,14 @@ def build_sliding_model(out_dir: str | Path, spec: SlidingModelSpec | None = Non
         spec.seed,
         lambda: Gemma3ForCausalLM(
             Gemma3TextConfig(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads,
                 num_key_value_heads=spec.num_kv_heads,
                 head_dim=spec.head_dim,
                 sliding_window=spec.sliding_window,
                 layer_types=layer_types,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                bos_token_id=1,
-                eos_token_id=2,
                 pad_token_id=0,
-                tie_word_embeddings=False,
-                torch_dtype=spec.torch_dtype,
+                **_shared(spec),
             )
         ),
     )
@@ -224,9 +200,6 @@ def build_mamba_hybrid_model(out_dir: str | Path, spec: MambaHybridSpec | None =
         spec.seed,
         lambda: NemotronHForCausalLM(
             NemotronHConfig(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
                 hybrid_override_pattern=spec.pattern,
                 num_hidden_layers=len(spec.pattern),
                 num_attention_heads=spec.num_heads,
@@ -236,13 +209,8 @@ def build_mamba_hybrid_model(out_dir: str | Path, spec: MambaHybridSpec | None =
                 mamba_head_dim=spec.mamba_head_dim,
                 ssm_state_size=spec.ssm_state_size,
                 n_groups=spec.n_groups,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                bos_token_id=1,
-                eos_token_id=2,
                 pad_token_id=0,
-                tie_word_embeddings=False,
-                torch_dtype=spec.torch_dtype,
+                **_shared(spec),
             )
         ),
     )
@@ -287,9 +255,6 @@ def build_gdn_hybrid_model(out_dir: str | Path, spec: GDNHybridSpec | None = Non
         spec.seed,
         lambda: Qwen3NextForCausalLM(
             Qwen3NextConfig(
-                vocab_size=spec.vocab_size,
-                hidden_size=spec.hidden_size,
-                intermediate_size=spec.intermediate_size,
                 num_hidden_layers=spec.num_layers,
                 full_attention_interval=spec.full_attention_interval,
                 num_attention_heads=spec.num_heads,
@@ -303,16 +268,26 @@ def build_gdn_hybrid_model(out_dir: str | Path, spec: GDNHybridSpec | None = Non
                 num_experts_per_tok=spec.num_experts_per_tok,
                 moe_intermediate_size=spec.moe_intermediate_size,
                 shared_expert_intermediate_size=spec.moe_intermediate_size,
-                max_position_embeddings=spec.max_position_embeddings,
-                initializer_range=spec.initializer_range,
-                bos_token_id=1,
-                eos_token_id=2,
                 pad_token_id=0,
-                tie_word_embeddings=False,
-                torch_dtype=spec.torch_dtype,
+                **_shared(spec),
             )
         ),
     )
+
+
+def _shared(spec: Any) -> dict[str, Any]:
+    """The configuration every tiny model shares, from its spec's fields of the same names."""
+    return {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.initializer_range,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": spec.torch_dtype,
+    }
 
 
 def _build(out_dir: str | Path, stamp_data: dict[str, Any], seed: int, make: Any) -> Path:

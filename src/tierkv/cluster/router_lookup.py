@@ -56,6 +56,10 @@ class LookupError_(ValueError):
         super().__init__(message)
         self.status = status
 
+    def body(self) -> bytes:
+        """The JSON body of the answer: ``{"error": message}``."""
+        return msgspec.json.encode({"error": str(self)})
+
 
 def parse(body: bytes) -> LookupRequest:
     """A ``POST /lookup`` body, decoded (JSON; token ids checked while decoding)."""

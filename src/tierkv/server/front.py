@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import ctypes
 import ctypes.util
-import json
 import logging
 import os
 import signal
@@ -99,16 +98,16 @@ class FrontApp:
         request = Request(scope, receive)
         if self.router_lookup is not None and scope["path"] == "/lookup":
             if request.method == "POST":
-                response = await self.lookup(request, self.router_lookup)
+                response = await self.lookup(request)
             else:
                 response = error_reply(405, "Method Not Allowed", {"Allow": "POST"})
         else:
             response = await self.pass_on(request)
         await response(scope, receive, send)
 
-    async def lookup(
-        self, request: Request, answer: Callable[[bytes], tuple[int, bytes]]
-    ) -> Response:
+    async def lookup(self, request: Request) -> Response:
+        answer = self.router_lookup
+        assert answer is not None
         body = await authorized_body(request, self.authorize, MAX_LOOKUP_BODY)
         if isinstance(body, Response):
             return body
@@ -153,7 +152,7 @@ class _Lookups:
         try:
             query = router_lookup.query_of(router_lookup.parse(body))
         except router_lookup.LookupError_ as exc:
-            return exc.status, json.dumps({"error": str(exc)}).encode()
+            return exc.status, exc.body()
         client: Client | None = getattr(self._local, "client", None)
         if client is None:
             client = self._local.client = Client(

@@ -44,13 +44,8 @@ class FrontProcess:
         self.sock = sock
         self.settings = settings
         self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0  # fronts started (status, tests)
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
 
     def start(self) -> None:
         """Start the front and wait until it serves; then watch it."""
@@ -84,7 +79,6 @@ class FrontProcess:
                 f"the HTTP front did not start (exit status {proc.returncode}; see the log)"
             )
         self.proc = proc
-        self.starts += 1
 
     def _watch(self) -> None:
         while not self._stop.is_set():

@@ -139,14 +139,15 @@ class CacheService:
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "router lookups need the auth token")
         answer = self._router_lookup
         if answer is None:
-            return p.RouterAnswer(req.rid, 404, _error_body(
-                "POST /lookup is answered by servers in a cluster (or the controller)"
-            ))  # fmt: skip
+            refused = LookupError_(
+                404, "POST /lookup is answered by servers in a cluster (or the controller)"
+            )
+            return p.RouterAnswer(req.rid, refused.status, refused.body())
         try:
             with sharing_the_gil():  # an engine's request waits for the GIL briefly
                 reply = msgspec.json.encode(answer(req.query))
         except LookupError_ as exc:
-            return p.RouterAnswer(req.rid, exc.status, _error_body(str(exc)))
+            return p.RouterAnswer(req.rid, exc.status, exc.body())
         return p.RouterAnswer(req.rid, 200, reply)
 
     # -- dispatch --------------------------------------------------------------------------
@@ -567,10 +568,6 @@ class CacheService:
         if req.client not in self.registry and not self.token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         return self.snapshot(req.rid)
-
-
-def _error_body(message: str) -> bytes:
-    return msgspec.json.encode({"error": message})
 
 
 def _check_notes(notes: list[bytes], chunks: int) -> None:

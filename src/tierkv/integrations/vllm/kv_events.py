@@ -11,10 +11,11 @@ go, whoever stored it:
   keys and the group's fields) and gives the encoded event to the server as the chunk's note
   (:mod:`tierkv.server.chunk_feed`).
 - The scheduler side follows the server's chunk feed for its engine's namespaces
-  (:class:`tierkv.chunk_follower.ChunkFollower`, polled by :class:`PoolEvents` on a thread of
-  its own through the engine's :class:`~tierkv.integrations.link.ServerLink`) and hands vLLM
-  the changes from ``take_events``: ``BlockStored`` with ``medium="CPU"`` for chunks now
-  held, ``BlockRemoved`` (``medium="CPU"``) for chunks no longer held.
+  (:class:`tierkv.chunk_follower.ChunkFollower`) and turns the changes into vLLM's events
+  (:class:`RankedBlocks`): ``BlockStored`` with ``medium="CPU"`` for chunks now held,
+  ``BlockRemoved`` (``medium="CPU"``) for chunks no longer held. (The connector does not
+  publish them yet: its scheduler side is to poll the feed and return them from
+  ``take_events``.)
 - With several ranks that each store their own part of a chunk (tensor parallelism without
   MLA), the blocks are announced once every rank's part is held, and withdrawn as soon as
   one part goes (:class:`RankedBlocks`): a lookup serves only what every rank holds.
@@ -27,7 +28,6 @@ difference between what was announced and what the pool holds, so the stream con
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,10 +39,7 @@ from vllm.v1.core.kv_cache_utils import (
     to_event_extra_keys,
 )
 
-from tierkv import protocol as p
-from tierkv.chunk_follower import Change, ChunkFollower
-from tierkv.client import Client
-from tierkv.integrations.link import ServerLink
+from tierkv.chunk_follower import Change
 
 log = logging.getLogger(__name__)
 
@@ -152,55 +149,3 @@ def _checked(build: Callable[[bytes], KVCacheEvent], note: bytes) -> KVCacheEven
         # announcing nothing is safe, announcing garbage is not.
         log.debug("a chunk note that is not a vLLM BlockStored: %s", exc)
         return None
-
-
-class PoolEvents:
-    """The scheduler side's KV events of the pool: a thread follows the server's chunk feed
-    through ``link`` every :data:`POLL_INTERVAL`; :meth:`take_events` hands over what
-    changed. A server that cannot be reached is simply not read (the link's fallback)."""
-
-    def __init__(self, link: ServerLink, ranks: int, interval: float = POLL_INTERVAL) -> None:
-        self.link = link
-        self.interval = interval
-        self.follower = ChunkFollower(self._read_events, self._read_snapshot)
-        self.blocks = RankedBlocks(ranks)
-        self._client: Client | None = None  # the link's, during a poll
-        self._polling = threading.Lock()  # the thread's polls and poll() calls
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tierkv-kv-events", daemon=True)
-
-    def start(self) -> PoolEvents:
-        self._thread.start()
-        return self
-
-    def _read_events(self, after: int, limit: int) -> p.ChunkEvents:
-        assert self._client is not None
-        return self._client.read_chunk_events(after, limit)
-
-    def _read_snapshot(self) -> tuple[int, int, list[p.ChunkEvent]]:
-        assert self._client is not None
-        return self._client.read_chunk_snapshot()
-
-    def _poll(self, client: Client) -> int:
-        with self._polling:
-            self._client = client
-            try:
-                return self.follower.poll()
-            finally:
-                self._client = None
-
-    def poll(self) -> int:
-        """Read the feed now (the thread does it every interval); the changes queued."""
-        return self.link.call("read the chunk feed", self._poll, 0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.poll()
-
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.blocks.events(self.follower.take())
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
