@@ -13,10 +13,13 @@ import pytest
 
 from tierkv.allocator import Allocator
 from tierkv.cluster.directory import Where
-from tierkv.cluster.node import ClusterNode, ClusterSettings
+from tierkv.cluster.node import KNOWN_NAMESPACE_GRACE, ClusterNode, ClusterSettings
+from tierkv.cluster.router_lookup import LookupError_
 from tierkv.config import ConfigError, ServerConfig, from_mapping
+from tierkv.controller.messages import NamespaceInfo
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
+from tierkv.protocol import RouterQuery
 from tierkv.tiers.disk import DiskTier
 
 CHUNK = 64 * 1024
@@ -165,3 +168,32 @@ def test_settings_from_config(pool: ShmPool) -> None:
 def test_cluster_options_are_validated(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         from_mapping(bad)
+
+
+def test_a_gone_engines_namespace_is_remembered_for_a_grace_then_forgotten(
+    pool: ShmPool,
+) -> None:
+    """A server that holds none of a namespace's chunks still answers a router's lookup by
+    model for KNOWN_NAMESPACE_GRACE after the namespace's last engine left, whatever
+    re-publishing happens meanwhile; after that, the next re-publish forgets it."""
+    clock = [1000.0]
+    node = make_node(pool)
+    node.clock = lambda: clock[0]
+    try:
+        ns = NamespaceInfo(os.urandom(16), "m", 256)
+        engines = [ns]
+        node.serve_namespaces(lambda: list(engines))
+        query = RouterQuery("m", b"", bytes(4 * 256), None, 0)
+        assert node.router_lookup(query) == {"chunks": 1, "instances": []}
+        clock[0] += 10 * KNOWN_NAMESPACE_GRACE  # registered long ago ...
+        engines.clear()
+        node.namespaces_changed()  # ... and gone now
+        clock[0] += KNOWN_NAMESPACE_GRACE - 1
+        node._held()  # a membership change re-publishes what this node holds: nothing
+        assert node.router_lookup(query) == {"chunks": 1, "instances": []}
+        clock[0] += 1
+        node._held()
+        with pytest.raises(LookupError_, match="no engine of model 'm'"):
+            node.router_lookup(query)
+    finally:
+        node.close()

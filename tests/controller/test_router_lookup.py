@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from support.clusterkit import TOKEN, Node, converged, start_node, wait_for
+from support.clusterkit import status as node_status
 from support.controllers import ControllerProcess, running_controller, start_server
 from support.httputil import declare_huge_body, free_port, request
 from support.kvops import fetch, held_locally, store, tokens_for
@@ -37,6 +38,10 @@ def truth(nodes: list[Node], keys: list[bytes]) -> dict[str, int]:
         if run:
             out[node.node_id] = run
     return out
+
+
+def rebalances(node: Node) -> int:
+    return int(node_status(node)["directory"]["rebalances"])
 
 
 def runs(answer: dict[str, Any]) -> dict[str, int]:
@@ -125,7 +130,12 @@ def test_every_ring_server_answers_the_same_lookup(server_factory: Factory) -> N
         b.node_id: 512,
     }
     # Every engine has left (A's stored, B's fetched, C's only looked up): each server
-    # remembers the model's namespaces while chunks of them are held, and answers by model.
+    # remembers the model's namespaces while chunks of them are held or for a while after
+    # its last engine left, and answers by model, after a membership change too (D joins:
+    # every node re-publishes what it holds, and forgets what it neither holds nor had lately).
+    before = rebalances(c)
+    d = start_node(server_factory, [a.port], seed_self=True)
+    wait_for(lambda: converged([*nodes, d]) and rebalances(c) > before)
     by_model = {"model": "test-model", "tokens": tokens}
     for url in urls:
         status, answer = lookup(url, by_model)

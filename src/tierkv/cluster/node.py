@@ -41,6 +41,11 @@ from tierkv.tiers.base import LoadStatus, Tier, checksum
 
 log = logging.getLogger(__name__)
 
+# How long a server remembers a namespace after its last engine left when it holds none of
+# its chunks (seconds): a router's lookup by model on it keeps answering across short engine
+# restarts and the membership changes that prune what is not held.
+KNOWN_NAMESPACE_GRACE = 300.0
+
 
 @dataclass(frozen=True)
 class ClusterSettings:
@@ -137,9 +142,13 @@ class ClusterNode:
         self._on_disk: set[bytes] = set()
         self._engines: Callable[[], list[cm.NamespaceInfo]] = list
         # The namespaces of this server's engines, those that left included, kept while this
-        # node holds chunks of them (pruned when :meth:`_held` lists what it holds), oldest
-        # first: a router's lookup by model still finds the chunks of an engine gone.
+        # node holds chunks of them or for KNOWN_NAMESPACE_GRACE after their last engine left
+        # (pruned when :meth:`_held` lists what it holds), oldest first: a router's lookup by
+        # model still finds the chunks of an engine gone. ``_left_at``: when the last engine
+        # of each known namespace not named now left (monotonic).
         self._known_namespaces: dict[bytes, cm.NamespaceInfo] = {}
+        self._left_at: dict[bytes, float] = {}
+        self.clock: Callable[[], float] = time.monotonic
         self.promoted = 0
         self.stale_withdrawn = 0
         self._started = False
@@ -281,13 +290,21 @@ class ClusterNode:
 
     def namespaces_changed(self) -> None:
         current = self._engines()
+        named = {ns.digest for ns in current}
+        now = self.clock()
         with self._lock:
-            known = self._known_namespaces
+            known, left_at = self._known_namespaces, self._left_at
+            for digest in known:
+                if digest not in named:
+                    left_at.setdefault(digest, now)
             for ns in current:
                 known.pop(ns.digest, None)
                 known[ns.digest] = ns
+                left_at.pop(ns.digest, None)
             while len(known) > cm.MAX_NAMESPACES:
-                del known[next(iter(known))]
+                oldest = next(iter(known))
+                del known[oldest]
+                left_at.pop(oldest, None)
         self.directory.namespaces_changed()
 
     def router_lookup(
@@ -409,11 +426,16 @@ class ClusterNode:
         stale = [k for k, has in zip(pool_keys, present, strict=True) if not has]
         named = {ns.digest for ns in self._engines()}
         held = named | {k[:DIGEST_SIZE] for k, _ in out}
+        forget_before = self.clock() - KNOWN_NAMESPACE_GRACE
         with self._lock:
             for k in stale:  # deleted or cleared without an eviction: forget them
                 self._published.pop(k, None)
+            left_at = self._left_at
             for digest in [d for d in self._known_namespaces if d not in held]:
-                del self._known_namespaces[digest]  # an engine gone, none of its chunks here
+                if left_at.get(digest, forget_before) <= forget_before:
+                    # its engines gone a while, none of its chunks here
+                    del self._known_namespaces[digest]
+                    left_at.pop(digest, None)
         return out
 
     def _claimed(self) -> list[tuple[bytes, Where]]:
