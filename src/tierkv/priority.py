@@ -85,6 +85,7 @@ import threading
 from collections.abc import Iterator
 
 DATA_NICE = 10  # added to the process's nice for data threads (Linux caps nice at 19)
+BACKGROUND_NICE = 10  # added for a background process (a server's HTTP front)
 DATA_SLICE_NS = 3_000_000  # a data thread's time slice (Linux's default: 0.7 ms x 1+log2 cores)
 DATA_SWITCH_INTERVAL = 0.001  # seconds a thread waits for the GIL while data moves
 HTTP_SWITCH_INTERVAL = 0.0002  # seconds, while Python work for HTTP clients runs
@@ -117,16 +118,20 @@ def data_thread() -> None:
         pass  # not Linux, or not allowed: the thread keeps the process's priority
 
 
-def yielding_thread() -> None:
-    """Give the calling thread the data threads' long time slice, :data:`DATA_SLICE_NS`, at
-    its nice value: any thread of the default slice that wakes (an engine's, a server's RPC
-    loop) takes its core at once, and it keeps its fair share of the CPU otherwise. For a
-    process that serves others with less urgency (a server's HTTP front,
-    :mod:`tierkv.server.front`: its threads inherit it when called before they start), where
-    a higher nice value would starve it on a busy node."""
+def background_process() -> None:
+    """For a process that serves others with less urgency than the engines (a server's HTTP
+    front, :mod:`tierkv.server.front`), called by its first thread before any other starts
+    (they inherit it): nice raised by :data:`BACKGROUND_NICE` and the data threads' long time
+    slice, :data:`DATA_SLICE_NS`. Any thread of the default slice that wakes (an engine's, a
+    server's RPC loop) then takes its core at once, and while the node is busy it gets a
+    smaller share of the CPU; while a core is free it gets all of it. It shares no GIL with
+    anyone, so its lower priority cannot hold up another thread (unlike a lowered thread in
+    a server process: see the module's docstring)."""
     tid = threading.get_native_id()
     with contextlib.suppress(OSError, AttributeError):
-        _set_nice_and_slice(tid, os.getpriority(os.PRIO_PROCESS, tid), DATA_SLICE_NS)
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+        if not _set_nice_and_slice(tid, nice, DATA_SLICE_NS):
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def _control_slice_ns() -> int:

@@ -1,5 +1,5 @@
 """The HTTP front process of a server (tierkv.server.front): it owns the HTTP port, yields
-the CPU to the server and engines (a long time slice), answers routers' lookups over RPC,
+the CPU to the server and engines (nice +10, a long time slice), answers routers' lookups over RPC,
 is started again when it dies, and goes with the server; the RPC request it uses refuses
 bad input."""
 
@@ -20,7 +20,7 @@ from support.httputil import free_port, get_json, request
 from support.servers import CHUNK_SIZE, ServerProcess, chunk_data, register
 from tierkv import protocol as p
 from tierkv.client import Client, UnauthorizedError
-from tierkv.priority import DATA_SLICE_NS
+from tierkv.priority import BACKGROUND_NICE, DATA_SLICE_NS
 
 pytestmark = pytest.mark.processes
 
@@ -77,6 +77,8 @@ def test_the_front_serves_the_port_at_a_lower_priority_and_comes_back_when_kille
     (front,) = fronts_of(srv.proc.pid)
     if slice_of(front) is not None:  # it yields its core to the server and the engines
         assert slice_of(front) == DATA_SLICE_NS > slice_of(srv.proc.pid)  # type: ignore[operator]
+    server_nice = os.getpriority(os.PRIO_PROCESS, srv.proc.pid)
+    assert os.getpriority(os.PRIO_PROCESS, front) == min(19, server_nice + BACKGROUND_NICE)
     tokens = list(range(5, 5 + 3 * CHUNK_SIZE))
     with srv.client(auth_token=TOKEN) as c:
         register(c)
