@@ -52,7 +52,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
-	$(PY) -m pytest -m "not sglang" tests
+	$(PY) -m pytest --durations=40 -m "not sglang" tests
 	$(SGLANG_PY) -m pytest -m sglang tests/integrations/sglang
 
 ## The edit-test loop: lint, types, and every test that starts no process and needs no
