@@ -33,9 +33,9 @@ import time
 
 import numpy as np
 
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.controller import messages as cm
 from tierkv.controller.app import Controller
 from tierkv.controller.config import ControllerConfig
 from tierkv.controller.index import ControllerIndex

@@ -40,9 +40,9 @@ import numpy as np
 
 from peers import free_port_pair
 from tierkv.client import Client, wait_for_server
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.controller import messages as cm
 
 TOKEN = "silent-peer-bench"
 PEER_TIMEOUT = 2.0

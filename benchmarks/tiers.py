@@ -57,9 +57,10 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.checksums import checksum
 from tierkv.copier import Copier, default_threads
 from tierkv.pool import ShmPool
-from tierkv.tiers.base import LoadStatus, checksum
+from tierkv.tiers.base import LoadStatus
 from tierkv.tiers.disk import DiskTier
 
 MIB = 1 << 20

@@ -17,10 +17,10 @@ from tierkv.config import ConfigError, add_arguments, load
 
 
 def _server(args: argparse.Namespace) -> int:
+    from tierkv.endpoints import EndpointInUseError
     from tierkv.pool import PoolError
     from tierkv.server.app import run
     from tierkv.server.quotas import QuotaError
-    from tierkv.server.rpc import EndpointInUseError
     from tierkv.tiers import TierError
 
     try:
@@ -34,7 +34,7 @@ def _controller(args: argparse.Namespace) -> int:
     from tierkv.config import load_as
     from tierkv.controller.app import run
     from tierkv.controller.config import ControllerConfig
-    from tierkv.server.rpc import EndpointInUseError
+    from tierkv.endpoints import EndpointInUseError
 
     try:
         return run(load_as(ControllerConfig, args))

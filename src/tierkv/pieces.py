@@ -13,7 +13,7 @@ per chunk, and the kernel gets a chance to switch after each piece; a data threa
 gives way after each (:func:`tierkv.priority.give_way`), so that a woken control thread gets
 the core then rather than at the end of the data thread's time slice.
 
-The checksum (:func:`tierkv.tiers.base.checksum`, XXH3-128) is computed piece by piece, right
+The checksum (:func:`tierkv.checksums.checksum`, XXH3-128) is computed piece by piece, right
 after each piece was written or has landed, while it is still in the CPU's cache, instead of
 in a second pass over the whole chunk.
 """
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import xxhash
 
+from tierkv.checksums import checksummer
 from tierkv.framing import drop_sent
 from tierkv.priority import give_way
-from tierkv.tiers.base import checksummer
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 HASH_STEP = 256 * 1024  # received bytes hashed at once

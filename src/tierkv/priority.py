@@ -70,7 +70,7 @@ Python work done for HTTP clients in the server's process (a router's ``POST /lo
 engine's LOOKUP takes the GIL several times on its way (the RPC loop's receive, a worker,
 the loop's send), each a wait of up to one interval behind router work that never stops
 while 50 routers keep sending (``benchmarks/router_load.py``; the figures in
-:mod:`tierkv.server.lookup_http`).
+:mod:`tierkv.web.lookup`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def sharing_the_gil() -> Iterator[None]:
     threads than the RPC loop: while any runs, a thread waiting for the GIL forces a switch
     after :data:`HTTP_SWITCH_INTERVAL`, so an engine's request, which takes the GIL several
     times on its way through the RPC loop and its workers, waits at most that long each
-    time (see :mod:`tierkv.server.lookup_http`)."""
+    time (see :mod:`tierkv.web.lookup`)."""
     with _short_switches(HTTP_SWITCH_INTERVAL):
         yield
 

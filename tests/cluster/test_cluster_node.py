@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tierkv.allocator import Allocator
+from tierkv.cluster.controller_messages import NamespaceInfo
 from tierkv.cluster.directory import Where
 from tierkv.cluster.node import KNOWN_NAMESPACE_GRACE, ClusterNode, ClusterSettings
 from tierkv.cluster.router_lookup import LookupError_
 from tierkv.config import ConfigError, ServerConfig, from_mapping
-from tierkv.controller.messages import NamespaceInfo
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.protocol import RouterQuery

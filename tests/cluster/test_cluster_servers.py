@@ -30,10 +30,11 @@ from support.clusterkit import (
 )
 from support.kvops import fetch, store, tokens_for
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
+from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import ControlSigner
 from tierkv.cluster.transport import Served, TcpTransport
-from tierkv.tiers.base import LoadStatus, checksum
+from tierkv.tiers.base import LoadStatus
 
 Factory = Callable[..., ServerProcess]
 

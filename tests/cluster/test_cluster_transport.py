@@ -9,9 +9,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
+from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
 from tierkv.cluster.transport import Served, TcpTransport
-from tierkv.tiers.base import LoadStatus, checksum
+from tierkv.tiers.base import LoadStatus
 
 TOKEN = "data-plane-secret"
 

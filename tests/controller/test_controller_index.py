@@ -10,9 +10,10 @@ import threading
 import numpy as np
 import pytest
 
+from tierkv.cluster.router_lookup import prefix_runs
 from tierkv.controller import index as index_module
 from tierkv.controller.holders import SLOTS, HolderFilter, merge_parts, pack_sorted
-from tierkv.controller.index import REBASE_MIN, ControllerIndex, prefix_runs
+from tierkv.controller.index import REBASE_MIN, ControllerIndex
 from tierkv.controller.keytable import NO_TIER, KeyTable, fingerprints
 
 NS_A = b"A" * 16
@@ -91,7 +92,7 @@ def test_index_lookup_returns_every_holder_with_its_tier() -> None:
     assert set(found) == {"a", "b"}
     assert found["a"].tolist() == [0, 0, 0, 0, 0, -1, -1, -1]
     assert found["b"].tolist() == [1, 1, 1, -1, 0, 0, -1, -1]
-    assert prefix_runs(found) == {"a": (5, [5, 0, 0, 0]), "b": (3, [0, 3, 0, 0])}
+    assert prefix_runs(found) == {"a": (5, [5, 0]), "b": (3, [0, 3])}
     # another namespace's key with the same chunk hash is nobody's
     assert idx.lookup([NS_B + keys[0][16:]]) == {}
 

@@ -22,8 +22,8 @@ from support.clusterkit import wait_for
 from support.controllers import ControllerProcess, ctl_call, start_server
 from support.kvops import store, tokens_for
 from support.servers import ServerProcess
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
-from tierkv.controller import messages as cm
 from tierkv.controller.service import ControllerService
 from tierkv.keys import KEY_SIZE
 

@@ -12,8 +12,8 @@ from support.clusterkit import wait_for
 from support.controllers import ControllerProcess, ctl_call, start_server
 from support.kvops import fetch, store, tokens_for
 from support.servers import ServerProcess, register
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
-from tierkv.controller import messages as cm
 
 pytestmark = pytest.mark.processes
 Factory = Callable[..., ServerProcess]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tierkv import pieces
-from tierkv.tiers.base import checksum
+from tierkv.checksums import checksum
 
 SIZES = [1, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
 

@@ -19,9 +19,9 @@ import pytest
 from support.httputil import free_port, wait_for
 from tierkv import protocol as p
 from tierkv.client import Client
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import router_lookup
 from tierkv.config import from_mapping
-from tierkv.controller import messages as cm
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.wiring import Server
 

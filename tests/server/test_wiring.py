@@ -16,8 +16,8 @@ import pytest
 from support.clusterkit import free_ports
 from tierkv import keys
 from tierkv.config import ServerConfig, from_mapping
+from tierkv.endpoints import EndpointInUseError
 from tierkv.pool import segment_exists
-from tierkv.server.rpc import EndpointInUseError
 from tierkv.server.wiring import Server
 
 # Threads of the parts that start before HTTP: none may outlive a failed start.

@@ -16,9 +16,9 @@ from typing import Any
 
 from support.clusterkit import FAST, TOKEN, Node, free_ports, wait_for
 from support.servers import ServerProcess
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.controller import messages as cm
 
 
 def ctl_call(addr: str, msg: object, token: str = TOKEN, timeout: float = 2.0) -> Any:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tierkv.tiers.base import checksum
+from tierkv.checksums import checksum
 from tierkv.tiers.resp import SCRATCH, Filled, ProtocolError, Replies, ReplyError
 
 

@@ -20,9 +20,10 @@ from redis.exceptions import ResponseError
 
 from support import services
 from support.services import RedisServer, Slots, load_into, new_key, store_random
+from tierkv.checksums import checksum
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
-from tierkv.tiers.base import HEADER_SIZE, checksum, pack_header
+from tierkv.tiers.base import HEADER_SIZE, pack_header
 from tierkv.tiers.redis import RedisTier, _Concat, _GatherPacker
 
 # Fixtures of the real services (tests/conftest.py belongs to the server tests).

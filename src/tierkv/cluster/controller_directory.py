@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
-from tierkv.controller import messages as cm
 from tierkv.keys import KEY_SIZE
 from tierkv.logs import FailureLog
 

@@ -26,6 +26,9 @@ class Where(enum.IntEnum):
     DISK = 1
 
 
+NO_TIER = -1  # a key's tier code where its holder does not hold it (beside Where's codes)
+
+
 class MemberInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
     """How to reach one server of the cluster. ``incarnation`` changes on every start, so a
     restarted node (same id) is told apart from its previous life."""

@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv import protocol as p
+from tierkv.checksums import checksum
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster import router_lookup
 from tierkv.cluster.control import ControlClient, ControlServer
@@ -33,11 +35,10 @@ from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
 from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.config import ServerConfig
-from tierkv.controller import messages as cm
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
 from tierkv.keys import DIGEST_SIZE
 from tierkv.pool import ShmPool
-from tierkv.tiers.base import LoadStatus, Tier, checksum
+from tierkv.tiers.base import LoadStatus, Tier
 
 log = logging.getLogger(__name__)
 

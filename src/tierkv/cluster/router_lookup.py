@@ -24,17 +24,18 @@ from typing import Annotated, Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from tierkv import keys
 from tierkv import protocol as p
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.directory import Location, Where
-from tierkv.controller import messages as cm
-from tierkv.controller.index import prefix_runs
-from tierkv.controller.keytable import I8, NO_TIER
+from tierkv.cluster.messages import NO_TIER
 
 MAX_CHUNKS = 65536  # per request
 MAX_BODY = 4 * 2**20
 
+I8 = npt.NDArray[np.int8]
 Holders = Callable[[list[bytes]], dict[str, I8]]  # keys -> instance -> tier of each key
 
 
@@ -228,4 +229,17 @@ def from_locations(locations: list[list[Location]]) -> dict[str, I8]:
             if tiers is None:
                 tiers = out[loc.holder] = np.full(len(locations), NO_TIER, dtype=np.int8)
             tiers[pos] = int(loc.where)
+    return out
+
+
+def prefix_runs(found: dict[str, I8]) -> dict[str, tuple[int, list[int]]]:
+    """Per instance: how many leading keys it holds (their tier codes, :class:`Where`, or
+    ``NO_TIER``), and how many of those in each tier."""
+    out: dict[str, tuple[int, list[int]]] = {}
+    for instance, tiers in found.items():
+        missing = np.flatnonzero(tiers < 0)
+        run = int(missing[0]) if missing.size else int(tiers.size)
+        if run:
+            counts = np.bincount(tiers[:run].astype(np.int64), minlength=len(Where))
+            out[instance] = (run, [int(x) for x in counts])
     return out

@@ -9,15 +9,15 @@ import signal
 import threading
 from types import FrameType
 
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.control import ControlServer
-from tierkv.controller import messages as cm
 from tierkv.controller.config import ControllerConfig
 from tierkv.controller.http import create_app
 from tierkv.controller.service import ControllerService
 from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
-from tierkv.server.http import HttpServer
 from tierkv.thread_names import name_os_threads
+from tierkv.web.serving import HttpServer
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from prometheus_client.registry import Collector
 
 from tierkv.controller.service import ControllerService
 from tierkv.gc_pauses import GcPauseCollector
-from tierkv.server.http import add_health_routes, dashboard_html, page_response
-from tierkv.server.http_requests import authorized_body, error_reply, make_authorizer
-from tierkv.server.lookup_http import add_lookup_route
+from tierkv.web.lookup import add_lookup_route
+from tierkv.web.pages import add_health_routes, dashboard_html, page_response
+from tierkv.web.requests import authorized_body, error_reply, make_authorizer
 
 MAX_REMOVE_BODY = 4096
 

@@ -11,7 +11,8 @@ its slot. A background thread merges the runs and the new reports' entries into 
 array and drops retired slots' entries. A lookup searches the filter once for the whole
 batch, asks only the candidates' tables (and those of reports not merged yet), and returns,
 per instance that holds any key, the tier of each key (so every holder of every key);
-:func:`prefix_runs` turns that into the longest leading run each instance can serve.
+:func:`tierkv.cluster.router_lookup.prefix_runs` turns that into the longest leading run
+each instance can serve.
 
 Thread-safe: one lock, held for the numpy calls only (nothing here does I/O); a merge sorts
 outside it.
@@ -26,8 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.cluster.messages import NO_TIER
 from tierkv.controller.holders import HolderFilter, from_table, merge_parts, pack_sorted
-from tierkv.controller.keytable import I8, NO_TIER, TIERS, KeyTable, fingerprints, key_array
+from tierkv.controller.keytable import I8, TIERS, KeyTable, fingerprints, key_array
 
 log = logging.getLogger(__name__)
 
@@ -308,15 +310,3 @@ class ControllerIndex:
         """The tables' and the filter's bytes."""
         with self._lock:
             return sum(h.table.nbytes for h in self._holders.values()) + self.filter.nbytes
-
-
-def prefix_runs(found: dict[str, I8]) -> dict[str, tuple[int, list[int]]]:
-    """Per instance: how many leading keys it holds, and how many of those in each tier."""
-    out: dict[str, tuple[int, list[int]]] = {}
-    for instance, tiers in found.items():
-        missing = np.flatnonzero(tiers < 0)
-        run = int(missing[0]) if missing.size else int(tiers.size)
-        if run:
-            counts = np.bincount(tiers[:run].astype(np.int64), minlength=TIERS)
-            out[instance] = (run, [int(x) for x in counts])
-    return out

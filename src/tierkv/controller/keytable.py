@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.cluster.messages import NO_TIER
 from tierkv.keys import KEY_SIZE
 
 U64 = npt.NDArray[np.uint64]
@@ -34,7 +35,6 @@ MIN_CAPACITY = 1024
 MAX_LOAD = 0.5  # live + deleted slots over capacity before a rehash
 TIER_BITS = 2
 TIERS = 1 << TIER_BITS
-NO_TIER = -1
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
 _M2 = np.uint64(0xBF58476D1CE4E5B9)

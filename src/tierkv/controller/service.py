@@ -38,9 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster import router_lookup
-from tierkv.controller import messages as cm
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
 from tierkv.keys import KEY_SIZE

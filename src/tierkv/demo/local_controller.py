@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any
 
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.controller import messages as cm
 from tierkv.demo.local_process import LocalProcess, LocalServerError
 
 

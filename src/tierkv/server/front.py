@@ -52,14 +52,14 @@ from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
 from tierkv.logs import setup_logging
 from tierkv.priority import background_process
 from tierkv.server.front_process import READY, TOKEN_ENV
-from tierkv.server.http_requests import (
+from tierkv.thread_names import name_os_threads
+from tierkv.web.requests import (
     Authorizer,
     authorized_body,
     error_reply,
     make_authorizer,
     read_body,
 )
-from tierkv.thread_names import name_os_threads
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ from starlette.concurrency import run_in_threadpool
 
 from tierkv.priority import sharing_the_gil
 from tierkv.server.engine_first import no_gate
-from tierkv.server.http_requests import Authorizer, authorized_body, error_reply
 from tierkv.server.quotas import (
     GIB,
     UNLIMITED,
@@ -45,6 +44,7 @@ from tierkv.server.quotas import (
     tenant_limits,
     tier_changes,
 )
+from tierkv.web.requests import Authorizer, authorized_body, error_reply
 
 
 def _json_body(body: bytes) -> Any:

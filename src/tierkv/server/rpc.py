@@ -31,6 +31,7 @@ import msgspec
 
 from tierkv import framing
 from tierkv import protocol as p
+from tierkv.endpoints import EndpointInUseError
 from tierkv.priority import control_thread
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.service import CacheService
@@ -41,10 +42,6 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 MAX_BATCH = 256  # messages handled per connection per turn, so no connection starves others
 MAX_UNSENT = 64 * 2**20  # replies waiting for a client that does not read them
-
-
-class EndpointInUseError(RuntimeError):
-    """Another live server already serves this endpoint."""
 
 
 def _lenient_rid(payload: bytes | memoryview) -> int:

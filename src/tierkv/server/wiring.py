@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 
 from tierkv import __version__, keys
 from tierkv.allocator import Allocator
+from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
-from tierkv.controller import messages as cm
 from tierkv.eviction import EvictionController
 from tierkv.gc_pauses import GcPauseCollector
 from tierkv.index import ObjectIndex
@@ -36,9 +36,9 @@ from tierkv.pool import ShmPool, format_bytes
 from tierkv.server.chunk_feed import ChunkFeed
 from tierkv.server.collector import StatsCollector
 from tierkv.server.engine_first import EngineFirst
-from tierkv.server.front_process import FrontSettings
+from tierkv.server.front_process import FrontProcess, FrontSettings
 from tierkv.server.health import Health
-from tierkv.server.http import HttpServer, create_app
+from tierkv.server.http import create_app
 from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.quotas import TIERS as QUOTA_TIERS
 from tierkv.server.quotas import Quotas
@@ -50,6 +50,7 @@ from tierkv.server.status import StatusBuilder, status_document
 from tierkv.server.tiering import LookupAccounting, NamespacedTier, Tiering, TierQuota
 from tierkv.tenants import TenantIds
 from tierkv.tiers.base import Tier, create_tier
+from tierkv.web.serving import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class Server:
                 log_level=cfg.log_level,
                 log_format=cfg.log_format,
             )
-            http = HttpServer(cfg, app, front)
+            http = HttpServer(cfg, app, front.core_socket, lambda sock: FrontProcess(sock, front))
             self._started_part("http", http.stop)
             http.start()
             self.http = http

@@ -23,8 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
+from tierkv.checksums import checksum
 from tierkv.keys import KEY_SIZE
 from tierkv.options import OptionError, as_kwargs, convert, signature_struct
 from tierkv.tiers.outage import Outage
@@ -65,21 +64,6 @@ HEADER = struct.Struct("<4sHHQ32s16s")  # magic, version, flags, length, key, ch
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 64
 FORMAT_VERSION = 2  # 1: blake3 checksums (records of version 1 read as corrupt)
-
-
-def checksum(data: memoryview | bytes) -> bytes:
-    """16-byte XXH3-128 checksum of a chunk payload.
-
-    It guards against torn, truncated and corrupted copies, not against an adversary (who
-    could rewrite an unkeyed hash of any kind): ~25 GB/s on one core, releasing the GIL, so
-    verifying costs a fraction of the copy it checks (blake3 ran at ~7 GB/s here)."""
-    digest: bytes = checksummer(data).digest()
-    return digest
-
-
-def checksummer(data: memoryview | bytes = b"") -> xxhash.xxh3_128:
-    """:func:`checksum` as a running hash, for a payload hashed piece by piece."""
-    return xxhash.xxh3_128(data)
 
 
 def byte_view(view: memoryview | bytes | bytearray) -> memoryview:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+from tierkv.checksums import checksummer
 from tierkv.pieces import recv_exact, recv_hashed
-from tierkv.tiers.base import checksummer
 
 SCRATCH = 4096  # bytes read at a time for reply lines; a value's payload bypasses it
 MAX_LINE = 1024  # a reply line longer than this is not a reply to our commands

@@ -1,5 +1,5 @@
 """``POST /lookup`` for KV-aware routers on the controller's HTTP: the body is read
-(bounded), authorized like every POST (:func:`tierkv.server.http_requests.make_authorizer`)
+(bounded), authorized like every POST (:func:`tierkv.web.requests.make_authorizer`)
 and answered by :mod:`tierkv.cluster.router_lookup` on a worker thread. Bad bodies get a 400
 (unknown model or namespace: 404) with the reason. At most :data:`AT_ONCE` lookups are
 answered at a time (the others wait their turn in the event loop, costing nothing), with a
@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from tierkv.cluster.router_lookup import MAX_BODY, LookupError_
 from tierkv.priority import sharing_the_gil
-from tierkv.server.http_requests import Authorizer, authorized_body, error_reply
+from tierkv.web.requests import Authorizer, authorized_body, error_reply
 
 AT_ONCE = 2  # lookups answered at a time (two: one may wait on a directory round trip)
 
