@@ -19,16 +19,12 @@ import msgspec
 import yaml
 
 from tierkv.options import OptionError, Size, convert, parse_size
+from tierkv.runtime_dir import default_runtime_dir
 from tierkv.tiers.base import TierError, tier_options
 
 
 class ConfigError(OptionError):
     """A configuration value is invalid; the message names the option."""
-
-
-def default_runtime_dir(instance: str) -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/tierkv-{os.getuid()}"
-    return os.path.join(base, "tierkv", instance)
 
 
 class TierSpec(msgspec.Struct, forbid_unknown_fields=True):

@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {
         "", "_keychain", "_streamcopy", "allocator", "checksums", "dtypes", "endpoints",
         "framing", "gc_pauses", "liveness", "logs", "options", "pool", "priority",
-        "protocol", "thread_names", "workers",
+        "protocol", "runtime_dir", "thread_names", "workers",
     },
     {"arraycopy", "chunk_follower", "copier", "keys", "pieces"},  # keys, copies, pieces
     {"tenants", "tiers"},  # the storage tiers
@@ -123,3 +123,20 @@ def test_the_check_sees_function_level_and_relative_imports(tmp_path: Path) -> N
     known = {"tierkv.cli", "tierkv.client", "tierkv.server.thing"}
     found = set(imports_of("tierkv.server.thing", mod, known))
     assert found == {"tierkv.cli", "tierkv.client"}
+
+
+def test_importing_the_client_loads_no_server_configuration() -> None:
+    """An engine imports the client alone: nothing it imports, transitively, is the
+    server's configuration (or the server, the cluster, the tiers)."""
+    mods = modules()
+    known = set(mods)
+    seen: set[str] = set()
+    todo = [m for m in mods if m == "tierkv.client" or m.startswith("tierkv.client.")]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in mods:
+            continue
+        seen.add(name)
+        todo += imports_of(name, mods[name], known)
+    loaded = {part(m) for m in seen}
+    assert not loaded & {"config", "server", "cluster", "tiers", "controller"}, sorted(loaded)

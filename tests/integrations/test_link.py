@@ -60,9 +60,9 @@ def test_the_links_client_spins_for_replies_as_configured(
         try:
             assert link.call("ping", lambda c: c.ping() or 1, 0) == 1
             client = link.client()
-            assert client is not None and client._conn is not None
+            assert client is not None and client._channel.conn is not None
             assert client.reply_spin == pytest.approx(spin)
-            assert client._conn.spin == pytest.approx(spin)
+            assert client._channel.conn.spin == pytest.approx(spin)
         finally:
             link.close()
     for bad in (-1, "soon"):

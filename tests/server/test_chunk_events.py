@@ -175,13 +175,13 @@ def test_bad_feed_requests_get_clear_errors_and_change_nothing(server: ServerPro
                 a.store(tokens, data, notes=notes)
         # The same, past the client's own check: the server answers BAD_REQUEST.
         with pytest.raises(ServerError, match="1 notes for 2 chunks"):
-            a._call(p.PrepareStore(a._rid(), a._token(), a._selector(tokens, None, False, ""), 0,
+            a._channel.call(p.PrepareStore(a._channel.rid(), a._token(), a._selector(tokens, None, False, ""), 0,
                                    [b"one"]))  # fmt: skip
         for after, limit in ((-1, 10), (0, 0)):
             with pytest.raises(ServerError, match="after must be >= 0 and limit >= 1"):
                 a.read_chunk_events(after, limit)
         with pytest.raises(ServerError, match="no snapshot page 3"):
-            a._call(p.ReadChunkSnapshot(a._rid(), a._token(), 3))
+            a._channel.call(p.ReadChunkSnapshot(a._channel.rid(), a._token(), 3))
         s = a.stats()
         assert s.objects == 2 and s.used == 2 * CHUNK_BYTES and s.write_leases == 0
         assert Follower(a).notes() == {note(toks(1, 2), i) for i in range(2)}
@@ -191,7 +191,7 @@ def test_bad_feed_requests_get_clear_errors_and_change_nothing(server: ServerPro
 def read_first_page_and_hang(endpoint: str, ready: Any) -> None:
     client = Client(endpoint)
     register(client)
-    reply = client._call(p.ReadChunkSnapshot(client._rid(), client._token(), 0))
+    reply = client._channel.call(p.ReadChunkSnapshot(client._channel.rid(), client._token(), 0))
     assert reply.next_page == 1
     ready.set()
     time.sleep(3600)

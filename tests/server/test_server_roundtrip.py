@@ -198,17 +198,17 @@ def test_a_retrieve_that_does_not_wait_for_its_release(
         assert client.retrieve(request_id="r", out=out, wait_release=False).complete
         for i in range(2):
             np.testing.assert_array_equal(out[i], data[i])
-        conn = client._conn
+        conn = client._channel.conn
         time.sleep(0.2)  # the release's answer is waiting on the connection
         stats = client.stats()
         assert stats.read_locked == 0 and stats.read_leases == 0 and stats.sessions == 0
-        assert client._conn is conn and not client._unanswered
+        assert client._channel.conn is conn and not client._channel.unanswered
 
-        bogus = p.FinishRetrieve(client._rid(), client._token(), 999_999)
+        bogus = p.FinishRetrieve(client._channel.rid(), client._token(), 999_999)
         with caplog.at_level(logging.WARNING, logger="tierkv.client"):
-            client._call(bogus, answered=False)
+            client._channel.call(bogus, answered=False)
             assert client.lookup(tokens).hits == 2  # served on the same connection
-        assert client._conn is conn
+        assert client._channel.conn is conn
         assert "a finish_retrieve this client did not wait for failed" in caplog.text
 
 
@@ -229,10 +229,10 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         prepared = client.prepare_store(tokens)
         result = client.finish_store(prepared, data, confirm=False)
         assert result.stored == [0, 1, 2] and not result.confirmed
-        assert len(client._unanswered) == 1  # nobody read the answer yet
-        conn = client._conn
+        assert len(client._channel.unanswered) == 1  # nobody read the answer yet
+        conn = client._channel.conn
         assert client.settle() == 0
-        assert not client._unanswered and client._conn is conn
+        assert not client._channel.unanswered and client._channel.conn is conn
         assert other.lookup(tokens).hits == 3  # at once: settled means committed
         assert client.settle() == 0  # nothing left to wait for
         assert client.commit_shortfalls() == {}  # it committed everything it was sent for
@@ -241,7 +241,7 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         more = list(range(20_000, 20_000 + 256))
         prepared = client.prepare_store(more)
         client.finish_store(prepared, [chunk_data(more, 0)], confirm=False)
-        assert client.lookup(more).hits == 1 and not client._unanswered
+        assert client.lookup(more).hits == 1 and not client._channel.unanswered
 
         third = list(range(30_000, 30_000 + 256))
         reserved = client.prepare_store(third)
@@ -256,7 +256,7 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         assert "a commit_store this client did not wait for failed" in caplog.text
         assert client.commit_shortfalls() == {failed.commit_rid: 1}
         assert client.commit_shortfalls() == {}  # reported once
-        assert client._conn is conn
+        assert client._channel.conn is conn
         client.abort_store(reserved)
         assert client.lookup(third).hits == 0 and client.lookup(more).hits == 1
         out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(3)]
@@ -280,7 +280,7 @@ def test_a_commit_that_does_not_wait_for_its_answer(
         fifth = list(range(50_000, 50_000 + 256))
         reserved = client.prepare_store(fifth)
         lost = client.finish_store(reserved, [chunk_data(fifth, 0)], confirm=False)
-        client._disconnect()  # what a broken connection does
+        client._channel.disconnect()  # what a broken connection does
         assert client.commit_shortfalls() == {lost.commit_rid: 1}
         assert client.settle() == 0 and client.commit_shortfalls() == {}
 

@@ -30,7 +30,7 @@ def test_rpc_stats_status_and_metrics_show_the_same_figures(
     assert worker.lookup(tokens[: 2 * CHUNK_SIZE], request_id="mine").hits == 2
     assert scheduler.lookup(tokens[: 3 * CHUNK_SIZE], request_id="group").hits == 3
     extra = keys.pack_tokens(range(2 * 10**6, 2 * 10**6 + CHUNK_SIZE))
-    reservation = worker._call(p.PrepareStore(0, reg.client, p.ChunkSelector(tokens=extra)))
+    reservation = worker._channel.call(p.PrepareStore(0, reg.client, p.ChunkSelector(tokens=extra)))
     assert isinstance(reservation, p.StoreSlots) and len(reservation.slots) == 1
 
     rpc = worker.stats()
@@ -77,4 +77,4 @@ def test_rpc_stats_status_and_metrics_show_the_same_figures(
     for kind, n in rpc.requests.items():
         assert n == sum(doc["requests"][kind].values())
     assert doc["requests"]["stats"] == {"ok": 1}
-    worker._call(p.AbortStore(0, reg.client, reservation.lease))
+    worker._channel.call(p.AbortStore(0, reg.client, reservation.lease))

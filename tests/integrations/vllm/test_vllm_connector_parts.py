@@ -457,11 +457,11 @@ def test_a_prefill_steps_commits_are_not_waited_for_until_the_request_can_finish
         with server.client(timeout=5.0) as admin:
             ready = admin.stats().ready
         if last:  # settled: every commit is done and visible elsewhere, at once
-            assert not a.worker._unconfirmed and not client._unanswered
+            assert not a.worker._unconfirmed and not client._channel.unanswered
             assert ready == 4
         else:
             assert a.worker._unconfirmed == {"a-1"}
-            assert len(client._unanswered) == 1  # this step's commit only: the next
+            assert len(client._channel.unanswered) == 1  # this step's commit only: the next
             # step's reservation read the one before
     assert a.worker.stats["stored_chunks"] == 4
     assert_loads_exactly(a, blocks, b, tokens)

@@ -1,0 +1,54 @@
+"""What a client's calls return: a store's and a retrieve's outcome, a reservation between
+the two phases of a store, and the registration the server answered."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierkv import protocol as p
+from tierkv.pool import ShmPool
+
+
+@dataclass(slots=True)
+class StoreResult:
+    stored: list[int] = field(default_factory=list)  # chunk positions written and committed
+    present: list[int] = field(default_factory=list)  # already in the cache
+    no_space: list[int] = field(default_factory=list)  # skipped: the pool is full
+    cleared: int = 0  # written but deleted (cleared) before the commit
+    # False: the commit was sent without waiting for its answer (finish_store(confirm=
+    # False)); ``stored`` is then what it commits if it succeeds (Client.settle says, and
+    # Client.commit_shortfalls names this commit by ``commit_rid`` if it committed fewer).
+    confirmed: bool = True
+    commit_rid: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStore:
+    """A store's reserved slots (:meth:`Client.prepare_store`), until it finishes or aborts."""
+
+    slots: p.StoreSlots
+    first_chunk: int
+    expected: int  # chunks from first_chunk on that the store names
+    pool: ShmPool | None  # the mapping the slots are in (see Client._call_for_slots)
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    retrieved: list[int] = field(default_factory=list)  # chunk positions copied out
+    missing: list[int] = field(default_factory=list)  # not in the cache
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    client: int
+    server_version: str
+    pool_name: str
+    pool_size: int
+    chunk_size: int
+    chunk_bytes: int
+    namespace: bytes
+    layout: p.Layout
