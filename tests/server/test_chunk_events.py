@@ -175,8 +175,8 @@ def test_bad_feed_requests_get_clear_errors_and_change_nothing(server: ServerPro
                 a.store(tokens, data, notes=notes)
         # The same, past the client's own check: the server answers BAD_REQUEST.
         with pytest.raises(ServerError, match="1 notes for 2 chunks"):
-            a._channel.call(p.PrepareStore(a._channel.rid(), a._token(), a._selector(tokens, None, False, ""), 0,
-                                   [b"one"]))  # fmt: skip
+            sel = a._selector(tokens, None, False, "")
+            a._channel.call(p.PrepareStore(*a._ids(), sel, 0, [b"one"]))
         for after, limit in ((-1, 10), (0, 0)):
             with pytest.raises(ServerError, match="after must be >= 0 and limit >= 1"):
                 a.read_chunk_events(after, limit)
