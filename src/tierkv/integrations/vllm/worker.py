@@ -330,7 +330,9 @@ class WorkerSide:
         start = time.perf_counter()
         prepared = self.link.call(
             f"store of {spec.request_id}",
-            lambda c: c.prepare_store(first_chunk=spec.first_chunk, salt=spec.salt, **_keys(spec)),
+            lambda c: c.prepare_store(
+                first_chunk=spec.first_chunk, salt=spec.salt, notes=spec.notes, **_keys(spec)
+            ),
             None,
         )
         with self._lock:
@@ -467,6 +469,7 @@ class WorkerSide:
                     first_chunk=spec.first_chunk,
                     salt=spec.salt,
                     caller_copies=caller_copies,
+                    notes=spec.notes,
                     **_keys(spec),
                 ),
                 None,
