@@ -390,7 +390,7 @@ class CacheService:
         if req.after < 0 or req.limit < 1:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "after must be >= 0 and limit >= 1")
         namespaces = self.registry.engine_namespaces(reg)
-        if namespaces != reg.feed_namespaces:
+        if reg.feed_namespaces is None or reg.feed_namespaces != namespaces:
             # Its namespaces changed since its snapshot (or it read none): events before now
             # of a namespace it just gained were never sent to it. Read a snapshot.
             return p.ChunkEvents(req.rid, self.feed.epoch, [], self.feed.seq, True)
