@@ -87,6 +87,12 @@ class ChunkFollower:
                 self._changes += changes
         return len(changes)
 
+    @property
+    def pending(self) -> int:
+        """Changes queued and not taken yet."""
+        with self._lock:
+            return len(self._changes)
+
     def take(self) -> list[Change]:
         """The changes queued since the last take, in order."""
         with self._lock:

@@ -10,6 +10,12 @@ which then stays away for its retry interval) withdraws everything held: while t
 down every lookup is a miss, so no chunk may be announced as loadable. The next read that
 succeeds starts from a snapshot, which re-announces what the pool holds (a restarted
 server's feed is another epoch: the old server's chunks stay withdrawn).
+
+Nobody may take the changes for a long time (vLLM takes them at the end of each engine step:
+an idle engine takes none). The poller stops reading once :attr:`FeedPoller.max_pending`
+changes wait, so memory stays bounded; when they are taken it reads on, from a snapshot if
+the feed dropped what it missed meanwhile (the follower resyncs), so the engine still
+converges to what the pool holds.
 """
 
 from __future__ import annotations
@@ -24,15 +30,26 @@ from tierkv.integrations.link import ServerLink
 
 log = logging.getLogger(__name__)
 
+MAX_PENDING = 65536  # changes waiting to be taken before the poller stops reading
+
 
 class FeedPoller:
     """The chunk feed of a link's client (its engine's namespaces), read on a thread."""
 
-    def __init__(self, link: ServerLink, interval: float, name: str, limit: int = 4096) -> None:
+    def __init__(
+        self,
+        link: ServerLink,
+        interval: float,
+        name: str,
+        limit: int = 4096,
+        max_pending: int = MAX_PENDING,
+    ) -> None:
         if interval <= 0:
             raise ValueError("interval must be positive")
         self.link = link
         self.interval = interval
+        self.max_pending = max_pending
+        self.skipped_reads = 0  # reads not made: max_pending changes were waiting
         self._client: Client | None = None  # the link's, during a read (poll thread only)
         self.follower = ChunkFollower(self._read_events, self._read_snapshot, limit)
         self.failed_reads = 0
@@ -53,7 +70,11 @@ class FeedPoller:
 
     def poll(self) -> bool:
         """Read the feed until caught up (the polling thread; tests call it directly);
-        False if the read failed, and everything held was withdrawn."""
+        False if the read failed, and everything held was withdrawn. No read while
+        :attr:`max_pending` changes wait to be taken."""
+        if self.follower.pending >= self.max_pending:
+            self.skipped_reads += 1
+            return True
 
         def read(client: Client) -> bool:
             self._client = client
