@@ -1392,3 +1392,28 @@ def test_kv_events_off_no_notes_and_no_feed_reading(server: Any) -> None:
     p.scheduler.update_state_after_alloc(req, blocks, 0)
     meta = p.scheduler.build_connector_meta(step_output([("p-1", blocks, 0, 300)]))
     assert [s.notes for s in meta.stores] == [(chunk_note(req, 0, BPC, BLOCK),)]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["tp2", "tp2-mla"])
+def test_kv_events_of_ranks_announce_each_chunk_once(server: Any, mla: bool) -> None:
+    """Two ranks: without MLA each stores its own part, with its chunk's note, and the
+    blocks are announced once both parts are held; with MLA rank 0 alone stores, for both.
+    Either way each chunk's blocks are announced once, and withdrawn once."""
+    engine = make_engine(
+        server.endpoint, "engine-tp", world_size=2, mla=mla, kv_events=True, timeout=10.0
+    )
+    tokens = list(range(7000, 7000 + 512))
+    req = hashed_request("t-1", tokens)
+    compute_and_store(engine, "t-1", tokens, req=req)
+    want = [e for c in range(2) for e in stored_events(chunk_note(req, c * BPC, BPC, BLOCK))]
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == (2 if mla else 4)  # parts: one per chunk and rank
+    (got,) = events_until([engine], lambda events: len(events) >= 2)
+    assert got == want
+    with server.client(timeout=5.0) as admin:
+        admin.clear()
+    (got,) = events_until([engine], lambda events: len(events) >= 2)
+    assert sorted(e.block_hashes for e in got) == sorted(e.block_hashes for e in want)
+    assert all(isinstance(e, BlockRemoved) for e in got)
+    assert engine.scheduler.take_events() == []
+    engine.scheduler.shutdown()
