@@ -87,16 +87,23 @@ class ChunkFollower:
                 self._changes += changes
         return len(changes)
 
+    @property
+    def pending(self) -> int:
+        """Changes queued and not taken yet."""
+        with self._lock:
+            return len(self._changes)
+
     def take(self) -> list[Change]:
         """The changes queued since the last take, in order."""
         with self._lock:
             changes, self._changes = self._changes, []
         return changes
 
-    def forget(self) -> list[Change]:
-        """The server is gone for good (the engine shuts down, or gives up on it): every
-        held chunk becomes a change to "no longer held"; the next poll starts afresh."""
+    def forget(self) -> int:
+        """The server is gone, or cannot serve (the engine shuts down, or its link to the
+        server is down): every held chunk becomes a queued change to "no longer held" (for
+        :meth:`take`); the next poll starts afresh from a snapshot. Returns the changes
+        queued. Called by the polling thread."""
         changes = [Change(False, k, n) for k, n in self.held.items()]
         self.held, self.epoch, self.after = {}, 0, 0
-        self._queue(changes)
-        return self.take()
+        return self._queue(changes)

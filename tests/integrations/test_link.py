@@ -165,3 +165,47 @@ def test_threads_meeting_a_restart_at_once_register_again_only_once(
             assert admin.stats().clients == 1
     finally:
         link.close()
+
+
+def test_the_feed_poller_stops_reading_while_its_changes_wait_and_then_converges(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """An engine that takes no changes (an idle vLLM engine steps, and takes, none) holds at
+    most ``max_pending`` of them: the poller stops reading the feed; once they are taken it
+    reads on (a resync when the feed dropped what it missed) and ends at the pool's truth."""
+    from tierkv.integrations.feed_poller import FeedPoller
+
+    srv = server_factory(extra=["--chunk-feed-events", "4"])
+    settings = ConnectorSettings.from_extra_config({"endpoint": srv.endpoint})
+    link = ServerLink(settings, register, "scheduler", logging.getLogger("engine"))
+    poller = FeedPoller(link, 1.0, "test-feed", max_pending=3)  # polled by hand: no thread
+    try:
+        with srv.client(timeout=5.0) as engine:
+            register(engine)
+
+            def store(first: int, n: int) -> list[bytes]:
+                tokens = list(range(first, first + n * CHUNK_SIZE))
+                notes = [b"note %d" % (first + i) for i in range(n)]
+                data = [chunk_data(tokens, i) for i in range(n)]
+                assert engine.store(tokens, data, notes=notes).stored == list(range(n))
+                return notes
+
+            first = store(100, 2)
+            assert poller.poll() and [c.note for c in poller.take()] == first
+            second = store(5000, 3)
+            assert poller.poll() and poller.follower.pending == 3
+            store(9000, 3)  # the feed keeps 4 events: these are dropped once cleared below
+            assert poller.poll() and poller.skipped_reads == 1  # 3 wait: no read
+            assert poller.follower.pending == 3
+            assert engine.clear() == 8
+            taken = poller.take()
+            assert [c.note for c in taken] == second and all(c.held for c in taken)
+            assert poller.poll()  # behind what the feed dropped: a resync
+            assert poller.follower.resyncs == 2  # the first read, and this one
+            removals = poller.take()
+            assert not any(c.held for c in removals)
+            assert sorted(c.note for c in removals) == sorted(first + second)
+            assert poller.follower.held == {} and poller.follower.pending == 0
+    finally:
+        poller.close()
+        link.close()

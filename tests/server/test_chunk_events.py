@@ -72,6 +72,26 @@ def test_every_engine_of_the_namespace_reads_what_any_stored(server: ServerProce
         assert fa.resyncs == fb.resyncs == 1  # the first read only
 
 
+def test_a_reader_whose_namespaces_grow_learns_what_they_already_held(
+    server: ServerProcess,
+) -> None:
+    """A reader's engine gains a namespace (its first request with a cache salt, a rank that
+    joins): the chunks that namespace held before are announced too (its next read is a
+    resync), not only those stored after."""
+    with server.client() as a, server.client() as b:
+        register(a), register(b)
+        fb = Follower(b)
+        assert fb.notes() == set()
+        salted = toks(300, 2)
+        notes = [note(salted, i) for i in range(2)]
+        a.store(salted, [chunk_data(salted, i) for i in range(2)], notes=notes, salt="team-x")
+        assert fb.notes() == set()  # b has never used that salt: not its namespace yet
+        assert b.lookup(salted, salt="team-x").hits == 2  # now it is
+        assert fb.notes() == set(notes)
+        assert fb.resyncs == 2
+        assert fb.notes() == set(notes) and fb.resyncs == 2  # unchanged: no resync again
+
+
 def test_evictions_reach_every_reader_and_the_view_equals_the_pool(
     server_factory: Callable[..., ServerProcess],
 ) -> None:

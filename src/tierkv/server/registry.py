@@ -64,6 +64,10 @@ class Registration:
     # Its last few token chains (namespace digest, full chunks' packed tokens, their keys),
     # newest first: see tierkv.server.chunk_keys.
     chains: list[tuple[bytes, bytes, list[bytes]]] = field(default_factory=list)
+    # The namespaces its last chunk-feed snapshot covered (tierkv.server.chunk_feed): a
+    # read of the feed after they changed (a new cache salt, a rank that joined or
+    # registered again) is answered "resync".
+    feed_namespaces: frozenset[bytes] | None = None
 
     def bind_tenant(self) -> None:
         """Record the tenant of this client's own namespace (at REGISTER)."""

@@ -389,14 +389,21 @@ class CacheService:
         reg = self._client(req.client)
         if req.after < 0 or req.limit < 1:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "after must be >= 0 and limit >= 1")
-        batch = self.feed.read(self.registry.engine_namespaces(reg), req.after, req.limit)
+        namespaces = self.registry.engine_namespaces(reg)
+        if reg.feed_namespaces is None or reg.feed_namespaces != namespaces:
+            # Its namespaces changed since its snapshot (or it read none): events before now
+            # of a namespace it just gained were never sent to it. Read a snapshot.
+            return p.ChunkEvents(req.rid, self.feed.epoch, [], self.feed.seq, True)
+        batch = self.feed.read(namespaces, req.after, req.limit)
         return p.ChunkEvents(req.rid, self.feed.epoch, batch.events, batch.last, batch.resync)
 
     def read_chunk_snapshot(self, req: p.ReadChunkSnapshot) -> p.ChunkSnapshot:
         reg = self._client(req.client)
         now = self.clock()
         if req.page == 0:
-            seq, chunks = self.feed.snapshot(self.registry.engine_namespaces(reg))
+            namespaces = self.registry.engine_namespaces(reg)
+            reg.feed_namespaces = frozenset(namespaces)
+            seq, chunks = self.feed.snapshot(namespaces)
             page = self.snapshot_pages.first(reg.token, seq, chunks, now)
         else:
             found = self.snapshot_pages.next(reg.token, req.page, now)

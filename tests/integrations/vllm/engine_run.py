@@ -26,7 +26,14 @@ one; with few blocks vLLM then preempts requests: ``preemptions`` in the output 
 ``preempted_waits`` the preempted requests whose stores the worker was told to wait for, in
 ``handle_preemptions``: one rank only, the worker in this process), retry_interval (the
 connector's), pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
-for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts).
+for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts),
+kv_events_endpoint (vLLM's KV events on, published by its ZMQ publisher bound there: vLLM
+publishes a step's events at the end of the step, so an idle engine publishes nothing),
+ready (a file to create once the engine is built), tick_until (a file, with vocab, the
+tokenizer's size: while waiting for
+``wait_for``, and after the prompts until this file exists, run "ticks": one-block prompts,
+each new, so the engine steps, and its KV events, those of the pool included, go out, with
+at least one of vLLM's own per tick).
 
 Before it writes its output the engine steps until vLLM has freed every finished request's
 blocks: with asynchronous stores that is when every store has ended (committed or failed), so
@@ -126,6 +133,29 @@ def pause(where: Path, i: int) -> None:
         time.sleep(0.05)
 
 
+def ticker(llm: Any, vocab: int, block: int) -> Any:
+    """A function that runs one tick: a new prompt of one full block (vLLM caches it: one
+    BlockStored of its own), one output token."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    count = [0]
+
+    def tick() -> None:
+        count[0] += 1
+        rng = random.Random(10_000 + count[0])
+        tokens = [rng.randrange(3, vocab) for _ in range(block)]
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=tokens)],
+            SamplingParams(temperature=0.0, max_tokens=1),
+            use_tqdm=False,
+        )
+
+    return tick
+
+
 def main(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     tp = int(config.get("tensor_parallel_size", 1))
@@ -160,6 +190,12 @@ def main(config_path: str) -> None:
         }
     if "hma" in config:
         kwargs["disable_hybrid_kv_cache_manager"] = not config["hma"]
+    if config.get("kv_events_endpoint"):
+        kwargs["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": config["kv_events_endpoint"],
+        }
     llm = LLM(
         model=config["model"],
         dtype=config.get("dtype", "float32"),
@@ -173,12 +209,21 @@ def main(config_path: str) -> None:
         enable_prefix_caching=bool(config.get("prefix_caching", True)),
         **kwargs,
     )
+    if config.get("ready"):
+        Path(config["ready"]).touch()
+    tick = None
+    if config.get("tick_until"):
+        block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+        tick = ticker(llm, int(config["vocab"]), block)
     if config.get("wait_for"):
         deadline = time.monotonic() + 600
         while not Path(config["wait_for"]).exists():
             if time.monotonic() > deadline:
                 raise SystemExit(f"gave up waiting for {config['wait_for']}")
-            time.sleep(0.05)
+            if tick is not None:
+                tick()
+            else:
+                time.sleep(0.05)
 
     results: list[dict[str, Any]] = []
 
@@ -220,6 +265,12 @@ def main(config_path: str) -> None:
             results.append(result(out))
             if i in pauses:
                 pause(Path(config["pause_dir"]), i)
+    if tick is not None:
+        deadline = time.monotonic() + 600
+        while not Path(config["tick_until"]).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"gave up waiting for {config['tick_until']}")
+            tick()
     if config.get("endpoint"):
         drain(llm)
     report: dict[str, Any] = {"results": results, **preemptions}

@@ -27,6 +27,7 @@ from support import vllm_engine
 
 try:
     import torch
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
     from tierkv.integrations.vllm.chunks import (
         LoadSpec,
@@ -34,6 +35,7 @@ try:
         blocks_per_chunk,
         chunk_hashes,
     )
+    from tierkv.integrations.vllm.kv_events import MEDIUM, NoteGroup, chunk_note, stored_events
     from tierkv.integrations.vllm.layout import CacheGeometry
     from tierkv.integrations.vllm.metadata import (
         RankReport,
@@ -204,9 +206,11 @@ def make_engine(
     store_decode: bool = False,
     async_store: bool = False,
     mla: bool = False,
+    kv_events: bool = False,
     **extra: Any,
 ) -> Engine:
-    """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA)."""
+    """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA);
+    ``kv_events``: vLLM's KV events on (one KV cache group)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -229,6 +233,8 @@ def make_engine(
         world_size=world_size,
         async_store=async_store,
         shared_ranks=mla,
+        kv_events=kv_events,
+        note_groups=[NoteGroup()] if kv_events else None,
     )
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -317,13 +323,19 @@ def ask(engine: Engine, req: Any, local: int = 0) -> tuple[int | None, bool]:
 
 
 def compute_and_store(
-    engine: Engine, rid: str, tokens: list[int], *, reserve_first: bool = True
+    engine: Engine,
+    rid: str,
+    tokens: list[int],
+    *,
+    reserve_first: bool = True,
+    req: Any = None,
 ) -> list[int]:
     """A request that misses: vLLM computes it all (here: the blocks already hold "KV"), then
     the worker stores its full chunks after the forward pass. ``reserve_first``: the slots
     are reserved before the forward pass, as binding the step's metadata does in vLLM;
-    otherwise the store reserves them itself."""
-    req = request(rid, tokens)
+    otherwise the store reserves them itself. ``req``: the request (default: one without
+    block hashes, :func:`request`)."""
+    req = req if req is not None else request(rid, tokens)
     assert ask(engine, req) == (0, False)
     blocks = engine.blocks(-(-len(tokens) // BLOCK))
     engine.scheduler.update_state_after_alloc(req, blocks, 0)
@@ -1283,3 +1295,125 @@ def test_a_mamba_hybrid_engine_starts_with_the_connector_inactive_every_request_
         worker.shutdown()
     with server.client(timeout=5.0) as client:
         assert client.stats().objects == 0
+
+
+# -- KV events -----------------------------------------------------------------------------------
+def hashed_request(rid: str, tokens: list[int]) -> Any:
+    """A vLLM request with vLLM's block hashes (what KV events name blocks by)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256_cbor),
+    )
+
+
+def events_until(engines: Sequence[Engine], want: Callable[[list[Any]], bool]) -> list[list[Any]]:
+    """Each engine's KV events (``take_events``, as vLLM calls it every step) until ``want``
+    holds for every engine's (a bounded poll: the feed is read on a thread)."""
+    got: list[list[Any]] = [[] for _ in engines]
+    deadline = time.monotonic() + 30
+    while not all(want(events) for events in got):
+        assert time.monotonic() < deadline, got
+        for events, engine in zip(got, engines, strict=True):
+            events += engine.scheduler.take_events()  # never raises, never waits
+        time.sleep(0.02)
+    return got
+
+
+def test_kv_events_announce_what_any_engine_stored_withdraw_it_and_resume_after_a_restart(
+    server: Any,
+) -> None:
+    """Engine A stores a prompt with KV events on: A's and B's schedulers both announce its
+    chunks' blocks (vLLM's BlockStored of each chunk, in the pool's medium). The server is
+    killed: both withdraw them (every lookup is a miss meanwhile), no exception reaches the
+    engine. It restarts, B stores another prompt and A stores its prompt again: both announce
+    both (B's scheduler registered again before B's worker did, at its store: the feed tells
+    it to resync when the worker's namespace joins)."""
+    a = make_engine(server.endpoint, "engine-a", timeout=1.0, retry_interval=0.2, kv_events=True)
+    b = make_engine(server.endpoint, "engine-b", timeout=1.0, retry_interval=0.2, kv_events=True)
+    tokens = list(range(3000, 3000 + 600))  # 2 full chunks + a tail
+    req = hashed_request("a-1", tokens)
+    notes = [chunk_note(req, c * BPC, BPC, BLOCK) for c in range(2)]
+    compute_and_store(a, "a-1", tokens, req=req)
+    want = [e for n in notes for e in stored_events(n)]
+    assert all(e.medium == MEDIUM for e in want)
+
+    def stored(events: list[Any]) -> bool:
+        return all(e in events for e in want) and all(isinstance(e, BlockStored) for e in events)
+
+    events_until([a, b], stored)
+    removed = [e.block_hashes for e in want]
+
+    def withdrawn(events: list[Any]) -> bool:
+        return sorted(e.block_hashes for e in events if isinstance(e, BlockRemoved)) == sorted(
+            removed
+        )
+
+    server.kill()
+    for engine in (a, b):
+        assert all(e.medium == MEDIUM for e in events_until([engine], withdrawn)[0])
+        assert engine.scheduler.events is not None
+        assert engine.scheduler.events.poller.failed_reads > 0
+    server.start()
+    other = list(range(5000, 5000 + 300))
+    b_req = hashed_request("b-1", other)
+    compute_and_store(b, "b-1", other, req=b_req)
+    compute_and_store(a, "a-2", tokens, req=hashed_request("a-2", tokens))
+    want += stored_events(chunk_note(b_req, 0, BPC, BLOCK))
+    events_until([a, b], stored)
+    for engine in (a, b):
+        engine.scheduler.shutdown()
+
+
+def test_kv_events_off_no_notes_and_no_feed_reading(server: Any) -> None:
+    a = make_engine(server.endpoint, "engine-a")
+    assert a.scheduler.events is None and a.scheduler.take_events() == []
+    assert not any(t.name == "tierkv-kv-events" for t in threading.enumerate())
+    tokens = list(range(4000, 4000 + 300))
+    req = hashed_request("a-1", tokens)
+    assert ask(a, req) == (0, False)
+    blocks = a.blocks(3)
+    a.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = a.scheduler.build_connector_meta(step_output([("a-1", blocks, 0, 300)]))
+    assert [s.notes for s in meta.stores] == [None]
+    # On: the same store carries its chunk's note; a producer (never loads) reads no feed.
+    p = make_engine(server.endpoint, "engine-p", role="kv_producer", kv_events=True)
+    assert p.scheduler.events is None
+    req = hashed_request("p-1", tokens)
+    assert ask(p, req) == (0, False)
+    p.scheduler.update_state_after_alloc(req, blocks, 0)
+    meta = p.scheduler.build_connector_meta(step_output([("p-1", blocks, 0, 300)]))
+    assert [s.notes for s in meta.stores] == [(chunk_note(req, 0, BPC, BLOCK),)]
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["tp2", "tp2-mla"])
+def test_kv_events_of_ranks_announce_each_chunk_once(server: Any, mla: bool) -> None:
+    """Two ranks: without MLA each stores its own part, with its chunk's note, and the
+    blocks are announced once both parts are held; with MLA rank 0 alone stores, for both.
+    Either way each chunk's blocks are announced once, and withdrawn once."""
+    engine = make_engine(
+        server.endpoint, "engine-tp", world_size=2, mla=mla, kv_events=True, timeout=10.0
+    )
+    tokens = list(range(7000, 7000 + 512))
+    req = hashed_request("t-1", tokens)
+    compute_and_store(engine, "t-1", tokens, req=req)
+    want = [e for c in range(2) for e in stored_events(chunk_note(req, c * BPC, BPC, BLOCK))]
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == (2 if mla else 4)  # parts: one per chunk and rank
+    (got,) = events_until([engine], lambda events: len(events) >= 2)
+    assert got == want
+    with server.client(timeout=5.0) as admin:
+        admin.clear()
+    (got,) = events_until([engine], lambda events: len(events) >= 2)
+    assert sorted(e.block_hashes for e in got) == sorted(e.block_hashes for e in want)
+    assert all(isinstance(e, BlockRemoved) for e in got)
+    assert engine.scheduler.take_events() == []
+    engine.scheduler.shutdown()

@@ -34,6 +34,9 @@ the CPU with the tierkv connector; the server is a real ``tierkv server`` proces
   the producer): with a KV cache so small that vLLM preempts requests while their stores may
   still run, the outputs equal those of an engine without tierkv, and the server is left
   with no lease, lock or session.
+- KV events (vLLM's ZMQ publisher on, in both engines): what A stores is announced on both
+  engines' streams as vLLM itself describes the blocks, in the pool's medium (CPU), and a
+  clear of the server withdraws it from both.
 
 Every engine steps until vLLM has freed all its blocks before it reports (``engine_run.py``):
 every asynchronous store has ended by then.
@@ -872,3 +875,135 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
     with server.client(timeout=5.0) as client:
         stats = client.stats()
     assert stats.errors == {} and stats.objects == 0
+
+
+# -- KV events ---------------------------------------------------------------------------------
+def _blocks(event: Any) -> dict[Any, tuple[Any, ...]]:
+    """A BlockStored per block: hash -> (parent, token ids, block size, LoRA, extra keys)."""
+    size = event.block_size
+    out = {}
+    parent = event.parent_block_hash
+    for i, h in enumerate(event.block_hashes):
+        extra = event.extra_keys[i] if event.extra_keys else None
+        tokens = tuple(event.token_ids[i * size : (i + 1) * size])
+        out[h] = (parent, tokens, size, event.lora_name, extra)
+        parent = h
+    return out
+
+
+def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
+    tiny_model: Path,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """Two engines with vLLM's KV events on (its ZMQ publisher), on one server. A computes a
+    prompt: both engines' streams carry BlockStored (medium CPU) for its stored chunks'
+    blocks, exactly as vLLM's own GPU-medium BlockStored of A describes the same blocks
+    (hashes, parents, token ids, block size, LoRA, extra keys); a clear of the server: both
+    streams carry BlockRemoved (medium CPU) for them. An idle engine publishes nothing (vLLM
+    publishes at the end of a step): both engines run one-block "ticks" meanwhile."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    from support.tiny_model import tokenizer_size
+
+    server = server_factory(pool_size="256MiB")
+    vocab = tokenizer_size(tiny_model)
+    rng = random.Random(2026)
+    prompt = [rng.randrange(3, vocab) for _ in range(600)]  # 2 chunks (4 blocks) and a tail
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    ports = {"A": free_port(), "B": free_port()}
+    started = {
+        name: engines(
+            name,
+            model=str(tiny_model),
+            endpoint=server.endpoint,
+            vocab=vocab,
+            kv_events_endpoint=f"tcp://*:{ports[name]}",  # vLLM binds only for * (or ipc)
+            prompts=prompts,
+            max_tokens=1,
+            wait_for=str(go),
+            tick_until=str(stop),
+        )
+        for name, prompts in (("A", [{"tokens": prompt}]), ("B", []))
+    }
+    context = zmq.Context()
+    subs: dict[str, Any] = {}
+    poller = zmq.Poller()
+    for name, port in ports.items():
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        poller.register(sub, zmq.POLLIN)
+        subs[name] = sub
+    streams: dict[str, list[Any]] = {name: [] for name in subs}
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+    def read_until(done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not done():
+            for name, engine in started.items():
+                if engine.proc.poll() is not None:
+                    pytest.fail(f"engine {name} exited while waiting for {what}:\n{engine.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {ENGINE_TIMEOUT:.0f} s: {streams}")
+            ready = dict(poller.poll(100))
+            for name, sub in subs.items():
+                while ready.get(sub) and sub.poll(0):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    streams[name] += decode(payload).events
+
+    def stored(name: str, medium: str) -> dict[Any, tuple[Any, ...]]:
+        out: dict[Any, tuple[Any, ...]] = {}
+        for e in streams[name]:
+            if isinstance(e, BlockStored) and e.medium == medium:
+                out.update(_blocks(e))
+        return out
+
+    def removed(name: str, medium: str) -> set[Any]:
+        return {
+            h
+            for e in streams[name]
+            if isinstance(e, BlockRemoved) and e.medium == medium
+            for h in e.block_hashes
+        }
+
+    def prompt_blocks() -> dict[Any, tuple[Any, ...]]:
+        """vLLM's own description (A's GPU events) of the prompt's stored blocks."""
+        want = [tuple(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(512 // BLOCK)]
+        own = stored("A", "GPU")
+        return {h: b for h, b in own.items() if b[1] in want}
+
+    try:
+        # Ticks are published: both subscriptions are live before A computes the prompt.
+        read_until(lambda: all(streams.values()), "first events (ticks)")
+        go.touch()
+        blocks = 512 // BLOCK
+        read_until(
+            lambda: (
+                len(prompt_blocks()) == blocks
+                and all(prompt_blocks().keys() <= stored(n, "CPU").keys() for n in subs)
+            ),
+            "the stored chunks' BlockStored (CPU) on both streams",
+        )
+        own = prompt_blocks()
+        for name in subs:
+            pool = stored(name, "CPU")
+            assert {h: pool[h] for h in own} == own, name
+            assert not removed(name, "CPU"), name
+            chunks = [e for e in streams[name] if isinstance(e, BlockStored) and e.medium == "CPU"]
+            assert sorted(len(e.block_hashes) for e in chunks) == [CHUNK // BLOCK] * 2, chunks
+        with server.client(timeout=5.0) as admin:
+            assert admin.clear() == 2
+        read_until(
+            lambda: all(own.keys() <= removed(n, "CPU") for n in subs),
+            "BlockRemoved (CPU) on both streams after the clear",
+        )
+        stop.touch()
+        for engine in started.values():
+            engine.results()  # exited cleanly
+    finally:
+        context.destroy(linger=0)

@@ -4,6 +4,7 @@ LoRA, cache salt, group), and ranks' parts announce a chunk only when all are he
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 try:
@@ -18,10 +19,11 @@ try:
     from tierkv.chunk_follower import Change
     from tierkv.integrations.vllm.kv_events import (
         MEDIUM,
+        NoteGroup,
         RankedBlocks,
         chunk_note,
-        removed_event,
-        stored_event,
+        removed_events,
+        stored_events,
     )
 except ImportError:  # the conftest fails every test with the reason
     pass
@@ -72,15 +74,36 @@ def test_a_notes_event_is_vllms_own_event_in_the_pools_medium(
 ) -> None:
     req = request(list(range(1000, 1000 + 3 * CHUNK_BLOCKS * BLOCK + 5)), **kw)
     first = chunk * CHUNK_BLOCKS
-    ours = stored_event(chunk_note(req, first, CHUNK_BLOCKS, BLOCK, group_idx=0))
+    (ours,) = stored_events(chunk_note(req, first, CHUNK_BLOCKS, BLOCK))
     theirs = vllms_own(req, first, CHUNK_BLOCKS)
     assert ours.medium == MEDIUM and theirs.medium == "GPU"
     for field in BlockStored.__struct_fields__:
         if field != "medium":
             assert getattr(ours, field) == getattr(theirs, field), field
     assert len(ours.block_hashes) == CHUNK_BLOCKS and len(ours.token_ids) == CHUNK_BLOCKS * BLOCK
-    removed = removed_event(chunk_note(req, first, CHUNK_BLOCKS, BLOCK, group_idx=0))
+    (removed,) = removed_events(chunk_note(req, first, CHUNK_BLOCKS, BLOCK))
     assert removed == BlockRemoved(block_hashes=theirs.block_hashes, medium=MEDIUM, group_idx=0)
+
+
+def test_under_hma_a_note_holds_each_groups_event_with_the_groups_fields() -> None:
+    """vLLM's hybrid allocator: one event per KV cache group (as vLLM's block pool emits per
+    group), with the group's kind and window as vLLM's own CPU offloading adds them."""
+    req = request(list(range(500, 500 + 2 * CHUNK_BLOCKS * BLOCK)))
+    groups = [NoteGroup(0, "full_attention"), NoteGroup(1, "sliding_window", 128)]
+    note = chunk_note(req, CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK, groups)
+    ours = stored_events(note)
+    assert [e.group_idx for e in ours] == [0, 1]
+    for event, group in zip(ours, groups, strict=True):
+        theirs = vllms_own(req, CHUNK_BLOCKS, CHUNK_BLOCKS, group=group.idx)
+        assert event.kv_cache_spec_kind == group.kind
+        assert event.kv_cache_spec_sliding_window == group.sliding_window
+        for field in BlockStored.__struct_fields__:
+            if field not in ("medium", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"):
+                assert getattr(event, field) == getattr(theirs, field), field
+    assert removed_events(note) == [
+        BlockRemoved(block_hashes=ours[0].block_hashes, medium=MEDIUM, group_idx=g.idx)
+        for g in groups
+    ]
 
 
 def test_a_chunk_beyond_the_requests_hashes_is_refused() -> None:
@@ -95,13 +118,13 @@ def test_ranks_announce_a_chunk_once_every_part_is_held_and_withdraw_it_at_the_f
     blocks = RankedBlocks(ranks=2)
     assert blocks.events([Change(True, b"r0c0", n0), Change(True, b"r0c1", n1)]) == []
     (stored,) = blocks.events([Change(True, b"r1c0", n0)])
-    assert isinstance(stored, BlockStored) and stored == stored_event(n0)
+    assert isinstance(stored, BlockStored) and [stored] == stored_events(n0)
     assert blocks.events([Change(True, b"r1c0", n0)]) == []  # told twice: once announced
     (removed,) = blocks.events([Change(False, b"r0c0", n0)])
-    assert removed == removed_event(n0)
+    assert [removed] == removed_events(n0)
     assert blocks.events([Change(False, b"r1c0", n0), Change(False, b"r0c1", n1)]) == []
     # Another engine's note in another form is announced as nothing, never as garbage.
     one = RankedBlocks(ranks=1)
-    assert one.events([Change(True, b"x", b"not a vLLM event"), Change(True, b"y", n1)]) == [
-        stored_event(n1)
-    ]
+    notes = [b"not a vLLM event", msgspec.msgpack.encode({"block_hashes": 1}), n1]
+    changes = [Change(True, f"k{i}".encode(), n) for i, n in enumerate(notes)]
+    assert one.events(changes) == stored_events(n1)

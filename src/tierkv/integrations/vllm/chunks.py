@@ -126,7 +126,10 @@ class StoreSpec:
     """Store chunks ``[first_chunk, end_chunk)`` of a request from its blocks, after this
     step's forward pass computed them. Keys: ``hashes`` (one per chunk from chunk 0) or
     ``tokens`` (packed token ids of chunks ``[0, end_chunk)``). ``block_ids`` lists the
-    blocks of chunks ``[first_chunk, end_chunk)`` in order."""
+    blocks of chunks ``[first_chunk, end_chunk)`` in order. ``notes``: with vLLM's KV events
+    on, one per chunk ``[first_chunk, end_chunk)``: the chunk's blocks as vLLM's events
+    describe them (:func:`tierkv.integrations.vllm.kv_events.chunk_note`), for the server's
+    chunk feed."""
 
     request_id: str
     first_chunk: int
@@ -135,6 +138,7 @@ class StoreSpec:
     hashes: tuple[bytes, ...] | None = None
     tokens: bytes | None = None
     salt: str = ""
+    notes: tuple[bytes, ...] | None = None
 
     def blocks_of(self, chunk: int, bpc: int) -> tuple[BlockRef, ...]:
         start = (chunk - self.first_chunk) * bpc

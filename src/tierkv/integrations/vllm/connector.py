@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,6 +66,7 @@ from tierkv.integrations.vllm.interface import (
     connector_bases,
     interface_gaps,
 )
+from tierkv.integrations.vllm.kv_events import NoteGroup
 from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutError
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
@@ -146,6 +148,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 world_size=int(vllm_config.parallel_config.world_size),
                 async_store=async_store,
                 shared_ranks=_is_latent(self._spec),
+                kv_events=_kv_events_on(vllm_config),
+                # Notes name vLLM's block hashes one per block: not at another granularity.
+                note_groups=(
+                    _note_groups(kv_cache_config) if block_size == hash_block_size else None
+                ),
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
@@ -276,6 +283,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._require_scheduler().update_connector_output(meta)
 
+    def take_events(self) -> Iterable[Any]:
+        # The pool's KV events (vLLM publishes them in this step's batch): see scheduler.py.
+        return self._require_scheduler().take_events()
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -350,6 +361,34 @@ def _model_identity(vllm_config: Any) -> str:
     if getattr(mc, "quantization", None):
         ident += f"|quant={mc.quantization}"
     return ident
+
+
+def _kv_events_on(vllm_config: Any) -> bool:
+    """vLLM publishes KV cache events (``kv_events_config.enable_kv_cache_events``)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)
+
+
+def _note_groups(kv_cache_config: Any) -> list[NoteGroup]:
+    """The KV cache groups a chunk's KV events describe: one event per group, with the
+    group's kind and sliding window under vLLM's hybrid allocator (several groups), as
+    vLLM's own CPU offloading describes them."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) < 2:
+        return [NoteGroup()]
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    return [
+        NoteGroup(
+            i,
+            get_kv_cache_spec_kind(g.kv_cache_spec).value,
+            get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+        )
+        for i, g in enumerate(groups)
+    ]
 
 
 def _is_latent(spec: Any) -> bool:

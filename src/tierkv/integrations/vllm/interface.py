@@ -38,7 +38,8 @@ KEPT_DEFAULTS: dict[str, str] = {
     "load failures go through get_block_ids_with_load_errors",
     "get_kv_connector_stats": "tierkv's figures are in kv_transfer_params['tierkv'] per "
     "request and in the server's metrics",
-    "get_kv_connector_kv_cache_events": "tierkv publishes no KV cache events",
+    "get_kv_connector_kv_cache_events": "the pool's KV events are the scheduler's (take_events): "
+    "it reads the server's chunk feed, which covers every engine of its namespaces",
     "get_handshake_metadata": "no peer-to-peer handshake: engines meet through the server",
     "set_xfer_handshake_metadata": "no peer-to-peer handshake: engines meet through the server",
     "set_xfer_handshake_metadata_pp_aware": "no peer-to-peer handshake (see above)",
@@ -55,7 +56,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "copies the chunk into the pool)",
     "on_new_request": "requests are taken up in get_num_new_matched_tokens",
     "register_finished_partial_tail": "tierkv stores whole chunks only, never a partial tail",
-    "take_events": "tierkv publishes no KV cache events",
     "has_pending_block_frees": "a request's kept blocks are freed as its stores end, never "
     "instead of a preemption",
     "has_pending_push_work": "tierkv never pushes KV to another engine",

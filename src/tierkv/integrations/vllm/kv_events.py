@@ -6,16 +6,17 @@ server, so each engine announces what any of them stored, and withdraws what the
 go, whoever stored it:
 
 - When the connector plans the store of a chunk, it describes the chunk's vLLM blocks as
-  vLLM's block pool would (:func:`chunk_note`: a ``BlockStored`` of the chunk's blocks, with
-  vLLM's block hashes in vLLM's event form, parent hash, token ids, block size, LoRA, extra
-  keys and the group's fields) and gives the encoded event to the server as the chunk's note
-  (:mod:`tierkv.server.chunk_feed`).
-- The scheduler side follows the server's chunk feed for its engine's namespaces
-  (:class:`tierkv.chunk_follower.ChunkFollower`) and turns the changes into vLLM's events
+  vLLM's block pool would (:func:`chunk_note`: a ``BlockStored`` of the chunk's blocks per KV
+  cache group, with vLLM's block hashes in vLLM's event form, parent hash, token ids, block
+  size, LoRA, extra keys and the group's fields) and gives the encoded list to the server as
+  the chunk's note (:mod:`tierkv.server.chunk_feed`).
+- The scheduler side follows the server's chunk feed for its engine's namespaces on a thread
+  (:class:`tierkv.integrations.feed_poller.FeedPoller`: a dead or slow server never holds
+  the engine's step up; while the link to it is down everything is withdrawn, since every
+  lookup is then a miss) and turns the changes into vLLM's events
   (:class:`RankedBlocks`): ``BlockStored`` with ``medium="CPU"`` for chunks now held,
-  ``BlockRemoved`` (``medium="CPU"``) for chunks no longer held. (The connector does not
-  publish them yet: its scheduler side is to poll the feed and return them from
-  ``take_events``.)
+  ``BlockRemoved`` (``medium="CPU"``) for chunks no longer held (:class:`PoolEvents`, which
+  the connector's scheduler side returns from ``take_events``).
 - With several ranks that each store their own part of a chunk (tensor parallelism without
   MLA), the blocks are announced once every rank's part is held, and withdrawn as soon as
   one part goes (:class:`RankedBlocks`): a lookup serves only what every rank holds.
@@ -28,7 +29,8 @@ difference between what was announced and what the pool holds, so the stream con
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -40,6 +42,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from tierkv.chunk_follower import Change
+from tierkv.integrations.feed_poller import FeedPoller
+from tierkv.integrations.link import ServerLink
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,21 @@ MEDIUM = "CPU"  # the pool is host memory (vLLM's MEDIUM_CPU)
 POLL_INTERVAL = 0.1  # seconds between reads of the chunk feed
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(BlockStored).decode
+_decode = msgspec.msgpack.Decoder(list[BlockStored]).decode
+
+
+@dataclass(frozen=True, slots=True)
+class NoteGroup:
+    """A KV cache group a chunk's blocks are announced for: vLLM's ``group_idx``, and under
+    its hybrid allocator (several groups) the group's spec kind and sliding window, as vLLM's
+    own CPU offloading describes them (without it, vLLM's block pool leaves them out)."""
+
+    idx: int = 0
+    kind: str | None = None
+    sliding_window: int | None = None
+
+
+ONE_GROUP = (NoteGroup(),)
 
 
 def chunk_note(
@@ -55,13 +73,12 @@ def chunk_note(
     first_block: int,
     num_blocks: int,
     block_size: int,
-    group_idx: int | None = None,
-    spec_kind: str | None = None,
-    sliding_window: int | None = None,
+    groups: Sequence[NoteGroup] = ONE_GROUP,
 ) -> bytes:
     """The note of a chunk: vLLM's ``BlockStored`` for ``num_blocks`` blocks of ``request``
-    from ``first_block`` on, as vLLM's block pool builds it for blocks it caches (the
-    medium is set when the event is published)."""
+    from ``first_block`` on, one per KV cache group, as vLLM's block pool builds them for
+    blocks it caches (the medium is set when the events are published), encoded as a list.
+    ``block_size`` must be the granularity of ``request.block_hashes``."""
     hashes = request.block_hashes
     end = first_block + num_blocks
     if len(hashes) < end:
@@ -85,28 +102,43 @@ def chunk_note(
         medium=None,
         lora_name=lora.name if lora else None,
         extra_keys=to_event_extra_keys(extra),
-        group_idx=group_idx,
-        kv_cache_spec_kind=spec_kind,
-        kv_cache_spec_sliding_window=sliding_window,
     )
-    return _encode(event)
-
-
-def stored_event(note: bytes) -> BlockStored:
-    """The event a note announces, in the pool's medium."""
-    event = _decode(note)
-    # extra_keys decode as lists; vLLM's own events carry tuples
-    keys = event.extra_keys
-    return msgspec.structs.replace(
-        event,
-        medium=MEDIUM,
-        extra_keys=[tuple(k) if k is not None else None for k in keys] if keys else keys,
+    return _encode(
+        [
+            msgspec.structs.replace(
+                event,
+                group_idx=g.idx,
+                kv_cache_spec_kind=g.kind,
+                kv_cache_spec_sliding_window=g.sliding_window,
+            )
+            for g in groups
+        ]
     )
 
 
-def removed_event(note: bytes) -> BlockRemoved:
-    stored = _decode(note)
-    return BlockRemoved(block_hashes=stored.block_hashes, medium=MEDIUM, group_idx=stored.group_idx)
+def stored_events(note: bytes) -> list[BlockStored]:
+    """The events a note announces (one per group), in the pool's medium."""
+    return [
+        msgspec.structs.replace(
+            event,
+            medium=MEDIUM,
+            # extra_keys decode as lists; vLLM's own events carry tuples
+            extra_keys=(
+                [tuple(k) if k is not None else None for k in event.extra_keys]
+                if event.extra_keys
+                else event.extra_keys
+            ),
+        )
+        for event in _decode(note)
+    ]
+
+
+def removed_events(note: bytes) -> list[BlockRemoved]:
+    """The events that withdraw what a note announced."""
+    return [
+        BlockRemoved(block_hashes=e.block_hashes, medium=MEDIUM, group_idx=e.group_idx)
+        for e in _decode(note)
+    ]
 
 
 class RankedBlocks:
@@ -130,22 +162,40 @@ class RankedBlocks:
                 before = len(keys)
                 keys.add(change.key)
                 if before < self.ranks <= len(keys):
-                    out.append(_checked(stored_event, change.note))
+                    out += _checked(stored_events, change.note)
             elif keys is not None and change.key in keys:
                 complete = len(keys) >= self.ranks
                 keys.discard(change.key)
                 if not keys:
                     del self._holders[change.note]
                 if complete:
-                    out.append(_checked(removed_event, change.note))
-        return [e for e in out if e is not None]
+                    out += _checked(removed_events, change.note)
+        return out
 
 
-def _checked(build: Callable[[bytes], KVCacheEvent], note: bytes) -> KVCacheEvent | None:
+def _checked(build: Callable[[bytes], Sequence[KVCacheEvent]], note: bytes) -> list[KVCacheEvent]:
     try:
-        return build(note)
+        return list(build(note))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         # Another engine's note in another form (another tierkv or vLLM version):
         # announcing nothing is safe, announcing garbage is not.
-        log.debug("a chunk note that is not a vLLM BlockStored: %s", exc)
-        return None
+        log.debug("a chunk note that is not a list of vLLM BlockStored: %s", exc)
+        return []
+
+
+class PoolEvents:
+    """The scheduler side's KV events: the chunk feed of its link's engine, read on a thread
+    (:class:`~tierkv.integrations.feed_poller.FeedPoller`), as vLLM's events for blocks that
+    ``ranks`` parts make (:class:`RankedBlocks`)."""
+
+    def __init__(self, link: ServerLink, ranks: int, interval: float = POLL_INTERVAL) -> None:
+        self.blocks = RankedBlocks(ranks)
+        self.poller = FeedPoller(link, interval, "tierkv-kv-events").start()
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last take (never waits on the server)."""
+        changes = self.poller.take()
+        return self.blocks.events(changes) if changes else []
+
+    def close(self) -> None:
+        self.poller.close()

@@ -53,6 +53,19 @@ then tells vLLM to keep its blocks, and the workers report it finished sending o
 store ran, which frees them. Workers run steps in order: a store planned for a step reads its
 blocks before any later step can reuse them.
 
+KV events (vLLM's ``kv_events_config.enable_kv_cache_events``; off: none of this runs). Each
+store planned carries the notes of its chunks
+(:func:`~tierkv.integrations.vllm.kv_events.chunk_note`: the chunk's blocks as vLLM's
+``BlockStored`` describes them, one per KV cache group), which
+every rank that stores gives the server with its part (the notes are the same on every rank:
+with tensor parallelism each rank's part is a chunk of its own namespace, and the pool's events
+announce a chunk once every part is held). A thread reads the server's chunk feed for this
+engine's namespaces (:class:`~tierkv.integrations.feed_poller.FeedPoller`, every
+:data:`~tierkv.integrations.vllm.kv_events.POLL_INTERVAL`), and :meth:`SchedulerSide.take_events`
+hands vLLM the changes as events (``BlockStored``/``BlockRemoved`` with ``medium="CPU"``) in the
+step's batch. An engine that cannot load (``kv_producer``) announces nothing; one that cannot
+store (``kv_consumer``) gives no notes but announces what the others stored.
+
 Every RPC goes through :class:`ServerLink`: a slow or dead server is a miss, never a stall.
 """
 
@@ -60,7 +73,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,8 +90,10 @@ from tierkv.integrations.vllm.chunks import (
     full_chunks,
     has_null,
 )
+from tierkv.integrations.vllm.kv_events import NoteGroup, PoolEvents, chunk_note
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.server.chunk_feed import MAX_NOTE_BYTES
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -132,11 +147,16 @@ class SchedulerSide:
         world_size: int = 1,
         async_store: bool = False,
         shared_ranks: bool = False,
+        kv_events: bool = False,
+        note_groups: Sequence[NoteGroup] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``async_store``: the workers store on their store threads (see the module doc;
         the connector decides, :func:`~tierkv.integrations.vllm.settings.stores_async`).
-        ``shared_ranks``: every rank holds the same KV (MLA), see the module doc."""
+        ``shared_ranks``: every rank holds the same KV (MLA), see the module doc.
+        ``kv_events``: vLLM publishes KV events (see the module doc); ``note_groups``: the
+        KV cache groups the notes describe (None: no notes, as when the block hashes'
+        granularity is not the block size)."""
         self.settings = settings
         self.world_size = world_size  # ranks (workers) of this engine
         self.shared_ranks = shared_ranks
@@ -159,6 +179,11 @@ class SchedulerSide:
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler", log)
+        self.note_groups = tuple(note_groups) if kv_events and can_save and note_groups else ()
+        self._notes_too_large = False
+        # Ranks whose parts make a chunk: one namespace for all of them with MLA.
+        ranks = 1 if shared_ranks else world_size
+        self.events = PoolEvents(self.link, ranks) if kv_events and can_load else None
 
     @property
     def keyed_loads(self) -> bool:
@@ -395,12 +420,41 @@ class SchedulerSide:
                 hashes=tuple(selector["hashes"]) if "hashes" in selector else None,
                 tokens=selector.get("tokens"),
                 salt=state.salt,
+                notes=self._notes(state, first, done) if self.note_groups else None,
             )
         )
         state.stored_chunks += done - first
         state.saved_chunks = done
         state.stores_running = self.async_store
         return True
+
+    def _notes(self, state: RequestState, first: int, end: int) -> tuple[bytes, ...] | None:
+        """The notes of chunks ``[first, end)`` (KV events on); None where vLLM's block
+        hashes do not cover them (prefix caching off) or a note would be too large."""
+        bpc = self.bpc
+        try:
+            notes = tuple(
+                chunk_note(state.request, c * bpc, bpc, self.block_size, self.note_groups)
+                for c in range(first, end)
+            )
+        except ValueError:
+            return None
+        if max(map(len, notes)) > MAX_NOTE_BYTES:
+            if not self._notes_too_large:
+                self._notes_too_large = True
+                log.warning(
+                    "tierkv: a chunk's KV event note is over %d bytes (chunks of %d tokens): "
+                    "such chunks are stored without one, and never announced",
+                    MAX_NOTE_BYTES,
+                    self.chunk_size,
+                )
+            return None
+        return notes
+
+    def take_events(self) -> list[Any]:
+        """vLLM's KV events for what the pool began or stopped offering since the last call
+        (never waits on the server: a thread reads the feed)."""
+        return self.events.take() if self.events is not None else []
 
     def _storable_chunks(self, state: RequestState, computed: int) -> int:
         """Leading chunks whose tokens all have KV (``computed``) and known keys."""
@@ -528,6 +582,8 @@ class SchedulerSide:
             self._end_session(state)
         self.requests.clear()
         self._loads.clear()
+        if self.events is not None:
+            self.events.close()
         self.link.close()
 
 

@@ -50,6 +50,11 @@ Then, every step:
 
   Synchronously (a ``kv_producer``, or ``async_store`` off), the stores run in
   ``wait_for_save`` itself; ``meta.release`` then names requests whose last store just ran.
+
+With vLLM's KV events on, a store carries its chunks' notes (``StoreSpec.notes``, the same on
+every rank), and every rank that stores gives them to the server with its part: the server's
+chunk feed announces only noted chunks, and with tensor parallelism the scheduler announces a
+chunk's blocks once every rank's part is held (see :mod:`tierkv.integrations.vllm.kv_events`).
 """
 
 from __future__ import annotations
@@ -330,7 +335,9 @@ class WorkerSide:
         start = time.perf_counter()
         prepared = self.link.call(
             f"store of {spec.request_id}",
-            lambda c: c.prepare_store(first_chunk=spec.first_chunk, salt=spec.salt, **_keys(spec)),
+            lambda c: c.prepare_store(
+                first_chunk=spec.first_chunk, salt=spec.salt, notes=spec.notes, **_keys(spec)
+            ),
             None,
         )
         with self._lock:
@@ -467,6 +474,7 @@ class WorkerSide:
                     first_chunk=spec.first_chunk,
                     salt=spec.salt,
                     caller_copies=caller_copies,
+                    notes=spec.notes,
                     **_keys(spec),
                 ),
                 None,
