@@ -25,6 +25,7 @@ import msgspec
 # salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
 # (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup
 PROTOCOL_VERSION = 5
+MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note (PrepareStore.notes) at most
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):

@@ -37,7 +37,6 @@ from tierkv.protocol import ChunkEvent as Event
 
 MAX_EVENTS = 65536  # events the log keeps for readers that are behind
 MAX_LOG_NOTE_BYTES = 64 * 2**20  # notes the log keeps (each note is shared with the chunk)
-MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note at most
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.liveness import trackable
 from tierkv.pool import ShmPool
 from tierkv.priority import sharing_the_gil
-from tierkv.server.chunk_feed import MAX_NOTE_BYTES, ChunkFeed, SnapshotPages
+from tierkv.server.chunk_feed import ChunkFeed, SnapshotPages
 from tierkv.server.chunk_keys import ChunkKeys
 from tierkv.server.errors import RequestError
 from tierkv.server.metrics import ServiceMetrics
@@ -582,8 +582,8 @@ def _check_notes(notes: list[bytes], chunks: int) -> None:
         raise RequestError(
             p.ErrorCode.BAD_REQUEST, f"{len(notes)} notes for {chunks} chunks: give one per chunk"
         )
-    if notes and (largest := max(map(len, notes))) > MAX_NOTE_BYTES:
+    if notes and (largest := max(map(len, notes))) > p.MAX_NOTE_BYTES:
         raise RequestError(
             p.ErrorCode.BAD_REQUEST,
-            f"a chunk's note is {largest} bytes, more than {MAX_NOTE_BYTES}",
+            f"a chunk's note is {largest} bytes, more than {p.MAX_NOTE_BYTES}",
         )

@@ -78,6 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv import keys
+from tierkv import protocol as p
 from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import (
@@ -93,7 +94,6 @@ from tierkv.integrations.vllm.chunks import (
 from tierkv.integrations.vllm.kv_events import NoteGroup, PoolEvents, chunk_note
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
-from tierkv.server.chunk_feed import MAX_NOTE_BYTES
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -439,13 +439,13 @@ class SchedulerSide:
             )
         except ValueError:
             return None
-        if max(map(len, notes)) > MAX_NOTE_BYTES:
+        if max(map(len, notes)) > p.MAX_NOTE_BYTES:
             if not self._notes_too_large:
                 self._notes_too_large = True
                 log.warning(
                     "tierkv: a chunk's KV event note is over %d bytes (chunks of %d tokens): "
                     "such chunks are stored without one, and never announced",
-                    MAX_NOTE_BYTES,
+                    p.MAX_NOTE_BYTES,
                     self.chunk_size,
                 )
             return None
