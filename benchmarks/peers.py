@@ -46,7 +46,7 @@ from tierkv import keys as tk
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.cluster.directory import DirectoryReader
+from tierkv.cluster.ring_directory import DirectoryReader
 from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
 
 MIB = 1 << 20

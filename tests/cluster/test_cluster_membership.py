@@ -13,9 +13,10 @@ import pytest
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient, ControlServer
-from tierkv.cluster.directory import DirectoryReader, HashDirectory, Where
+from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
+from tierkv.cluster.ring_directory import DirectoryReader, HashDirectory
 from tierkv.config import ConfigError
 
 TOKEN = "s3cret"

@@ -14,8 +14,9 @@ import pytest
 from tierkv.cluster import digest
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.cluster.directory import HashDirectory, Shard, Where
+from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
+from tierkv.cluster.ring_directory import HashDirectory, Shard
 
 
 def random_keys(n: int, seed: int) -> list[bytes]:

@@ -30,9 +30,10 @@ from tierkv.cluster import messages as m
 from tierkv.cluster import router_lookup
 from tierkv.cluster.control import ControlClient, ControlServer
 from tierkv.cluster.controller_directory import ControllerDirectory
-from tierkv.cluster.directory import HashDirectory, Where
+from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
+from tierkv.cluster.ring_directory import HashDirectory
 from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.config import ServerConfig
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex

@@ -1,0 +1,848 @@
+"""The ring's directory (:class:`HashDirectory`, a :class:`~tierkv.cluster.directory.Directory`):
+decentralised, every member hosts a :class:`Shard` of it, and the consistent-hash ring
+(:mod:`tierkv.cluster.ring`) names the ``replicas`` owners of each key's entry.
+
+Writes are asynchronous: ``publish`` and ``unpublish`` only queue; a publisher thread drains
+the queue, groups the keys by owner and sends one batch per owner (all owners at once), so
+a commit never waits for the network. Entries held by this node's own shard are applied
+directly. Updates for an owner that is *suspect* (it timed out and has not answered since,
+:class:`~tierkv.cluster.control.ControlClient`) are not sent: they wait, merged, until it
+answers a probe again, so a silent owner costs one timeout, not one per store. Nothing else
+is retried; a node's own entries are written by that node only (a PUBLISH or UNPUBLISH
+naming it as holder is refused). A lost or wrong entry is repaired by the anti-entropy:
+every ``repair_interval`` seconds each node compares, with each owner (its own shard
+included), a summary of the entries that owner should list for it
+(:mod:`tierkv.cluster.digest`: per bucket of keys, a count and an XOR of entry hashes; the
+owner keeps its side up to date entry by entry), and where a bucket differs the owner lists
+its entries of that node there, and the node re-publishes what is missing or wrong and
+withdraws the rest (rounds are spaced further apart where they would take more than 1 % of a
+core). Entries of holders that are no members are dropped after a few rounds.
+A shard keeps every holder's entry of a key (none pushes another out: the repair would put
+it back and push the next out, for ever).
+
+Reads are batched: :meth:`HashDirectory.resolve` asks each key's first owner (this node
+first when it is one), all owners in one round trip; keys still unresolved (owner dead,
+entry not moved yet) are asked of the next replica, up to ``replicas`` rounds. Suspect
+owners are not asked at all: a key only they know is a miss at once, never a wait. Holders
+that are not live members are dropped.
+
+Membership changes rebalance: entries of departed or restarted holders are purged, entries
+move to the owners that are new for them (and leave a node that no longer owns them), and
+every node re-publishes what it holds to the owners that are new for those keys; so the
+directory heals itself after joins, leaves and restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from tierkv.cluster import digest
+from tierkv.cluster import messages as m
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
+from tierkv.cluster.membership import Membership
+from tierkv.cluster.ring import Ring
+from tierkv.keys import KEY_SIZE
+
+log = logging.getLogger(__name__)
+
+BATCH = 65536  # entries per message
+MAX_LISTED = 16 * BATCH  # entries an owner lists in one answer to a digest
+UNKNOWN_ROUNDS = 3  # repair rounds after which entries of a holder that is no member go
+REPAIR_CPU_SHARE = 0.01  # the anti-entropy's rounds are spaced to use at most this of a core
+_NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on request"
+DEFERRED_CHECK = 0.25  # seconds between checks whether a suspect owner answers again
+
+_T = TypeVar("_T")
+_WHERE = frozenset(int(w) for w in Where)
+
+
+def _valid(key: bytes, where: int) -> bool:
+    """An entry the ring can place and a resolve can read back; a buggy member's others are
+    dropped (one key of another length would fail every later rebalance)."""
+    return len(key) == KEY_SIZE and where in _WHERE
+
+
+class Shard:
+    """This node's part of the directory: key -> ((holder, incarnation, where), ...), one
+    entry per holder, newest last; and per holder, the summary of its entries that the
+    holder compares with its own (:mod:`tierkv.cluster.digest`), kept up to date entry by
+    entry."""
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, tuple[tuple[str, int, int], ...]] = {}
+        self._summaries = digest.Summaries()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _set(
+        self,
+        key: bytes,
+        entry: tuple[str, int, int],
+        added: list[tuple[str, bytes, int, int]],
+        removed: list[tuple[str, bytes, int, int]],
+    ) -> bool:
+        """Put ``entry`` for ``key`` in place of its holder's previous one, noting the
+        summaries' changes (lock held); False if it was there already."""
+        holder = entry[0]
+        old = self._entries.get(key, ())
+        for e in old:
+            if e[0] == holder:
+                if e == entry:
+                    return False
+                removed.append((holder, key, e[1], e[2]))
+                old = tuple(o for o in old if o[0] != holder)
+                break
+        self._entries[key] = (*old, entry)
+        added.append((holder, key, entry[1], entry[2]))
+        return True
+
+    def _cut(
+        self,
+        key: bytes,
+        old: tuple[tuple[str, int, int], ...],
+        gone: Callable[[tuple[str, int, int]], bool],
+        removed: list[tuple[str, bytes, int, int]],
+    ) -> int:
+        """Drop the entries of ``key`` that are ``gone``, noting them in ``removed`` (lock
+        held); returns how many."""
+        kept = tuple(e for e in old if not gone(e))
+        if len(kept) == len(old):
+            return 0
+        removed.extend((e[0], key, e[1], e[2]) for e in old if gone(e))
+        if kept:
+            self._entries[key] = kept
+        else:
+            del self._entries[key]
+        return len(old) - len(kept)
+
+    def _account(
+        self, added: list[tuple[str, bytes, int, int]], removed: list[tuple[str, bytes, int, int]]
+    ) -> None:
+        self._summaries.apply(removed, -1)
+        self._summaries.apply(added, 1)
+
+    def put(self, holder: str, incarnation: int, entries: Iterable[tuple[bytes, int]]) -> int:
+        n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            for key, where in entries:
+                self._set(key, (holder, incarnation, int(where)), added, removed)
+                n += 1
+            self._account(added, removed)
+        return n
+
+    def put_many(self, entries: Iterable[tuple[bytes, str, int, int]]) -> int:
+        n = 0
+        added: list[tuple[str, bytes, int, int]] = []
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            table = self._entries
+            for key, holder, incarnation, where in entries:
+                if any(e[0] == holder and e[1] > incarnation for e in table.get(key, ())):
+                    continue  # an entry of a previous life of that holder
+                self._set(key, (holder, incarnation, where), added, removed)
+                n += 1
+            self._account(added, removed)
+        return n
+
+    def remove(self, holder: str, keys: Iterable[bytes]) -> int:
+        n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            table = self._entries
+            for key in keys:
+                old = table.get(key)
+                if old and self._cut(key, old, lambda e: e[0] == holder, removed):
+                    n += 1
+            self._account([], removed)
+        return n
+
+    def get(self, keys: Sequence[bytes]) -> list[tuple[tuple[str, int, int], ...]]:
+        with self._lock:
+            table = self._entries
+            return [table.get(k, ()) for k in keys]
+
+    def purge(self, gone: dict[str, int]) -> int:
+        """Drop entries of holders that are gone (``gone``: node id -> the incarnation that
+        ended; entries of that holder with that incarnation or older go)."""
+        if not gone:
+            return 0
+        n = 0
+
+        def stale(e: tuple[str, int, int]) -> bool:
+            return e[0] in gone and e[1] <= gone[e[0]]
+
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            for key, old in list(self._entries.items()):
+                n += self._cut(key, old, stale, removed)
+            self._account([], removed)
+        return n
+
+    def drop_holders(self, holders: Iterable[str]) -> int:
+        """Drop every entry of ``holders``."""
+        out = set(holders)
+        if not out:
+            return 0
+        n = 0
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            for key, old in list(self._entries.items()):
+                n += self._cut(key, old, lambda e: e[0] in out, removed)
+            self._account([], removed)
+        return n
+
+    def items(self) -> list[tuple[bytes, tuple[tuple[str, int, int], ...]]]:
+        with self._lock:
+            return list(self._entries.items())
+
+    def drop(self, keys: Iterable[bytes]) -> None:
+        removed: list[tuple[str, bytes, int, int]] = []
+        with self._lock:
+            for key in keys:
+                old = self._entries.get(key)
+                if old:
+                    self._cut(key, old, lambda e: True, removed)
+            self._account([], removed)
+
+    # -- anti-entropy ----------------------------------------------------------------------
+    def summary(self, holder: str) -> digest.Summary:
+        """The summary of ``holder``'s entries here (O(1))."""
+        with self._lock:
+            return self._summaries.get(holder)
+
+    def holders(self) -> list[str]:
+        """The holders that have entries here."""
+        with self._lock:
+            return self._summaries.holders()
+
+    def entries_of(self, holder: str, buckets: Iterable[int]) -> list[tuple[bytes, int, int]]:
+        """``holder``'s entries in ``buckets``: ``(key, incarnation, where)`` (a scan of the
+        shard: only for summaries that differ)."""
+        wanted = set(buckets)
+        out: list[tuple[bytes, int, int]] = []
+        for key, entries in self.items():
+            for h, incarnation, where in entries:
+                if h == holder and digest.bucket(key) in wanted:
+                    out.append((key, incarnation, where))
+        return out
+
+
+class HashDirectory(Directory):
+    """The consistent-hash directory of one node."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        client: ControlClient,
+        held: Callable[[], list[tuple[bytes, Where]]],
+        replicas: int = 2,
+        vnodes: int = 160,
+        settle: float = 0.1,
+        republish_interval: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        repair_interval: float = 5.0,
+        claimed: Callable[[], list[tuple[bytes, Where]]] | None = None,
+    ) -> None:
+        """``held``: what this node holds, verified (re-published after membership changes
+        and every ``republish_interval``); ``claimed``: what it has published, as recorded
+        (cheaper; what the owners' entries are compared with every ``repair_interval``
+        seconds, 0: never; default: ``held``)."""
+        self.membership = membership
+        self.settle = settle
+        self.republish_interval = republish_interval
+        self.clock = clock
+        self.client = client
+        self.held = held
+        self.claimed = claimed or held
+        self.repair_interval = repair_interval
+        self.replicas = replicas
+        self.vnodes = vnodes
+        self.me = membership.me
+        self.shard = Shard()
+        self._applied = membership.alive()  # the view the last rebalance moved entries for
+        self._ring_cache: tuple[int, dict[str, m.MemberInfo], Ring] | None = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._queue = PublishQueue()
+        self._taken = 0  # the last ticket of the batch being sent
+        # Updates for suspect owners (publisher thread only): owner -> key -> Where or -1.
+        self._deferred: dict[str, dict[bytes, int]] = {}
+        self._deferred_check = 0.0
+        self._view_changed = False  # a membership change not yet applied
+        self._changed_at = 0.0
+        self._next_republish = clock() + republish_interval
+        self._next_repair = clock() + repair_interval if repair_interval > 0 else math.inf
+        self._unknown: dict[str, int] = {}  # holder not a member -> repair rounds it was not
+        self._stop = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self.counts: dict[str, int] = {
+            "published": 0,
+            "unpublished": 0,
+            "publish_batches": 0,
+            "publish_failures": 0,
+            "publish_waits": 0,  # commits that waited for their publish (read-your-writes)
+            "publish_wait_timeouts": 0,
+            "publish_deferred": 0,  # updates held back for a suspect owner
+            "publish_deferred_sent": 0,  # ... sent once it answered again
+            "publish_deferred_dropped": 0,  # ... dropped: the owner left
+            "resolves": 0,
+            "resolved_keys": 0,
+            "resolve_found": 0,
+            "resolve_rpcs": 0,
+            "resolve_skipped": 0,  # owners not asked: suspect
+            "served_resolves": 0,
+            "served_publish": 0,
+            "handoff_sent": 0,
+            "handoff_received": 0,
+            "republished": 0,
+            "purged": 0,
+            "rebalances": 0,
+            "repair_rounds": 0,  # anti-entropy: summaries compared with every owner
+            "repair_differences": 0,  # owners (this node included) whose entries differed
+            "repaired": 0,  # entries re-published or withdrawn by the anti-entropy
+            "served_digests": 0,
+            "unknown_purged": 0,  # entries of holders that are not members, dropped
+        }
+        membership.add_listener(self._membership_changed)
+
+    def current(self) -> tuple[dict[str, m.MemberInfo], Ring]:
+        """Live members and their ring, as membership sees them now (rebuilt on change)."""
+        version, members = self.membership.view()
+        cached = self._ring_cache
+        if cached is None or cached[0] != version:
+            cached = (version, members, Ring(members, self.vnodes, self.replicas))
+            self._ring_cache = cached
+        return cached[1], cached[2]
+
+    @property
+    def ring(self) -> Ring:
+        return self.current()[1]
+
+    # -- writes (queued) -------------------------------------------------------------------
+    def publish(self, keys: Sequence[bytes], where: Where = Where.POOL) -> int:
+        with self._cond:
+            ticket = self._queue.add(keys, where)
+            if keys:
+                self._cond.notify()
+            return ticket
+
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._queue.done(ticket) or self._stop, timeout)
+            self.counts["publish_waits"] += 1
+            if not done:
+                self.counts["publish_wait_timeouts"] += 1
+            return done
+
+    def unpublish(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        with self._cond:
+            self._queue.withdraw(keys)
+            self._cond.notify()
+
+    def _membership_changed(
+        self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
+    ) -> None:
+        with self._cond:
+            self._view_changed = True
+            self._changed_at = self.clock()
+            self._cond.notify()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the queue is empty and nothing is being sent (tests, benchmarks)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._view_changed and not self._busy, timeout
+            )
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="tierkv-cluster-pub", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._queue.mark_sent(self._taken)
+                self._cond.notify_all()
+                rebalance = self._next_work()
+                if self._stop:
+                    return
+                pending, self._taken = self._queue.take()
+                self._busy = True
+            try:
+                if rebalance:
+                    # Bursts of changes (a joiner learning the members one by one) are
+                    # applied once, from the last applied view to the current one.
+                    self._rebalance()
+                if pending:
+                    self._send_updates(pending)
+                if self._deferred and self.clock() >= self._deferred_check:
+                    self._send_deferred()
+                if self.clock() >= self._next_republish:
+                    self._next_republish = self.clock() + self.republish_interval
+                    self._republish_all()
+                if self.clock() >= self._next_repair:
+                    self._next_repair = self.clock() + self.repair_interval
+                    # At most REPAIR_CPU_SHARE of a core, however much this node holds.
+                    spacing = self._repair() / REPAIR_CPU_SHARE
+                    self._next_repair = max(self._next_repair, self.clock() + spacing)
+            except Exception:
+                log.exception("directory publisher failed")
+
+    def _next_work(self) -> bool:
+        """Wait (lock held) for queued updates, a settled membership change or the periodic
+        re-publish; returns whether a membership change settled (and is taken)."""
+        while not self._stop:
+            now = self.clock()
+            if self._view_changed and now >= self._changed_at + self.settle:
+                self._view_changed = False
+                return True
+            if self._queue or now >= min(self._next_republish, self._next_repair):
+                return False
+            if self._deferred and now >= self._deferred_check:
+                return False
+            wake = min(self._next_republish, self._next_repair)
+            if self._deferred:
+                wake = min(wake, self._deferred_check)
+            if self._view_changed:
+                wake = min(wake, self._changed_at + self.settle)
+            self._cond.wait(max(0.001, wake - now))
+        return False
+
+    def _republish_all(self) -> None:
+        """Anti-entropy: publish everything this node holds to every owner (repairs
+        updates lost to timeouts or to racing membership views)."""
+        held = self.held()
+        if held:
+            self._send_updates({key: int(where) for key, where in held})
+            log.debug("re-published %d entries", len(held))
+
+    def _send_updates(self, pending: dict[bytes, int]) -> None:
+        n_pub = sum(1 for w in pending.values() if w >= 0)
+        self.counts["published"] += n_pub
+        self.counts["unpublished"] += len(pending) - n_pub
+        pubs, unpubs = self._route(pending, self.current()[1])
+        self._defer_suspect(pubs, unpubs)
+        self._send_publishes(pubs)
+        me = self.me.node_id
+        self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
+
+    def _defer_suspect(
+        self, pubs: dict[str, list[tuple[bytes, int]]], unpubs: dict[str, list[bytes]]
+    ) -> None:
+        """Take the updates for suspect owners out of ``pubs`` and ``unpubs`` and keep them
+        (merged, the latest per key) until the owner answers again."""
+        members, _ = self.current()
+        for owner in set(pubs) | set(unpubs):
+            info = members.get(owner)
+            if info is None or not self.client.suspect(info.control):
+                continue
+            held = self._deferred.setdefault(owner, {})
+            entries = pubs.pop(owner, [])
+            keys = unpubs.pop(owner, [])
+            held.update(entries)
+            held.update(dict.fromkeys(keys, -1))
+            self.counts["publish_deferred"] += len(entries) + len(keys)
+        if self._deferred and not self._deferred_check:
+            self._deferred_check = self.clock() + DEFERRED_CHECK
+
+    def _send_deferred(self) -> None:
+        """Send what waited for owners that answer again; drop what waited for owners that
+        left (their successors got everything from the rebalance)."""
+        self._deferred_check = self.clock() + DEFERRED_CHECK
+        members, _ = self.current()
+        pubs: dict[str, list[tuple[bytes, int]]] = {}
+        unpubs: dict[str, list[bytes]] = {}
+        for owner, held in list(self._deferred.items()):
+            info = members.get(owner)
+            if info is None:
+                self.counts["publish_deferred_dropped"] += len(held)
+            elif self.client.suspect(info.control):
+                continue
+            else:
+                pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
+                unpubs[owner] = [k for k, w in held.items() if w < 0]
+                self.counts["publish_deferred_sent"] += len(held)
+            del self._deferred[owner]
+        if not self._deferred:
+            self._deferred_check = 0.0
+        if pubs or unpubs:
+            self._send_publishes({o: e for o, e in pubs.items() if e})
+            me = self.me.node_id
+            self._send(
+                {o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items() if k}
+            )
+
+    def _route(
+        self, updates: dict[bytes, int], ring: Ring
+    ) -> tuple[dict[str, list[tuple[bytes, int]]], dict[str, list[bytes]]]:
+        """Apply this node's own share of ``updates`` (key -> Where, or -1 to withdraw) to
+        its shard; return the rest by owner: (publishes, withdrawals)."""
+        keys = list(updates)
+        pubs: dict[str, list[tuple[bytes, int]]] = {}
+        unpubs: dict[str, list[bytes]] = {}
+        for key, owners in zip(keys, ring.owners_many(keys), strict=True):
+            where = updates[key]
+            for owner in owners:
+                if where < 0:
+                    unpubs.setdefault(owner, []).append(key)
+                else:
+                    pubs.setdefault(owner, []).append((key, where))
+        me = self.me.node_id
+        local_pub = pubs.pop(me, None)
+        if local_pub:
+            self.shard.put(me, self.me.incarnation, local_pub)
+        local_unpub = unpubs.pop(me, None)
+        if local_unpub:
+            self.shard.remove(me, local_unpub)
+        return pubs, unpubs
+
+    def _send_publishes(self, pubs: dict[str, list[tuple[bytes, int]]]) -> None:
+        me, inc = self.me.node_id, self.me.incarnation
+        self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
+
+    def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
+        """Send each owner its messages, every owner at once, one message each per round.
+        Suspect owners are skipped (publishes to them were deferred before)."""
+        members, _ = self.current()
+        rounds = max((len(v) for v in per_owner.values()), default=0)
+        for r in range(rounds):
+            calls: dict[str, m.Struct] = {}
+            for owner, msgs in per_owner.items():
+                info = members.get(owner)
+                if info is None or r >= len(msgs):
+                    continue
+                if self.client.suspect(info.control):
+                    self.counts["publish_failures"] += 1
+                    continue
+                calls[info.control] = msgs[r]
+            if not calls:
+                continue
+            self.counts["publish_batches"] += len(calls)
+            replies = self.client.call_many(calls)
+            failed = [a for a in calls if not isinstance(replies.get(a), m.Done)]
+            if failed:
+                self.counts["publish_failures"] += len(failed)
+                log.debug("directory update not acknowledged by %s", failed)
+
+    # -- anti-entropy ----------------------------------------------------------------------
+    def _repair(self) -> float:
+        """One anti-entropy round: compare, with every owner (this node included), the
+        summary of the entries it should list for this node with its own; where a bucket
+        differs, re-publish what it lacks or lists wrong and withdraw what this node does not
+        hold. Entries of holders that are no members for ``UNKNOWN_ROUNDS`` rounds go.
+        Returns the CPU seconds the comparison took (not the updates sent)."""
+        cpu = time.thread_time()
+        claims = self.claimed()
+        with self._cond:
+            if self._view_changed:
+                return 0.0  # the rebalance comes first (and re-publishes everything)
+            pending, self._taken = self._queue.take()
+        if pending:  # claimed before the snapshot: reaches the owners before the comparison
+            sending = time.thread_time()
+            self._send_updates(pending)
+            cpu += time.thread_time() - sending
+        self.counts["repair_rounds"] += 1
+        members, ring = self.current()
+        self._purge_unknown(members)
+        me, inc = self.me.node_id, self.me.incarnation
+        held = dict(claims)  # each key once
+        if not all(len(k) == KEY_SIZE for k in held):
+            held = {k: w for k, w in held.items() if _valid(k, w)}
+        keys = list(held)
+        arcs = ring.arcs(keys) if len(ring) else np.zeros(len(keys), dtype=np.intp)
+        expected = digest.Expected(keys, list(held.values()), inc, arcs, ring.arc_owners)
+        calls: dict[str, m.Struct] = {}
+        owner_at: dict[str, str] = {}
+        for owner, info in members.items():
+            summary = expected.summary(owner)
+            if owner == me:
+                buckets = digest.differing(summary, self.shard.summary(me))
+                if buckets:
+                    listed = self.shard.entries_of(me, buckets)
+                    pubs, unpubs = expected.differences(me, buckets, listed)
+                    self.shard.put(me, inc, pubs)
+                    self.shard.remove(me, unpubs)
+                    self._repaired(me, len(pubs) + len(unpubs))
+            elif not self.client.suspect(info.control):  # a silent owner costs no wait
+                calls[info.control] = m.Digest(0, me, *summary)
+                owner_at[info.control] = owner
+        fixes_pub: dict[str, list[tuple[bytes, int]]] = {}
+        fixes_unpub: dict[str, list[m.Struct]] = {}
+        for addr, reply in self.client.call_many(calls).items():
+            if not isinstance(reply, m.DigestDiff) or not reply.buckets:
+                continue
+            owner = owner_at[addr]
+            pubs, unpubs = expected.differences(owner, reply.buckets, reply.entries)
+            fixes_pub[owner] = pubs
+            fixes_unpub[owner] = [m.Unpublish(0, me, b) for b in _batches(unpubs)]
+            self._repaired(owner, len(pubs) + len(unpubs))
+        spent = time.thread_time() - cpu
+        self._send_publishes(fixes_pub)
+        self._send(fixes_unpub)
+        return spent
+
+    def _repaired(self, owner: str, n: int) -> None:
+        if not n:
+            return  # the buckets differed while entries changed: the next round tells
+        self.counts["repair_differences"] += 1
+        self.counts["repaired"] += n
+        log.info("directory owner %s listed %d entries of this node wrong: repaired", owner, n)
+
+    def _purge_unknown(self, members: Mapping[str, m.MemberInfo]) -> None:
+        """Drop the entries of holders that have not been members for ``UNKNOWN_ROUNDS``
+        rounds (a holder's publishes may come before its first heartbeat: not at once)."""
+        absent = [h for h in self.shard.holders() if h not in members]
+        self._unknown = {h: self._unknown.get(h, 0) + 1 for h in absent}
+        gone = [h for h, rounds in self._unknown.items() if rounds >= UNKNOWN_ROUNDS]
+        if gone:
+            n = self.shard.drop_holders(gone)
+            self.counts["unknown_purged"] += n
+            for h in gone:
+                del self._unknown[h]
+            log.info(
+                "directory: dropped %d entries of %d holders that are no members", n, len(gone)
+            )
+
+    # -- membership changes ----------------------------------------------------------------
+    def _rebalance(self) -> None:
+        old = self._applied
+        new, new_ring = self.current()
+        if old == new:
+            return
+        self.counts["rebalances"] += 1
+        self._applied = dict(new)
+        old_ring = Ring(old, self.vnodes, self.replicas)
+        for nid in set(old) - set(new):
+            self.client.forget(old[nid].control)
+        # Entries of holders that left or restarted are stale (their pools are gone);
+        # entries of holders this node has not heard of yet are kept.
+        gone = {nid: info.incarnation for nid, info in old.items() if new.get(nid) != info}
+        self.counts["purged"] += self.shard.purge(gone)
+        me = self.me.node_id
+        fresh = {nid for nid in new if nid not in old or old[nid] != new[nid]}
+
+        def new_owners(key_owners_old: tuple[str, ...], key_owners: tuple[str, ...]) -> list[str]:
+            return [o for o in key_owners if o != me and (o in fresh or o not in key_owners_old)]
+
+        # 1. Entries this node's shard holds move to their new owners.
+        handoff: dict[str, list[tuple[bytes, str, int, int]]] = {}
+        items = self.shard.items()
+        keys = [k for k, _ in items]
+        dropped: list[bytes] = []
+        for (key, entries), o_old, o_new in zip(
+            items, old_ring.owners_many(keys), new_ring.owners_many(keys), strict=True
+        ):
+            for owner in new_owners(o_old, o_new):
+                handoff.setdefault(owner, []).extend((key, *e) for e in entries)
+            if me not in o_new:
+                dropped.append(key)
+        self.shard.drop(dropped)
+        handed_off = sum(len(v) for v in handoff.values())
+        self.counts["handoff_sent"] += handed_off
+        self._send({o: [m.Handoff(0, b) for b in _batches(e)] for o, e in handoff.items()})
+
+        # 2. What this node holds is re-published to every owner: publishes made while the
+        # views of the members differed may have gone to owners that no longer are.
+        pubs, _ = self._route({key: int(where) for key, where in self.held()}, new_ring)
+        republished = sum(len(v) for v in pubs.values())
+        self.counts["republished"] += republished
+        self._defer_suspect(pubs, {})
+        self._send_publishes(pubs)
+        log.info(
+            "directory rebalanced: %d entries kept, %d handed off, %d dropped, %d re-published",
+            len(self.shard),
+            handed_off,
+            len(dropped),
+            republished,
+        )
+
+    # -- reads -----------------------------------------------------------------------------
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        if not keys:
+            return []
+        members, ring = self.current()
+        found, rpcs, skipped = resolve_keys(
+            keys, members, ring, self.client, self.me.node_id, self.shard.get
+        )
+        _, live = self.membership.view()
+        out = [[loc for loc in locs if loc.holder in live] for locs in found]
+        self.counts["resolves"] += 1
+        self.counts["resolved_keys"] += len(keys)
+        self.counts["resolve_rpcs"] += rpcs
+        self.counts["resolve_skipped"] += skipped
+        self.counts["resolve_found"] += sum(1 for locs in out if locs)
+        return out
+
+    # -- control handlers (on the control server thread) -----------------------------------
+    def on_publish(self, req: m.Publish) -> m.Done | m.Refused:
+        if req.holder == self.me.node_id:
+            return m.Refused(req.rid, _NOT_FROM_OUTSIDE)
+        self.counts["served_publish"] += 1
+        entries = [(k, w) for k, w in req.entries if _valid(k, w)]
+        return m.Done(req.rid, self.shard.put(req.holder, req.incarnation, entries))
+
+    def on_unpublish(self, req: m.Unpublish) -> m.Done | m.Refused:
+        if req.holder == self.me.node_id:
+            return m.Refused(req.rid, _NOT_FROM_OUTSIDE)
+        return m.Done(req.rid, self.shard.remove(req.holder, req.keys))
+
+    def on_handoff(self, req: m.Handoff) -> m.Done:
+        # This node's own entries are its own to write (see on_publish): never handed over.
+        me = self.me.node_id
+        n = self.shard.put_many([e for e in req.entries if _valid(e[0], e[3]) and e[1] != me])
+        self.counts["handoff_received"] += n
+        return m.Done(req.rid, n)
+
+    def on_digest(self, req: m.Digest) -> m.DigestDiff | m.Refused:
+        """A holder's summary of what this node should list for it: the buckets that differ
+        and this node's entries of that holder in them (at most ``MAX_LISTED``; the next
+        round lists the rest)."""
+        if len(req.counts) != digest.BUCKETS or len(req.hashes) != digest.BUCKETS:
+            return m.Refused(req.rid, f"a directory digest has {digest.BUCKETS} buckets")
+        self.counts["served_digests"] += 1
+        buckets = digest.differing((req.counts, req.hashes), self.shard.summary(req.holder))
+        entries = self.shard.entries_of(req.holder, buckets) if buckets else []
+        return m.DigestDiff(req.rid, buckets, entries[:MAX_LISTED])
+
+    def on_resolve(self, req: m.Resolve) -> m.Resolved:
+        self.counts["served_resolves"] += 1
+        holders: dict[str, int] = {}
+        found: list[tuple[int, int, int]] = []
+        for pos, entries in enumerate(self.shard.get(req.keys)):
+            for holder, _, where in entries:
+                h = holders.setdefault(holder, len(holders))
+                found.append((pos, h, where))
+        return m.Resolved(req.rid, list(holders), found)
+
+    def stats(self) -> dict[str, object]:
+        return {"entries": len(self.shard), "members": len(self.ring), **self.counts}
+
+
+def _batches(items: list[_T]) -> list[list[_T]]:
+    return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
+
+
+def resolve_keys(
+    keys: Sequence[bytes],
+    members: Mapping[str, m.MemberInfo],
+    ring: Ring,
+    client: ControlClient,
+    me: str = "",
+    local: Callable[[Sequence[bytes]], list[tuple[tuple[str, int, int], ...]]] | None = None,
+) -> tuple[list[list[Location]], int, int]:
+    """Holders of each key, the number of owner round trips it took, and the number of
+    owners skipped because they are suspect (silent since a timeout: never waited for).
+
+    Each key is asked of its first owner (``me`` first when it is one: ``local`` answers
+    without a round trip; suspect owners are not asked), every owner in one parallel round
+    trip; keys still unresolved are asked of the next replica, up to ``replicas`` rounds."""
+    n = len(keys)
+    found: list[list[Location]] = [[] for _ in range(n)]
+    orders: dict[tuple[str, ...], list[str]] = {}
+    suspect = {o: client.suspect(i.control) for o, i in members.items() if o != me}
+    skipped = 0
+
+    def order(owners: tuple[str, ...]) -> list[str]:
+        nonlocal skipped
+        ranked = orders.get(owners)
+        if ranked is None:
+            asked = [o for o in owners if not suspect.get(o, False)]
+            skipped += len(owners) - len(asked)
+            ranked = orders[owners] = sorted(asked, key=lambda o: (o != me, o not in members))
+        return ranked
+
+    choices = [order(o) for o in ring.owners_many(keys)]
+    remaining = list(range(n))
+    rpcs = 0
+    for attempt in range(max(1, ring.replicas)):
+        groups: dict[str, list[int]] = {}
+        for i in remaining:
+            if attempt < len(choices[i]):
+                groups.setdefault(choices[i][attempt], []).append(i)
+        if not groups:
+            break
+        mine = groups.pop(me, None)
+        if mine and local is not None:
+            for i, entries in zip(mine, local([keys[i] for i in mine]), strict=True):
+                found[i] = [Location(h, Where(w)) for h, _, w in entries]
+        asked = {o: idx for o, idx in groups.items() if o in members}
+        calls = {
+            members[o].control: m.Resolve(0, [keys[i] for i in idx]) for o, idx in asked.items()
+        }
+        by_addr = {members[o].control: idx for o, idx in asked.items()}
+        if calls:
+            rpcs += len(calls)
+            for addr, reply in client.call_many(calls).items():
+                if not isinstance(reply, m.Resolved):
+                    continue
+                idx = by_addr[addr]
+                for pos, h, w in reply.found:
+                    if 0 <= pos < len(idx) and 0 <= h < len(reply.holders):
+                        found[idx[pos]].append(Location(reply.holders[h], Where(w)))
+        remaining = [i for i in remaining if not found[i]]
+        if not remaining:
+            break
+    return found, rpcs, skipped
+
+
+class DirectoryReader:
+    """Read-only access to a cluster's directory from outside the cluster (tools,
+    benchmarks, dashboards): the member list comes from a seed, lookups go straight to the
+    owners, exactly as a member's own lookups do."""
+
+    def __init__(
+        self,
+        seed: str,
+        token: str,
+        timeout: float = 2.0,
+        replicas: int = 2,
+        vnodes: int = 160,
+    ) -> None:
+        self.seed = seed
+        self.client = ControlClient(token, timeout)
+        self.replicas = replicas
+        self.vnodes = vnodes
+        self.members: dict[str, m.MemberInfo] = {}
+        self.ring = Ring((), vnodes, replicas)
+
+    def refresh(self) -> dict[str, m.MemberInfo]:
+        reply = self.client.call(self.seed, m.GetMembers(0))
+        if isinstance(reply, m.Refused):
+            raise PermissionError(f"{self.seed} refused: {reply.reason}")
+        if not isinstance(reply, m.MemberList):
+            raise TimeoutError(f"no member list from {self.seed}")
+        self.members = {info.node_id: info for info in reply.members}
+        self.ring = Ring(self.members, self.vnodes, self.replicas)
+        return self.members
+
+    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
+        if not self.members:
+            self.refresh()
+        return resolve_keys(keys, self.members, self.ring, self.client)[0]
+
+    def close(self) -> None:
+        self.client.close()
