@@ -73,7 +73,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import heapq
+import itertools
 import logging
 import os
 import re
@@ -81,13 +81,12 @@ import shutil
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.copier import Copier
-from tierkv.keys import DIGEST_SIZE, KEY_SIZE
+from tierkv.keys import KEY_SIZE
 from tierkv.options import OptionError, Size, parse_size
 from tierkv.pieces import read_hashed, write_hashed
 from tierkv.tiers.base import (
@@ -102,6 +101,7 @@ from tierkv.tiers.base import (
     unpack_header,
     verify,
 )
+from tierkv.tiers.disk_index import DiskIndex
 
 log = logging.getLogger(__name__)
 
@@ -150,17 +150,6 @@ class DiskTierStats:
     removed_at_start: int  # leftover temporary files, foreign names, headerless, not files
     writes_disabled: bool
     disabled_reason: str
-
-
-class _Space:
-    """The files of one namespace: their bytes, and their keys in LRU order with the
-    recency stamp each was last used at (stamps order files across namespaces)."""
-
-    __slots__ = ("lru", "nbytes")
-
-    def __init__(self) -> None:
-        self.nbytes = 0
-        self.lru: OrderedDict[bytes, int] = OrderedDict()
 
 
 class _Counters:
@@ -254,14 +243,11 @@ class DiskTier(Tier):
         self.retry_interval = float(retry_interval)
 
         self._lock = threading.Lock()
-        # key -> (file size, generation), least recently used first.
-        self._index: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self._spaces: dict[bytes, _Space] = {}  # namespace digest -> its files
+        self._index = DiskIndex()  # the files held (under the lock)
         self._busy: dict[bytes, str] = {}  # key -> _STORE / _REMOVE, while its file changes
         self._cancelled: set[bytes] = set()  # in-flight stores a delete() overtook
-        self._bytes = 0
         self._reserved = 0  # bytes of stores in flight
-        self._seq = 0  # generations and temporary-file names
+        self._tmp_names = itertools.count(1)  # temporary files' names
         self._disabled = ""  # why writes are disabled ("" = enabled)
         self._next_probe = 0.0
         self._probing = False
@@ -308,7 +294,7 @@ class DiskTier(Tier):
         with self._lock:
             for key in keys:
                 if key in self._index:
-                    size = self._pop_locked(key)
+                    size = self._index.pop(key)
                     self._busy[key] = _REMOVE
                     held.append((key, size))
                 elif self._busy.get(key) == _STORE:
@@ -319,7 +305,7 @@ class DiskTier(Tier):
 
     def usage(self) -> TierUsage:
         with self._lock:
-            return TierUsage(len(self._index), self._bytes, self.capacity)
+            return TierUsage(len(self._index), self._index.nbytes, self.capacity)
 
     def close(self) -> None:
         """Stop taking stores and release the directory lock. Idempotent."""
@@ -352,31 +338,18 @@ class DiskTier(Tier):
         """Bytes held per namespace digest (all namespaces, or those of ``namespaces``
         that hold files)."""
         with self._lock:
-            spaces = self._spaces
-            if namespaces is None:
-                return {ns: space.nbytes for ns, space in spaces.items()}
-            return {ns: spaces[ns].nbytes for ns in namespaces if ns in spaces}
+            return self._index.namespace_usage(namespaces)
 
     def evict_oldest(self, namespaces: Collection[bytes], nbytes: int) -> list[tuple[bytes, int]]:
         """Evict the least recently used files of ``namespaces`` (oldest first across
         them) until ``nbytes`` are freed or none is left; returns (key, bytes) of each."""
         with self._lock:
-            spaces = [self._spaces[ns] for ns in namespaces if ns in self._spaces]
-            oldest = heapq.merge(
-                *(((stamp, key) for key, stamp in space.lru.items()) for space in spaces)
-            )
-            picked: list[bytes] = []
-            freed = 0
-            for _stamp, key in oldest:
-                if freed >= nbytes:
-                    break
-                picked.append(key)
-                freed += self._index[key][0]
-            victims = [(key, self._pop_locked(key)) for key in picked]
+            victims = self._index.pop_oldest_of(namespaces, nbytes)
+            picked = [key for key, _ in victims]
             for key in picked:
                 self._busy[key] = _REMOVE
             self._c.evictions += len(victims)
-            self._c.evicted_bytes += freed
+            self._c.evicted_bytes += sum(size for _, size in victims)
         self._remove_files(picked)
         return victims
 
@@ -393,7 +366,7 @@ class DiskTier(Tier):
             c = self._c
             return DiskTierStats(
                 objects=len(self._index),
-                bytes_used=self._bytes,
+                bytes_used=self._index.nbytes,
                 capacity=self.capacity,
                 stores=c.stores,
                 store_bytes=c.store_bytes,
@@ -434,7 +407,7 @@ class DiskTier(Tier):
         size = HEADER_SIZE + data.nbytes
         with self._lock:
             if key in self._index:
-                self._touch_locked(key)
+                self._index.touch(key)
                 self._c.store_skipped += 1
                 return True
             busy = self._busy.get(key)
@@ -455,8 +428,7 @@ class DiskTier(Tier):
                 return False
             self._busy[key] = _STORE
             self._reserved += size
-            self._seq += 1
-            seq = self._seq
+            seq = next(self._tmp_names)
         self._remove_files(victims)
         path = self.file_path(key)
         try:
@@ -477,7 +449,7 @@ class DiskTier(Tier):
             cancelled = key in self._cancelled
             if not cancelled:
                 del self._busy[key]
-                self._add_locked(key, size)
+                self._index.add(key, size)
                 self._c.stores += 1
                 self._c.store_bytes += data.nbytes
             else:
@@ -493,21 +465,18 @@ class DiskTier(Tier):
 
     def _make_room_locked(self, size: int) -> list[bytes] | None:
         """Make room for ``size`` more bytes by evicting LRU keys; None if it cannot fit."""
-        excess = self._bytes + self._reserved + size - self.capacity
+        held = self._index.nbytes
+        excess = held + self._reserved + size - self.capacity
         if excess <= 0:
             return []
-        if excess > self._bytes:
+        if excess > held:
             return None  # in-flight stores hold the rest
-        victims: list[bytes] = []
-        freed = 0
-        while freed < excess:
-            key = next(iter(self._index))
-            freed += self._pop_locked(key)
+        victims = self._index.pop_oldest(excess)
+        for key, _ in victims:
             self._busy[key] = _REMOVE
-            victims.append(key)
         self._c.evictions += len(victims)
-        self._c.evicted_bytes += freed
-        return victims
+        self._c.evicted_bytes += sum(size for _, size in victims)
+        return [key for key, _ in victims]
 
     def _may_write_locked(self) -> bool:
         """Whether this store may write; while writes are disabled, claims the one probe."""
@@ -608,7 +577,7 @@ class DiskTier(Tier):
             if entry is None:
                 self._c.misses += 1
                 return LoadStatus.MISSING
-            self._touch_locked(key)
+            self._index.touch(key)
         gen = entry[1]
         path = self.file_path(key)
         try:
@@ -700,44 +669,11 @@ class DiskTier(Tier):
             entry = self._index.get(key)
             if entry is None or entry[1] != gen:
                 return
-            self._pop_locked(key)
+            self._index.pop(key)
             if not unlink:
                 return
             self._busy[key] = _REMOVE
         self._remove_files([key])
-
-    # -- the index (callers hold the lock) ---------------------------------------------------
-    def _add_locked(self, key: bytes, size: int) -> None:
-        """Index ``key``'s complete file, as the most recently used."""
-        self._seq += 1
-        self._index[key] = (size, self._seq)
-        self._bytes += size
-        ns = key[:DIGEST_SIZE]
-        space = self._spaces.get(ns)
-        if space is None:
-            space = self._spaces[ns] = _Space()
-        space.lru[key] = self._seq
-        space.nbytes += size
-
-    def _pop_locked(self, key: bytes) -> int:
-        """Drop ``key`` (indexed) from the index; returns its file's size."""
-        size = self._index.pop(key)[0]
-        self._bytes -= size
-        ns = key[:DIGEST_SIZE]
-        space = self._spaces[ns]
-        del space.lru[key]
-        space.nbytes -= size
-        if not space.lru:
-            del self._spaces[ns]
-        return size
-
-    def _touch_locked(self, key: bytes) -> None:
-        """Make ``key`` (indexed) the most recently used."""
-        self._index.move_to_end(key)
-        self._seq += 1
-        lru = self._spaces[key[:DIGEST_SIZE]].lru
-        lru.move_to_end(key)
-        lru[key] = self._seq
 
     # -- files -----------------------------------------------------------------------------
     def _remove_files(self, keys: list[bytes]) -> None:
@@ -843,7 +779,7 @@ class DiskTier(Tier):
         found.sort()
         with self._lock:
             for _mtime, key, size in found:
-                self._add_locked(key, size)
+                self._index.add(key, size)
             self._c.removed_at_start += removed
             # Evict down to the capacity if it shrank since the last run (nothing is in
             # flight yet, so this never returns None).
@@ -854,7 +790,7 @@ class DiskTier(Tier):
             "(%d leftover files removed, %d evicted to fit capacity)",
             self.path,
             len(self._index),
-            self._bytes,
+            self._index.nbytes,
             self.capacity,
             time.monotonic() - started,
             removed,
@@ -874,13 +810,13 @@ class DiskTier(Tier):
             free = shutil.disk_usage(self.path).free
         except OSError:
             return
-        if self._bytes + free < self.capacity:
+        if self._index.nbytes + free < self.capacity:
             log.warning(
                 "disk tier %s: capacity %d bytes exceeds what the filesystem can hold "
                 "(%d held + %d free); writes will stop when it fills",
                 self.path,
                 self.capacity,
-                self._bytes,
+                self._index.nbytes,
                 free,
             )
 
