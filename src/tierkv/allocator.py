@@ -15,7 +15,6 @@ index lock.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
 
 DEFAULT_ALIGNMENT = 4096
 
@@ -85,26 +84,6 @@ class Allocator:
                 return start
         return None
 
-    def allocate_batch(self, sizes: Sequence[int]) -> list[int] | None:
-        """Offsets for every size, or None (and nothing allocated) if any does not fit.
-
-        A bad size raises AllocatorError before anything is allocated. Rolling back restores
-        the exact previous state: the free list is fully coalesced, so it only depends on the
-        set of live blocks.
-        """
-        sizes = list(sizes)
-        for size in sizes:
-            if size <= 0:
-                raise AllocatorError(f"allocation size must be positive, got {size}")
-        out: list[int] = []
-        for size in sizes:
-            offset = self.allocate(size)
-            if offset is None:
-                self.free_many(out)
-                return None
-            out.append(offset)
-        return out
-
     def free(self, offset: int, size: int | None = None) -> None:
         """Give a block back; ``size``, when given, must match what was allocated."""
         length = self._allocated.pop(offset, None)
@@ -117,10 +96,6 @@ class Allocator:
             )
         self._used -= length
         self._insert_free(offset, length)
-
-    def free_many(self, offsets: Iterable[int]) -> None:
-        for offset in offsets:
-            self.free(offset)
 
     def size_of(self, offset: int) -> int | None:
         """Aligned size of the allocated block at ``offset``, or None."""

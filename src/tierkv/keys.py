@@ -403,8 +403,3 @@ def keys_from_hashes(
         folded = raw if len(raw) == DIGEST_SIZE else digest16(raw)
         out.append(namespace_digest + folded)
     return out
-
-
-def namespace_of(key: ChunkKey) -> bytes:
-    """The namespace digest a key belongs to."""
-    return key[:DIGEST_SIZE]

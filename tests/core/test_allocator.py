@@ -24,6 +24,20 @@ KIB = 1024
 MIB = 1024 * KIB
 
 
+def allocate_all(a: Allocator, sizes: list[int]) -> list[int] | None:
+    """Offsets for every size, or None with nothing allocated (freed again) if any does not
+    fit: the exact previous state comes back, as the free list is fully coalesced."""
+    out: list[int] = []
+    for size in sizes:
+        offset = a.allocate(size)
+        if offset is None:
+            for offset in out:
+                a.free(offset)
+            return None
+        out.append(offset)
+    return out
+
+
 def snapshot(a: Allocator) -> tuple[Any, ...]:
     """Everything that makes up the allocator's state, public figures and free list."""
     return (
@@ -174,7 +188,7 @@ def test_first_fit_reuses_the_lowest_hole_that_fits() -> None:
 
 def test_freeing_coalesces_with_both_neighbours() -> None:
     a = Allocator(16 * 4096, 4096)
-    assert a.allocate_batch([4096] * 4) == [0, 4096, 8192, 12288]
+    assert allocate_all(a, [4096] * 4) == [0, 4096, 8192, 12288]
     x, y, z, w = 0, 4096, 8192, 12288
     a.free(x)
     a.free(z)
@@ -209,44 +223,18 @@ def test_full_pool_returns_none_and_fragmentation_shows_in_largest_free() -> Non
 # -- batches -------------------------------------------------------------------------------
 
 
-def test_allocate_batch_success() -> None:
-    a = Allocator(MIB, 4096)
-    offsets = a.allocate_batch([1, 4096, 4097])
-    assert offsets == [0, 4096, 8192]
-    assert a.used == 4 * 4096
-    assert a.allocations == 3
-    assert a.allocate_batch([]) == []
-    a.check()
-
-
-def test_allocate_batch_is_all_or_nothing() -> None:
+def test_freeing_what_was_just_allocated_restores_the_exact_free_list() -> None:
     a = Allocator(16 * 4096, 4096)
     keep = [a.allocate(4096) for _ in range(4)]
     assert keep[1] is not None
     a.free(keep[1])  # a hole, so a rollback must restore a fragmented free list exactly
     before = snapshot(a)
-    assert a.allocate_batch([4096, 4096, 8 * 4096, 4 * 4096]) is None
+    assert allocate_all(a, [4096, 4096, 8 * 4096, 4 * 4096]) is None
     assert snapshot(a) == before
     a.check()
     # The same batch minus the item that did not fit goes through.
-    assert a.allocate_batch([4096, 4096, 8 * 4096]) == [4096, 4 * 4096, 5 * 4096]
+    assert allocate_all(a, [4096, 4096, 8 * 4096]) == [4096, 4 * 4096, 5 * 4096]
     a.check()
-
-
-def test_allocate_batch_with_a_bad_size_raises_and_allocates_nothing() -> None:
-    a = Allocator(MIB)
-    a.allocate(4096)
-    before = snapshot(a)
-    with pytest.raises(AllocatorError, match="positive"):
-        a.allocate_batch([4096, 4096, 0, 4096])
-    assert snapshot(a) == before
-    a.check()
-
-
-def test_allocate_batch_accepts_any_iterable_sequence() -> None:
-    a = Allocator(MIB)
-    assert a.allocate_batch((4096, 4096)) == [0, 4096]
-    assert a.allocate_batch(range(1, 3)) == [8192, 12288]
 
 
 # -- figures, reset, check -----------------------------------------------------------------
@@ -288,11 +276,12 @@ def test_free_is_the_method_and_free_bytes_the_figure() -> None:
     assert isinstance(a.free_bytes, int)
 
 
-def test_free_many_and_reset() -> None:
+def test_frees_and_reset() -> None:
     a = Allocator(MIB)
-    offsets = a.allocate_batch([4096] * 10)
+    offsets = allocate_all(a, [4096] * 10)
     assert offsets is not None
-    a.free_many(offsets[:5])
+    for offset in offsets[:5]:
+        a.free(offset)
     assert a.allocations == 5
     a.check()
     a.reset()
@@ -382,7 +371,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def allocate_batch(self, data: st.DataObject) -> None:
         sizes = data.draw(st.lists(self.sizes(), max_size=6))
         before = snapshot(self.alloc)
-        got = self.alloc.allocate_batch(sizes)
+        got = allocate_all(self.alloc, sizes)
         if got is None:
             assert snapshot(self.alloc) == before
             return
@@ -491,6 +480,7 @@ def test_random_sequences_coalesce_back_to_one_block(
         for (_, end), (start, _) in itertools.pairwise(ends):
             assert end <= start
         assert all(off % alignment == 0 and end <= a.capacity for off, end in ends)
-    a.free_many(list(live))
+    for offset in list(live):
+        a.free(offset)
     a.check()
     assert a.free_blocks == 1 and a.largest_free == a.capacity and a.used == 0
