@@ -5,7 +5,7 @@ In one process, with the real code (:mod:`tierkv.cluster.digest`, the directory'
 ``--members`` members (two replicas):
 
 - holder, every round: hash what it holds and summarise it for every owner (what
-  ``HashDirectory._repair`` computes before it sends one small DIGEST per owner). The bound,
+  ``RingDirectory._repair`` computes before it sends one small DIGEST per owner). The bound,
   measured in the same run: ``Ring.owners_many`` over the same keys, which routing a
   publish of them costs anyway. Also as a share of one core at the default interval (the
   directory spaces rounds further apart where they would take more than 1 % of a core).
@@ -70,7 +70,7 @@ def main() -> None:
 
     def holder_round() -> None:
         """What a repair round computes before it sends one DIGEST per owner."""
-        held = dict(claims)  # what HashDirectory._repair does with the node's claims
+        held = dict(claims)  # what RingDirectory._repair does with the node's claims
         keys = list(held)
         expected = digest.Expected(keys, list(held.values()), 7, ring.arcs(keys), ring.arc_owners)
         for owner in members:

@@ -1,12 +1,12 @@
 """Watermark eviction: a background thread that keeps the pool below its high watermark.
 
-When pool usage rises above ``high`` (a fraction of capacity, 0.8 by default) the controller
+When pool usage rises above ``high`` (a fraction of capacity, 0.8 by default) the evictor
 evicts least-recently-used objects that no lease holds until usage is at or below ``low``
 (0.7 by default); read-locked objects are out of the LRU, pinned ones (queued for the
 write-behind) keep their place in it and are stepped over. It also expires overdue leases,
 so a crashed engine's locks are reclaimed even when no request arrives. Stores never wait
 for it: a reservation that does not fit is skipped and the store path merely wakes the
-controller.
+evictor.
 
 A pass evicts in batches of at most ``batch`` objects, each under the index lock, and lets
 other threads run between two (the lock released, the GIL given up): the RPC loop's next
@@ -38,7 +38,7 @@ DEFAULT_INTERVAL = 0.1
 DEFAULT_BATCH = 16  # objects evicted under one hold of the index lock
 
 
-class EvictionController:
+class Evictor:
     """Runs :meth:`run_once` every ``interval`` seconds, or at once when woken."""
 
     def __init__(
@@ -68,7 +68,7 @@ class EvictionController:
         self._low_bytes = int(low * index.capacity)
 
     def add_listener(self, listener: EvictListener) -> None:
-        """Called (outside the index lock, on the controller thread) with each evicted batch."""
+        """Called (outside the index lock, on the evictor thread) with each evicted batch."""
         self._listeners.append(listener)
 
     def above_high_watermark(self) -> bool:
@@ -118,7 +118,7 @@ class EvictionController:
         return evicted
 
     def alive(self) -> bool:
-        """Whether the controller thread is running (for health checks)."""
+        """Whether the evictor thread is running (for health checks)."""
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:

@@ -72,19 +72,19 @@ class Holder(enum.IntEnum):
     PEER_PROMOTE = -4  # reservations of disk chunks promoted for a peer
 
 
-class IndexError_(Exception):
+class LeaseError(Exception):
     """A request that refers to leases or slots the caller does not hold."""
 
 
-class LeaseNotFound(IndexError_):
+class LeaseNotFound(LeaseError):
     """The lease id is unknown: never issued, already ended, or expired."""
 
 
-class LeaseNotOwned(IndexError_):
+class LeaseNotOwned(LeaseError):
     """The lease belongs to another holder."""
 
 
-class SlotPositionError(IndexError_, IndexError):
+class SlotPositionError(LeaseError, IndexError):
     """``commit(only=...)`` named positions outside the lease (also a builtin IndexError)."""
 
 

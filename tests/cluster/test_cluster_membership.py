@@ -16,7 +16,7 @@ from tierkv.cluster.control import ControlClient, ControlServer
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
-from tierkv.cluster.ring_directory import DirectoryReader, HashDirectory
+from tierkv.cluster.ring_directory import DirectoryReader, RingDirectory
 from tierkv.config import ConfigError
 
 TOKEN = "s3cret"
@@ -52,7 +52,7 @@ class Mini:
         self.me = m.MemberInfo(self.addr, control, "127.0.0.1:1", time.time_ns())
         self.held: list[tuple[bytes, Where]] = []
         self.membership = Membership(self.me, seeds, self.client, INTERVAL, TTL)
-        self.directory = HashDirectory(self.membership, self.client, lambda: list(self.held))
+        self.directory = RingDirectory(self.membership, self.client, lambda: list(self.held))
         self.server.handlers.update(
             {
                 m.Heartbeat: self.membership.on_heartbeat,

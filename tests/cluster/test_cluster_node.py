@@ -15,7 +15,7 @@ from tierkv.allocator import Allocator
 from tierkv.cluster.controller_messages import NamespaceInfo
 from tierkv.cluster.directory import Where
 from tierkv.cluster.node import KNOWN_NAMESPACE_GRACE, ClusterNode, ClusterSettings
-from tierkv.cluster.router_lookup import LookupError_
+from tierkv.cluster.router_lookup import RouterQueryError
 from tierkv.config import ConfigError, ServerConfig, from_mapping
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool
@@ -193,7 +193,7 @@ def test_a_gone_engines_namespace_is_remembered_for_a_grace_then_forgotten(
         assert node.router_lookup(query) == {"chunks": 1, "instances": []}
         clock[0] += 1
         node._held()
-        with pytest.raises(LookupError_, match="no engine of model 'm'"):
+        with pytest.raises(RouterQueryError, match="no engine of model 'm'"):
             node.router_lookup(query)
     finally:
         node.close()

@@ -16,7 +16,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
-from tierkv.cluster.ring_directory import HashDirectory, Shard
+from tierkv.cluster.ring_directory import RingDirectory, Shard
 
 
 def random_keys(n: int, seed: int) -> list[bytes]:
@@ -100,12 +100,12 @@ def test_shard_summaries_stay_exact_through_every_change() -> None:
 
 
 @pytest.fixture
-def alone() -> Iterator[HashDirectory]:
+def alone() -> Iterator[RingDirectory]:
     """The directory of a node that is its own only member (it owns every key)."""
     me = m.MemberInfo("127.0.0.1:1", "127.0.0.1:1", "127.0.0.1:2", 42)
     client = ControlClient("secret", 0.2)
     held = [(k, Where.POOL) for k in random_keys(50, 4)]
-    directory = HashDirectory(
+    directory = RingDirectory(
         Membership(me, [], client), client, lambda: list(held), repair_interval=0.05
     )
     directory.publish([k for k, _ in held])
@@ -117,7 +117,7 @@ def alone() -> Iterator[HashDirectory]:
         client.close()
 
 
-def test_a_node_repairs_its_own_shards_entries_of_itself(alone: HashDirectory) -> None:
+def test_a_node_repairs_its_own_shards_entries_of_itself(alone: RingDirectory) -> None:
     keys = [k for k, _ in alone.held()]
     me = alone.me.node_id
     assert alone.flush()

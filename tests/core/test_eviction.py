@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tierkv.allocator import Allocator
-from tierkv.eviction import EvictionController
+from tierkv.eviction import Evictor
 from tierkv.index import Evicted, ObjectIndex
 
 BLOCK = 4096
@@ -30,7 +30,7 @@ class FakeClock:
         return self.now
 
 
-class CountingController(EvictionController):
+class CountingController(Evictor):
     """Counts finished passes so that tests can wait for the thread deterministically."""
 
     guard = GUARD  # seconds ``wait_for_fresh_pass`` waits before declaring the thread hung
@@ -94,18 +94,18 @@ def fill(index: ObjectIndex, first: int, n: int, blocks: int = 1) -> list[bytes]
 )
 def test_invalid_settings_are_rejected(high: float, low: float, interval: float) -> None:
     with pytest.raises(ValueError):
-        EvictionController(make(), high=high, low=low, interval=interval)
+        Evictor(make(), high=high, low=low, interval=interval)
 
 
 def test_valid_extremes_are_accepted() -> None:
-    EvictionController(make(), high=1.0, low=1.0)
-    EvictionController(make(), high=0.5, low=0.5)
-    EvictionController(make(), high=1.0, low=0.01, interval=0.001)
+    Evictor(make(), high=1.0, low=1.0)
+    Evictor(make(), high=0.5, low=0.5)
+    Evictor(make(), high=1.0, low=0.01, interval=0.001)
 
 
 def test_nothing_happens_at_or_below_the_high_watermark() -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     fill(index, 0, 8)  # exactly at high
     assert not controller.above_high_watermark()
     assert controller.run_once() == []
@@ -115,7 +115,7 @@ def test_nothing_happens_at_or_below_the_high_watermark() -> None:
 
 def test_above_high_evicts_lru_first_down_to_low() -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     keys = fill(index, 0, 9)
     assert controller.above_high_watermark()
     evicted = controller.run_once()
@@ -129,7 +129,7 @@ def test_a_pass_evicts_in_batches_with_the_index_lock_released_between_them() ->
     """Each batch is one call into the index (one hold of its lock); the pass still
     evicts least recently used first, down to low, and reports one list."""
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW, batch=1)
+    controller = Evictor(index, high=HIGH, low=LOW, batch=1)
     calls: list[int | None] = []
     evict = index.evict
 
@@ -145,12 +145,12 @@ def test_a_pass_evicts_in_batches_with_the_index_lock_released_between_them() ->
     assert calls == [1, 1, 1, 1]
     assert index.used == 5 * BLOCK
     with pytest.raises(ValueError, match="batch"):
-        EvictionController(make(), batch=0)
+        Evictor(make(), batch=0)
 
 
 def test_eviction_stops_as_soon_as_usage_is_at_or_below_low() -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     fill(index, 0, 3, blocks=3)  # 9 blocks
     evicted = controller.run_once()
     assert [e.key for e in evicted] == [k(0), k(1)]  # 9 -> 6 is still above 5
@@ -159,7 +159,7 @@ def test_eviction_stops_as_soon_as_usage_is_at_or_below_low() -> None:
 
 def test_locked_objects_are_skipped_even_if_low_is_not_reached() -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     keys = fill(index, 0, 9)
     index.lock_read(keys[:7], HOLDER)
     index.reserve_write([k(99)], BLOCK, HOLDER)  # 10 blocks
@@ -173,7 +173,7 @@ def test_locked_objects_are_skipped_even_if_low_is_not_reached() -> None:
 def test_run_once_expires_leases_with_a_fake_clock() -> None:
     clock = FakeClock()
     index = make(clock)
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     keys = fill(index, 0, 3)
     index.lock_read(keys, HOLDER)
     index.reserve_write([k(10), k(11)], BLOCK, HOLDER)
@@ -191,7 +191,7 @@ def test_run_once_expires_leases_with_a_fake_clock() -> None:
 def test_expiry_makes_room_for_eviction_in_the_same_pass() -> None:
     clock = FakeClock()
     index = make(clock)
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     keys = fill(index, 0, 9)
     index.lock_read(keys, HOLDER)
     assert controller.run_once() == []  # everything locked
@@ -204,7 +204,7 @@ def test_listeners_get_each_evicted_batch_and_a_raising_one_is_contained(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     batches: list[list[Evicted]] = []
 
     def broken(batch: list[Evicted]) -> None:
@@ -258,7 +258,7 @@ def test_thread_evicts_when_woken_and_survives_a_raising_listener() -> None:
 
 def test_wake_if_needed_only_wakes_above_high() -> None:
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     fill(index, 0, 8)
     controller.wake_if_needed()
     assert not controller._wake.is_set()
@@ -383,7 +383,7 @@ def test_a_miss_right_after_an_eviction_knows_it_was_evicted() -> None:
     from tierkv.server.tiering.lookups import LookupAccounting
 
     index = make()
-    controller = EvictionController(index, high=HIGH, low=LOW)
+    controller = Evictor(index, high=HIGH, low=LOW)
     lookups = LookupAccounting(ServiceMetrics(controller), index)
     keys = fill(index, 0, 9)
     evicted = index.evict(2 * BLOCK, max_objects=2)  # one batch of a pass, no listener yet

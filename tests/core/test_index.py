@@ -20,8 +20,8 @@ from tierkv.allocator import Allocator
 from tierkv.index import (
     CommitResult,
     Evicted,
-    IndexError_,
     IndexStats,
+    LeaseError,
     LeaseNotFound,
     LeaseNotOwned,
     ObjectIndex,
@@ -269,7 +269,7 @@ def test_commit_only_out_of_range_changes_nothing() -> None:
     before = index.stats()
     with pytest.raises(SlotPositionError):
         index.commit(res.lease_id, ALICE, only=[0, 2])
-    with pytest.raises(IndexError_):
+    with pytest.raises(LeaseError):
         index.commit(res.lease_id, ALICE, only=[-1])
     with pytest.raises(IndexError):  # also a builtin IndexError
         index.commit(res.lease_id, ALICE, only=[5])
@@ -1189,7 +1189,7 @@ class IndexModel(RuleBasedStateMachine):
             and subset is not None
             and any(p >= len(self.leases[lease_id].entries) for p in subset)
         ):
-            error = IndexError_
+            error = LeaseError
         if error is not None:
             with pytest.raises(error):
                 self.index.commit(lease_id, holder, subset)

@@ -23,7 +23,7 @@ import pytest
 import test_eviction
 
 from tierkv.allocator import Allocator
-from tierkv.eviction import EvictionController
+from tierkv.eviction import Evictor
 from tierkv.index import Evicted, LeaseNotFound, ObjectIndex
 
 BLOCK = 4096
@@ -76,7 +76,7 @@ class Worker(threading.Thread):
     def __init__(
         self,
         index: ObjectIndex,
-        controller: EvictionController,
+        controller: Evictor,
         pool: bytearray,
         holder: int,
         crash: bool,
@@ -283,7 +283,7 @@ def assert_settled(index: ObjectIndex) -> None:
 
 
 def run_workers(
-    index: ObjectIndex, controller: EvictionController, crash: bool, clock: FakeClock | None
+    index: ObjectIndex, controller: Evictor, crash: bool, clock: FakeClock | None
 ) -> Counter[str]:
     pool = bytearray(POOL_BLOCKS * BLOCK)
     barrier = threading.Barrier(THREADS)

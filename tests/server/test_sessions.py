@@ -14,7 +14,7 @@ import pytest
 
 from support.memtier import CHUNK, WAIT, MemTier, key, payload
 from tierkv.allocator import Allocator
-from tierkv.eviction import EvictionController
+from tierkv.eviction import Evictor
 from tierkv.index import ObjectIndex
 from tierkv.keys import LazyChunkKeys, Namespace, chunk_keys
 from tierkv.pool import ShmPool
@@ -66,7 +66,7 @@ def env() -> Iterator[Env]:
     pool = ShmPool.create(f"tierkv-test-sess-{uuid.uuid4().hex[:8]}", 32 * CHUNK)
     clock = Clock()
     index = ObjectIndex(Allocator(pool.size, 4096), 600.0, 300.0, clock=clock)
-    eviction = EvictionController(index)
+    eviction = Evictor(index)
     metrics = ServiceMetrics(eviction)
     lookups = LookupAccounting(metrics, index)
     tier = MemTier()

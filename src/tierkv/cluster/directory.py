@@ -2,7 +2,7 @@
 
 :class:`Directory` is what a node needs from any directory, and :class:`PublishQueue` the
 queue of publishes and withdrawals both implementations send from: the ring's
-(:class:`tierkv.cluster.ring_directory.HashDirectory`: every member hosts a shard of it) and
+(:class:`tierkv.cluster.ring_directory.RingDirectory`: every member hosts a shard of it) and
 the controller's (:class:`tierkv.cluster.controller_directory.ControllerDirectory`: one
 registry process).
 """

@@ -33,7 +33,7 @@ from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.peer_tier import PeerTier
-from tierkv.cluster.ring_directory import HashDirectory
+from tierkv.cluster.ring_directory import RingDirectory
 from tierkv.cluster.transport import Served, TcpTransport
 from tierkv.config import ServerConfig
 from tierkv.index import Evicted, Holder, LeaseNotFound, ObjectIndex
@@ -110,7 +110,7 @@ class ClusterNode:
     the address of its control socket, which is known only once it is bound."""
 
     membership: Membership | None  # None in controller mode
-    directory: HashDirectory | ControllerDirectory
+    directory: RingDirectory | ControllerDirectory
     tier: PeerTier
     me: m.MemberInfo
 
@@ -214,7 +214,7 @@ class ClusterNode:
             settings.heartbeat_interval,
             settings.member_ttl,
         )
-        directory = HashDirectory(
+        directory = RingDirectory(
             membership,
             self.client,
             self._held,

@@ -1,4 +1,4 @@
-"""The ring's directory (:class:`HashDirectory`, a :class:`~tierkv.cluster.directory.Directory`):
+"""The ring's directory (:class:`RingDirectory`, a :class:`~tierkv.cluster.directory.Directory`):
 decentralised, every member hosts a :class:`Shard` of it, and the consistent-hash ring
 (:mod:`tierkv.cluster.ring`) names the ``replicas`` owners of each key's entry.
 
@@ -20,7 +20,7 @@ core). Entries of holders that are no members are dropped after a few rounds.
 A shard keeps every holder's entry of a key (none pushes another out: the repair would put
 it back and push the next out, for ever).
 
-Reads are batched: :meth:`HashDirectory.resolve` asks each key's first owner (this node
+Reads are batched: :meth:`RingDirectory.resolve` asks each key's first owner (this node
 first when it is one), all owners in one round trip; keys still unresolved (owner dead,
 entry not moved yet) are asked of the next replica, up to ``replicas`` rounds. Suspect
 owners are not asked at all: a key only they know is a miss at once, never a wait. Holders
@@ -239,7 +239,7 @@ class Shard:
         return out
 
 
-class HashDirectory(Directory):
+class RingDirectory(Directory):
     """The consistent-hash directory of one node."""
 
     def __init__(

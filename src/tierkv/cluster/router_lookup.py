@@ -50,7 +50,7 @@ class LookupRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chunk_tokens: int = 0
 
 
-class LookupError_(ValueError):
+class RouterQueryError(ValueError):
     """A request that cannot be answered: ``status`` (400, 404) and a clear message."""
 
     def __init__(self, status: int, message: str) -> None:
@@ -68,10 +68,10 @@ def parse(body: bytes) -> LookupRequest:
         return msgspec.json.decode(body, type=LookupRequest)
     except msgspec.ValidationError as exc:
         if "`$.tokens[" in str(exc):
-            raise LookupError_(400, f"token ids must be 0 <= id < 2**32 ({exc})") from None
-        raise LookupError_(400, f"bad lookup request: {exc}") from None
+            raise RouterQueryError(400, f"token ids must be 0 <= id < 2**32 ({exc})") from None
+        raise RouterQueryError(400, f"bad lookup request: {exc}") from None
     except msgspec.DecodeError as exc:
-        raise LookupError_(400, f"the body is not JSON: {exc}") from None
+        raise RouterQueryError(400, f"the body is not JSON: {exc}") from None
 
 
 def query_of(req: LookupRequest) -> p.RouterQuery:
@@ -79,9 +79,9 @@ def query_of(req: LookupRequest) -> p.RouterQuery:
     (:func:`check`): what a server's HTTP front sends the server (one C pass each: 4k token
     ids in Python cost more than the rest of a lookup)."""
     if req.namespace and not _is_hex(req.namespace, keys.DIGEST_SIZE):
-        raise LookupError_(400, "namespace must be 32 hex digits")
+        raise RouterQueryError(400, "namespace must be 32 hex digits")
     if req.hashes is not None and not all(_is_hex(h) for h in req.hashes):
-        raise LookupError_(400, "hashes must be hex strings of 1-64 bytes")
+        raise RouterQueryError(400, "hashes must be hex strings of 1-64 bytes")
     tokens = None
     if req.tokens is not None:
         packed = array.array("I", req.tokens)  # a C loop, no numpy
@@ -94,26 +94,26 @@ def query_of(req: LookupRequest) -> p.RouterQuery:
 
 
 def check(query: p.RouterQuery) -> p.RouterQuery:
-    """``query`` if it can be answered, else LookupError_ (400) saying why."""
+    """``query`` if it can be answered, else RouterQueryError (400) saying why."""
     if bool(query.model) == bool(query.namespace):
-        raise LookupError_(400, "give exactly one of model or namespace")
+        raise RouterQueryError(400, "give exactly one of model or namespace")
     if (query.tokens is None) == (query.hashes is None):
-        raise LookupError_(400, "give exactly one of tokens or hashes")
+        raise RouterQueryError(400, "give exactly one of tokens or hashes")
     if not 0 <= query.chunk_tokens <= keys.MAX_CHUNK_TOKENS or (
         query.chunk_tokens and not query.namespace
     ):
-        raise LookupError_(
+        raise RouterQueryError(
             400, f"chunk_tokens must be 1..{keys.MAX_CHUNK_TOKENS}, and comes with a namespace"
         )
     if query.namespace and len(query.namespace) != keys.DIGEST_SIZE:
-        raise LookupError_(400, "namespace must be 32 hex digits")
+        raise RouterQueryError(400, "namespace must be 32 hex digits")
     if query.tokens is not None and len(query.tokens) % 4:
-        raise LookupError_(400, "token ids must be packed as 4 bytes each")
+        raise RouterQueryError(400, "token ids must be packed as 4 bytes each")
     if query.hashes is not None:
         if len(query.hashes) > MAX_CHUNKS:
-            raise LookupError_(400, f"more than {MAX_CHUNKS} hashes")
+            raise RouterQueryError(400, f"more than {MAX_CHUNKS} hashes")
         if not all(0 < len(h) <= keys.MAX_PRECOMPUTED_HASH_SIZE for h in query.hashes):
-            raise LookupError_(400, "hashes must be hex strings of 1-64 bytes")
+            raise RouterQueryError(400, "hashes must be hex strings of 1-64 bytes")
     return query
 
 
@@ -196,7 +196,7 @@ def _namespaces(
         digest = req.namespace
         info = next((ns for ns in known if ns.digest == digest), None)
         if info is None and req.tokens is not None and not req.chunk_tokens:
-            raise LookupError_(
+            raise RouterQueryError(
                 404,
                 f"namespace {digest.hex()} is not registered here: its tokens per chunk are "
                 "unknown (give chunk_tokens, or look it up by hashes)",
@@ -204,7 +204,7 @@ def _namespaces(
         return [(digest, info)]
     found = {ns.digest: ns for ns in known if ns.model == req.model}
     if not found:
-        raise LookupError_(404, f"no engine of model {req.model!r} is registered here")
+        raise RouterQueryError(404, f"no engine of model {req.model!r} is registered here")
     return sorted(found.items())
 
 
@@ -214,7 +214,7 @@ def _keys(req: p.RouterQuery, digest: bytes, chunk_tokens: int) -> list[bytes]:
     assert req.tokens is not None
     n_chunks = len(req.tokens) // 4 // chunk_tokens
     if n_chunks > MAX_CHUNKS:
-        raise LookupError_(
+        raise RouterQueryError(
             400, f"{n_chunks} chunks of {chunk_tokens} tokens: more than {MAX_CHUNKS}"
         )
     return keys.chunk_keys(digest, req.tokens[: n_chunks * chunk_tokens * 4], chunk_tokens)

@@ -25,7 +25,7 @@ def tiered_pool_size(workload: Workload, model: SimModel) -> int:
 
     At least large enough that the space above the eviction watermark holds a whole
     document: a prefetch loads into free pool space and does not evict to make room (the
-    eviction controller keeps usage under the high watermark in the background)."""
+    evictor keeps usage under the high watermark in the background)."""
     document = (workload.doc_tokens // CHUNK_TOKENS) * model.bytes_per_token * CHUNK_TOKENS
     wanted = max(working_set_bytes(workload, model) // 2, int(document / (1 - HIGH_WATERMARK)))
     return max(MIB, -(-wanted // MIB) * MIB)

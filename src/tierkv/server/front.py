@@ -154,7 +154,7 @@ class _Lookups:
         """(status, JSON body): decoded, checked and packed here; answered by the server."""
         try:
             query = router_lookup.query_of(router_lookup.parse(body))
-        except router_lookup.LookupError_ as exc:
+        except router_lookup.RouterQueryError as exc:
             return exc.status, exc.body()
         client: Client | None = getattr(self._local, "client", None)
         if client is None:

@@ -38,7 +38,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricF
 from prometheus_client.registry import Collector
 
 from tierkv import protocol as p
-from tierkv.eviction import EvictionController
+from tierkv.eviction import Evictor
 from tierkv.index import Evicted
 
 POOL = "pool"
@@ -185,7 +185,7 @@ class RequestRecorder(Collector):
 class ServiceMetrics:
     """Hot-path metrics of one :class:`~tierkv.server.service.CacheService`."""
 
-    def __init__(self, eviction: EvictionController | None = None) -> None:
+    def __init__(self, eviction: Evictor | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = RequestRecorder()
         self.registry.register(self.requests)

@@ -20,10 +20,10 @@ import msgspec
 
 from tierkv import __version__, dtypes, keys
 from tierkv import protocol as p
-from tierkv.cluster.router_lookup import LookupError_
+from tierkv.cluster.router_lookup import RouterQueryError
 from tierkv.config import ServerConfig
-from tierkv.eviction import EvictionController
-from tierkv.index import IndexError_, LeaseNotFound, LeaseNotOwned, ObjectIndex
+from tierkv.eviction import Evictor
+from tierkv.index import LeaseError, LeaseNotFound, LeaseNotOwned, ObjectIndex
 from tierkv.liveness import trackable
 from tierkv.pool import ShmPool
 from tierkv.priority import sharing_the_gil
@@ -62,7 +62,7 @@ class CacheService:
         cfg: ServerConfig,
         pool: ShmPool,
         index: ObjectIndex,
-        eviction: EvictionController,
+        eviction: Evictor,
         tiering: Tiering,
         registry: ClientRegistry,
         sessions: LookupSessions,
@@ -139,14 +139,14 @@ class CacheService:
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "router lookups need the auth token")
         answer = self._router_lookup
         if answer is None:
-            refused = LookupError_(
+            refused = RouterQueryError(
                 404, "POST /lookup is answered by servers in a cluster (or the controller)"
             )
             return p.RouterAnswer(req.rid, refused.status, refused.body())
         try:
             with sharing_the_gil():  # an engine's request waits for the GIL briefly
                 reply = msgspec.json.encode(answer(req.query))
-        except LookupError_ as exc:
+        except RouterQueryError as exc:
             return p.RouterAnswer(req.rid, exc.status, exc.body())
         return p.RouterAnswer(req.rid, 200, reply)
 
@@ -367,8 +367,8 @@ class CacheService:
                 "aborted, or expired (write_ttl)",
             ) from None
         except LeaseNotOwned:
-            raise  # an IndexError_ too: answered as NOT_OWNED by the dispatcher
-        except IndexError_ as exc:  # `only` positions out of range
+            raise  # an LeaseError too: answered as NOT_OWNED by the dispatcher
+        except LeaseError as exc:  # `only` positions out of range
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         self.tiering.after_commit(res.committed_keys)
         self.metrics.stored(res.committed, res.committed_bytes)

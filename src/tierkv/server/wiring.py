@@ -29,7 +29,7 @@ from tierkv.allocator import Allocator
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
-from tierkv.eviction import EvictionController
+from tierkv.eviction import Evictor
 from tierkv.gc_pauses import GcPauseCollector
 from tierkv.index import ObjectIndex
 from tierkv.pool import ShmPool, format_bytes
@@ -64,7 +64,7 @@ class Server:
     tenants: TenantIds
     index: ObjectIndex
     quotas: Quotas
-    eviction: EvictionController
+    eviction: Evictor
     tiers: list[Tier]
     cluster: ClusterNode | None
     tiering: Tiering
@@ -141,7 +141,7 @@ class Server:
         self.quotas.load()
 
         # Eviction: keeps the pool below its high watermark, expires overdue leases.
-        self.eviction = EvictionController(
+        self.eviction = Evictor(
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
         metrics = ServiceMetrics(self.eviction)

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from tierkv.cluster.router_lookup import MAX_BODY, LookupError_
+from tierkv.cluster.router_lookup import MAX_BODY, RouterQueryError
 from tierkv.priority import sharing_the_gil
 from tierkv.web.requests import Authorizer, authorized_body, error_reply
 
@@ -41,6 +41,6 @@ def add_lookup_route(
             with sharing_the_gil():
                 try:
                     reply = await run_in_threadpool(answer, body)
-                except LookupError_ as exc:
+                except RouterQueryError as exc:
                     return error_reply(exc.status, str(exc))
                 return JSONResponse(reply, headers={"Cache-Control": "no-store"})
