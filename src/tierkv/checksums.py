@@ -1,5 +1,5 @@
 """The checksum of a chunk's payload: what a tier's record, a peer's transfer and a chunk
-copied piece by piece (:mod:`tierkv.pieces`) are verified with."""
+copied piece by piece (:mod:`tierkv.piecewise_io`) are verified with."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ copying or hashing in user space does neither. Two measures remove that wait:
   kernel (``PREEMPT_SHORT``, Linux 6.12 and later) lets it preempt at once instead of
   honouring the data thread's protection. Set with ``sched_setattr`` (x86-64 and arm64;
   older kernels ignore the slice).
-- After each piece of bulk I/O (:mod:`tierkv.pieces`: about 0.1 ms of copying) a data
+- After each piece of bulk I/O (:mod:`tierkv.piecewise_io`: about 0.1 ms of copying) a data
   thread yields (:func:`give_way`), so a thread that woke meanwhile runs then.
 
 The other side of the same rule: a server's RPC loop and its request workers are control
@@ -55,7 +55,7 @@ threads rely on the slice alone.
 
 A thread that wants the GIL while another holds it waits up to the interpreter's switch
 interval before it forces a switch, 5 ms by default; the data threads take the GIL back after
-each piece of I/O (:mod:`tierkv.pieces`), and an RPC loop that came back from a system call
+each piece of I/O (:mod:`tierkv.piecewise_io`), and an RPC loop that came back from a system call
 to find it taken waited out that interval (seen with ftrace in ``benchmarks/load.py`` (b):
 lookups of 5 to 6 ms whose RPC thread slept until the timeout). While a process moves bulk
 data (:func:`moving_data`) the interval is :data:`DATA_SWITCH_INTERVAL` (19 runs of (b),

@@ -15,14 +15,14 @@ import pytest
 
 from support.servers import ServerProcess
 from tierkv.demo import run_demo
-from tierkv.demo.engine import (
+from tierkv.demo.kv import KVFunction, SimModel
+from tierkv.demo.report import DemoReport
+from tierkv.demo.simulated_engine import (
     BLOCK_TOKENS,
     CHUNK_TOKENS,
     PagedKVCache,
     SimEngine,
 )
-from tierkv.demo.kv import KVFunction, SimModel
-from tierkv.demo.report import DemoReport
 from tierkv.demo.workload import Request, Workload
 
 TINY_MODEL = SimModel(layers=2, kv_heads=2, head_dim=16)  # 64 KiB per chunk

@@ -20,7 +20,7 @@ TCP wire format (little-endian, fixed-size headers):
 Holder side: every request read-locks the chunks in the pool (only committed chunks, only at
 their own offsets and lengths: nothing else can be named), sends each header and payload
 straight from the pool's memory (``sendmsg`` on a memoryview of the slot, no copy in user
-space, in pieces: :mod:`tierkv.pieces`), then releases the locks. The checksum it sends was
+space, in pieces: :mod:`tierkv.piecewise_io`), then releases the locks. The checksum it sends was
 computed when the chunk was published, so bytes that changed in its pool since then fail
 verification at the reader.
 
@@ -53,7 +53,7 @@ from typing import Any, Protocol
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
-from tierkv.pieces import recv_exact, recv_hashed, send_all
+from tierkv.piecewise_io import recv_exact, recv_hashed, send_all
 from tierkv.priority import data_thread, moving_data
 from tierkv.tiers.base import LoadStatus
 

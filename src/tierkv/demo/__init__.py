@@ -15,7 +15,7 @@ Also the example of an engine integration. The modules, in reading order:
 - :mod:`.runner`: the command line, one function per demo mode.
 """
 
-from tierkv.demo.engines import run_demo
+from tierkv.demo.fleet import run_demo
 from tierkv.demo.runner import add_demo_arguments, run_demo_command
 
 __all__ = ["add_demo_arguments", "run_demo", "run_demo_command"]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.demo.engines import run_demo
+from tierkv.demo.fleet import run_demo
 from tierkv.demo.kv import SimModel
 from tierkv.demo.local_controller import LocalController
 from tierkv.demo.local_server import LocalServer, LocalServerError

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from tierkv import protocol as p
-from tierkv.demo.engine import CHUNK_TOKENS, RequestRecord
 from tierkv.demo.kv import KV_DTYPE, SimModel
+from tierkv.demo.simulated_engine import CHUNK_TOKENS, RequestRecord
 from tierkv.demo.workload import Workload
 from tierkv.pool import format_bytes
 

@@ -21,7 +21,7 @@ import sys
 
 from tierkv.client import Client, TierKVError, default_endpoint
 from tierkv.demo.cluster import run_two_node_demo
-from tierkv.demo.engines import run_demo
+from tierkv.demo.fleet import run_demo
 from tierkv.demo.kv import SimModel
 from tierkv.demo.local_server import LocalServer, LocalServerError
 from tierkv.demo.report import DemoReport

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import shutil
 
-from tierkv.demo.engine import CHUNK_TOKENS
 from tierkv.demo.kv import SimModel
+from tierkv.demo.simulated_engine import CHUNK_TOKENS
 from tierkv.demo.workload import Workload
 from tierkv.pool import SHM_DIR, format_bytes
 

@@ -8,7 +8,7 @@ all of an engine's chunks in one directory. Each file is the 64-byte record head
 (``flock``) while a tier uses the directory, so two servers never share one.
 
 Store. The pool view goes out with ``os.pwrite`` (no copy of the payload in user space) in
-pieces of :data:`tierkv.pieces.PIECE` bytes, each hashed right after it was written, then
+pieces of :data:`tierkv.piecewise_io.PIECE` bytes, each hashed right after it was written, then
 the header with the checksum, to a temporary file next to the final one, optionally
 ``fsync``-ed, then ``os.replace``-d into place: a torn write is never visible under a chunk's
 name, and a crash leaves at most a temporary file, which the next start removes. Keys
@@ -57,7 +57,7 @@ Parallel I/O. A batch of stores or loads is spread over ``threads`` threads (def
 cores, at most 4; see :mod:`tierkv.copier`) of lowered priority (:mod:`tierkv.priority`;
 the tier thread that called only waits): each chunk is one file, and one thread copies and
 checksums less than page-cache I/O can do (the checksum is in series with the copy), so two
-threads reach it. Pieces keep each system call short (:mod:`tierkv.pieces`): a control
+threads reach it. Pieces keep each system call short (:mod:`tierkv.piecewise_io`): a control
 thread woken meanwhile gets a core after a piece, not after a whole chunk.
 
 Concurrency. All methods may be called from several threads. One lock guards the index,
@@ -88,7 +88,7 @@ from typing import Any
 from tierkv.copier import Copier
 from tierkv.keys import KEY_SIZE
 from tierkv.options import OptionError, Size, parse_size
-from tierkv.pieces import read_hashed, write_hashed
+from tierkv.piecewise_io import read_hashed, write_hashed
 from tierkv.tiers.base import (
     HEADER_SIZE,
     LoadStatus,

@@ -12,7 +12,7 @@ Copies and the GIL. The tier's bulk commands (the SETs of a store, the GETs of a
 directly over the socket of one of redis-py's pooled connections (:mod:`tierkv.tiers.resp`;
 redis-py still makes, authenticates and pools the connections, and runs every other
 command). A SET is sent as one RESP bulk string assembled from two buffers, the 64-byte record
-header and the pool's ``memoryview``, in pieces of :data:`tierkv.pieces.PIECE` bytes: no copy
+header and the pool's ``memoryview``, in pieces of :data:`tierkv.piecewise_io.PIECE` bytes: no copy
 in user space. (redis-py's own packer with hiredis would convert every ``memoryview`` to
 ``bytes`` and pack the command into one more ``bytes``; the tier's :class:`_GatherPacker`,
 installed as redis-py's ``command_packer``, keeps the view.) A GET reply's payload is
@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from tierkv.pieces import send_all
+from tierkv.piecewise_io import send_all
 from tierkv.tiers.base import (
     HEADER_SIZE,
     STATUS_COUNTER,

@@ -7,8 +7,8 @@ copies of 8 MiB, two of them inside C calls that hold the GIL for their whole le
 profile of a server prefetching from Redis: a fifth of the time the GIL was held, it was
 held there), so that the server's RPC loop waited behind them for milliseconds (``load.py``
 (b) with a Redis tier: lookup p99 10 ms against 3 to 4.5 with a disk tier). Here a value
-takes one copy, the kernel's into the slot, in pieces of :data:`tierkv.pieces.PIECE` bytes
-with the GIL released, hashed as it lands (:func:`tierkv.pieces.recv_hashed`); only the
+takes one copy, the kernel's into the slot, in pieces of :data:`tierkv.piecewise_io.PIECE` bytes
+with the GIL released, hashed as it lands (:func:`tierkv.piecewise_io.recv_hashed`); only the
 reply's first line and the 64-byte record header pass through a small buffer.
 
 :class:`Replies` reads the replies to commands that were pipelined on one socket, in order.
@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 
 from tierkv.checksums import checksummer
-from tierkv.pieces import recv_exact, recv_hashed
+from tierkv.piecewise_io import recv_exact, recv_hashed
 
 SCRATCH = 4096  # bytes read at a time for reply lines; a value's payload bypasses it
 MAX_LINE = 1024  # a reply line longer than this is not a reply to our commands

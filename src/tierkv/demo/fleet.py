@@ -14,9 +14,9 @@ import queue
 import time
 
 from tierkv.client import Client, TierKVError
-from tierkv.demo.engine import DONE, RECORD, SETTLED, EngineSettings, engine_main
 from tierkv.demo.kv import SimModel
 from tierkv.demo.report import DemoReport, ProgressBar
+from tierkv.demo.simulated_engine import DONE, RECORD, SETTLED, EngineSettings, engine_main
 from tierkv.demo.workload import Workload
 
 

@@ -1,4 +1,4 @@
-"""Bulk I/O in pieces (tierkv.pieces): every byte arrives, checksums equal a one-shot hash,
+"""Bulk I/O in pieces (tierkv.piecewise_io): every byte arrives, checksums equal a one-shot hash,
 and no system call moves more than PIECE bytes (real files, real sockets)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv import pieces
+from tierkv import piecewise_io as pieces
 from tierkv.checksums import checksum
 
 SIZES = [1, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
