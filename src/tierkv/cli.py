@@ -183,12 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(server)
     server.set_defaults(func=_server)
 
-    from tierkv.controller.config import FIELD_HELP, ControllerConfig
+    from tierkv.controller.config import ControllerConfig
 
     controller = sub.add_parser(
         "controller", help="run the cluster controller (directory of every server's chunks)"
     )
-    add_arguments(controller, ControllerConfig, FIELD_HELP, "controller")
+    add_arguments(controller, ControllerConfig, "controller")
     controller.set_defaults(func=_controller)
 
     from tierkv.demo import add_demo_arguments, run_demo_command

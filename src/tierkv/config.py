@@ -1,8 +1,9 @@
 """Server configuration: one typed struct, filled from defaults, a YAML file, ``TIERKV_*``
 environment variables and command-line flags (later sources win).
 
-Every field's help text lives next to it in ``FIELD_HELP``, and the command line is generated
-from the struct, so ``tierkv server --help`` documents every option with its default.
+Every field's help text and section live next to it (:func:`tierkv.options.option`), and the
+command line is generated from the struct, so ``tierkv server --help`` documents every option
+with its default, section by section.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import msgspec
 import yaml
 
-from tierkv.options import OptionError, Size, convert, parse_size
+from tierkv.options import OptionError, Size, convert, option, option_help, parse_size
 from tierkv.runtime_dir import default_runtime_dir
 from tierkv.tiers.base import TierError, tier_options
 
@@ -59,58 +60,278 @@ def parse_tier_spec(value: str | Mapping[str, Any] | TierSpec) -> TierSpec:
     return TierSpec(name.strip(), options)
 
 
+# The sections of `tierkv server --help`, in order.
+GENERAL = "general"
+RPC_AND_HTTP = "RPC and HTTP"
+POOL = "pool"
+CLIENTS = "clients"
+TIERS = "tiers"
+CLUSTER = "cluster"
+QUOTAS = "quotas"
+LOGGING = "logging"
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    instance: str = "default"
-    runtime_dir: str = ""
-    rpc_tcp: str = ""
-    auth_token: str = ""
-    http_host: str = "127.0.0.1"
-    http_port: int = 8791
-    pool_name: str = ""
-    pool_size: Size = 2 * 2**30
-    prefault: bool = False
-    chunk_size: int = 256
-    alignment: Size = 4096
-    high_watermark: float = 0.8
-    low_watermark: float = 0.7
-    eviction_interval: float = 0.1
-    write_ttl: float = 600.0
-    read_ttl: float = 300.0
-    session_ttl: float = 300.0
-    client_idle_ttl: float = 3600.0
-    max_clients: int = 4096
-    client_reservation_share: float = 0.5
-    max_message_bytes: Size = 64 * 2**20
-    max_chunks_per_request: int = 16384
-    workers: int = 4
-    tiers: list[TierSpec] = msgspec.field(default_factory=list)
-    tier_workers: int = 4
-    write_behind_max_bytes: Size = 2**30
-    prefetch_max_inflight: int = 16
-    prefetch_timeout: float = 10.0
-    chunk_feed_events: int = 65536
-    cluster_seeds: str = ""
-    controller: str = ""
-    cluster_host: str = "127.0.0.1"
-    cluster_port: int = 8792
-    cluster_data_port: int = 0
-    cluster_advertise: str = ""
-    heartbeat_interval: float = 1.0
-    member_ttl: float = 5.0
-    directory_replicas: int = 2
-    ring_vnodes: int = 160
-    directory_repair_interval: float = 5.0
-    peer_connections: int = 16
-    peer_timeout: float = 2.0
-    commit_publish_timeout: float = 2.0
-    quotas: dict[str, int] = msgspec.field(default_factory=dict)
-    default_quota: str = "unlimited"
-    disk_quotas: dict[str, int] = msgspec.field(default_factory=dict)
-    default_disk_quota: str = "unlimited"
-    quota_mode: str = "soft"
-    quota_file: str = ""
-    log_level: str = "info"
-    log_format: str = "text"
+    """A server's configuration; each field's help and section are beside it."""
+
+    # -- general
+    instance: Annotated[
+        str,
+        option(
+            GENERAL, "name of this server on the node; sets the default pool name and runtime dir"
+        ),
+    ] = "default"
+    runtime_dir: Annotated[
+        str,
+        option(
+            GENERAL,
+            "directory for the RPC socket (mode 0700; default "
+            "$XDG_RUNTIME_DIR/tierkv/INSTANCE or /tmp/tierkv-UID/tierkv/INSTANCE)",
+        ),
+    ] = ""
+    # -- rpc and http
+    rpc_tcp: Annotated[
+        str,
+        option(
+            RPC_AND_HTTP,
+            "serve RPC on TCP HOST:PORT instead of the local ipc socket; a non-loopback "
+            "host requires --auth-token",
+        ),
+    ] = ""
+    auth_token: Annotated[
+        str,
+        option(
+            RPC_AND_HTTP,
+            "shared secret clients must present (required for non-loopback TCP and HTTP; "
+            "HTTP admin requests send it as 'Authorization: Bearer TOKEN')",
+        ),
+    ] = ""
+    http_host: Annotated[
+        str,
+        option(
+            RPC_AND_HTTP,
+            "address of the HTTP server (health, status, metrics, dashboard); a "
+            "non-loopback address requires --auth-token",
+        ),
+    ] = "127.0.0.1"
+    http_port: Annotated[int, option(RPC_AND_HTTP, "port of the HTTP server; 0 disables it")] = 8791
+    max_message_bytes: Annotated[
+        Size,
+        option(
+            RPC_AND_HTTP,
+            "largest request accepted (a bigger one gets a too_large error and its "
+            "connection is closed)",
+        ),
+    ] = 64 * 2**20
+    max_chunks_per_request: Annotated[
+        int, option(RPC_AND_HTTP, "most chunks one request may name")
+    ] = 16384
+    workers: Annotated[int, option(RPC_AND_HTTP, "threads for requests that may block")] = 4
+    # -- pool
+    pool_name: Annotated[
+        str, option(POOL, "name of the shared-memory segment (default tierkv-UID-INSTANCE)")
+    ] = ""
+    pool_size: Annotated[
+        Size, option(POOL, "size of the shared-memory pool, e.g. 512MiB, 8GiB")
+    ] = 2 * 2**30
+    prefault: Annotated[
+        bool, option(POOL, "allocate and map every page of the pool at start-up")
+    ] = False
+    chunk_size: Annotated[int, option(POOL, "tokens per chunk")] = 256
+    alignment: Annotated[Size, option(POOL, "slot alignment in bytes (a power of two)")] = 4096
+    high_watermark: Annotated[
+        float, option(POOL, "pool usage fraction above which eviction starts")
+    ] = 0.8
+    low_watermark: Annotated[
+        float, option(POOL, "pool usage fraction eviction brings the pool down to")
+    ] = 0.7
+    eviction_interval: Annotated[
+        float, option(POOL, "seconds between eviction and lock-expiry passes")
+    ] = 0.1
+    # -- clients
+    write_ttl: Annotated[
+        float, option(CLIENTS, "seconds before an uncommitted store reservation is reclaimed")
+    ] = 600.0
+    read_ttl: Annotated[
+        float, option(CLIENTS, "seconds before an unreleased read lock expires")
+    ] = 300.0
+    session_ttl: Annotated[float, option(CLIENTS, "seconds an idle lookup session is kept")] = 300.0
+    client_idle_ttl: Annotated[
+        float,
+        option(
+            CLIENTS,
+            "seconds after which a client the server cannot watch (another host or pid "
+            "namespace, pid 0) is dropped, with its locks, if it sent nothing",
+        ),
+    ] = 3600.0
+    max_clients: Annotated[
+        int, option(CLIENTS, "registered clients at most; REGISTER beyond it is refused")
+    ] = 4096
+    client_reservation_share: Annotated[
+        float,
+        option(
+            CLIENTS,
+            "fraction of the pool one client's open store reservations may hold; chunks "
+            "beyond it are refused like a full pool",
+        ),
+    ] = 0.5
+    chunk_feed_events: Annotated[
+        int,
+        option(
+            CLIENTS,
+            "events the chunk feed keeps for engines that read it late (KV events for "
+            "routers); one further behind reads a snapshot instead",
+        ),
+    ] = 65536
+    # -- tiers
+    tiers: Annotated[
+        list[TierSpec],
+        option(
+            TIERS,
+            "a tier below the pool, NAME[:key=value,...], in lookup order; repeat the "
+            "flag for several (e.g. disk:path=/var/cache/tierkv,capacity=100GiB or "
+            "redis:url=redis://h:6379)",
+        ),
+    ] = msgspec.field(default_factory=list)
+    tier_workers: Annotated[
+        int, option(TIERS, "threads doing tier I/O (write-behind and prefetch)")
+    ] = 4
+    write_behind_max_bytes: Annotated[
+        Size,
+        option(TIERS, "most bytes queued for tier writes; beyond it new chunks skip the tiers"),
+    ] = 2**30
+    prefetch_max_inflight: Annotated[
+        int, option(TIERS, "most prefetches from the tiers running at once")
+    ] = 16
+    prefetch_timeout: Annotated[
+        float, option(TIERS, "seconds after which an unfinished prefetch is reported as done")
+    ] = 10.0
+    # -- cluster
+    cluster_seeds: Annotated[
+        str,
+        option(
+            CLUSTER,
+            "join a cluster of servers: HOST:PORT,... of some members' cluster ports (the"
+            " first server may list itself); empty: no cluster",
+        ),
+    ] = ""
+    controller: Annotated[
+        str,
+        option(
+            CLUSTER,
+            "join a cluster through a `tierkv controller` at HOST:PORT (its control port)"
+            " instead of the servers' consistent-hash ring; exclusive with cluster_seeds",
+        ),
+    ] = ""
+    cluster_host: Annotated[
+        str,
+        option(
+            CLUSTER,
+            "address the cluster control and data ports bind; a non-loopback address "
+            "requires --auth-token (the cluster's shared secret)",
+        ),
+    ] = "127.0.0.1"
+    cluster_port: Annotated[
+        int, option(CLUSTER, "port of the cluster control traffic (membership, directory)")
+    ] = 8792
+    cluster_data_port: Annotated[
+        int,
+        option(CLUSTER, "port of the cluster data plane (chunk transfers); 0: cluster_port + 1"),
+    ] = 0
+    cluster_advertise: Annotated[
+        str,
+        option(
+            CLUSTER,
+            "host peers reach this server at (default: cluster_host, or this host's "
+            "address when binding all interfaces)",
+        ),
+    ] = ""
+    heartbeat_interval: Annotated[float, option(CLUSTER, "seconds between cluster heartbeats")] = (
+        1.0
+    )
+    member_ttl: Annotated[
+        float,
+        option(
+            CLUSTER, "seconds without a heartbeat after which a cluster member is declared dead"
+        ),
+    ] = 5.0
+    directory_replicas: Annotated[
+        int, option(CLUSTER, "cluster members holding each directory entry")
+    ] = 2
+    ring_vnodes: Annotated[
+        int, option(CLUSTER, "virtual nodes per member on the directory's consistent-hash ring")
+    ] = 160
+    directory_repair_interval: Annotated[
+        float,
+        option(
+            CLUSTER,
+            "in ring mode, seconds between a node's checks that every directory owner "
+            "lists exactly the chunks it published (a summary per owner; entries an owner"
+            " lost or lists wrong are sent again); 0: never",
+        ),
+    ] = 5.0
+    peer_connections: Annotated[int, option(CLUSTER, "most data-plane connections to one peer")] = (
+        16
+    )
+    peer_timeout: Annotated[
+        float,
+        option(
+            CLUSTER, "seconds a cluster request or transfer may stall before it counts as failed"
+        ),
+    ] = 2.0
+    commit_publish_timeout: Annotated[
+        float,
+        option(
+            CLUSTER,
+            "in a cluster, seconds a store's commit waits until the directory has its "
+            "chunks, so that a lookup on any other node finds them as soon as the store "
+            "returns (read-your-writes, what prefill/decode disaggregation needs); 0: "
+            "reply at once, the chunks reach the directory moments later",
+        ),
+    ] = 2.0
+    # -- quotas
+    quotas: Annotated[
+        dict[str, int],
+        option(
+            QUOTAS,
+            "a tenant's pool quota, NAME=SIZE (NAME: the engine's tenant salt, or the "
+            "cache salt of engines without one; ~default: chunks without any salt); "
+            "repeat the flag for several",
+        ),
+    ] = msgspec.field(default_factory=dict)
+    default_quota: Annotated[
+        str, option(QUOTAS, "pool quota of every tenant without its own: unlimited or a size")
+    ] = "unlimited"
+    disk_quotas: Annotated[
+        dict[str, int],
+        option(
+            QUOTAS,
+            "a tenant's disk-tier quota, NAME=SIZE (names as for --quota); repeat the "
+            "flag for several",
+        ),
+    ] = msgspec.field(default_factory=dict)
+    default_disk_quota: Annotated[
+        str, option(QUOTAS, "disk-tier quota of every tenant without its own: unlimited or a size")
+    ] = "unlimited"
+    quota_mode: Annotated[
+        str,
+        option(
+            QUOTAS,
+            "soft: a tenant over its quota loses its own oldest chunks; hard: its stores "
+            "beyond the quota are refused (skipped like a full pool)",
+        ),
+    ] = "soft"
+    quota_file: Annotated[
+        str,
+        option(
+            QUOTAS,
+            "where quotas changed live (HTTP /quota, tierkv quota) are kept across "
+            "restarts (default: RUNTIME_DIR/quotas.json)",
+        ),
+    ] = ""
+    # -- logging
+    log_level: Annotated[str, option(LOGGING, "debug, info, warning or error")] = "info"
+    log_format: Annotated[str, option(LOGGING, "text or json")] = "text"
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -306,85 +527,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-FIELD_HELP: dict[str, str] = {
-    "instance": "name of this server on the node; sets the default pool name and runtime dir",
-    "runtime_dir": "directory for the RPC socket (mode 0700; default $XDG_RUNTIME_DIR/tierkv/"
-    "INSTANCE or /tmp/tierkv-UID/tierkv/INSTANCE)",
-    "rpc_tcp": "serve RPC on TCP HOST:PORT instead of the local ipc socket; a non-loopback "
-    "host requires --auth-token",
-    "auth_token": "shared secret clients must present (required for non-loopback TCP and "
-    "HTTP; HTTP admin requests send it as 'Authorization: Bearer TOKEN')",
-    "http_host": "address of the HTTP server (health, status, metrics, dashboard); a "
-    "non-loopback address requires --auth-token",
-    "http_port": "port of the HTTP server; 0 disables it",
-    "pool_name": "name of the shared-memory segment (default tierkv-UID-INSTANCE)",
-    "pool_size": "size of the shared-memory pool, e.g. 512MiB, 8GiB",
-    "prefault": "allocate and map every page of the pool at start-up",
-    "chunk_size": "tokens per chunk",
-    "alignment": "slot alignment in bytes (a power of two)",
-    "high_watermark": "pool usage fraction above which eviction starts",
-    "low_watermark": "pool usage fraction eviction brings the pool down to",
-    "eviction_interval": "seconds between eviction and lock-expiry passes",
-    "write_ttl": "seconds before an uncommitted store reservation is reclaimed",
-    "read_ttl": "seconds before an unreleased read lock expires",
-    "session_ttl": "seconds an idle lookup session is kept",
-    "client_idle_ttl": "seconds after which a client the server cannot watch (another host "
-    "or pid namespace, pid 0) is dropped, with its locks, if it sent nothing",
-    "max_clients": "registered clients at most; REGISTER beyond it is refused",
-    "client_reservation_share": "fraction of the pool one client's open store reservations "
-    "may hold; chunks beyond it are refused like a full pool",
-    "max_message_bytes": "largest request accepted (a bigger one gets a too_large error and "
-    "its connection is closed)",
-    "max_chunks_per_request": "most chunks one request may name",
-    "workers": "threads for requests that may block",
-    "tiers": "a tier below the pool, NAME[:key=value,...], in lookup order; repeat the flag "
-    "for several (e.g. disk:path=/var/cache/tierkv,capacity=100GiB or redis:url=redis://h:6379)",
-    "tier_workers": "threads doing tier I/O (write-behind and prefetch)",
-    "write_behind_max_bytes": "most bytes queued for tier writes; beyond it new chunks skip "
-    "the tiers",
-    "prefetch_max_inflight": "most prefetches from the tiers running at once",
-    "prefetch_timeout": "seconds after which an unfinished prefetch is reported as done",
-    "chunk_feed_events": "events the chunk feed keeps for engines that read it late (KV "
-    "events for routers); one further behind reads a snapshot instead",
-    "cluster_seeds": "join a cluster of servers: HOST:PORT,... of some members' cluster ports "
-    "(the first server may list itself); empty: no cluster",
-    "controller": "join a cluster through a `tierkv controller` at HOST:PORT (its control "
-    "port) instead of the servers' consistent-hash ring; exclusive with cluster_seeds",
-    "cluster_host": "address the cluster control and data ports bind; a non-loopback address "
-    "requires --auth-token (the cluster's shared secret)",
-    "cluster_port": "port of the cluster control traffic (membership, directory)",
-    "cluster_data_port": "port of the cluster data plane (chunk transfers); 0: cluster_port + 1",
-    "cluster_advertise": "host peers reach this server at (default: cluster_host, or this "
-    "host's address when binding all interfaces)",
-    "heartbeat_interval": "seconds between cluster heartbeats",
-    "member_ttl": "seconds without a heartbeat after which a cluster member is declared dead",
-    "directory_replicas": "cluster members holding each directory entry",
-    "ring_vnodes": "virtual nodes per member on the directory's consistent-hash ring",
-    "directory_repair_interval": "in ring mode, seconds between a node's checks that every "
-    "directory owner lists exactly the chunks it published (a summary per owner; entries an "
-    "owner lost or lists wrong are sent again); 0: never",
-    "peer_connections": "most data-plane connections to one peer",
-    "peer_timeout": "seconds a cluster request or transfer may stall before it counts as failed",
-    "commit_publish_timeout": "in a cluster, seconds a store's commit waits until the "
-    "directory has its chunks, so that a lookup on any other node finds them as soon as the "
-    "store returns (read-your-writes, what prefill/decode disaggregation needs); 0: reply at "
-    "once, the chunks reach the directory moments later",
-    "quotas": "a tenant's pool quota, NAME=SIZE (NAME: the engine's tenant salt, or the "
-    "cache salt of engines without one; ~default: chunks without any salt); repeat the flag "
-    "for several",
-    "default_quota": "pool quota of every tenant without its own: unlimited or a size",
-    "disk_quotas": "a tenant's disk-tier quota, NAME=SIZE (names as for --quota); repeat "
-    "the flag for several",
-    "default_disk_quota": "disk-tier quota of every tenant without its own: unlimited or a size",
-    "quota_mode": "soft: a tenant over its quota loses its own oldest chunks; hard: its "
-    "stores beyond the quota are refused (skipped like a full pool)",
-    "quota_file": "where quotas changed live (HTTP /quota, tierkv quota) are kept across "
-    "restarts (default: RUNTIME_DIR/quotas.json)",
-    "log_level": "debug, info, warning or error",
-    "log_format": "text or json",
-}
-
-
 def http_url(host: str, port: int) -> str:
     """The URL of an HTTP server on ``host``:``port`` ("" for port 0: no HTTP server)."""
     if not port:
@@ -446,19 +588,26 @@ def _fields(cls: type = ServerConfig) -> list[tuple[str, Any, Any]]:
 
 
 def add_arguments(
-    parser: argparse.ArgumentParser,
-    cls: type = ServerConfig,
-    helps: Mapping[str, str] = FIELD_HELP,
-    what: str = "server",
+    parser: argparse.ArgumentParser, cls: type = ServerConfig, what: str = "server"
 ) -> None:
-    """One flag per field of ``cls`` (a configuration struct whose help texts are ``helps``),
-    defaulting to None so unset flags do not override other sources."""
-    group = parser.add_argument_group(f"{what} configuration (flags > TIERKV_* env > --config)")
-    group.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
+    """One flag per field of ``cls`` (a configuration struct whose fields carry their
+    section and help, :func:`tierkv.options.option`), in a group per section, defaulting to
+    None so unset flags do not override other sources."""
+    top = parser.add_argument_group(f"{what} configuration (flags > TIERKV_* env > --config)")
+    top.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
+    groups: dict[str, Any] = {}
     for name, typ, default in _fields(cls):
+        section, helps = option_help(typ)
+        if not helps:
+            raise TypeError(f"{cls.__name__}.{name} has no help: annotate it with option()")
+        group = groups.get(section)
+        if group is None:
+            group = groups[section] = parser.add_argument_group(f"{what}: {section}")
+        if isinstance(typ, msgspec.inspect.Metadata):
+            typ = typ.type
         flag = "--" + name.replace("_", "-")
         shown = "none" if default is msgspec.NODEFAULT else (default if default != "" else '""')
-        help_text = f"{helps[name]} (default: {shown}; env TIERKV_{name.upper()})"
+        help_text = f"{helps} (default: {shown}; env TIERKV_{name.upper()})"
         if name == "tiers":
             group.add_argument(
                 "--tier",

@@ -168,3 +168,21 @@ __all__ = [
     "parse_size",
     "signature_struct",
 ]
+
+
+def option(section: str, help_text: str) -> msgspec.Meta:
+    """A configuration field's section of the command line's help and its help text, kept
+    next to the field: ``name: Annotated[int, option(POOL, "what it is")] = 1``
+    (:func:`tierkv.config.add_arguments` reads them)."""
+    return msgspec.Meta(description=help_text, extra={"section": section})
+
+
+def option_help(kind: msgspec.inspect.Type) -> tuple[str, str]:
+    """The (section, help text) :func:`option` gave a field's type ("", "" without)."""
+    if isinstance(kind, msgspec.inspect.Metadata):
+        extra = kind.extra or {}
+        schema = kind.extra_json_schema or {}
+        if "section" in extra:
+            return str(extra["section"]), str(schema.get("description", ""))
+        return option_help(kind.type)
+    return "", ""

@@ -30,7 +30,7 @@ from tierkv import protocol as p
 from tierkv.cli import build_parser
 from tierkv.client import Client, ServerError, UnauthorizedError
 from tierkv.config import ConfigError, ServerConfig
-from tierkv.options import parse_size
+from tierkv.options import option_help, parse_size
 from tierkv.pool import SHM_DIR, segment_exists
 
 GIB = 2**30
@@ -314,6 +314,38 @@ def test_server_help_lists_every_option_with_its_default() -> None:
         want = f"(default: {shown}; env TIERKV_{field.name.upper()}"
         assert want in text, f"{field.name}: {want!r} not in the help"
     assert "--config FILE" in text
+
+
+def test_server_help_groups_the_flags_by_section_each_with_its_help() -> None:
+    """`tierkv server --help` lists its flags section by section (pool, clients, RPC/HTTP,
+    tiers, cluster, quotas, logging), in the sections' order, each flag in the section its
+    field names and with the help written beside the field."""
+    parser = server_parser()
+    titles = [g.title for g in parser._action_groups]
+    sections = [
+        config.GENERAL, config.RPC_AND_HTTP, config.POOL, config.CLIENTS, config.TIERS,
+        config.CLUSTER, config.QUOTAS, config.LOGGING,
+    ]  # fmt: skip
+    assert [t for t in titles if t and t.startswith("server: ")] == [
+        f"server: {s}" for s in sections
+    ]
+    where = {a.dest: g.title for g in parser._action_groups for a in g._group_actions}
+    info = msgspec.inspect.type_info(ServerConfig)
+    assert isinstance(info, msgspec.inspect.StructType)
+    for field in info.fields:
+        section, help_text = option_help(field.type)
+        assert section in sections and help_text, field.name
+        assert where[field.name] == f"server: {section}", field.name
+        action = next(a for a in parser._actions if a.dest == field.name)
+        assert action.help is not None and action.help.startswith(help_text), field.name
+
+
+def test_a_configuration_field_without_help_is_a_programming_error() -> None:
+    class Bare(msgspec.Struct, kw_only=True):
+        size: int = 1
+
+    with pytest.raises(TypeError, match=r"Bare\.size has no help"):
+        config.add_arguments(argparse.ArgumentParser(), Bare, "test")
 
 
 def server_parser() -> argparse.ArgumentParser:

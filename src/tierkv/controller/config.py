@@ -4,24 +4,70 @@ a YAML file, ``TIERKV_*`` environment, flags; :mod:`tierkv.config`)."""
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import msgspec
 
-from tierkv.config import ConfigError, http_url, is_loopback
-from tierkv.options import Size
+from tierkv.config import LOGGING, ConfigError, http_url, is_loopback
+from tierkv.options import Size, option
+
+# The sections of `tierkv controller --help`, in order.
+CONTROL = "control"
+HTTP = "HTTP"
+LIVENESS = "liveness"
 
 
 class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    host: str = "127.0.0.1"
-    port: int = 8800
-    auth_token: str = ""
-    http_host: str = "127.0.0.1"
-    http_port: int = 8801
-    heartbeat_interval: float = 10.0
-    dead_after: float = 30.0
-    max_message_bytes: Size = 256 * 2**20
-    log_level: str = "info"
-    log_format: str = "text"
+    """The controller's configuration; each field's help and section are beside it."""
+
+    # -- control
+    host: Annotated[
+        str,
+        option(
+            CONTROL,
+            "address of the controller's control port (ZMQ); a non-loopback address "
+            "requires --auth-token",
+        ),
+    ] = "127.0.0.1"
+    port: Annotated[
+        int, option(CONTROL, "the control port servers register, report and look up through")
+    ] = 8800
+    auth_token: Annotated[
+        str,
+        option(
+            CONTROL,
+            "the cluster's shared secret: control messages are signed with it; HTTP admin"
+            " requests send it as 'Authorization: Bearer TOKEN'",
+        ),
+    ] = ""
+    max_message_bytes: Annotated[
+        Size, option(CONTROL, "largest control message accepted (a full sync part, a report)")
+    ] = 256 * 2**20
+    # -- http
+    http_host: Annotated[
+        str,
+        option(
+            HTTP,
+            "address of the HTTP server (health, metrics, status); a non-loopback address"
+            " requires --auth-token",
+        ),
+    ] = "127.0.0.1"
+    http_port: Annotated[int, option(HTTP, "port of the HTTP server; 0 disables it")] = 8801
+    # -- liveness
+    heartbeat_interval: Annotated[
+        float,
+        option(
+            LIVENESS,
+            "seconds between a server's heartbeats (servers are told by their own option "
+            "of the same name; the controller checks liveness this often)",
+        ),
+    ] = 10.0
+    dead_after: Annotated[
+        float, option(LIVENESS, "seconds without a heartbeat after which a server is deregistered")
+    ] = 30.0
+    # -- logging
+    log_level: Annotated[str, option(LOGGING, "debug, info, warning or error")] = "info"
+    log_format: Annotated[str, option(LOGGING, "text or json")] = "text"
 
     @property
     def http_url(self) -> str:
@@ -44,21 +90,3 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be 'text' or 'json'")
         return self
-
-
-FIELD_HELP: dict[str, str] = {
-    "host": "address of the controller's control port (ZMQ); a non-loopback address "
-    "requires --auth-token",
-    "port": "the control port servers register, report and look up through",
-    "auth_token": "the cluster's shared secret: control messages are signed with it; HTTP "
-    "admin requests send it as 'Authorization: Bearer TOKEN'",
-    "http_host": "address of the HTTP server (health, metrics, status); a non-loopback "
-    "address requires --auth-token",
-    "http_port": "port of the HTTP server; 0 disables it",
-    "heartbeat_interval": "seconds between a server's heartbeats (servers are told by their "
-    "own option of the same name; the controller checks liveness this often)",
-    "dead_after": "seconds without a heartbeat after which a server is deregistered",
-    "max_message_bytes": "largest control message accepted (a full sync part, a report)",
-    "log_level": "debug, info, warning or error",
-    "log_format": "text or json",
-}
