@@ -142,6 +142,10 @@ class ControlServer:
         self._thread = threading.Thread(target=self._serve, name="tierkv-cluster-ctl", daemon=True)
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Whether its serving thread runs (for health checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

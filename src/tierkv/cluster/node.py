@@ -16,6 +16,7 @@ withdraws a chunk's entry, or marks it "on disk" when the node's disk tier has i
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import threading
@@ -155,6 +156,8 @@ class ClusterNode:
         self.stale_withdrawn = 0
         self._started = False
         self._closed = False
+        self.membership = None  # ring mode: set when it joins
+        self._joined = False  # a directory exists (to close)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ClusterNode:
@@ -191,6 +194,7 @@ class ClusterNode:
             self.tier = PeerTier(self.node_id, directory, directory, self.transport, self, self)
         else:
             self._join_ring()
+        self._joined = True
         self.control.start()
         self.transport.serve(self)
         self.directory.start()
@@ -247,8 +251,7 @@ class ClusterNode:
             self._closed = True
             return
         self._closed = True
-        joined = hasattr(self, "directory")
-        membership = getattr(self, "membership", None)
+        joined, membership = self._joined, self.membership
         # Stop answering first, so no peer sees this node alive again after its LEAVE.
         if membership is not None:
             membership.close(leave=False)
@@ -279,6 +282,34 @@ class ClusterNode:
         info = self.tier.membership.get(node_id)
         if info is not None:
             self.client.mark_suspect(info.control)
+
+    # -- the server it serves ----------------------------------------------------------------
+    def hook_up(
+        self,
+        *,
+        namespaces: Callable[[], list[tuple[bytes, str, int, int, int]]],
+        namespace_listeners: list[Callable[[], None]],
+        add_eviction_listener: Callable[[Callable[[Sequence[Evicted]], None]], None],
+        removal_listeners: list[Callable[[list[bytes]], None]],
+        publish_commits: Callable[[ClusterNode, float], None],
+        commit_publish_timeout: float,
+        serve_router_lookups: Callable[[Callable[[p.RouterQuery], dict[str, object]]], None],
+        between: Callable[[], None],
+    ) -> None:
+        """Everything that ties this node to its server, in one call: the namespaces of the
+        server's engines (``namespaces()``: digest, model, tokens per chunk, world size,
+        rank) told to the cluster now and whenever ``namespace_listeners`` fire; evicted
+        and removed chunks withdrawn from the directory; commits that wait for the
+        directory (``publish_commits``, when ``commit_publish_timeout`` > 0:
+        read-your-writes); routers' lookups answered through this node's directory, with
+        ``between`` (the engines-first check point) between their steps."""
+        self.serve_namespaces(lambda: [cm.NamespaceInfo(*ns) for ns in namespaces()])
+        namespace_listeners.append(self.namespaces_changed)
+        add_eviction_listener(self.on_evicted)
+        removal_listeners.append(self.on_removed)
+        if commit_publish_timeout > 0:
+            publish_commits(self, commit_publish_timeout)
+        serve_router_lookups(functools.partial(self.router_lookup, between=between))
 
     # -- the engines' namespaces -----------------------------------------------------------
     def serve_namespaces(self, source: Callable[[], list[cm.NamespaceInfo]]) -> None:

@@ -55,10 +55,7 @@ class Controller:
         return self
 
     def _health(self) -> dict[str, bool]:
-        return {
-            "control": self.control._thread is not None and self.control._thread.is_alive(),
-            "reaper": self.service._thread is not None and self.service._thread.is_alive(),
-        }
+        return {"control": self.control.alive(), "reaper": self.service.alive()}
 
     def close(self) -> None:
         if self.http is not None:

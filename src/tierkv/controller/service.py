@@ -127,6 +127,10 @@ class ControllerService:
         )
         self._thread.start()
 
+    def alive(self) -> bool:
+        """Whether the reaper runs (for health checks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -59,6 +59,7 @@ class CacheService:
 
     def __init__(
         self,
+        *,
         cfg: ServerConfig,
         pool: ShmPool,
         index: ObjectIndex,
@@ -69,7 +70,6 @@ class CacheService:
         metrics: ServiceMetrics,
         snapshot: Callable[[int], p.Stats],
         clock: Callable[[], float] = time.monotonic,
-        *,
         feed: ChunkFeed | None = None,
     ) -> None:
         """``snapshot(rid)`` builds the STATS reply (the server's one status builder)."""

@@ -94,6 +94,7 @@ class StatusBuilder:
 
     def __init__(
         self,
+        *,
         cfg: ServerConfig,
         pool: ShmPool,
         index: ObjectIndex,
@@ -104,7 +105,6 @@ class StatusBuilder:
         cluster: Callable[[], dict[str, Any]] | None = None,
         quotas: Quotas | None = None,
         clock: Callable[[], float] = time.monotonic,
-        *,
         feed: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """``cluster()`` gives the cluster node's figures (None: not in a cluster);

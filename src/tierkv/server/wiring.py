@@ -18,7 +18,6 @@ prints it as one line. :meth:`Server.close` runs the same stack after a normal s
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -26,7 +25,6 @@ from collections.abc import Callable, Sequence
 
 from tierkv import __version__, keys
 from tierkv.allocator import Allocator
-from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.node import ClusterNode, ClusterSettings
 from tierkv.config import ServerConfig
 from tierkv.eviction import Evictor
@@ -75,6 +73,9 @@ class Server:
     engines: EngineFirst
     rpc: RpcServer
     http: HttpServer | None
+    feed: ChunkFeed
+    metrics: ServiceMetrics
+    tier_quotas: list[TierQuota]
 
     def __init__(self, cfg: ServerConfig, tiers: Sequence[Tier] | None = None) -> None:
         """``tiers``: tier objects to use instead of building ``cfg.tiers`` (tests); the
@@ -85,6 +86,8 @@ class Server:
         self._started = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stop_rpc: Callable[[], None] = lambda: None  # the RPC loop's, once it exists
+        self._pool_name = ""  # the pool's, once created
 
     @property
     def endpoint(self) -> str:
@@ -107,26 +110,32 @@ class Server:
         return self
 
     def _start(self) -> None:
-        cfg = self.cfg
         # A second server for the same instance must not take the running one's segment
         # name (create() replaces a segment it finds): ask the endpoint before the pool.
-        ensure_endpoint_free(cfg.rpc_endpoint)
+        ensure_endpoint_free(self.cfg.rpc_endpoint)
+        self._start_storage()  # the pool, the index, the chunk feed, quotas, eviction
+        self._start_tiers()  # the media below the pool and their tenant quotas
+        self._start_cluster()  # other servers' pools as the last tier (or none)
+        self._start_service()  # data movement, sessions, clients, status, request handlers
+        self._start_frontends()  # RPC for engines, HTTP (and its front) for people and routers
+        self._announce()
 
-        # The pool: the shared-memory segment engines copy KV into and out of.
+    def _start_storage(self) -> None:
+        """The pool: the shared-memory segment engines copy KV into and out of. The index:
+        key -> slot, object states, leases with TTLs, LRU order, each slot charged to its
+        tenant; what engines tell routers (the chunk feed, which the index announces noted
+        chunks to); the tenants' quotas (the configuration's, then the live changes kept in
+        the quota file). Eviction keeps the pool below its high watermark and expires
+        overdue leases."""
+        cfg = self.cfg
         self.pool = ShmPool.create(cfg.resolved_pool_name, cfg.pool_size, prefault=cfg.prefault)
         self._started_part("pool", self.pool.close)
-
-        # The index: key -> slot, object states, leases with TTLs, LRU order, each slot
-        # charged to its tenant; the tenants' quotas (the configuration's, then the live
-        # changes kept in the quota file).
+        self._pool_name = self.pool.name
         self.tenants = TenantIds()
         self.index = ObjectIndex(
-            Allocator(self.pool.size, cfg.alignment),
-            cfg.write_ttl,
-            cfg.read_ttl,
+            Allocator(self.pool.size, cfg.alignment), cfg.write_ttl, cfg.read_ttl,
             tenants=self.tenants,
-        )
-        # What engines tell routers (KV events): the index announces noted chunks to it.
+        )  # fmt: skip
         self.feed = ChunkFeed(cfg.chunk_feed_events)
         self.index.on_stored = self.feed.stored
         self.index.on_removed = self.feed.removed
@@ -139,33 +148,33 @@ class Server:
             path=cfg.resolved_quota_file,
         )
         self.quotas.load()
-
-        # Eviction: keeps the pool below its high watermark, expires overdue leases.
         self.eviction = Evictor(
             self.index, cfg.high_watermark, cfg.low_watermark, cfg.eviction_interval
         )
-        metrics = ServiceMetrics(self.eviction)
-        lookups = LookupAccounting(metrics, self.index)
+        self.metrics = ServiceMetrics(self.eviction)
         self.eviction.start()
         self._started_part("eviction", self.eviction.stop)
 
-        # The tiers below the pool, in lookup order (media only: they move no data by
-        # themselves).
+    def _start_tiers(self) -> None:
+        """The tiers below the pool, in lookup order (media only: they move no data by
+        themselves), and the tenant quotas of those that keep their usage per namespace
+        (the disk): the policy is the server's, the tier only counts and evicts when told."""
         self.tiers = []
         self._started_part("tiers", self._close_tiers)
-        self.tiers.extend(self._given_tiers if self._given_tiers is not None else _build(cfg))
-        # Tenant quotas of the tiers that keep their usage per namespace (the disk): the
-        # policy is the server's, the tier only counts and evicts when told.
-        tier_quotas = [
+        self.tiers.extend(self._given_tiers if self._given_tiers is not None else _build(self.cfg))
+        self.tier_quotas = [
             TierQuota(t, self.tenants)
             for t in self.tiers
             if isinstance(t, NamespacedTier) and t.name in QUOTA_TIERS
         ]
-        for quota in tier_quotas:
+        for quota in self.tier_quotas:
             self.quotas.attach(quota)
 
-        # The cluster node: other servers' pools as the last tier (the peer tier), this
-        # pool's chunks published to them, evicted or cleared ones withdrawn.
+    def _start_cluster(self) -> None:
+        """The cluster node (with cluster seeds or a controller): other servers' pools as
+        the last tier (the peer tier), this pool's chunks published to them. It is hooked
+        up to the rest once the service exists (:meth:`_start_service`)."""
+        cfg = self.cfg
         self.cluster = None
         if cfg.cluster_seeds or cfg.controller:
             disk = next((t for t in self.tiers if t.name == "disk"), None)
@@ -173,10 +182,14 @@ class Server:
             self._started_part("cluster", node.close)
             node.start()
             self.cluster = node
-            self.eviction.add_listener(node.on_evicted)
-        peer = [self.cluster.tier] if self.cluster is not None else []
 
-        # Write-behind (committed chunks -> tiers) and prefetch (tiers -> pool on lookup).
+    def _start_service(self) -> None:
+        """Write-behind (committed chunks -> tiers) and prefetch (tiers -> pool on lookup);
+        lookup sessions, registered clients, the one status snapshot every surface shows,
+        and the request handlers; the cluster node hooked up to them."""
+        cfg, cluster = self.cfg, self.cluster
+        peer = [cluster.tier] if cluster is not None else []
+        lookups = LookupAccounting(self.metrics, self.index)
         self.tiering = Tiering(
             self.index,
             self.pool,
@@ -188,12 +201,9 @@ class Server:
             prefetch_timeout=cfg.prefetch_timeout,
             write_first=peer,
             wake_eviction=self.eviction.wake_if_needed,
-            quotas=tier_quotas,
+            quotas=self.tier_quotas,
         )
         self._started_part("tiering", self.tiering.close)
-
-        # The service: lookup sessions, registered clients, the request handlers, and the
-        # one status snapshot every surface shows.
         self.sessions = LookupSessions(
             self.index, self.tiering, lookups, self.index.clock, cfg.session_ttl
         )
@@ -204,85 +214,86 @@ class Server:
             idle_ttl=cfg.client_idle_ttl,
             max_clients=cfg.max_clients,
         )
-        cluster = self.cluster
         self.status = StatusBuilder(
-            cfg,
-            self.pool,
-            self.index,
-            self.registry,
-            self.sessions,
-            metrics,
-            self.tiering,
-            cluster.stats if cluster is not None else None,
-            self.quotas,
+            cfg=cfg,
+            pool=self.pool,
+            index=self.index,
+            registry=self.registry,
+            sessions=self.sessions,
+            metrics=self.metrics,
+            tiering=self.tiering,
+            cluster=cluster.stats if cluster is not None else None,
+            quotas=self.quotas,
             feed=self.feed_figures,
         )
         self.service = CacheService(
-            cfg,
-            self.pool,
-            self.index,
-            self.eviction,
-            self.tiering,
-            self.registry,
-            self.sessions,
-            metrics,
-            self.status.snapshot,
+            cfg=cfg,
+            pool=self.pool,
+            index=self.index,
+            eviction=self.eviction,
+            tiering=self.tiering,
+            registry=self.registry,
+            sessions=self.sessions,
+            metrics=self.metrics,
+            snapshot=self.status.snapshot,
             feed=self.feed,
         )
-        if cluster is not None:
-            registry = self.registry
-            cluster.serve_namespaces(
-                lambda: [cm.NamespaceInfo(*ns) for ns in registry.namespaces()]
-            )
-            registry.on_change.append(cluster.namespaces_changed)
-            self.service.removed_listeners.append(cluster.on_removed)
-            if cfg.commit_publish_timeout > 0:
-                self.service.publish_commits(cluster, cfg.commit_publish_timeout)
-        metrics.registry.register(StatsCollector(self.document))
-        metrics.registry.register(GcPauseCollector())
-
-        # RPC: the engines' endpoint (framed msgpack on a Unix or TCP socket; ipc is 0600).
-        # Engine requests in flight there make HTTP work for routers wait (engine_first).
+        # Engine requests in flight make the work for routers wait (engine_first).
         self.engines = EngineFirst()
+        if cluster is not None:
+            cluster.hook_up(
+                namespaces=self.registry.namespaces,
+                namespace_listeners=self.registry.on_change,
+                add_eviction_listener=self.eviction.add_listener,
+                removal_listeners=self.service.removed_listeners,
+                publish_commits=self.service.publish_commits,
+                commit_publish_timeout=cfg.commit_publish_timeout,
+                serve_router_lookups=self.service.serve_router_lookups,
+                between=self.engines.wait_turn,
+            )
+        self.metrics.registry.register(StatsCollector(self.document))
+        self.metrics.registry.register(GcPauseCollector())
+
+    def _start_frontends(self) -> None:
+        """RPC: the engines' endpoint (framed msgpack on a Unix or TCP socket; ipc is 0600).
+        HTTP: health, status, metrics, the dashboard, admin requests; served by a front
+        process that answers routers' lookups over RPC (:mod:`tierkv.server.front`)."""
+        cfg = self.cfg
         self.rpc = RpcServer(self.service, cfg.rpc_endpoint, self.engines)
         self._started_part("rpc", self.rpc.close)
+        self._stop_rpc = self.rpc.stop
         self.rpc.start()
-
-        # HTTP: health, status, metrics, the dashboard, admin requests; served by a front
-        # process that answers routers' lookups over RPC (tierkv.server.front).
         self.http = None
-        if cluster is not None:
-            self.service.serve_router_lookups(
-                functools.partial(cluster.router_lookup, between=self.engines.wait_turn)
-            )
-        if cfg.http_port:
-            health = Health(self.rpc, self.eviction)
-            app = create_app(
-                self.service,
-                self.document,
-                health.checks,
-                cfg.auth_token,
-                self.quotas,
-                self.engines.wait_turn,
-            )
-            front = FrontSettings(
-                core_socket=os.path.join(cfg.resolved_runtime_dir, "http.sock"),
-                rpc_endpoint=self.endpoint if cluster is not None else "",
-                auth_token=cfg.auth_token,
-                log_level=cfg.log_level,
-                log_format=cfg.log_format,
-            )
-            http = HttpServer(cfg, app, front.core_socket, lambda sock: FrontProcess(sock, front))
-            self._started_part("http", http.stop)
-            http.start()
-            self.http = http
+        if not cfg.http_port:
+            return
+        app = create_app(
+            self.service,
+            self.document,
+            Health(self.rpc, self.eviction).checks,
+            cfg.auth_token,
+            self.quotas,
+            self.engines.wait_turn,
+        )
+        front = FrontSettings(
+            core_socket=os.path.join(cfg.resolved_runtime_dir, "http.sock"),
+            rpc_endpoint=self.endpoint if self.cluster is not None else "",
+            auth_token=cfg.auth_token,
+            log_level=cfg.log_level,
+            log_format=cfg.log_format,
+        )
+        http = HttpServer(cfg, app, front.core_socket, lambda sock: FrontProcess(sock, front))
+        self._started_part("http", http.stop)
+        http.start()
+        self.http = http
+
+    def _announce(self) -> None:
         log.info(
             "tierkv %s serving %s; pool %s of %s (chunk size %d tokens)",
             __version__,
             self.endpoint,
             self.pool.name,
             format_bytes(self.pool.size),
-            cfg.chunk_size,
+            self.cfg.chunk_size,
         )
         if not keys.NATIVE_CHAIN:
             log.warning(
@@ -327,9 +338,7 @@ class Server:
         """Ask the RPC loop to finish (safe from signal handlers and other threads); with a
         background thread, wait for the server to close."""
         self._stop.set()
-        rpc = getattr(self, "rpc", None)
-        if rpc is not None:
-            rpc.stop()
+        self._stop_rpc()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -343,8 +352,8 @@ class Server:
                 stop()
             except Exception:
                 log.exception("stopping %s failed", name)
-        if stopped and hasattr(self, "pool"):
-            log.info("tierkv server stopped; pool %s removed", self.pool.name)
+        if stopped and self._pool_name:
+            log.info("tierkv server stopped; pool %s removed", self._pool_name)
 
     def __enter__(self) -> Server:
         return self
