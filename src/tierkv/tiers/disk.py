@@ -30,16 +30,15 @@ file (a directory, a symbolic link, a FIFO) is not a chunk: a load reports it ``
 and removes it, a store replaces it, and a start removes it, so it never keeps that chunk
 out of the tier.
 
-Index. An in-memory ``OrderedDict`` key -> (file size, generation) in LRU order bounds the
-tier to ``capacity`` bytes (header included); a store that does not fit evicts the least
-recently used files first, and loads move a key to the back (and bump its file's mtime, so
-the order survives a restart). The same keys are also kept per namespace (the key's first
-16 bytes, the namespace digest), each namespace with its bytes and its own LRU order
-stamped from one counter, so :meth:`DiskTier.namespace_usage` answers what each namespace
-holds and :meth:`DiskTier.evict_oldest` evicts the least recently used files of a set of
-namespaces (a tenant's, for the server's tenant quotas; the tier itself knows no tenants
-and decides nothing: see :mod:`tierkv.server.tiering.tier_quotas`). Both are rebuilt at
-start with the index, from the file names.
+Index. An in-memory index (:class:`tierkv.tiers.disk_index.DiskIndex`: key -> file size
+and generation, in LRU order) bounds the tier to ``capacity`` bytes (header included); a
+store that does not fit evicts the least recently used files first, and loads move a key to
+the back (and bump its file's mtime, so the order survives a restart). The index also keeps
+each namespace's bytes and LRU order (a key's first 16 bytes, the namespace digest), so
+:meth:`DiskTier.namespace_usage` answers what each namespace holds and
+:meth:`DiskTier.evict_oldest` evicts the least recently used files of a set of namespaces
+(a tenant's, for the server's tenant quotas; the tier itself knows no tenants and decides
+nothing: see :mod:`tierkv.server.tiering.tier_quotas`).
 
 At start the index is rebuilt from ``os.scandir`` (sizes and mtimes, no file is opened);
 leftover temporary files, files with foreign names inside the fan-out directories and
