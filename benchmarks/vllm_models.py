@@ -57,7 +57,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from vllm_ttft import drain, engine, generate, request, round_bound, worker_stats
+from vllm_ttft import (
+    drain,
+    engine,
+    generate,
+    request,
+    round_bound,
+    tierkv_report,
+    worker_stats,
+)
 
 CHECKED_TOKENS = 16  # greedy output tokens compared with the reference
 
@@ -77,6 +85,8 @@ class Kind:
 # Every model: 4 layers of width 512, an initializer range of 0.2 (logits far apart: greedy
 # decoding picks the same tokens whether a prefix was computed here or loaded). This CPU has
 # no bfloat16 instructions: float32, but for the GDN hybrid, which vLLM runs in bfloat16.
+# Llama and Gemma-3 have as many KV heads as query heads: 16 KiB of KV per token, chunks
+# of 4 MiB (with 2 KV heads, 1 MiB chunks moved 8 MiB per round, too little to time a copy).
 COMMON = {
     "hidden_size": 512,
     "num_layers": 4,
@@ -89,12 +99,12 @@ COMMON = {
 }
 FLOAT32 = {"dtype": "float32"}
 KINDS = {
-    "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 2}, 2100, FLOAT32),
+    "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 2100, FLOAT32),
     "mla": Kind("build_mla_model", "MLAModelSpec", {**COMMON, "q_lora_rank": 128}, 1600, FLOAT32),
     "gemma3-hma": Kind(
         "build_sliding_model",
         "SlidingModelSpec",
-        {**COMMON, "sliding_per_full": 3, "sliding_window": 512, "num_kv_heads": 2},
+        {**COMMON, "sliding_per_full": 3, "sliding_window": 512, "num_kv_heads": 8},
         2100,
         {**FLOAT32, "disable_hybrid_kv_cache_manager": False},
     ),
@@ -180,6 +190,7 @@ def run_kind(name: str, args: argparse.Namespace, model_dir: Path, endpoint: str
         for child in (reference, measured):
             if child.is_alive():
                 child.kill()
+    result["expected"] = expected
     result["matches"] = [got == want for got, want in zip(result["outputs"], expected, strict=True)]
     result["seconds"] = time.perf_counter() - start
     print_kind(result)
@@ -218,15 +229,17 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
         request(llm, warmup)
         drain(llm)
     since = worker_stats()
-    cold, warm, loaded, outputs, bounds = [], [], [], [], []
+    cold, warm, loaded, outputs, bounds, first_tokens = [], [], [], [], [], []
     for prompt in prompts:
         before = worker_stats()
-        cold_s, _ = request(llm, prompt)
+        cold_s, cold_out = generate(llm, prompt)
         drain(llm)
-        warm_s, info = request(llm, prompt)
+        warm_s, warm_out = generate(llm, prompt)
         drain(llm)
         _, out = generate(llm, prompt, CHECKED_TOKENS)
         drain(llm)
+        info = tierkv_report(warm_out)
+        first_tokens.append((cold_out.outputs[0].token_ids[0], warm_out.outputs[0].token_ids[0]))
         after = worker_stats()
         if after["stored_chunks"] > before["stored_chunks"]:
             bounds.append(round_bound(before, after))
@@ -251,6 +264,7 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
             "warm": warm,
             "loaded": loaded,
             "outputs": outputs,
+            "first_tokens": first_tokens,
             "stats": stats,
             "bounds": bounds,
         }
@@ -309,7 +323,7 @@ def print_kind(result: dict[str, Any]) -> None:
     outputs = (
         f"outputs match ({matched}/{len(result['matches'])} prompts, {CHECKED_TOKENS} tokens)"
         if f["match"]
-        else f"OUTPUTS DIFFER ({matched}/{len(result['matches'])} prompts match)"
+        else f"OUTPUTS DIFFER ({matched}/{len(result['matches'])} prompts match; {differ(result)})"
     )
     if not f["active"]:
         print(
@@ -329,6 +343,21 @@ def print_kind(result: dict[str, Any]) -> None:
         f"store_vs_memcpy={f['store_vs_memcpy']:.2f} load_vs_memcpy={f['load_vs_memcpy']:.2f}; "
         f"{outputs}"
     )
+
+
+def differ(result: dict[str, Any]) -> str:
+    """Where each prompt's outputs part: the tokens the warm output shares with the
+    reference's before they differ, and the first token of the cold, warm and reference
+    runs."""
+    parts = []
+    for got, want, (cold, warm) in zip(
+        result["outputs"], result["expected"], result["first_tokens"], strict=True
+    ):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 0)
+        parts.append(
+            f"{same} tokens alike; first token cold {cold}, warm {warm}, reference {want[0]}"
+        )
+    return "; ".join(parts)
 
 
 def summarize(results: list[dict[str, Any]]) -> None:

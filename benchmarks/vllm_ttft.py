@@ -211,7 +211,13 @@ def time_hooks(per_call: dict[str, list[float]]) -> dict[str, float]:
 def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
     """One request for one output token: (seconds, the connector's report if any)."""
     elapsed, out = generate(llm, tokens)
-    return elapsed, (out.kv_transfer_params or {}).get("tierkv") or {}
+    return elapsed, tierkv_report(out)
+
+
+def tierkv_report(out: Any) -> dict[str, Any]:
+    """The connector's report on a finished request (empty without it)."""
+    report: dict[str, Any] = (out.kv_transfer_params or {}).get("tierkv") or {}
+    return report
 
 
 def generate(llm: Any, tokens: list[int], max_tokens: int = 1) -> tuple[float, Any]:
