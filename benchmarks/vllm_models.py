@@ -32,7 +32,11 @@ token (a chunk's bytes over its tokens; a full-attention model of the same shape
 where that differs from the model's own geometry), the connector's store and load GB/s (the
 worker's own totals over the rounds, as in ``vllm_ttft.py``) against a memcpy of as many
 chunks of the same size by as many threads as the connector copies with, measured right
-after each round (the rounds' harmonic mean), and the outputs. The last line is
+after each round (the rounds' harmonic mean), and the outputs. A sliding-window model's load
+figure counts whole chunks, but the layers whose blocks lie behind the window on the warm
+request get vLLM's null block and are not copied (about half of the bytes here): that figure
+is not a copy speed, is printed with that caveat and left out of ``min_load_vs_memcpy``
+(its store figure copies every byte and counts). The last line is
 ``vllm_models kinds=N outputs_match=M min_speedup=X min_store_vs_memcpy=Y
 min_load_vs_memcpy=Z`` (M: kinds whose every warm output equals the reference; the minima
 over the kinds where the connector is active, which the line before names). Goals: M = N,
@@ -105,7 +109,7 @@ KINDS = {
         "build_sliding_model",
         "SlidingModelSpec",
         {**COMMON, "sliding_per_full": 3, "sliding_window": 512, "num_kv_heads": 8},
-        2100,
+        3100,
         {**FLOAT32, "disable_hybrid_kv_cache_manager": False},
     ),
     "gdn-hybrid": Kind(
@@ -289,6 +293,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     active = not result["inactive"] and chunks > 0
     figures: dict[str, Any] = {
         "active": active,
+        "sliding": "SlidingWindowSpec" in result["groups"],
         "speedup": statistics.median(result["cold"]) / statistics.median(result["warm"]),
         "match": all(result["matches"]),
     }
@@ -333,15 +338,20 @@ def print_kind(result: dict[str, Any]) -> None:
         )
         return
     full = result["full_attention_bytes"]
-    sliding = "SlidingWindowSpec" in result["groups"]
-    beside = f" (a full-attention model of this shape: {full})" if sliding else ""
+    beside = f" (a full-attention model of this shape: {full})" if f["sliding"] else ""
+    caveat = (
+        " (chunk bytes; the sliding layers' blocks behind the window are not copied: not a "
+        "copy speed, left out of min_load_vs_memcpy)"
+        if f["sliding"]
+        else ""
+    )
     bounds = " / ".join(f"{b:.2f}" for b in result["bounds"])
     print(
         f"{name}: speedup={f['speedup']:.2f}; {f['bytes_per_token']:.0f} B stored per "
         f"token{beside}; stores {f['store_gbps']:.2f} GB/s, loads {f['load_gbps']:.2f} GB/s, "
         f"memcpy of the same chunks {f['bound']:.2f} GB/s (rounds: {bounds}): "
-        f"store_vs_memcpy={f['store_vs_memcpy']:.2f} load_vs_memcpy={f['load_vs_memcpy']:.2f}; "
-        f"{outputs}"
+        f"store_vs_memcpy={f['store_vs_memcpy']:.2f} "
+        f"load_vs_memcpy={f['load_vs_memcpy']:.2f}{caveat}; {outputs}"
     )
 
 
@@ -353,7 +363,8 @@ def differ(result: dict[str, Any]) -> str:
     for got, want, (cold, warm) in zip(
         result["outputs"], result["expected"], result["first_tokens"], strict=True
     ):
-        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), 0)
+        alike = (i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        same = next(alike, len(got))
         parts.append(
             f"{same} tokens alike; first token cold {cold}, warm {warm}, reference {want[0]}"
         )
@@ -366,17 +377,20 @@ def summarize(results: list[dict[str, Any]]) -> None:
     inactive = sorted(set(all_figures) - set(active))
     matched = sum(f["match"] for f in all_figures.values())
 
-    def least(key: str) -> str:
-        return f"{min(f[key] for f in active.values()):.2f}" if active else "nan"
+    def least(key: str, kinds: dict[str, dict[str, Any]] = active) -> str:
+        return f"{min(f[key] for f in kinds.values()):.2f}" if kinds else "nan"
+
+    copied = {k: f for k, f in active.items() if not f["sliding"]}
 
     print(
         f"minima over the kinds the connector serves ({', '.join(active) or 'none'}); "
-        f"inactive, a miss for every request by design: {', '.join(inactive) or 'none'}"
+        f"inactive, a miss for every request by design: {', '.join(inactive) or 'none'}; "
+        f"loads over {', '.join(copied) or 'none'} (a sliding window's loads skip bytes)"
     )
     print(
         f"vllm_models kinds={len(results)} outputs_match={matched} "
         f"min_speedup={least('speedup')} min_store_vs_memcpy={least('store_vs_memcpy')} "
-        f"min_load_vs_memcpy={least('load_vs_memcpy')}"
+        f"min_load_vs_memcpy={least('load_vs_memcpy', copied)}"
     )
 
 
