@@ -103,7 +103,7 @@ COMMON = {
 }
 FLOAT32 = {"dtype": "float32"}
 KINDS = {
-    "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 2100, FLOAT32),
+    "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 2600, FLOAT32),
     "mla": Kind("build_mla_model", "MLAModelSpec", {**COMMON, "q_lora_rank": 128}, 1600, FLOAT32),
     "gemma3-hma": Kind(
         "build_sliding_model",
