@@ -15,11 +15,15 @@ the blocks a store reads are kept until it ends (delayed frees of finished reque
 ``handle_preemptions`` waiting for preempted requests' stores).
 
 MLA caches (DeepSeek-V2/V3 style) are stored once for all tensor-parallel ranks (see
-:mod:`tierkv.integrations.vllm.worker`). On vLLM's CPU platform with several ranks an MLA
-engine stores but never loads: vLLM 0.32's CPU MLA gives other tokens for a prompt whose
-prefix it did not compute itself there (measured with a tiny DeepSeek-V2 at TP=2: also when
-each rank loads back exactly its own bytes), while one rank answers exactly as without
-tierkv.
+:mod:`tierkv.integrations.vllm.worker`). On vLLM's CPU platform an MLA engine stores but
+never loads where vLLM's own prefix caching is off for it (its reference CPU MLA backend:
+vLLM 0.32 turns prefix caching and chunked prefill off there), and with several ranks: that
+attention gives other tokens for a prompt whose prefix it did not compute itself, even when
+an engine loads back exactly the bytes it computed (measured with a tiny DeepSeek-V2 at TP=2,
+and at TP=1 by ``benchmarks/vllm_models.py``: the first token's log-probability moved by 0.1
+on a loaded 2k-token prefix and the greedy outputs parted after 1 to 4 tokens, where a Llama
+agrees to three decimals). Elsewhere (a GPU, where vLLM's prefix caching serves MLA
+prefixes too) an MLA engine loads; that was not run here (no GPU).
 
 The vLLM versions the connector is tested with are
 :data:`~tierkv.integrations.vllm.interface.TESTED_VLLM_VERSIONS`; every hook of vLLM's base
@@ -123,8 +127,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if can_load and _loads_give_wrong_output(vllm_config, self._spec):
             if role == KVConnectorRole.SCHEDULER:
                 log.warning(
-                    "tierkv: MLA with tensor parallelism on vLLM's CPU platform computes other "
-                    "tokens on top of a loaded prefix: this engine stores, never loads"
+                    "tierkv: vLLM's CPU MLA computes other tokens on top of a prefix it did "
+                    "not compute itself (vLLM turns its own prefix caching off for it): this "
+                    "engine stores, never loads"
                 )
             can_load = False
         self._scheduler: SchedulerSide | None = None
@@ -397,12 +402,19 @@ def _is_latent(spec: Any) -> bool:
 
 
 def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:
-    """An MLA engine with several ranks on vLLM's CPU platform (see the module doc)."""
-    if not _is_latent(spec) or int(vllm_config.parallel_config.world_size) <= 1:
+    """An MLA engine on vLLM's CPU platform whose attention cannot prefill on top of cached
+    KV: the platform then turns vLLM's own prefix caching off (its reference CPU MLA
+    backend; the AMX one keeps it), and so does the connector's loading (see the module
+    doc)."""
+    if not _is_latent(spec):
         return False
     from vllm.platforms import current_platform
 
-    return bool(current_platform.is_cpu())
+    if not current_platform.is_cpu():
+        return False
+    return int(vllm_config.parallel_config.world_size) > 1 or not bool(
+        vllm_config.cache_config.enable_prefix_caching
+    )
 
 
 def _attention_spec(kv_cache_config: Any) -> Any:
