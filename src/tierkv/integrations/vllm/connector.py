@@ -39,6 +39,13 @@ with others, groups of different geometries, an all-sliding-window cache whose b
 frees behind the window, unsupported KV quantization) do not stop the engine: the connector
 logs why, once, and neither loads nor stores.
 
+Statistics go through vLLM's own channels (:mod:`tierkv.integrations.vllm.stats`): every
+worker's loads and stores and the scheduler's hits by source are vLLM's connector stats (its
+``KV Transfer metrics`` log line, and ``vllm:tierkv_*`` counters in ``/metrics``), and each
+hit's split by where the server found it (its pool, a peer node, a tier) is what vLLM counts
+in ``vllm:prompt_tokens_cached_by_source`` (pool: ``host``, peer: ``p2p``, disk: ``disk``,
+Redis/Valkey/S3: ``external_unspecified``, vLLM having no tier for remote stores).
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -106,7 +113,8 @@ except ImportError:  # a vLLM without per-source hit counts
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
 
-    # Where vLLM counts tierkv's hits: the pool is in host memory (shared memory).
+    # Where vLLM counts a hit whose sources are not known (get_external_cache_hit_sources):
+    # the pool is in host memory (shared memory).
     _cache_hit_source = _HIT_SOURCE
 
     def __init__(

@@ -12,7 +12,9 @@ Per request, in vLLM's order:
 2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
    without, free the lookup's locks (vLLM computes those chunks itself). An MLA engine with
    several ranks (``shared_ranks``: one namespace, only rank 0 in the lookup) also puts the
-   chunks' keys into the load, for the other ranks' reads by key.
+   chunks' keys into the load, for the other ranks' reads by key. The external tokens are
+   counted by where the server found their chunks (a lookup answered at once: its pool; one
+   that prefetched: the sources in its prefetch status), for vLLM's stats (``stats.py``).
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
    complete after this step's forward pass and not already known to be cached. With
    ``store_decode`` also the chunks that fill up while the request decodes (see below).
