@@ -106,6 +106,7 @@ def test_metrics_count_loads_stores_and_where_each_hit_came_from(
     assert (first["loaded_tokens"], first["stored_chunks"]) == (0, FULL_CHUNKS)
     second = ask()
     assert second["loaded_tokens"] == tokens  # from the pool
+    assert second["hit_sources"] == {"pool": tokens}
     with Client(srv.endpoint) as admin:
         wait_for(
             "the disk tier to hold the chunks",
@@ -114,6 +115,7 @@ def test_metrics_count_loads_stores_and_where_each_hit_came_from(
         assert admin.clear() == FULL_CHUNKS  # the disk tier keeps its copies
     third = ask()
     assert third["loaded_tokens"] == tokens  # prefetched from disk into the pool
+    assert third["hit_sources"] == {"disk": tokens}
 
     expected = {
         "vllm:tierkv_stored_chunks_total": FULL_CHUNKS,

@@ -22,13 +22,15 @@ Per request, in vLLM's order:
    rank) are stored again once recomputed.
 5. ``request_finished``: end the server session; report the request's figures in
    ``kv_transfer_params["tierkv"]``: ``hit_tokens`` (chunk-aligned tokens the lookup found on
-   every rank), ``external_tokens`` (what vLLM agreed to load), ``loaded_tokens`` (what every
-   rank loaded), ``load_failed_from``, ``stored_chunks`` (chunks handed to the workers to
-   store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
-   wrote into the pool, not counting those already cached), as reported by the workers before
-   the request finished. With asynchronous stores (``async_store``) a store often
-   ends after that: ``written_chunks`` then counts only the stores that had ended, and
-   ``stored_chunks`` is what will be written (less any the pool already held or a failure).
+   every rank), ``external_tokens`` (what vLLM agreed to load), ``hit_sources`` (those
+   tokens by where the server found them: ``pool``, ``peer`` or a tier's name),
+   ``loaded_tokens`` (what every rank loaded), ``load_failed_from``, ``stored_chunks``
+   (chunks handed to the workers to store) and ``ranks``: per rank, ``loaded_tokens`` and
+   ``written_chunks`` (chunks its stores wrote into the pool, not counting those already
+   cached), as reported by the workers before the request finished. With asynchronous
+   stores (``async_store``) a store often ends after that: ``written_chunks`` then counts
+   only the stores that had ended, and ``stored_chunks`` is what will be written (less any
+   the pool already held or a failure).
 
 Asynchronous stores (``async_store``). The workers run the stores planned for a step on their
 store threads, after the step's forward pass, reading the request's blocks directly. The
@@ -544,6 +546,7 @@ class SchedulerSide:
             "tierkv": {
                 "hit_tokens": state.max_hits * self.chunk_size,
                 "external_tokens": state.external_tokens,
+                "hit_sources": dict(state.external_sources),
                 "loaded_tokens": state.loaded_tokens,
                 "load_failed_from": state.failed_from,
                 "stored_chunks": state.stored_chunks,
