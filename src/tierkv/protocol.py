@@ -297,10 +297,22 @@ class LookupResult(Struct, tag="lookup_result"):
     prefetching: bool = False
 
 
+class SourceRun(msgspec.Struct, array_like=True, frozen=True):
+    """``chunks`` consecutive hit chunks found in one place: ``"pool"`` (in the pool when
+    looked up) or the tier that was prefetched from (a tier's name, ``"peer"``)."""
+
+    source: str
+    chunks: int
+
+
 class PrefetchStatus(Struct, tag="prefetch_status"):
+    """``sources``: where the ``hits`` came from, in chunk order (once ``done``; empty while
+    the prefetch runs, when every hit is the pool's)."""
+
     rid: int
     done: bool
     hits: int
+    sources: list[SourceRun] = msgspec.field(default_factory=list)
 
 
 class Slot(msgspec.Struct, array_like=True, frozen=True):

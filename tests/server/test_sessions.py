@@ -98,7 +98,7 @@ def test_a_full_hit_is_locked_until_the_retrieve_takes_it_over(env: Env) -> None
     session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 3)
     assert (session.hits, session.total, session.prefetch) == (3, 3, None)
     assert env.index.stats().read_locked == 3
-    assert env.sessions.query(ENGINE, "r") == Progress(True, 3)
+    assert env.sessions.query(ENGINE, "r") == Progress(True, 3, (("pool", 3),))
     lease = session.lease
     taken = env.sessions.take(ENGINE, "r")
     assert taken is not None and taken[0] == lease and taken[1] is session
@@ -116,7 +116,8 @@ def test_a_partial_hit_prefetches_the_rest_from_the_tier(env: Env) -> None:
     env.tier.put(ks[1:])
     session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 4)
     assert session.hits == 1 and session.prefetch is not None
-    assert env.settle(ENGINE, "r") == Progress(True, 4)
+    # Where each hit came from, in chunk order (the engine reports it as its hit sources).
+    assert env.settle(ENGINE, "r") == Progress(True, 4, (("pool", 1), ("mem", 3)))
     lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
     assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks
     env.index.release_read(lease, ENGINE)
@@ -159,7 +160,7 @@ def test_a_group_lookup_answers_the_smallest_rank_and_ends_as_a_whole(env: Env) 
         SCHEDULER, "r", [(RANK0, rank0, [CHUNK] * 3), (RANK1, rank1, [CHUNK] * 3)]
     )
     assert (hits, total, prefetching) == (2, 3, True)  # rank 1 prefetches (and misses)
-    assert env.settle(SCHEDULER, "r") == Progress(True, 2)
+    assert env.settle(SCHEDULER, "r") == Progress(True, 2, (("pool", 2),))
     # One count per open session: the scheduler's group and each rank's own.
     assert [env.sessions.count_of(t) for t in (SCHEDULER, RANK0, RANK1)] == [1, 1, 1]
     assert env.sessions.count() == 3
@@ -181,7 +182,23 @@ def test_a_rank_that_looked_up_again_keeps_its_new_session_when_the_group_ends(
     env.sessions.open_group(SCHEDULER, "r", [(RANK0, rank0, [CHUNK]), (RANK1, rank1, [CHUNK])])
     env.sessions.open(RANK1, "r", rank1, [CHUNK])  # the rank replaced its session
     assert env.sessions.drop(SCHEDULER, "r") == 1  # rank 0's only
-    assert env.sessions.query(RANK1, "r") == Progress(True, 1)
+    assert env.sessions.query(RANK1, "r") == Progress(True, 1, (("pool", 1),))
+
+
+def test_a_group_hit_counts_under_the_tier_any_rank_prefetched_it_from(env: Env) -> None:
+    """Rank 0 holds all three chunks in the pool; rank 1 holds its first and prefetches the
+    other two from the tier: chunks 1 and 2 came from the tier (rank 1 waited for them)."""
+    rank0, rank1 = keys(3, "a"), keys(3, "b")
+    env.store(rank0)
+    env.store(rank1[:1])
+    env.tier.put(rank1[1:])
+    hits, _, prefetching = env.sessions.open_group(
+        SCHEDULER, "r", [(RANK0, rank0, [CHUNK] * 3), (RANK1, rank1, [CHUNK] * 3)]
+    )
+    assert (hits, prefetching) == (1, True)
+    assert env.settle(SCHEDULER, "r") == Progress(True, 3, (("pool", 1), ("mem", 2)))
+    env.sessions.drop(SCHEDULER, "r")
+    assert env.index.stats().read_locked == 0
 
 
 def test_a_client_going_away_ends_every_session_it_holds(env: Env) -> None:
@@ -225,7 +242,7 @@ def test_lazily_hashed_keys_are_prefetched_in_full_once_a_tier_has_the_first_mis
     env.tier.put(ks[2:])
     session = env.sessions.open(ENGINE, "r", lazy, [CHUNK] * 6)
     assert session.hits == 2
-    assert env.settle(ENGINE, "r") == Progress(True, 6)
+    assert env.settle(ENGINE, "r") == Progress(True, 6, (("pool", 2), ("mem", 4)))
     assert lazy.hashed == ks
     lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
     assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks

@@ -470,8 +470,17 @@ def test_a_chunk_only_in_the_pool_continues_a_prefix_loaded_from_disk(
     assert s.write_behind_dropped == 2 and s.tiers[0].objects == 3  # chunk 2 is not on disk
     assert pool_hits(client, tokens) == 1
 
-    found = client.lookup(tokens, request_id="mixed", wait=True)
-    assert found.hits == n
+    found = client.lookup(tokens, request_id="mixed")
+    assert found.hits == 1 and found.prefetching
+    status = wait_for("the prefetch", lambda: (st := client.query_prefetch("mixed")).done and st)
+    assert status.hits == n
+    # Where each hit came from, in chunk order (what the vLLM connector reports per source).
+    assert [(r.source, r.chunks) for r in status.sources] == [
+        ("pool", 1),
+        ("disk", 1),
+        ("pool", 1),
+        ("disk", 1),
+    ]
     assert retrieve_exact(client, tokens, "mixed") == list(range(n))
     client.end_session("mixed")
     s = assert_no_locks(client)

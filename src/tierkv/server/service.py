@@ -471,7 +471,8 @@ class CacheService:
         progress = self.sessions.query(reg.token, req.request_id)
         if progress is None:
             raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
-        return p.PrefetchStatus(req.rid, progress.done, progress.hits)
+        sources = [p.SourceRun(where, chunks) for where, chunks in progress.sources]
+        return p.PrefetchStatus(req.rid, progress.done, progress.hits, sources)
 
     def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
         reg = self._worker(req.client)

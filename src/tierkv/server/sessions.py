@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.server.metrics import POOL
 from tierkv.server.tiering import Tiering
 from tierkv.server.tiering.lookups import LookupAccounting
 from tierkv.server.tiering.prefetch import PrefetchJob
@@ -43,6 +44,15 @@ class Session:
     touched: float
     prefetch: PrefetchJob | None = None
     handed_out: bool = False  # PREPARE_RETRIEVE took the lease
+    # Where the chunks after the pool's hit prefix (``first``) came from, once a prefetch
+    # landed: a tier's name, or "pool" for one the pool had by then.
+    first: int = 0
+    prefetched: tuple[str, ...] = ()
+
+    def source(self, position: int) -> str:
+        """Where the hit chunk at ``position`` came from."""
+        i = position - self.first
+        return self.prefetched[i] if 0 <= i < len(self.prefetched) else POOL
 
 
 @dataclass(slots=True)
@@ -60,6 +70,7 @@ class Progress:
 
     done: bool
     hits: int
+    sources: tuple[tuple[str, int], ...] = ()  # (where, chunks) runs over the hits, once done
 
 
 class LookupSessions:
@@ -119,7 +130,7 @@ class LookupSessions:
     ) -> Session:
         lock = self.index.lock_read(keys, holder, prefix=True)
         hits = len(lock.slots)
-        session = Session(lock.lease_id, hits, hits, len(keys), self.clock())
+        session = Session(lock.lease_id, hits, hits, len(keys), self.clock(), first=hits)
         with self._lock:
             self._single.setdefault(holder, {})[request_id] = session
         if hits < len(keys) and self.tiering.enabled:
@@ -180,7 +191,7 @@ class LookupSessions:
             for session in members:
                 if not session.handed_out:
                     session.hits = hits
-        return Progress(True, hits)
+        return Progress(True, hits, _source_runs(members, hits))
 
     def _settle(self, session: Session) -> bool:
         """Whether the session's prefetch is over; folds its result into ``available``."""
@@ -192,6 +203,7 @@ class LookupSessions:
         with self._lock:
             if job.done.is_set() and not job.cancelled and not session.handed_out:
                 session.available = max(session.available, job.hits)
+                session.prefetched = tuple(job.sources[: job.loaded])
             session.prefetch = None
         return True
 
@@ -264,3 +276,25 @@ class LookupSessions:
         """Open sessions of every client, counted as :meth:`count_of` does."""
         with self._lock:
             return sum(map(len, self._single.values())) + sum(map(len, self._groups.values()))
+
+
+def _source_runs(members: Sequence[Session], hits: int) -> tuple[tuple[str, int], ...]:
+    """Where the first ``hits`` chunks came from, as (source, chunks) runs in order: for a
+    group, a chunk any rank had to fetch counts under that rank's source."""
+    if not hits:
+        return ()
+    if not any(session.prefetched for session in members):
+        return ((POOL, hits),)
+    runs: list[tuple[str, int]] = []
+    for position in range(hits):
+        where = POOL
+        for session in members:
+            found = session.source(position)
+            if found != POOL:
+                where = found
+                break
+        if runs and runs[-1][0] == where:
+            runs[-1] = (where, runs[-1][1] + 1)
+        else:
+            runs.append((where, 1))
+    return tuple(runs)

@@ -43,6 +43,13 @@ with others, groups of different geometries, an all-sliding-window cache whose b
 frees behind the window, unsupported KV quantization) do not stop the engine: the connector
 logs why, once, and neither loads nor stores.
 
+Statistics go through vLLM's own channels (:mod:`tierkv.integrations.vllm.stats`): every
+worker's loads and stores and the scheduler's hits by source are vLLM's connector stats (its
+``KV Transfer metrics`` log line, and ``vllm:tierkv_*`` counters in ``/metrics``), and each
+hit's split by where the server found it (its pool, a peer node, a tier) is what vLLM counts
+in ``vllm:prompt_tokens_cached_by_source`` (pool: ``host``, peer: ``p2p``, disk: ``disk``,
+Redis/Valkey/S3: ``external_unspecified``, vLLM having no tier for remote stores).
+
 A failed load is recomputed: the connector sets ``kv_load_failure_policy`` to
 ``"recompute"`` (vLLM's default, ``"fail"``, would fail the request, which a cache miss must
 never do).
@@ -75,6 +82,7 @@ from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutErro
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
 from tierkv.integrations.vllm.settings import ConnectorSettings, stores_async
+from tierkv.integrations.vllm.stats import PEER, POOL, TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -93,14 +101,24 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     _HIT_SOURCE: Any = CacheHitSource.HOST
+    # vLLM's tiers for where tierkv found a hit (vllm:prompt_tokens_cached_by_source): the
+    # pool is host memory; remote stores (redis, valkey, s3) have no tier of their own there.
+    _VLLM_SOURCES: dict[str, Any] = {
+        POOL: CacheHitSource.HOST,
+        PEER: CacheHitSource.P2P,
+        "disk": CacheHitSource.DISK,
+    }
+    _OTHER_SOURCE: Any = CacheHitSource.EXTERNAL_UNSPECIFIED
 except ImportError:  # a vLLM without per-source hit counts
-    _HIT_SOURCE = None
+    _HIT_SOURCE = _OTHER_SOURCE = None
+    _VLLM_SOURCES = {}
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """Prefix KV from and to a tierkv server (scheduler and worker roles)."""
 
-    # Where vLLM counts tierkv's hits: the pool is in host memory (shared memory).
+    # Where vLLM counts a hit whose sources are not known (get_external_cache_hit_sources):
+    # the pool is in host memory (shared memory).
     _cache_hit_source = _HIT_SOURCE
 
     def __init__(
@@ -288,6 +306,22 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         self._require_scheduler().update_connector_output(meta)
 
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        # Where the server found the chunks vLLM just agreed to load (the pool, a peer node,
+        # a tier it prefetched them from), in vLLM's tiers.
+        found = self._require_scheduler().external_sources(request.request_id)
+        if not num_external_tokens or sum(found.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(  # type: ignore[no-any-return]
+                request, num_external_tokens
+            )
+        out: dict[Any, int] = {}
+        for where, tokens in found.items():
+            source = _VLLM_SOURCES.get(where, _OTHER_SOURCE)
+            out[source] = out.get(source, 0) + tokens
+        return out
+
     def take_events(self) -> Iterable[Any]:
         # The pool's KV events (vLLM publishes them in this step's batch): see scheduler.py.
         return self._require_scheduler().take_events()
@@ -314,6 +348,26 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         return scheduler.keeps_blocks(request.request_id), params or None
 
     # -- both ------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> TierKVStats | None:
+        # Since the last call: a worker's loads and stores, the scheduler's hits by source.
+        if self._worker is not None:
+            return self._worker.interval_stats()
+        return self._require_scheduler().interval_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierKVStats:
+        return TierKVStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierKVPromMetrics:
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()

@@ -36,8 +36,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "reset_capture_state": "nothing of tierkv's runs inside a captured CUDA graph",
     "get_transfer_results": "the default wraps get_finished, which tierkv implements; "
     "load failures go through get_block_ids_with_load_errors",
-    "get_kv_connector_stats": "tierkv's figures are in kv_transfer_params['tierkv'] per "
-    "request and in the server's metrics",
     "get_kv_connector_kv_cache_events": "the pool's KV events are the scheduler's (take_events): "
     "it reads the server's chunk feed, which covers every engine of its namespaces",
     "get_handshake_metadata": "no peer-to-peer handshake: engines meet through the server",
@@ -51,9 +49,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "bind_gpu_block_pool": "tierkv does not track vLLM's block pool",
     "get_loaded_kv_cache_group_ids": "the default (the prefix-cacheable groups: full "
     "attention and sliding windows, the kinds tierkv serves) is what a load writes",
-    "get_external_cache_hit_sources": "every external hit counts under _cache_hit_source "
-    "(HOST): tierkv serves it from its shared-memory pool (a slower tier or a peer first "
-    "copies the chunk into the pool)",
     "on_new_request": "requests are taken up in get_num_new_matched_tokens",
     "register_finished_partial_tail": "tierkv stores whole chunks only, never a partial tail",
     "has_pending_block_frees": "a request's kept blocks are freed as its stores end, never "
@@ -62,8 +57,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "get_required_kvcache_layout": "tierkv detects and maps any layout (layout.py)",
     "requires_piecewise_for_cudagraph": "no layer-by-layer hooks: wait_for_layer_load and "
     "save_kv_layer do nothing",
-    "build_kv_connector_stats": "no KVConnectorStats (see get_kv_connector_stats)",
-    "build_prom_metrics": "the server exports tierkv's Prometheus metrics",
     "reset_cache": "the pool is shared by engines: one engine's reset_prefix_cache must not "
     "drop what others stored (clear it through the server)",
 }

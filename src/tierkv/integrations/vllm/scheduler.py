@@ -12,7 +12,9 @@ Per request, in vLLM's order:
 2. ``update_state_after_alloc``: with external tokens, plan the load into the new blocks;
    without, free the lookup's locks (vLLM computes those chunks itself). An MLA engine with
    several ranks (``shared_ranks``: one namespace, only rank 0 in the lookup) also puts the
-   chunks' keys into the load, for the other ranks' reads by key.
+   chunks' keys into the load, for the other ranks' reads by key. The external tokens are
+   counted by where the server found their chunks (a lookup answered at once: its pool; one
+   that prefetched: the sources in its prefetch status), for vLLM's stats (``stats.py``).
 3. ``build_connector_meta``: this step's loads, and stores of every prompt chunk that is
    complete after this step's forward pass and not already known to be cached. With
    ``store_decode`` also the chunks that fill up while the request decodes (see below).
@@ -20,13 +22,15 @@ Per request, in vLLM's order:
    rank) are stored again once recomputed.
 5. ``request_finished``: end the server session; report the request's figures in
    ``kv_transfer_params["tierkv"]``: ``hit_tokens`` (chunk-aligned tokens the lookup found on
-   every rank), ``external_tokens`` (what vLLM agreed to load), ``loaded_tokens`` (what every
-   rank loaded), ``load_failed_from``, ``stored_chunks`` (chunks handed to the workers to
-   store) and ``ranks``: per rank, ``loaded_tokens`` and ``written_chunks`` (chunks its stores
-   wrote into the pool, not counting those already cached), as reported by the workers before
-   the request finished. With asynchronous stores (``async_store``) a store often
-   ends after that: ``written_chunks`` then counts only the stores that had ended, and
-   ``stored_chunks`` is what will be written (less any the pool already held or a failure).
+   every rank), ``external_tokens`` (what vLLM agreed to load), ``hit_sources`` (those
+   tokens by where the server found them: ``pool``, ``peer`` or a tier's name),
+   ``loaded_tokens`` (what every rank loaded), ``load_failed_from``, ``stored_chunks``
+   (chunks handed to the workers to store) and ``ranks``: per rank, ``loaded_tokens`` and
+   ``written_chunks`` (chunks its stores wrote into the pool, not counting those already
+   cached), as reported by the workers before the request finished. With asynchronous
+   stores (``async_store``) a store often ends after that: ``written_chunks`` then counts
+   only the stores that had ended, and ``stored_chunks`` is what will be written (less any
+   the pool already held or a failure).
 
 Asynchronous stores (``async_store``). The workers run the stores planned for a step on their
 store threads, after the step's forward pass, reading the request's blocks directly. The
@@ -94,6 +98,7 @@ from tierkv.integrations.vllm.chunks import (
 from tierkv.integrations.vllm.kv_events import NoteGroup, PoolEvents, chunk_note
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.stats import POOL, TierKVStats
 
 log = logging.getLogger("vllm.tierkv")
 
@@ -113,6 +118,10 @@ class RequestState:
     phase: str = NEW
     hits: int = 0  # leading chunks tierkv holds (locked for this request)
     max_hits: int = 0  # the most any lookup of this request found (reported)
+    # Where the server found the hit chunks: (source, chunks) runs in chunk order (see
+    # tierkv.integrations.vllm.stats), and the split of the external tokens vLLM accepted.
+    sources: tuple[tuple[str, int], ...] = ()
+    external_sources: dict[str, int] = field(default_factory=dict)
     session: bool = False  # the server holds a lookup session under the request id
     prefetch_deadline: float = 0.0
     local_tokens: int = 0  # vLLM's own prefix-cache hit when the lookup was answered
@@ -176,6 +185,9 @@ class SchedulerSide:
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
         self._loads: dict[str, LoadSpec] = {}  # planned by allocations, for the next step
+        # Hits vLLM accepted since the last interval_stats: tokens by source, requests.
+        self._hit_tokens: dict[str, int] = {}
+        self._hit_requests = 0
         # Last stores of finished requests (and their release), for the next step.
         self._final = TierKVConnectorMetadata()
         self.link = ServerLink(settings, self._register, "scheduler", log)
@@ -294,6 +306,7 @@ class SchedulerSide:
         if result is None:
             return 0
         state.session = True
+        state.sources = ((POOL, int(result.hits)),)  # until a prefetch says otherwise
         if result.prefetching:
             state.phase = PREFETCHING
             state.hits = result.hits
@@ -307,6 +320,7 @@ class SchedulerSide:
         if status is None:
             return 0
         if status.done:
+            state.sources = tuple((run.source, run.chunks) for run in status.sources)
             return int(status.hits)
         if self._clock() > state.prefetch_deadline:
             return int(status.hits)  # stop waiting: take what the pool holds now
@@ -339,6 +353,8 @@ class SchedulerSide:
                 salt=state.salt,
             )
             state.external_tokens = num_external_tokens
+            state.external_sources = tokens_by_source(state.sources, self.chunk_size, start, end)
+            self._count_hit(state.external_sources)
             state.loading = True
         elif state.session:
             self._free_locks(state)
@@ -451,6 +467,25 @@ class SchedulerSide:
             return None
         return notes
 
+    def _count_hit(self, sources: dict[str, int]) -> None:
+        for where, tokens in sources.items():
+            self._hit_tokens[where] = self._hit_tokens.get(where, 0) + tokens
+        self._hit_requests += 1
+
+    def external_sources(self, request_id: str) -> dict[str, int]:
+        """The external tokens vLLM accepted for ``request_id``, by where the server found
+        them (empty when it took none)."""
+        state = self.requests.get(request_id)
+        return dict(state.external_sources) if state is not None else {}
+
+    def interval_stats(self) -> TierKVStats | None:
+        """The hits vLLM accepted since the last call (None if none), for its stats."""
+        if not self._hit_requests:
+            return None
+        stats = TierKVStats.for_hits(self._hit_tokens, self._hit_requests)
+        self._hit_tokens, self._hit_requests = {}, 0
+        return stats
+
     def take_events(self) -> list[Any]:
         """vLLM's KV events for what the pool began or stopped offering since the last call
         (never waits on the server: a thread reads the feed)."""
@@ -511,6 +546,7 @@ class SchedulerSide:
             "tierkv": {
                 "hit_tokens": state.max_hits * self.chunk_size,
                 "external_tokens": state.external_tokens,
+                "hit_sources": dict(state.external_sources),
                 "loaded_tokens": state.loaded_tokens,
                 "load_failed_from": state.failed_from,
                 "stored_chunks": state.stored_chunks,
@@ -585,6 +621,24 @@ class SchedulerSide:
         if self.events is not None:
             self.events.close()
         self.link.close()
+
+
+def tokens_by_source(
+    runs: Sequence[tuple[str, int]], chunk_size: int, start: int, end: int
+) -> dict[str, int]:
+    """Split tokens ``[start, end)`` by the source of the chunk each lies in (``runs``:
+    (source, chunks) in chunk order); tokens beyond the runs count under the pool."""
+    out: dict[str, int] = {}
+    lo = 0
+    for where, chunks in runs:
+        hi = lo + chunks * chunk_size
+        n = min(hi, end) - max(lo, start)
+        if n > 0:
+            out[where] = out.get(where, 0) + n
+        lo = hi
+    if end > max(lo, start):
+        out[POOL] = out.get(POOL, 0) + end - max(lo, start)
+    return out
 
 
 def _intact_chunks(block_ids: list[BlockRef], bpc: int) -> int:

@@ -80,6 +80,7 @@ from tierkv.integrations.vllm.metadata import (
 )
 from tierkv.integrations.vllm.pinning import page_lock
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.stats import RANK_FIELDS, TierKVStats
 from tierkv.integrations.vllm.stores import StoreQueue
 from tierkv.pool import ShmPool
 
@@ -143,6 +144,7 @@ class WorkerSide:
         # the request's prompt is still being computed), until settled, by rid: (request id,
         # chunks reported written for it).
         self._commits: dict[int, tuple[str, int]] = {}
+        self._reported: dict[str, float] = {}  # the totals at the last interval_stats
         # Totals for this process (tests, logs and benchmarks read them): chunks, and the
         # time the engine spent in stores (waiting for the reservation, the copies out of its
         # blocks, the commit) and in loads (the RPCs and the copies into its blocks), with the
@@ -150,6 +152,7 @@ class WorkerSide:
         # the forward pass.
         self.stats: dict[str, float] = {
             "loaded_chunks": 0,
+            "loaded_tokens": 0,
             "failed_blocks": 0,
             "stored_chunks": 0,
             "store_seconds": 0.0,
@@ -291,8 +294,10 @@ class WorkerSide:
         bpc = max(self.bpc, 1)
         first_failed = spec.first_failed_block(loaded, bpc)
         end = spec.end_block if first_failed is None else first_failed
-        self._report.loaded_tokens[spec.request_id] = (end - spec.start_block) * block_size
+        tokens = (end - spec.start_block) * block_size
+        self._report.loaded_tokens[spec.request_id] = tokens
         self.stats["loaded_chunks"] += len(loaded)
+        self.stats["loaded_tokens"] += tokens
         if first_failed is not None:
             failed = spec.failed_blocks(loaded, bpc)
             self._load_errors.update(failed)
@@ -537,6 +542,17 @@ class WorkerSide:
         with self._lock:
             return dict(self.stats)
 
+    def interval_stats(self) -> TierKVStats | None:
+        """What this rank loaded and stored since the last call, for vLLM's connector stats
+        (None if nothing): the difference of the running totals."""
+        now = self.stats_snapshot()
+        last, self._reported = self._reported, now
+        delta = {name: now[name] - last.get(name, 0) for name in _INTERVAL_FIELDS}
+        delta["stored_tokens"] = delta["stored_chunks"] * self.settings.chunk_size
+        if not any(delta.values()):
+            return None
+        return TierKVStats.for_rank(self.rank, delta)
+
     def shutdown(self) -> None:
         """Wait (at most :data:`SHUTDOWN_WAIT` seconds) for the queued stores, give back the
         reservations no store took, then close."""
@@ -548,6 +564,10 @@ class WorkerSide:
         self._prepare_thread.shutdown(wait=True)
         self._settle(set())
         self.link.close()
+
+
+# The running totals an interval reports (stored_tokens follows from stored_chunks).
+_INTERVAL_FIELDS = tuple(name for name in RANK_FIELDS if name != "stored_tokens")
 
 
 def _keys(spec: StoreSpec) -> dict[str, Any]:
