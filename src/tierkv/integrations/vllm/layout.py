@@ -143,6 +143,10 @@ class PagedKVLayout:
     # numpy views of views/stacked when the cache is in host memory (see arraycopy.host_view)
     host_views: tuple[npt.NDArray[Any], ...] | None = field(default=None, init=False)
     host_stacked: npt.NDArray[Any] | None = field(default=None, init=False)
+    # views with the block axis moved next to the token axis (see _moved_views), by host
+    _moved: dict[bool, tuple[Any, tuple[Any, ...]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         arrays = [host_view(v) for v in self.views]
@@ -245,6 +249,8 @@ class PagedKVLayout:
             return
         pairs = list(blocks)
         staging = self._staging(pairs, chunk)
+        # One copy_ per part: torch._foreach_copy_ (one call for all) returned wrong bytes for
+        # MLA chunks on an H200 (torch 2.11, CUDA 13), caught by benchmarks/gpu_copies.py.
         for paged, part in self._block_parts(pairs, chunk if staging is None else staging, False):
             part.copy_(paged)
         if staging is not None:
@@ -301,48 +307,67 @@ class PagedKVLayout:
         one per run and layer. ``host``: numpy views (``chunk`` is one), else torch views.
 
         A run of ``m`` kernel blocks is one copy: the paged side is the run's blocks with
-        their block axis moved next to the token axis, ``[..., m, tokens, dim]``; the chunk
-        side is the run's tokens with the token axis split into ``(m, tokens)``."""
-        n = self.kernel_block_size
-        stacked = self.host_stacked if host else self.stacked
-        views = self.host_views if host else self.views
-        assert views is not None
-        move = np.moveaxis if host else torch.movedim
+        their block axis next to the token axis, ``[..., m, tokens, dim]``; the chunk side is
+        the run's tokens with the token axis split into ``(m, tokens)``. Both are slices of
+        views made once (per layout, per chunk): a copy per layer costs a few microseconds of
+        Python, which is most of a copy's time on a GPU (61 layers of an MLA chunk)."""
+        stacked, views = self._moved_views(host)
+        split = self._split_chunk(chunk)  # [..., kernel blocks, kernel block size, ...]
+        axis, sub = self.token_axis, self.sub_blocks  # axis: the split chunk's block axis
+        if stacked is None or self.layer_groups is not None:
+            layers = _unbind(split, self.layer_axis)
+            axis -= 1  # the layer axis comes before the token axis
         if self.layer_groups is not None:
             refs = list(blocks)
+            runs = {  # each group's runs, its null blocks left out
+                group: list(
+                    block_runs((j, ref[group]) for j, ref in refs if ref[group] != NULL_BLOCK)
+                )
+                for group in set(self.layer_groups)
+            }
             for layer, (view, group) in enumerate(zip(views, self.layer_groups, strict=True)):
-                ids = [(j, ref[group]) for j, ref in refs if ref[group] != NULL_BLOCK]
-                for j, block_id, count in block_runs(ids):
-                    kb, t0 = block_id * self.sub_blocks, j * self.sub_blocks * n
-                    m = count * self.sub_blocks
-                    yield move(view[kb : kb + m], 0, -3), self._chunk_run(chunk, t0, m, layer)
+                for j, block_id, count in runs[group]:
+                    m = count * sub
+                    yield (
+                        _narrow(view, -3, block_id * sub, m),
+                        _narrow(layers[layer], axis, j * sub, m),
+                    )
             return
         for j, block_id, count in block_runs(blocks):
-            kb, t0, m = block_id * self.sub_blocks, j * self.sub_blocks * n, count * self.sub_blocks
+            kb, b0, m = block_id * sub, j * sub, count * sub
             if stacked is not None:
-                run = move(stacked[:, kb : kb + m], 1, -3)  # [layers, ..., m, tokens, dim]
-                paged = run if self.as_stored else run.swapaxes(0, 1)  # K/V axis first
-                yield paged, self._chunk_run(chunk, t0, m)
+                yield _narrow(stacked, -3, kb, m), _narrow(split, axis, b0, m)
             else:
                 for layer, view in enumerate(views):
-                    yield move(view[kb : kb + m], 0, -3), self._chunk_run(chunk, t0, m, layer)
+                    yield _narrow(view, -3, kb, m), _narrow(layers[layer], axis, b0, m)
 
-    def _chunk_run(self, chunk: Any, t0: int, m: int, layer: int | None = None) -> Any:
-        """The chunk's tokens of ``m`` kernel blocks from ``t0``, the token axis split into
-        ``(m, kernel block)`` (a view: splitting one axis never needs a copy)."""
-        n = self.kernel_block_size
-        index: list[Any] = [slice(None)] * chunk.ndim
-        index[self.token_axis] = slice(t0, t0 + m * n)
-        if layer is not None:
-            index[self.layer_axis] = layer
-        part = chunk[tuple(index)]
-        axis = self.token_axis - (
-            1 if layer is not None and self.layer_axis < self.token_axis else 0
-        )
-        shape = (*part.shape[:axis], m, n, *part.shape[axis + 1 :])
-        if isinstance(part, torch.Tensor):
-            return part.view(shape)  # never copies (raises instead)
-        return np.reshape(part, shape, copy=False)  # never copies (raises instead)
+    def _moved_views(self, host: bool) -> tuple[Any, tuple[Any, ...]]:
+        """(all layers, each layer) with the block axis moved next to the token axis:
+        ``[(K/V,) layers, heads, blocks, tokens, dim]`` for the stacked view (K/V first for
+        the canonical kinds, as in the chunk) and ``[(K/V,) heads, blocks, tokens, dim]``
+        per layer. Views, made once."""
+        cached = self._moved.get(host)
+        if cached is None:
+            stacked = self.host_stacked if host else self.stacked
+            views = self.host_views if host else self.views
+            assert views is not None
+            move = np.moveaxis if host else torch.movedim
+            all_layers = None
+            if stacked is not None:
+                all_layers = move(stacked, 1, -3)  # [layers, (2,) heads, blocks, tokens, dim]
+                if not self.as_stored:
+                    all_layers = all_layers.swapaxes(0, 1)  # K/V axis first
+            cached = self._moved[host] = (all_layers, tuple(move(v, 0, -3) for v in views))
+        return cached
+
+    def _split_chunk(self, chunk: Any) -> Any:
+        """The chunk with its token axis split into ``(kernel blocks, kernel block size)``
+        (a view: splitting one axis never needs a copy; raises instead)."""
+        n, axis = self.kernel_block_size, self.token_axis
+        shape = (*chunk.shape[:axis], chunk.shape[axis] // n, n, *chunk.shape[axis + 1 :])
+        if isinstance(chunk, torch.Tensor):
+            return chunk.view(shape)
+        return np.reshape(chunk, shape, copy=False)
 
     def chunk_tensor(self, slot: npt.NDArray[Any]) -> torch.Tensor:
         """A pool slot view (numpy, chunk-shaped) as a torch tensor of the KV dtype: no copy.
@@ -518,6 +543,26 @@ def _mismatch(
 
 
 _staging = threading.local()  # per copy thread: device buffers by (shape, dtype, device)
+
+
+def _narrow(array: Any, axis: int, start: int, length: int) -> Any:
+    """``length`` entries of ``axis`` from ``start`` (a view; the array itself when that is
+    all of it): torch's ``narrow`` is one call, where indexing costs several."""
+    if start == 0 and length == array.shape[axis]:
+        return array
+    if isinstance(array, torch.Tensor):
+        return array.narrow(axis, start, length)
+    index: list[Any] = [slice(None)] * array.ndim
+    index[axis] = slice(start, start + length)
+    return array[tuple(index)]
+
+
+def _unbind(array: Any, axis: int) -> Sequence[Any]:
+    """Views of each entry along ``axis`` (torch makes them all in one call)."""
+    views: Sequence[Any] = (
+        array.unbind(axis) if isinstance(array, torch.Tensor) else list(np.moveaxis(array, axis, 0))
+    )
+    return views
 
 
 def block_runs(blocks: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
