@@ -26,7 +26,8 @@ process), batch (run every prompt in one ``generate`` call, concurrently, instea
 one; with few blocks vLLM then preempts requests: ``preemptions`` in the output counts them,
 ``preempted_waits`` the preempted requests whose stores the worker was told to wait for, in
 ``handle_preemptions``: one rank only, the worker in this process), retry_interval (the
-connector's), pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
+connector's), reannounce_interval (the connector's kv_events_reannounce_interval),
+pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
 for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts),
 kv_events_endpoint (vLLM's KV events on, published by its ZMQ publisher bound there: vLLM
 publishes a step's events at the end of the step, so an idle engine publishes nothing),
@@ -195,6 +196,8 @@ def main(config_path: str) -> None:
             extra["retry_interval"] = float(config["retry_interval"])
         if "async_store" in config:
             extra["async_store"] = bool(config["async_store"])
+        if "reannounce_interval" in config:
+            extra["kv_events_reannounce_interval"] = float(config["reannounce_interval"])
         kwargs["kv_transfer_config"] = {
             "kv_connector": "TierKVConnector",
             "kv_connector_module_path": "tierkv.integrations.vllm",

@@ -155,6 +155,16 @@ def test_settings_defaults_and_validation() -> None:
     for bad in (0, -1, "two"):
         with pytest.raises(SettingsError, match="copy_threads"):
             ConnectorSettings.from_extra_config({"copy_threads": bad})
+    assert s.kv_events_reannounce_interval == 30.0
+    assert (
+        ConnectorSettings.from_extra_config(
+            {"kv_events_reannounce_interval": "0"}
+        ).kv_events_reannounce_interval
+        == 0.0
+    )
+    for bad in (-1, "often", float("nan")):
+        with pytest.raises(SettingsError, match="kv_events_reannounce_interval"):
+            ConnectorSettings.from_extra_config({"kv_events_reannounce_interval": bad})
 
 
 # -- roles against a real server -----------------------------------------------------------------

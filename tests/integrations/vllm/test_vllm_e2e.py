@@ -79,6 +79,7 @@ def vllm_installed() -> None:
 CHUNK = 256  # the server's chunk size (its default)
 BLOCK = 128  # vLLM's CPU block size (its default)
 ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
+REANNOUNCE_INTERVAL = 2.0  # seconds: the connector's kv_events_reannounce_interval in the tests
 ZYGOTE = Path(__file__).with_name("engine_zygote.py")
 
 
@@ -907,9 +908,12 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
     """Two engines with vLLM's KV events on (its ZMQ publisher), on one server. A computes a
     prompt: both engines' streams carry BlockStored (medium CPU) for its stored chunks'
     blocks, exactly as vLLM's own GPU-medium BlockStored of A describes the same blocks
-    (hashes, parents, token ids, block size, LoRA, extra keys); a clear of the server: both
-    streams carry BlockRemoved (medium CPU) for them. An idle engine publishes nothing (vLLM
-    publishes at the end of a step): both engines run one-block "ticks" meanwhile."""
+    (hashes, parents, token ids, block size, LoRA, extra keys). A router that subscribes to
+    A's stream only then learns them from the re-announcement (every held chunk again once
+    per interval, 2 s here); an engine started then (as after a restart) announces them from
+    the pool's snapshot. A clear of the server: every stream carries BlockRemoved (medium
+    CPU) for them. An idle engine publishes nothing (vLLM publishes at the end of a step):
+    the engines run one-block "ticks" meanwhile."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
@@ -921,32 +925,41 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
     rng = random.Random(2026)
     prompt = [rng.randrange(3, vocab) for _ in range(600)]  # 2 chunks (4 blocks) and a tail
     go, stop = tmp_path / "go", tmp_path / "stop"
-    ports = {"A": free_port(), "B": free_port()}
-    started = {
-        name: engines(
+    ports = {"A": free_port(), "B": free_port(), "C": free_port()}
+
+    def start(name: str, prompts: list[dict[str, Any]], **config: Any) -> Engine:
+        return engines(
             name,
             model=str(tiny_model),
             endpoint=server.endpoint,
             vocab=vocab,
             kv_events_endpoint=f"tcp://*:{ports[name]}",  # vLLM binds only for * (or ipc)
+            reannounce_interval=REANNOUNCE_INTERVAL,
             prompts=prompts,
             max_tokens=1,
-            wait_for=str(go),
             tick_until=str(stop),
+            **config,
         )
+
+    started = {
+        name: start(name, prompts, wait_for=str(go))
         for name, prompts in (("A", [{"tokens": prompt}]), ("B", []))
     }
     context = zmq.Context()
     subs: dict[str, Any] = {}
     poller = zmq.Poller()
-    for name, port in ports.items():
+    streams: dict[str, list[Any]] = {}
+
+    def subscribe(name: str, port: int) -> None:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(f"tcp://127.0.0.1:{port}")
         poller.register(sub, zmq.POLLIN)
-        subs[name] = sub
-    streams: dict[str, list[Any]] = {name: [] for name in subs}
+        subs[name], streams[name] = sub, []
+
+    for name in started:
+        subscribe(name, ports[name])
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
 
     def read_until(done: Callable[[], bool], what: str) -> None:
@@ -1003,11 +1016,37 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
             assert not removed(name, "CPU"), name
             chunks = [e for e in streams[name] if isinstance(e, BlockStored) and e.medium == "CPU"]
             assert sorted(len(e.block_hashes) for e in chunks) == [CHUNK // BLOCK] * 2, chunks
+        # A router that subscribes late: the re-announcement tells it (within two intervals
+        # while A steps); vLLM's replay endpoint is not needed (llm-d's indexer reads none).
+        subscribe("late router", ports["A"])
+        since = time.monotonic()
+        read_until(
+            lambda: own.keys() <= stored("late router", "CPU").keys(),
+            "the re-announced BlockStored (CPU) on a late subscription",
+        )
+        late = time.monotonic() - since
+        assert {h: stored("late router", "CPU")[h] for h in own} == own
+        # An engine started now (as one that restarted): its first read of the feed is a
+        # snapshot, which it announces.
+        started["C"] = start("C", [])
+        subscribe("C", ports["C"])
+        since = time.monotonic()
+        read_until(lambda: streams["C"], "C's first events (ticks)")
+        ready = time.monotonic()
+        read_until(
+            lambda: own.keys() <= stored("C", "CPU").keys(),
+            "the pool's chunks announced by an engine started after their store",
+        )
+        print(
+            f"late router: {late:.1f} s to the pool's content (re-announced every "
+            f"{REANNOUNCE_INTERVAL} s); new engine: {time.monotonic() - ready:.1f} s after its "
+            f"first event ({ready - since:.1f} s to start)"
+        )
         with server.client(timeout=5.0) as admin:
             assert admin.clear() == 2
         read_until(
             lambda: all(own.keys() <= removed(n, "CPU") for n in subs),
-            "BlockRemoved (CPU) on both streams after the clear",
+            "BlockRemoved (CPU) on every stream after the clear",
         )
         stop.touch()
         for engine in started.values():

@@ -21,6 +21,7 @@ try:
         MEDIUM,
         NoteGroup,
         RankedBlocks,
+        Reannouncement,
         chunk_note,
         removed_events,
         stored_events,
@@ -128,3 +129,39 @@ def test_ranks_announce_a_chunk_once_every_part_is_held_and_withdraw_it_at_the_f
     notes = [b"not a vLLM event", msgspec.msgpack.encode({"block_hashes": 1}), n1]
     changes = [Change(True, f"k{i}".encode(), n) for i, n in enumerate(notes)]
     assert one.events(changes) == stored_events(n1)
+
+
+def test_every_held_chunk_is_announced_again_once_per_interval_spread_over_the_takes() -> None:
+    """A router that subscribed late learns what the pool holds from the re-announcement:
+    each chunk every ranks hold, once per interval, oldest first (parents before children),
+    a share at each take; none before one interval has passed; a chunk let go meanwhile is
+    not announced again; a take after a long pause starts a new cycle at once."""
+    now = [0.0]
+    blocks = RankedBlocks(ranks=1)
+    again = Reannouncement(10.0, clock=lambda: now[0])
+    req = request(list(range(8 * CHUNK_BLOCKS * BLOCK)))
+    notes = [chunk_note(req, c * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK) for c in range(8)]
+    blocks.events([Change(True, f"k{i}".encode(), n) for i, n in enumerate(notes)])
+    half = RankedBlocks(ranks=2)  # a chunk one rank of two holds is not announced
+    half.events([Change(True, b"r0", notes[0])])
+    assert again.due(blocks) == [] and Reannouncement(10.0, lambda: 11.0).due(half) == []
+    now[0] = 9.9
+    assert again.due(blocks) == []  # not before one interval
+    now[0] = 10.0
+    assert again.due(blocks) == notes[:1] and again.cycles == 1  # a new cycle: at once
+    now[0] = 12.5
+    assert again.due(blocks) == notes[1:2]  # a quarter of the interval: 2 of 8
+    blocks.events([Change(False, b"k3", notes[3])])  # let go: not announced again
+    now[0] = 15.0
+    assert again.due(blocks) == [notes[2]]
+    now[0] = 19.0
+    assert again.due(blocks) == notes[4:8]
+    assert again.due(blocks) == []  # the cycle is done; the next one in 1 s
+    now[0] = 20.0
+    assert again.due(blocks) == notes[:1] and again.cycles == 2
+    now[0] = 100.0  # a long pause (an idle engine takes nothing): the rest at once
+    assert again.due(blocks) == [notes[1], notes[2], *notes[4:8]]
+    assert again.due(blocks) == notes[:1] and again.cycles == 3
+    assert Reannouncement(0.0, lambda: 1e9).due(blocks) == []  # 0: never
+    with pytest.raises(ValueError, match="must not be negative"):
+        Reannouncement(-1.0)

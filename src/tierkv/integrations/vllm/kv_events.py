@@ -22,14 +22,24 @@ go, whoever stored it:
   one part goes (:class:`RankedBlocks`): a lookup serves only what every rank holds.
 
 A server that restarted, or a feed read too late, is a resync: the follower queues the
-difference between what was announced and what the pool holds, so the stream converges.
+difference between what was announced and what the pool holds, so the stream converges. An
+engine that (re)starts reads a snapshot first, so its stream announces everything the pool
+holds for it. A router that subscribes late has missed what was announced before: vLLM's
+replay endpoint (``kv_events_config.replay_endpoint``; Dynamo's router uses it after a gap)
+serves its last ``buffer_steps`` batches, and llm-d's indexer reads no replay at all. So the
+connector announces every held chunk again once per ``kv_events_reannounce_interval``
+(:class:`Reannouncement`), spread over the interval's steps: a late router knows what the
+pool holds within two intervals while the engine runs requests (an idle engine publishes
+nothing). A ``BlockStored`` for a block a router already has changes nothing there.
 ``AllBlocksCleared`` is never sent: to a router it clears the engine's GPU blocks too.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +59,7 @@ log = logging.getLogger(__name__)
 
 MEDIUM = "CPU"  # the pool is host memory (vLLM's MEDIUM_CPU)
 POLL_INTERVAL = 0.1  # seconds between reads of the chunk feed
+REANNOUNCE_INTERVAL = 30.0  # seconds: every held chunk is announced again once per interval
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(list[BlockStored]).decode
@@ -172,6 +183,49 @@ class RankedBlocks:
                     out += _checked(removed_events, change.note)
         return out
 
+    def held(self) -> Iterator[bytes]:
+        """The notes of the chunks every rank holds (announced), oldest first: a chunk's
+        prefix was stored before it, so a router meets parents before their children."""
+        return (note for note, keys in self._holders.items() if len(keys) >= self.ranks)
+
+    def holds(self, note: bytes) -> bool:
+        keys = self._holders.get(note)
+        return keys is not None and len(keys) >= self.ranks
+
+
+class Reannouncement:
+    """Every held chunk announced again once per ``interval`` seconds, a share of them at
+    each take (the share of the interval that has passed), so a large pool's announcements
+    spread over the steps instead of weighing on one. A cycle starts when the last one has
+    ended and a whole interval has passed since it started; it goes through the chunks held
+    at its start, skipping those no longer held. ``interval`` 0: never."""
+
+    def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if interval < 0:
+            raise ValueError("the re-announcement interval must not be negative")
+        self.interval = interval
+        self.clock = clock
+        self.cycles = 0  # cycles started
+        self._started = clock()  # the first cycle starts one interval after the engine
+        self._cycle: list[bytes] = []
+        self._done = 0
+
+    def due(self, blocks: RankedBlocks) -> list[bytes]:
+        """The notes to announce again now."""
+        if not self.interval:
+            return []
+        now = self.clock()
+        elapsed = now - self._started
+        if self._done >= len(self._cycle) and elapsed >= self.interval:
+            self._cycle, self._done, self._started, elapsed = list(blocks.held()), 0, now, 0.0
+            self.cycles += 1
+        end = min(len(self._cycle), math.ceil(len(self._cycle) * elapsed / self.interval))
+        if elapsed == 0.0 and self._cycle:
+            end = max(end, 1)  # a new cycle announces at once, then spreads the rest
+        notes = [n for n in self._cycle[self._done : end] if blocks.holds(n)]
+        self._done = max(self._done, end)
+        return notes
+
 
 def _checked(build: Callable[[bytes], Sequence[KVCacheEvent]], note: bytes) -> list[KVCacheEvent]:
     try:
@@ -188,14 +242,25 @@ class PoolEvents:
     (:class:`~tierkv.integrations.feed_poller.FeedPoller`), as vLLM's events for blocks that
     ``ranks`` parts make (:class:`RankedBlocks`)."""
 
-    def __init__(self, link: ServerLink, ranks: int, interval: float = POLL_INTERVAL) -> None:
+    def __init__(
+        self,
+        link: ServerLink,
+        ranks: int,
+        interval: float = POLL_INTERVAL,
+        reannounce_interval: float = REANNOUNCE_INTERVAL,
+    ) -> None:
         self.blocks = RankedBlocks(ranks)
+        self.reannouncement = Reannouncement(reannounce_interval)
         self.poller = FeedPoller(link, interval, "tierkv-kv-events").start()
 
     def take(self) -> list[KVCacheEvent]:
-        """The events since the last take (never waits on the server)."""
+        """The events since the last take, and this take's share of the re-announcement
+        (never waits on the server)."""
         changes = self.poller.take()
-        return self.blocks.events(changes) if changes else []
+        events = self.blocks.events(changes) if changes else []
+        for note in self.reannouncement.due(self.blocks):
+            events += _checked(stored_events, note)
+        return events
 
     def close(self) -> None:
         self.poller.close()

@@ -195,7 +195,11 @@ class SchedulerSide:
         self._notes_too_large = False
         # Ranks whose parts make a chunk: one namespace for all of them with MLA.
         ranks = 1 if shared_ranks else world_size
-        self.events = PoolEvents(self.link, ranks) if kv_events and can_load else None
+        self.events = (
+            PoolEvents(self.link, ranks, reannounce_interval=settings.kv_events_reannounce_interval)
+            if kv_events and can_load
+            else None
+        )
 
     @property
     def keyed_loads(self) -> bool:

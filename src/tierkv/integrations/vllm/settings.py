@@ -45,6 +45,11 @@ Every key is optional::
                     before the next forward pass. A kv_producer (prefill/decode
                     disaggregation) always stores synchronously: its consumer reads the
                     chunks as soon as the request's output is returned
+    kv_events_reannounce_interval
+                    with vLLM's KV events on: seconds in which every chunk the pool holds for
+                    this engine is announced again (default 30; 0: never), spread over the
+                    steps, so that a router that subscribed late (llm-d's indexer has no
+                    replay) knows the pool's content within two intervals
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
     store_decode: bool = False
     async_store: bool = False
     page_lock_pool: bool = True
+    kv_events_reannounce_interval: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -76,6 +82,8 @@ class ConnectorSettings(LinkSettings, frozen=True, kw_only=True, forbid_unknown_
         settings = settings_from(extra or {}, cls, WHAT)
         if settings.chunk_size <= 0:
             raise SettingsError(f"{WHAT}.chunk_size must be positive")
+        if not settings.kv_events_reannounce_interval >= 0:  # NaN too
+            raise SettingsError(f"{WHAT}.kv_events_reannounce_interval must not be negative")
         if settings.hashes not in HASH_MODES:
             raise SettingsError(
                 f"kv_connector_extra_config.hashes must be one of {HASH_MODES}, "
