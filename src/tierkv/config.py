@@ -71,6 +71,20 @@ QUOTAS = "quotas"
 LOGGING = "logging"
 
 
+# The logging options of every process (server, controller), checked alike.
+LogLevel = Annotated[str, option(LOGGING, "debug, info, warning or error")]
+LogFormat = Annotated[str, option(LOGGING, "text or json")]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_logging(level: str, fmt: str) -> None:
+    """ConfigError unless ``level`` is a log level and ``fmt`` a log format."""
+    if fmt not in ("text", "json"):
+        raise ConfigError("log_format must be 'text' or 'json'")
+    if level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"log_level {level!r}: use debug, info, warning, error or critical")
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A server's configuration; each field's help and section are beside it."""
 
@@ -330,8 +344,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = ""
     # -- logging
-    log_level: Annotated[str, option(LOGGING, "debug, info, warning or error")] = "info"
-    log_format: Annotated[str, option(LOGGING, "text or json")] = "text"
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "text"
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -400,12 +414,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("write_behind_max_bytes must be >= 0 (0: no write-behind)")
         if self.max_message_bytes < 4096 or self.max_chunks_per_request < 1:
             raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
-        if self.log_format not in ("text", "json"):
-            raise ConfigError("log_format must be 'text' or 'json'")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ConfigError(
-                f"log_level {self.log_level!r}: use debug, info, warning, error or critical"
-            )
+        check_logging(self.log_level, self.log_format)
         self._validate_tiers()
         self._validate_quotas()
         if self.cluster_seeds and self.controller:

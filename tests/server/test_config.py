@@ -535,3 +535,10 @@ def test_the_controller_takes_sizes_like_the_server() -> None:
     assert isinstance(cfg, ControllerConfig) and cfg.max_message_bytes == 64 * MIB
     with pytest.raises(ConfigError, match="max_message_bytes='much': not a size"):
         controller("--max-message-bytes", "much")
+
+    # Its logging options are the server's, checked alike.
+    with pytest.raises(ConfigError, match="log_level 'verbose'"):
+        controller("--log-level", "verbose")
+    with pytest.raises(ConfigError, match="log_format"):
+        controller("--log-format", "xml")
+    assert controller("--log-level", "WARNING").log_level == "WARNING"

@@ -8,7 +8,14 @@ from typing import Annotated
 
 import msgspec
 
-from tierkv.config import LOGGING, ConfigError, http_url, is_loopback
+from tierkv.config import (
+    ConfigError,
+    LogFormat,
+    LogLevel,
+    check_logging,
+    http_url,
+    is_loopback,
+)
 from tierkv.options import Size, option
 
 # The sections of `tierkv controller --help`, in order.
@@ -66,8 +73,8 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         float, option(LIVENESS, "seconds without a heartbeat after which a server is deregistered")
     ] = 30.0
     # -- logging
-    log_level: Annotated[str, option(LOGGING, "debug, info, warning or error")] = "info"
-    log_format: Annotated[str, option(LOGGING, "text or json")] = "text"
+    log_level: LogLevel = "info"
+    log_format: LogFormat = "text"
 
     @property
     def http_url(self) -> str:
@@ -87,6 +94,5 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise ConfigError("need 0 < heartbeat_interval < dead_after (seconds)")
         if self.max_message_bytes < 4096:
             raise ConfigError("max_message_bytes must be at least 4096")
-        if self.log_format not in ("text", "json"):
-            raise ConfigError("log_format must be 'text' or 'json'")
+        check_logging(self.log_level, self.log_format)
         return self

@@ -53,11 +53,6 @@ except ImportError:  # the conftest fails every test with the reason
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
-
-
 CHUNK, BLOCK, BPC = 256, 128, 2
 LAYERS, HEADS, HEAD, NUM_BLOCKS = 2, 2, 64, 32
 LATENT = 576  # an MLA latent: kv_lora_rank 512 + rope 64

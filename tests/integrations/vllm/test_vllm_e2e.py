@@ -71,11 +71,6 @@ from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
-
-
 CHUNK = 256  # the server's chunk size (its default)
 BLOCK = 128  # vLLM's CPU block size (its default)
 ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
@@ -257,11 +252,6 @@ def a_then_b(
     a = engines("A", **config, prompts=prompts_a, done=str(a_done))
     b = engines("B", **config, **(b_only or {}), prompts=prompts_b, wait_for=str(a_done))
     return a, b
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vllm_engine.tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

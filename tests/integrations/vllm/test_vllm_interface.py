@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 
-from support import vllm_engine
-
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
@@ -21,11 +19,6 @@ except ImportError:  # the conftest fails every test with the reason
     pass
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
 
 
 def test_every_hook_of_vllms_base_class_is_implemented_or_kept_on_purpose() -> None:

@@ -38,11 +38,6 @@ except ImportError:  # the conftest fails every test with the reason
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
-
-
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 3, 8, 32, 2, 32
 CHUNK = 64  # two blocks per chunk
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from support import vllm_engine
 from support.httputil import Samples, scrape, val, wait_for
 from support.servers import ServerProcess
 from support.tiny_model import ModelSpec, tokenizer_size
@@ -36,16 +35,6 @@ SPEC = ModelSpec()  # the tiny model's shape
 CHUNK_BYTES = (
     SPEC.num_layers * 2 * SPEC.num_kv_heads * (SPEC.hidden_size // SPEC.num_heads) * CHUNK * 4
 )
-
-
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vllm_engine.tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from typing import Any
 
 import pytest
 
-from support import vllm_engine
 from support.clusterkit import TOKEN, Node, converged, start_node, status, wait_for
 from support.httputil import request
 from support.servers import ServerProcess
@@ -43,16 +42,6 @@ STREAMED = 3  # this completion is streamed (its answer carries no connector rep
 FALLBACK_CHUNKS = 4  # the prompt sent once the producer is down
 MAX_TOKENS = 16
 PRODUCER_STEP = ["--max-num-batched-tokens", "512"]  # so that long prompts prefill in steps
-
-
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return vllm_engine.tiny_model_dir(tmp_path_factory)
 
 
 @pytest.fixture

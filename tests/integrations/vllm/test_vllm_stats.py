@@ -11,8 +11,6 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from support import vllm_engine
-
 try:
     from tierkv.integrations.vllm.scheduler import tokens_by_source
     from tierkv.integrations.vllm.stats import TierKVPromMetrics, TierKVStats
@@ -20,11 +18,6 @@ except ImportError:  # the fixture below fails every test with the reason
     pass
 
 pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(autouse=True)
-def vllm_installed() -> None:
-    vllm_engine.require_vllm()
 
 
 LOAD = {"loaded_chunks": 2, "loaded_tokens": 512, "load_bytes": 1000, "load_seconds": 0.5}
