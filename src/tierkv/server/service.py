@@ -10,7 +10,6 @@ the lookup sessions, and the tiering (write-behind after a commit, prefetch on a
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +17,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from tierkv import __version__, dtypes, keys
+from tierkv import __version__, keys
 from tierkv import protocol as p
 from tierkv.cluster.router_lookup import RouterQueryError
 from tierkv.config import ServerConfig
@@ -31,16 +30,14 @@ from tierkv.server.chunk_feed import ChunkFeed, SnapshotPages
 from tierkv.server.chunk_keys import ChunkKeys
 from tierkv.server.errors import RequestError
 from tierkv.server.metrics import ServiceMetrics
+from tierkv.server.register_checks import check_register
 from tierkv.server.registry import ClientRegistry, Registration, RegistryFull
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
-from tierkv.tenants import salt_error
 
 log = logging.getLogger(__name__)
 
 LOOKUP_FIRST_STEP = 1  # keys a lookup hashes and checks first (then 4x as many each time)
-MAX_NAME = 256  # characters of a client name or engine id
-MAX_MODEL = 1024  # characters of a model identity or tenant salt
 
 Handler = Callable[[Any], Any]
 RemovedListener = Callable[[list[bytes]], None]
@@ -186,38 +183,13 @@ class CacheService:
 
     # -- registration ----------------------------------------------------------------------
     def register(self, req: p.Register) -> p.Registered:
-        if req.protocol != p.PROTOCOL_VERSION:
-            raise RequestError(
-                p.ErrorCode.VERSION,
-                f"client speaks protocol {req.protocol}, server {__version__} speaks "
-                f"{p.PROTOCOL_VERSION}: upgrade the older side",
-            )
-        if not self.token_ok(req.auth_token):
-            raise RequestError(p.ErrorCode.UNAUTHORIZED, "wrong or missing auth token")
-        if req.role not in (p.ROLE_WORKER, p.ROLE_SCHEDULER):
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"role must be 'worker' or 'scheduler', not {req.role!r}"
-            )
+        chunk_bytes = check_register(
+            req,
+            authorized=self.token_ok(req.auth_token),
+            chunk_size=self.cfg.chunk_size,
+            capacity=self.index.capacity,
+        )
         scheduler = req.role == p.ROLE_SCHEDULER
-        if scheduler and not req.engine_id:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, "a scheduler client needs an engine_id")
-        for what, value, limit in (
-            ("engine_id", req.engine_id, MAX_NAME),
-            ("name", req.name, MAX_NAME),
-            ("model", req.model, MAX_MODEL),
-            ("tenant_salt", req.tenant_salt, MAX_MODEL),
-        ):
-            if len(value) > limit:
-                raise RequestError(p.ErrorCode.BAD_REQUEST, f"{what} is longer than {limit}")
-        if why := salt_error("tenant_salt", req.tenant_salt):
-            raise RequestError(p.ErrorCode.BAD_REQUEST, why)
-        chunk_bytes = 0 if scheduler else self._check_layout(req.layout, req.chunk_tokens)
-        if req.world_size < 1 or not 0 <= req.rank < req.world_size:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"rank {req.rank} outside world size {req.world_size}"
-            )
-        if not req.model:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, "model must name the model")
         ns = keys.Namespace(
             model=req.model,
             kv_dtype=req.layout.dtype,
@@ -268,41 +240,6 @@ class CacheService:
             chunk_bytes,
             reg.digest,
         )
-
-    def _check_layout(self, layout: p.Layout, chunk_tokens: int) -> int:
-        itemsize = dtypes.itemsize(layout.dtype)
-        if not itemsize:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"unknown or unsupported dtype {layout.dtype!r}: use a numeric dtype such as "
-                "float16, bfloat16, float32, int8 or float8_e4m3fn",
-            )
-        if not layout.shape or any(d <= 0 for d in layout.shape) or len(layout.shape) > 8:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, f"bad chunk shape {layout.shape}")
-        if not 0 <= layout.token_axis < len(layout.shape):
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"token_axis {layout.token_axis} out of range"
-            )
-        tokens = layout.shape[layout.token_axis]
-        if chunk_tokens < 0 or chunk_tokens > keys.MAX_CHUNK_TOKENS:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"chunk_tokens must be in 0..{keys.MAX_CHUNK_TOKENS}"
-            )
-        expected = chunk_tokens or self.cfg.chunk_size
-        if tokens != expected:
-            what = "the client's chunk_tokens" if chunk_tokens else "this server's chunk size"
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"chunk shape {layout.shape} has {tokens} tokens on axis "
-                f"{layout.token_axis}; {what} is {expected}",
-            )
-        chunk_bytes = math.prod(layout.shape) * itemsize
-        if chunk_bytes > self.index.capacity:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"one chunk is {chunk_bytes} bytes, larger than the pool ({self.index.capacity})",
-            )
-        return chunk_bytes
 
     def unregister(self, req: p.Unregister) -> p.Ok:
         reg = self._client(req.client)
