@@ -20,7 +20,7 @@ def _server(args: argparse.Namespace) -> int:
     from tierkv.endpoints import EndpointInUseError
     from tierkv.pool import PoolError
     from tierkv.server.app import run
-    from tierkv.server.quotas import QuotaError
+    from tierkv.server.quota_values import QuotaError
     from tierkv.tiers import TierError
 
     try:

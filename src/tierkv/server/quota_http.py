@@ -33,17 +33,17 @@ from starlette.concurrency import run_in_threadpool
 
 from tierkv.priority import sharing_the_gil
 from tierkv.server.engine_first import no_gate
-from tierkv.server.quotas import (
+from tierkv.server.quota_values import (
     GIB,
     UNLIMITED,
     QuotaError,
-    Quotas,
     check_name,
     parse_default,
     parse_gb,
     tenant_limits,
     tier_changes,
 )
+from tierkv.server.quotas import Quotas
 from tierkv.web.requests import Authorizer, authorized_body, error_reply
 
 

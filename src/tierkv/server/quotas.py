@@ -16,13 +16,13 @@ renamed) and applied over the configuration at the next start, so they survive a
 a tenant's live change (a limit, or the removal of a configured one) wins over the
 configuration's value for that tenant.
 
-Redis and S3 have no tenant quotas: see :data:`NO_QUOTA`.
+Redis and S3 have no tenant quotas: see :data:`tierkv.server.quota_values.NO_QUOTA`. Quota
+values (sizes, names, request bodies) are parsed and checked in :mod:`tierkv.server.quota_values`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -32,30 +32,20 @@ import msgspec
 
 from tierkv import protocol as p
 from tierkv.index import ObjectIndex
-from tierkv.options import OptionError, parse_size
+from tierkv.server.quota_values import (
+    GIB,
+    MODES,
+    TIERS,
+    UNLIMITED,
+    QuotaError,
+    check_name,
+)
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tenants import OTHER_TENANT, RESERVED, TenantFigures, TenantIds, tenant_tag
 
 log = logging.getLogger(__name__)
 
-TIERS = ("pool", "disk")  # what a quota limits
-# Tiers that can have no quota, and why (the answer to a request naming them).
-NO_QUOTA = {
-    "redis": "Redis keeps no per-tenant usage tierkv can count exactly (keys expire and "
-    "Redis evicts them on its own, other servers share it) and no LRU order tierkv controls",
-    "s3": "S3 keeps no per-tenant usage tierkv can count exactly (lifecycle rules and "
-    "other servers change the bucket) and no LRU order (it never evicts)",
-}
-MODES = ("soft", "hard")
-UNLIMITED = "unlimited"
-GIB = 2**30
-MAX_LIMIT = 2**63 - 1  # bytes: a quota beyond it (8 EiB) is refused, not stored
-MAX_NAME = 1024  # characters of a tenant name (a salt's limit)
 TOP_TENANTS = 32  # tenants shown one by one in status reports; the rest in one row
-
-
-class QuotaError(ValueError):
-    """A quota request or setting that cannot be applied; the message says why."""
 
 
 class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -68,104 +58,6 @@ class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
     mode: str = ""  # "" : the configuration's
     tier_limits: dict[str, dict[str, int | None]] = {}  # tier below the pool -> as limits
     tier_defaults: dict[str, int | None] = {}  # tier below the pool -> its default, if changed
-
-
-def parse_limit(value: Any, what: str = "limit") -> int:
-    """Bytes from a JSON or YAML value: an integer number of bytes or a size ("8GiB").
-    Negative, NaN, infinite, fractional-byte, non-numeric values and values above
-    :data:`MAX_LIMIT` are refused."""
-    if isinstance(value, bool) or value is None:
-        raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0 or not value.is_integer():
-            raise QuotaError(f"{what} must be a whole, finite number of bytes >= 0, not {value}")
-        return _at_most_max(int(value), what)
-    if isinstance(value, int):
-        if value < 0:
-            raise QuotaError(f"{what} must be >= 0 bytes, not {value}")
-        return _at_most_max(value, what)
-    if isinstance(value, str):
-        try:
-            return _at_most_max(parse_size(value), what)
-        except OptionError as exc:
-            raise QuotaError(f"{what}: {exc}") from None
-        except OverflowError:
-            raise QuotaError(f"{what} {value[:40]!r} is too large") from None
-    raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
-
-
-def parse_gb(value: Any, what: str = "limit_gb") -> int:
-    """Bytes from LMCache's ``limit_gb`` (GiB, a finite number >= 0, at most
-    :data:`MAX_LIMIT` bytes)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise QuotaError(f"{what} must be a number, not {value!r}")
-    if (isinstance(value, float) and not math.isfinite(value)) or value < 0:
-        raise QuotaError(f"{what} must be a finite number >= 0, not {value}")
-    if value > MAX_LIMIT // GIB:
-        raise QuotaError(f"{what} must be at most {MAX_LIMIT // GIB} GiB, not {_brief(value)}")
-    return _at_most_max(int(value * GIB), what)
-
-
-def _brief(number: float) -> str:
-    """A number for a message (a JSON integer may have thousands of digits)."""
-    text = repr(number)
-    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
-
-
-def _at_most_max(limit: int, what: str) -> int:
-    if limit > MAX_LIMIT:
-        raise QuotaError(f"{what} must be at most {MAX_LIMIT} bytes (8 EiB), not {_brief(limit)}")
-    return limit
-
-
-def parse_default(value: Any) -> int | None:
-    """The default quota: ``"unlimited"`` (or null) gives None, else bytes."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == UNLIMITED):
-        return None
-    return parse_limit(value, "default limit")
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not name:
-        raise QuotaError("a tenant name must be a non-empty string")
-    if len(name) > MAX_NAME:
-        raise QuotaError(f"a tenant name is at most {MAX_NAME} characters")
-    return name
-
-
-def tenant_limits(body: Any) -> dict[str, int | None]:
-    """The limits a ``PUT /quota/{tenant}`` body sets, tier -> bytes (None: back to the
-    default): ``{"limit_gb": x}`` (LMCache's form, GiB) or ``{"limit": bytes or "8GiB"}`` set
-    the pool's; ``{"limits": {"pool": ..., "disk": ...}}`` the tiers named."""
-    if not isinstance(body, dict):
-        raise QuotaError('body must be a JSON object such as {"limit_gb": 8} or {"limit": "8GiB"}')
-    unknown = sorted(set(body) - {"limit", "limit_gb", "limits"})
-    if unknown:
-        raise QuotaError(f"unknown field(s) {unknown}; give 'limit', 'limit_gb' or 'limits'")
-    given = [k for k in ("limit", "limit_gb", "limits") if k in body]
-    if len(given) != 1:
-        raise QuotaError("give exactly one of 'limit', 'limit_gb' or 'limits'")
-    if "limit_gb" in body:
-        return {"pool": parse_gb(body["limit_gb"])}
-    if "limit" in body:
-        return {"pool": parse_limit(body["limit"])}
-    return tier_changes(body["limits"], "limits")
-
-
-def tier_changes(limits: Any, what: str) -> dict[str, int | None]:
-    """``{"pool": size, "disk": size or null}`` checked: tier -> bytes (None: unlimited, or
-    back to the default)."""
-    if not isinstance(limits, dict) or not limits:
-        raise QuotaError(f'{what} must be an object of tier -> size, e.g. {{"disk": "8GiB"}}')
-    for tier in sorted(limits):
-        if tier in NO_QUOTA:
-            raise QuotaError(f"unknown tier {tier!r} for quotas: {NO_QUOTA[tier]}")
-        if tier not in TIERS:
-            raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
-    return {
-        tier: None if value is None else parse_limit(value, f"{what}.{tier}")
-        for tier, value in limits.items()
-    }
 
 
 class Quotas:

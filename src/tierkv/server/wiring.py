@@ -38,7 +38,7 @@ from tierkv.server.front_process import FrontProcess, FrontSettings
 from tierkv.server.health import Health
 from tierkv.server.http import create_app
 from tierkv.server.metrics import ServiceMetrics
-from tierkv.server.quotas import TIERS as QUOTA_TIERS
+from tierkv.server.quota_values import TIERS as QUOTA_TIERS
 from tierkv.server.quotas import Quotas
 from tierkv.server.registry import ClientRegistry
 from tierkv.server.rpc import RpcServer, ensure_endpoint_free
