@@ -35,25 +35,23 @@ WARNING when Redis stops answering, one INFO line with the count when it answers
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from tierkv.tiers.base import (
     HEADER_SIZE,
-    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
     byte_view,
+    misfit,
     pack_header,
     register_tier,
     unpack_header,
     verify,
-    whole_record,
 )
+from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
 from tierkv.tiers.resp import Filled, Replies, ReplyError
 
@@ -147,8 +145,7 @@ class RedisTier(Tier):
         except ValueError as exc:
             raise TierError(f"redis tier: bad url {url!r}: {exc}") from exc
         self._client = redis.Redis(connection_pool=self._pool)
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
         try:
             self._client.ping()
@@ -188,19 +185,14 @@ class RedisTier(Tier):
         """The Redis key of a chunk key."""
         return self._prefix + key.hex().encode()
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            self._counts.update(deltas)
-
     def _failed(self, op: str, exc: object, items: int) -> None:
-        self._count(errors=items)
+        self._counts.add(errors=items)
         self.outage.failed(op, exc, items)
 
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt,
         corrupt_deleted, errors."""
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()
 
     def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``commands`` in one non-transactional pipeline; per-command errors come back
@@ -255,7 +247,7 @@ class RedisTier(Tier):
                 value = Concat(pack_header(key, data), data)
             except (ValueError, TypeError) as exc:
                 log.warning("redis tier: not storing chunk %s: %s", key.hex()[:16], exc)
-                self._count(store_failed=1)
+                self._counts.add(store_failed=1)
                 continue
             commands.append(("SET", self.redis_key(key), value, *ttl))
             positions.append(i)
@@ -265,7 +257,7 @@ class RedisTier(Tier):
             replies = self._on_socket(commands, lambda r: [r.simple() for _ in commands])
         except (RedisError, OSError) as exc:
             self._failed("store", exc, len(commands))
-            self._count(store_failed=len(commands))
+            self._counts.add(store_failed=len(commands))
             return results
         finally:
             commands.clear()  # drop the references to the pool views
@@ -276,9 +268,9 @@ class RedisTier(Tier):
             else:
                 results[i] = reply == b"OK"
         if refused:
-            self._count(store_failed=len(refused))
+            self._counts.add(store_failed=len(refused))
             self._failed("SET", refused[0], len(refused))
-        self._count(stored=sum(results))
+        self._counts.add(stored=sum(results))
         return results
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
@@ -335,7 +327,7 @@ class RedisTier(Tier):
         refused = [r for r in replies if isinstance(r, ReplyError) and not _wrong_type(r)]
         if refused:
             self.outage.failed("GET", refused[0], len(refused))
-        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
+        self._counts.add_loads(statuses)
         if bad:
             self._drop_corrupt(bad)
         return statuses
@@ -360,20 +352,9 @@ class RedisTier(Tier):
                 return LoadStatus.CORRUPT, True
             return LoadStatus.ERROR, False
         if isinstance(reply, bytes):  # not HEADER_SIZE + dest.nbytes bytes
-            if whole_record(unpack_header(reply[:HEADER_SIZE]), key, len(reply)):
-                log.debug(
-                    "redis tier: %s holds %d payload bytes, load asked for %d; kept",
-                    key.hex()[:16],
-                    len(reply) - HEADER_SIZE,
-                    dest.nbytes,
-                )
-                return LoadStatus.CORRUPT, False
-            log.warning(
-                "redis tier: %s is %d bytes, not a record of its key; deleting it",
-                key.hex()[:16],
-                len(reply),
-            )
-            return LoadStatus.CORRUPT, True
+            header_found = unpack_header(reply[:HEADER_SIZE])
+            drop = misfit(log, "redis", header_found, key, len(reply), dest.nbytes)
+            return LoadStatus.CORRUPT, drop
         status = verify(unpack_header(header), key, dest, reply.digest)
         if status is not LoadStatus.OK:
             log.warning("redis tier: %s failed verification; deleting it", key.hex()[:16])
@@ -395,7 +376,7 @@ class RedisTier(Tier):
         failed = [r for r in replies if isinstance(r, Exception)]
         if failed:
             self._failed("deleting corrupt values", failed[0], len(failed))
-        self._count(corrupt_deleted=sum(1 for r in replies if r == 1))
+        self._counts.add(corrupt_deleted=sum(1 for r in replies if r == 1))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0

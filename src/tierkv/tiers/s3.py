@@ -33,27 +33,25 @@ from __future__ import annotations
 
 import http.client
 import logging
-import threading
 import urllib.parse
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tierkv.tiers.base import (
     HEADER_SIZE,
-    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
     byte_view,
+    misfit,
     pack_header,
     register_tier,
     unpack_header,
     verify,
-    whole_record,
 )
+from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.s3_body import RecordBody, body_reader, finish, read_exact
 
 try:
@@ -144,8 +142,7 @@ class S3Tier(Tier):
         except (botocore.exceptions.BotoCoreError, ValueError) as exc:
             raise TierError(f"s3 tier: cannot create a client: {exc}") from exc
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
         self._conditional_delete = True  # until the endpoint or botocore refuses If-Match
         if create_bucket:
@@ -206,12 +203,7 @@ class S3Tier(Tier):
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt,
         corrupt_deleted, errors."""
-        with self._lock:
-            return dict(self._counts)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            self._counts.update(deltas)
+        return self._counts.snapshot()
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if len(items) == 1:
@@ -243,7 +235,7 @@ class S3Tier(Tier):
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         results = self._map(self._put, items)
-        self._count(stored=sum(results), store_failed=len(results) - sum(results))
+        self._counts.add(stored=sum(results), store_failed=len(results) - sum(results))
         return results
 
     def _put(self, item: tuple[bytes, memoryview]) -> bool:
@@ -270,7 +262,7 @@ class S3Tier(Tier):
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         statuses = self._map(self._get, items)
-        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
+        self._counts.add_loads(statuses)
         return statuses
 
     def _get(self, item: tuple[bytes, memoryview]) -> LoadStatus:
@@ -314,20 +306,8 @@ class S3Tier(Tier):
                     if read_exact(read_into, raw_header) != HEADER_SIZE:
                         raise ConnectionError("response body ended early")
                     header = unpack_header(raw_header)
-                if isinstance(length, int) and whole_record(header, key, length):
-                    log.debug(
-                        "s3 tier: %s holds %d payload bytes, load asked for %d; kept",
-                        key.hex()[:16],
-                        length - HEADER_SIZE,
-                        dest.nbytes,
-                    )
-                    return LoadStatus.CORRUPT, False
-                log.warning(
-                    "s3 tier: %s is %s bytes, not a record of its key; deleting it",
-                    key.hex()[:16],
-                    length,
-                )
-                return LoadStatus.CORRUPT, True
+                size = length if isinstance(length, int) else None
+                return LoadStatus.CORRUPT, misfit(log, "s3", header, key, size, dest.nbytes)
             if read_exact(read_into, raw_header) != HEADER_SIZE:
                 raise ConnectionError("response body ended early")
             header = unpack_header(raw_header)
@@ -374,7 +354,7 @@ class S3Tier(Tier):
             self._error("DELETE", key, exc)
             return
         self.outage.ok()
-        self._count(corrupt_deleted=1)
+        self._counts.add(corrupt_deleted=1)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -392,13 +372,13 @@ class S3Tier(Tier):
                 botocore.exceptions.ClientError,
                 OSError,
             ) as exc:
-                self._count(errors=len(batch))
+                self._counts.add(errors=len(batch))
                 self.outage.failed("DeleteObjects", exc, len(batch))
                 continue
             self.outage.ok()
             errors = reply.get("Errors", [])
             if errors:
-                self._count(errors=len(errors))
+                self._counts.add(errors=len(errors))
                 self.outage.failed("deleting " + str(errors[0].get("Key")), errors[0], len(errors))
         return held
 
@@ -418,7 +398,7 @@ class S3Tier(Tier):
             botocore.exceptions.ClientError,
             OSError,
         ) as exc:
-            self._count(errors=1)
+            self._counts.add(errors=1)
             self.outage.failed("listing the objects", exc, 0)
             return self._last_usage
         self.outage.ok()
@@ -426,7 +406,7 @@ class S3Tier(Tier):
         return self._last_usage
 
     def _error(self, op: str, key: bytes, exc: BaseException) -> None:
-        self._count(errors=1)
+        self._counts.add(errors=1)
         self.outage.failed(f"{op} {key.hex()[:16]}", exc)
 
     def close(self) -> None:
