@@ -41,7 +41,9 @@ leftovers it lists are removed, and headers are verified lazily, on load.
 Degradation. A write the medium refuses (full, read-only) disables writes, not the tier:
 chunks on disk stay readable and one store is let through every ``retry_interval`` seconds
 as a probe (:mod:`tierkv.tiers.disk_write_gate`). A directory that cannot be created at
-start disables the tier the same way instead of failing the server.
+start disables the tier the same way instead of failing the server. Every failure is
+counted (:mod:`tierkv.tiers.disk_stats`), and logged at WARNING once per kind
+(:mod:`tierkv.tiers.disk_failure_log`).
 
 Parallel I/O. A batch of stores or loads is spread over ``threads`` threads (default: the
 cores, at most 4; see :mod:`tierkv.copier`) of lowered priority (:mod:`tierkv.priority`;
@@ -51,7 +53,8 @@ threads reach it. Pieces keep each system call short (:mod:`tierkv.piecewise_io`
 thread woken meanwhile gets a core after a piece, not after a whole chunk.
 
 Concurrency. All methods may be called from several threads. One lock guards the index,
-the per-key busy markers and the counters, and is never held across file I/O. A key is at
+the per-key busy markers, the write gate and the counters, and is never held across file
+I/O. A key is at
 any moment in at most one of: the index (its file is complete and readable) or ``busy`` (one
 thread is writing or removing its file), so no two threads ever write or unlink the same
 name. Index entries carry a generation, so a load that found a file missing or corrupt only
@@ -65,8 +68,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any, TypeVar
 
 from tierkv.copier import Copier
 from tierkv.keys import KEY_SIZE
@@ -80,6 +83,7 @@ from tierkv.tiers.base import (
     byte_view,
     register_tier,
 )
+from tierkv.tiers.disk_failure_log import DiskFailureLog
 from tierkv.tiers.disk_files import (
     LOCK_NAME,
     TMP_SUFFIX,
@@ -100,7 +104,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY = 10 * 2**30
 DEFAULT_RETRY_INTERVAL = 30.0
-_CORRUPT_LOG_LIMIT = 10  # corrupt files logged at WARNING; later ones at DEBUG (see stats)
+
+T = TypeVar("T")
+Items = Sequence[tuple[bytes, memoryview]]
 
 _STORE = "store"
 _REMOVE = "remove"
@@ -158,7 +164,7 @@ class DiskTier(Tier):
         self._closed = False
         self._lock_fd: int | None = None
         self._c = DiskCounters()
-        self._logged_errnos: set[tuple[str, int]] = set()
+        self._failures = DiskFailureLog(self.path)
 
         try:
             os.makedirs(self.path, exist_ok=True)
@@ -176,22 +182,20 @@ class DiskTier(Tier):
             return [key in index for key in keys]
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        done = [False] * len(items)
-
-        def one(i: int) -> None:
-            done[i] = self._store_one(*items[i])
-
-        self._batch.run(one, range(len(items)), [v.nbytes for _, v in items])
-        return done
+        return self._each(self._store_one, items, False)
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
-        statuses = [LoadStatus.ERROR] * len(items)
+        return self._each(self._load_one, items, LoadStatus.ERROR)
 
-        def one(i: int) -> None:
-            statuses[i] = self._load_one(*items[i])
+    def _each(self, one: Callable[[bytes, memoryview], T], items: Items, default: T) -> list[T]:
+        """``one`` on each item, on the batch's threads; the results in order."""
+        results = [default] * len(items)
 
-        self._batch.run(one, range(len(items)), [v.nbytes for _, v in items])
-        return statuses
+        def run(i: int) -> None:
+            results[i] = one(*items[i])
+
+        self._batch.run(run, range(len(items)), [v.nbytes for _, v in items])
+        return results
 
     def delete(self, keys: Sequence[bytes]) -> int:
         held: list[tuple[bytes, int]] = []
@@ -249,11 +253,7 @@ class DiskTier(Tier):
         them) until ``nbytes`` are freed or none is left; returns (key, bytes) of each."""
         with self._lock:
             victims = self._index.pop_oldest_of(namespaces, nbytes)
-            picked = [key for key, _ in victims]
-            for key in picked:
-                self._busy[key] = _REMOVE
-            self._c.evictions += len(victims)
-            self._c.evicted_bytes += sum(size for _, size in victims)
+            picked = self._evicting_locked(victims)
         self._remove_files(picked)
         return victims
 
@@ -353,7 +353,11 @@ class DiskTier(Tier):
             return []
         if excess > held:
             return None  # in-flight stores hold the rest
-        victims = self._index.pop_oldest(excess)
+        return self._evicting_locked(self._index.pop_oldest(excess))
+
+    def _evicting_locked(self, victims: list[tuple[bytes, int]]) -> list[bytes]:
+        """Count ``victims`` (popped from the index) as evicted and mark them busy until
+        their files are removed; their keys."""
         for key, _ in victims:
             self._busy[key] = _REMOVE
         self._c.evictions += len(victims)
@@ -369,7 +373,7 @@ class DiskTier(Tier):
         if unsynced is not None:
             with self._lock:
                 self._c.errors += 1
-            self._log_error("directory fsync", unsynced, key)
+            self._failures.error("directory fsync", unsynced, key)
 
     def _write_failed(self, exc: Exception, key: bytes) -> None:
         with self._lock:
@@ -379,7 +383,7 @@ class DiskTier(Tier):
         if reason is not None:
             self._disable(reason)
         else:
-            self._log_error("store", exc, key)
+            self._failures.error("store", exc, key)
 
     def _disable(self, reason: str) -> None:
         with self._lock:
@@ -393,10 +397,7 @@ class DiskTier(Tier):
             if data.readonly:
                 raise TypeError("load needs a writable view")
         except (TypeError, ValueError) as exc:
-            with self._lock:
-                self._c.errors += 1
-            self._log_error("load", exc, key)
-            return LoadStatus.ERROR
+            return self._load_error(exc, key)
         with self._lock:
             entry = self._index.get(key)
             if entry is None:
@@ -428,17 +429,14 @@ class DiskTier(Tier):
         with self._lock:
             self._c.corrupt += 1
             n = self._c.corrupt
-        level = logging.WARNING if n <= _CORRUPT_LOG_LIMIT else logging.DEBUG
-        log.log(level, "disk tier: corrupt chunk %s (%s); removed", self.file_path(key), why)
-        if n == _CORRUPT_LOG_LIMIT:
-            log.warning("disk tier: further corrupt chunks are logged at DEBUG (see stats)")
+        self._failures.corrupt(self.file_path(key), why, n)
         self._forget(key, gen, unlink=True)
         return LoadStatus.CORRUPT
 
-    def _load_error(self, exc: OSError, key: bytes) -> LoadStatus:
+    def _load_error(self, exc: Exception, key: bytes) -> LoadStatus:
         with self._lock:
             self._c.errors += 1
-        self._log_error("load", exc, key)
+        self._failures.error("load", exc, key)
         return LoadStatus.ERROR
 
     def _forget(self, key: bytes, gen: int, unlink: bool = False) -> None:
@@ -466,28 +464,16 @@ class DiskTier(Tier):
                 pass
             except OSError as exc:
                 errors += 1
-                self._log_error("remove", exc, key)
+                self._failures.error("remove", exc, key)
         with self._lock:
             for key in keys:
                 self._busy.pop(key, None)
             self._c.errors += errors
 
-    def _log_error(self, op: str, exc: Exception, key: bytes) -> None:
-        """Log the first error of each kind per operation at WARNING, repeats at DEBUG."""
-        code = exc.errno if isinstance(exc, OSError) and exc.errno is not None else -1
-        with self._lock:
-            first = (op, code) not in self._logged_errnos
-            self._logged_errnos.add((op, code))
-        level = logging.WARNING if first else logging.DEBUG
-        suffix = " (repeats are logged at DEBUG)" if first else ""
-        log.log(level, "disk tier %s: %s of %s failed: %s%s", self.path, op, key.hex(), exc, suffix)
-
     def _count_failed(self, message: str) -> None:
         with self._lock:
             self._c.store_failed += 1
-            first = ("store", -2) not in self._logged_errnos
-            self._logged_errnos.add(("store", -2))
-        log.log(logging.WARNING if first else logging.DEBUG, "disk tier: %s", message)
+        self._failures.refused(message)
 
     # -- start-up --------------------------------------------------------------------------
     def _rebuild(self) -> None:
