@@ -24,7 +24,8 @@ from tierkv.checksums import checksum
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
 from tierkv.tiers.base import HEADER_SIZE, pack_header
-from tierkv.tiers.redis import RedisTier, _Concat, _GatherPacker
+from tierkv.tiers.redis import RedisTier
+from tierkv.tiers.redis_wire import Concat, GatherPacker
 
 # Fixtures of the real services (tests/conftest.py belongs to the server tests).
 redis_server = services.redis_server
@@ -464,8 +465,8 @@ def test_store_sends_the_pool_view_itself(slots: Slots) -> None:
     key = new_key()
     view, data = slots.random(10_000)
     header = pack_header(key, view)
-    command = ("SET", b"tierkv:" + key.hex().encode(), _Concat(header, view), "EX", 30)
-    conn = Connection(command_packer=_GatherPacker())  # type: ignore[no-untyped-call]
+    command = ("SET", b"tierkv:" + key.hex().encode(), Concat(header, view), "EX", 30)
+    conn = Connection(command_packer=GatherPacker())  # type: ignore[no-untyped-call]
     packed = conn.pack_commands([command, ("GET", b"k")])  # type: ignore[no-untyped-call]
     assert any(piece is view for piece in packed)
     reference = PythonRespSerializer(6000, lambda a: a.encode() if isinstance(a, str) else a)
@@ -478,7 +479,7 @@ def test_store_sends_the_pool_view_itself(slots: Slots) -> None:
 
 
 def test_packer_handles_ordinary_commands() -> None:
-    packer = _GatherPacker()
+    packer = GatherPacker()
     assert b"".join(packer.pack("CONFIG GET", "maxmemory")) == (
         b"*3\r\n$6\r\nCONFIG\r\n$3\r\nGET\r\n$9\r\nmaxmemory\r\n"
     )

@@ -18,10 +18,10 @@ import pytest
 from support import services
 from support.services import S3Server, Slots, load_into, new_key, store_random
 from tierkv.keys import Namespace, chunk_keys
-from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
-from tierkv.tiers import s3 as s3_module
+from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, s3_body, tier_names
 from tierkv.tiers.base import HEADER_SIZE, pack_header
-from tierkv.tiers.s3 import S3Tier, _RecordBody
+from tierkv.tiers.s3 import S3Tier
+from tierkv.tiers.s3_body import RecordBody
 
 # Fixtures of the real services (tests/conftest.py belongs to the server tests).
 s3_service = services.s3_service
@@ -171,14 +171,14 @@ def test_loads_read_straight_into_the_slot(
     """The fast path (http.client readinto on the slot) is the one taken against a real HTTP
     server, and the connection is reused afterwards."""
     seen: list[bool] = []
-    original = s3_module._http_response
+    original = s3_body.http_response
 
     def spy(body: Any) -> http.client.HTTPResponse | None:
         fp = original(body)
         seen.append(fp is not None)
         return fp
 
-    monkeypatch.setattr(s3_module, "_http_response", spy)
+    monkeypatch.setattr(s3_body, "http_response", spy)
     keys, expected = store_random(tier, slots, [100_000, 5])
     for _ in range(3):
         statuses, views = load_into(tier, slots, keys, [100_000, 5])
@@ -189,7 +189,7 @@ def test_loads_read_straight_into_the_slot(
 
 def test_fallback_read_path(tier: S3Tier, slots: Slots, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the http.client response, StreamingBody.readinto does the same job."""
-    monkeypatch.setattr(s3_module, "_http_response", lambda body: None)
+    monkeypatch.setattr(s3_body, "http_response", lambda body: None)
     keys, expected = store_random(tier, slots, [70_000, 3])
     for _ in range(2):
         statuses, views = load_into(tier, slots, keys, [70_000, 3])
@@ -374,7 +374,7 @@ def test_record_body_reads_are_views_of_the_pool(slots: Slots) -> None:
     key = new_key()
     view, data = slots.random(50_000)
     header = pack_header(key, view)
-    body = _RecordBody(header, view)
+    body = RecordBody(header, view)
     assert len(body) == HEADER_SIZE + 50_000
     pieces = []
     while piece := body.read(16384):

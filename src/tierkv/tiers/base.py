@@ -42,15 +42,6 @@ class LoadStatus(enum.IntEnum):
     ERROR = 3  # the medium failed (I/O error, connection lost, timeout)
 
 
-# The stats counter each load outcome counts in (tiers that keep a Counter of their results).
-STATUS_COUNTER = {
-    LoadStatus.OK: "loaded",
-    LoadStatus.MISSING: "missing",
-    LoadStatus.CORRUPT: "corrupt",
-    LoadStatus.ERROR: "errors",
-}
-
-
 @dataclass(frozen=True, slots=True)
 class TierUsage:
     objects: int
@@ -104,6 +95,33 @@ def whole_record(header: Header | None, key: bytes, size: int) -> bool:
     checksum is not checked). A load into a slot of another length finds such a record
     CORRUPT but must keep it: the chunk is intact, the caller asked for the wrong size."""
     return header is not None and header.key == key and HEADER_SIZE + header.length == size
+
+
+def misfit(
+    logger: logging.Logger,
+    tier: str,
+    header: Header | None,
+    key: bytes,
+    size: int | None,
+    want: int,
+) -> bool:
+    """A stored value of ``size`` bytes (None: unknown), ``header`` its record header, was
+    found for a slot of ``want`` payload bytes (the load is CORRUPT): whether to delete it
+    (it is not a whole record of ``key``; logged at WARNING). A whole record is kept (logged
+    at DEBUG): the chunk is intact, the caller asked for the wrong size."""
+    if size is not None and whole_record(header, key, size):
+        logger.debug(
+            "%s tier: %s holds %d payload bytes, load asked for %d; kept",
+            tier,
+            key.hex()[:16],
+            size - HEADER_SIZE,
+            want,
+        )
+        return False
+    logger.warning(
+        "%s tier: %s is %s bytes, not a record of its key; deleting it", tier, key.hex()[:16], size
+    )
+    return True
 
 
 def verify(

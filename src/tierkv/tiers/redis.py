@@ -12,10 +12,8 @@ Copies and the GIL. The tier's bulk commands (the SETs of a store, the GETs of a
 directly over the socket of one of redis-py's pooled connections (:mod:`tierkv.tiers.resp`;
 redis-py still makes, authenticates and pools the connections, and runs every other
 command). A SET is sent as one RESP bulk string assembled from two buffers, the 64-byte record
-header and the pool's ``memoryview``, in pieces of :data:`tierkv.piecewise_io.PIECE` bytes: no copy
-in user space. (redis-py's own packer with hiredis would convert every ``memoryview`` to
-``bytes`` and pack the command into one more ``bytes``; the tier's :class:`_GatherPacker`,
-installed as redis-py's ``command_packer``, keeps the view.) A GET reply's payload is
+header and the pool's ``memoryview``, in pieces: no copy in user space (the packer and the
+exchange on the socket: :mod:`tierkv.tiers.redis_wire`). A GET reply's payload is
 received straight into its slot, in pieces, with the GIL released, and checksummed as it
 lands. Through redis-py and hiredis it took three copies, two of them in C calls that hold
 the GIL for a whole 8 MiB value, and a server prefetching from Redis kept its RPC loop waiting
@@ -37,36 +35,30 @@ WARNING when Redis stops answering, one INFO line with the count when it answers
 from __future__ import annotations
 
 import logging
-import socket
-import ssl
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from tierkv.piecewise_io import send_all
 from tierkv.tiers.base import (
     HEADER_SIZE,
-    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
     byte_view,
+    misfit,
     pack_header,
     register_tier,
     unpack_header,
     verify,
-    whole_record,
 )
-from tierkv.tiers.resp import Filled, ProtocolError, Replies, ReplyError
+from tierkv.tiers.counts import TierCounts
+from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
+from tierkv.tiers.resp import Filled, Replies, ReplyError
 
 try:
     import redis
     from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import DataError, RedisError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.exceptions import RedisError
     from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only without the optional dependency
     redis = None  # type: ignore[assignment]
@@ -74,9 +66,6 @@ except ImportError:  # pragma: no cover - exercised only without the optional de
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Arguments longer than this (and every memoryview) are handed to sendall on their own instead
-# of being joined into the small command buffer (redis-py uses the same cut-off).
-_BUFFER_CUTOFF = 6000
 _DEL_BATCH = 1000
 _SCAN_COUNT = 1000
 # Delete KEYS[1] if it still holds what a load found corrupt: ARGV[1] "string" and ARGV[2] the
@@ -92,75 +81,6 @@ if t == 'string' and redis.call('GET', KEYS[1]) == ARGV[2] then
 end
 return 0
 """
-
-
-# -- command packing -----------------------------------------------------------------------
-class _Concat:
-    """One RESP bulk-string argument made of several buffers, sent without joining them."""
-
-    __slots__ = ("nbytes", "parts")
-
-    def __init__(self, *parts: bytes | memoryview) -> None:
-        self.parts = parts
-        self.nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
-
-
-Packed = list[bytes | memoryview]
-
-
-def _encode(arg: object) -> bytes | memoryview:
-    """A command argument as bytes, following redis-py's ``Encoder`` (minus decoding)."""
-    if isinstance(arg, bytes):
-        return arg
-    if isinstance(arg, memoryview):
-        return byte_view(arg)
-    if isinstance(arg, bytearray):
-        return bytes(arg)
-    if isinstance(arg, str):
-        return arg.encode()
-    if isinstance(arg, bool):
-        raise DataError("Invalid input of type: 'bool'. Convert to a bytes, string, int or float.")
-    if isinstance(arg, int | float):
-        return repr(arg).encode()
-    raise DataError(f"Invalid input of type: {type(arg).__name__!r}")
-
-
-class _GatherPacker:
-    """RESP command packer whose large and ``memoryview`` arguments stay separate buffers.
-
-    redis-py calls ``pack(*args)`` for every command (also the handshake and health checks)
-    and writes the returned buffers with ``sendall``; it keeps ``memoryview`` items separate
-    when it batches a pipeline, so a payload view travels from the pool to the socket as is.
-    """
-
-    def pack(self, *args: Any) -> Packed:
-        # redis-py passes multi-word command names ("CONFIG GET") as one argument.
-        if isinstance(args[0], str):
-            args = (*args[0].encode().split(), *args[1:])
-        elif isinstance(args[0], bytes) and b" " in args[0]:
-            args = (*args[0].split(), *args[1:])
-        out: Packed = []
-        buf = bytearray(b"*%d\r\n" % len(args))
-        for arg in args:
-            if isinstance(arg, _Concat):
-                parts: tuple[bytes | memoryview, ...] = arg.parts
-                size = arg.nbytes
-            else:
-                part = _encode(arg)
-                parts = (part,)
-                size = part.nbytes if isinstance(part, memoryview) else len(part)
-            buf += b"$%d\r\n" % size
-            for part in parts:
-                if isinstance(part, memoryview) or len(part) > _BUFFER_CUTOFF:
-                    if buf:
-                        out.append(bytes(buf))
-                        buf = bytearray()
-                    out.append(part)
-                else:
-                    buf += part
-            buf += b"\r\n"
-        out.append(bytes(buf))
-        return out
 
 
 def _wrong_type(reply: Exception) -> bool:
@@ -220,13 +140,12 @@ class RedisTier(Tier):
                 socket_timeout=socket_timeout,
                 socket_connect_timeout=socket_connect_timeout,
                 retry=self._retry,
-                command_packer=_GatherPacker(),
+                command_packer=GatherPacker(),
             )
         except ValueError as exc:
             raise TierError(f"redis tier: bad url {url!r}: {exc}") from exc
         self._client = redis.Redis(connection_pool=self._pool)
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
         try:
             self._client.ping()
@@ -266,19 +185,14 @@ class RedisTier(Tier):
         """The Redis key of a chunk key."""
         return self._prefix + key.hex().encode()
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            self._counts.update(deltas)
-
     def _failed(self, op: str, exc: object, items: int) -> None:
-        self._count(errors=items)
+        self._counts.add(errors=items)
         self.outage.failed(op, exc, items)
 
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt,
         corrupt_deleted, errors."""
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()
 
     def _pipelined(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         """Run ``commands`` in one non-transactional pipeline; per-command errors come back
@@ -299,7 +213,7 @@ class RedisTier(Tier):
         try:
             # A failed attempt has closed the connection already; the next one reconnects.
             result = self._retry.call_with_retry(
-                lambda: _exchange(conn, commands, read), lambda _exc: None
+                lambda: exchange(conn, commands, read), lambda _exc: None
             )
         finally:
             self._pool.release(conn)  # type: ignore[no-untyped-call]
@@ -330,10 +244,10 @@ class RedisTier(Tier):
         for i, (key, view) in enumerate(items):
             try:
                 data = byte_view(view)
-                value = _Concat(pack_header(key, data), data)
+                value = Concat(pack_header(key, data), data)
             except (ValueError, TypeError) as exc:
                 log.warning("redis tier: not storing chunk %s: %s", key.hex()[:16], exc)
-                self._count(store_failed=1)
+                self._counts.add(store_failed=1)
                 continue
             commands.append(("SET", self.redis_key(key), value, *ttl))
             positions.append(i)
@@ -343,7 +257,7 @@ class RedisTier(Tier):
             replies = self._on_socket(commands, lambda r: [r.simple() for _ in commands])
         except (RedisError, OSError) as exc:
             self._failed("store", exc, len(commands))
-            self._count(store_failed=len(commands))
+            self._counts.add(store_failed=len(commands))
             return results
         finally:
             commands.clear()  # drop the references to the pool views
@@ -354,9 +268,9 @@ class RedisTier(Tier):
             else:
                 results[i] = reply == b"OK"
         if refused:
-            self._count(store_failed=len(refused))
+            self._counts.add(store_failed=len(refused))
             self._failed("SET", refused[0], len(refused))
-        self._count(stored=sum(results))
+        self._counts.add(stored=sum(results))
         return results
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
@@ -413,7 +327,7 @@ class RedisTier(Tier):
         refused = [r for r in replies if isinstance(r, ReplyError) and not _wrong_type(r)]
         if refused:
             self.outage.failed("GET", refused[0], len(refused))
-        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
+        self._counts.add_loads(statuses)
         if bad:
             self._drop_corrupt(bad)
         return statuses
@@ -438,20 +352,9 @@ class RedisTier(Tier):
                 return LoadStatus.CORRUPT, True
             return LoadStatus.ERROR, False
         if isinstance(reply, bytes):  # not HEADER_SIZE + dest.nbytes bytes
-            if whole_record(unpack_header(reply[:HEADER_SIZE]), key, len(reply)):
-                log.debug(
-                    "redis tier: %s holds %d payload bytes, load asked for %d; kept",
-                    key.hex()[:16],
-                    len(reply) - HEADER_SIZE,
-                    dest.nbytes,
-                )
-                return LoadStatus.CORRUPT, False
-            log.warning(
-                "redis tier: %s is %d bytes, not a record of its key; deleting it",
-                key.hex()[:16],
-                len(reply),
-            )
-            return LoadStatus.CORRUPT, True
+            header_found = unpack_header(reply[:HEADER_SIZE])
+            drop = misfit(log, "redis", header_found, key, len(reply), dest.nbytes)
+            return LoadStatus.CORRUPT, drop
         status = verify(unpack_header(header), key, dest, reply.digest)
         if status is not LoadStatus.OK:
             log.warning("redis tier: %s failed verification; deleting it", key.hex()[:16])
@@ -473,7 +376,7 @@ class RedisTier(Tier):
         failed = [r for r in replies if isinstance(r, Exception)]
         if failed:
             self._failed("deleting corrupt values", failed[0], len(failed))
-        self._count(corrupt_deleted=sum(1 for r in replies if r == 1))
+        self._counts.add(corrupt_deleted=sum(1 for r in replies if r == 1))
 
     def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
@@ -529,36 +432,6 @@ class RedisTier(Tier):
             "checksummed as it lands; the 64-byte header and the reply lines pass through a "
             "small buffer)."
         )
-
-
-def _exchange(conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T]) -> T:
-    """One attempt of :meth:`RedisTier._on_socket` on ``conn`` (a redis-py connection, on
-    whose socket the commands and replies go directly). Socket errors come out as redis-py's
-    connection and timeout errors (which its ``Retry`` retries), the connection closed."""
-    try:
-        if getattr(conn, "_sock", None) is None:
-            conn.connect()
-        sock = conn._sock
-        if not isinstance(sock, socket.socket):
-            raise ProtocolError("redis-py's connection has no socket (an unknown version?)")
-        packed = conn.pack_commands(commands)
-        if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
-            for part in packed:
-                sock.sendall(part)
-        else:
-            send_all(sock, packed)
-        replies = Replies(sock)
-        result = read(replies)
-        if not replies.clean:
-            raise ProtocolError("more bytes arrived than the replies to the commands sent")
-        return result
-    except BaseException as exc:
-        conn.disconnect()  # where the stream stands is unknown: never reuse the connection
-        if isinstance(exc, TimeoutError):  # socket.timeout
-            raise RedisTimeoutError(f"redis tier: {exc or 'timed out'}") from exc
-        if isinstance(exc, OSError):  # ConnectionError and ProtocolError included
-            raise RedisConnectionError(f"redis tier: {exc}") from exc
-        raise
 
 
 class ValkeyTier(RedisTier):

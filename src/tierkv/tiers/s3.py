@@ -12,9 +12,10 @@ more to sign its SHA-256; over https the payload is unsigned and TLS encrypts it
 any buffer). A load reads the body straight into the reserved slot with
 ``http.client.HTTPResponse.readinto`` when the response is the usual urllib3-over-http.client
 one; otherwise it falls back to botocore's ``StreamingBody.readinto``, which urllib3
-implements with a ``read`` into a temporary ``bytes`` (one copy). botocore's own CRC
-checksums are left off (``when_required``): the record header's checksum covers the
-chunk end to end, and the CRC would cost a pass (and over https a framing copy) per chunk.
+implements with a ``read`` into a temporary ``bytes`` (one copy); both bodies are in
+:mod:`tierkv.tiers.s3_body`. botocore's own CRC checksums are left off (``when_required``):
+the record header's checksum covers the chunk end to end, and the CRC would cost a pass (and
+over https a framing copy) per chunk.
 
 An object found corrupt (bad header, length or checksum) is deleted, with ``If-Match`` on
 the ETag it was read with, so a store that replaced it meanwhile is kept (an endpoint that
@@ -31,29 +32,27 @@ one INFO line with the count when a request works again.
 from __future__ import annotations
 
 import http.client
-import io
 import logging
-import threading
 import urllib.parse
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tierkv.tiers.base import (
     HEADER_SIZE,
-    STATUS_COUNTER,
     LoadStatus,
     Tier,
     TierError,
     TierUsage,
     byte_view,
+    misfit,
     pack_header,
     register_tier,
     unpack_header,
     verify,
-    whole_record,
 )
+from tierkv.tiers.counts import TierCounts
+from tierkv.tiers.s3_body import RecordBody, body_reader, finish, read_exact
 
 try:
     import boto3
@@ -70,98 +69,6 @@ _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _NO_CONDITIONAL_DELETE = {"NotImplemented", "InvalidArgument", "InvalidRequest", "501"}
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class _RecordBody(io.RawIOBase):
-    """A seekable, read-only stream over ``header || payload`` that never joins them.
-
-    ``read`` returns ``memoryview`` slices (of the header bytes or of the payload view), so
-    whoever sends it (urllib3 / http.client: ``sock.sendall(block)``) sends pool memory as
-    it is. botocore only reads, seeks and asks for the length.
-    """
-
-    def __init__(self, header: bytes, payload: memoryview) -> None:
-        super().__init__()
-        self._parts = (memoryview(header), payload)
-        self._size = len(header) + payload.nbytes
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._size - self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(0, base + offset), self._size)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> memoryview | bytes:
-        if size is None or size < 0:
-            # Whole remainder: only callers that want one object get a joined copy.
-            rest = b"".join(bytes(p) for p in self._slices(self._size - self._pos))
-            self._pos = self._size
-            return rest
-        for piece in self._slices(size):
-            self._pos += piece.nbytes
-            return piece  # at most one part per call; a short read is allowed
-        return b""
-
-    def readinto(self, buffer: Any) -> int:
-        piece = self.read(len(buffer))
-        n = len(piece)
-        memoryview(buffer).cast("B")[:n] = piece
-        return n
-
-    def _slices(self, size: int) -> list[memoryview]:
-        """Views of the next ``size`` bytes from the current position (not consumed)."""
-        out, pos, left = [], self._pos, size
-        start = 0
-        for part in self._parts:
-            end = start + part.nbytes
-            if left > 0 and pos < end:
-                take = min(end - pos, left)
-                out.append(part[pos - start : pos - start + take])
-                pos += take
-                left -= take
-            start = end
-        return out
-
-
-def _http_response(body: Any) -> http.client.HTTPResponse | None:
-    """The ``http.client`` response under a botocore ``StreamingBody``, when readable directly.
-
-    botocore -> urllib3 ``HTTPResponse`` -> ``http.client.HTTPResponse``. Only a plain
-    (not content-encoded) response that urllib3 has not read from yet qualifies.
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if not isinstance(fp, http.client.HTTPResponse) or fp.isclosed():
-        return None
-    headers = getattr(raw, "headers", None)
-    if headers is not None and headers.get("content-encoding", "identity") != "identity":
-        return None
-    if getattr(raw, "_fp_bytes_read", 0):
-        return None
-    return fp
-
-
-def _read_exact(read_into: Callable[[memoryview], int | None], dest: memoryview) -> int:
-    """Fill ``dest`` from ``read_into``; returns how many bytes arrived (less at EOF)."""
-    done = 0
-    while done < dest.nbytes:
-        n = read_into(dest[done:])
-        if not n:
-            break
-        done += n
-    return done
 
 
 class S3Tier(Tier):
@@ -235,8 +142,7 @@ class S3Tier(Tier):
         except (botocore.exceptions.BotoCoreError, ValueError) as exc:
             raise TierError(f"s3 tier: cannot create a client: {exc}") from exc
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
-        self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
         self._conditional_delete = True  # until the endpoint or botocore refuses If-Match
         if create_bucket:
@@ -297,12 +203,7 @@ class S3Tier(Tier):
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt,
         corrupt_deleted, errors."""
-        with self._lock:
-            return dict(self._counts)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            self._counts.update(deltas)
+        return self._counts.snapshot()
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         if len(items) == 1:
@@ -334,14 +235,14 @@ class S3Tier(Tier):
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         results = self._map(self._put, items)
-        self._count(stored=sum(results), store_failed=len(results) - sum(results))
+        self._counts.add(stored=sum(results), store_failed=len(results) - sum(results))
         return results
 
     def _put(self, item: tuple[bytes, memoryview]) -> bool:
         key, view = item
         try:
             payload = byte_view(view)
-            body = _RecordBody(pack_header(key, payload), payload)
+            body = RecordBody(pack_header(key, payload), payload)
         except (ValueError, TypeError) as exc:
             log.warning("s3 tier: not storing chunk %s: %s", key.hex()[:16], exc)
             return False
@@ -361,7 +262,7 @@ class S3Tier(Tier):
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         statuses = self._map(self._get, items)
-        self._count(**Counter(STATUS_COUNTER[status] for status in statuses))
+        self._counts.add_loads(statuses)
         return statuses
 
     def _get(self, item: tuple[bytes, memoryview]) -> LoadStatus:
@@ -397,38 +298,23 @@ class S3Tier(Tier):
         complete = False
         try:
             length = response.get("ContentLength")
-            fp = _http_response(body)
-            read_into: Callable[[memoryview], int | None] = (
-                fp.readinto if fp is not None else body.readinto
-            )
+            read_into = body_reader(body)
             raw_header = memoryview(bytearray(HEADER_SIZE))
             if length != HEADER_SIZE + dest.nbytes:
                 header = None
                 if isinstance(length, int) and length >= HEADER_SIZE:
-                    if _read_exact(read_into, raw_header) != HEADER_SIZE:
+                    if read_exact(read_into, raw_header) != HEADER_SIZE:
                         raise ConnectionError("response body ended early")
                     header = unpack_header(raw_header)
-                if isinstance(length, int) and whole_record(header, key, length):
-                    log.debug(
-                        "s3 tier: %s holds %d payload bytes, load asked for %d; kept",
-                        key.hex()[:16],
-                        length - HEADER_SIZE,
-                        dest.nbytes,
-                    )
-                    return LoadStatus.CORRUPT, False
-                log.warning(
-                    "s3 tier: %s is %s bytes, not a record of its key; deleting it",
-                    key.hex()[:16],
-                    length,
-                )
-                return LoadStatus.CORRUPT, True
-            if _read_exact(read_into, raw_header) != HEADER_SIZE:
+                size = length if isinstance(length, int) else None
+                return LoadStatus.CORRUPT, misfit(log, "s3", header, key, size, dest.nbytes)
+            if read_exact(read_into, raw_header) != HEADER_SIZE:
                 raise ConnectionError("response body ended early")
             header = unpack_header(raw_header)
             if header is None or header.key != key or header.length != dest.nbytes:
                 log.warning("s3 tier: %s has a bad record header; deleting it", key.hex()[:16])
                 return LoadStatus.CORRUPT, True
-            if _read_exact(read_into, dest) != dest.nbytes:
+            if read_exact(read_into, dest) != dest.nbytes:
                 raise ConnectionError("response body ended early")
             complete = True
             status = verify(header, key, dest)
@@ -436,7 +322,7 @@ class S3Tier(Tier):
                 log.warning("s3 tier: %s failed verification; deleting it", key.hex()[:16])
             return status, status is not LoadStatus.OK
         finally:
-            _finish(body, complete)
+            finish(body, complete)
 
     def _drop_corrupt(self, key: bytes, etag: str | None) -> None:
         """Delete an object a load found corrupt, if it is still the one read (``etag``)."""
@@ -468,7 +354,7 @@ class S3Tier(Tier):
             self._error("DELETE", key, exc)
             return
         self.outage.ok()
-        self._count(corrupt_deleted=1)
+        self._counts.add(corrupt_deleted=1)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -486,13 +372,13 @@ class S3Tier(Tier):
                 botocore.exceptions.ClientError,
                 OSError,
             ) as exc:
-                self._count(errors=len(batch))
+                self._counts.add(errors=len(batch))
                 self.outage.failed("DeleteObjects", exc, len(batch))
                 continue
             self.outage.ok()
             errors = reply.get("Errors", [])
             if errors:
-                self._count(errors=len(errors))
+                self._counts.add(errors=len(errors))
                 self.outage.failed("deleting " + str(errors[0].get("Key")), errors[0], len(errors))
         return held
 
@@ -512,7 +398,7 @@ class S3Tier(Tier):
             botocore.exceptions.ClientError,
             OSError,
         ) as exc:
-            self._count(errors=1)
+            self._counts.add(errors=1)
             self.outage.failed("listing the objects", exc, 0)
             return self._last_usage
         self.outage.ok()
@@ -520,7 +406,7 @@ class S3Tier(Tier):
         return self._last_usage
 
     def _error(self, op: str, key: bytes, exc: BaseException) -> None:
-        self._count(errors=1)
+        self._counts.add(errors=1)
         self.outage.failed(f"{op} {key.hex()[:16]}", exc)
 
     def close(self) -> None:
@@ -539,20 +425,6 @@ class S3Tier(Tier):
 def _error_code(exc: Any) -> str:
     error = getattr(exc, "response", {}).get("Error", {})
     return str(error.get("Code", ""))
-
-
-def _finish(body: Any, complete: bool) -> None:
-    """Hand the HTTP connection back for reuse after a complete read, else drop it."""
-    raw = getattr(body, "_raw_stream", None)
-    try:
-        if complete and raw is not None and hasattr(raw, "release_conn"):
-            fp = getattr(raw, "_fp", None)
-            if fp is None or getattr(fp, "isclosed", lambda: False)():
-                raw.release_conn()
-                return
-        body.close()
-    except Exception as exc:  # cleanup must not turn a result into an error
-        log.debug("s3 tier: closing a response failed: %s", exc)
 
 
 register_tier("s3", S3Tier)

@@ -1,0 +1,135 @@
+"""The S3 tier's object bodies without copies of the payload: the body a PUT sends (the
+record header and the pool's ``memoryview``, never joined) and the reading of a GET's body
+straight into a slot.
+
+A PUT's body is a file-like object whose ``read`` returns ``memoryview`` slices, which
+urllib3 passes on to ``socket.sendall``: the pool's memory is sent as it is. A GET's body is
+read with ``http.client.HTTPResponse.readinto`` when the response is the usual
+urllib3-over-http.client one (no copy); otherwise with botocore's
+``StreamingBody.readinto``, which urllib3 implements with a ``read`` into a temporary
+``bytes`` (one copy). After a read, the connection goes back to the pool only if the body
+was read whole. Lines are logged under the S3 tier's logger (``tierkv.tiers.s3``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("tierkv.tiers.s3")
+
+
+class RecordBody(io.RawIOBase):
+    """A seekable, read-only stream over ``header || payload`` that never joins them.
+
+    ``read`` returns ``memoryview`` slices (of the header bytes or of the payload view), so
+    whoever sends it (urllib3 / http.client: ``sock.sendall(block)``) sends pool memory as
+    it is. botocore only reads, seeks and asks for the length.
+    """
+
+    def __init__(self, header: bytes, payload: memoryview) -> None:
+        super().__init__()
+        self._parts = (memoryview(header), payload)
+        self._size = len(header) + payload.nbytes
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._size - self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(0, base + offset), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> memoryview | bytes:
+        if size is None or size < 0:
+            # Whole remainder: only callers that want one object get a joined copy.
+            rest = b"".join(bytes(p) for p in self._slices(self._size - self._pos))
+            self._pos = self._size
+            return rest
+        for piece in self._slices(size):
+            self._pos += piece.nbytes
+            return piece  # at most one part per call; a short read is allowed
+        return b""
+
+    def readinto(self, buffer: Any) -> int:
+        piece = self.read(len(buffer))
+        n = len(piece)
+        memoryview(buffer).cast("B")[:n] = piece
+        return n
+
+    def _slices(self, size: int) -> list[memoryview]:
+        """Views of the next ``size`` bytes from the current position (not consumed)."""
+        out, pos, left = [], self._pos, size
+        start = 0
+        for part in self._parts:
+            end = start + part.nbytes
+            if left > 0 and pos < end:
+                take = min(end - pos, left)
+                out.append(part[pos - start : pos - start + take])
+                pos += take
+                left -= take
+            start = end
+        return out
+
+
+def http_response(body: Any) -> http.client.HTTPResponse | None:
+    """The ``http.client`` response under a botocore ``StreamingBody``, when readable directly.
+
+    botocore -> urllib3 ``HTTPResponse`` -> ``http.client.HTTPResponse``. Only a plain
+    (not content-encoded) response that urllib3 has not read from yet qualifies.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or fp.isclosed():
+        return None
+    headers = getattr(raw, "headers", None)
+    if headers is not None and headers.get("content-encoding", "identity") != "identity":
+        return None
+    if getattr(raw, "_fp_bytes_read", 0):
+        return None
+    return fp
+
+
+def read_exact(read_into: Callable[[memoryview], int | None], dest: memoryview) -> int:
+    """Fill ``dest`` from ``read_into``; returns how many bytes arrived (less at EOF)."""
+    done = 0
+    while done < dest.nbytes:
+        n = read_into(dest[done:])
+        if not n:
+            break
+        done += n
+    return done
+
+
+def body_reader(body: Any) -> Callable[[memoryview], int | None]:
+    """What fills a view from a botocore ``StreamingBody``: the ``http.client`` response's
+    ``readinto`` when :func:`http_response` finds it, else the body's own."""
+    fp = http_response(body)
+    return fp.readinto if fp is not None else body.readinto
+
+
+def finish(body: Any, complete: bool) -> None:
+    """Hand the HTTP connection back for reuse after a complete read, else drop it."""
+    raw = getattr(body, "_raw_stream", None)
+    try:
+        if complete and raw is not None and hasattr(raw, "release_conn"):
+            fp = getattr(raw, "_fp", None)
+            if fp is None or getattr(fp, "isclosed", lambda: False)():
+                raw.release_conn()
+                return
+        body.close()
+    except Exception as exc:  # cleanup must not turn a result into an error
+        log.debug("s3 tier: closing a response failed: %s", exc)
