@@ -37,7 +37,9 @@ connector; the server is a real ``tierkv server`` process.
   with no lease, lock or session.
 - KV events (vLLM's ZMQ publisher on, in both engines): what A stores is announced on both
   engines' streams as vLLM itself describes the blocks, in the pool's medium (CPU), and a
-  clear of the server withdraws it from both.
+  clear of the server withdraws it from both. A router's index built only from the two
+  streams (llm-d's prefix scoring) agrees with the server's ``POST /lookup`` on 100 random
+  prompts after stores by each engine, an eviction, a clear and a server restart.
 
 Every engine steps until vLLM has freed all its blocks before it reports (``engine_run.py``):
 every asynchronous store has ended by then.
