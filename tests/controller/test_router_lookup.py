@@ -212,3 +212,28 @@ def test_lookup_needs_the_token(controller: ControllerProcess) -> None:
     body = {"namespace": NS, "hashes": ["00"]}
     assert lookup(url, body, headers={})[0] == 401
     assert lookup(url, body, headers={"Authorization": "Bearer wrong"})[0] == 403
+
+
+def test_a_model_is_found_by_the_name_its_engines_serve_it_under(server_factory: Factory) -> None:
+    """The vLLM and SGLang connectors register a model's namespace as ``MODEL|kv=FORMAT``
+    (what the chunk bytes mean): a router names the model as the engines serve it, and
+    ``POST /lookup`` finds its namespaces by that name (and by the whole registered one);
+    another model, or a name that only starts the same, is not found."""
+    from support.servers import chunk_data
+
+    port = free_port()
+    node = start_node(server_factory, [], seed_self=True, extra=["--http-port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    tokens = tokens_for(11, 3)
+    registered = "org/model-7b|kv=native:CPU_ATTN/vec:bs128:kb128"
+    with node.server.client(auth_token=TOKEN) as c:
+        register(c, registered)
+        c.store(tokens, [chunk_data(tokens, i) for i in range(3)])
+    for name in ("org/model-7b", registered):
+        status, answer = lookup(url, {"model": name, "tokens": tokens})
+        assert status == 200, answer
+        (row,) = answer["instances"]
+        assert row["chunks"] == 3 and row["tokens"] == 3 * 256 and row["model"] == registered
+    for name in ("org/model", "org/model-7b|kv=other", "other"):
+        status, answer = lookup(url, {"model": name, "tokens": tokens})
+        assert status == 404 and "no engine of model" in answer["error"], (name, answer)

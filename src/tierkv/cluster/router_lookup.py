@@ -4,7 +4,9 @@ controller mode) answer the same request with this code; they differ only in whe
 holders of a batch of keys come from (the controller's index, or a server's directory).
 
 Request (JSON): the namespace, by ``model`` (every namespace of that model that a
-registered engine stores in) or by ``namespace`` (32 hex digits, as /status shows it), and
+registered engine stores in: the model as the engine names it, which an engine's connector
+registers with what its chunk bytes mean appended, ``|kv=...``; the whole registered name
+matches too) or by ``namespace`` (32 hex digits, as /status shows it), and
 the prompt, as ``tokens`` (token ids; the namespace's tokens per chunk hash them, full
 chunks only, as a server does) or ``hashes`` (an engine's own chained chunk hashes, hex).
 ``chunk_tokens`` gives the tokens per chunk of a namespace no engine registered where the
@@ -33,6 +35,7 @@ from tierkv.cluster.directory import Location, Where
 from tierkv.cluster.messages import NO_TIER
 
 MAX_CHUNKS = 65536  # per request
+KV_FORMAT_SEPARATOR = "|kv="  # what the vLLM and SGLang connectors append to a model's name
 MAX_BODY = 4 * 2**20
 
 I8 = npt.NDArray[np.int8]
@@ -202,10 +205,16 @@ def _namespaces(
                 "unknown (give chunk_tokens, or look it up by hashes)",
             )
         return [(digest, info)]
-    found = {ns.digest: ns for ns in known if ns.model == req.model}
+    found = {ns.digest: ns for ns in known if _is_of_model(ns.model, req.model)}
     if not found:
         raise RouterQueryError(404, f"no engine of model {req.model!r} is registered here")
     return sorted(found.items())
+
+
+def _is_of_model(registered: str, model: str) -> bool:
+    """A namespace registered as ``registered`` holds KV of ``model``: the same name, or
+    ``model`` with the chunk format the connectors append (``MODEL|kv=FORMAT...``)."""
+    return registered == model or registered.startswith(model + KV_FORMAT_SEPARATOR)
 
 
 def _keys(req: p.RouterQuery, digest: bytes, chunk_tokens: int) -> list[bytes]:

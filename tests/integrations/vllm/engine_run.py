@@ -26,9 +26,13 @@ process), batch (run every prompt in one ``generate`` call, concurrently, instea
 one; with few blocks vLLM then preempts requests: ``preemptions`` in the output counts them,
 ``preempted_waits`` the preempted requests whose stores the worker was told to wait for, in
 ``handle_preemptions``: one rank only, the worker in this process), retry_interval (the
-connector's), reannounce_interval (the connector's kv_events_reannounce_interval),
+connector's), auth_token (the connector's: the server's shared secret, as a cluster's
+servers have), reannounce_interval (the connector's kv_events_reannounce_interval), hashes
+(the connector's ``hashes``: chunk keys from "tokens" (token ids, as a router's ``POST
+/lookup`` with ``tokens`` hashes them), "vllm" (vLLM's block hashes) or "auto", the default),
 pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
-for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts),
+for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts;
+with ``tick_until`` the engine runs ticks while it waits),
 kv_events_endpoint (vLLM's KV events on, published by its ZMQ publisher bound there: vLLM
 publishes a step's events at the end of the step, so an idle engine publishes nothing),
 ready (a file to create once the engine is built), tick_until (a file, with vocab, the
@@ -137,14 +141,18 @@ def drain(llm: Any, timeout: float = 120.0) -> None:
         llm.llm_engine.step()
 
 
-def pause(where: Path, i: int) -> None:
-    """Tell the test prompt ``i`` is done, and wait until it says go on."""
+def pause(where: Path, i: int, tick: Any = None) -> None:
+    """Tell the test prompt ``i`` is done, and wait until it says go on (running ``tick``
+    meanwhile, if given)."""
     (where / f"paused-{i}").touch()
     deadline = time.monotonic() + 300
     while not (where / f"resume-{i}").exists():
         if time.monotonic() > deadline:
             raise SystemExit(f"never told to resume after prompt {i}")
-        time.sleep(0.05)
+        if tick is not None:
+            tick()
+        else:
+            time.sleep(0.05)
 
 
 def ticker(llm: Any, vocab: int, block: int) -> Any:
@@ -196,6 +204,10 @@ def main(config_path: str) -> None:
             extra["retry_interval"] = float(config["retry_interval"])
         if "async_store" in config:
             extra["async_store"] = bool(config["async_store"])
+        if config.get("auth_token"):
+            extra["auth_token"] = config["auth_token"]
+        if "hashes" in config:
+            extra["hashes"] = config["hashes"]
         if "reannounce_interval" in config:
             extra["kv_events_reannounce_interval"] = float(config["reannounce_interval"])
         kwargs["kv_transfer_config"] = {
@@ -280,7 +292,7 @@ def main(config_path: str) -> None:
             (out,) = llm.generate([request], params, use_tqdm=False)
             results.append(result(out))
             if i in pauses:
-                pause(Path(config["pause_dir"]), i)
+                pause(Path(config["pause_dir"]), i, tick)
     if tick is not None:
         deadline = time.monotonic() + 600
         while not Path(config["tick_until"]).exists():

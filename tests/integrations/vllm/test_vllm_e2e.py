@@ -37,7 +37,9 @@ connector; the server is a real ``tierkv server`` process.
   with no lease, lock or session.
 - KV events (vLLM's ZMQ publisher on, in both engines): what A stores is announced on both
   engines' streams as vLLM itself describes the blocks, in the pool's medium (CPU), and a
-  clear of the server withdraws it from both.
+  clear of the server withdraws it from both. A router's index built only from the two
+  streams (llm-d's prefix scoring) agrees with the server's ``POST /lookup`` on 100 random
+  prompts after stores by each engine, an eviction, a clear and a server restart.
 
 Every engine steps until vLLM has freed all its blocks before it reports (``engine_run.py``):
 every asynchronous store has ended by then.
@@ -62,6 +64,7 @@ from typing import Any
 import pytest
 
 from support import vllm_engine
+from support.clusterkit import TOKEN, start_node
 from support.forked_engines import Zygote
 from support.httputil import free_port, get_json, request, wait_for
 from support.shm_segments import python_segments, remove_orphans
@@ -1039,6 +1042,317 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
             "BlockRemoved (CPU) on every stream after the clear",
         )
         stop.touch()
+        for engine in started.values():
+            engine.results()  # exited cleanly
+    finally:
+        context.destroy(linger=0)
+
+
+class RouterModel:
+    """A KV-aware router's index, built only from engines' KV event streams as llm-d's
+    kv-cache scorer keeps it: per engine and medium, the blocks held (vLLM block hash ->
+    parent hash, token ids). A prompt's blocks are matched from the start, block ``i`` by
+    (the hash matched for block ``i - 1``, its token ids); the score is the longest run of
+    leading blocks held in some medium, each weighted by its best medium (llm-d's defaults:
+    GPU 1.0, CPU 0.8)."""
+
+    WEIGHTS = {"GPU": 1.0, "CPU": 0.8}
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.held: dict[str, dict[str, dict[Any, tuple[Any, tuple[int, ...]]]]] = {}
+        self.removed: dict[tuple[str, str], int] = {}
+        self._children: dict[tuple[str, str], dict[tuple[Any, tuple[int, ...]], Any]] = {}
+
+    def media(self, engine: str) -> dict[str, dict[Any, tuple[Any, tuple[int, ...]]]]:
+        return self.held.setdefault(engine, {m: {} for m in self.WEIGHTS})
+
+    def apply(self, engine: str, events: list[Any]) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        held = self.media(engine)
+        for e in events:
+            if isinstance(e, BlockStored):
+                blocks = held.setdefault(e.medium or "GPU", {})
+                parent, size = e.parent_block_hash, e.block_size
+                for i, h in enumerate(e.block_hashes):
+                    blocks[h] = (parent, tuple(e.token_ids[i * size : (i + 1) * size]))
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                medium = e.medium or "GPU"
+                for h in e.block_hashes:
+                    held.setdefault(medium, {}).pop(h, None)
+                key = (engine, medium)
+                self.removed[key] = self.removed.get(key, 0) + len(e.block_hashes)
+            elif isinstance(e, AllBlocksCleared):
+                for blocks in held.values():
+                    blocks.clear()
+        self._children = {k: v for k, v in self._children.items() if k[0] != engine}
+
+    def children(self, engine: str, medium: str) -> dict[tuple[Any, tuple[int, ...]], Any]:
+        key = (engine, medium)
+        if key not in self._children:
+            blocks = self.media(engine).get(medium, {})
+            self._children[key] = {block: h for h, block in blocks.items()}
+        return self._children[key]
+
+    def walk(self, engine: str, tokens: list[int], media: tuple[str, ...]) -> list[set[str]]:
+        """The media of each leading block of ``tokens`` held in one of ``media``."""
+        size, parent, run = self.block_size, None, []
+        for i in range(len(tokens) // size):
+            block = (parent, tuple(tokens[i * size : (i + 1) * size]))
+            found = {m: h for m in media if (h := self.children(engine, m).get(block))}
+            if not found:
+                break
+            parent = next(iter(found.values()))  # vLLM's hash: the same in every medium
+            run.append(set(found))
+        return run
+
+    def score(self, engine: str, tokens: list[int]) -> float:
+        run = self.walk(engine, tokens, tuple(self.WEIGHTS))
+        return sum(max(self.WEIGHTS[m] for m in media) for media in run)
+
+    def prefix_tokens(self, engine: str, tokens: list[int], medium: str) -> int:
+        return len(self.walk(engine, tokens, (medium,))) * self.block_size
+
+
+def test_a_router_model_built_from_the_event_streams_agrees_with_post_lookup(
+    tiny_model: Path,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A router's index built only from two engines' KV event streams (:class:`RouterModel`)
+    agrees with the server's ``POST /lookup`` (``tokens``: the engines key chunks by token
+    ids) on 100 random prompts (prefixes of documents, some stored during the test, some
+    never, cut anywhere, then a random tail) after each step: A stores documents; B stores
+    others; A stores more than the pool (10 chunks) holds, evicting; the server is cleared;
+    B stores again; the server is killed (both streams withdraw everything) and restarted on
+    its endpoint (an empty pool), then A and B store again. Agreement: per engine the prompt's
+    leading blocks held in the CPU medium (the pool), in whole chunks (the pool serves
+    chunks; the events describe blocks), equal ``/lookup``'s tokens; both engines describe
+    the same CPU blocks (one shared pool). Each step waits (a bounded poll) for agreement."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from support.tiny_model import tokenizer_size
+
+    # A server answers POST /lookup in a cluster: a one-node ring (10 chunks in its pool).
+    port = free_port()
+    server = start_node(
+        server_factory, [], pool_size="5MiB", extra=["--http-port", str(port)], seed_self=True
+    ).server
+    base = f"http://127.0.0.1:{port}"
+    model_id = str(tiny_model)  # the connector's model id: vLLM's model (path)
+    vocab = tokenizer_size(tiny_model)
+    rng = random.Random(3535)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    # Documents: A's (2 + 3 chunks), B's (2 + 1), A's again (3 x 2: the pool overflows),
+    # B's after the clear, A's and B's after the restart, and two never stored.
+    lengths = {"a1": 600, "a2": 830, "b1": 700, "b2": 400, "e1": 560, "e2": 650, "e3": 620}
+    lengths |= {"b3": 590, "af": 777, "b4": 520, "n1": 900, "n2": 300}
+    docs = {name: tokens(n) for name, n in lengths.items()}
+    prompts: list[tuple[str, list[int]]] = []  # (document, prompt)
+    cuts: list[int] = []  # how many of the document's tokens the prompt starts with
+    for _ in range(100):
+        name = rng.choice(sorted(docs))
+        cut = rng.randrange(1, len(docs[name]) + 1)
+        if cut % CHUNK == 0:
+            cut -= 1
+        cuts.append(cut)
+        prompts.append((name, docs[name][:cut] + tokens(rng.randrange(0, 200))))
+
+    def truth(stored: set[str]) -> list[int]:
+        """/lookup's tokens when the pool holds every full chunk of the ``stored`` documents
+        (a random tail matches no document)."""
+        return [
+            min(cut, len(docs[name])) // CHUNK * CHUNK if name in stored else 0
+            for (name, _), cut in zip(prompts, cuts, strict=True)
+        ]
+
+    go = {"A": tmp_path / "go-A", "B": tmp_path / "go-B"}
+    pauses = {"A": tmp_path / "A", "B": tmp_path / "B"}
+    stop = tmp_path / "stop"
+    ports = {"A": free_port(), "B": free_port()}
+    runs = {
+        "A": (["a1", "a2", "e1", "e2", "e3", "af"], [1, 4, 5]),
+        "B": (["b1", "b2", "b3", "b4"], [1, 2, 3]),
+    }
+    started: dict[str, Engine] = {}
+    for name, (run, pause_after) in runs.items():
+        pauses[name].mkdir()
+        started[name] = engines(
+            name,
+            model=model_id,
+            endpoint=server.endpoint,
+            auth_token=TOKEN,
+            hashes="tokens",  # chunk keys as /lookup's tokens hash them
+            vocab=vocab,
+            kv_events_endpoint=f"tcp://*:{ports[name]}",
+            reannounce_interval=REANNOUNCE_INTERVAL,
+            retry_interval=0.5,
+            prompts=[{"tokens": docs[d]} for d in run],
+            max_tokens=1,
+            wait_for=str(go[name]),
+            pause_after=pause_after,
+            pause_dir=str(pauses[name]),
+            tick_until=str(stop),
+        )
+    router = RouterModel(BLOCK)
+    context = zmq.Context()
+    subs: dict[str, Any] = {}
+    for name in started:
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://127.0.0.1:{ports[name]}")
+        subs[name] = sub
+    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+    heard = {name: 0 for name in started}
+
+    def pump() -> None:
+        """Read every event the streams have now into the router model."""
+        for name, engine in started.items():
+            if engine.proc.poll() is not None:
+                pytest.fail(f"engine {name} exited:\n{engine.log()}")
+        for name, sub in subs.items():
+            while sub.poll(0):
+                _topic, _seq, payload = sub.recv_multipart()
+                events = decode(payload).events
+                router.apply(name, events)
+                heard[name] += len(events)
+
+    def lookup(prompt: list[int]) -> int | None:
+        """/lookup's tokens for the model (None: no engine of the model registered yet)."""
+        body = json.dumps({"model": model_id, "tokens": prompt}).encode()
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}"}
+        # A generous bound: the server's HTTP front runs at nice +10, and on a loaded 2-core
+        # machine a lookup waited over 10 s for it (twice in about 12 runs).
+        reply = request("POST", base + "/lookup", body, headers, timeout=60.0)
+        if reply.status == 404:
+            return None
+        assert reply.status == 200, (reply.status, reply.body[:300])
+        rows = reply.json()["instances"]
+        assert len(rows) <= 1, rows  # one server, one namespace
+        return int(rows[0]["tokens"]) if rows else 0
+
+    def cpu_blocks(name: str) -> dict[Any, Any]:
+        return router.media(name)["CPU"]
+
+    def routed() -> dict[str, list[int]]:
+        """Per engine, the CPU-medium prefix of each prompt in whole chunks."""
+        return {
+            name: [router.prefix_tokens(name, p, "CPU") // CHUNK * CHUNK for _, p in prompts]
+            for name in started
+        }
+
+    def converge(what: str, unknown_is_empty: bool = False, timeout: float = 120.0) -> list[int]:
+        """Poll until the router model agrees with /lookup on every prompt; /lookup's tokens.
+        ``unknown_is_empty``: a 404 (no engine of the model registered) counts as nothing
+        held, as after a restart: an engine's workers register again at their next load or
+        store (the ticks do neither), and the pool is empty until then."""
+        since = time.monotonic()
+        deadline = since + timeout
+        while True:
+            pump()
+            answers = [lookup(p) for _, p in prompts]
+            if unknown_is_empty:
+                answers = [0 if a is None else a for a in answers]
+            pump()
+            model = routed()
+            if (
+                None not in answers
+                and all(model[name] == answers for name in started)
+                and cpu_blocks("A") == cpu_blocks("B")
+                and answers
+                == [  # the pool did not move meanwhile
+                    0 if a is None and unknown_is_empty else a
+                    for a in map(lookup, (p for _, p in prompts))
+                ]
+            ):
+                print(f"{what}: agreed after {time.monotonic() - since:.1f} s")
+                return [a for a in answers if a is not None]
+            if time.monotonic() > deadline:
+                diff = [
+                    (i, answers[i], model["A"][i], model["B"][i])
+                    for i in range(len(prompts))
+                    if not answers[i] == model["A"][i] == model["B"][i]
+                ]
+                pytest.fail(f"{what}: no agreement within {timeout:.0f} s: {diff[:10]}")
+            time.sleep(0.1)
+
+    def wait_paused(name: str, i: int) -> None:
+        wait_for(
+            f"{name} paused after prompt {i}",
+            lambda: (pauses[name] / f"paused-{i}").exists() or pump(),
+            120.0,
+        )
+
+    def resume(name: str, i: int) -> None:
+        (pauses[name] / f"resume-{i}").touch()
+
+    try:
+        # Both streams are live (ticks) and the model id is the one the engines register.
+        wait_for("both streams' first events", lambda: pump() or all(heard.values()), 120.0)
+        assert converge("before any store") == [0] * len(prompts)
+
+        go["A"].touch()  # (1) A stores a1, a2
+        wait_paused("A", 1)
+        assert converge("A stored") == truth({"a1", "a2"}) != [0] * len(prompts)
+
+        go["B"].touch()  # (2) B stores b1, b2: the pool holds 8 chunks of 10
+        wait_paused("B", 1)
+        before = converge("B stored")
+        assert before == truth({"a1", "a2", "b1", "b2"})
+
+        resume("A", 1)  # (3) A stores e1, e2, e3 (6 chunks): older chunks are evicted
+        wait_paused("A", 4)
+        after = converge("evicted")
+        assert any(x < y for x, y in zip(after, before, strict=True)), "nothing was evicted"
+        assert len(cpu_blocks("A")) * BLOCK <= 10 * CHUNK
+        full = truth({"a1", "a2", "b1", "b2", "e1", "e2", "e3"})
+        assert all(x <= y for x, y in zip(after, full, strict=True))
+        assert all(router.removed.get((name, "CPU"), 0) > 0 for name in started)
+
+        with server.client(timeout=5.0, auth_token=TOKEN) as admin:  # (4) a clear
+            assert admin.clear() > 0
+        assert converge("cleared") == [0] * len(prompts)
+        assert not cpu_blocks("A")
+
+        resume("B", 1)  # B stores b3
+        wait_paused("B", 2)
+        assert converge("B stored again") == truth({"b3"}) != [0] * len(prompts)
+
+        server.kill()  # (5) the server dies: both streams withdraw everything
+        wait_for(
+            "every CPU block withdrawn",
+            lambda: pump() or not (cpu_blocks("A") or cpu_blocks("B")),
+            120.0,
+        )
+        server.start()  # the same endpoint and HTTP port; an empty pool
+        assert converge("restarted", unknown_is_empty=True) == [0] * len(prompts)
+        # Both store again: an engine's worker registers again only at its next load or
+        # store, and until then the server does not know the engine's namespace, so that
+        # engine's stream announces nothing of what the others store.
+        resume("A", 4)  # A stores af
+        wait_paused("A", 5)
+        resume("B", 2)  # B stores b4
+        wait_paused("B", 3)
+        assert converge("stored after the restart") == truth({"af", "b4"})
+        # The score a router ranks engines by: the engine that computed a document also
+        # holds its blocks on its GPU (1.0 each), the other only in the pool (0.8 each).
+        for (name, prompt), held in zip(prompts, truth({"af", "b4"}), strict=True):
+            pool = 0.8 * (held // BLOCK) - 1e-9  # the pool's blocks at CPU weight
+            mine, other = ("A", "B") if name == "af" else ("B", "A")
+            assert router.score(mine, prompt) >= router.score(other, prompt) >= pool
+
+        stop.touch()
+        resume("A", 5)
+        resume("B", 3)
         for engine in started.values():
             engine.results()  # exited cleanly
     finally:
