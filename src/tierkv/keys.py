@@ -55,6 +55,22 @@ Tokens: TypeAlias = "Sequence[int] | npt.NDArray[np.integer] | bytes | bytearray
 _ARRAY_CODE_U32 = "I" if array.array("I").itemsize == 4 else None
 
 
+KV_FORMAT_SEPARATOR = "|kv="  # between a model's name and what its chunk bytes mean
+
+
+def model_with_format(model: str, format_tag: str) -> str:
+    """The namespace model of an engine's connector: the model as the engine serves it, then
+    what its chunk bytes mean (a cache layout's format tag), so that engines storing KV of
+    one model in different formats never share chunks."""
+    return f"{model}{KV_FORMAT_SEPARATOR}{format_tag}"
+
+
+def is_of_model(registered: str, model: str) -> bool:
+    """A namespace whose model is ``registered`` holds KV of ``model``: the same name, or
+    ``model`` with a format (:func:`model_with_format`)."""
+    return registered == model or registered.startswith(model + KV_FORMAT_SEPARATOR)
+
+
 class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything that makes KV bytes of one engine incompatible with another's.
 

@@ -35,7 +35,6 @@ from tierkv.cluster.directory import Location, Where
 from tierkv.cluster.messages import NO_TIER
 
 MAX_CHUNKS = 65536  # per request
-KV_FORMAT_SEPARATOR = "|kv="  # what the vLLM and SGLang connectors append to a model's name
 MAX_BODY = 4 * 2**20
 
 I8 = npt.NDArray[np.int8]
@@ -205,16 +204,10 @@ def _namespaces(
                 "unknown (give chunk_tokens, or look it up by hashes)",
             )
         return [(digest, info)]
-    found = {ns.digest: ns for ns in known if _is_of_model(ns.model, req.model)}
+    found = {ns.digest: ns for ns in known if keys.is_of_model(ns.model, req.model)}
     if not found:
         raise RouterQueryError(404, f"no engine of model {req.model!r} is registered here")
     return sorted(found.items())
-
-
-def _is_of_model(registered: str, model: str) -> bool:
-    """A namespace registered as ``registered`` holds KV of ``model``: the same name, or
-    ``model`` with the chunk format the connectors append (``MODEL|kv=FORMAT...``)."""
-    return registered == model or registered.startswith(model + KV_FORMAT_SEPARATOR)
 
 
 def _keys(req: p.RouterQuery, digest: bytes, chunk_tokens: int) -> list[bytes]:

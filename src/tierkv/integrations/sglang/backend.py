@@ -66,6 +66,7 @@ from tierkv.integrations.sglang.pages import (
 )
 from tierkv.integrations.sglang.pool_store import PoolStore
 from tierkv.integrations.sglang.settings import BackendSettings
+from tierkv.keys import model_with_format
 
 log = logging.getLogger("sglang.tierkv")
 
@@ -176,7 +177,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
     def _register(self, client: Client) -> None:
         g = self._require_geometry()
         self._register_namespace(
-            client, f"{self.model_id}|kv={g.format_tag}", g, shared=g.kind == "mla"
+            client, model_with_format(self.model_id, g.format_tag), g, shared=g.kind == "mla"
         )
 
     def _register_namespace(

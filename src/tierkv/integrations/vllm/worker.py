@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 
+from tierkv import keys
 from tierkv.arraycopy import COPIES
 from tierkv.client import Client, PreparedStore
 from tierkv.integrations.link import ServerLink
@@ -226,7 +227,7 @@ class WorkerSide:
     def _register(self, client: Client) -> None:
         layout = self.layout
         assert layout is not None
-        model = f"{self.model_id}|kv={layout.format_tag}"  # what the chunk bytes mean
+        model = keys.model_with_format(self.model_id, layout.format_tag)
         if self.shared:
             model += f"|tp={self.world_size}"  # see the module doc
         client.register(
