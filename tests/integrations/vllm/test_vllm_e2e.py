@@ -879,6 +879,17 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
 
 
 # -- KV events ---------------------------------------------------------------------------------
+def _subscriber(context: Any, port: int) -> Any:
+    """A ZMQ subscription to every event vLLM's publisher bound on ``port`` publishes."""
+    import zmq
+
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub
+
+
 def _blocks(event: Any) -> dict[Any, tuple[Any, ...]]:
     """A BlockStored per block: hash -> (parent, token ids, block size, LoRA, extra keys)."""
     size = event.block_size
@@ -944,10 +955,7 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
     streams: dict[str, list[Any]] = {}
 
     def subscribe(name: str, port: int) -> None:
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(f"tcp://127.0.0.1:{port}")
+        sub = _subscriber(context, port)
         poller.register(sub, zmq.POLLIN)
         subs[name], streams[name] = sub, []
 
@@ -1206,11 +1214,7 @@ def test_a_router_model_built_from_the_event_streams_agrees_with_post_lookup(
     context = zmq.Context()
     subs: dict[str, Any] = {}
     for name in started:
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(f"tcp://127.0.0.1:{ports[name]}")
-        subs[name] = sub
+        subs[name] = _subscriber(context, ports[name])
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
     heard = {name: 0 for name in started}
 
