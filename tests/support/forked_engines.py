@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -84,6 +85,5 @@ class Zygote:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for path in self.dir.iterdir():
-            path.unlink(missing_ok=True)
-        self.dir.rmdir()
+        # The socket, and whatever the engines left in their TMPDIR (torch's compile caches).
+        shutil.rmtree(self.dir, ignore_errors=True)

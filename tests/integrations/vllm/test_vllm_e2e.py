@@ -824,6 +824,47 @@ def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
     assert stats.errors == {} and stats.objects == 2
 
 
+def test_a_failed_load_under_the_hybrid_allocator_is_recomputed(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """With several KV cache groups vLLM cannot map failed block ids back to requests (it
+    raises on them, ending the engine): B, hybrid allocator on, finds the server killed
+    between its lookup and its load; the connector reports the request's load failed, and B
+    recomputes it and answers as an engine without tierkv."""
+    from support.tiny_model import tokenizer_size
+
+    tiny_sliding_model = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, 3)
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(tiny_sliding_model)}
+    reference = engines("reference", **model, prompts=prompts_b)
+    a_done = tmp_path / "a.done"
+    a = engines(
+        "A", **model, endpoint=server.endpoint, hma=True, prompts=prompts_a, done=str(a_done)
+    )
+    b = engines(
+        "B",
+        **model,
+        endpoint=server.endpoint,
+        hma=True,
+        prompts=prompts_b,
+        wait_for=str(a_done),
+        kill_before_first_load=server.proc.pid,
+    )
+    (result_a,) = a.results()
+    assert result_a["tierkv"]["stored_chunks"] == 2
+    results = b.results()
+    assert server.proc.poll() is not None, "the server was not killed"
+    assert [r["tokens"] for r in results] == [r["tokens"] for r in reference.results()]
+    first = results[0]["tierkv"]
+    assert first["external_tokens"] == 2 * CHUNK and first["load_failed_from"] == 0
+    assert [r["tierkv"]["loaded_tokens"] for r in results] == [0, 0]
+    assert "block-level load failures" not in b.log(400)
+
+
 # Models the connector cannot serve: (model directory, engine config, why it stays inactive).
 INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[str, Any], str]] = {
     "all-sliding-window": (

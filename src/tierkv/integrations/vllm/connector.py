@@ -67,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -278,6 +279,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._require_worker().get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        worker = self._require_worker()
+        sent, received = worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sent or ()),
+            finished_recving=set(received or ()),
+            failed_recving=worker.get_failed_loads(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._require_worker().get_block_ids_with_load_errors()

@@ -34,8 +34,6 @@ KEPT_DEFAULTS: dict[str, str] = {
     "finish_forward": "stores copy in wait_for_save (or on the store thread, whose blocks "
     "vLLM keeps until get_finished reports them), not when the forward pass ends",
     "reset_capture_state": "nothing of tierkv's runs inside a captured CUDA graph",
-    "get_transfer_results": "the default wraps get_finished, which tierkv implements; "
-    "load failures go through get_block_ids_with_load_errors",
     "get_kv_connector_kv_cache_events": "the pool's KV events are the scheduler's (take_events): "
     "it reads the server's chunk feed, which covers every engine of its namespaces",
     "get_handshake_metadata": "no peer-to-peer handshake: engines meet through the server",

@@ -20,7 +20,10 @@ Then, every step:
   copy). Blocks vLLM computed itself are never written. Any block whose chunk did not
   arrive whole (missing, server gone, lock expired) is reported through
   ``get_block_ids_with_load_errors`` in the same step that reports the load finished, so
-  vLLM recomputes it before anything attends to it.
+  vLLM recomputes it before anything attends to it. With several KV cache groups (vLLM's
+  hybrid allocator) a block id names no block by itself (each group has its own), and vLLM
+  raises on block-level failures: there a failed load fails the whole request's load
+  (``get_failed_loads``, vLLM's ``failed_recving``), which vLLM recomputes from the start.
 - stores: before the forward pass (``bind_connector_metadata``, or after the step's loads),
   the rank's prepare thread reserves slots for the chunks the scheduler planned, so the
   round trip runs while the forward pass computes them; after it (``wait_for_save``), copy
@@ -139,6 +142,8 @@ class WorkerSide:
         # Guards what the store thread shares with vLLM's thread: _report and the store stats.
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
+        # Several KV cache groups: failed loads are reported by request, not by block.
+        self._failed_loads: set[str] | None = None
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
         # Commits sent without waiting for the answer (synchronous stores of a step in which
@@ -193,6 +198,7 @@ class WorkerSide:
         """Detect the layout (raises :class:`UnsupportedLayoutError` for one it cannot map)
         and register with the server (a server that is down now is retried later).
         ``groups``: each layer's KV cache group, for a model with several."""
+        self._failed_loads = set() if len(set((groups or {}).values())) > 1 else None
         self.layout = detect_layout(kv_caches, geometry, backends, content, groups)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
         log.info(
@@ -294,6 +300,9 @@ class WorkerSide:
         block_size = self.layout.geometry.block_size if self.layout else 1
         bpc = max(self.bpc, 1)
         first_failed = spec.first_failed_block(loaded, bpc)
+        if first_failed is not None and self._failed_loads is not None:
+            first_failed = spec.start_block  # vLLM recomputes the whole request's load
+            loaded = set()
         end = spec.end_block if first_failed is None else first_failed
         tokens = (end - spec.start_block) * block_size
         self._report.loaded_tokens[spec.request_id] = tokens
@@ -301,7 +310,10 @@ class WorkerSide:
         self.stats["loaded_tokens"] += tokens
         if first_failed is not None:
             failed = spec.failed_blocks(loaded, bpc)
-            self._load_errors.update(failed)
+            if self._failed_loads is None:
+                self._load_errors.update(failed)
+            else:
+                self._failed_loads.add(spec.request_id)
             self._report.failed_from[spec.request_id] = first_failed * block_size
             self._failed_this_step.add(spec.request_id)
             self.stats["failed_blocks"] += len(failed)
@@ -531,6 +543,14 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_failed_loads(self) -> set[str]:
+        """The requests whose load failed since the last call, with several KV cache groups
+        (each also reported finished loading, as vLLM expects)."""
+        if not self._failed_loads:
+            return set()
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def build_worker_meta(self) -> TierKVWorkerMetadata | None:
         """This step's loads and stores, under this rank (None when there were none)."""
