@@ -50,6 +50,21 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile("deterministic")
 
 
+def pytest_report_header() -> list[str]:
+    """The machine, at the top of every run's output: timings and a failure read with it."""
+    model = "unknown CPU"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")]
+        model = names[0].split(":", 1)[1].strip() if names else model
+    flags = cpuinfo.read_text() if cpuinfo.exists() else ""
+    isa = [f for f in ("avx512f", "amx_tile", "avx2") if f" {f}" in flags]
+    threads = os.environ.get("OMP_NUM_THREADS", "unset")
+    return [
+        f"machine: {os.cpu_count()} cores, {model} ({' '.join(isa)}), OMP_NUM_THREADS {threads}"
+    ]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):

