@@ -220,7 +220,11 @@ class RouterLookup(Struct, tag="router_lookup"):
 
 
 class Ping(Struct, tag="ping"):
+    """Is the server up? With ``client`` (a registration's token), also: does it still know
+    that client (NOT_REGISTERED once it restarted)?"""
+
     rid: int
+    client: int = 0
 
 
 class GetStats(Struct, tag="stats"):

@@ -127,7 +127,7 @@ def samples(token: int) -> dict[type, msgspec.Struct]:
         p.FreeLookupLocks: p.FreeLookupLocks(7, token, "req"),
         p.EndSession: p.EndSession(7, token, "req"),
         p.Clear: p.Clear(7, token),
-        p.Ping: p.Ping(7),
+        p.Ping: p.Ping(7, token),
         p.GetStats: p.GetStats(7, token, ""),
         p.ReadChunkEvents: p.ReadChunkEvents(7, token, 0),
         p.ReadChunkSnapshot: p.ReadChunkSnapshot(7, token, 0),
@@ -391,7 +391,7 @@ def test_unknown_client_token_for_every_request_that_names_one(
     raw = Raw(srv.endpoint)
     try:
         for typ, msg in samples(987654321).items():
-            if typ in (p.Register, p.Ping, p.GetStats, p.RouterLookup):
+            if typ in (p.Register, p.GetStats, p.RouterLookup):
                 continue  # no client token (GetStats needs one only with --auth-token)
             expect_error(
                 raw.call(msg), EC.NOT_REGISTERED, "unknown client", "register again", rid=7
@@ -401,6 +401,8 @@ def test_unknown_client_token_for_every_request_that_names_one(
         assert isinstance(raw.call(p.Unregister(8, token)), p.Ok)
         expect_error(raw.call(p.Lookup(9, token, sel(KEEP))), EC.NOT_REGISTERED, "unknown client")
         expect_error(raw.call(p.Unregister(10, token)), EC.NOT_REGISTERED, "unknown client")
+        expect_error(raw.call(p.Ping(11, token)), EC.NOT_REGISTERED, "unknown client")
+        assert isinstance(raw.call(p.Ping(12)), p.Ok)  # without a token: is the server up
     finally:
         raw.close()
     check_intact(keeper)  # CLEAR with a bad token cleared nothing

@@ -213,6 +213,7 @@ def test_server_killed_and_restarted(server_factory: Callable[..., ServerProcess
     data = toks(5, 2)
     with srv.client(timeout=5.0) as client:
         register(client)
+        client.check_registered()  # known: no error
         store_chunks(client, data, 2)
         old_segment, old_socket = shm_inode(srv.pool_name), identity(sock)
 
@@ -230,6 +231,8 @@ def test_server_killed_and_restarted(server_factory: Callable[..., ServerProcess
         # Once it is back: NotRegisteredError (the new server does not know this client).
         with pytest.raises(NotRegisteredError, match="register again"):
             client.lookup(data)
+        with pytest.raises(NotRegisteredError, match="register again"):
+            client.check_registered()  # what an idle engine worker asks
         # Register again: the client re-attaches to the new segment and works.
         register(client)
         assert client.pool is not None

@@ -619,6 +619,11 @@ class Client:
     def ping(self, timeout: float | None = None) -> None:
         self._channel.call(p.Ping(self._channel.rid()), timeout=timeout)
 
+    def check_registered(self) -> None:
+        """One round trip: :class:`NotRegisteredError` if the server no longer knows this
+        client (it restarted since the registration)."""
+        self._channel.call(p.Ping(*self._ids()))
+
     def stats(self) -> p.Stats:
         client = self.registration.client if self.registration else 0
         return self._channel.call(p.GetStats(self._channel.rid(), client, self.auth_token))  # type: ignore[no-any-return]

@@ -178,6 +178,11 @@ class ServerLink:
                 self._back()
             return client, self._generation
 
+    @property
+    def generation(self) -> int:
+        """Registrations made so far (a new one after each server restart met)."""
+        return self._generation
+
     def copy_threads(self) -> int | None:
         """The copy threads the client is built with (None: the client's default)."""
         if self.settings.copy_threads is not None:

@@ -507,6 +507,8 @@ class CacheService:
         return not token or secrets.compare_digest(given.encode(), token.encode())
 
     def ping(self, req: p.Ping) -> p.Ok:
+        if req.client:
+            self._client(req.client)
         return p.Ok(req.rid)
 
     def stats(self, req: p.GetStats) -> p.Stats:

@@ -431,6 +431,56 @@ def test_server_killed_and_restarted_under_traffic_reaches_no_exception_into_the
         assert client.stats().errors == {"not_registered": 2}
 
 
+def test_a_consumer_loads_again_after_the_server_restarts(
+    tiny_model: Path,
+    workload: Any,
+    reference: list[list[int]],
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """A kv_consumer's worker calls the server only to load, and its engine's lookups find
+    nothing while none of its workers is registered: after a server restart the scheduler
+    registers again at its next lookup (a miss) and tells the workers, which register again
+    at once; the next prompt loads what a producer stored since the restart."""
+    _, prompts_b, _ = workload
+    prompt = prompts_b[0]  # doc1 + a question: two chunks
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(tiny_model), "endpoint": server.endpoint}
+    stored = [tmp_path / "p1.done", tmp_path / "p2.done"]
+    engines("P1", **model, role="kv_producer", prompts=[prompt], done=str(stored[0]))
+    consumer = engines(
+        "C",
+        **model,
+        role="kv_consumer",
+        prefix_caching=False,  # every prompt asks tierkv
+        retry_interval=0.5,
+        prompts=[prompt, prompt, prompt],
+        wait_for=str(stored[0]),
+        pause_after=[0],
+        pause_dir=str(tmp_path),
+    )
+    deadline = time.monotonic() + ENGINE_TIMEOUT
+    while not (tmp_path / "paused-0").exists():
+        if consumer.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the consumer did not reach its first pause:\n{consumer.log()}")
+        time.sleep(0.05)
+    server.kill()
+    server.start()
+    p2 = engines("P2", **model, role="kv_producer", prompts=[prompt], done=str(stored[1]))
+    p2.results()
+    (tmp_path / "resume-0").touch()
+    results = consumer.results()
+
+    tierkv = [r["tierkv"] for r in results]
+    assert [t["loaded_tokens"] for t in tierkv] == [512, 0, 512], tierkv
+    assert [r["tokens"] for r in results] == [reference[0]] * 3
+    log = consumer.log_path.read_text(errors="replace")
+    assert "Traceback" not in log, consumer.log(200)
+    with server.client(timeout=5.0) as client:  # the scheduler's and the worker's, once each
+        assert client.stats().errors == {"not_registered": 2}
+
+
 def test_kv_role_producer_never_loads_and_consumer_never_stores(
     tiny_model: Path,
     workload: Any,

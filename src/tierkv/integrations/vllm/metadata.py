@@ -4,8 +4,12 @@ Scheduler -> workers (:class:`TierKVConnectorMetadata`): the loads and stores of
 the finished requests whose blocks the scheduler kept (``release``: for a last store planned
 in this step, or for stores still running on the workers' store threads; once every store of
 such a request submitted so far has ended, each worker reports it to vLLM as finished
-sending), and the requests vLLM preempted since the last step (``preempted``: their blocks
-are free again, so each worker waits for their pending stores before the forward pass).
+sending), the requests vLLM preempted since the last step (``preempted``: their blocks
+are free again, so each worker waits for their pending stores before the forward pass), and
+how many times the scheduler has registered with the server (``registrations``: a worker that
+sees it grow checks its own registration, so that after a server restart it registers again
+even if it has nothing to load or store, as a ``kv_consumer`` whose lookups find nothing
+while no worker of its engine is registered).
 Workers -> scheduler (:class:`TierKVWorkerMetadata`): what each rank's loads and stores
 actually did, so the scheduler can report it per request (and per rank) and store again what
 had to be recomputed. vLLM pickles both across processes; with several ranks its output
@@ -32,6 +36,7 @@ class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     stores: list[StoreSpec] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    registrations: int = 0
     # Requests whose prompt is still being computed after this step: they produce no token
     # in it, so none can finish in it (and hand its KV to another engine).
     prefilling: set[str] = field(default_factory=set)

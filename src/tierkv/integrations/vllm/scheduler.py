@@ -367,6 +367,7 @@ class SchedulerSide:
     # -- per-step metadata -----------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
         meta, self._final = self._final, TierKVConnectorMetadata()
+        meta.registrations = self.link.generation
         meta.loads.extend(self._loads.values())
         self._loads.clear()
         self._note_preemptions(scheduler_output, meta)

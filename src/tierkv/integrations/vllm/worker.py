@@ -146,6 +146,7 @@ class WorkerSide:
         self._failed_loads: set[str] | None = None
         self._report = RankReport()  # this step's, for the scheduler
         self._failed_this_step: set[str] = set()
+        self._scheduler_registrations = 0  # meta.registrations, as last seen
         # Commits sent without waiting for the answer (synchronous stores of a step in which
         # the request's prompt is still being computed), until settled, by rid: (request id,
         # chunks reported written for it).
@@ -251,6 +252,13 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: TierKVConnectorMetadata) -> None:
+        if meta.registrations != self._scheduler_registrations and self.link.call(
+            "registration check", _check_registered, False
+        ):
+            # The scheduler registered (again: the server restarted), and this rank is known
+            # to the server now (the link registered it again if it was not), so the
+            # engine's lookups find chunks again. While the server is down: next step.
+            self._scheduler_registrations = meta.registrations
         if not meta.loads:
             return
         if self.layout is None or not self.can_load:
@@ -589,6 +597,11 @@ class WorkerSide:
 
 # The running totals an interval reports (stored_tokens follows from stored_chunks).
 _INTERVAL_FIELDS = tuple(name for name in RANK_FIELDS if name != "stored_tokens")
+
+
+def _check_registered(client: Client) -> bool:
+    client.check_registered()
+    return True
 
 
 def _keys(spec: StoreSpec) -> dict[str, Any]:
