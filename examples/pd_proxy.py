@@ -35,11 +35,12 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+
+from openai_forwarding import forward, forwarded_headers, json_body
 
 log = logging.getLogger("pd_proxy")
 
-FORWARDED_HEADERS = ("authorization",)
 # Sampling fields that would conflict with a one-token, non-streamed, single-sequence prefill.
 PREFILL_DROPPED = ("stream_options", "min_tokens", "best_of")
 
@@ -90,21 +91,7 @@ class PDProxy:
 
     async def forward(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         """The original request on the consumer; its answer, streamed when it streams."""
-        request = self.http.build_request("POST", self.consumer + path, json=body, headers=headers)
-        try:
-            reply = await self.http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            return JSONResponse({"error": f"the consumer failed: {exc}"}, status_code=502)
-        media_type = reply.headers.get("content-type")
-        if body.get("stream"):
-            return StreamingResponse(
-                relay(reply), status_code=reply.status_code, media_type=media_type
-            )
-        try:
-            content = await reply.aread()
-        finally:
-            await reply.aclose()
-        return Response(content, status_code=reply.status_code, media_type=media_type)
+        return await forward(self.http, self.consumer + path, body, headers)
 
     async def healthy(self) -> bool:
         for base in (self.producer, self.consumer):
@@ -114,16 +101,6 @@ class PDProxy:
             except httpx.HTTPError:
                 return False
         return True
-
-
-async def relay(reply: httpx.Response) -> AsyncIterator[bytes]:
-    """The consumer's streamed answer as it comes; its connection is released at the end,
-    also when the client goes away in the middle."""
-    try:
-        async for piece in reply.aiter_raw():
-            yield piece
-    finally:
-        await reply.aclose()
 
 
 def create_app(producer: str, consumer: str, timeout: float = 600.0) -> FastAPI:
@@ -138,13 +115,10 @@ def create_app(producer: str, consumer: str, timeout: float = 600.0) -> FastAPI:
 
     async def disaggregated(request: Request) -> Response:
         path = request.url.path
-        try:
-            body = await request.json()
-        except ValueError:
-            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        body = await json_body(request)
+        if isinstance(body, Response):
+            return body
+        headers = forwarded_headers(request)
         await proxy.prefill(path, body, headers)
         return await proxy.forward(path, body, headers)
 
@@ -157,8 +131,9 @@ def create_app(producer: str, consumer: str, timeout: float = 600.0) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        reply = await proxy.http.get(proxy.consumer + "/v1/models", headers=headers)
+        reply = await proxy.http.get(
+            proxy.consumer + "/v1/models", headers=forwarded_headers(request)
+        )
         media_type = reply.headers.get("content-type")
         return Response(reply.content, status_code=reply.status_code, media_type=media_type)
 

@@ -55,7 +55,9 @@ class Zygote:
                 [sys.executable, str(runner), str(self.socket_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "TMPDIR": str(self.dir)},
+                # OpenMP reads its thread count once, in the zygote: one thread per engine
+                # whatever the caller's environment says (engines run side by side here).
+                env={**os.environ, "TMPDIR": str(self.dir), "OMP_NUM_THREADS": "1"},
             )
         self.log_path = log_path
         wait_for(

@@ -70,8 +70,8 @@ ENVIRONMENT_DEFAULTS = {
     # one) by a schedule that ignores sliding windows when a KV cache group mixes windowed
     # and full layers (the hybrid allocator off): a windowed layer's split wholly outside
     # its window leaves its thread's partial output as the last computation left it, and
-    # the reduction multiplies that by zero (NaN if it held an infinity or a NaN). Engines
-    # here run one thread, which never splits; off all the same.
+    # the reduction multiplies that by zero (NaN if it held an infinity or a NaN). The
+    # tests' engines run one thread, which never splits; off all the same.
     "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
 

@@ -177,7 +177,12 @@ class Engine:
         # Short: vLLM puts ZMQ ipc sockets there, and their paths must fit 107 characters.
         self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
         self.segments_before = python_segments()
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TMPDIR": str(self.tmp)}
+        env = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TMPDIR": str(self.tmp),
+            "OMP_NUM_THREADS": "1",  # as the zygote's (TP rank workers are spawned)
+        }
         # Its own process group (the rank workers with it), forked with vLLM imported.
         self.proc = zygote.fork(config_path, self.log_path, env)
 
