@@ -4,13 +4,14 @@ Each instance runs with vLLM's KV events on (``--kv-events-config '{"enable_kv_c
 true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'``) and, with the tierkv connector,
 its stream also announces the chunks its tierkv server holds (medium ``CPU``; see the
 README's KV events section). The router subscribes to every stream and keeps, per instance
-and medium, the blocks announced (``BlockStored``) and not yet removed (``BlockRemoved``,
-``AllBlocksCleared``), as llm-d's kv-cache scorer does. A request's prompt is scored on each
-instance: the longest run of its leading blocks held there, each block weighted by the best
-medium holding it (GPU 1.0, CPU 0.8, anything else 1.0; llm-d's defaults). The request goes
-to the best-scoring instance; with no prefix anywhere (or a tie), to the one with the fewest
-requests in flight, then in turn. The answer (streamed or not) is the instance's, with the
-header ``x-kv-router-instance`` naming it.
+and medium, the blocks announced (``BlockStored``) and not yet removed (``BlockRemoved``;
+``AllBlocksCleared``, which vLLM sends when its own cache is reset, clears the GPU medium),
+as llm-d's kv-cache scorer does. A request's prompt is scored on each instance: the longest
+run of its leading blocks held there, each block weighted by the best medium holding it (GPU
+1.0, CPU 0.8, anything else 1.0; llm-d's defaults). The request goes to the best-scoring
+instance; with no prefix anywhere (or a tie), to the one with the fewest requests in flight,
+then the fewest requests so far, then in turn. The answer (streamed or not) is the
+instance's, with the header ``x-kv-router-instance`` naming it.
 
 Blocks are matched as vLLM's events describe them: block ``i`` of a prompt is the block
 announced with the tokens ``i * B .. (i + 1) * B`` whose parent is the block matched for
@@ -94,9 +95,9 @@ class PrefixIndex:
                 removed = blocks.pop(_hashable(h), None)
                 if removed is not None:
                     hashes.pop(removed, None)
-        elif kind == "AllBlocksCleared":
-            self.blocks.clear()
-            self.hashes.clear()
+        elif kind == "AllBlocksCleared":  # vLLM's own cache was reset, not other media
+            self.blocks.pop("GPU", None)
+            self.hashes.pop("GPU", None)
 
     def score(self, tokens: Sequence[int], block_size: int) -> tuple[float, int]:
         """(the weighted length of the longest run of leading blocks held, those blocks)."""
@@ -232,9 +233,10 @@ class Router:
         (best, run), chosen = max(
             scored,
             key=lambda s: (
-                s[0][0],
-                -s[1].in_flight,
-                -((self.instances.index(s[1]) - turn) % n),
+                s[0][0],  # the longest weighted prefix held
+                -s[1].in_flight,  # then the least busy
+                -s[1].requests,  # then the one that got the fewest requests
+                -((self.instances.index(s[1]) - turn) % n),  # then in turn
             ),
         )
         return chosen, run if best > 0 else 0

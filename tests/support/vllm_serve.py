@@ -29,6 +29,7 @@ HEALTH_PROBE = (
     b"HTTP/1.1 200",
 )
 PD_PROXY = REPO / "examples" / "pd_proxy.py"
+KV_ROUTER = REPO / "examples" / "kv_router.py"
 # The tiny test model's tokenizer has no chat template: the messages' contents, concatenated.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -88,11 +89,13 @@ class VllmServer(_HttpService):
         model: Path,
         kv_transfer_config: dict[str, Any] | None = None,
         extra_args: Sequence[str] = (),
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(workdir)
         self.model = model
         self.kv_transfer_config = kv_transfer_config
         self.extra_args = list(extra_args)  # more of vLLM's own options
+        self.extra_env = dict(extra_env or {})  # VLLM_SERVER_DEV_MODE, for instance
         self._segments_before = python_segments()
 
     def _argv(self, port: int) -> list[str]:
@@ -118,6 +121,7 @@ class VllmServer(_HttpService):
             "TMPDIR": str(self.workdir),
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1",
+            **self.extra_env,
         }
 
     def stop(self) -> None:
@@ -153,3 +157,37 @@ class PDProxy(_HttpService):
             "--consumer", self.consumer,
             "--port", str(port),
         ]  # fmt: skip
+
+
+class KVRouter(_HttpService):
+    """``examples/kv_router.py`` in front of vLLM instances: ``instances`` are (base URL,
+    KV events endpoint) pairs."""
+
+    what = "KV router"
+    log_name = "kv_router.log"
+
+    def __init__(
+        self,
+        workdir: Path,
+        instances: Sequence[tuple[str, str]],
+        block_size: int,
+        tokenizer: Path | None = None,
+    ) -> None:
+        super().__init__(workdir)
+        self.instances = list(instances)
+        self.block_size = block_size
+        self.tokenizer = tokenizer
+
+    def _argv(self, port: int) -> list[str]:
+        argv = [sys.executable, str(KV_ROUTER), "--port", str(port)]
+        argv += ["--block-size", str(self.block_size), "--log-level", "debug"]
+        for url, events in self.instances:
+            argv += ["--instance", f"{url}={events}"]
+        if self.tokenizer is not None:
+            argv += ["--tokenizer", str(self.tokenizer)]
+        return argv
+
+    def stats(self) -> dict[str, Any]:
+        reply = request("GET", self.url + "/router/stats", timeout=10.0)
+        assert reply.status == 200, reply.body[:500]
+        return reply.json()  # type: ignore[no-any-return]
