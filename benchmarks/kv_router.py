@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -93,7 +94,10 @@ def main() -> None:
         t0 = time.perf_counter()
         model = build_model(workdir / "model", ModelSpec(**MODEL))  # type: ignore[arg-type]
         print(f"model: random-weight Llama {MODEL} built in {time.perf_counter() - t0:.1f} s")
-        servers = [LocalServer(parse_size("1GiB")).start() for _ in range(2)]
+        servers = [
+            LocalServer(parse_size("1GiB"), instance=f"bench-router-{i}-{os.getpid()}").start()
+            for i in range(2)
+        ]
         ports = free_ports(2)
         instances = [
             VllmServer(
@@ -238,7 +242,7 @@ def ask(base: str, body: dict[str, Any]) -> Answer:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if ttft is None and any(c.get("text") for c in event.get("choices", [])):
+            if ttft is None and event.get("choices"):  # the first token's chunk
                 ttft = time.perf_counter() - started
             usage = event.get("usage") or usage
     assert ttft is not None and usage, "no token or no usage in the stream"

@@ -24,11 +24,15 @@ __all__ = ["LocalServer", "LocalServerError"]
 class LocalServer(LocalProcess):
     what = "server"
 
-    def __init__(self, pool_size: int, extra_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self, pool_size: int, extra_args: Sequence[str] = (), instance: str | None = None
+    ) -> None:
+        """``instance``: the server's instance name (its pool's name follows from it), one
+        per server this process starts; by default ``demo-PID``."""
         super().__init__()
         self.pool_size = pool_size
         self.extra_args = list(extra_args)  # e.g. ["--tier", "disk:path=...,capacity=..."]
-        self.instance = f"demo-{os.getpid()}"
+        self.instance = instance or f"demo-{os.getpid()}"
         self.runtime_dir = os.path.join(self.tmpdir, "run")
 
     @property
