@@ -1,17 +1,21 @@
 """The shared-memory pool: one named POSIX segment that the server owns and engines attach to.
 
-The server creates the segment (mode 0600), after checking that /dev/shm can hold it, and
-unlinks it on close (unless the name now belongs to a newer segment). A stale segment of the
-same name, left by a crashed server, is unlinked and recreated. Engines attach by name,
-check the size and never unlink: this module talks to ``shm_open`` directly instead of using
-``multiprocessing.shared_memory.SharedMemory``, whose resource tracker (Python < 3.13)
-unlinks every segment a process attached when it exits.
+The server creates the segment (mode 0600), after checking that /dev/shm can hold it, holds
+an exclusive ``flock`` on it while it lives (the kernel drops it when the process dies), and
+unlinks it on close (unless the name now belongs to a newer segment). A segment of the same
+name that nobody holds, left by a crashed server, is unlinked and recreated; one that a live
+server holds (another server given the same instance or pool name) is refused: replacing it
+would hand that server's engines a segment other than the one its slots are in. Engines
+attach by name, check the size and never unlink: this module talks to ``shm_open`` directly
+instead of using ``multiprocessing.shared_memory.SharedMemory``, whose resource tracker
+(Python < 3.13) unlinks every segment a process attached when it exits.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -107,11 +111,14 @@ class ShmPool:
         mm: mmap.mmap,
         owner: bool,
         identity: tuple[int, int] | None = None,
+        lock_fd: int | None = None,
     ) -> None:
         self.name = name
         self.size = size
         self.owner = owner
         self._mm: mmap.mmap | None = mm
+        # The owner's descriptor of the segment, holding its flock until close().
+        self._lock_fd = lock_fd
         # (st_dev, st_ino) of the segment this handle created: close() unlinks the name only
         # while it still refers to that segment, never a newer server's replacement.
         self._identity = identity
@@ -132,11 +139,11 @@ class ShmPool:
         try:
             fd = _shm_open(posix, flags, 0o600)
         except FileExistsError:
-            log.warning("removing stale shared-memory segment %s (crashed server?)", posix)
-            with contextlib.suppress(FileNotFoundError):
-                _shm_unlink(posix)
+            _remove_if_stale(posix)
             fd = _shm_open(posix, flags, 0o600)
         try:
+            # Another server cannot take the name from now on (a stale check fails on this).
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)
             check_shm_capacity(size, SHM_DIR)
             os.ftruncate(fd, size)
@@ -161,8 +168,7 @@ class ShmPool:
             with contextlib.suppress(FileNotFoundError):
                 _shm_unlink(posix)
             raise
-        os.close(fd)
-        return cls(posix, size, mm, owner=True, identity=(st.st_dev, st.st_ino))
+        return cls(posix, size, mm, owner=True, identity=(st.st_dev, st.st_ino), lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str, expected_size: int | None = None, populate: bool = False) -> ShmPool:
@@ -235,6 +241,14 @@ class ShmPool:
         mm, self._mm = self._mm, None
         if mm is None:
             return
+        lock_fd, self._lock_fd = self._lock_fd, None
+        try:
+            self._unmap_and_unlink(mm)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # the name is free for the next server only now
+
+    def _unmap_and_unlink(self, mm: mmap.mmap) -> None:
         try:
             self.buf.release()
             mm.close()
@@ -289,6 +303,34 @@ def segment_exists(name: str) -> bool:
         return True  # it exists, another user owns it
     os.close(fd)
     return True
+
+
+def _remove_if_stale(posix: str) -> None:
+    """Unlink the existing segment ``posix`` if no live server holds it (its creator crashed);
+    raise :class:`PoolError` if one does."""
+    try:
+        fd = _shm_open(posix, os.O_RDONLY, 0)
+    except FileNotFoundError:
+        return  # gone meanwhile
+    except PermissionError:
+        raise PoolError(
+            f"shared-memory segment {posix} exists and belongs to another user: give this "
+            "server another --instance or --pool-name"
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PoolError(
+                f"shared-memory segment {posix} belongs to a running server (one started with "
+                "the same --instance or --pool-name, perhaps with another --runtime-dir): give "
+                "this server another --instance or --pool-name, or stop that one"
+            ) from None
+        log.warning("removing stale shared-memory segment %s (crashed server?)", posix)
+        with contextlib.suppress(FileNotFoundError):
+            _shm_unlink(posix)
+    finally:
+        os.close(fd)
 
 
 def _map(fd: int, size: int, populate: bool) -> mmap.mmap:

@@ -272,9 +272,30 @@ def test_stale_segment_left_by_a_crashed_server_is_replaced(shm_name: str) -> No
     assert not segment_exists(shm_name)
 
 
+def test_a_segment_a_live_server_holds_is_refused_not_replaced(shm_name: str) -> None:
+    """A second server given the same pool name (another runtime directory, same instance)
+    must not take the segment from the first: that server's engines would then map a segment
+    other than the one its slots are in."""
+    first = ShmPool.create(shm_name, SIZE)
+    try:
+        first.view(0, 5)[:] = b"first"
+        ino = os.stat(shm_path(shm_name)).st_ino
+        with pytest.raises(PoolError, match=r"belongs to a running server.*--instance"):
+            ShmPool.create(shm_name, SIZE)
+        assert os.stat(shm_path(shm_name)).st_ino == ino
+        with ShmPool.attach(shm_name, SIZE) as c:
+            assert bytes(c.view(0, 5)) == b"first"
+    finally:
+        first.close()
+    with ShmPool.create(shm_name, SIZE) as again:  # free once its owner closed it
+        assert bytes(again.view(0, 5)) == bytes(5)
+    assert not segment_exists(shm_name)
+
+
 def test_old_owner_does_not_unlink_its_replacement(shm_name: str) -> None:
     old = ShmPool.create(shm_name, SIZE)
-    new = ShmPool.create(shm_name, SIZE)  # replaces `old`, which keeps its now-unlinked mapping
+    os.unlink(shm_path(shm_name))  # someone removed the name: a new server may create it
+    new = ShmPool.create(shm_name, SIZE)  # `old` keeps its now-unlinked mapping
     try:
         old.view(0, 3)[:] = b"old"
         new.view(0, 3)[:] = b"new"

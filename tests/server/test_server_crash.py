@@ -7,7 +7,7 @@ is untouched. A server SIGKILLed and restarted under the same instance replaces 
 pool segment and socket file; its old clients get NotRegisteredError once it is back (or
 ServerUnavailableError while it is down), register again and carry on. SIGTERM shuts down
 cleanly: exit code 0, no segment, no socket file. A second server for the same instance
-refuses to start and leaves the running one alone.
+(the same runtime directory, or another) refuses to start and leaves the running one alone.
 """
 
 from __future__ import annotations
@@ -304,6 +304,13 @@ def test_second_server_for_the_same_instance_leaves_the_first_alone(
     second = subprocess.run(srv.command(), capture_output=True, text=True, timeout=60)
     assert second.returncode != 0
     assert "already serving" in second.stderr, second.stderr
+    # The same instance (so the same pool name) with another runtime directory: refused
+    # too, by the pool the first server holds, instead of replacing it under its engines.
+    elsewhere = srv.command()
+    elsewhere[elsewhere.index("--runtime-dir") + 1] = str(srv.runtime_dir.parent / "elsewhere")
+    third = subprocess.run(elsewhere, capture_output=True, text=True, timeout=60)
+    assert third.returncode != 0
+    assert "belongs to a running server" in third.stderr, third.stderr
 
     # The running server's segment and socket are untouched: a new engine attaches and
     # reads what was stored before.
