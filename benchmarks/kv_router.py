@@ -82,7 +82,7 @@ def main() -> None:
 
     from support.clusterkit import free_ports
     from support.tiny_model import ModelSpec, build_model, tokenizer_size
-    from support.vllm_serve import KVRouter, VllmServer
+    from support.vllm_serve import KVRouter, VllmServer, kv_events_args
     from tierkv.client import Client
     from tierkv.demo.local_server import LocalServer
     from tierkv.options import parse_size
@@ -109,17 +109,7 @@ def main() -> None:
                     "kv_role": "kv_both",
                     "kv_connector_extra_config": {"endpoint": server.endpoint},
                 },
-                [
-                    "--enable-prompt-tokens-details",
-                    "--kv-events-config",
-                    json.dumps(
-                        {
-                            "enable_kv_cache_events": True,
-                            "publisher": "zmq",
-                            "endpoint": f"tcp://*:{port}",
-                        }
-                    ),
-                ],
+                ["--enable-prompt-tokens-details", *kv_events_args(port)],
                 {"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache between phases
             )
             for server, port in zip(servers, ports, strict=True)

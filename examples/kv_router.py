@@ -55,7 +55,7 @@ import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from openai_forwarding import forward, forwarded_headers, json_body
+from openai_forwarding import add_server_arguments, forward, forwarded_headers, json_body
 
 log = logging.getLogger("kv_router")
 
@@ -379,12 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         "--block-size", type=int, required=True, help="the instances' KV block size (tokens)"
     )
     parser.add_argument("--tokenizer", help="the instances' tokenizer, to score text prompts")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds an upstream request may take"
-    )
-    parser.add_argument("--log-level", default="info")
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     if args.block_size < 1:
         parser.error("--block-size must be at least 1")

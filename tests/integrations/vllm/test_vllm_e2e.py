@@ -205,6 +205,14 @@ class Engine:
     def log(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def wait_paused(self, pause_dir: Path, i: int) -> None:
+        """Until the engine paused after prompt ``i`` (its ``pause_after``)."""
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not (pause_dir / f"paused-{i}").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"engine {self.name} did not pause after prompt {i}:\n{self.log()}")
+            time.sleep(0.05)
+
     def stop(self) -> None:
         """Kill the engine and any worker process it left behind; remove its segments."""
         import psutil  # installed with vLLM
@@ -406,17 +414,10 @@ def test_server_killed_and_restarted_under_traffic_reaches_no_exception_into_the
         pause_dir=str(tmp_path),
     )
 
-    def wait_paused(i: int) -> None:
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while not (tmp_path / f"paused-{i}").exists():
-            if engine.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the engine did not reach prompt {i}:\n{engine.log()}")
-            time.sleep(0.05)
-
-    wait_paused(1)
+    engine.wait_paused(tmp_path, 1)
     server.kill()  # a crash: pool segment and socket file left behind
     (tmp_path / "resume-1").touch()  # prompt 2 runs against the dead server
-    wait_paused(2)
+    engine.wait_paused(tmp_path, 2)
     server.start()  # the same endpoint; the stale segment is removed
     time.sleep(2 * retry)  # the link's back-off after prompt 2's failures has passed
     (tmp_path / "resume-2").touch()
@@ -465,11 +466,7 @@ def test_a_consumer_loads_again_after_the_server_restarts(
         pause_after=[0],
         pause_dir=str(tmp_path),
     )
-    deadline = time.monotonic() + ENGINE_TIMEOUT
-    while not (tmp_path / "paused-0").exists():
-        if consumer.proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the consumer did not reach its first pause:\n{consumer.log()}")
-        time.sleep(0.05)
+    consumer.wait_paused(tmp_path, 0)
     server.kill()
     server.start()
     p2 = engines("P2", **model, role="kv_producer", prompts=[prompt], done=str(stored[1]))
