@@ -903,7 +903,8 @@ def test_decode_chunks_are_stored_once_each_in_the_step_that_fills_them(server: 
     assert not a.scheduler.keeps_blocks("a-1")  # nothing left to store
     assert report["stored_chunks"] == 3
     assert [rank["written_chunks"] for rank in report["ranks"]] == [3, 3]
-    idle = TierKVConnectorMetadata(registrations=1)  # the scheduler registered once
+    # Nothing to do: an empty step (but for the count of the scheduler's registrations).
+    idle = TierKVConnectorMetadata(registrations=a.scheduler.link.generation)
     assert a.scheduler.build_connector_meta(step_output([])) == idle
     with server.client(timeout=5.0) as admin:
         assert admin.stats().objects == 6  # 3 chunks per rank; token 768 had no KV
@@ -963,7 +964,8 @@ def test_a_chunk_completed_before_the_request_ends_unplanned_is_stored_before_it
     sample(req)  # token 511 is EOS: vLLM ends the request, its last step still in flight
     assert a.scheduler.request_finished(req, req.blocks)["tierkv"]["stored_chunks"] == 1
     assert not a.scheduler.keeps_blocks("a-2")
-    idle = TierKVConnectorMetadata(registrations=1)  # the scheduler registered once
+    # Nothing to do: an empty step (but for the count of the scheduler's registrations).
+    idle = TierKVConnectorMetadata(registrations=a.scheduler.link.generation)
     assert a.scheduler.build_connector_meta(step_output([])) == idle
 
 
