@@ -32,8 +32,11 @@ installs; transformers for ``--tokenizer``)::
 instance's requests, the requests routed to it for a prefix it held, and the blocks its
 stream announced. A stream whose sequence numbers skip (a lost message) is logged: the index
 then lacks those events until they come again (tierkv announces its pool's content again
-every ``kv_events_reannounce_interval``; vLLM's own blocks are announced as they change). This
-is an example to adapt (no retries, no authentication of the streams).
+every ``kv_events_reannounce_interval``; vLLM's own blocks are announced as they change).
+vLLM publishes a step's events at the end of the step, so what changes while an instance is
+idle (a store committed after its last step, a reset of its cache) reaches the router with
+that instance's next request. This is an example to adapt (no retries, no authentication of
+the streams).
 """
 
 from __future__ import annotations
