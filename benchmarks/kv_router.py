@@ -82,7 +82,7 @@ def main() -> None:
 
     from support.clusterkit import free_ports
     from support.tiny_model import ModelSpec, build_model, tokenizer_size
-    from support.vllm_serve import KVRouter, VllmServer, kv_events_args
+    from support.vllm_serve import KVRouter, VllmServer, kv_events_args, tierkv_connector
     from tierkv.client import Client
     from tierkv.demo.local_server import LocalServer
     from tierkv.options import parse_size
@@ -103,12 +103,7 @@ def main() -> None:
             VllmServer(
                 Path(tempfile.mkdtemp(prefix="tierkv-vllm-")),
                 model,
-                {
-                    "kv_connector": "TierKVConnector",
-                    "kv_connector_module_path": "tierkv.integrations.vllm",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"endpoint": server.endpoint},
-                },
+                tierkv_connector(server.endpoint),
                 ["--enable-prompt-tokens-details", *kv_events_args(port)],
                 {"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache between phases
             )

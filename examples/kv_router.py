@@ -227,21 +227,23 @@ class Router:
     def choose(self, tokens: list[int] | None) -> tuple[Instance, int]:
         """The instance for a prompt, and the blocks of its prefix held there."""
         with self.lock:
-            scored = [
-                (i.index.score(tokens, self.block_size) if tokens else (0.0, 0), i)
+            scores = [
+                i.index.score(tokens, self.block_size) if tokens else (0.0, 0)
                 for i in self.instances
             ]
-        turn = next(self._turn)
-        n = len(self.instances)
-        (best, run), chosen = max(
-            scored,
-            key=lambda s: (
-                s[0][0],  # the longest weighted prefix held
-                -s[1].in_flight,  # then the least busy
-                -s[1].requests,  # then the one that got the fewest requests
-                -((self.instances.index(s[1]) - turn) % n),  # then in turn
-            ),
-        )
+        turn, n = next(self._turn), len(self.instances)
+
+        def rank(k: int) -> tuple[float, int, int, int]:
+            instance = self.instances[k]
+            return (
+                scores[k][0],  # the longest weighted prefix held
+                -instance.in_flight,  # then the least busy
+                -instance.requests,  # then the one that got the fewest requests
+                -((k - turn) % n),  # then in turn
+            )
+
+        k = max(range(n), key=rank)
+        (best, run), chosen = scores[k], self.instances[k]
         return chosen, run if best > 0 else 0
 
     async def route(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:

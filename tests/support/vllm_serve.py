@@ -75,6 +75,17 @@ class _HttpService(_Service):
         return "\n".join(text.splitlines()[-lines:])
 
 
+def tierkv_connector(endpoint: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for the tierkv connector on the server at ``endpoint``;
+    ``extra``: more of the connector's options (``auth_token``, ...)."""
+    return {
+        "kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.integrations.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"endpoint": endpoint, **extra},
+    }
+
+
 def kv_events_args(port: int) -> list[str]:
     """vLLM's options for its KV events, published on ``port`` (vLLM binds only for ``*``)."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}

@@ -28,7 +28,7 @@ from support.clusterkit import free_ports
 from support.httputil import request
 from support.servers import ServerProcess
 from support.tiny_model import SENTENCES, tokenizer_size
-from support.vllm_serve import KVRouter, VllmServer, kv_events_args
+from support.vllm_serve import KVRouter, VllmServer, kv_events_args, tierkv_connector
 
 pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(900)]
 
@@ -43,19 +43,6 @@ def services() -> Iterator[list[Any]]:
     for service in reversed(started):
         service.stop()
         shutil.rmtree(service.workdir, ignore_errors=True)
-
-
-def connector(server: ServerProcess) -> dict[str, Any]:
-    return {
-        "kv_connector": "TierKVConnector",
-        "kv_connector_module_path": "tierkv.integrations.vllm",
-        "kv_role": "kv_both",
-        # Announce the pool's content again often: the test does not wait 30 s.
-        "kv_connector_extra_config": {
-            "endpoint": server.endpoint,
-            "kv_events_reannounce_interval": 2.0,
-        },
-    }
 
 
 def ask(router: KVRouter, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
@@ -102,7 +89,8 @@ def test_the_router_sends_a_documents_questions_where_its_prefix_is_held(
         VllmServer(
             Path(tempfile.mkdtemp(prefix="tierkv-vllm-")),
             tiny_model,
-            connector(server),
+            # Announce the pool's content again often: the test does not wait 30 s.
+            tierkv_connector(server.endpoint, kv_events_reannounce_interval=2.0),
             ["--enable-prompt-tokens-details", *kv_events_args(port)],
             {"VLLM_SERVER_DEV_MODE": "1"},  # POST /reset_prefix_cache
         )
@@ -120,6 +108,10 @@ def test_the_router_sends_a_documents_questions_where_its_prefix_is_held(
     )
     services.append(router)
     router.start()
+    # Bad input: a clear 400, and the router goes on serving.
+    for bad in (b"not json", b"[1, 2]"):
+        reply = request("POST", router.url + "/v1/completions", bad, timeout=30.0)
+        assert reply.status == 400 and b"JSON object" in reply.body, reply.body
 
     rng = random.Random(1357)
     vocab = tokenizer_size(tiny_model)

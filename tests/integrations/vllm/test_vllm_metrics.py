@@ -23,7 +23,7 @@ import pytest
 from support.httputil import Samples, scrape, val, wait_for
 from support.servers import ServerProcess
 from support.tiny_model import ModelSpec, tokenizer_size
-from support.vllm_serve import VllmServer
+from support.vllm_serve import VllmServer, tierkv_connector
 from tierkv.client import Client
 
 pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(900)]
@@ -68,13 +68,7 @@ def test_metrics_count_loads_stores_and_where_each_hit_came_from(
     tmp_path: Path,
 ) -> None:
     srv = server_factory(extra=["--tier", f"disk:path={tmp_path / 'disk'},capacity=256MiB"])
-    config = {
-        "kv_connector": "TierKVConnector",
-        "kv_connector_module_path": "tierkv.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"endpoint": srv.endpoint},
-    }
-    engine = vllm_server(tiny_model, config, ["--no-enable-prefix-caching"])
+    engine = vllm_server(tiny_model, tierkv_connector(srv.endpoint), ["--no-enable-prefix-caching"])
     rng = random.Random(97)
     vocab = tokenizer_size(tiny_model)
     prompt = [rng.randrange(3, vocab) for _ in range(FULL_CHUNKS * CHUNK + 40)]

@@ -32,7 +32,7 @@ from support.clusterkit import TOKEN, Node, converged, start_node, status, wait_
 from support.httputil import request
 from support.servers import ServerProcess
 from support.tiny_model import SENTENCES, tokenizer_size
-from support.vllm_serve import PDProxy, VllmServer
+from support.vllm_serve import PDProxy, VllmServer, tierkv_connector
 
 pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(1200)]
 
@@ -81,12 +81,7 @@ def pd_proxy() -> Iterator[Callable[[str, str], PDProxy]]:
 
 
 def connector_config(node: Node, role: str) -> dict[str, Any]:
-    return {
-        "kv_connector": "TierKVConnector",
-        "kv_connector_module_path": "tierkv.integrations.vllm",
-        "kv_role": role,
-        "kv_connector_extra_config": {"endpoint": node.server.endpoint, "auth_token": TOKEN},
-    }
+    return tierkv_connector(node.server.endpoint, role, auth_token=TOKEN)
 
 
 Request = tuple[str, dict[str, Any]]  # path, body
