@@ -8,6 +8,9 @@ VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
 SGLANG_VENV := .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.tierkv-sglang-installed
+# The venvs hold about 10 GiB; pip's cache would keep another 5 GiB of wheels that nothing
+# here reads twice, so it is off for the installs.
+export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
 	sglang test-sglang bench-sglang fuzz

@@ -18,6 +18,9 @@ SGLANG_VERSION="${SGLANG_VERSION:-0.5.23}"
 PYTHON="${PYTHON:-python3}"
 
 start=$(date +%s)
+# About 6.5 GiB installed (torch with its CUDA libraries, which load on the CPU too) and 3 GiB
+# of wheels unpacking meanwhile.
+bash "$(dirname "$0")/check-free-disk.sh" "the SGLang environment" 10 "$VENV"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip

