@@ -21,6 +21,7 @@ from support.servers import CHUNK_BYTES, CHUNK_SIZE, ServerProcess, chunk_data, 
 from tierkv import protocol as p
 from tierkv.chunk_follower import ChunkFollower
 from tierkv.client import Client, NotRegisteredError, ServerError
+from tierkv.client.selectors import selector
 
 pytestmark = pytest.mark.processes
 
@@ -210,7 +211,7 @@ def test_bad_feed_requests_get_clear_errors_and_change_nothing(server: ServerPro
                 a.store(tokens, data, notes=notes)
         # The same, past the client's own check: the server answers BAD_REQUEST.
         with pytest.raises(ServerError, match="1 notes for 2 chunks"):
-            sel = a._selector(tokens, None, False, "")
+            sel = selector(tokens, None)
             a._channel.call(p.PrepareStore(*a._ids(), sel, 0, [b"one"]))
         for after, limit in ((-1, 10), (0, 0)):
             with pytest.raises(ServerError, match="after must be >= 0 and limit >= 1"):

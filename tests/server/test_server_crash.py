@@ -74,9 +74,9 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 15.0) -> None
 def unwatched() -> None:
     """Register as an engine the server cannot watch (another pid namespace or host): its
     locks end only by TTL."""
-    import tierkv.client.api
+    import tierkv.client.connection
 
-    tierkv.client.api.process_scope = lambda: ""  # type: ignore[assignment]
+    tierkv.client.connection.process_scope = lambda: ""  # type: ignore[assignment]
 
 
 def store_and_hang(endpoint: str, tokens: list[int], ready: Any, watched: bool = False) -> None:

@@ -2,13 +2,17 @@
 lookup, one-copy store and retrieve, futures), the errors it raises and the results it
 returns.
 
-Modules: :mod:`.api` (the client), :mod:`.channel` (requests and replies on one connection),
-:mod:`.pool_mapping` (the server's pool as mapped), :mod:`.copies` (one copy per chunk),
-:mod:`.errors`, :mod:`.results`, :mod:`.endpoints` (where a server listens by default).
+Modules: :mod:`.api` (the client's KV movement), :mod:`.connection` (its connection and
+registration), :mod:`.channel` (requests and replies on one connection),
+:mod:`.pool_mapping` (the server's pool as mapped), :mod:`.slots` (slots as zero-copy
+views, and the copies between them and the engine), :mod:`.copies` (one copy of a chunk),
+:mod:`.selectors` (tokens or hashes naming chunks), :mod:`.errors`, :mod:`.results`,
+:mod:`.endpoints` (where a server listens by default), :mod:`.waiting` (until it answers).
 """
 
-from tierkv.client.api import DEFAULT_TIMEOUT, Client, Gather, Scatter, Tokens, wait_for_server
+from tierkv.client.api import Client, Gather, Scatter
 from tierkv.client.channel import DEFAULT_REPLY_SPIN
+from tierkv.client.connection import DEFAULT_TIMEOUT, ServerConnection
 from tierkv.client.endpoints import default_endpoint
 from tierkv.client.errors import (
     LayoutError,
@@ -20,6 +24,8 @@ from tierkv.client.errors import (
     UnauthorizedError,
 )
 from tierkv.client.results import PreparedStore, Registration, RetrieveResult, StoreResult
+from tierkv.client.selectors import Tokens
+from tierkv.client.waiting import wait_for_server
 
 __all__ = [
     "DEFAULT_REPLY_SPIN",
@@ -33,6 +39,7 @@ __all__ = [
     "Registration",
     "RetrieveResult",
     "Scatter",
+    "ServerConnection",
     "ServerError",
     "ServerUnavailableError",
     "StoreResult",
