@@ -21,7 +21,8 @@ import yaml
 
 from tierkv.options import OptionError, Size, convert, option, option_help, parse_size
 from tierkv.runtime_dir import default_runtime_dir
-from tierkv.tiers.base import TierError, tier_options
+from tierkv.tiers.base import TierError
+from tierkv.tiers.registry import tier_options
 
 
 class ConfigError(OptionError):

@@ -16,7 +16,7 @@ from support.quotas import put, start, store, tenant_client, tokens_of
 from support.servers import CHUNK_BYTES, ServerProcess
 from tierkv.client import Client
 from tierkv.tenants import OTHER_TENANT, tenant_tag
-from tierkv.tiers.base import HEADER_SIZE
+from tierkv.tiers.records import HEADER_SIZE
 
 Servers = Callable[..., ServerProcess]
 MiB = 2**20

@@ -13,8 +13,8 @@ import pytest
 
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tenants import OTHER_ID, TenantIds
-from tierkv.tiers.base import HEADER_SIZE
 from tierkv.tiers.disk import DiskTier
+from tierkv.tiers.records import HEADER_SIZE
 
 PAYLOAD = 1000
 FILE = PAYLOAD + HEADER_SIZE

@@ -29,8 +29,8 @@ import pytest
 
 from tierkv.pool import SHM_DIR, ShmPool
 from tierkv.tiers import LoadStatus, TierError, create_tier, tier_names
-from tierkv.tiers.base import HEADER_SIZE, pack_header
 from tierkv.tiers.disk import LOCK_NAME, DiskTier
+from tierkv.tiers.records import HEADER_SIZE, pack_header
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm (Linux)")
 

@@ -23,7 +23,7 @@ from support.services import RedisServer, Slots, load_into, new_key, store_rando
 from tierkv.checksums import checksum
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_names
-from tierkv.tiers.base import HEADER_SIZE, pack_header
+from tierkv.tiers.records import HEADER_SIZE, pack_header
 from tierkv.tiers.redis import RedisTier
 from tierkv.tiers.redis_wire import Concat, GatherPacker
 

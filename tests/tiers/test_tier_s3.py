@@ -19,7 +19,7 @@ from support import services
 from support.services import S3Server, Slots, load_into, new_key, store_random
 from tierkv.keys import Namespace, chunk_keys
 from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, s3_body, tier_names
-from tierkv.tiers.base import HEADER_SIZE, pack_header
+from tierkv.tiers.records import HEADER_SIZE, pack_header
 from tierkv.tiers.s3 import S3Tier
 from tierkv.tiers.s3_body import RecordBody
 

@@ -47,7 +47,8 @@ from tierkv.server.sessions import LookupSessions
 from tierkv.server.status import StatusBuilder, status_document
 from tierkv.server.tiering import LookupAccounting, NamespacedTier, Tiering, TierQuota
 from tierkv.tenants import TenantIds
-from tierkv.tiers.base import Tier, create_tier
+from tierkv.tiers.base import Tier
+from tierkv.tiers.registry import create_tier
 from tierkv.web.serving import HttpServer
 
 log = logging.getLogger(__name__)

@@ -6,15 +6,8 @@ built-in ones (disk, redis, s3) are imported the first time a tier is named
 library is missing stays unregistered. :func:`create_tier` builds one by name.
 """
 
-from tierkv.tiers.base import (
-    LoadStatus,
-    Tier,
-    TierError,
-    TierUsage,
-    create_tier,
-    register_tier,
-    tier_names,
-)
+from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
+from tierkv.tiers.registry import create_tier, register_tier, tier_names
 
 __all__ = [
     "LoadStatus",

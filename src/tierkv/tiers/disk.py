@@ -1,6 +1,6 @@
 """The local disk tier: one checksummed file per chunk, LRU-bounded, rebuilt on restart.
 
-Files. Each chunk is one record file (the 64-byte header of :mod:`tierkv.tiers.base`, then
+Files. Each chunk is one record file (the 64-byte header of :mod:`tierkv.tiers.records`, then
 the payload) under a fan-out of the key's chunk-hash half, in a directory locked by one
 server at a time: see :mod:`tierkv.tiers.disk_files` for the layout, how a file is written
 and what a start finds. This module orchestrates stores, loads, deletes and evictions.
@@ -74,15 +74,7 @@ from typing import Any, TypeVar
 from tierkv.copier import Copier
 from tierkv.keys import KEY_SIZE
 from tierkv.options import OptionError, Size, parse_size
-from tierkv.tiers.base import (
-    HEADER_SIZE,
-    LoadStatus,
-    Tier,
-    TierError,
-    TierUsage,
-    byte_view,
-    register_tier,
-)
+from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.disk_failure_log import DiskFailureLog
 from tierkv.tiers.disk_files import (
     LOCK_NAME,
@@ -99,6 +91,8 @@ from tierkv.tiers.disk_files import (
 from tierkv.tiers.disk_index import DiskIndex
 from tierkv.tiers.disk_stats import DiskCounters, DiskTierStats
 from tierkv.tiers.disk_write_gate import WriteGate, refusal
+from tierkv.tiers.records import HEADER_SIZE, byte_view
+from tierkv.tiers.registry import register_tier
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Layout. ``<path>/<aa>/<bb>/<64 hex digits of the key>.kv``, where ``aa`` and ``b
 first two bytes of the key's *chunk-hash* half (bytes 16 and 17). The first half of a key is
 the namespace digest, the same for every chunk of an engine, so fanning out by it would put
 all of an engine's chunks in one directory. Each file is the 64-byte record header of
-:mod:`tierkv.tiers.base` followed by the payload. ``<path>/.tierkv-disk.lock`` is held
+:mod:`tierkv.tiers.records` followed by the payload. ``<path>/.tierkv-disk.lock`` is held
 (``flock``) while a tier uses the directory, so two servers never share one.
 
 A record file is written to a temporary file next to its final name (payload first, hashed
@@ -39,15 +39,8 @@ import stat
 from typing import NamedTuple
 
 from tierkv.piecewise_io import read_hashed, write_hashed
-from tierkv.tiers.base import (
-    HEADER_SIZE,
-    LoadStatus,
-    TierError,
-    pack_header,
-    unpack_header,
-    verify,
-    whole_record,
-)
+from tierkv.tiers.base import LoadStatus, TierError
+from tierkv.tiers.records import HEADER_SIZE, pack_header, unpack_header, verify, whole_record
 
 log = logging.getLogger("tierkv.tiers.disk")
 

@@ -3,7 +3,7 @@ payload, written and read in pipelines.
 
 Layout: the chunk with 32-byte key ``k`` lives under ``<key_prefix><hex(k)>``. The key's first
 half is the namespace digest, so chunks of different namespaces never share a Redis key. The
-value is ``header || payload`` (see :mod:`tierkv.tiers.base`), optionally with a TTL
+value is ``header || payload`` (see :mod:`tierkv.tiers.records`), optionally with a TTL
 (``SET ... EX``). One key per chunk keeps every operation a single command (atomic, no
 companion keys to go stale) and lets Redis's own eviction policy (``maxmemory-policy``) drop
 whole chunks.
@@ -38,21 +38,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from tierkv.tiers.base import (
-    HEADER_SIZE,
-    LoadStatus,
-    Tier,
-    TierError,
-    TierUsage,
-    byte_view,
-    misfit,
-    pack_header,
-    register_tier,
-    unpack_header,
-    verify,
-)
+from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
+from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
 from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
+from tierkv.tiers.registry import register_tier
 from tierkv.tiers.resp import Filled, Replies, ReplyError
 
 try:

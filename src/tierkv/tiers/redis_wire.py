@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from tierkv.piecewise_io import send_all
-from tierkv.tiers.base import byte_view
+from tierkv.tiers.records import byte_view
 from tierkv.tiers.resp import ProtocolError, Replies
 
 try:

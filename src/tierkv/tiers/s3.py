@@ -3,7 +3,7 @@
 Layout: the chunk with 32-byte key ``k`` is the object ``<prefix><hex(k[:16])>/<hex(k[16:])>``
 in ``bucket``: the namespace digest is a "directory", so an operator can list, expire
 (lifecycle rules) or delete one namespace's chunks, and chunks of different namespaces never
-share an object. The object body is ``header || payload`` (see :mod:`tierkv.tiers.base`).
+share an object. The object body is ``header || payload`` (see :mod:`tierkv.tiers.records`).
 
 Copies. A store hands botocore a file-like body over the header and the pool's
 ``memoryview`` whose ``read`` returns ``memoryview`` slices, which urllib3 passes on to
@@ -38,20 +38,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tierkv.tiers.base import (
-    HEADER_SIZE,
-    LoadStatus,
-    Tier,
-    TierError,
-    TierUsage,
-    byte_view,
-    misfit,
-    pack_header,
-    register_tier,
-    unpack_header,
-    verify,
-)
+from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
+from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
+from tierkv.tiers.registry import register_tier
 from tierkv.tiers.s3_body import RecordBody, body_reader, finish, read_exact
 
 try:

@@ -31,7 +31,7 @@ from typing import Protocol, runtime_checkable
 
 from tierkv.keys import DIGEST_SIZE
 from tierkv.tenants import OTHER_ID, TenantFigures, TenantIds, TenantTally
-from tierkv.tiers.base import HEADER_SIZE
+from tierkv.tiers.records import HEADER_SIZE
 
 
 @runtime_checkable
