@@ -131,3 +131,39 @@ def test_http_waits_for_an_engine_request_in_flight(tmp_path: Path) -> None:
     finally:
         release.set()
         server.stop()
+
+
+def test_router_lookups_held_leave_the_engines_workers_free(tmp_path: Path) -> None:
+    """Router lookups run on threads of their own: as many held in their handler as the
+    server has request workers (waiting for a silent directory owner, say) leave an
+    engine's blocking request (GetStats, on the request workers) free to run, and are
+    answered once they go on."""
+    server = Server(_config(tmp_path, 0)).start_background()
+    release = threading.Event()
+    routers: list[Client] = []
+    try:
+
+        def held(query: p.RouterQuery) -> dict[str, object]:
+            release.wait(LONG)
+            return {"chunks": 0, "instances": []}
+
+        server.service.serve_router_lookups(held)
+        query = p.RouterQuery("m", b"", b"\0" * 4, None, 0)
+        for _ in range(server.cfg.workers):
+            router = Client(server.endpoint, timeout=LONG)
+            routers.append(router)
+            lookup = p.RouterLookup(router._channel.rid(), "", query)
+            router._channel.call(lookup, answered=False)
+            router.ping()  # answered by the loop once it has taken the lookup (in order)
+        with Client(server.endpoint, timeout=LONG) as engine:
+            stats: list[p.Stats] = []
+            _, engine_done = _in_thread(lambda: stats.append(engine.stats()))
+            assert engine_done.wait(10.0), "the engine's request waited for the routers"
+        release.set()
+        for router in routers:
+            assert router.settle(LONG) == 0  # each lookup answered, none failed
+    finally:
+        release.set()
+        for router in routers:
+            router.close()
+        server.stop()

@@ -4,7 +4,11 @@ handlers and sends replies (length-prefixed msgpack over Unix or TCP stream sock
 
 Fast requests run right here on the loop thread; the ones the service marks blocking run on
 a thread pool, whose replies come back to the loop through a queue and a wake-up pipe (only
-the loop thread touches the connections). A request that cannot be decoded gets an error
+the loop thread touches the connections). Routers' requests (the service's ``router_work``)
+run on threads of their own (:data:`ROUTER_WORKERS`), so that however many of them wait
+(for a silent directory owner, say) the engines' blocking requests never queue behind them;
+those threads keep the default time slice: woken, they do not take a core from an engine
+the way the loop and its request workers do (:func:`tierkv.priority.control_thread`). A request that cannot be decoded gets an error
 reply and changes nothing; one announcing more than ``max_message_bytes`` gets an error
 reply and its connection is closed (its body is never read). A client whose replies pile
 up unread (more than ``MAX_UNSENT`` bytes) is disconnected rather than let grow the
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 MAX_BATCH = 256  # messages handled per connection per turn, so no connection starves others
 MAX_UNSENT = 64 * 2**20  # replies waiting for a client that does not read them
+ROUTER_WORKERS = 1  # threads for routers' requests (the HTTP front sends a few at a time)
 
 
 def _lenient_rid(payload: bytes | memoryview) -> int:
@@ -101,6 +106,7 @@ class RpcServer:
         self.last_tick = service.clock()  # when the loop last went round (health checks)
         # Never blocks the loop; its threads, like the loop's, take a core first when woken.
         self._executor = WorkerPool(service.cfg.workers, "tierkv-rpc", control_thread)
+        self._router_executor = WorkerPool(ROUTER_WORKERS, "tierkv-router")
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = p.request_decoder.decode
         self._ipc_path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
@@ -234,7 +240,8 @@ class RpcServer:
             # An engine's request counts until its reply is forwarded (on this thread);
             # a router's lookup is the work that waits for them, not one of them.
             engine = type(req) not in self.service.router_work
-            self._executor.submit(self._run_blocking, conn, req, engine)
+            pool = self._executor if engine else self._router_executor
+            pool.submit(self._run_blocking, conn, req, engine)
             if engine:
                 self.engines.started()
             return
@@ -321,7 +328,9 @@ class RpcServer:
 
     def _shutdown(self) -> None:
         # Answer what is already queued: blocking work finishes and is delivered, requests
-        # still arriving are refused with SHUTTING_DOWN.
+        # still arriving are refused with SHUTTING_DOWN. Routers' queued lookups are dropped
+        # (their connections close; the HTTP front answers 503).
+        self._router_executor.shutdown(wait=True, cancel=True)
         self._executor.shutdown(wait=True)
         self._forward_results()
         for conn in list(self._conns.values()):
@@ -344,6 +353,7 @@ class RpcServer:
         self._bound = False
         self._stopped.set()
         self._executor.shutdown(wait=False, cancel=True)
+        self._router_executor.shutdown(wait=False, cancel=True)
         for conn in list(self._conns.values()):
             self._drop(conn)
         self.selector.close()
