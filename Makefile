@@ -8,7 +8,7 @@ VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
 SGLANG_VENV := .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.tierkv-sglang-installed
-# The venvs hold about 10 GiB; pip's cache would keep another 5 GiB of wheels that nothing
+# The venvs hold about 10 GiB; pip's cache would keep several GiB more of wheels that nothing
 # here reads twice, so it is off for the installs.
 export PIP_NO_CACHE_DIR ?= 1
 
