@@ -8,11 +8,12 @@ the loop thread touches the connections). Routers' requests (the service's ``rou
 run on threads of their own (:data:`ROUTER_WORKERS`), so that however many of them wait
 (for a silent directory owner, say) the engines' blocking requests never queue behind them;
 those threads keep the default time slice: woken, they do not take a core from an engine
-the way the loop and its request workers do (:func:`tierkv.priority.control_thread`). A request that cannot be decoded gets an error
-reply and changes nothing; one announcing more than ``max_message_bytes`` gets an error
-reply and its connection is closed (its body is never read). A client whose replies pile
-up unread (more than ``MAX_UNSENT`` bytes) is disconnected rather than let grow the
-server's memory.
+the way the loop and its request workers do (:func:`tierkv.priority.control_thread`).
+
+A request that cannot be decoded gets an error reply and changes nothing; one announcing
+more than ``max_message_bytes`` gets an error reply and its connection is closed (its body
+is never read). A client whose replies pile up unread (more than ``MAX_UNSENT`` bytes) is
+disconnected rather than let grow the server's memory.
 
 For ipc endpoints the socket file lives in a 0700 runtime directory and is made 0600.
 """
