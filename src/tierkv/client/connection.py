@@ -199,6 +199,7 @@ class ServerConnection:
             )
         finally:
             self.registration = None
+            self._slots = None  # the registration's layout: slots are not viewed without one
 
     # -- the chunk feed --------------------------------------------------------------------
     def read_chunk_events(self, after: int, limit: int = 4096) -> p.ChunkEvents:
