@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tierkv.client import Client
+from tierkv.client import ServerConnection
 from tierkv.cluster import router_lookup
 from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
 from tierkv.logs import setup_logging
@@ -156,12 +156,18 @@ class _Lookups:
             query = router_lookup.query_of(router_lookup.parse(body))
         except router_lookup.RouterQueryError as exc:
             return exc.status, exc.body()
-        client: Client | None = getattr(self._local, "client", None)
-        if client is None:
-            client = self._local.client = Client(
-                self.endpoint, timeout=30.0, auth_token=self.auth_token
-            )
-        return client.router_lookup(query)
+        conn: ServerConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self.connect()
+        return conn.router_lookup(query)
+
+    def connect(self) -> ServerConnection:
+        """A connection that sleeps at once while its lookup is answered: the answer takes a
+        hop to the server's router thread (about a millisecond), so reading on for the
+        client's default spin would only burn CPU the engines could use."""
+        return ServerConnection(
+            self.endpoint, timeout=30.0, auth_token=self.auth_token, reply_spin=0.0
+        )
 
 
 def _die_with_parent() -> None:
