@@ -1002,6 +1002,76 @@ def _blocks(event: Any) -> dict[Any, tuple[Any, ...]]:
     return out
 
 
+class _EventStreams:
+    """Engines' KV event streams, each read whole through a ZMQ subscription of its own."""
+
+    def __init__(self, engines: dict[str, Engine]) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.engines = engines  # an engine that exits while the test waits fails it
+        self.context = zmq.Context()
+        self.poller = zmq.Poller()
+        self.subs: dict[str, Any] = {}
+        self.events: dict[str, list[Any]] = {}
+        self._decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+
+    def subscribe(self, name: str, port: int) -> None:
+        import zmq
+
+        sub = _subscriber(self.context, port)
+        self.poller.register(sub, zmq.POLLIN)
+        self.subs[name], self.events[name] = sub, []
+
+    def read_until(self, done: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not done():
+            for name, engine in self.engines.items():
+                if engine.proc.poll() is not None:
+                    pytest.fail(f"engine {name} exited while waiting for {what}:\n{engine.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {what} within {ENGINE_TIMEOUT:.0f} s: {self.summary()}")
+            ready = dict(self.poller.poll(100))
+            for name, sub in self.subs.items():
+                while ready.get(sub) and sub.poll(0):
+                    _topic, _seq, payload = sub.recv_multipart()
+                    self.events[name] += self._decode(payload).events
+
+    def stored(self, name: str, medium: str, group: int = 0) -> dict[Any, tuple[Any, ...]]:
+        """The blocks announced in ``medium`` for KV cache group ``group`` (:func:`_blocks`)."""
+        from vllm.distributed.kv_events import BlockStored
+
+        out: dict[Any, tuple[Any, ...]] = {}
+        for e in self.events[name]:
+            if isinstance(e, BlockStored) and e.medium == medium and (e.group_idx or 0) == group:
+                out.update(_blocks(e))
+        return out
+
+    def removed(self, name: str, medium: str) -> set[Any]:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        return {
+            h
+            for e in self.events[name]
+            if isinstance(e, BlockRemoved) and e.medium == medium
+            for h in e.block_hashes
+        }
+
+    def summary(self, last: int = 40) -> dict[str, list[tuple[Any, ...]]]:
+        """Each stream's last events, short: (type, medium, group, block hashes)."""
+        fields = ("medium", "group_idx", "block_hashes")
+        return {
+            name: [
+                (type(e).__name__, *(getattr(e, f, None) for f in fields)) for e in events[-last:]
+            ]
+            for name, events in self.events.items()
+        }
+
+    def close(self) -> None:
+        self.context.destroy(linger=0)
+
+
 def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
     tiny_model: Path,
     server_factory: Callable[..., Any],
@@ -1017,9 +1087,7 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
     the pool's snapshot. A clear of the server: every stream carries BlockRemoved (medium
     CPU) for them. An idle engine publishes nothing (vLLM publishes at the end of a step):
     the engines run one-block "ticks" meanwhile."""
-    import msgspec
-    import zmq
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+    from vllm.distributed.kv_events import BlockStored
 
     from support.tiny_model import tokenizer_size
 
@@ -1048,48 +1116,11 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
         name: start(name, prompts, wait_for=str(go))
         for name, prompts in (("A", [{"tokens": prompt}]), ("B", []))
     }
-    context = zmq.Context()
-    subs: dict[str, Any] = {}
-    poller = zmq.Poller()
-    streams: dict[str, list[Any]] = {}
-
-    def subscribe(name: str, port: int) -> None:
-        sub = _subscriber(context, port)
-        poller.register(sub, zmq.POLLIN)
-        subs[name], streams[name] = sub, []
-
+    streams = _EventStreams(started)
+    subs = streams.subs
     for name in started:
-        subscribe(name, ports[name])
-    decode = msgspec.msgpack.Decoder(KVEventBatch).decode
-
-    def read_until(done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while not done():
-            for name, engine in started.items():
-                if engine.proc.poll() is not None:
-                    pytest.fail(f"engine {name} exited while waiting for {what}:\n{engine.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no {what} within {ENGINE_TIMEOUT:.0f} s: {streams}")
-            ready = dict(poller.poll(100))
-            for name, sub in subs.items():
-                while ready.get(sub) and sub.poll(0):
-                    _topic, _seq, payload = sub.recv_multipart()
-                    streams[name] += decode(payload).events
-
-    def stored(name: str, medium: str) -> dict[Any, tuple[Any, ...]]:
-        out: dict[Any, tuple[Any, ...]] = {}
-        for e in streams[name]:
-            if isinstance(e, BlockStored) and e.medium == medium:
-                out.update(_blocks(e))
-        return out
-
-    def removed(name: str, medium: str) -> set[Any]:
-        return {
-            h
-            for e in streams[name]
-            if isinstance(e, BlockRemoved) and e.medium == medium
-            for h in e.block_hashes
-        }
+        streams.subscribe(name, ports[name])
+    read_until, stored, removed = streams.read_until, streams.stored, streams.removed
 
     def prompt_blocks() -> dict[Any, tuple[Any, ...]]:
         """vLLM's own description (A's GPU events) of the prompt's stored blocks."""
@@ -1099,7 +1130,7 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
 
     try:
         # Ticks are published: both subscriptions are live before A computes the prompt.
-        read_until(lambda: all(streams.values()), "first events (ticks)")
+        read_until(lambda: all(streams.events.values()), "first events (ticks)")
         go.touch()
         blocks = 512 // BLOCK
         read_until(
@@ -1114,11 +1145,12 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
             pool = stored(name, "CPU")
             assert {h: pool[h] for h in own} == own, name
             assert not removed(name, "CPU"), name
-            chunks = [e for e in streams[name] if isinstance(e, BlockStored) and e.medium == "CPU"]
+            events = streams.events[name]
+            chunks = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
             assert sorted(len(e.block_hashes) for e in chunks) == [CHUNK // BLOCK] * 2, chunks
         # A router that subscribes late: the re-announcement tells it (within two intervals
         # while A steps); vLLM's replay endpoint is not needed (llm-d's indexer reads none).
-        subscribe("late router", ports["A"])
+        streams.subscribe("late router", ports["A"])
         since = time.monotonic()
         read_until(
             lambda: own.keys() <= stored("late router", "CPU").keys(),
@@ -1129,9 +1161,9 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
         # An engine started now (as one that restarted): its first read of the feed is a
         # snapshot, which it announces.
         started["C"] = start("C", [])
-        subscribe("C", ports["C"])
+        streams.subscribe("C", ports["C"])
         since = time.monotonic()
-        read_until(lambda: streams["C"], "C's first events (ticks)")
+        read_until(lambda: streams.events["C"], "C's first events (ticks)")
         ready = time.monotonic()
         read_until(
             lambda: own.keys() <= stored("C", "CPU").keys(),
@@ -1152,7 +1184,104 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
         for engine in started.values():
             engine.results()  # exited cleanly
     finally:
-        context.destroy(linger=0)
+        streams.close()
+
+
+def test_under_the_hybrid_manager_each_groups_blocks_are_announced_as_vllm_does(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+    tmp_path: Path,
+) -> None:
+    """Gemma-3's pattern with vLLM's hybrid manager: 4 KV cache groups (3 sliding-window,
+    1 full attention). An engine with KV events on stores a prompt; its stream carries, for
+    every group, BlockStored (medium CPU) for the stored chunks' blocks with the group's
+    index, kind and window as vLLM's own events of that group carry them, each block exactly
+    as vLLM's own GPU-medium BlockStored describes it (block hashes do not depend on the
+    group). The pool holds every layer's K/V of every token, so a sliding group's chunks
+    announce all their blocks; vLLM's own sliding groups announce only the blocks their tail
+    window can serve (vLLM's SWA block mask), all of which are among the pool's."""
+    from vllm.distributed.kv_events import BlockStored
+
+    from support.tiny_model import SlidingModelSpec, tokenizer_size
+
+    model = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full=3)
+    server = server_factory(pool_size="256MiB")
+    vocab = tokenizer_size(model)
+    rng = random.Random(34)
+    prompt = [rng.randrange(3, vocab) for _ in range(600)]  # 2 chunks (4 blocks) and a tail
+    go, stop, port = tmp_path / "go", tmp_path / "stop", free_port()
+    engine = engines(
+        "A",
+        model=str(model),
+        endpoint=server.endpoint,
+        hma=True,
+        vocab=vocab,
+        kv_events_endpoint=f"tcp://*:{port}",
+        prompts=[{"tokens": prompt}],
+        max_tokens=1,
+        wait_for=str(go),
+        tick_until=str(stop),
+    )
+    streams = _EventStreams({"A": engine})
+    streams.subscribe("A", port)
+    want = [tuple(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(2 * CHUNK // BLOCK)]
+
+    def stored_events(medium: str) -> list[BlockStored]:
+        return [e for e in streams.events["A"] if isinstance(e, BlockStored) and e.medium == medium]
+
+    def kinds(medium: str) -> dict[int, tuple[str | None, int | None]]:
+        """Each group's kind and window as the medium's events carry them."""
+        return {
+            e.group_idx or 0: (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in stored_events(medium)
+        }
+
+    def own() -> dict[Any, tuple[Any, ...]]:
+        """vLLM's own description (the full-attention group's GPU events) of the prompt's
+        stored blocks."""
+        full = [g for g, (kind, _) in kinds("GPU").items() if kind == "full_attention"]
+        if not full:
+            return {}
+        return {h: b for h, b in streams.stored("A", "GPU", full[0]).items() if b[1] in want}
+
+    try:
+        streams.read_until(lambda: streams.events["A"], "first events (ticks)")
+        go.touch()
+        streams.read_until(
+            lambda: (
+                len(own()) == len(want)
+                and len(kinds("GPU")) == 4
+                and all(own().keys() <= streams.stored("A", "CPU", g).keys() for g in range(4))
+            ),
+            "the stored blocks of every group on the stream, GPU and CPU",
+        )
+        described = kinds("GPU")
+        assert (
+            sorted(described.values())
+            == [("full_attention", None)]
+            + [("sliding_window", SlidingModelSpec().sliding_window)] * 3
+        ), described
+        assert kinds("CPU") == described
+        for g in range(4):
+            pool = streams.stored("A", "CPU", g)
+            assert {h: pool[h] for h in own()} == own(), g
+            vllms = {h for e in stored_events("GPU") if e.group_idx == g for h in e.block_hashes}
+            assert vllms & own().keys() <= pool.keys(), g
+        sliding = [g for g, (kind, _) in described.items() if kind == "sliding_window"]
+        assert all(
+            {h for e in stored_events("GPU") if e.group_idx == g for h in e.block_hashes}
+            & own().keys()
+            for g in sliding
+        ), "vLLM's sliding groups announced none of the prompt's blocks"
+        chunks = {(e.group_idx, tuple(e.block_hashes)) for e in stored_events("CPU")}
+        assert len(chunks) == 2 * 4 and {len(h) for _, h in chunks} == {CHUNK // BLOCK}, chunks
+        stop.touch()
+        engine.results()  # exited cleanly
+    finally:
+        streams.close()
+    with server.client(timeout=5.0) as client:
+        assert client.stats().objects == 2
 
 
 class RouterModel:
