@@ -1,6 +1,7 @@
 """Build small random-weight models locally, for tests and benchmarks: Llama (full
-attention), DeepSeek-V2 (multi-head latent attention, MLA), Gemma-3 (sliding-window
-and full-attention layers), and hybrids with state layers: Nemotron-H (Mamba-2) and
+attention), DeepSeek-V2 (multi-head latent attention, MLA), Gemma-3 and gpt-oss
+(sliding-window and full-attention layers; gpt-oss's with attention sinks and experts), and
+hybrids with state layers: Nemotron-H (Mamba-2) and
 Qwen3-Next (gated DeltaNet, GDN).
 
 Nothing is downloaded: the weights come from a transformers config, the tokenizer
@@ -160,6 +161,55 @@ def build_sliding_model(out_dir: str | Path, spec: SlidingModelSpec | None = Non
                 sliding_window=spec.sliding_window,
                 layer_types=layer_types,
                 pad_token_id=0,
+                **_shared(spec),
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class GptOssSpec:
+    """A gpt-oss-style model: sliding-window (``sliding_window`` tokens) and full-attention
+    layers alternating, each with attention sinks and a mixture of ``num_experts`` experts
+    (``experts_per_token`` per token), unquantized."""
+
+    hidden_size: int = 256
+    num_layers: int = 4
+    sliding_window: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 4
+    experts_per_token: int = 2
+    intermediate_size: int = 256
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.2
+    torch_dtype: str = "float32"
+    seed: int = 0
+
+
+def build_gpt_oss_model(out_dir: str | Path, spec: GptOssSpec | None = None) -> Path:
+    """Write a random-weight gpt-oss model and its tokenizer to ``out_dir`` (reused when it
+    already holds the same spec)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    spec = spec or GptOssSpec()
+    layer_types = ["sliding_attention", "full_attention"] * (spec.num_layers // 2)
+    return _build(
+        out_dir,
+        asdict(spec),
+        spec.seed,
+        lambda: GptOssForCausalLM(
+            GptOssConfig(
+                num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                sliding_window=spec.sliding_window,
+                layer_types=layer_types,
+                num_local_experts=spec.num_experts,
+                num_experts_per_tok=spec.experts_per_token,
                 **_shared(spec),
             )
         ),

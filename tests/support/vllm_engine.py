@@ -8,7 +8,8 @@ engine must not pass as a skipped test.
 
 :func:`tiny_model_dir` builds a random-weight Llama model and a locally trained tokenizer
 once per session (nothing is downloaded), :func:`tiny_mla_model_dir` a DeepSeek-V2 (MLA) one,
-:func:`tiny_sliding_model_dir` a Gemma-3 one, :func:`tiny_mamba_hybrid_model_dir` a
+:func:`tiny_sliding_model_dir` a Gemma-3 one, :func:`tiny_gpt_oss_model_dir` a gpt-oss
+one, :func:`tiny_mamba_hybrid_model_dir` a
 Nemotron-H (Mamba-2 hybrid) one and :func:`tiny_gdn_hybrid_model_dir` a Qwen3-Next (GDN
 hybrid) one;
 :func:`vllm_cpu_caches` and :func:`vllm_cpu_mla_caches` allocate per-layer KV caches exactly
@@ -75,6 +76,16 @@ def tiny_sliding_model_dir(
     return build_sliding_model(
         tmp_path_factory.getbasetemp() / f"tiny-gemma3-sw{sliding_per_full}", spec
     )
+
+
+def tiny_gpt_oss_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer random-weight gpt-oss model (sliding-window layers of 128 tokens and full
+    attention alternating: 2 groups with vLLM's hybrid allocator; attention sinks, 4 experts)
+    with its tokenizer, built once per session."""
+    require_vllm()
+    from support.tiny_model import build_gpt_oss_model
+
+    return build_gpt_oss_model(tmp_path_factory.getbasetemp() / "tiny-gpt-oss")
 
 
 def tiny_mamba_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

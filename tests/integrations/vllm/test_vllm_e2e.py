@@ -833,24 +833,28 @@ def test_mla_on_the_cpu_platform_stores_its_latent_chunks_and_never_loads(
 
 
 # -- sliding windows ---------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "sliding_per_full", [3, 1], ids=["gemma3-4-groups", "alternating-2-groups"]
-)
+SLIDING_MODELS: dict[str, Callable[[pytest.TempPathFactory], Path]] = {
+    "gemma3-4-groups": lambda f: vllm_engine.tiny_sliding_model_dir(f, sliding_per_full=3),
+    "gpt-oss-2-groups": vllm_engine.tiny_gpt_oss_model_dir,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SLIDING_MODELS))
 def test_sliding_window_prefix_loads_into_fresh_engines_hma_on_and_off(
-    sliding_per_full: int,
+    kind: str,
     tmp_path_factory: pytest.TempPathFactory,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
     tmp_path: Path,
 ) -> None:
-    """A (vLLM's hybrid manager on: 4 KV cache groups, 3 sliding-window ones) stores the
-    prefix (512 tokens, four windows long), every layer's K/V of every token; B (hybrid
-    manager off: one group carrying the window) and C (on) load it, fresh engines both,
-    and answer as an engine without tierkv. The same with sliding and full layers
-    alternating (gpt-oss's pattern: 2 groups)."""
+    """A (vLLM's hybrid manager on: 4 KV cache groups for Gemma-3, 3 of them sliding-window;
+    2 for gpt-oss, whose sliding and full layers alternate, with attention sinks and experts)
+    stores the prefix (512 tokens, four windows long), every layer's K/V of every token; B
+    (hybrid manager off: one group carrying the window) and C (on) load it, fresh engines
+    both, and answer as an engine without tierkv."""
     from support.tiny_model import tokenizer_size
 
-    tiny_sliding_model = vllm_engine.tiny_sliding_model_dir(tmp_path_factory, sliding_per_full)
+    tiny_sliding_model = SLIDING_MODELS[kind](tmp_path_factory)
     prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(tiny_sliding_model))
     server = server_factory(pool_size="256MiB")
     model = {"model": str(tiny_sliding_model)}
