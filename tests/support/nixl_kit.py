@@ -33,6 +33,7 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 WHY_NOT = unavailable()
 needs_nixl = __import__("pytest").mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "nixl")
 WRITER = 7  # the engine-like holder that stores test chunks
+MARK = b"@holder "  # the holder process's lines for the test (others are NIXL's logs)
 
 
 def chunk_bytes(seed: int, i: int, size: int) -> bytes:
@@ -111,7 +112,7 @@ class HolderProcess:
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        line = self._line()
         if not line:
             self.proc.wait(10)
             raise RuntimeError(f"holder exited at start:\n{self.log_path.read_text()}")
@@ -120,6 +121,14 @@ class HolderProcess:
         self.keys = [bytes.fromhex(k) for k in hello["keys"]]
         self.seed, self.size = seed, size
 
+    def _line(self) -> bytes:
+        """The holder's next line for us (NIXL logs to stdout too: those are skipped)."""
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.startswith(MARK):
+                return line[len(MARK) :].strip()
+        return b""
+
     def data(self, i: int) -> bytes:
         return chunk_bytes(self.seed, i, self.size)
 
@@ -127,7 +136,7 @@ class HolderProcess:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(what.encode() + b"\n")
         self.proc.stdin.flush()
-        assert self.proc.stdout.readline().strip() == b"ok"
+        assert self._line() == b"ok"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -156,7 +165,8 @@ def _holder_main() -> None:
         lease_ttl=args.lease_ttl, metadata_hook=hook, timeout=2.0,
     )  # fmt: skip
     transport.serve(source)
-    print(json.dumps({"address": transport.address, "keys": [k.hex() for k in keys]}), flush=True)
+    hello = json.dumps({"address": transport.address, "keys": [k.hex() for k in keys]})
+    print(MARK.decode() + hello, flush=True)
     for line in sys.stdin:
         what = line.strip()
         if what == "unregister":
@@ -165,7 +175,7 @@ def _holder_main() -> None:
             source.index.clear()
         elif what == "quit":
             break
-        print("ok", flush=True)
+        print(MARK.decode() + "ok", flush=True)
     transport.close()
     source.close()
 
