@@ -80,8 +80,9 @@ def holder_side(seed: int, n: int, **kw: object) -> tuple[Side, list[bytes]]:
 @pytest.fixture
 def reader() -> Iterator[Side]:
     source = PoolSource(64 << 20)
+    # The deadline is a liveness bound here (a loaded machine's first READ sets up UCX).
     t = NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=source.pool.buf,
-                      timeout=2.0)  # fmt: skip
+                      timeout=10.0)  # fmt: skip
     side = Side(source, t)
     yield side
     side.close()

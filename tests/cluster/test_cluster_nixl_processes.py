@@ -30,7 +30,9 @@ from tierkv.tiers.base import LoadStatus
 
 pytestmark = [needs_nixl, pytest.mark.processes]
 SIZE = 1 << 20
-TIMEOUT = 1.0  # the reader's deadline for a READ (and its socket timeout)
+# The reader's deadline for a READ (and its socket timeout): what ends a READ from a stopped
+# holder, and a liveness bound for the others (a loaded machine's first READ sets up UCX).
+TIMEOUT = 5.0
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +163,9 @@ def test_a_region_the_holder_unregistered_is_never_read_wrong(
 
 
 # -- real servers ----------------------------------------------------------------------------
-NIXL = ["--peer-transport", "nixl"]
+# A READ's deadline is the peer timeout (at least 1 s): 3 s, so that setting up UCX on a
+# loaded machine does not pass it.
+NIXL = ["--peer-transport", "nixl", "--peer-timeout", "3"]
 
 
 def nixl_figures(node_status: dict[str, object]) -> dict[str, object]:
