@@ -320,3 +320,27 @@ def test_an_unregistered_pool_sends_readers_to_tcp(reader: Side) -> None:
         wait_for(lambda: holder.source.locked() == 0)  # TCP releases after its last send
     finally:
         holder.close()
+
+
+def test_a_reader_without_nixl_reads_a_nixl_holder_over_tcp(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    holder, keys = holder_side(10, 2)
+    monkeypatch.setenv("TIERKV_NO_NIXL", "1")  # as where nixl cannot be imported
+    source = PoolSource(16 << 20)
+    with caplog.at_level(logging.WARNING, logger="tierkv.cluster.nixl_transport"):
+        t = NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "plain-reader",
+                          region=source.pool.buf)  # fmt: skip
+    reader = Side(source, t)
+    try:
+        assert t.agent is None
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("tierkv")] == [
+            "peer transport nixl: TIERKV_NO_NIXL is set; peers read from this node over TCP"
+        ]
+        _, items = reserve(reader, keys)
+        assert t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.OK] * 2]
+        assert [bytes(v) for _, v in items] == [chunk_bytes(10, i, SIZE) for i in range(2)]
+        assert leases(holder)["granted"] == 0
+    finally:
+        reader.close()
+        holder.close()
