@@ -23,6 +23,7 @@ from support.nixl_kit import (
     PoolSource,
     member,
     needs_nixl,
+    sigstop,
 )
 from support.servers import ServerProcess
 from tierkv.cluster.nixl_transport import NixlTransport
@@ -116,7 +117,7 @@ def test_a_stopped_holder_is_a_miss_at_the_readers_deadline(
     _, t = reader
     a, b = holders(21), holders(22)
     assert read_all(reader, a) == (OK4, [True] * 4)
-    t.before_read = lambda lease_id: os.kill(a.proc.pid, signal.SIGSTOP)
+    t.before_read = lambda lease_id: sigstop(a.proc.pid)
     started = time.monotonic()
     statuses, _ = read_all(reader, a)  # NIXL would wait forever: the reader's deadline ends it
     assert statuses == [LoadStatus.ERROR] * 4
@@ -197,7 +198,7 @@ def test_servers_read_each_others_chunks_over_nixl(
     tokens2 = tokens_for(52, 3)
     store(a, tokens2, 3)
     assert a.server.proc is not None
-    os.kill(a.server.proc.pid, signal.SIGSTOP)
+    sigstop(a.server.proc.pid)
     try:
         hits, _ = fetch(b, tokens2, 3, rid="stopped")
         assert hits == 0

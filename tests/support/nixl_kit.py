@@ -11,10 +11,13 @@ prints one JSON line (its data address, the keys), then obeys commands on stdin,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +94,23 @@ class PoolSource:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def sigstop(pid: int, timeout: float = 20.0) -> None:
+    """SIGSTOP ``pid`` and wait (bounded) until every thread of it is stopped: the signal is
+    asynchronous, and a thread still running for a moment could answer one more READ."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError):
+                stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+                states.append(stat.rpartition(")")[2].split()[0])
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.005)
 
 
 def member(address: str, incarnation: int = 1) -> m.MemberInfo:
