@@ -223,6 +223,25 @@ def test_metadata_nixl_refuses_sends_that_peer_over_tcp(
         holder.close()
 
 
+def test_metadata_of_another_agent_sends_the_batch_over_tcp_at_once(reader: Side) -> None:
+    decoy, _ = holder_side(11, 1)  # a live agent with a region of its own
+    assert isinstance(decoy.t, NixlTransport) and decoy.t.agent is not None
+    decoy_md = decoy.t.agent.metadata()
+    holder, keys = holder_side(12, 2, metadata_hook=lambda md: decoy_md)
+    try:
+        # NIXL takes the metadata but refuses a READ outside what that agent registered:
+        # nothing was transferred, so this very batch goes over TCP.
+        _, items = reserve(reader, keys)
+        assert reader.t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.OK] * 2]
+        assert [bytes(v) for _, v in items] == [chunk_bytes(12, i, SIZE) for i in range(2)]
+        assert isinstance(reader.t, NixlTransport) and reader.t.fallbacks == 1
+        assert nixl_chunks(reader, holder) == 0
+        wait_for(lambda: leases(holder)["released"] == 1)
+    finally:
+        holder.close()
+        decoy.close()
+
+
 def test_slots_outside_the_readers_pool_go_over_tcp(reader: Side) -> None:
     holder, keys = holder_side(6, 2)
     try:

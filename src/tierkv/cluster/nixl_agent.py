@@ -23,7 +23,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DONE, ERROR, TIMEOUT = "DONE", "ERR", "TIMEOUT"
+DONE, ERROR, TIMEOUT, REFUSED = "DONE", "ERR", "TIMEOUT", "REFUSED"
 
 _module: Any = None
 _import_error = ""
@@ -173,9 +173,9 @@ class Agent:
         agent: str,
         deadline: float,
     ) -> str:
-        """READ each remote (address, length) of ``agent`` into the local one; DONE, ERR or
-        TIMEOUT (``deadline``, monotonic, passed: the transfer was cancelled). The handle
-        is released either way."""
+        """READ each remote (address, length) of ``agent`` into the local one; DONE, ERR,
+        TIMEOUT (``deadline``, monotonic, passed: the transfer was cancelled) or REFUSED
+        (NIXL would not start it: nothing was transferred). The handle is released."""
         mine = np.array([(a, n, 0) for a, n in local], dtype=np.uint64).reshape(-1, 3)
         theirs = np.array([(a, n, 0) for a, n in remote], dtype=np.uint64).reshape(-1, 3)
         try:
@@ -187,7 +187,7 @@ class Agent:
             )
         except Exception as exc:
             log.debug("NIXL: a READ from %s could not start: %s", agent, exc)
-            return ERROR
+            return REFUSED
         state = ERROR
         try:
             state = self._agent.transfer(handle)

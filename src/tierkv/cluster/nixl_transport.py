@@ -48,6 +48,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.leases import LeaseTable
 from tierkv.cluster.nixl_agent import (
     DONE,
+    REFUSED,
     TIMEOUT,
     Agent,
     NixlError,
@@ -353,6 +354,9 @@ class NixlTransport(TcpTransport):
                         corrupt,
                         peer.node_id,
                     )
+            elif state == REFUSED:  # nothing was transferred: these go over TCP now
+                fallback.extend(i for i, _, _ in reads)
+                self._fall_back(peer, "NIXL refused the READ (wrong metadata?)", FALLBACK_RETRY)
             elif state != EXPIRED:
                 if state == TIMEOUT:
                     self.read_timeouts += 1
@@ -371,7 +375,7 @@ class NixlTransport(TcpTransport):
                 nbytes,
                 missing=statuses.count(LoadStatus.MISSING),
                 corrupt=corrupt,
-                errors=len(reads) - chunks - corrupt,
+                errors=0 if state == REFUSED else len(reads) - chunks - corrupt,
             )
         if lease_id and state != TIMEOUT:  # a stalled holder's lease expires there
             self._release_lease(peer, lease_id)
