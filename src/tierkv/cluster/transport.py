@@ -1,7 +1,7 @@
 """The data plane: moving chunk bytes from a holder's pool into a reader's reserved slots.
 
-:class:`Transport` is the interface (an RDMA transport, NIXL or UCX, can implement it with
-one-sided reads); :class:`TcpTransport` is the default.
+:class:`Transport` is the interface; :class:`TcpTransport` is the default, and
+:class:`~tierkv.cluster.nixl_transport.NixlTransport` extends it with one-sided NIXL reads.
 
 TCP wire format (little-endian, fixed-size headers):
 
@@ -16,6 +16,10 @@ TCP wire format (little-endian, fixed-size headers):
   and the length the reader expects.
 - reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
   checksum), then ``length`` payload bytes when the status is OK.
+- other requests, same header: ``"TKVM"`` (count 0) asks for a holder's NIXL metadata; a
+  TCP-only holder answers "no NIXL" (``META``, status NONE) so that a NIXL reader falls back
+  to TCP. ``"TKVL"`` and ``"TKVU"`` (leases) are the NIXL transport's. Anything else closes
+  the connection.
 
 Holder side: every request read-locks the chunks in the pool (only committed chunks, only at
 their own offsets and lengths: nothing else can be named), sends each header and payload
