@@ -40,6 +40,13 @@ def _load() -> Any:
                 _import_error = f"{type(exc).__name__}: {exc}"
         if _module is not None:
             _import_error = ""
+            # NIXL's Python logs go to stdout at INFO, in a format of their own: through
+            # this process's logging instead, warnings and up unless NIXL_LOG_LEVEL says.
+            nixl_log = logging.getLogger("nixl")
+            nixl_log.handlers.clear()
+            nixl_log.propagate = True
+            if not os.environ.get("NIXL_LOG_LEVEL"):
+                nixl_log.setLevel(logging.WARNING)
     return _module
 
 
