@@ -363,3 +363,19 @@ def test_a_reader_without_nixl_reads_a_nixl_holder_over_tcp(
     finally:
         reader.close()
         holder.close()
+
+
+def test_a_holder_with_too_many_leases_out_serves_that_batch_over_tcp(reader: Side) -> None:
+    holder, keys = holder_side(13, 2, max_leases=0)
+    try:
+        for _ in range(2):  # each batch over TCP; NIXL stays on for the next
+            _, items = reserve(reader, keys)
+            out = reader.t.fetch_many([(member(holder.t.address), items)])
+            assert out == [[LoadStatus.OK] * 2]
+            assert [bytes(v) for _, v in items] == [chunk_bytes(13, i, SIZE) for i in range(2)]
+            reader.source.index.clear()
+        assert leases(holder)["refused"] == 2 and leases(holder)["live"] == 0
+        assert isinstance(reader.t, NixlTransport) and reader.t.fallbacks == 0
+        wait_for(lambda: holder.source.locked() == 0)
+    finally:
+        holder.close()
