@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from tierkv.allocator import Allocator
 from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
@@ -34,7 +36,7 @@ TOKEN = "nixl-test-secret"
 # UCX over TCP on loopback: what a cross-node path uses (cma, one host's shortcut, is off).
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 WHY_NOT = unavailable()
-needs_nixl = __import__("pytest").mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "nixl")
+needs_nixl = pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "nixl")
 WRITER = 7  # the engine-like holder that stores test chunks
 MARK = b"@holder "  # the holder process's lines for the test (others are NIXL's logs)
 
