@@ -37,7 +37,7 @@ def _load() -> Any:
                 _module = __import__(name)
                 break
             except Exception as exc:  # ImportError, or a shared library that fails to load
-                _import_error = f"{type(exc).__name__}: {exc}"
+                _import_error = _import_error or f"{name}: {type(exc).__name__}: {exc}"
         if _module is not None:
             _import_error = ""
             # NIXL's Python logs go to stdout at INFO, in a format of their own: through
