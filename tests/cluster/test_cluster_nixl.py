@@ -62,11 +62,11 @@ class Side:
         self.source.close()
 
 
-def holder_side(seed: int, n: int, **kw: object) -> tuple[Side, list[bytes]]:
-    source = PoolSource(n * SIZE + (8 << 20))
+def holder_side(seed: int, n: int, size: int = SIZE, **kw: object) -> tuple[Side, list[bytes]]:
+    source = PoolSource(n * size + (8 << 20))
     keys = [chunk_key(seed, i) for i in range(n)]
     for i, key in enumerate(keys):
-        source.put(key, chunk_bytes(seed, i, SIZE))
+        source.put(key, chunk_bytes(seed, i, size))
     plain = kw.pop("plain", False)
     if plain:
         t: TcpTransport = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "holder")
@@ -88,9 +88,11 @@ def reader() -> Iterator[Side]:
     side.close()
 
 
-def reserve(reader: Side, keys: list[bytes]) -> tuple[int, list[tuple[bytes, memoryview]]]:
+def reserve(
+    reader: Side, keys: list[bytes], size: int = SIZE
+) -> tuple[int, list[tuple[bytes, memoryview]]]:
     """Reserved slots of the reader's pool for ``keys`` (where a fetch lands)."""
-    res = reader.source.index.reserve_write(keys, [SIZE] * len(keys), WRITER)
+    res = reader.source.index.reserve_write(keys, [size] * len(keys), WRITER)
     assert len(res.slots) == len(keys)
     return res.lease_id, [(keys[i], reader.source.pool.view(off, n)) for i, off, n in res.slots]
 
@@ -377,5 +379,20 @@ def test_a_holder_with_too_many_leases_out_serves_that_batch_over_tcp(reader: Si
         assert leases(holder)["refused"] == 2 and leases(holder)["live"] == 0
         assert isinstance(reader.t, NixlTransport) and reader.t.fallbacks == 0
         wait_for(lambda: holder.source.locked() == 0)
+    finally:
+        holder.close()
+
+
+def test_a_batch_beyond_one_requests_chunk_limit_is_split(reader: Side) -> None:
+    n = MAX_CHUNKS + 100
+    holder, keys = holder_side(14, n, size=4096)
+    try:
+        _, items = reserve(reader, keys, 4096)
+        assert reader.t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.OK] * n]
+        assert all(bytes(v) == chunk_bytes(14, i, 4096) for i, (_, v) in enumerate(items))
+        assert nixl_chunks(reader, holder) == n
+        # Split over a few leases (parts READ in parallel), each under the request limit.
+        wait_for(lambda: leases(holder)["live"] == 0)
+        assert leases(holder)["released"] == leases(holder)["granted"] >= 2
     finally:
         holder.close()

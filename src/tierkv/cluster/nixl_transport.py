@@ -33,6 +33,7 @@ failed READ send that peer's reads over TCP (one log line per event; retried aft
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import socket
@@ -58,6 +59,7 @@ from tierkv.cluster.nixl_agent import (
 )
 from tierkv.cluster.transport import (
     ITEM,
+    MAX_CHUNKS,
     META,
     META_NONE,
     META_OK,
@@ -224,7 +226,8 @@ class NixlTransport(TcpTransport):
                 lease_id = lease.id
         if not lease_id:
             source.release(served)
-        send_all(sock, [LEASE_HEAD.pack(status, ttl_ms, lease_id, self.generation), *entries])
+        head = LEASE_HEAD.pack(status, ttl_ms, lease_id, self.generation)
+        send_all(sock, [head + b"".join(entries)])  # one buffer: sendmsg takes <= 1024
 
     # -- reader side -----------------------------------------------------------------------
     def fetch_many(
@@ -237,26 +240,33 @@ class NixlTransport(TcpTransport):
             return super().fetch_many(batches, verified)
         out: list[list[LoadStatus]] = [[LoadStatus.ERROR] * len(items) for _, items in batches]
         tcp: list[tuple[int, list[int]]] = []  # (batch, its items that go over TCP)
-        jobs: list[tuple[int, m.MemberInfo, Sequence[tuple[bytes, memoryview]]]] = []
+        # (batch, first item, holder, items): a batch is split as over TCP, into a few
+        # leases and READs in parallel, none over MAX_CHUNKS chunks.
+        jobs: list[tuple[int, int, m.MemberInfo, Sequence[tuple[bytes, memoryview]]]] = []
         for b, (peer, items) in enumerate(batches):
             if not items:
                 continue
             if self._tcp_only_now(peer):
                 tcp.append((b, list(range(len(items)))))
-            else:
-                jobs.append((b, peer, items))
+                continue
+            total = sum(v.nbytes for _, v in items)
+            parts = max(1, min(self.streams, len(items), math.ceil(total / (4 * 2**20))))
+            bounds = [round(k * len(items) / parts) for k in range(parts + 1)]
+            for lo, hi in itertools.pairwise(bounds):
+                for start in range(lo, hi, MAX_CHUNKS):
+                    jobs.append((b, start, peer, items[start : min(hi, start + MAX_CHUNKS)]))
         if len(jobs) == 1:
-            results = [self._nixl_batch(jobs[0][1], jobs[0][2], verified)]
+            results = [self._nixl_batch(jobs[0][2], jobs[0][3], verified)]
         else:
             futures = [
-                self._executor.submit(self._nixl_batch, peer, items, verified)
-                for _, peer, items in jobs
+                self._executor.submit(self._nixl_batch, peer, part, verified)
+                for _, _, peer, part in jobs
             ]
             results = [f.result() for f in futures]
-        for (b, _, _), (statuses, fallback) in zip(jobs, results, strict=True):
-            out[b] = statuses
+        for (b, start, _, part), (statuses, fallback) in zip(jobs, results, strict=True):
+            out[b][start : start + len(part)] = statuses
             if fallback:
-                tcp.append((b, fallback))
+                tcp.append((b, [start + i for i in fallback]))
         if tcp:
             sub = [(batches[b][0], [batches[b][1][i] for i in idx]) for b, idx in tcp]
             for (b, idx), got in zip(tcp, super().fetch_many(sub, verified), strict=True):
@@ -444,14 +454,18 @@ class NixlTransport(TcpTransport):
     def _fall_back(self, peer: m.MemberInfo, why: str, seconds: float) -> None:
         """Reads from ``peer`` go over TCP for ``seconds``: one log line."""
         key = (peer.data, peer.incarnation)
+        now = time.monotonic()
         with self._nixl_lock:
-            self._tcp_only[key] = time.monotonic() + seconds
+            already = self._tcp_only.get(key, 0.0) > now  # another part of the same fetch
+            self._tcp_only[key] = max(self._tcp_only.get(key, 0.0), now + seconds)
             remote = self._remotes.pop(key, None)
-            self.fallbacks += 1
+            if not already:
+                self.fallbacks += 1
         if remote is not None and self.agent is not None:
             self.agent.remove_remote(remote.agent)
-        later = "" if math.isinf(seconds) else f" (NIXL again in {seconds:.0f} s)"
-        log.warning("reads from %s go over TCP: %s%s", peer.node_id, why, later)
+        if not already:
+            later = "" if math.isinf(seconds) else f" (NIXL again in {seconds:.0f} s)"
+            log.warning("reads from %s go over TCP: %s%s", peer.node_id, why, later)
 
     def forget(self, peer: m.MemberInfo) -> None:
         super().forget(peer)
