@@ -277,14 +277,17 @@ def _closed(sock: socket.socket) -> bool:
     ids=["no-chunks", "too-many", "zero-length", "release-two", "metadata-count", "unknown"],
 )
 def test_bad_lease_requests_close_the_connection_and_the_holder_keeps_serving(
-    reader: Side, request_bytes: bytes
+    reader: Side, request_bytes: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     holder, keys = holder_side(7, 1)
     try:
         conn = reader.t._connect(member(holder.t.address))  # authenticated
-        with conn.sock:
+        with caplog.at_level(logging.WARNING, logger="tierkv.cluster.transport"), conn.sock:
             conn.sock.sendall(request_bytes)
             assert _closed(conn.sock)
+        # The holder says why, naming the peer.
+        said = [r.getMessage() for r in caplog.records if r.name == "tierkv.cluster.transport"]
+        assert len(said) == 1 and said[0].startswith("closing a peer connection from reader: bad")
         _, items = reserve(reader, keys)
         assert reader.t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.OK]]
     finally:

@@ -343,8 +343,7 @@ class TcpTransport(Transport):
                 sock.settimeout(self.timeout)
                 if magic != b"TKVR":
                     if not self._other_request(sock, peer, magic, count):
-                        log.warning("closing a peer connection from %s: bad request", peer)
-                        return
+                        return  # logged
                     sock.settimeout(None)
                     continue
                 items = self._read_items(sock, peer, count)
@@ -378,12 +377,15 @@ class TcpTransport(Transport):
         return items
 
     def _other_request(self, sock: socket.socket, peer: str, magic: bytes, count: int) -> bool:
-        """A request other than TKVR; False closes the connection. Here: TKVM (a NIXL
-        transport's metadata request) is answered "no NIXL", so that a NIXL reader falls
-        back to TCP with this holder."""
+        """A request other than TKVR; False (logged) closes the connection. Here: TKVM (a
+        NIXL transport's metadata request) is answered "no NIXL", so that a NIXL reader
+        falls back to TCP with this holder."""
         if magic == b"TKVM" and count == 0:
             sock.sendall(META.pack(META_NONE, 0, 0, 0, 0))
             return True
+        log.warning(
+            "closing a peer connection from %s: bad request %r (count %d)", peer, magic, count
+        )
         return False
 
     def _handshake(self, sock: socket.socket) -> str | None:
