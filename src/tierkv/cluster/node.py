@@ -69,6 +69,8 @@ class ClusterSettings:
     connections: int
     timeout: float
     repair_interval: float = 5.0
+    transport: str = "tcp"  # or "nixl"
+    lease_ttl: float = 10.0
 
     @property
     def advertise_host(self) -> str:
@@ -100,6 +102,8 @@ class ClusterSettings:
             connections=cfg.peer_connections,
             timeout=cfg.peer_timeout,
             repair_interval=cfg.directory_repair_interval,
+            transport=cfg.peer_transport,
+            lease_ttl=cfg.peer_lease_ttl,
         )
 
 
@@ -130,15 +134,7 @@ class ClusterNode:
         self.disk = disk
         self.client = ControlClient(settings.token, settings.timeout)
         self.control = ControlServer(settings.host, settings.port, settings.token, {})
-        self.transport = TcpTransport(
-            settings.host,
-            settings.data_port,
-            settings.advertise_host,
-            settings.token,
-            "",
-            connections_per_peer=settings.connections,
-            timeout=max(settings.timeout, 1.0),
-        )
+        self.transport = self._transport(settings, index, pool)
         self.node_id = ""
         self._lock = threading.Lock()
         self._published: dict[bytes, tuple[bytes, int]] = {}  # key -> (checksum, length)
@@ -158,6 +154,30 @@ class ClusterNode:
         self._closed = False
         self.membership = None  # ring mode: set when it joins
         self._joined = False  # a directory exists (to close)
+
+    @staticmethod
+    def _transport(settings: ClusterSettings, index: ObjectIndex, pool: ShmPool) -> TcpTransport:
+        """The data plane the settings choose (NIXL imported only when chosen)."""
+        host, port, token = settings.host, settings.data_port, settings.token
+        advertise, timeout = settings.advertise_host, max(settings.timeout, 1.0)
+        if settings.transport != "nixl":
+            return TcpTransport(
+                host, port, advertise, token, "", settings.connections, timeout=timeout
+            )
+        from tierkv.cluster.nixl_transport import NixlTransport
+
+        # A lease must end before the index's own read locks could expire under it.
+        return NixlTransport(
+            host,
+            port,
+            advertise,
+            token,
+            "",
+            region=pool.buf,
+            lease_ttl=min(settings.lease_ttl, index.read_ttl / 2),
+            connections_per_peer=settings.connections,
+            timeout=timeout,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> ClusterNode:

@@ -1,7 +1,7 @@
 """The data plane: moving chunk bytes from a holder's pool into a reader's reserved slots.
 
-:class:`Transport` is the interface (an RDMA transport, NIXL or UCX, can implement it with
-one-sided reads); :class:`TcpTransport` is the default.
+:class:`Transport` is the interface; :class:`TcpTransport` is the default, and
+:class:`~tierkv.cluster.nixl_transport.NixlTransport` extends it with one-sided NIXL reads.
 
 TCP wire format (little-endian, fixed-size headers):
 
@@ -16,6 +16,10 @@ TCP wire format (little-endian, fixed-size headers):
   and the length the reader expects.
 - reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
   checksum), then ``length`` payload bytes when the status is OK.
+- other requests, same header: ``"TKVM"`` (count 0) asks for a holder's NIXL metadata; a
+  TCP-only holder answers "no NIXL" (``META``, status NONE) so that a NIXL reader falls back
+  to TCP. ``"TKVL"`` and ``"TKVU"`` (leases) are the NIXL transport's. Anything else closes
+  the connection.
 
 Holder side: every request read-locks the chunks in the pool (only committed chunks, only at
 their own offsets and lengths: nothing else can be named), sends each header and payload
@@ -48,7 +52,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
@@ -58,6 +62,7 @@ from tierkv.priority import data_thread, moving_data
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 VERSION = 2
 HELLO = struct.Struct("<4sHH8x")
@@ -65,6 +70,10 @@ HELLO_REPLY = struct.Struct("<B7x")
 REQUEST = struct.Struct("<4sI")
 ITEM = struct.Struct("<32sQ")
 CHUNK = struct.Struct("<B7xQ16s")
+# The NIXL transport's metadata request ("TKVM", count 0) and its reply: status, region
+# generation, region base address, region size, metadata length (then the metadata).
+META = struct.Struct("<B7xQQQQ")
+META_OK, META_NONE = 0, 1
 MAX_CHUNKS = 4096
 MAX_NODE_ID = 256
 MAX_CHUNK_BYTES = 1 << 34
@@ -331,14 +340,14 @@ class TcpTransport(Transport):
                 except (ConnectionError, OSError):
                     return
                 magic, count = REQUEST.unpack(head)
-                if magic != b"TKVR" or not 0 < count <= MAX_CHUNKS:
-                    log.warning("closing a peer connection from %s: bad request header", peer)
-                    return
                 sock.settimeout(self.timeout)
-                raw = _recv_bytes(sock, count * ITEM.size)
-                items = [ITEM.unpack_from(raw, i * ITEM.size) for i in range(count)]
-                if any(not 0 < n <= MAX_CHUNK_BYTES for _, n in items):
-                    log.warning("closing a peer connection from %s: bad chunk length", peer)
+                if magic != b"TKVR":
+                    if not self._other_request(sock, peer, magic, count):
+                        return  # logged
+                    sock.settimeout(None)
+                    continue
+                items = self._read_items(sock, peer, count)
+                if items is None:
                     return
                 with moving_data():
                     self._answer(sock, peer, figures, items)
@@ -352,6 +361,32 @@ class TcpTransport(Transport):
                 self._serving.discard(sock)
             with contextlib.suppress(OSError):
                 sock.close()
+
+    def _read_items(
+        self, sock: socket.socket, peer: str, count: int
+    ) -> list[tuple[bytes, int]] | None:
+        """A request's (key, length) items; None (logged) when the request is malformed."""
+        if not 0 < count <= MAX_CHUNKS:
+            log.warning("closing a peer connection from %s: bad chunk count %d", peer, count)
+            return None
+        raw = _recv_bytes(sock, count * ITEM.size)
+        items = [ITEM.unpack_from(raw, i * ITEM.size) for i in range(count)]
+        if any(not 0 < n <= MAX_CHUNK_BYTES for _, n in items):
+            log.warning("closing a peer connection from %s: bad chunk length", peer)
+            return None
+        return items
+
+    def _other_request(self, sock: socket.socket, peer: str, magic: bytes, count: int) -> bool:
+        """A request other than TKVR; False (logged) closes the connection. Here: TKVM (a
+        NIXL transport's metadata request) is answered "no NIXL", so that a NIXL reader
+        falls back to TCP with this holder."""
+        if magic == b"TKVM" and count == 0:
+            sock.sendall(META.pack(META_NONE, 0, 0, 0, 0))
+            return True
+        log.warning(
+            "closing a peer connection from %s: bad request %r (count %d)", peer, magic, count
+        )
+        return False
 
     def _handshake(self, sock: socket.socket) -> str | None:
         magic, version, node_len = HELLO.unpack(_recv_bytes(sock, HELLO.size))
@@ -509,6 +544,39 @@ class TcpTransport(Transport):
         for b, start, n, fut in futures:
             out[b][start : start + n] = fut.result()
         return out
+
+    def _call(self, peer: m.MemberInfo, exchange: Callable[[socket.socket], T]) -> T:
+        """One request-reply ``exchange`` on a pooled connection to ``peer`` (retried once
+        on a fresh connection when a pooled one turns out dead). Raises what failed: OSError,
+        ConnectionError, PeerRefused, or TimeoutError when no connection frees up."""
+        pool = self._pool(peer)
+        if not pool.slots.acquire(timeout=self.timeout):
+            raise TimeoutError(f"no free data-plane connection to {peer.node_id}")
+        try:
+            for attempt in range(2):
+                conn: _Conn | None = None
+                try:
+                    with pool.lock:
+                        conn = pool.idle.pop() if pool.idle else None
+                    if conn is None:
+                        conn = self._connect(peer)
+                    conn.sock.settimeout(self.timeout)
+                    result = exchange(conn.sock)
+                    conn.reused = True
+                    with pool.lock:
+                        pool.idle.append(conn)
+                    conn = None
+                    return result
+                except (OSError, ConnectionError):
+                    if not (conn is not None and conn.reused and attempt == 0):
+                        raise
+                finally:
+                    if conn is not None:
+                        with contextlib.suppress(OSError):
+                            conn.sock.close()
+            raise AssertionError("unreachable")
+        finally:
+            pool.slots.release()
 
     def _stream(
         self,

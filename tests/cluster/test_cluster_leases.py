@@ -1,0 +1,72 @@
+"""The holder's lease table alone: grants, releases by the right peer only, expiry by a
+deadline (a fake clock, and the reaper thread with the real one), a bound on live leases."""
+
+from __future__ import annotations
+
+import threading
+
+from tierkv.cluster.leases import LeaseTable
+from tierkv.cluster.transport import Served
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(
+    ttl: float = 5.0, clock: Clock | None = None, max_leases: int = 8
+) -> tuple[LeaseTable, list[Served]]:
+    released: list[Served] = []
+    t = LeaseTable(released.append, ttl, max_leases, clock or Clock())
+    return t, released
+
+
+def test_a_lease_ends_once_and_only_for_its_peer() -> None:
+    t, released = table()
+    served = Served([None], [b""])
+    lease = t.grant("reader-a", served, 1)
+    assert lease is not None and t.live() == 1
+    assert t.end(lease.id, "reader-b") == 0 and released == []  # another peer's: refused
+    assert t.end(lease.id + 1, "reader-a") == 0  # unknown
+    assert t.end(lease.id, "reader-a") == 1 and released == [served]
+    assert t.end(lease.id, "reader-a") == 0 and released == [served]  # not twice
+    assert t.stats() == {"live": 0, "granted": 1, "released": 1, "expired": 0, "refused": 0}
+
+
+def test_leases_expire_in_deadline_order() -> None:
+    clock = Clock()
+    t, released = table(5.0, clock)
+    first = Served([None], [b""])
+    t.grant("r", first, 1)
+    clock.now += 3
+    second = Served([None], [b""])
+    late = t.grant("r", second, 1)
+    assert late is not None
+    clock.now += 2.5  # the first passed its deadline, the second not
+    assert t.expire() == 1 and released == [first]
+    assert t.end(late.id, "r") == 1 and released == [first, second]
+    t.close()
+
+
+def test_the_reaper_drops_an_expired_lease_without_any_traffic() -> None:
+    done = threading.Event()
+    t = LeaseTable(lambda served: done.set(), 0.05)
+    t.grant("r", Served([None], [b""]), 1)
+    assert done.wait(20.0)  # a liveness bound
+    assert t.stats()["expired"] == 1 and t.live() == 0
+    t.close()
+
+
+def test_live_leases_are_bounded_and_close_releases_them_all() -> None:
+    t, released = table(max_leases=2)
+    assert t.grant("r", Served([None], [b""]), 1) is not None
+    assert t.grant("r", Served([None], [b""]), 1) is not None
+    assert t.grant("r", Served([None], [b""]), 1) is None  # the caller releases it itself
+    assert t.stats()["refused"] == 1
+    t.close()
+    assert len(released) == 2 and t.live() == 0
+    assert t.grant("r", Served([None], [b""]), 1) is None  # closed

@@ -1,0 +1,184 @@
+"""NIXL between two hosts: each `tierkv server` (``--peer-transport nixl``) in its own network
+namespace, the two joined by a veth pair, UCX over TCP on it (``UCX_TLS=tcp``, device eth0:
+no shortcut through the shared host). Reads stay byte-exact and one-sided through random
+packet loss (iptables ``statistic``) and a rate limit (``tc tbf``); a link that drops
+everything makes reads misses, and they come back once the link does. Engines reach each
+server over its ipc socket, a file path. Everything is named uniquely per run and removed
+afterwards; skipped, with the reason, where namespaces, iptables or tc are not available or
+nixl cannot be imported."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from support.clusterkit import TOKEN, wait_for
+from support.kvops import tokens_for
+from support.nixl_kit import needs_nixl
+from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
+
+pytestmark = [needs_nixl, pytest.mark.processes]
+
+CONTROL_PORT = 7100
+OPTIONS = [
+    "--heartbeat-interval", "0.2",
+    "--member-ttl", "2",
+    "--peer-timeout", "3",  # a READ's deadline: a liveness bound through loss and the limit
+    "--prefetch-timeout", "10",
+    "--peer-transport", "nixl",
+]  # fmt: skip
+CHUNKS = 4
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def in_ns(ns: str, *cmd: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, check=True, timeout=30)
+
+
+@pytest.fixture
+def hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tuple[str, str]]]:
+    """host -> (namespace, address): two namespaces joined by a veth pair (eth0 in each)."""
+    if sys.platform != "linux" or shutil.which("ip") is None:
+        pytest.skip("needs Linux with iproute2 (ip netns)")
+    for tool, package in (("iptables", "iptables"), ("tc", "iproute2")):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs {tool} (apt package {package})")
+    tag = secrets.token_hex(3)
+    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    made: list[str] = []
+    try:
+        out: dict[str, tuple[str, str]] = {}
+        for i, host in enumerate("ab", start=1):
+            ns = f"tkv{tag}n{host}"
+            probe = ip("netns", "add", ns, check=False)
+            if probe.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: {probe.stderr.strip()}")
+            made.append(ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            out[host] = (ns, f"{subnet}.{i}")
+        (na, _), (nb, _) = out["a"], out["b"]
+        ip("-n", na, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", nb)
+        for ns, addr in out.values():
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+        # UCX over TCP on the veth pair: what a path to another node uses without RDMA.
+        monkeypatch.setenv("UCX_TLS", "tcp")
+        monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
+        yield out
+    finally:
+        for ns in made:
+            ip("netns", "del", ns, check=False)
+
+
+class NetnsServer(ServerProcess):
+    """A `tierkv server` inside a network namespace (same pid: ip netns exec execs it)."""
+
+    netns: str = ""
+
+    def command(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *super().command()]
+
+
+def start(hosts: dict[str, tuple[str, str]], host: str, tmp_path: Path) -> NetnsServer:
+    ns, addr = hosts[host]
+    seeds = ",".join(f"{a}:{CONTROL_PORT}" for _, a in hosts.values())
+    args = [
+        "--cluster-host", addr, "--cluster-port", str(CONTROL_PORT),
+        "--cluster-seeds", seeds, "--auth-token", TOKEN, *OPTIONS,
+    ]  # fmt: skip
+    instance = f"{host}-{secrets.token_hex(4)}"
+    srv = NetnsServer(instance, tmp_path / f"run-{instance}", "64MiB", args)
+    srv.netns = ns
+    return srv.start()
+
+
+def cluster(srv: ServerProcess) -> dict[str, Any]:
+    with srv.client(auth_token=TOKEN) as c:
+        return dict(c.stats().cluster)
+
+
+def alive(srv: ServerProcess) -> int:
+    return sum(r["state"] in ("alive", "self") for r in cluster(srv)["members"])
+
+
+def store(srv: ServerProcess, seed: int) -> None:
+    tokens = tokens_for(seed, CHUNKS)
+    with srv.client(auth_token=TOKEN) as c:
+        register(c)
+        res = c.store(tokens, [chunk_data(tokens, j) for j in range(CHUNKS)])
+        assert res.stored == list(range(CHUNKS))
+
+
+def fetch(srv: ServerProcess, seed: int, rid: str) -> int:
+    """Look up (waiting for the prefetch) and retrieve, bytes checked: the hits."""
+    tokens = tokens_for(seed, CHUNKS)
+    with srv.client(auth_token=TOKEN) as c:
+        register(c)
+        hits = c.lookup(tokens, request_id=rid, wait=True).hits
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
+        got = c.retrieve(request_id=rid, out=out)
+        assert got.retrieved == list(range(hits))
+        for j in got.retrieved:
+            np.testing.assert_array_equal(out[j], chunk_data(tokens, j))
+        return int(hits)
+
+
+def over_nixl(reader: ServerProcess, holder_id: str) -> int:
+    received = cluster(reader)["transport"]["nixl"]["received"]
+    return int(received.get(holder_id, {}).get("chunks", 0))
+
+
+def test_nixl_reads_across_a_veth_pair_with_loss_a_rate_limit_and_a_cut(
+    hosts: dict[str, tuple[str, str]], tmp_path: Path
+) -> None:
+    servers: list[NetnsServer] = []
+    try:
+        a = start(hosts, "a", tmp_path)
+        servers.append(a)
+        b = start(hosts, "b", tmp_path)
+        servers.append(b)
+        wait_for(lambda: alive(a) == alive(b) == 2)
+        a_id = f"{hosts['a'][1]}:{CONTROL_PORT}"
+        store(a, 1)
+        assert fetch(b, 1, "clean") == CHUNKS
+        assert over_nixl(b, a_id) == CHUNKS
+        nixl = cluster(b)["transport"]["nixl"]
+        assert nixl["ucx_tls"] == "tcp" and nixl["fallbacks"] == 0
+
+        # 2 % of the packets each way dropped at random, A's sends limited to 50 Mbit/s.
+        ns_a, ns_b = hosts["a"][0], hosts["b"][0]
+        loss = ["-m", "statistic", "--mode", "random", "--probability", "0.02", "-j", "DROP"]
+        in_ns(ns_a, "iptables", "-A", "OUTPUT", "-o", "eth0", *loss)
+        in_ns(ns_b, "iptables", "-A", "OUTPUT", "-o", "eth0", *loss)
+        in_ns(ns_a, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "50mbit",
+              "burst", "64kb", "latency", "400ms")  # fmt: skip
+        for seed in (2, 3, 4):
+            store(a, seed)
+            assert fetch(b, seed, f"lossy-{seed}") == CHUNKS  # byte-exact
+        assert over_nixl(b, a_id) == 4 * CHUNKS  # all over NIXL, none fell back
+        assert cluster(b)["transport"]["nixl"]["fallbacks"] == 0
+
+        # A cut: every packet from A dropped. B's reads of A's chunks are misses, bounded.
+        store(a, 5)
+        cut = ["iptables", "-I", "OUTPUT", "-o", "eth0", "-j", "DROP"]
+        in_ns(ns_a, *cut)
+        assert fetch(b, 5, "cut") == 0
+        in_ns(ns_a, *[("-D" if x == "-I" else x) for x in cut])
+        # The link is back: B reads A's chunks again (over NIXL, or TCP while it falls back).
+        wait_for(lambda: alive(a) == alive(b) == 2)
+        wait_for(lambda: fetch(b, 5, f"back-{secrets.token_hex(2)}") == CHUNKS, timeout=60)
+        assert a.proc is not None and a.proc.poll() is None
+    finally:
+        for srv in servers:
+            stop_and_clean(srv)
