@@ -38,7 +38,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -685,11 +685,13 @@ class RingDirectory(Directory):
         if not keys:
             return []
         members, ring = self.current()
-        found, rpcs, skipped = resolve_keys(
-            keys, members, ring, self.client, self.me.node_id, self.shard.get
+        version, live = self.membership.view()
+        out, rpcs, skipped = resolve_keys(
+            keys, members, ring, self.client, self.me.node_id, self.shard.get, live
         )
-        _, live = self.membership.view()
-        out = [[loc for loc in locs if loc.holder in live] for locs in found]
+        now, live = self.membership.view()
+        if now != version:  # members left during the round trip: their entries go too
+            out = [[loc for loc in locs if loc.holder in live] for locs in out]
         self.counts["resolves"] += 1
         self.counts["resolved_keys"] += len(keys)
         self.counts["resolve_rpcs"] += rpcs
@@ -753,42 +755,64 @@ def resolve_keys(
     client: ControlClient,
     me: str = "",
     local: Callable[[Sequence[bytes]], list[tuple[tuple[str, int, int], ...]]] | None = None,
+    live: Container[str] | None = None,
 ) -> tuple[list[list[Location]], int, int]:
     """Holders of each key, the number of owner round trips it took, and the number of
     owners skipped because they are suspect (silent since a timeout: never waited for).
 
     Each key is asked of its first owner (``me`` first when it is one: ``local`` answers
     without a round trip; suspect owners are not asked), every owner in one parallel round
-    trip; keys still unresolved are asked of the next replica, up to ``replicas`` rounds."""
+    trip; keys still unresolved are asked of the next replica, up to ``replicas`` rounds.
+    ``live``: the holders to keep (default: all); entries naming others, or a tier code
+    that is not a :class:`Where`, are left out.
+
+    Keys are grouped by owner with numpy over the ring's distinct owner tuples, and a
+    :class:`Location` is built once per (holder, tier) of a reply, not once per key: a
+    512-key prefix costs tens of microseconds here, not the round trip's share."""
     n = len(keys)
     found: list[list[Location]] = [[] for _ in range(n)]
-    orders: dict[tuple[str, ...], list[str]] = {}
+    if not n or not len(ring):
+        return found, 0, 0
     suspect = {o: client.suspect(i.control) for o, i in members.items() if o != me}
+    sets = ring.owner_set_ids(keys)
+    used = np.unique(sets).tolist()
+    # The owners to ask, in order, for each owner tuple the keys fall in.
+    rounds = max(1, ring.replicas)
+    names: dict[str, int] = {}
+    table = np.full((len(ring.owner_sets), rounds), -1, dtype=np.intp)
     skipped = 0
+    for s in used:
+        owners = ring.owner_sets[s]
+        ranked = [o for o in owners if not suspect.get(o, False)]
+        skipped += len(owners) - len(ranked)
+        ranked.sort(key=lambda o: (o != me, o not in members))
+        for attempt, o in enumerate(ranked[:rounds]):
+            table[s, attempt] = names.setdefault(o, len(names))
+    owner_names = list(names)
+    tiers: dict[str, dict[int, Location]] = {}  # holder -> its Location per tier code
 
-    def order(owners: tuple[str, ...]) -> list[str]:
-        nonlocal skipped
-        ranked = orders.get(owners)
-        if ranked is None:
-            asked = [o for o in owners if not suspect.get(o, False)]
-            skipped += len(owners) - len(asked)
-            ranked = orders[owners] = sorted(asked, key=lambda o: (o != me, o not in members))
-        return ranked
+    def locations(holder: str) -> dict[int, Location]:
+        per = tiers.get(holder)
+        if per is None:
+            keep = live is None or holder in live
+            per = tiers[holder] = {w: Location(holder, Where(w)) for w in _WHERE} if keep else {}
+        return per
 
-    choices = [order(o) for o in ring.owners_many(keys)]
-    remaining = list(range(n))
+    remaining = np.arange(n)
     rpcs = 0
-    for attempt in range(max(1, ring.replicas)):
-        groups: dict[str, list[int]] = {}
-        for i in remaining:
-            if attempt < len(choices[i]):
-                groups.setdefault(choices[i][attempt], []).append(i)
+    for attempt in range(rounds):
+        owner_of = table[sets[remaining], attempt]
+        groups = {
+            owner_names[c]: remaining[owner_of == c].tolist()
+            for c in np.unique(owner_of[owner_of >= 0]).tolist()
+        }
         if not groups:
             break
         mine = groups.pop(me, None)
         if mine and local is not None:
             for i, entries in zip(mine, local([keys[i] for i in mine]), strict=True):
-                found[i] = [Location(h, Where(w)) for h, _, w in entries]
+                locs = [locations(h).get(w) for h, _, w in entries]
+                found[i] = [loc for loc in locs if loc is not None]
         asked = {o: idx for o, idx in groups.items() if o in members}
         calls = {
             members[o].control: m.Resolve(0, [keys[i] for i in idx]) for o, idx in asked.items()
@@ -800,12 +824,16 @@ def resolve_keys(
                 if not isinstance(reply, m.Resolved):
                     continue
                 idx = by_addr[addr]
+                per = [locations(h) for h in reply.holders]
                 for pos, h, w in reply.found:
-                    if 0 <= pos < len(idx) and 0 <= h < len(reply.holders):
-                        found[idx[pos]].append(Location(reply.holders[h], Where(w)))
-        remaining = [i for i in remaining if not found[i]]
-        if not remaining:
-            break
+                    if 0 <= pos < len(idx) and 0 <= h < len(per):
+                        loc = per[h].get(w)
+                        if loc is not None:
+                            found[idx[pos]].append(loc)
+        if attempt + 1 < rounds:
+            remaining = remaining[[not found[i] for i in remaining.tolist()]]
+            if not remaining.size:
+                break
     return found, rpcs, skipped
 
 
