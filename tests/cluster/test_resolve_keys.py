@@ -50,24 +50,37 @@ def resolve(client: FakeClient, ring: Ring, **kw: Any) -> tuple[list[list[Locati
     return resolve_keys(KEYS, MEMBERS, ring, cast(ControlClient, client), **kw)
 
 
-def test_each_key_is_asked_of_its_first_owner_then_the_next() -> None:
+def test_a_prefix_is_asked_of_as_few_owners_as_cover_it_then_of_the_others() -> None:
     ring = Ring(NAMES, vnodes=16, replicas=2)
     owners = ring.owners_many(KEYS)
-    # Primaries know the even keys; second owners know them all.
+    # Every owner knows the even keys; only the first owner of each odd key knows it.
     tables: dict[str, dict[bytes, list[tuple[str, int]]]] = {n: {} for n in NAMES}
-    for i, (key, (first, second)) in enumerate(zip(KEYS, owners, strict=True)):
-        tables[second][key] = [("h:1", 0)]
-        if i % 2 == 0:
-            tables[first][key] = [("h:2", 1)]
+    for i, (key, key_owners) in enumerate(zip(KEYS, owners, strict=True)):
+        for o in key_owners if i % 2 == 0 else key_owners[:1]:
+            tables[o][key] = [("h:1", i % 2)]
     client = FakeClient(tables)
     found, rpcs, skipped = resolve(client, ring)
-    for i, locs in enumerate(found):
-        want = Location("h:2", Where.DISK) if i % 2 == 0 else Location("h:1", Where.POOL)
-        assert locs == [want]
-    asked_first = [k for k, o in zip(KEYS, owners, strict=True) if o[0] == NAMES[0]]
-    assert client.asked[NAMES[0]][: len(asked_first)] == asked_first
-    assert sorted(k for keys in client.asked.values() for k in keys) == sorted(KEYS + KEYS[1::2])
-    assert rpcs == 6 and skipped == 0
+    assert found == [[Location("h:1", Where(i % 2))] for i in range(len(KEYS))]
+    asked: dict[bytes, list[str]] = {}
+    for addr, keys in client.asked.items():
+        for key in keys:
+            asked.setdefault(key, []).append(addr)
+    for i, (key, key_owners) in enumerate(zip(KEYS, owners, strict=True)):
+        assert set(asked[key]) <= set(key_owners) and len(set(asked[key])) == len(asked[key])
+        if i % 2 == 0:
+            assert len(asked[key]) == 1  # found at the first owner asked
+    # Three members, two replicas: two owners cover every key (three were asked before).
+    assert rpcs <= 4 and skipped == 0
+    assert len({addrs[0] for addrs in asked.values()}) == 2
+
+
+def test_two_members_answer_a_prefix_in_one_round_trip() -> None:
+    names = NAMES[:2]
+    ring = Ring(names, vnodes=16, replicas=2)
+    client = FakeClient({n: {k: [("h:1", 0)] for k in KEYS} for n in names})
+    found, rpcs, _ = resolve(client, ring)
+    assert rpcs == 1 and len(client.asked) == 1
+    assert found == [[Location("h:1", Where.POOL)] for _ in KEYS]
 
 
 def test_suspect_owners_are_skipped_and_this_node_answers_locally() -> None:

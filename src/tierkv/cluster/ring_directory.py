@@ -760,9 +760,10 @@ def resolve_keys(
     """Holders of each key, the number of owner round trips it took, and the number of
     owners skipped because they are suspect (silent since a timeout: never waited for).
 
-    Each key is asked of its first owner (``me`` first when it is one: ``local`` answers
-    without a round trip; suspect owners are not asked), every owner in one parallel round
-    trip; keys still unresolved are asked of the next replica, up to ``replicas`` rounds.
+    Each key is asked of one of its owners (``me`` first when it is one: ``local`` answers
+    without a round trip; suspect owners are not asked; otherwise as few owners as cover
+    the keys, :func:`_fewest_owners`), every owner in one parallel round trip; keys still
+    unresolved are asked of another replica, up to ``replicas`` rounds.
     ``live``: the holders to keep (default: all); entries naming others, or a tier code
     that is not a :class:`Where`, are left out.
 
@@ -778,15 +779,18 @@ def resolve_keys(
     used = np.unique(sets).tolist()
     # The owners to ask, in order, for each owner tuple the keys fall in.
     rounds = max(1, ring.replicas)
-    names: dict[str, int] = {}
-    table = np.full((len(ring.owner_sets), rounds), -1, dtype=np.intp)
+    ranked: dict[int, list[str]] = {}
     skipped = 0
     for s in used:
         owners = ring.owner_sets[s]
-        ranked = [o for o in owners if not suspect.get(o, False)]
-        skipped += len(owners) - len(ranked)
-        ranked.sort(key=lambda o: (o != me, o not in members))
-        for attempt, o in enumerate(ranked[:rounds]):
+        ranked[s] = [o for o in owners if not suspect.get(o, False)]
+        skipped += len(owners) - len(ranked[s])
+        ranked[s].sort(key=lambda o: (o != me, o not in members))
+    weight = np.bincount(sets, minlength=len(ring.owner_sets)).tolist()
+    names: dict[str, int] = {}
+    table = np.full((len(ring.owner_sets), rounds), -1, dtype=np.intp)
+    for s, order in _fewest_owners(ranked, weight, me, members, rounds).items():
+        for attempt, o in enumerate(order):
             table[s, attempt] = names.setdefault(o, len(names))
     owner_names = list(names)
     tiers: dict[str, dict[int, Location]] = {}  # holder -> its Location per tier code
@@ -835,6 +839,47 @@ def resolve_keys(
             if not remaining.size:
                 break
     return found, rpcs, skipped
+
+
+def _fewest_owners(
+    ranked: Mapping[int, list[str]],
+    weight: Sequence[int],
+    me: str,
+    members: Container[str],
+    rounds: int,
+) -> dict[int, list[str]]:
+    """The order to ask the owners of each owner tuple in (``ranked``: tuple id -> its
+    owners that may be asked, ``me`` first; ``weight``: keys per tuple id), at most
+    ``rounds`` of them. ``me`` goes first where it is an owner (no round trip); the rest,
+    round by round, is a greedy cover: the member that can answer the most keys still to
+    place is asked them all (ties: the one that is first owner of the most of them, then by
+    name), then the next, so that a prefix costs as few round trips as its replicas allow.
+    Every owner has every entry of its keys (publishes go to all of them), so any may be
+    asked first; a key it lacks (an entry still moving) is asked of another next round.
+    With two members and two replicas, one owner answers the whole prefix."""
+    order: dict[int, list[str]] = {s: [] for s in ranked}
+    for attempt in range(rounds):
+        open_: dict[int, list[str]] = {}
+        for s, owners in ranked.items():
+            left = [o for o in owners if o not in order[s]]
+            if len(order[s]) != attempt or not left:
+                continue
+            if left[0] == me or not any(o in members for o in left):
+                order[s].append(left[0])  # this node; or nobody to ask (skipped later)
+            else:
+                open_[s] = [o for o in left if o in members]
+        while open_:
+            cover: dict[str, int] = {}
+            lead: dict[str, int] = {}
+            for s, owners in open_.items():
+                for o in owners:
+                    cover[o] = cover.get(o, 0) + weight[s]
+                lead[owners[0]] = lead.get(owners[0], 0) + weight[s]
+            best = max(cover, key=lambda o: (cover[o], lead.get(o, 0), o))
+            for s in [s for s, owners in open_.items() if best in owners]:
+                order[s].append(best)
+                del open_[s]
+    return order
 
 
 class DirectoryReader:
