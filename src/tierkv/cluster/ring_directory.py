@@ -827,13 +827,17 @@ def resolve_keys(
             for addr, reply in client.call_many(calls).items():
                 if not isinstance(reply, m.Resolved):
                     continue
-                idx = by_addr[addr]
+                slots = [found[i] for i in by_addr[addr]]  # by position in the request
                 per = [locations(h) for h in reply.holders]
                 for pos, h, w in reply.found:
-                    if 0 <= pos < len(idx) and 0 <= h < len(per):
-                        loc = per[h].get(w)
-                        if loc is not None:
-                            found[idx[pos]].append(loc)
+                    if pos >= 0 and h >= 0:
+                        # Past the request or the holders, a tier that is no Where, a
+                        # holder that is not live: left out. (try, not contextlib.suppress:
+                        # a context manager per key costs more than the rest of the loop.)
+                        try:  # noqa: SIM105
+                            slots[pos].append(per[h][w])
+                        except (IndexError, KeyError):
+                            pass
         if attempt + 1 < rounds:
             remaining = remaining[[not found[i] for i in remaining.tolist()]]
             if not remaining.size:
