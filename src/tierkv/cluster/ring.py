@@ -65,6 +65,11 @@ class Ring:
                 j += 1
             owners.append(tuple(found))
         self._owners = owners
+        # The distinct owner tuples, and for each arc the index of its own among them: a
+        # batch lookup groups keys by owners with numpy, not key by key.
+        ids: dict[tuple[str, ...], int] = {}
+        self._set_of_arc = np.array([ids.setdefault(o, len(ids)) for o in owners], np.intp)
+        self.owner_sets: list[tuple[str, ...]] = list(ids)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -88,6 +93,10 @@ class Ring:
         pos = np.searchsorted(self._points, key_points(keys), side="left")
         pos[pos == len(self._points)] = 0
         return np.asarray(pos, dtype=np.intp)
+
+    def owner_set_ids(self, keys: Sequence[bytes]) -> npt.NDArray[np.intp]:
+        """Each key's owners as an index into :attr:`owner_sets` (a non-empty ring)."""
+        return self._set_of_arc[self.arcs(keys)]
 
     @property
     def arc_owners(self) -> list[tuple[str, ...]]:
