@@ -14,19 +14,16 @@ cleanly, and take B back once the cut is lifted."""
 from __future__ import annotations
 
 import secrets
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from support.clusterkit import TOKEN, wait_for
 from support.kvops import chunk_keys, tokens_for
+from support.netns import NetnsServer, add_namespace, cluster, in_ns, ip, require_tools, run_names
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
 
 pytestmark = pytest.mark.processes
@@ -39,14 +36,6 @@ TIMINGS = [
     "--prefetch-timeout", "5",
 ]  # fmt: skip
 CHUNKS = 4
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def in_ns(ns: str, *cmd: str) -> None:
-    subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, check=True, timeout=30)
 
 
 @dataclass
@@ -63,28 +52,20 @@ class Hosts:
 
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
-    if sys.platform != "linux" or shutil.which("ip") is None:
-        pytest.skip("needs Linux with iproute2 (ip netns)")
-    if shutil.which("iptables") is None:
-        pytest.skip("needs iptables (apt package iptables)")
-    tag = secrets.token_hex(3)
-    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    require_tools(("iptables", "iptables"))
+    tag, subnet = run_names()
     hub = f"tkv{tag}h"
     made: list[str] = []
     try:
-        probe = ip("netns", "add", hub, check=False)
-        if probe.returncode != 0:
-            pytest.skip(f"cannot create network namespaces here: {probe.stderr.strip()}")
+        add_namespace(hub)
         made.append(hub)
-        ip("-n", hub, "link", "set", "lo", "up")
         ip("-n", hub, "link", "add", "br0", "type", "bridge")
         ip("-n", hub, "link", "set", "br0", "up")
         names, addrs = {}, {}
         for i, host in enumerate("abc", start=1):
             ns = f"tkv{tag}{host}"
-            ip("netns", "add", ns)
+            add_namespace(ns)
             made.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
             ip("-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{host}",
                "netns", hub)  # fmt: skip
             ip("-n", hub, "link", "set", f"p{host}", "master", "br0", "up")
@@ -95,15 +76,6 @@ def hosts() -> Iterator[Hosts]:
     finally:
         for ns in made:
             ip("netns", "del", ns, check=False)
-
-
-class NetnsServer(ServerProcess):
-    """A `tierkv server` inside a network namespace (same pid: ip netns exec execs it)."""
-
-    netns: str = ""
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *super().command()]
 
 
 def start_host(hosts: Hosts, host: str, tmp_path: Path) -> NetnsServer:
@@ -117,11 +89,6 @@ def start_host(hosts: Hosts, host: str, tmp_path: Path) -> NetnsServer:
     srv = NetnsServer(instance, tmp_path / f"run-{instance}", "64MiB", args)
     srv.netns = hosts.names[host]
     return srv
-
-
-def cluster(srv: ServerProcess) -> dict[str, Any]:
-    with srv.client(auth_token=TOKEN) as c:
-        return dict(c.stats().cluster)
 
 
 def alive(srv: ServerProcess) -> set[str]:

@@ -83,6 +83,10 @@ HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
 SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
 
 
+class NoFreeConnection(TimeoutError):
+    """Every pooled connection to the peer stayed busy for the whole timeout."""
+
+
 class PeerRefused(Exception):
     """The hello failed: the holder refused us (another secret, or version), or could not
     prove it knows the cluster secret."""
@@ -545,13 +549,19 @@ class TcpTransport(Transport):
             out[b][start : start + n] = fut.result()
         return out
 
-    def _call(self, peer: m.MemberInfo, exchange: Callable[[socket.socket], T]) -> T:
-        """One request-reply ``exchange`` on a pooled connection to ``peer`` (retried once
-        on a fresh connection when a pooled one turns out dead). Raises what failed: OSError,
-        ConnectionError, PeerRefused, or TimeoutError when no connection frees up."""
+    def _call(
+        self,
+        peer: m.MemberInfo,
+        exchange: Callable[[socket.socket], T],
+        may_retry: Callable[[], bool] = lambda: True,
+    ) -> T:
+        """One request-reply ``exchange`` on a pooled connection to ``peer``. A pooled
+        connection the peer dropped while idle fails at once: the exchange is retried once on
+        a fresh one when ``may_retry()`` says nothing was done yet. Raises what failed:
+        OSError, ConnectionError, PeerRefused, or :class:`NoFreeConnection`."""
         pool = self._pool(peer)
         if not pool.slots.acquire(timeout=self.timeout):
-            raise TimeoutError(f"no free data-plane connection to {peer.node_id}")
+            raise NoFreeConnection(f"no free data-plane connection to {peer.node_id}")
         try:
             for attempt in range(2):
                 conn: _Conn | None = None
@@ -568,7 +578,8 @@ class TcpTransport(Transport):
                     conn = None
                     return result
                 except (OSError, ConnectionError):
-                    if not (conn is not None and conn.reused and attempt == 0):
+                    stale = conn is not None and conn.reused and attempt == 0 and may_retry()
+                    if not stale:
                         raise
                 finally:
                     if conn is not None:
@@ -587,42 +598,20 @@ class TcpTransport(Transport):
         """One request on one pooled connection; a status per item."""
         figures = self._figures(self.received, peer.node_id)
         statuses = [LoadStatus.ERROR] * len(items)
-        pool = self._pool(peer)
-        if not pool.slots.acquire(timeout=self.timeout):
-            figures.add(0.0, 0, 0, errors=len(items), requests=0)
-            return statuses
         started = time.perf_counter()
         try:
-            for attempt in range(2):
-                conn: _Conn | None = None
-                try:
-                    with pool.lock:
-                        conn = pool.idle.pop() if pool.idle else None
-                    if conn is None:
-                        conn = self._connect(peer)
-                    self._exchange(conn.sock, items, statuses, verified)
-                    conn.reused = True
-                    with pool.lock:
-                        pool.idle.append(conn)
-                    conn = None
-                    break
-                except PeerRefused as exc:
-                    log.error("%s", exc)
-                    break
-                except (OSError, ConnectionError) as exc:
-                    # A pooled connection the peer dropped while idle fails before any reply:
-                    # retry once on a fresh one. Anything else ends the request.
-                    untouched = all(st is LoadStatus.ERROR for st in statuses)
-                    stale = conn is not None and conn.reused and untouched and attempt == 0
-                    if not stale:
-                        log.warning("fetch from %s failed: %s", peer.node_id, exc)
-                        break
-                finally:
-                    if conn is not None:
-                        with contextlib.suppress(OSError):
-                            conn.sock.close()
-        finally:
-            pool.slots.release()
+            self._call(
+                peer,
+                lambda sock: self._exchange(sock, items, statuses, verified),
+                may_retry=lambda: all(st is LoadStatus.ERROR for st in statuses),
+            )
+        except NoFreeConnection:
+            figures.add(0.0, 0, 0, errors=len(items), requests=0)
+            return statuses
+        except PeerRefused as exc:
+            log.error("%s", exc)
+        except (OSError, ConnectionError) as exc:
+            log.warning("fetch from %s failed: %s", peer.node_id, exc)
         ok = [len(v) for (_, v), st in zip(items, statuses, strict=True) if st is LoadStatus.OK]
         figures.add(
             time.perf_counter() - started,

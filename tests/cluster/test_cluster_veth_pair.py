@@ -1,31 +1,28 @@
-"""NIXL between two hosts: each `tierkv server` (``--peer-transport nixl``) in its own network
-namespace, the two joined by a veth pair, UCX over TCP on it (``UCX_TLS=tcp``, device eth0:
-no shortcut through the shared host). Reads stay byte-exact and one-sided through random
-packet loss (iptables ``statistic``) and a rate limit (``tc tbf``); a link that drops
-everything makes reads misses, and they come back once the link does. Engines reach each
-server over its ipc socket, a file path. Everything is named uniquely per run and removed
-afterwards; skipped, with the reason, where namespaces, iptables or tc are not available or
-nixl cannot be imported."""
+"""Two hosts: each `tierkv server` in its own network namespace, the two joined by a veth
+pair, for both data planes: TCP, and NIXL with UCX over TCP on the pair (``UCX_TLS=tcp``,
+device eth0: no shortcut through the shared host). Reads stay byte-exact (and, with NIXL,
+one-sided) through random packet loss (iptables ``statistic``) and a rate limit (``tc
+tbf``); a link that drops everything makes reads misses, and they come back once the link
+does. Engines reach each server over its ipc socket, a file path. Everything is named
+uniquely per run and removed afterwards; skipped, with the reason, where namespaces,
+iptables or tc are not available, or (the NIXL case) nixl cannot be imported."""
 
 from __future__ import annotations
 
 import secrets
-import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 
 from support.clusterkit import TOKEN, wait_for
 from support.kvops import tokens_for
+from support.netns import NetnsServer, add_namespace, cluster, in_ns, ip, require_tools, run_names
 from support.nixl_kit import needs_nixl
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
 
-pytestmark = [needs_nixl, pytest.mark.processes]
+pytestmark = pytest.mark.processes
 
 CONTROL_PORT = 7100
 OPTIONS = [
@@ -33,39 +30,22 @@ OPTIONS = [
     "--member-ttl", "2",
     "--peer-timeout", "3",  # a READ's deadline: a liveness bound through loss and the limit
     "--prefetch-timeout", "10",
-    "--peer-transport", "nixl",
 ]  # fmt: skip
 CHUNKS = 4
-
-
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def in_ns(ns: str, *cmd: str) -> None:
-    subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, check=True, timeout=30)
 
 
 @pytest.fixture
 def hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tuple[str, str]]]:
     """host -> (namespace, address): two namespaces joined by a veth pair (eth0 in each)."""
-    if sys.platform != "linux" or shutil.which("ip") is None:
-        pytest.skip("needs Linux with iproute2 (ip netns)")
-    for tool, package in (("iptables", "iptables"), ("tc", "iproute2")):
-        if shutil.which(tool) is None:
-            pytest.skip(f"needs {tool} (apt package {package})")
-    tag = secrets.token_hex(3)
-    subnet = f"10.{200 + secrets.randbelow(50)}.{secrets.randbelow(250)}"
+    require_tools(("iptables", "iptables"), ("tc", "iproute2"))
+    tag, subnet = run_names()
     made: list[str] = []
     try:
         out: dict[str, tuple[str, str]] = {}
         for i, host in enumerate("ab", start=1):
             ns = f"tkv{tag}n{host}"
-            probe = ip("netns", "add", ns, check=False)
-            if probe.returncode != 0:
-                pytest.skip(f"cannot create network namespaces here: {probe.stderr.strip()}")
+            add_namespace(ns)
             made.append(ns)
-            ip("-n", ns, "link", "set", "lo", "up")
             out[host] = (ns, f"{subnet}.{i}")
         (na, _), (nb, _) = out["a"], out["b"]
         ip("-n", na, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", nb)
@@ -81,31 +61,20 @@ def hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, tuple[str, str]
             ip("netns", "del", ns, check=False)
 
 
-class NetnsServer(ServerProcess):
-    """A `tierkv server` inside a network namespace (same pid: ip netns exec execs it)."""
-
-    netns: str = ""
-
-    def command(self) -> list[str]:
-        return ["ip", "netns", "exec", self.netns, *super().command()]
-
-
-def start(hosts: dict[str, tuple[str, str]], host: str, tmp_path: Path) -> NetnsServer:
+def start(
+    hosts: dict[str, tuple[str, str]], host: str, tmp_path: Path, transport: str
+) -> NetnsServer:
     ns, addr = hosts[host]
     seeds = ",".join(f"{a}:{CONTROL_PORT}" for _, a in hosts.values())
     args = [
         "--cluster-host", addr, "--cluster-port", str(CONTROL_PORT),
         "--cluster-seeds", seeds, "--auth-token", TOKEN, *OPTIONS,
+        "--peer-transport", transport,
     ]  # fmt: skip
     instance = f"{host}-{secrets.token_hex(4)}"
     srv = NetnsServer(instance, tmp_path / f"run-{instance}", "64MiB", args)
     srv.netns = ns
     return srv.start()
-
-
-def cluster(srv: ServerProcess) -> dict[str, Any]:
-    with srv.client(auth_token=TOKEN) as c:
-        return dict(c.stats().cluster)
 
 
 def alive(srv: ServerProcess) -> int:
@@ -134,27 +103,32 @@ def fetch(srv: ServerProcess, seed: int, rid: str) -> int:
         return int(hits)
 
 
-def over_nixl(reader: ServerProcess, holder_id: str) -> int:
-    received = cluster(reader)["transport"]["nixl"]["received"]
-    return int(received.get(holder_id, {}).get("chunks", 0))
+def received(reader: ServerProcess, holder_id: str, transport: str) -> int:
+    """Chunks ``reader`` read from ``holder_id`` over ``transport``."""
+    figures = cluster(reader)["transport"]
+    if transport == "nixl":
+        figures = figures["nixl"]
+    return int(figures["received"].get(holder_id, {}).get("chunks", 0))
 
 
-def test_nixl_reads_across_a_veth_pair_with_loss_a_rate_limit_and_a_cut(
-    hosts: dict[str, tuple[str, str]], tmp_path: Path
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=needs_nixl)])
+def test_reads_across_a_veth_pair_with_loss_a_rate_limit_and_a_cut(
+    transport: str, hosts: dict[str, tuple[str, str]], tmp_path: Path
 ) -> None:
     servers: list[NetnsServer] = []
     try:
-        a = start(hosts, "a", tmp_path)
+        a = start(hosts, "a", tmp_path, transport)
         servers.append(a)
-        b = start(hosts, "b", tmp_path)
+        b = start(hosts, "b", tmp_path, transport)
         servers.append(b)
         wait_for(lambda: alive(a) == alive(b) == 2)
         a_id = f"{hosts['a'][1]}:{CONTROL_PORT}"
         store(a, 1)
         assert fetch(b, 1, "clean") == CHUNKS
-        assert over_nixl(b, a_id) == CHUNKS
-        nixl = cluster(b)["transport"]["nixl"]
-        assert nixl["ucx_tls"] == "tcp" and nixl["fallbacks"] == 0
+        assert received(b, a_id, transport) == CHUNKS
+        if transport == "nixl":
+            nixl = cluster(b)["transport"]["nixl"]
+            assert nixl["ucx_tls"] == "tcp" and nixl["fallbacks"] == 0
 
         # 2 % of the packets each way dropped at random, A's sends limited to 50 Mbit/s.
         ns_a, ns_b = hosts["a"][0], hosts["b"][0]
@@ -166,8 +140,9 @@ def test_nixl_reads_across_a_veth_pair_with_loss_a_rate_limit_and_a_cut(
         for seed in (2, 3, 4):
             store(a, seed)
             assert fetch(b, seed, f"lossy-{seed}") == CHUNKS  # byte-exact
-        assert over_nixl(b, a_id) == 4 * CHUNKS  # all over NIXL, none fell back
-        assert cluster(b)["transport"]["nixl"]["fallbacks"] == 0
+        assert received(b, a_id, transport) == 4 * CHUNKS  # all over it, none fell back
+        if transport == "nixl":
+            assert cluster(b)["transport"]["nixl"]["fallbacks"] == 0
 
         # A cut: every packet from A dropped. B's reads of A's chunks are misses, bounded.
         store(a, 5)
