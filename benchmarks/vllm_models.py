@@ -104,7 +104,15 @@ COMMON = {
 FLOAT32 = {"dtype": "float32"}
 KINDS = {
     "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 2600, FLOAT32),
-    "mla": Kind("build_mla_model", "MLAModelSpec", {**COMMON, "q_lora_rank": 128}, 1600, FLOAT32),
+    # vLLM's reference CPU_MLA backend on any CPU (with AMX tiles vLLM would take AMX_MLA,
+    # which takes no float32 weights).
+    "mla": Kind(
+        "build_mla_model",
+        "MLAModelSpec",
+        {**COMMON, "q_lora_rank": 128},
+        1600,
+        {**FLOAT32, "attention_backend": "CPU_MLA"},
+    ),
     "gemma3-hma": Kind(
         "build_sliding_model",
         "SlidingModelSpec",

@@ -12,9 +12,11 @@ config's ``out`` path.
 Config keys: model, endpoint (null: no tierkv), role (kv_both/kv_producer/kv_consumer),
 timeout (the connector's RPC timeout, default 2.0), store_decode, tenant and async_store (the
 connector options), num_blocks (vLLM's num_gpu_blocks_override: a small KV cache) and
-max_model_len (default 4096), dtype (default float32),
-tensor_parallel_size (default 1), prefix_caching, hma (vLLM's hybrid KV cache manager on or
-off; default: vLLM's choice, on unless a connector without ``SupportsHMA`` is attached),
+max_model_len (default 4096), dtype (default float32), attention_backend (vLLM's: e.g.
+"CPU_MLA", which an x86 CPU with AMX tiles would replace by AMX_MLA, a backend that takes no
+float32 weights), tensor_parallel_size (default 1), prefix_caching, hma (vLLM's hybrid KV
+cache manager on or off; default: vLLM's choice, on unless a connector without
+``SupportsHMA`` is attached),
 prompts ([{"tokens": [...], "salt": "..."|null}], see below), max_tokens, out, wait_for (a
 file to wait for before generating),
 done (a file to create after), report_clients (add
@@ -225,6 +227,8 @@ def main(config_path: str) -> None:
         }
     if "hma" in config:
         kwargs["disable_hybrid_kv_cache_manager"] = not config["hma"]
+    if config.get("attention_backend"):
+        kwargs["attention_backend"] = config["attention_backend"]
     if config.get("kv_events_endpoint"):
         kwargs["kv_events_config"] = {
             "enable_kv_cache_events": True,
