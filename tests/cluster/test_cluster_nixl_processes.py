@@ -16,6 +16,7 @@ import pytest
 from support.clusterkit import converged, start_node, status, wait_for
 from support.kvops import fetch, store, tokens_for
 from support.nixl_kit import (
+    SHM_DIR,
     TOKEN,
     UCX_ENV,
     WRITER,
@@ -67,6 +68,8 @@ def holders(tmp_path: Path) -> Iterator[Callable[..., HolderProcess]]:
         if h.proc.poll() is None:
             os.kill(h.proc.pid, signal.SIGCONT)
         h.stop()
+    # Killed or not, no holder leaves its pool behind in /dev/shm.
+    assert not [h.pool_name for h in started if (SHM_DIR / h.pool_name).exists()]
 
 
 def read_all(

@@ -32,6 +32,8 @@ from tierkv.cluster.transport import Served
 from tierkv.index import Holder, ObjectIndex
 from tierkv.pool import ShmPool
 
+SHM_DIR = Path("/dev/shm")
+
 TOKEN = "nixl-test-secret"
 # UCX over TCP on loopback: what a cross-node path uses (cma, one host's shortcut, is off).
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -128,8 +130,11 @@ class HolderProcess:
         env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
         self.log_path = tmp / f"holder-{seed}-{uuid.uuid4().hex[:6]}.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
+        # Named here, so that stop() can remove the segment of a holder that was killed.
+        self.pool_name = f"tierkv-nixl-test-{uuid.uuid4().hex[:10]}"
         cmd = [sys.executable, "-m", "support.nixl_kit", "--seed", str(seed),
-               "--chunks", str(chunks), "--size", str(size), *extra]  # fmt: skip
+               "--chunks", str(chunks), "--size", str(size), "--pool-name", self.pool_name,
+               *extra]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env
         )
@@ -161,10 +166,13 @@ class HolderProcess:
         assert self._line() == b"ok"
 
     def stop(self) -> None:
+        """Kill the holder; remove its pool's segment, which a killed process leaves."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
         self.log.close()
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / self.pool_name).unlink()
 
 
 def _holder_main() -> None:
@@ -174,10 +182,11 @@ def _holder_main() -> None:
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--chunks", type=int, required=True)
     ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--pool-name", required=True)
     ap.add_argument("--lease-ttl", type=float, default=10.0)
     ap.add_argument("--bad-metadata", action="store_true")
     args = ap.parse_args()
-    source = PoolSource(args.chunks * args.size + (4 << 20))
+    source = PoolSource(args.chunks * args.size + (4 << 20), args.pool_name)
     keys = [chunk_key(args.seed, i) for i in range(args.chunks)]
     for i, key in enumerate(keys):
         source.put(key, chunk_bytes(args.seed, i, args.size))
