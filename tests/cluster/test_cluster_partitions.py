@@ -18,13 +18,22 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from support.clusterkit import TOKEN, wait_for
-from support.kvops import chunk_keys, tokens_for
-from support.netns import NetnsServer, add_namespace, cluster, in_ns, ip, require_tools, run_names
-from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
+from support.netns import (
+    CHUNKS,
+    NetnsServer,
+    add_namespace,
+    cluster,
+    fetch,
+    in_ns,
+    ip,
+    require_tools,
+    run_names,
+    store,
+)
+from support.servers import ServerProcess, stop_and_clean
 
 pytestmark = pytest.mark.processes
 
@@ -35,7 +44,6 @@ TIMINGS = [
     "--peer-timeout", "0.5",
     "--prefetch-timeout", "5",
 ]  # fmt: skip
-CHUNKS = 4
 
 
 @dataclass
@@ -93,29 +101,6 @@ def start_host(hosts: Hosts, host: str, tmp_path: Path) -> NetnsServer:
 
 def alive(srv: ServerProcess) -> set[str]:
     return {str(r["node_id"]) for r in cluster(srv)["members"] if r["state"] in ("alive", "self")}
-
-
-def store(srv: ServerProcess, seed: int) -> list[bytes]:
-    tokens = tokens_for(seed, CHUNKS)
-    with srv.client(auth_token=TOKEN) as c:
-        register(c)
-        res = c.store(tokens, [chunk_data(tokens, j) for j in range(CHUNKS)])
-        assert res.stored == list(range(CHUNKS))
-        return chunk_keys(c, tokens)
-
-
-def fetch(srv: ServerProcess, seed: int, rid: str) -> int:
-    """Look up (waiting for the prefetch) and retrieve, bytes checked: the hits."""
-    tokens = tokens_for(seed, CHUNKS)
-    with srv.client(auth_token=TOKEN) as c:
-        register(c)
-        hits = c.lookup(tokens, request_id=rid, wait=True).hits
-        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
-        got = c.retrieve(request_id=rid, out=out)
-        assert got.retrieved == list(range(hits))
-        for j in got.retrieved:
-            np.testing.assert_array_equal(out[j], chunk_data(tokens, j))
-        return hits
 
 
 def test_a_one_way_cut_is_detected_bounded_and_healed(hosts: Hosts, tmp_path: Path) -> None:

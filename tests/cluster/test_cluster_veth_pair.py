@@ -13,14 +13,23 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from support.clusterkit import TOKEN, wait_for
-from support.kvops import tokens_for
-from support.netns import NetnsServer, add_namespace, cluster, in_ns, ip, require_tools, run_names
+from support.netns import (
+    CHUNKS,
+    NetnsServer,
+    add_namespace,
+    cluster,
+    fetch,
+    in_ns,
+    ip,
+    require_tools,
+    run_names,
+    store,
+)
 from support.nixl_kit import needs_nixl
-from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register, stop_and_clean
+from support.servers import ServerProcess, stop_and_clean
 
 pytestmark = pytest.mark.processes
 
@@ -31,7 +40,6 @@ OPTIONS = [
     "--peer-timeout", "3",  # a READ's deadline: a liveness bound through loss and the limit
     "--prefetch-timeout", "10",
 ]  # fmt: skip
-CHUNKS = 4
 
 
 @pytest.fixture
@@ -79,28 +87,6 @@ def start(
 
 def alive(srv: ServerProcess) -> int:
     return sum(r["state"] in ("alive", "self") for r in cluster(srv)["members"])
-
-
-def store(srv: ServerProcess, seed: int) -> None:
-    tokens = tokens_for(seed, CHUNKS)
-    with srv.client(auth_token=TOKEN) as c:
-        register(c)
-        res = c.store(tokens, [chunk_data(tokens, j) for j in range(CHUNKS)])
-        assert res.stored == list(range(CHUNKS))
-
-
-def fetch(srv: ServerProcess, seed: int, rid: str) -> int:
-    """Look up (waiting for the prefetch) and retrieve, bytes checked: the hits."""
-    tokens = tokens_for(seed, CHUNKS)
-    with srv.client(auth_token=TOKEN) as c:
-        register(c)
-        hits = c.lookup(tokens, request_id=rid, wait=True).hits
-        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
-        got = c.retrieve(request_id=rid, out=out)
-        assert got.retrieved == list(range(hits))
-        for j in got.retrieved:
-            np.testing.assert_array_equal(out[j], chunk_data(tokens, j))
-        return int(hits)
 
 
 def received(reader: ServerProcess, holder_id: str, transport: str) -> int:

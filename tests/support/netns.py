@@ -1,6 +1,7 @@
 """Hosts simulated with network namespaces for the cluster tests: ``ip`` and commands inside
 a namespace, the checks that skip (with the reason) where namespaces or a tool are missing,
-unique names and a subnet per run, and a `tierkv server` that runs inside a namespace."""
+unique names and a subnet per run, a `tierkv server` that runs inside a namespace, and what
+the tests do on a host (store a prompt's chunks; look them up and read them back, checked)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import subprocess
 import sys
 from typing import Any
 
+import numpy as np
 import pytest
 
 from support.clusterkit import TOKEN
-from support.servers import ServerProcess
+from support.kvops import chunk_keys, tokens_for
+from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
+
+CHUNKS = 4  # a prompt's chunks in store() and fetch()
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -60,3 +65,28 @@ def cluster(srv: ServerProcess) -> dict[str, Any]:
     """The server's cluster figures (``/status``'s cluster part, over RPC)."""
     with srv.client(auth_token=TOKEN) as c:
         return dict(c.stats().cluster)
+
+
+def store(srv: ServerProcess, seed: int) -> list[bytes]:
+    """Store prompt ``seed``'s :data:`CHUNKS` chunks on ``srv``; their keys."""
+    tokens = tokens_for(seed, CHUNKS)
+    with srv.client(auth_token=TOKEN) as c:
+        register(c)
+        res = c.store(tokens, [chunk_data(tokens, j) for j in range(CHUNKS)])
+        assert res.stored == list(range(CHUNKS))
+        return chunk_keys(c, tokens)
+
+
+def fetch(srv: ServerProcess, seed: int, rid: str) -> int:
+    """Look up prompt ``seed`` on ``srv`` (waiting for the prefetch) and retrieve it, bytes
+    checked: the hits."""
+    tokens = tokens_for(seed, CHUNKS)
+    with srv.client(auth_token=TOKEN) as c:
+        register(c)
+        hits = c.lookup(tokens, request_id=rid, wait=True).hits
+        out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(CHUNKS)]
+        got = c.retrieve(request_id=rid, out=out)
+        assert got.retrieved == list(range(hits))
+        for j in got.retrieved:
+            np.testing.assert_array_equal(out[j], chunk_data(tokens, j))
+        return int(hits)
