@@ -1,5 +1,6 @@
 """The holder's lease table alone: grants, releases by the right peer only, expiry by a
-deadline (a fake clock, and the reaper thread with the real one), a bound on live leases."""
+deadline (a fake clock, with no reaper thread racing the test's own expire calls; and the
+reaper thread with the real clock), a bound on live leases."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_leases_expire_in_deadline_order() -> None:
 
 def test_the_reaper_drops_an_expired_lease_without_any_traffic() -> None:
     done = threading.Event()
-    t = LeaseTable(lambda served: done.set(), 0.05)
+    t = LeaseTable(lambda served: done.set(), 0.05).start()
     t.grant("r", Served([None], [b""]), 1)
     assert done.wait(20.0)  # a liveness bound
     assert t.stats()["expired"] == 1 and t.live() == 0

@@ -63,13 +63,19 @@ class LeaseTable:
             self._next += 1
             self._leases[lease.id] = lease
             self.granted += 1
-            if self._reaper is None:
+            self._cond.notify()
+        return lease
+
+    def start(self) -> LeaseTable:
+        """Start the reaper thread: it ends each lease at its deadline (without it, only
+        :meth:`expire` does, as in tests that move a clock of their own). Idempotent."""
+        with self._cond:
+            if self._reaper is None and not self._closed:
                 self._reaper = threading.Thread(
                     target=self._reap, name="tierkv-nixl-leases", daemon=True
                 )
                 self._reaper.start()
-            self._cond.notify()
-        return lease
+        return self
 
     def end(self, lease_id: int, peer: str) -> int:
         """Release a lease of ``peer``: the number of its chunks, 0 if it is not live (it

@@ -142,7 +142,7 @@ class NixlTransport(TcpTransport):
         self.why_not_nixl = why
         if why:
             log.warning("peer transport nixl: %s; peers read from this node over TCP", why)
-        self.leases = LeaseTable(self._release_served, lease_ttl, max_leases)
+        self.leases = LeaseTable(self._release_served, lease_ttl, max_leases).start()
         self._remotes: dict[tuple[str, int], _Remote] = {}
         self._tcp_only: dict[tuple[str, int], float] = {}  # until (monotonic)
         self._nixl_lock = threading.Lock()  # the two tables above; no I/O under it
