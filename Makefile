@@ -21,7 +21,8 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c scripts/ensure-system-deps.sh
+$(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c \
+		src/tierkv/_fileread.c src/tierkv/_stream.h scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
 	$(PY) -m pip install -q -e '.[redis,s3,test]'
 	touch $(STAMP)

@@ -3,10 +3,13 @@
 - ``tierkv._keychain`` hashes the key chain (:mod:`tierkv.keys`).
 - ``tierkv._streamcopy`` copies chunks between arrays with non-temporal stores
   (:mod:`tierkv.arraycopy`).
+- ``tierkv._fileread`` reads page-cached chunk files into the pool, checksummed on the way
+  (:mod:`tierkv.piecewise_io`); it links libxxhash (``libxxhash-dev``).
 
-Both are optional: without a C compiler, Python's headers or OpenSSL's (``libssl-dev``),
-tierkv installs anyway, hashes the same keys in Python and copies with numpy, slower
-(``tierkv.keys.NATIVE_CHAIN`` and ``tierkv.arraycopy.STREAMING`` say which).
+All are optional: without a C compiler, Python's headers, OpenSSL's (``libssl-dev``) or
+xxHash's (``libxxhash-dev``), tierkv installs anyway, hashes the same keys in Python, copies
+with numpy and reads chunk files with ``os.preadv``, slower (``tierkv.keys.NATIVE_CHAIN``,
+``tierkv.arraycopy.STREAMING`` and ``tierkv.piecewise_io.MAPPED_READS`` say which).
 """
 
 from setuptools import Extension, setup
@@ -23,6 +26,15 @@ setup(
         Extension(
             "tierkv._streamcopy",
             sources=["src/tierkv/_streamcopy.c"],
+            depends=["src/tierkv/_stream.h"],
+            extra_compile_args=["-O2", "-Wall"],
+            optional=True,
+        ),
+        Extension(
+            "tierkv._fileread",
+            sources=["src/tierkv/_fileread.c"],
+            depends=["src/tierkv/_stream.h"],
+            libraries=["xxhash"],
             extra_compile_args=["-O2", "-Wall"],
             optional=True,
         ),

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install the system programs that tierkv's tests run for real (Redis, headless Chromium
 # for the dashboard test, ip and iptables for the network-namespace partition test) and what
-# its C helpers are built with (a C compiler, OpenSSL's headers, and Python's:
-# tierkv._keychain, tierkv._streamcopy), using the system package
+# its C helpers are built with (a C compiler, OpenSSL's and xxHash's headers, and Python's:
+# tierkv._keychain, tierkv._streamcopy, tierkv._fileread), using the system package
 # manager, only when they are missing. Idempotent and silent when everything is present;
 # run by `make venv` / `make test` before the Python dependencies, with the Python the venv
 # is made from.
@@ -19,6 +19,7 @@ REQUIRED=(
   "chromium chromium"
   "cc gcc"
   "/usr/include/openssl/evp.h libssl-dev"
+  "/usr/include/xxhash.h libxxhash-dev"
   "ip iproute2"
   "iptables iptables"
 )

@@ -32,62 +32,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define HAVE_STREAM 1
-#endif
+#include "_stream.h"
 
 #define MIN_RUN 64     /* shorter runs: numpy copies (False) */
-#define MIN_STREAM 256 /* shorter runs: memcpy */
 #define MAX_DIMS 64
-
-typedef void (*run_copy)(char *dst, const char *src, size_t n);
-
-static void
-plain(char *dst, const char *src, size_t n)
-{
-    memcpy(dst, src, n);
-}
-
-#ifdef HAVE_STREAM
-/* Streaming stores need aligned destinations: the head up to the alignment and the tail
- * are memcpy'd. */
-static void
-stream_sse2(char *dst, const char *src, size_t n)
-{
-    size_t i = (16 - ((uintptr_t)dst & 15)) & 15;
-    memcpy(dst, src, i);
-    for (; i + 64 <= n; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
-    }
-    memcpy(dst + i, src + i, n - i);
-}
-
-__attribute__((target("avx2"))) static void
-stream_avx2(char *dst, const char *src, size_t n)
-{
-    size_t i = (32 - ((uintptr_t)dst & 31)) & 31;
-    memcpy(dst, src, i);
-    for (; i + 128 <= n; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
-    }
-    memcpy(dst + i, src + i, n - i);
-}
-#endif
 
 static run_copy stream = plain; /* set at import: the best this CPU has */
 
@@ -179,9 +127,7 @@ run_plan(char *dp, const char *sp, const plan_t *plan)
         if (k < 0)
             break;
     }
-#ifdef HAVE_STREAM
-    _mm_sfence(); /* the streamed lines are visible to every core from here */
-#endif
+    stream_fence(); /* the streamed lines are visible to every core from here */
 }
 
 static PyObject *
@@ -237,13 +183,7 @@ done:
 static PyObject *
 kind(PyObject *self, PyObject *unused)
 {
-#ifdef HAVE_STREAM
-    if (stream == stream_avx2)
-        return PyUnicode_FromString("avx2");
-    return PyUnicode_FromString("sse2");
-#else
-    return PyUnicode_FromString("memcpy");
-#endif
+    return PyUnicode_FromString(stream_kind(stream));
 }
 
 static PyMethodDef methods[] = {
@@ -262,9 +202,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__streamcopy(void)
 {
-#ifdef HAVE_STREAM
-    __builtin_cpu_init();
-    stream = __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
-#endif
+    stream = stream_pick();
     return PyModule_Create(&module);
 }

@@ -16,6 +16,14 @@ the core then rather than at the end of the data thread's time slice.
 The checksum (:func:`tierkv.checksums.checksum`, XXH3-128) is computed piece by piece, right
 after each piece was written or has landed, while it is still in the CPU's cache, instead of
 in a second pass over the whole chunk.
+
+A file whose bytes are all in the page cache is read by ``tierkv._fileread`` where it was
+built (:data:`MAPPED_READS`): the file is mapped, copied with streaming stores piece by
+piece and each piece hashed from the caches, in C without the GIL. ``os.preadv``'s copy
+leaves neither side of a large copy in the caches, so hashing after it reads the chunk from
+memory again: 0.67-0.72 of a plain read's speed with the checksum, against 1.0-1.1 mapped
+(8 MiB chunks, two threads, on the CI machine type). A read from the device, or a file that
+changes under the copy, goes the ``os.preadv`` way.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import types
 from collections import deque
 from collections.abc import Sequence
 
@@ -30,10 +39,17 @@ import xxhash
 
 from tierkv.checksums import checksummer
 from tierkv.framing import drop_sent
-from tierkv.priority import give_way
+from tierkv.priority import give_way, is_data_thread
+
+_fileread: types.ModuleType | None
+try:
+    from tierkv import _fileread
+except ImportError:  # built without a C compiler or libxxhash's headers
+    _fileread = None
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 HASH_STEP = 256 * 1024  # received bytes hashed at once
+MAPPED_READS = _fileread is not None  # page-cached files are read mapped (see above)
 
 
 # -- files -------------------------------------------------------------------------------
@@ -57,6 +73,10 @@ def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
 def read_hashed(fd: int, data: memoryview, offset: int) -> tuple[int, bytes]:
     """Fill ``data`` from ``offset`` of ``fd`` in pieces until it is full or the file ends;
     the bytes read and the checksum of what was read, computed piece by piece."""
+    if _fileread is not None and data.nbytes:
+        mapped = _fileread.read_hashed(fd, offset, data, PIECE, True, is_data_thread())
+        if mapped is not None:
+            return data.nbytes, mapped
     hasher = checksummer()
     pos, n = 0, data.nbytes
     while pos < n:
@@ -123,4 +143,12 @@ def recv_hashed(
     return digest
 
 
-__all__ = ["PIECE", "read_hashed", "recv_exact", "recv_hashed", "send_all", "write_hashed"]
+__all__ = [
+    "MAPPED_READS",
+    "PIECE",
+    "read_hashed",
+    "recv_exact",
+    "recv_hashed",
+    "send_all",
+    "write_hashed",
+]

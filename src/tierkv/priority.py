@@ -173,6 +173,12 @@ def _set_nice_and_slice(tid: int, nice: int, slice_ns: int) -> bool:
     return bool(ctypes.CDLL(None, use_errno=True).syscall(nr, tid, attr, 0) == 0)
 
 
+def is_data_thread() -> bool:
+    """Whether the calling thread was lowered into a data thread (and gives way between
+    pieces of its work: :func:`give_way`)."""
+    return bool(getattr(_state, "lowered", False))
+
+
 def give_way() -> None:
     """Between two pieces of bulk work on a data thread: a thread that woke meanwhile (an
     RPC loop, an engine's scheduler) gets this core now. On other threads this does nothing.

@@ -1,0 +1,9 @@
+"""Types of the C helper ``_fileread.c`` (see :mod:`tierkv.piecewise_io`)."""
+
+from typing import Any
+
+def read_hashed(
+    fd: int, offset: int, dst: Any, piece: int, resident_only: bool, give_way: bool, /
+) -> bytes | None: ...
+def faults() -> int: ...
+def kind() -> str: ...

@@ -1,0 +1,232 @@
+"""Tests for tierkv._fileread, the C helper that reads page-cached chunk files into the pool
+with one streaming copy and hashes them on the way (tierkv.piecewise_io.read_hashed): it is
+built here, its bytes and checksum equal os.preadv's and a one-shot XXH3, it leaves files that
+are not in the page cache to os.preadv, and a file that shrinks during the copy makes it give
+up (None, the process alive) instead of ending the process with SIGBUS."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tierkv import piecewise_io as pieces
+from tierkv.checksums import checksum
+
+try:
+    from tierkv import _fileread
+except ImportError:  # the first test fails and says why; the others skip
+    _fileread = None  # type: ignore[assignment]
+built = pytest.mark.skipif(_fileread is None, reason="tierkv._fileread was not built")
+
+HEADER = 64  # the payload's offset in a disk-tier record file
+SIZES = [1, 255, 256, 4096 - HEADER, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed + n).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _record(path: Path, payload: bytes) -> int:
+    """A file of HEADER bytes and ``payload`` (page-cached: just written); its descriptor."""
+    path.write_bytes(b"\xee" * HEADER + payload)
+    return os.open(path, os.O_RDONLY)
+
+
+def _evict(fd: int) -> None:
+    """Drop the file's clean pages from the page cache."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def test_page_cached_files_are_read_by_the_c_helper() -> None:
+    """`make test` installs what the helper needs (a C compiler, libxxhash's headers); a build
+    that silently fell back to os.preadv reads page-cached chunks a third slower."""
+    assert pieces.MAPPED_READS, (
+        "tierkv._fileread was not built: a C compiler, Python's headers and libxxhash-dev must "
+        "be present when tierkv is installed (scripts/ensure-system-deps.sh installs them)"
+    )
+
+
+@built
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("misalign", [0, 1, 17])
+def test_bytes_and_checksum_equal_a_plain_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, misalign: int
+) -> None:
+    payload = _payload(n)
+    fd = _record(tmp_path / "chunk", payload)
+    preadv_calls: list[int] = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(
+        os, "preadv", lambda *a: preadv_calls.append(1) or real_preadv(*a)
+    )  # only the fallback calls it
+    buf = bytearray(n + misalign + 64)
+    dst = memoryview(buf)[misalign : misalign + n]
+    try:
+        got, digest = pieces.read_hashed(fd, dst, HEADER)
+    finally:
+        os.close(fd)
+    assert (got, digest) == (n, checksum(payload))
+    assert bytes(dst) == payload
+    assert not any(buf[:misalign]) and not any(buf[misalign + n :])  # nothing else written
+    assert preadv_calls == []  # the mapped way, not the fallback
+
+
+@built
+def test_a_file_not_in_the_page_cache_is_left_to_preadv(tmp_path: Path) -> None:
+    payload = _payload(3 * pieces.PIECE)
+    fd = _record(tmp_path / "chunk", payload)
+    try:
+        _evict(fd)
+        dst = bytearray(len(payload))
+        assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, True, False) is None
+        # Without the residency check the pages are read from the device while mapped.
+        assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) == checksum(
+            payload
+        )
+        assert bytes(dst) == payload
+        # read_hashed then takes the os.preadv way for it, with the same result.
+        _evict(fd)
+        back = bytearray(len(payload))
+        assert pieces.read_hashed(fd, memoryview(back), HEADER) == (len(payload), checksum(payload))
+        assert bytes(back) == payload
+    finally:
+        os.close(fd)
+
+
+@built
+def test_a_file_shorter_than_asked_is_left_to_preadv(tmp_path: Path) -> None:
+    payload = _payload(pieces.PIECE)
+    fd = _record(tmp_path / "chunk", payload)
+    try:
+        for extra in (1, 4096, 3 * pieces.PIECE):  # within the last page, and beyond it
+            dst = bytearray(len(payload) + extra)
+            assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) is None
+            got, digest = pieces.read_hashed(fd, memoryview(dst), HEADER)
+            assert (got, digest) == (len(payload), checksum(payload))
+    finally:
+        os.close(fd)
+
+
+@built
+def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_process(
+    tmp_path: Path,
+) -> None:
+    """A truncation while the file is mapped turns the next touch of a dropped page into a
+    SIGBUS: the guard ends that copy (None) and counts it. Round by round, a copy of a 64 MiB
+    file starts and another thread shrinks the file some time later (from a tenth to nine
+    tenths of a copy's time), then restores it once the copy has returned; a copy that
+    completes returns the checksum of the bytes it delivered. (A shrink while the pages are
+    being populated, before the copy, gives None without a fault; one after the copy, a
+    whole copy.) Rounds go on until three copies were cut short by a fault."""
+    n = 64 << 20
+    path = tmp_path / "chunk"
+    payload = _payload(n)
+    fd = _record(path, payload)
+    wfd = os.open(path, os.O_WRONLY)
+    dst = bytearray(n)
+    t0 = time.perf_counter()
+    assert _fileread.read_hashed(fd, HEADER, dst, 64 << 10, False, True) is not None
+    copy_s = time.perf_counter() - t0  # to schedule the shrinks, not to check anything
+    delays = [copy_s * k / 10 for k in range(1, 10)]
+    started, returned, regrown = threading.Event(), threading.Event(), threading.Event()
+    stop = False
+
+    def shrink_each_copy() -> None:
+        rounds = 0
+        while started.wait() and not stop:
+            started.clear()
+            time.sleep(delays[rounds % len(delays)])
+            rounds += 1
+            os.ftruncate(wfd, HEADER + n // 4)
+            returned.wait()
+            returned.clear()
+            os.pwrite(wfd, payload[n // 4 :], HEADER + n // 4)
+            regrown.set()
+
+    before = _fileread.faults()
+    worker = threading.Thread(target=shrink_each_copy, daemon=True)
+    worker.start()
+    results = {"cut short": 0, "whole": 0}
+    try:
+        for _ in range(300):
+            regrown.clear()
+            started.set()
+            digest = _fileread.read_hashed(fd, HEADER, dst, 64 << 10, False, True)
+            returned.set()
+            regrown.wait()
+            if digest is None:
+                results["cut short"] += 1
+            else:
+                assert digest == checksum(dst)
+                results["whole"] += 1
+            if _fileread.faults() - before >= 3:
+                break
+    finally:
+        stop = True
+        started.set()
+        returned.set()
+        worker.join()
+        os.close(wfd)
+        os.close(fd)
+    faults = _fileread.faults() - before
+    assert faults > 0, results
+    assert results["cut short"] >= faults
+
+
+@built
+def test_bad_arguments_are_refused_and_the_helper_keeps_working(tmp_path: Path) -> None:
+    payload = _payload(1000)
+    fd = _record(tmp_path / "chunk", payload)
+    try:
+        with pytest.raises(ValueError, match="offset"):
+            _fileread.read_hashed(fd, -1, bytearray(10), 4096, True, False)
+        with pytest.raises(ValueError, match="piece"):
+            _fileread.read_hashed(fd, 0, bytearray(10), 0, True, False)
+        with pytest.raises(TypeError):  # read-only destination
+            _fileread.read_hashed(fd, 0, b"0123456789", 4096, True, False)
+        with pytest.raises(TypeError):  # not contiguous
+            _fileread.read_hashed(fd, 0, np.zeros((8, 8), np.uint8)[:, ::2], 4096, True, False)
+        assert _fileread.read_hashed(-1, 0, bytearray(10), 4096, True, False) is None  # bad fd
+        assert _fileread.read_hashed(fd, 0, bytearray(0), 4096, True, False) is None  # nothing
+        os.mkdir(tmp_path / "dir")
+        dfd = os.open(tmp_path / "dir", os.O_RDONLY)
+        try:
+            assert _fileread.read_hashed(dfd, 0, bytearray(10), 4096, True, False) is None
+        finally:
+            os.close(dfd)
+        dst = bytearray(len(payload))
+        assert _fileread.read_hashed(fd, HEADER, dst, 4096, True, False) == checksum(payload)
+        assert bytes(dst) == payload
+    finally:
+        os.close(fd)
+
+
+@built
+def test_threads_read_at_once(tmp_path: Path) -> None:
+    n = 2 * pieces.PIECE + 7
+    files = [_payload(n, seed) for seed in range(8)]
+    fds = [_record(tmp_path / f"chunk{i}", p) for i, p in enumerate(files)]
+    out: dict[int, tuple[bytes, bytes | None]] = {}
+
+    def read(i: int) -> None:
+        for _ in range(20):
+            dst = bytearray(n)
+            digest = _fileread.read_hashed(fds[i], HEADER, dst, 64 << 10, True, True)
+            out[i] = (bytes(dst), digest)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(files))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert out == {i: (p, checksum(p)) for i, p in enumerate(files)}
