@@ -172,6 +172,11 @@ class Agent:
         except Exception as exc:
             log.debug("NIXL: removing remote agent %s: %s", name, exc)
 
+    def notifications(self) -> list[bytes]:
+        """The notification messages peers' transfers delivered since the last call."""
+        got = self._agent.get_new_notifs()
+        return [bytes(msg) for msgs in got.values() for msg in msgs]
+
     # -- transfers -------------------------------------------------------------------------
     def read(
         self,
@@ -179,10 +184,13 @@ class Agent:
         remote: Sequence[tuple[int, int]],
         agent: str,
         deadline: float,
+        notify: bytes = b"",
     ) -> str:
         """READ each remote (address, length) of ``agent`` into the local one; DONE, ERR,
         TIMEOUT (``deadline``, monotonic, passed: the transfer was cancelled) or REFUSED
-        (NIXL would not start it: nothing was transferred). The handle is released."""
+        (NIXL would not start it: nothing was transferred). The handle is released.
+        ``notify``: a message NIXL delivers to ``agent`` once the transfer is done
+        (:meth:`notifications` there)."""
         mine = np.array([(a, n, 0) for a, n in local], dtype=np.uint64).reshape(-1, 3)
         theirs = np.array([(a, n, 0) for a, n in remote], dtype=np.uint64).reshape(-1, 3)
         try:
@@ -191,6 +199,7 @@ class Agent:
                 self._agent.get_xfer_descs(mine, "DRAM"),
                 self._agent.get_xfer_descs(theirs, "DRAM"),
                 agent,
+                notify,
             )
         except Exception as exc:
             log.debug("NIXL: a READ from %s could not start: %s", agent, exc)

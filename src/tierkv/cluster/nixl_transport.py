@@ -18,17 +18,22 @@ connections, after the hello only (little-endian, fixed-size headers):
 - ``"TKVU"``, count 1, a lease id: release it. Reply: status (OK, UNKNOWN: expired,
   released already, or another peer's) and the number of chunks it held.
 
+A READ carries a completion notification for the holder: ``"TKVU"`` and the lease id
+(:data:`COMPLETED`, 12 bytes), which NIXL delivers to the holder's agent once the transfer
+is done; the holder then releases that lease (:mod:`tierkv.cluster.leases`). A reader
+sends TKVU itself only when its READ did not complete.
+
 A malformed request closes the connection with a warning, as a malformed TKVR does.
 
 Reader: per peer (address and incarnation) it loads the holder's metadata once, then per
 batch takes a lease, READs every leased chunk with one transfer into its slots (which must
 lie in its own registered pool; others go over TCP), polls the transfer until a deadline of
-its own (the peer timeout, and never past the lease's time to live), verifies each chunk's
-checksum, and releases the lease. A deadline passed or a failed READ cancels the transfer
-(the handle is released, the peer's agent unloaded) and the chunks are ERROR: a miss, never
-a hang. A holder without NIXL, metadata NIXL refuses, a region the holder unregistered or a
-failed READ send that peer's reads over TCP (one log line per event; retried after
-:data:`FALLBACK_RETRY` seconds, except for a holder without NIXL).
+its own (the peer timeout, and never past the lease's time to live) and verifies each
+chunk's checksum; the READ's notification releases the lease. A deadline passed or a failed
+READ cancels the transfer (the handle is released, the peer's agent unloaded) and the chunks
+are ERROR: a miss, never a hang. A holder without NIXL, metadata NIXL refuses, a region the
+holder unregistered or a failed READ send that peer's reads over TCP (one log line per event;
+retried after :data:`FALLBACK_RETRY` seconds, except for a holder without NIXL).
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ LEASE_HEAD = struct.Struct("<B3xIQQ")  # status, ttl ms, lease id, generation
 LEASED = struct.Struct("<B7xQQ16s")  # status, offset, length, checksum
 RELEASE = struct.Struct("<Q")  # lease id
 RELEASED = struct.Struct("<B7xQ")  # status, chunks released
+COMPLETED = struct.Struct("<4sQ")  # a READ's notification: b"TKVU", lease id
 LEASE_OK, LEASE_NONE, LEASE_BUSY = 0, 1, 2
 SENT_OUTSIDE = 4
 RELEASE_OK, RELEASE_UNKNOWN = 0, 1
@@ -142,7 +148,9 @@ class NixlTransport(TcpTransport):
         self.why_not_nixl = why
         if why:
             log.warning("peer transport nixl: %s; peers read from this node over TCP", why)
-        self.leases = LeaseTable(self._release_served, lease_ttl, max_leases).start()
+        self.leases = LeaseTable(
+            self._release_served, lease_ttl, max_leases, notifications=self._completed_reads
+        ).start()
         self._remotes: dict[tuple[str, int], _Remote] = {}
         self._tcp_only: dict[tuple[str, int], float] = {}  # until (monotonic)
         self._nixl_lock = threading.Lock()  # the two tables above; no I/O under it
@@ -158,6 +166,19 @@ class NixlTransport(TcpTransport):
         if self.agent is not None:
             self.agent.unregister()
             self.generation += 1
+
+    def _completed_reads(self) -> list[int]:
+        """The lease ids named by READ completion notifications since the last call."""
+        agent = self.agent
+        if agent is None:
+            return []
+        ids = []
+        for msg in agent.notifications():
+            if len(msg) == COMPLETED.size:
+                magic, lease_id = COMPLETED.unpack(msg)
+                if magic == b"TKVU":
+                    ids.append(lease_id)
+        return ids
 
     def _release_served(self, served: Served) -> None:
         if self._source is not None:
@@ -341,7 +362,8 @@ class NixlTransport(TcpTransport):
             local = [(addrs[i], items[i][1].nbytes) for i, _, _ in reads]
             remote_descs = [(a, items[i][1].nbytes) for i, a, _ in reads]
             if time.monotonic() < deadline:
-                state = agent.read(local, remote_descs, remote.agent, deadline)
+                done = COMPLETED.pack(b"TKVU", lease_id)  # ends the lease at the holder
+                state = agent.read(local, remote_descs, remote.agent, deadline, done)
             else:  # the lease (or our patience) ran out before the READ could start
                 state = EXPIRED
                 self.leases_expired_unread += 1
@@ -387,7 +409,8 @@ class NixlTransport(TcpTransport):
                 corrupt=corrupt,
                 errors=0 if state == REFUSED else len(reads) - chunks - corrupt,
             )
-        if lease_id and state != TIMEOUT:  # a stalled holder's lease expires there
+        # A completed READ's notification released the lease; a stalled holder's expires.
+        if lease_id and state not in (DONE, TIMEOUT):
             self._release_lease(peer, lease_id)
         return statuses, fallback
 
