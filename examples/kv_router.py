@@ -2,8 +2,8 @@
 
 Each instance runs with vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events":
 true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'``) and, with the tierkv connector,
-its stream also announces the chunks its tierkv server holds (medium ``CPU``; see the
-README's KV events section). The router subscribes to every stream and keeps, per instance
+its stream also announces the chunks its tierkv server holds (medium ``CPU``; see "KV
+events" in docs/cluster.md). The router subscribes to every stream and keeps, per instance
 and medium, the blocks announced (``BlockStored``) and not yet removed (``BlockRemoved``;
 ``AllBlocksCleared``, which vLLM sends when its own cache is reset, clears the GPU medium),
 as llm-d's kv-cache scorer does. A request's prompt is scored on each instance: the longest

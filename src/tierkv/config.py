@@ -613,6 +613,11 @@ class _Validating(Protocol):
 C = TypeVar("C", bound=_Validating)
 
 
+def env_var(name: str) -> str:
+    """The environment variable of the configuration field ``name`` (``TIERKV_POOL_SIZE``)."""
+    return f"TIERKV_{name.upper()}"
+
+
 def _fields(cls: type = ServerConfig) -> list[tuple[str, Any, Any]]:
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)
@@ -639,7 +644,7 @@ def add_arguments(
             typ = typ.type
         flag = "--" + name.replace("_", "-")
         shown = "none" if default is msgspec.NODEFAULT else (default if default != "" else '""')
-        help_text = f"{helps} (default: {shown}; env TIERKV_{name.upper()})"
+        help_text = f"{helps} (default: {shown}; env {env_var(name)})"
         if name == "tiers":
             group.add_argument(
                 "--tier",
@@ -650,7 +655,7 @@ def add_arguments(
                 help=help_text.replace("env TIERKV_TIERS", "env TIERKV_TIERS, ';'-separated"),
             )
         elif name in ("quotas", "disk_quotas"):
-            env_name = f"env TIERKV_{name.upper()}"
+            env_name = f"env {env_var(name)}"
             group.add_argument(
                 "--" + name[:-1].replace("_", "-"),
                 dest=name,
@@ -699,7 +704,7 @@ def load_as(
         merged.update({str(k).replace("-", "_"): v for k, v in data.items()})
     names = [name for name, _, _ in _fields(cls)]
     for name in names:
-        value = env.get(f"TIERKV_{name.upper()}")
+        value = env.get(env_var(name))
         if value is not None:
             merged[name] = value
     if args is not None:

@@ -43,6 +43,9 @@ from tierkv.pool import ShmPool
 
 T = TypeVar("T")
 
+# The settings an integration takes from the environment when its extra config leaves them out.
+ENV_DEFAULTS = {"endpoint": "TIERKV_ENDPOINT", "auth_token": "TIERKV_AUTH_TOKEN"}
+
 
 class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The settings of an engine's link to its server, which every integration's settings
@@ -75,8 +78,10 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("reply_spin_us must be >= 0")
         return msgspec.structs.replace(
             self,
-            endpoint=self.endpoint or os.environ.get("TIERKV_ENDPOINT") or default_endpoint(),
-            auth_token=self.auth_token or os.environ.get("TIERKV_AUTH_TOKEN", ""),
+            endpoint=self.endpoint
+            or os.environ.get(ENV_DEFAULTS["endpoint"])
+            or default_endpoint(),
+            auth_token=self.auth_token or os.environ.get(ENV_DEFAULTS["auth_token"], ""),
         )
 
 

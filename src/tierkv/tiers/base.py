@@ -94,7 +94,7 @@ class Tier(ABC):
         with :class:`TierError`, before anything is opened; called with every option."""
 
     def copies(self) -> str:
-        """What a store and a load cost in extra copies of the payload (for the README)."""
+        """What a store and a load cost in extra copies of the payload (for the documentation)."""
         return "unknown"
 
     @property
