@@ -15,7 +15,7 @@ NIXL_STAMP := $(VENV)/.tierkv-nixl-installed
 export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang fuzz nixl
+	sglang test-sglang bench-sglang bench-docs fuzz nixl
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
-	$(PY) -m pip install -q -e '.[redis,s3,test]'
+	$(PY) -m pip install -q -e '.[redis,s3,test,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -93,22 +93,29 @@ test-sglang: $(SGLANG_STAMP)
 
 ## Time to first token of a long prompt, cold versus served from tierkv.
 bench-vllm: $(VLLM_STAMP)
-	$(PY) benchmarks/vllm_ttft.py
+	$(PY) benchmarks/run.py --command 'make bench-vllm' benchmarks/vllm_ttft.py
 
 ## The SGLang backend's page moves against memcpy and SGLang's file backend.
 bench-sglang: $(SGLANG_STAMP)
-	$(SGLANG_PY) benchmarks/sglang_backend.py
+	$(SGLANG_PY) benchmarks/run.py --command 'make bench-sglang' benchmarks/sglang_backend.py
 
+## The benchmarks, each through benchmarks/run.py: its output as it comes, and its summary
+## figures appended to benchmarks/results.jsonl (render them with make bench-docs).
 bench: $(STAMP)
-	$(PY) benchmarks/hashing.py
-	$(PY) benchmarks/bookkeeping.py
-	$(PY) benchmarks/prefault.py
-	$(PY) benchmarks/shm_path.py
-	$(PY) benchmarks/tiers.py
-	$(PY) benchmarks/peers.py
-	$(PY) benchmarks/directory_repair.py
-	$(PY) benchmarks/silent_peer.py
-	$(PY) benchmarks/load.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/hashing.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/bookkeeping.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/prefault.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/shm_path.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/tiers.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/peers.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/directory_repair.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/silent_peer.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/load.py
+
+## docs/benchmarks.md, its charts (docs/img/bench-*.png) and the README's benchmark table,
+## from benchmarks/results.jsonl (the median of each figure's last three runs).
+bench-docs: $(STAMP)
+	$(PY) benchmarks/render_docs.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
