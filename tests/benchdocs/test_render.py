@@ -95,3 +95,8 @@ def test_committed_docs_are_up_to_date(rendered: tuple[Path, Path]) -> None:
 @pytest.mark.parametrize("word", ["session", "eleventh", "today we"])
 def test_page_is_written_for_users(word: str) -> None:
     assert word not in render_docs.TEMPLATE.read_text().lower()
+
+
+def test_repository_readme_has_the_markers() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert replace_between_markers(text, "| t |").count("| t |") == 1
