@@ -18,7 +18,7 @@ MERMAID_DIR := docs/assets/vendor
 MERMAID := $(MERMAID_DIR)/mermaid.min.js
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang fuzz nixl docs docs-serve
+	sglang test-sglang bench-sglang bench-docs fuzz nixl docs docs-serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -110,22 +110,29 @@ test-sglang: $(SGLANG_STAMP)
 
 ## Time to first token of a long prompt, cold versus served from tierkv.
 bench-vllm: $(VLLM_STAMP)
-	$(PY) benchmarks/vllm_ttft.py
+	$(PY) benchmarks/run.py --command 'make bench-vllm' benchmarks/vllm_ttft.py
 
 ## The SGLang backend's page moves against memcpy and SGLang's file backend.
 bench-sglang: $(SGLANG_STAMP)
-	$(SGLANG_PY) benchmarks/sglang_backend.py
+	$(SGLANG_PY) benchmarks/run.py --command 'make bench-sglang' benchmarks/sglang_backend.py
 
+## The benchmarks, each through benchmarks/run.py: its output as it comes, and its summary
+## figures appended to benchmarks/results.jsonl (render them with make bench-docs).
 bench: $(STAMP)
-	$(PY) benchmarks/hashing.py
-	$(PY) benchmarks/bookkeeping.py
-	$(PY) benchmarks/prefault.py
-	$(PY) benchmarks/shm_path.py
-	$(PY) benchmarks/tiers.py
-	$(PY) benchmarks/peers.py
-	$(PY) benchmarks/directory_repair.py
-	$(PY) benchmarks/silent_peer.py
-	$(PY) benchmarks/load.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/hashing.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/bookkeeping.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/prefault.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/shm_path.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/tiers.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/peers.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/directory_repair.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/silent_peer.py
+	$(PY) benchmarks/run.py --command 'make bench' benchmarks/load.py
+
+## docs/benchmarks.md, its charts (docs/img/bench-*.png) and the README's benchmark table,
+## from benchmarks/results.jsonl (the median of each figure's last three runs).
+bench-docs: $(STAMP)
+	$(PY) benchmarks/render_docs.py
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis site $(MERMAID_DIR)
