@@ -90,6 +90,11 @@ def test_committed_docs_are_up_to_date(rendered: tuple[Path, Path]) -> None:
     committed = {n: b for n, b in files(ROOT / "docs").items() if n.startswith(OURS)}
     stale = sorted(n for n in fresh.keys() | committed.keys() if fresh.get(n) != committed.get(n))
     assert not stale, f"run `make bench-docs` (stale or missing: {stale})"
+    readme = (ROOT / "README.md").read_text()
+    table = render_docs.readme_table(render_docs.summaries(results_file.load()))
+    assert render_docs.replace_between_markers(readme, table) == readme, (
+        "run `make bench-docs` (the README's benchmark table is stale)"
+    )
 
 
 @pytest.mark.parametrize("word", ["session", "eleventh", "today we"])

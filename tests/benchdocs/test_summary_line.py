@@ -55,6 +55,10 @@ ring_lookup_rest_max_ms=2.9 ring_held_lookup_rest_max_ms=8.0 worst_rest_over_tim
 floor engines8_roundtrip_p99_ms=4.57 engines8_steal=0.012 under_transfer_roundtrip_p99_ms=1.73
 load engines8_store_vs_memcpy=1.32 engines8_retrieve_vs_memcpy=1.20 \
 engines8_lookup_p99_ms=5.94 lookup_p99_under_transfer_ms=9.15""",
+    "controller.py": """\
+deregister: 7.91 ms (median of [7.9, 8.1, 7.6])
+controller lookup_us=2.10 memory_gb=4.41 full_report_ms=52.0 deregister_ms=7.91 \
+lookup512_wire_p50_us=1040""",
     "router_load.py": """\
 GET /quota: 1000 tenants 16.0 ms, 2000 tenants 30.1 ms, 4000 tenants 44.2 ms
 floor idle_p99_ms=1.20 routers_p99_ms=2.10 quota_p99_ms=1.90
