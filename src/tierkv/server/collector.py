@@ -269,10 +269,12 @@ class StatsCollector(Collector):
             states,
         )
         directory = dict(cluster["directory"])
+        # A ring node holds a shard of the directory; a server in controller mode holds
+        # none, and its directory's figures include text and flags (mode, controller).
         yield _gauge(
             "tierkv_cluster_directory_entries",
-            "Directory entries held by this node's shard",
-            directory.pop("entries"),
+            "Directory entries held by this node's shard (0 in controller mode)",
+            directory.pop("entries", 0),
         )
         directory.pop("members", None)
         yield _labelled(
@@ -281,7 +283,11 @@ class StatsCollector(Collector):
             "Directory operations (published/unpublished keys, resolves, owner round trips, "
             "entries handed off or re-published, rebalances, ...)",
             "op",
-            directory,
+            {
+                op: n
+                for op, n in directory.items()
+                if isinstance(n, int | float) and not isinstance(n, bool)
+            },
         )
         yield _gauge(
             "tierkv_cluster_published_chunks",

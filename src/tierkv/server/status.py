@@ -219,6 +219,7 @@ def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
     return {
         "server": {
             "version": s.server_version,
+            "protocol": p.PROTOCOL_VERSION,  # the wire protocol engines must speak
             "time": s.time,
             "uptime_s": s.uptime_s,
             "pool_name": s.pool_name,
