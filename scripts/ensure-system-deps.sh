@@ -2,7 +2,7 @@
 # Install the system programs that tierkv's tests run for real (Redis, headless Chromium
 # for the dashboard test, ip and iptables for the network-namespace partition test) and what
 # its C helpers are built with (a C compiler, OpenSSL's and xxHash's headers, and Python's:
-# tierkv._keychain, tierkv._streamcopy, tierkv._fileread), using the system package
+# tierkv._keychain, tierkv._streamcopy, tierkv._fileio), using the system package
 # manager, only when they are missing. Idempotent and silent when everything is present;
 # run by `make venv` / `make test` before the Python dependencies, with the Python the venv
 # is made from.

@@ -39,8 +39,9 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
-    # The os.preadv way (files not in the page cache; the mapped way: test_fileread.py).
-    monkeypatch.setattr(pieces, "_fileread", None)
+    # The Python loops (without the C helper; with it: test_fileio.py).
+    monkeypatch.setattr(pieces, "_write_native", None)
+    monkeypatch.setattr(pieces, "_read_mapped", None)
     ways: list[int] = []
     monkeypatch.setattr(pieces, "give_way", lambda: ways.append(len(sizes)))
     path = tmp_path / "chunk"

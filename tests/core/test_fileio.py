@@ -1,11 +1,13 @@
-"""Tests for tierkv._fileread, the C helper that reads page-cached chunk files into the pool
-with one streaming copy and hashes them on the way (tierkv.piecewise_io.read_hashed): it is
-built here, its bytes and checksum equal os.preadv's and a one-shot XXH3, it leaves files that
-are not in the page cache to os.preadv, and a file that shrinks during the copy makes it give
-up (None, the process alive) instead of ending the process with SIGBUS."""
+"""Tests for tierkv._fileio, the C helper that writes chunk files and reads page-cached ones
+into the pool with one streaming copy, hashing them on the way (tierkv.piecewise_io): it is
+built here; what it writes and its checksum equal a plain file's bytes and a one-shot XXH3;
+what it reads equals os.preadv's; it leaves files that are not in the page cache to
+os.preadv; a file that shrinks during the copy makes it give up (None, the process alive)
+instead of ending the process with SIGBUS; write errors are OSErrors."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -18,10 +20,10 @@ from tierkv import piecewise_io as pieces
 from tierkv.checksums import checksum
 
 try:
-    from tierkv import _fileread
+    from tierkv import _fileio
 except ImportError:  # the first test fails and says why; the others skip
-    _fileread = None  # type: ignore[assignment]
-built = pytest.mark.skipif(_fileread is None, reason="tierkv._fileread was not built")
+    _fileio = None  # type: ignore[assignment]
+built = pytest.mark.skipif(_fileio is None, reason="tierkv._fileio was not built")
 
 HEADER = 64  # the payload's offset in a disk-tier record file
 SIZES = [1, 255, 256, 4096 - HEADER, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
@@ -46,8 +48,8 @@ def _evict(fd: int) -> None:
 def test_page_cached_files_are_read_by_the_c_helper() -> None:
     """`make test` installs what the helper needs (a C compiler, libxxhash's headers); a build
     that silently fell back to os.preadv reads page-cached chunks a third slower."""
-    assert pieces.MAPPED_READS, (
-        "tierkv._fileread was not built: a C compiler, Python's headers and libxxhash-dev must "
+    assert pieces.NATIVE_FILE_IO, (
+        "tierkv._fileio was not built: a C compiler, Python's headers and libxxhash-dev must "
         "be present when tierkv is installed (scripts/ensure-system-deps.sh installs them)"
     )
 
@@ -78,17 +80,56 @@ def test_bytes_and_checksum_equal_a_plain_read(
 
 
 @built
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("offset", [0, HEADER, pieces.PIECE + 5])
+def test_writes_hold_the_bytes_and_return_their_checksum(
+    tmp_path: Path, n: int, offset: int
+) -> None:
+    payload = _payload(n)
+    path = tmp_path / "chunk"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.pwrite(fd, b"\xee" * offset, 0)
+        assert pieces.write_hashed(fd, memoryview(payload), offset) == checksum(payload)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"\xee" * offset + payload
+
+
+@built
+def test_a_failed_write_is_an_oserror_with_its_errno(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as failed:
+            _fileio.write_hashed(fd, 0, b"x" * 1000, 4096, False)
+        assert failed.value.errno == errno.EBADF
+        with pytest.raises(ValueError, match="offset"):
+            _fileio.write_hashed(fd, -1, b"x", 4096, False)
+        with pytest.raises(ValueError, match="piece"):
+            _fileio.write_hashed(fd, 0, b"x", 0, False)
+    finally:
+        os.close(fd)
+    full = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as failed:
+            _fileio.write_hashed(full, 0, b"x" * 1000, 4096, True)
+        assert failed.value.errno == errno.ENOSPC
+    finally:
+        os.close(full)
+
+
+@built
 def test_a_file_not_in_the_page_cache_is_left_to_preadv(tmp_path: Path) -> None:
     payload = _payload(3 * pieces.PIECE)
     fd = _record(tmp_path / "chunk", payload)
     try:
         _evict(fd)
         dst = bytearray(len(payload))
-        assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, True, False) is None
+        assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, True, False) is None
         # Without the residency check the pages are read from the device while mapped.
-        assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) == checksum(
-            payload
-        )
+        assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) == checksum(payload)
         assert bytes(dst) == payload
         # read_hashed then takes the os.preadv way for it, with the same result.
         _evict(fd)
@@ -106,7 +147,7 @@ def test_a_file_shorter_than_asked_is_left_to_preadv(tmp_path: Path) -> None:
     try:
         for extra in (1, 4096, 3 * pieces.PIECE):  # within the last page, and beyond it
             dst = bytearray(len(payload) + extra)
-            assert _fileread.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) is None
+            assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) is None
             got, digest = pieces.read_hashed(fd, memoryview(dst), HEADER)
             assert (got, digest) == (len(payload), checksum(payload))
     finally:
@@ -131,7 +172,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
     wfd = os.open(path, os.O_WRONLY)
     dst = bytearray(n)
     t0 = time.perf_counter()
-    assert _fileread.read_hashed(fd, HEADER, dst, 64 << 10, False, True) is not None
+    assert _fileio.read_hashed(fd, HEADER, dst, 64 << 10, False, True) is not None
     copy_s = time.perf_counter() - t0  # to schedule the shrinks, not to check anything
     delays = [copy_s * k / 10 for k in range(1, 10)]
     started, returned, regrown = threading.Event(), threading.Event(), threading.Event()
@@ -149,7 +190,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
             os.pwrite(wfd, payload[n // 4 :], HEADER + n // 4)
             regrown.set()
 
-    before = _fileread.faults()
+    before = _fileio.faults()
     worker = threading.Thread(target=shrink_each_copy, daemon=True)
     worker.start()
     results = {"cut short": 0, "whole": 0}
@@ -157,7 +198,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
         for _ in range(300):
             regrown.clear()
             started.set()
-            digest = _fileread.read_hashed(fd, HEADER, dst, 64 << 10, False, True)
+            digest = _fileio.read_hashed(fd, HEADER, dst, 64 << 10, False, True)
             returned.set()
             regrown.wait()
             if digest is None:
@@ -165,7 +206,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
             else:
                 assert digest == checksum(dst)
                 results["whole"] += 1
-            if _fileread.faults() - before >= 3:
+            if _fileio.faults() - before >= 3:
                 break
     finally:
         stop = True
@@ -174,7 +215,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
         worker.join()
         os.close(wfd)
         os.close(fd)
-    faults = _fileread.faults() - before
+    faults = _fileio.faults() - before
     assert faults > 0, results
     assert results["cut short"] >= faults
 
@@ -185,23 +226,23 @@ def test_bad_arguments_are_refused_and_the_helper_keeps_working(tmp_path: Path) 
     fd = _record(tmp_path / "chunk", payload)
     try:
         with pytest.raises(ValueError, match="offset"):
-            _fileread.read_hashed(fd, -1, bytearray(10), 4096, True, False)
+            _fileio.read_hashed(fd, -1, bytearray(10), 4096, True, False)
         with pytest.raises(ValueError, match="piece"):
-            _fileread.read_hashed(fd, 0, bytearray(10), 0, True, False)
+            _fileio.read_hashed(fd, 0, bytearray(10), 0, True, False)
         with pytest.raises(TypeError):  # read-only destination
-            _fileread.read_hashed(fd, 0, b"0123456789", 4096, True, False)
+            _fileio.read_hashed(fd, 0, b"0123456789", 4096, True, False)
         with pytest.raises(TypeError):  # not contiguous
-            _fileread.read_hashed(fd, 0, np.zeros((8, 8), np.uint8)[:, ::2], 4096, True, False)
-        assert _fileread.read_hashed(-1, 0, bytearray(10), 4096, True, False) is None  # bad fd
-        assert _fileread.read_hashed(fd, 0, bytearray(0), 4096, True, False) is None  # nothing
+            _fileio.read_hashed(fd, 0, np.zeros((8, 8), np.uint8)[:, ::2], 4096, True, False)
+        assert _fileio.read_hashed(-1, 0, bytearray(10), 4096, True, False) is None  # bad fd
+        assert _fileio.read_hashed(fd, 0, bytearray(0), 4096, True, False) is None  # nothing
         os.mkdir(tmp_path / "dir")
         dfd = os.open(tmp_path / "dir", os.O_RDONLY)
         try:
-            assert _fileread.read_hashed(dfd, 0, bytearray(10), 4096, True, False) is None
+            assert _fileio.read_hashed(dfd, 0, bytearray(10), 4096, True, False) is None
         finally:
             os.close(dfd)
         dst = bytearray(len(payload))
-        assert _fileread.read_hashed(fd, HEADER, dst, 4096, True, False) == checksum(payload)
+        assert _fileio.read_hashed(fd, HEADER, dst, 4096, True, False) == checksum(payload)
         assert bytes(dst) == payload
     finally:
         os.close(fd)
@@ -217,7 +258,7 @@ def test_threads_read_at_once(tmp_path: Path) -> None:
     def read(i: int) -> None:
         for _ in range(20):
             dst = bytearray(n)
-            digest = _fileread.read_hashed(fds[i], HEADER, dst, 64 << 10, True, True)
+            digest = _fileio.read_hashed(fds[i], HEADER, dst, 64 << 10, True, True)
             out[i] = (bytes(dst), digest)
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(len(files))]

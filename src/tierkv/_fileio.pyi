@@ -1,7 +1,8 @@
-"""Types of the C helper ``_fileread.c`` (see :mod:`tierkv.piecewise_io`)."""
+"""Types of the C helper ``_fileio.c`` (see :mod:`tierkv.piecewise_io`)."""
 
 from typing import Any
 
+def write_hashed(fd: int, offset: int, src: Any, piece: int, give_way: bool, /) -> bytes: ...
 def read_hashed(
     fd: int, offset: int, dst: Any, piece: int, resident_only: bool, give_way: bool, /
 ) -> bytes | None: ...
