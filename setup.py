@@ -3,13 +3,13 @@
 - ``tierkv._keychain`` hashes the key chain (:mod:`tierkv.keys`).
 - ``tierkv._streamcopy`` copies chunks between arrays with non-temporal stores
   (:mod:`tierkv.arraycopy`).
-- ``tierkv._fileio`` writes chunk files from the pool and reads page-cached ones into it,
+- ``tierkv._piecewise`` writes chunk files from the pool and reads page-cached ones into it,
   checksummed on the way (:mod:`tierkv.piecewise_io`); it links libxxhash (``libxxhash-dev``).
 
 All are optional: without a C compiler, Python's headers, OpenSSL's (``libssl-dev``) or
 xxHash's (``libxxhash-dev``), tierkv installs anyway, hashes the same keys in Python, copies
 with numpy and reads chunk files with ``os.preadv``, slower (``tierkv.keys.NATIVE_CHAIN``,
-``tierkv.arraycopy.STREAMING`` and ``tierkv.piecewise_io.NATIVE_FILE_IO`` say which).
+``tierkv.arraycopy.STREAMING`` and ``tierkv.piecewise_io.NATIVE`` say which).
 """
 
 from setuptools import Extension, setup
@@ -31,8 +31,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "tierkv._fileio",
-            sources=["src/tierkv/_fileio.c"],
+            "tierkv._piecewise",
+            sources=["src/tierkv/_piecewise.c"],
             depends=["src/tierkv/_stream.h"],
             libraries=["xxhash"],
             extra_compile_args=["-O2", "-Wall"],

@@ -1,5 +1,5 @@
 /* The copy with non-temporal ("streaming") stores that tierkv's C helpers share:
- * tierkv._streamcopy (arrays into and out of the pool) and tierkv._fileio (chunk files
+ * tierkv._streamcopy (arrays into and out of the pool) and tierkv._piecewise (chunk files
  * into the pool). Included by both (static functions: each module has its own copy of the
  * code, one definition in the source).
  *

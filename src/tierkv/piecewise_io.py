@@ -17,15 +17,16 @@ The checksum (:func:`tierkv.checksums.checksum`, XXH3-128) is computed piece by 
 after each piece was written or has landed, while it is still in the CPU's cache, instead of
 in a second pass over the whole chunk.
 
-Files go through the C helper ``tierkv._fileio`` where it was built
-(:data:`NATIVE_FILE_IO`): the same pieces, written and hashed in C without the GIL (the
-Python loop takes and drops it four times a piece, and with two threads at it, handing it
-over cost as much as the checksum); and a file whose bytes are all in the page cache is
-read mapped: copied with streaming stores piece by piece and each piece hashed from the
-caches. ``os.preadv``'s copy leaves neither side of a large copy in the caches, so hashing
-after it reads the chunk from memory again: 0.58-0.71 of a plain read's speed with the
-checksum, against 0.87-0.94 mapped (8 MiB chunks, two threads, the CI machine type). A
-read from the device, or a file that changes under the copy, goes the ``os.preadv`` way.
+Where the C helper ``tierkv._piecewise`` was built (:data:`NATIVE`), the same loops run in
+C without the GIL: the Python loops take and drop it several times a piece, and with
+several threads moving data at once (a peer fetch's streams, a tier's batch), handing it over
+cost as much as the copies. A file whose bytes are all in the page cache is read mapped
+there: copied with streaming stores piece by piece and each piece hashed from the caches.
+``os.preadv``'s copy leaves neither side of a large copy in the caches, so hashing after it
+reads the chunk from memory again: 0.58-0.71 of a plain read's speed with the checksum,
+against 0.87-0.94 mapped (8 MiB chunks, two threads, the CI machine type). A read from the
+device, or a file that changes under the copy, goes the ``os.preadv`` way. Sockets that are
+not plain ``socket.socket`` objects (TLS, test doubles) take the Python loops.
 """
 
 from __future__ import annotations
@@ -44,15 +45,19 @@ from tierkv.priority import give_way, is_data_thread
 
 _write_native: Callable[[int, int, memoryview, int, bool], bytes] | None
 _read_mapped: Callable[[int, int, memoryview, int, bool, bool], bytes | None] | None
+_send_native: Callable[[int, Sequence[memoryview | bytes], int, bool, float | None], None] | None
+_recv_native: Callable[[int, memoryview, int, bool, float | None], bytes] | None
 try:
-    from tierkv._fileio import read_hashed as _read_mapped
-    from tierkv._fileio import write_hashed as _write_native
+    from tierkv._piecewise import read_hashed as _read_mapped
+    from tierkv._piecewise import recv_hashed as _recv_native
+    from tierkv._piecewise import send_pieces as _send_native
+    from tierkv._piecewise import write_hashed as _write_native
 except ImportError:  # built without a C compiler or libxxhash's headers
-    _write_native = _read_mapped = None
+    _write_native = _read_mapped = _send_native = _recv_native = None
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 HASH_STEP = 256 * 1024  # received bytes hashed at once
-NATIVE_FILE_IO = _write_native is not None  # files are written and read by the C helper
+NATIVE = _write_native is not None  # whether the C helper moves the bytes (see above)
 
 
 # -- files -------------------------------------------------------------------------------
@@ -66,7 +71,7 @@ def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
     while pos < n:
         # Pieces end at multiples of PIECE in the file (the first is shorter by ``offset``):
         # the page cache then holds the file in large aligned folios, which a mapped read
-        # (tierkv._fileio) maps and copies about a tenth faster than unaligned ones.
+        # (tierkv._piecewise) maps and copies about a tenth faster than unaligned ones.
         end = min(n, pos + PIECE - (offset + pos) % PIECE)
         wrote = os.pwrite(fd, data[pos:end], offset + pos)
         if wrote <= 0:
@@ -102,6 +107,9 @@ def read_hashed(fd: int, data: memoryview, offset: int) -> tuple[int, bytes]:
 def send_all(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
     """``sendmsg`` the parts (no copy in user space) at most :data:`PIECE` bytes a call,
     continuing after partial sends."""
+    if _send_native is not None and type(sock) is socket.socket:  # not TLS, not a wrapper
+        _send_native(sock.fileno(), parts, PIECE, is_data_thread(), sock.gettimeout())
+        return
     views = deque(memoryview(p).cast("B") for p in parts if len(p))
     while views:
         batch: list[memoryview] = []
@@ -134,6 +142,8 @@ def recv_hashed(
     checksum, hashing what arrived as soon as :data:`HASH_STEP` bytes have (a receive often
     returns less than asked). ``hasher``: a running checksum to go on from (of the bytes
     before ``view``; the digest then covers both)."""
+    if _recv_native is not None and hasher is None and type(sock) is socket.socket:
+        return _recv_native(sock.fileno(), view, PIECE, is_data_thread(), sock.gettimeout())
     hasher = checksummer() if hasher is None else hasher
     pos, n = 0, len(view)
     hashed = 0
@@ -152,7 +162,7 @@ def recv_hashed(
 
 
 __all__ = [
-    "NATIVE_FILE_IO",
+    "NATIVE",
     "PIECE",
     "read_hashed",
     "recv_exact",

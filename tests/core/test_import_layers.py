@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[set[str]] = [
     # foundations: wire formats, memory, threads, logging, options
     {
-        "", "_fileio", "_keychain", "_streamcopy", "allocator", "checksums", "dtypes",
+        "", "_piecewise", "_keychain", "_streamcopy", "allocator", "checksums", "dtypes",
         "endpoints", "framing", "gc_pauses", "liveness", "logs", "options", "pool", "priority",
         "protocol", "runtime_dir", "thread_names", "workers",
     },

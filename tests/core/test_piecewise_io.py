@@ -39,7 +39,7 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
 
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "preadv", preadv)
-    # The Python loops (without the C helper; with it: test_fileio.py).
+    # The Python loops (without the C helper; with it: test_piecewise.py).
     monkeypatch.setattr(pieces, "_write_native", None)
     monkeypatch.setattr(pieces, "_read_mapped", None)
     ways: list[int] = []

@@ -1,6 +1,8 @@
-"""Tests for tierkv._fileio, the C helper that writes chunk files and reads page-cached ones
-into the pool with one streaming copy, hashing them on the way (tierkv.piecewise_io): it is
-built here; what it writes and its checksum equal a plain file's bytes and a one-shot XXH3;
+"""Tests for tierkv._piecewise, the C helper that runs tierkv.piecewise_io's loops without the
+GIL: it writes chunk files, reads page-cached ones into the pool with one streaming copy and
+moves chunks over sockets, hashing them on the way. It is built here; what it writes and
+sends, and its checksums, equal the bytes and a one-shot XXH3; socket failures are the
+errors Python's sockets raise;
 what it reads equals os.preadv's; it leaves files that are not in the page cache to
 os.preadv; a file that shrinks during the copy makes it give up (None, the process alive)
 instead of ending the process with SIGBUS; write errors are OSErrors."""
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -20,10 +23,10 @@ from tierkv import piecewise_io as pieces
 from tierkv.checksums import checksum
 
 try:
-    from tierkv import _fileio
+    from tierkv import _piecewise
 except ImportError:  # the first test fails and says why; the others skip
-    _fileio = None  # type: ignore[assignment]
-built = pytest.mark.skipif(_fileio is None, reason="tierkv._fileio was not built")
+    _piecewise = None  # type: ignore[assignment]
+built = pytest.mark.skipif(_piecewise is None, reason="tierkv._piecewise was not built")
 
 HEADER = 64  # the payload's offset in a disk-tier record file
 SIZES = [1, 255, 256, 4096 - HEADER, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
@@ -48,8 +51,8 @@ def _evict(fd: int) -> None:
 def test_page_cached_files_are_read_by_the_c_helper() -> None:
     """`make test` installs what the helper needs (a C compiler, libxxhash's headers); a build
     that silently fell back to os.preadv reads page-cached chunks a third slower."""
-    assert pieces.NATIVE_FILE_IO, (
-        "tierkv._fileio was not built: a C compiler, Python's headers and libxxhash-dev must "
+    assert pieces.NATIVE, (
+        "tierkv._piecewise was not built: a C compiler, Python's headers and libxxhash-dev must "
         "be present when tierkv is installed (scripts/ensure-system-deps.sh installs them)"
     )
 
@@ -103,18 +106,18 @@ def test_a_failed_write_is_an_oserror_with_its_errno(tmp_path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError) as failed:
-            _fileio.write_hashed(fd, 0, b"x" * 1000, 4096, False)
+            _piecewise.write_hashed(fd, 0, b"x" * 1000, 4096, False)
         assert failed.value.errno == errno.EBADF
         with pytest.raises(ValueError, match="offset"):
-            _fileio.write_hashed(fd, -1, b"x", 4096, False)
+            _piecewise.write_hashed(fd, -1, b"x", 4096, False)
         with pytest.raises(ValueError, match="piece"):
-            _fileio.write_hashed(fd, 0, b"x", 0, False)
+            _piecewise.write_hashed(fd, 0, b"x", 0, False)
     finally:
         os.close(fd)
     full = os.open("/dev/full", os.O_WRONLY)
     try:
         with pytest.raises(OSError) as failed:
-            _fileio.write_hashed(full, 0, b"x" * 1000, 4096, True)
+            _piecewise.write_hashed(full, 0, b"x" * 1000, 4096, True)
         assert failed.value.errno == errno.ENOSPC
     finally:
         os.close(full)
@@ -127,9 +130,11 @@ def test_a_file_not_in_the_page_cache_is_left_to_preadv(tmp_path: Path) -> None:
     try:
         _evict(fd)
         dst = bytearray(len(payload))
-        assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, True, False) is None
+        assert _piecewise.read_hashed(fd, HEADER, dst, pieces.PIECE, True, False) is None
         # Without the residency check the pages are read from the device while mapped.
-        assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) == checksum(payload)
+        assert _piecewise.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) == checksum(
+            payload
+        )
         assert bytes(dst) == payload
         # read_hashed then takes the os.preadv way for it, with the same result.
         _evict(fd)
@@ -147,7 +152,7 @@ def test_a_file_shorter_than_asked_is_left_to_preadv(tmp_path: Path) -> None:
     try:
         for extra in (1, 4096, 3 * pieces.PIECE):  # within the last page, and beyond it
             dst = bytearray(len(payload) + extra)
-            assert _fileio.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) is None
+            assert _piecewise.read_hashed(fd, HEADER, dst, pieces.PIECE, False, False) is None
             got, digest = pieces.read_hashed(fd, memoryview(dst), HEADER)
             assert (got, digest) == (len(payload), checksum(payload))
     finally:
@@ -172,7 +177,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
     wfd = os.open(path, os.O_WRONLY)
     dst = bytearray(n)
     t0 = time.perf_counter()
-    assert _fileio.read_hashed(fd, HEADER, dst, 64 << 10, False, True) is not None
+    assert _piecewise.read_hashed(fd, HEADER, dst, 64 << 10, False, True) is not None
     copy_s = time.perf_counter() - t0  # to schedule the shrinks, not to check anything
     delays = [copy_s * k / 10 for k in range(1, 10)]
     started, returned, regrown = threading.Event(), threading.Event(), threading.Event()
@@ -190,7 +195,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
             os.pwrite(wfd, payload[n // 4 :], HEADER + n // 4)
             regrown.set()
 
-    before = _fileio.faults()
+    before = _piecewise.faults()
     worker = threading.Thread(target=shrink_each_copy, daemon=True)
     worker.start()
     results = {"cut short": 0, "whole": 0}
@@ -198,7 +203,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
         for _ in range(300):
             regrown.clear()
             started.set()
-            digest = _fileio.read_hashed(fd, HEADER, dst, 64 << 10, False, True)
+            digest = _piecewise.read_hashed(fd, HEADER, dst, 64 << 10, False, True)
             returned.set()
             regrown.wait()
             if digest is None:
@@ -206,7 +211,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
             else:
                 assert digest == checksum(dst)
                 results["whole"] += 1
-            if _fileio.faults() - before >= 3:
+            if _piecewise.faults() - before >= 3:
                 break
     finally:
         stop = True
@@ -215,7 +220,7 @@ def test_a_file_that_shrinks_during_the_copy_cuts_it_short_without_ending_the_pr
         worker.join()
         os.close(wfd)
         os.close(fd)
-    faults = _fileio.faults() - before
+    faults = _piecewise.faults() - before
     assert faults > 0, results
     assert results["cut short"] >= faults
 
@@ -226,23 +231,23 @@ def test_bad_arguments_are_refused_and_the_helper_keeps_working(tmp_path: Path) 
     fd = _record(tmp_path / "chunk", payload)
     try:
         with pytest.raises(ValueError, match="offset"):
-            _fileio.read_hashed(fd, -1, bytearray(10), 4096, True, False)
+            _piecewise.read_hashed(fd, -1, bytearray(10), 4096, True, False)
         with pytest.raises(ValueError, match="piece"):
-            _fileio.read_hashed(fd, 0, bytearray(10), 0, True, False)
+            _piecewise.read_hashed(fd, 0, bytearray(10), 0, True, False)
         with pytest.raises(TypeError):  # read-only destination
-            _fileio.read_hashed(fd, 0, b"0123456789", 4096, True, False)
+            _piecewise.read_hashed(fd, 0, b"0123456789", 4096, True, False)
         with pytest.raises(TypeError):  # not contiguous
-            _fileio.read_hashed(fd, 0, np.zeros((8, 8), np.uint8)[:, ::2], 4096, True, False)
-        assert _fileio.read_hashed(-1, 0, bytearray(10), 4096, True, False) is None  # bad fd
-        assert _fileio.read_hashed(fd, 0, bytearray(0), 4096, True, False) is None  # nothing
+            _piecewise.read_hashed(fd, 0, np.zeros((8, 8), np.uint8)[:, ::2], 4096, True, False)
+        assert _piecewise.read_hashed(-1, 0, bytearray(10), 4096, True, False) is None  # bad fd
+        assert _piecewise.read_hashed(fd, 0, bytearray(0), 4096, True, False) is None  # nothing
         os.mkdir(tmp_path / "dir")
         dfd = os.open(tmp_path / "dir", os.O_RDONLY)
         try:
-            assert _fileio.read_hashed(dfd, 0, bytearray(10), 4096, True, False) is None
+            assert _piecewise.read_hashed(dfd, 0, bytearray(10), 4096, True, False) is None
         finally:
             os.close(dfd)
         dst = bytearray(len(payload))
-        assert _fileio.read_hashed(fd, HEADER, dst, 4096, True, False) == checksum(payload)
+        assert _piecewise.read_hashed(fd, HEADER, dst, 4096, True, False) == checksum(payload)
         assert bytes(dst) == payload
     finally:
         os.close(fd)
@@ -258,7 +263,7 @@ def test_threads_read_at_once(tmp_path: Path) -> None:
     def read(i: int) -> None:
         for _ in range(20):
             dst = bytearray(n)
-            digest = _fileio.read_hashed(fds[i], HEADER, dst, 64 << 10, True, True)
+            digest = _piecewise.read_hashed(fds[i], HEADER, dst, 64 << 10, True, True)
             out[i] = (bytes(dst), digest)
 
     threads = [threading.Thread(target=read, args=(i,)) for i in range(len(files))]
@@ -271,3 +276,62 @@ def test_threads_read_at_once(tmp_path: Path) -> None:
         for fd in fds:
             os.close(fd)
     assert out == {i: (p, checksum(p)) for i, p in enumerate(files)}
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for s in (a, b):
+        s.settimeout(10)
+    return a, b
+
+
+@built
+@pytest.mark.parametrize("n", SIZES)
+def test_chunks_cross_a_socket_whole_with_their_checksum(n: int) -> None:
+    """send_all and recv_hashed on plain sockets go through the C loops; with the header, an
+    empty part and the payload in many parts (more than one sendmsg can take), every byte
+    arrives in order and the checksum equals a one-shot XXH3."""
+    payload = _payload(n)
+    parts = [b"head", b"", *[memoryview(payload)[i : i + 97] for i in range(0, n, 97)]]
+    a, b = _tcp_pair()
+    try:
+        sender = threading.Thread(target=pieces.send_all, args=(a, parts))
+        sender.start()
+        head = bytearray(4)
+        pieces.recv_exact(b, memoryview(head))
+        dst = bytearray(n)
+        assert pieces.recv_hashed(b, memoryview(dst)) == checksum(payload)
+        sender.join()
+        assert head == b"head" and bytes(dst) == payload
+    finally:
+        a.close()
+        b.close()
+
+
+@built
+def test_socket_failures_are_the_errors_python_sockets_raise() -> None:
+    a, b = _tcp_pair()
+    try:
+        b.settimeout(0.05)  # nothing comes: the socket's own timeout applies
+        with pytest.raises(TimeoutError):
+            pieces.recv_hashed(b, memoryview(bytearray(100)))
+        a.sendall(b"x" * 10)
+        a.close()  # the peer hangs up before the chunk is whole
+        with pytest.raises(ConnectionError, match="closed"):
+            pieces.recv_hashed(b, memoryview(bytearray(100)))
+        b.settimeout(10)
+        with pytest.raises(OSError):  # the peer is gone: EPIPE or ECONNRESET, no SIGPIPE
+            for _ in range(100):
+                pieces.send_all(b, [b"y" * 65536])
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(OSError) as failed:
+        _piecewise.recv_hashed(-1, bytearray(10), 4096, False, None)
+    assert failed.value.errno == errno.EBADF
+    with pytest.raises(ValueError):
+        _piecewise.send_pieces(0, [b"x"], 0, False, None)
+    with pytest.raises(TypeError):
+        _piecewise.send_pieces(0, [1, 2], 4096, False, None)

@@ -1,5 +1,21 @@
-/* tierkv._fileio: chunk files written from and read into pool slots, checksummed on the way,
- * in C without the GIL.
+/* tierkv._piecewise: the hot loops of tierkv.piecewise_io in C, without the GIL: chunk files
+ * written from and read into pool slots, and chunks sent and received over plain sockets,
+ * checksummed on the way. The Python loops take and drop the GIL several times a piece;
+ * with several threads moving data at once, handing it over costs as much as the copies.
+ *
+ * send_pieces(fd, parts, piece, give_way, timeout) -> None
+ *
+ * sendmsg(2)s the buffers in ``parts`` in order, at most ``piece`` bytes a call, continuing
+ * after partial sends. ``timeout``: seconds to wait for the socket to take more (None: no
+ * limit), as a socket's own timeout applies to each call: TimeoutError when it passes.
+ * OSError with the errno of a failed call.
+ *
+ * recv_hashed(fd, dst, piece, give_way, timeout) -> bytes
+ *
+ * Fills ``dst`` from the socket, at most ``piece`` bytes a call, and returns the XXH3-128
+ * checksum of what arrived (canonical), hashed each time HASH_STEP more bytes have (while
+ * they are in the caches). ConnectionError when the peer closes first; TimeoutError and
+ * OSError as above.
  *
  * write_hashed(fd, offset, src, piece, give_way) -> bytes
  *
@@ -50,8 +66,12 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <limits.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
@@ -73,6 +93,10 @@
 #endif
 
 #define RESIDENT_BATCH 1024 /* pages asked of mincore() at a time */
+#define HASH_STEP (256 * 1024) /* received bytes hashed at once */
+#define MAX_PARTS 1024         /* iovecs per sendmsg (IOV_MAX on Linux) */
+#define TIMED_OUT (-1)         /* an errno-like result: the socket's timeout passed */
+#define CLOSED (-2)            /* the peer closed the connection */
 
 static run_copy stream = plain; /* set at import */
 
@@ -206,6 +230,222 @@ unmap:
     return ok;
 }
 
+/* -- sockets --------------------------------------------------------------------------- */
+/* Wait until fd is ready for ``events``; 0, TIMED_OUT, or an errno. timeout_ms < 0: forever. */
+static int
+wait_ready(int fd, short events, int timeout_ms)
+{
+    struct pollfd p = {fd, events, 0};
+    for (;;) {
+        int r = poll(&p, 1, timeout_ms);
+        if (r > 0)
+            return 0; /* ready, or an error the next call reports */
+        if (r == 0)
+            return TIMED_OUT;
+        if (errno != EINTR)
+            return errno;
+    }
+}
+
+/* sendmsg the iovecs, at most piece bytes a call; 0, TIMED_OUT or an errno. */
+static int
+send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeout_ms)
+{
+    int first = 0;
+    while (first < n) {
+        struct iovec batch[MAX_PARTS];
+        int k = 0;
+        size_t room = piece;
+        for (int i = first; i < n && k < MAX_PARTS && room; i++) {
+            size_t len = iov[i].iov_len < room ? iov[i].iov_len : room;
+            batch[k].iov_base = iov[i].iov_base;
+            batch[k].iov_len = len;
+            room -= len;
+            k++;
+        }
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = batch;
+        msg.msg_iovlen = (size_t)k;
+        ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int w = wait_ready(fd, POLLOUT, timeout_ms);
+                if (w)
+                    return w;
+                continue;
+            }
+            return errno;
+        }
+        size_t left = (size_t)sent; /* drop what was sent */
+        while (first < n && left >= iov[first].iov_len) {
+            left -= iov[first].iov_len;
+            first++;
+        }
+        if (first < n && left) {
+            iov[first].iov_base = (char *)iov[first].iov_base + left;
+            iov[first].iov_len -= left;
+        }
+        if (give_way && first < n)
+            sched_yield();
+    }
+    return 0;
+}
+
+/* Fill dst from fd and hash it; 0, TIMED_OUT, CLOSED or an errno. */
+static int
+recv_pieces(int fd, char *dst, size_t n, size_t piece, int give_way, int timeout_ms,
+            unsigned char out[16])
+{
+    XXH3_state_t state;
+    XXH3_128bits_reset(&state);
+    size_t pos = 0, hashed = 0;
+    while (pos < n) {
+        size_t want = n - pos < piece ? n - pos : piece;
+        ssize_t got = recv(fd, dst + pos, want, 0);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                int w = wait_ready(fd, POLLIN, timeout_ms);
+                if (w)
+                    return w;
+                continue;
+            }
+            return errno;
+        }
+        if (got == 0)
+            return CLOSED;
+        if (give_way && (pos + (size_t)got) / piece != pos / piece)
+            sched_yield(); /* once a piece (a receive may return little) */
+        pos += (size_t)got;
+        if (pos - hashed >= HASH_STEP || pos == n) {
+            HASH_UPDATE(&state, dst + hashed, pos - hashed);
+            hashed = pos;
+        }
+    }
+    XXH128_canonical_t canon;
+    XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(&state));
+    memcpy(out, canon.digest, 16);
+    return 0;
+}
+
+/* The poll timeout for a socket timeout in seconds (None: -1, forever). */
+static int
+timeout_ms_of(PyObject *timeout, int *ms)
+{
+    if (timeout == Py_None) {
+        *ms = -1;
+        return 0;
+    }
+    double t = PyFloat_AsDouble(timeout);
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    if (t < 0) {
+        PyErr_SetString(PyExc_ValueError, "timeout must be >= 0 or None");
+        return -1;
+    }
+    *ms = t * 1000.0 >= (double)INT_MAX ? INT_MAX : (int)(t * 1000.0 + 0.999);
+    return 0;
+}
+
+static PyObject *
+socket_error(int err)
+{
+    if (err == TIMED_OUT)
+        PyErr_SetString(PyExc_TimeoutError, "timed out");
+    else if (err == CLOSED)
+        PyErr_SetString(PyExc_ConnectionError, "peer closed the connection");
+    else {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return NULL;
+}
+
+static PyObject *
+send_pieces(PyObject *self, PyObject *args)
+{
+    int fd, give_way, timeout_ms;
+    Py_ssize_t piece;
+    PyObject *parts, *timeout;
+    if (!PyArg_ParseTuple(args, "iOnpO", &fd, &parts, &piece, &give_way, &timeout))
+        return NULL;
+    if (piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "piece must be > 0");
+        return NULL;
+    }
+    if (timeout_ms_of(timeout, &timeout_ms) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(parts, "parts must be a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    struct iovec *iov = PyMem_Calloc((size_t)(n ? n : 1), sizeof(struct iovec));
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (bufs == NULL || iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int m = 0;
+    for (; held < n; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, held), &bufs[held],
+                               PyBUF_SIMPLE) < 0)
+            goto done;
+        if (bufs[held].len) {
+            iov[m].iov_base = bufs[held].buf;
+            iov[m].iov_len = (size_t)bufs[held].len;
+            m++;
+        }
+    }
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = send_iov(fd, iov, m, (size_t)piece, give_way, timeout_ms);
+    Py_END_ALLOW_THREADS
+    if (err)
+        socket_error(err);
+    else
+        result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < held; i++)
+        PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(iov);
+    Py_DECREF(seq);
+    return result;
+}
+
+static PyObject *
+recv_hashed(PyObject *self, PyObject *args)
+{
+    int fd, give_way, timeout_ms;
+    Py_ssize_t piece;
+    Py_buffer d;
+    PyObject *timeout;
+    if (!PyArg_ParseTuple(args, "iw*npO", &fd, &d, &piece, &give_way, &timeout))
+        return NULL;
+    if (piece <= 0 || timeout_ms_of(timeout, &timeout_ms) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "piece must be > 0");
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    unsigned char digest[16];
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = recv_pieces(fd, d.buf, (size_t)d.len, (size_t)piece, give_way, timeout_ms, digest);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    if (err)
+        return socket_error(err);
+    return PyBytes_FromStringAndSize((const char *)digest, 16);
+}
+
+/* -- files ------------------------------------------------------------------------------ */
 /* pwrite src in aligned pieces and hash it; 0, or the errno of the failed write. */
 static int
 write_pieces(int fd, size_t offset, const char *src, size_t n, size_t piece, int give_way,
@@ -302,6 +542,12 @@ kind(PyObject *self, PyObject *unused)
 }
 
 static PyMethodDef methods[] = {
+    {"send_pieces", send_pieces, METH_VARARGS,
+     "send_pieces(fd, parts, piece, give_way, timeout) -> None: sendmsg the buffers, at "
+     "most piece bytes a call."},
+    {"recv_hashed", recv_hashed, METH_VARARGS,
+     "recv_hashed(fd, dst, piece, give_way, timeout) -> bytes: fill dst from the socket, at "
+     "most piece bytes a call; the XXH3-128 checksum of what arrived (canonical)."},
     {"write_hashed", write_hashed, METH_VARARGS,
      "write_hashed(fd, offset, src, piece, give_way) -> bytes: pwrite src at offset in "
      "pieces aligned to piece and return its XXH3-128 checksum (canonical)."},
@@ -316,11 +562,11 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tierkv._fileio", NULL, -1, methods,
+    PyModuleDef_HEAD_INIT, "tierkv._piecewise", NULL, -1, methods,
 };
 
 PyMODINIT_FUNC
-PyInit__fileio(void)
+PyInit__piecewise(void)
 {
     stream = stream_pick();
     return PyModule_Create(&module);
