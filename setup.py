@@ -1,15 +1,18 @@
-"""tierkv's two C extensions; everything else about the package is in pyproject.toml.
+"""tierkv's C extensions; everything else about the package is in pyproject.toml.
 
 - ``tierkv._keychain`` hashes the key chain (:mod:`tierkv.keys`).
 - ``tierkv._streamcopy`` copies chunks between arrays with non-temporal stores
   (:mod:`tierkv.arraycopy`).
-- ``tierkv._piecewise`` writes chunk files from the pool and reads page-cached ones into it,
+- ``tierkv._piecewise`` moves chunks between the pool and files or sockets without the GIL,
   checksummed on the way (:mod:`tierkv.piecewise_io`); it links libxxhash (``libxxhash-dev``).
+- ``tierkv._fingerprints`` computes the controller's key fingerprints in one pass
+  (:mod:`tierkv.controller.keytable`).
 
 All are optional: without a C compiler, Python's headers, OpenSSL's (``libssl-dev``) or
-xxHash's (``libxxhash-dev``), tierkv installs anyway, hashes the same keys in Python, copies
-with numpy and reads chunk files with ``os.preadv``, slower (``tierkv.keys.NATIVE_CHAIN``,
-``tierkv.arraycopy.STREAMING`` and ``tierkv.piecewise_io.NATIVE`` say which).
+xxHash's (``libxxhash-dev``), tierkv installs anyway and does the same in Python and numpy,
+slower (``tierkv.keys.NATIVE_CHAIN``, ``tierkv.arraycopy.STREAMING``,
+``tierkv.piecewise_io.NATIVE`` and ``tierkv.controller.keytable.NATIVE_FINGERPRINTS`` say
+which).
 """
 
 from setuptools import Extension, setup
@@ -27,6 +30,12 @@ setup(
             "tierkv._streamcopy",
             sources=["src/tierkv/_streamcopy.c"],
             depends=["src/tierkv/_stream.h"],
+            extra_compile_args=["-O2", "-Wall"],
+            optional=True,
+        ),
+        Extension(
+            "tierkv._fingerprints",
+            sources=["src/tierkv/_fingerprints.c"],
             extra_compile_args=["-O2", "-Wall"],
             optional=True,
         ),

@@ -12,6 +12,7 @@ import pytest
 
 from tierkv.cluster.router_lookup import prefix_runs
 from tierkv.controller import index as index_module
+from tierkv.controller import keytable
 from tierkv.controller.holders import SLOTS, HolderFilter, merge_parts, pack_sorted
 from tierkv.controller.index import REBASE_MIN, ControllerIndex
 from tierkv.controller.keytable import NO_TIER, KeyTable, fingerprints
@@ -30,6 +31,28 @@ def test_fingerprints_are_nonzero_and_separate_namespaces() -> None:
     assert fa != fb and fa >= 1 and fb >= 1
     with pytest.raises(ValueError):
         fingerprints(b"x" * 31)
+
+
+def test_the_c_helper_fingerprints_keys_bit_for_bit_as_numpy_does() -> None:
+    """`make test` builds tierkv._fingerprints; both ways give the same fingerprints (a
+    controller's tables do not depend on whether the helper was built)."""
+    assert keytable.NATIVE_FINGERPRINTS, "tierkv._fingerprints was not built (needs a C compiler)"
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 5, 4097):
+        blob = rng.integers(0, 256, n * 32, dtype=np.uint8).tobytes()
+        native, numpy_way = fingerprints(blob), keytable.fingerprints_numpy(blob)
+        assert native.dtype == numpy_way.dtype == np.uint64
+        assert np.array_equal(native, numpy_way)
+    structured = [bytes([i]) * 32 for i in range(256)]  # keys far from random
+    assert np.array_equal(fingerprints(structured), keytable.fingerprints_numpy(structured))
+    # The namespace every key shares, found in the same pass (None: several, or no keys).
+    one = b"".join(keys_of(NS_A, 1000))
+    assert keytable.fingerprints_and_namespace(one)[1] == NS_A
+    assert keytable.fingerprints_and_namespace(one + NS_B + b"c" * 16)[1] is None
+    assert keytable.fingerprints_and_namespace(NS_B + one[16:])[1] is None  # the first differs
+    assert keytable.fingerprints_and_namespace(b"")[1] is None
+    with pytest.raises(ValueError):
+        keytable.fingerprints_numpy(b"x" * 33)
 
 
 def test_key_table_matches_a_model_through_adds_removes_and_growth() -> None:

@@ -18,9 +18,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: list[set[str]] = [
     # foundations: wire formats, memory, threads, logging, options
     {
-        "", "_piecewise", "_keychain", "_streamcopy", "allocator", "checksums", "dtypes",
-        "endpoints", "framing", "gc_pauses", "liveness", "logs", "options", "pool", "priority",
-        "protocol", "runtime_dir", "thread_names", "workers",
+        "", "_fingerprints", "_keychain", "_piecewise", "_streamcopy", "allocator",
+        "checksums", "dtypes", "endpoints", "framing", "gc_pauses", "liveness", "logs",
+        "options", "pool", "priority", "protocol", "runtime_dir", "thread_names", "workers",
     },
     {"arraycopy", "chunk_follower", "copier", "keys", "piecewise_io"},  # keys, copies, pieces
     {"tenants", "tiers"},  # the storage tiers

@@ -29,20 +29,20 @@ import numpy.typing as npt
 
 from tierkv.cluster.messages import NO_TIER
 from tierkv.controller.holders import HolderFilter, from_table, merge_parts, pack_sorted
-from tierkv.controller.keytable import I8, TIERS, KeyTable, fingerprints, key_array
+from tierkv.controller.keytable import (
+    I8,
+    TIERS,
+    KeyTable,
+    fingerprints,
+    fingerprints_and_namespace,
+    key_array,
+    single_namespace,
+)
 
 log = logging.getLogger(__name__)
 
 RUN_LIMIT = 1 << 20  # admitted entries in runs before a merge is asked for
 REBASE_MIN = 1 << 16  # evictions that never trigger a fresh extraction below this
-
-
-def single_namespace(keys: npt.NDArray[np.uint64]) -> bytes | None:
-    """The namespace digest of ``keys`` (a :func:`key_array`) if they all share one."""
-    ns = keys[:, :2]
-    if ns.shape[0] and bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
-        return bytes(ns[0].tobytes())
-    return None
 
 
 @dataclass
@@ -230,10 +230,9 @@ class ControllerIndex:
     def replace(self, instance: str, keys: bytes | list[bytes], tiers: I8 | int) -> int:
         """A full report: the instance holds exactly ``keys`` (built aside, swapped in)."""
         arr = key_array(keys)
-        fps = fingerprints(keys)
+        fps, digest = fingerprints_and_namespace(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
         fresh = Holdings(KeyTable.build(fps, tier_arr))
-        digest = single_namespace(arr)
         if len(fresh.table) == fps.size and digest is not None:  # the table counted its tiers
             fresh.namespaces[digest] = fresh.table.by_tier.astype(np.int64)
         elif len(fresh.table) == fps.size:

