@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tierkv.cluster.router_lookup import prefix_runs
+from tierkv.controller import holders as holders_module
 from tierkv.controller import index as index_module
 from tierkv.controller import keytable
 from tierkv.controller.holders import SLOTS, HolderFilter, merge_parts, pack_sorted
@@ -169,6 +170,56 @@ def test_filter_names_every_slot_of_a_key_and_forgets_retired_ones_after_a_merge
     assert f.base.size == 120
     f.free({b})
     assert f.take_slot("d") == b and f.candidates(np.sort(keys)).tolist() == sorted([a, c])
+
+
+def test_a_directory_search_finds_what_a_binary_search_of_the_whole_array_finds() -> None:
+    rng = np.random.default_rng(3)
+    top = np.iinfo(np.uint64).max
+    for n in (1, 64, 1000, 70_000):
+        arr = np.sort(rng.integers(0, top, n, dtype=np.uint64, endpoint=True))
+        arr[n // 2 : n // 2 + n // 10] = arr[n // 2]  # a long run of one value
+        arr = np.sort(arr)
+        d = holders_module.Directory(arr)
+        want = np.sort(
+            np.concatenate(
+                [
+                    rng.integers(0, top, 500, dtype=np.uint64, endpoint=True),
+                    arr[rng.integers(0, n, 200)],  # present
+                    arr[rng.integers(0, n, 100)] + np.uint64(1),
+                    np.array([0, 1, top - 1, top], dtype=np.uint64),
+                ]
+            )
+        )
+        assert np.array_equal(d.search(arr, want), np.searchsorted(arr, want, side="left"))
+    empty_buckets = np.array([5, 6, top - 3], dtype=np.uint64)
+    d = holders_module.Directory(empty_buckets)
+    want = np.array([0, 5, 7, 1 << 62, top], dtype=np.uint64)
+    assert np.array_equal(d.search(empty_buckets, want), np.searchsorted(empty_buckets, want))
+
+
+def test_lookups_through_directories_match_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index built with directories on every merged array gives every lookup the same
+    answer as without (test_index_matches_a_model... covers the races)."""
+    monkeypatch.setattr(holders_module, "DIRECTORY_MIN", 1)
+    monkeypatch.setattr(holders_module, "BUCKET_ENTRIES", 4)
+    idx = ControllerIndex()
+    rng = random.Random(5)
+    held: dict[str, set[bytes]] = {}
+    try:
+        for i in range(6):
+            keys = keys_of(NS_A, 3000)
+            idx.replace(f"i{i}", b"".join(keys), 0)
+            held[f"i{i}"] = set(keys)
+            idx.settle()
+        assert idx.filter.directory is not None and idx.filter.directory.of is idx.filter.base
+        probe = [k for keys in held.values() for k in rng.sample(sorted(keys), 50)]
+        probe += keys_of(NS_A, 100)  # held by no one
+        found = idx.lookup(b"".join(probe))
+        for name, keys in held.items():
+            want = [k in keys for k in probe]
+            assert [t >= 0 for t in found.get(name, np.full(len(probe), -1))] == want
+    finally:
+        idx.close()
 
 
 def test_filter_refuses_more_instances_than_slots() -> None:

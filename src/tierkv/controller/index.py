@@ -28,7 +28,13 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.cluster.messages import NO_TIER
-from tierkv.controller.holders import HolderFilter, from_table, merge_parts, pack_sorted
+from tierkv.controller.holders import (
+    HolderFilter,
+    directory_for,
+    from_table,
+    merge_parts,
+    pack_sorted,
+)
 from tierkv.controller.keytable import (
     I8,
     TIERS,
@@ -143,12 +149,14 @@ class ControllerIndex:
             try:
                 parts = [base, *runs, *(from_table(a, slot) for slot, a in tables.items())]
                 merged = merge_parts(parts, live)
+                directory = directory_for(merged)
             except BaseException:
                 with self._lock:  # nothing lost: the runs go back, the reports stay pending
                     f.runs, f.merging = [*runs, *f.runs], []
                 raise
             with self._lock:
-                f.base, f.merging = merged, []
+                f.set_base(merged, directory)
+                f.merging = []
                 for slot in tables:
                     self._pending.pop(slot, None)
                 f.free(dead)
