@@ -834,6 +834,51 @@ def test_mla_on_the_cpu_platform_stores_its_latent_chunks_and_never_loads(
     assert stats.objects == 2 + 2
 
 
+def cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as fh:
+        return "amx_tile" in fh.read().split()
+
+
+@pytest.mark.skipif(not cpu_has_amx(), reason="vLLM's AMX_MLA backend needs a CPU with AMX tiles")
+def test_mla_on_amx_loads_its_prefix_into_a_fresh_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+) -> None:
+    """On a CPU with AMX tiles vLLM runs a bfloat16 DeepSeek-V2 with AMX_MLA and keeps its
+    own prefix caching on, so the connector loads MLA prefixes: A stores its prompt's two
+    chunks; B, a fresh engine, loads them (512 tokens from the pool) and answers, prompt for
+    prompt, as an engine without tierkv whose own prefix cache served the same prefix. (With
+    AMX_MLA in bfloat16 a prefill on top of cached KV is not bit for bit a prefill from
+    scratch: the reference's repeated prompt answers otherwise than its first; tierkv's hit
+    and vLLM's own give the same tokens.)"""
+    from support.tiny_model import MLAModelSpec, build_mla_model, tokenizer_size
+
+    model_dir = build_mla_model(
+        tmp_path_factory.getbasetemp() / "tiny-deepseek-v2-bf16",
+        MLAModelSpec(torch_dtype="bfloat16"),
+    )
+    prompts_a, prompts_b = shared_doc_prompts(tokenizer_size(model_dir))
+    server = server_factory(pool_size="256MiB")
+    model = {"model": str(model_dir), "timeout": 120.0, "dtype": "bfloat16"}
+    tierkv = {**model, "endpoint": server.endpoint, "report_clients": 1}
+    reference = engines("reference", **model, prompts=prompts_a + prompts_b).results()
+    a = engines("A", **tierkv, prompts=prompts_a).output()
+    b = engines("B", **tierkv, prompts=prompts_b).output()
+    (first,) = a["results"]
+    assert first["tokens"] == reference[0]["tokens"]
+    assert first["tierkv"]["stored_chunks"] == 2 and first["num_cached_tokens"] == 0
+    again, other = b["results"]
+    assert again["num_cached_tokens"] == 512
+    assert again["tierkv"]["loaded_tokens"] == 512 and again["tierkv"]["hit_sources"] == {
+        "pool": 512
+    }
+    assert reference[1]["num_cached_tokens"] == 512  # vLLM's own prefix cache
+    assert [again["tokens"], other["tokens"]] == [reference[1]["tokens"], reference[2]["tokens"]]
+    workers = [c for c in b["tierkv_clients"] if c["role"] == "worker"]
+    assert [c["chunk_bytes"] for c in workers] == [2 * CHUNK * MLA_LATENT * 2]  # bfloat16
+
+
 # -- sliding windows ---------------------------------------------------------------------------
 SLIDING_MODELS: dict[str, Callable[[pytest.TempPathFactory], Path]] = {
     "gemma3-4-groups": lambda f: vllm_engine.tiny_sliding_model_dir(f, sliding_per_full=3),

@@ -424,6 +424,41 @@ def test_mla_chunk_holds_each_token_latent_contiguously_and_moves_byte_exact(
         assert torch.equal(y[name].view(torch.uint8), reference[name].view(torch.uint8))
 
 
+def has_amx() -> bool:
+    with open("/proc/cpuinfo") as fh:
+        return "amx_tile" in fh.read().split()
+
+
+@pytest.mark.skipif(not has_amx(), reason="vLLM's AMX_MLA kernels need a CPU with AMX tiles")
+def test_amx_mla_writes_the_same_latent_bytes_as_cpu_mla() -> None:
+    """AMX_MLA (vLLM's MLA backend on CPUs with AMX tiles, bfloat16) writes its cache with a
+    kernel of its own: per token slot, the same ``kv_c ++ k_pe`` bytes as CPU_MLA, so its
+    chunks are the shared latent format."""
+    from vllm import _custom_ops as ops
+
+    dtype = torch.bfloat16
+    amx_block = 32  # AMX_MLA's blocks: a multiple of 32 tokens
+    geometry = CacheGeometry(amx_block, 1, LATENT, latent=True)
+    gen = torch.Generator().manual_seed(13)
+    kv_c = torch.randn(2 * amx_block, LORA, generator=gen).to(dtype)
+    k_pe = torch.randn(2 * amx_block, ROPE, generator=gen).to(dtype)
+    blocks = [5, 2]
+    slots = torch.tensor([b * amx_block + t for b in blocks for t in range(amx_block)])
+    amx = torch.zeros(BLOCKS, 1, amx_block, LATENT, dtype=dtype)
+    ops.amx_mla_concat_and_cache(kv_c, k_pe, amx.view(BLOCKS, amx_block, LATENT), slots)
+    cpu = torch.zeros_like(amx)
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    impl = object.__new__(CPUMLAImpl)
+    impl.do_kv_cache_update(kv_c, k_pe.unsqueeze(1), cpu, slots, "auto", torch.ones(()))
+    assert torch.equal(amx.view(torch.uint8), cpu.view(torch.uint8)) and amx.any()
+    layout = detect_layout({"l.0": amx}, geometry, {"l.0": "AMX_MLA"})
+    assert layout.format_tag == MLA_FORMAT
+    chunk = torch.zeros(layout.chunk_shape(2 * amx_block), dtype=dtype)
+    layout.read_blocks([(0, 5), (1, 2)], chunk)
+    assert torch.equal(chunk[0, 0], torch.cat([kv_c, k_pe], dim=-1))
+
+
 def test_mla_three_dimensional_gpu_caches_map_to_the_same_chunk() -> None:
     """GPU MLA backends hand ``[blocks, tokens, latent]`` per layer: the chunk is the same
     as from the four-dimensional CPU view of the same bytes."""
@@ -444,7 +479,7 @@ def test_mla_three_dimensional_gpu_caches_map_to_the_same_chunk() -> None:
 @pytest.mark.parametrize(
     ("backend", "shape", "message"),
     [
-        ("AMX_MLA", (BLOCKS, 1, BLOCK, LATENT), "knows the latent cache format"),
+        ("FLASHMLA_SPARSE", (BLOCKS, 1, BLOCK, LATENT), "knows the latent cache format"),
         ("", (BLOCKS, 1, BLOCK, LATENT), "knows the latent cache format"),
         ("CPU_MLA", (BLOCKS, 2, BLOCK, LATENT), "does not match"),
         ("CPU_MLA", (BLOCKS, 1, BLOCK, LATENT + 64), "does not match"),

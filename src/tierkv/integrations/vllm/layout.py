@@ -92,10 +92,12 @@ BACKEND_CONTENT = {
     "FLEX_ATTENTION": SPLIT_LAST,
 }
 # MLA backends whose cache holds, per token, the normalized latent then the rotary key part
-# (vLLM's concat_and_cache_mla; CPU_MLA's do_kv_cache_update): the same bytes in all of them.
-# Not AMX_MLA (its own packing), nor the sparse and DeepSeek-V4 backends.
+# (vLLM's concat_and_cache_mla; CPU_MLA's do_kv_cache_update; AMX_MLA's
+# amx_mla_concat_and_cache, checked byte for byte): the same bytes in all of them. Not the
+# sparse and DeepSeek-V4 backends.
 MLA_BACKENDS = (
     "CPU_MLA",
+    "AMX_MLA",
     "TRITON_MLA",
     "FLASHMLA",
     "FLASH_ATTN_MLA",
