@@ -6,6 +6,8 @@ it through ``scripts/mkdocs_hooks.py``): every option of ``tierkv server``
 (:class:`tierkv.controller.config.ControllerConfig`) with the flags the command line really
 has (the parser :func:`tierkv.config.add_arguments` builds), its environment variable
 (:func:`tierkv.config.env_var`), YAML key, default and help (:func:`tierkv.options.option`);
+the options of every tier (``--tier NAME:key=value,...``) with the defaults their constructors
+declare (:func:`tierkv.tiers.registry.tier_factories`) and the help their docstrings list;
 and every key of the vLLM connector's and the SGLang backend's extra config with its default
 and the help their settings modules document.
 """
@@ -13,6 +15,7 @@ and the help their settings modules document.
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ from tierkv.controller.config import ControllerConfig
 from tierkv.integrations import link
 from tierkv.integrations.sglang import settings as sglang_settings
 from tierkv.integrations.vllm import settings as vllm_settings
-from tierkv.options import option_help
+from tierkv.options import option_help, signature_struct
+from tierkv.tiers.registry import tier_factories
 
 PAGE = "reference/configuration.md"
 
@@ -74,6 +78,22 @@ def settings_options(cls: type[msgspec.Struct], module: ModuleType) -> list[Opti
     return out
 
 
+def tier_options(name: str, factory: Any) -> list[Option]:
+    """The options of the tier ``name``: its constructor's keyword parameters (defaults
+    included) with the help its class docstring lists for each, or a base class's (one
+    missing is an error)."""
+    helps: dict[str, str] = {}
+    for klass in reversed(inspect.getmro(factory) if inspect.isclass(factory) else [factory]):
+        helps.update(docstring_keys(inspect.cleandoc(klass.__doc__ or "")))
+    out = []
+    for field in _struct_fields(signature_struct(factory, f"{name}_options")):
+        if field.name not in helps:
+            raise ValueError(f"tier {name}: option {field.name} is not documented")
+        default = "required" if field.required else _default(field)
+        out.append(Option(field.name, (), "", default, helps[field.name]))
+    return out
+
+
 def docstring_keys(doc: str) -> dict[str, str]:
     """``key: help`` from a settings module's docstring, where each key starts a line
     indented by four spaces and its help follows on that line or on lines indented deeper."""
@@ -103,6 +123,14 @@ def render() -> str:
         _command_table(command_options(ServerConfig, "server")),
         "## tierkv controller\n",
         _command_table(command_options(ControllerConfig, "controller")),
+        "## Tiers: `--tier NAME:key=value,...`\n",
+        "A tier's options follow its name on the command line (`--tier "
+        "disk:path=/var/cache/tierkv,capacity=200GiB`; `TIERKV_TIERS` separates tiers with "
+        "`;`) or sit beside `name:` in a YAML `tiers:` entry.\n",
+        *(
+            f"### {' / '.join(f'`{n}`' for n in names)}\n\n{_settings_table(opts, env=False)}"
+            for names, opts in _tiers()
+        ),
         "## vLLM connector: `kv_connector_extra_config`\n",
         "Keys of the JSON object given as `kv_connector_extra_config` in vLLM's "
         "`--kv-transfer-config`. Every key is optional; an unknown key is an error.\n",
@@ -124,6 +152,8 @@ def _struct_fields(cls: type[msgspec.Struct]) -> list[msgspec.inspect.Field]:
 
 
 def _is_size(kind: msgspec.inspect.Type) -> bool:
+    if isinstance(kind, msgspec.inspect.UnionType):
+        return any(_is_size(member) for member in kind.types)
     return isinstance(kind, msgspec.inspect.Metadata) and (
         (kind.extra or {}).get("unit") == "bytes" or _is_size(kind.type)
     )
@@ -177,12 +207,32 @@ def _command_table(options: list[Option]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _settings_table(options: list[Option]) -> str:
+def _settings_table(options: list[Option], env: bool = True) -> str:
+    if not env:
+        rows = ["| key | default | help |", "| --- | --- | --- |"]
+        rows += [f"| `{o.key}` | `{_cell(o.default)}` | {_cell(o.help)} |" for o in options]
+        return "\n".join(rows) + "\n"
     rows = ["| key | default | unset: from | help |", "| --- | --- | --- | --- |"]
     for opt in options:
-        env = f"`{opt.env}`" if opt.env else ""
-        rows.append(f"| `{opt.key}` | `{_cell(opt.default)}` | {env} | {_cell(opt.help)} |")
+        source = f"`{opt.env}`" if opt.env else ""
+        rows.append(f"| `{opt.key}` | `{_cell(opt.default)}` | {source} | {_cell(opt.help)} |")
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["PAGE", "Option", "command_options", "docstring_keys", "render", "settings_options"]
+def _tiers() -> list[tuple[list[str], list[Option]]]:
+    """Each tier factory with its names (an alias shares its factory) and options."""
+    names: dict[Any, list[str]] = {}
+    for name, factory in sorted(tier_factories().items()):
+        names.setdefault(factory, []).append(name)
+    return [(n, tier_options(n[0], factory)) for factory, n in names.items()]
+
+
+__all__ = [
+    "PAGE",
+    "Option",
+    "command_options",
+    "docstring_keys",
+    "render",
+    "settings_options",
+    "tier_options",
+]

@@ -17,7 +17,8 @@ from tierkv.config import ServerConfig
 from tierkv.controller.config import ControllerConfig
 from tierkv.integrations.sglang.settings import BackendSettings
 from tierkv.integrations.vllm.settings import ConnectorSettings
-from tierkv.options import option_help
+from tierkv.options import option_help, signature_struct
+from tierkv.tiers.registry import tier_factories
 
 Rows = list[list[str]]
 
@@ -77,10 +78,28 @@ def settings_problems(rows: Rows, cls: type[msgspec.Struct]) -> list[str]:
     return problems
 
 
+def tier_problems(rows: Rows) -> list[str]:
+    """What the rows (key, default, help) of the tiers' tables leave out: every option of
+    every tier, as its constructor declares it, with a default and help."""
+    options = {
+        name: {f.name for f in fields(signature_struct(factory, f"{name}_options"))}
+        for name, factory in tier_factories().items()
+    }
+    listed = {row[0] for row in rows}
+    problems = [
+        f"{key}: listed, no tier's option" for key in listed - set().union(*options.values())
+    ]
+    for name, keys in sorted(options.items()):
+        problems += [f"{name}: {key} missing" for key in sorted(keys - listed)]
+    problems += [f"{row[0]}: no default or help" for row in rows if not row[1] or not row[2]]
+    return problems
+
+
 SERVER = "tierkv server"
 CONTROLLER = "tierkv controller"
 VLLM = "vLLM connector: kv_connector_extra_config"
 SGLANG = "SGLang backend: --hicache-storage-backend-extra-config"
+TIERS = "Tiers: --tier NAME:key=value,..."
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +119,13 @@ def test_every_controller_option_is_on_the_page(page: Path) -> None:
 def test_every_engine_setting_is_on_the_page(page: Path) -> None:
     assert settings_problems(section_rows(page, VLLM), ConnectorSettings) == []
     assert settings_problems(section_rows(page, SGLANG), BackendSettings) == []
+
+
+def test_every_tier_option_is_on_the_page(page: Path) -> None:
+    rows = section_rows(page, TIERS)
+    assert tier_problems(rows) == []
+    assert {"path", "url", "bucket", "max_pipeline_bytes"} <= {row[0] for row in rows}
+    assert tier_problems([row for row in rows if row[0] != "fsync"]) == ["disk: fsync missing"]
 
 
 def test_the_checks_notice_an_option_left_out_or_wrong(page: Path) -> None:

@@ -119,12 +119,16 @@ def _byte_view(view: memoryview | bytes | bytearray) -> memoryview:
 class DiskTier(Tier):
     """Chunks as files under ``path``, at most ``capacity`` bytes, least recently used out.
 
-    Options (all keyword): ``path`` (directory, created if missing), ``capacity`` (bytes,
-    an int or a size string such as ``"100GiB"``; header bytes count), ``fsync`` (fsync
-    each file and its directory before a store returns; default off, the rename alone
-    already guarantees that a chunk's name never shows a torn file), ``retry_interval``
-    (seconds between write probes while writes are disabled), ``threads`` (files read or
-    written at once within a batch; default: the cores, at most 4).
+    Options (all keyword; the documentation's reference is generated from this list):
+
+        path  the directory, created if missing
+        capacity  bytes, a number or a size such as ``100GiB``; header bytes count
+        fsync  fsync each file and its directory before a store returns (the rename alone
+             already guarantees that a chunk's name never shows a torn file)
+        retry_interval  seconds between write probes while writes are disabled (a full or
+             read-only disk)
+        threads  files read or written at once within a batch (default: the cores, at
+             most 4)
     """
 
     name = "disk"

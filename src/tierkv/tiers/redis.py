@@ -38,6 +38,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from tierkv.options import Size
 from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
@@ -92,12 +93,18 @@ def _glob_escape(text: bytes) -> bytes:
 class RedisTier(Tier):
     """Chunks in a Redis or Valkey server, one string value per chunk.
 
-    Options: ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path``),
-    ``key_prefix``, ``ttl`` (seconds; none = keep until deleted or evicted by Redis),
-    ``socket_timeout`` / ``socket_connect_timeout`` (seconds), ``max_connections`` (the pool
-    blocks callers beyond it for up to ``pool_timeout`` seconds), ``retries`` (reconnect
-    attempts per batch after a connection error), ``max_pipeline_bytes`` (a load batch is
-    split into pipelines whose replies together stay under this size).
+    Options (the documentation's reference is generated from this list):
+
+        url  ``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path``
+        key_prefix  the prefix of every key tierkv writes
+        ttl  seconds a value lives (none: until deleted, or evicted by Redis)
+        socket_timeout  seconds a command may take
+        socket_connect_timeout  seconds a connection may take
+        max_connections  connections in the pool; callers beyond wait for one
+        pool_timeout  seconds a caller waits for a free connection
+        retries  reconnect attempts per batch after a connection error
+        max_pipeline_bytes  a load batch is split into pipelines whose replies together
+             stay under this many bytes
     """
 
     name = "redis"
@@ -113,7 +120,7 @@ class RedisTier(Tier):
         max_connections: int = 16,
         pool_timeout: float = 10.0,
         retries: int = 1,
-        max_pipeline_bytes: int = 64 << 20,
+        max_pipeline_bytes: Size = 64 << 20,
     ) -> None:
         self.check_options(url=url, ttl=ttl, max_connections=max_connections, retries=retries)
         self.url = url

@@ -31,6 +31,12 @@ def tier_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def tier_factories() -> dict[str, TierFactory]:
+    """Every available tier's factory by name (an alias names the same factory)."""
+    _load_builtins()
+    return dict(_REGISTRY)
+
+
 def tier_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The options of tier ``name``, checked and typed, without opening anything.
 

@@ -64,13 +64,22 @@ R = TypeVar("R")
 class S3Tier(Tier):
     """Chunks as objects in an S3-compatible bucket.
 
-    Options: ``bucket``; ``endpoint_url`` (for MinIO, Ceph, moto, ...; none = AWS);
-    ``region``; ``prefix`` (object-name prefix, default ``tierkv/``); ``access_key_id`` /
-    ``secret_access_key`` / ``session_token`` (none = boto3's default credential chain);
-    ``max_concurrency`` (parallel requests per batch); ``connect_timeout`` /
-    ``read_timeout`` (seconds); ``retries`` (botocore retry attempts after the first);
-    ``addressing_style`` (``path`` by default with an ``endpoint_url``, else ``auto``);
-    ``create_bucket`` (create the bucket at start-up if it does not exist).
+    Options (the documentation's reference is generated from this list):
+
+        bucket  the bucket
+        endpoint_url  for MinIO, Ceph, moto, ... (none: AWS)
+        region  the bucket's region
+        prefix  the prefix of every object name
+        access_key_id  credentials (none: boto3's default credential chain)
+        secret_access_key  credentials (none: boto3's default credential chain)
+        session_token  credentials (none: boto3's default credential chain)
+        max_concurrency  parallel requests per batch
+        connect_timeout  seconds a connection may take
+        read_timeout  seconds a read may wait
+        retries  botocore's retry attempts after the first
+        addressing_style  ``path`` or ``virtual`` (default: ``path`` with an
+             ``endpoint_url``, else ``auto``)
+        create_bucket  create the bucket at start-up if it does not exist
     """
 
     name = "s3"
