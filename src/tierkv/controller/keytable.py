@@ -135,7 +135,7 @@ class KeyTable:
         return int(self.slots.nbytes)
 
     def _home(self, fps: U64) -> I64:
-        home: I64 = (fps >> self.shift).astype(np.int64)
+        home: I64 = (fps >> self.shift).view(np.int64)  # a fresh array (below 2**62): no copy
         return home
 
     # -- lookups ---------------------------------------------------------------------------
@@ -221,7 +221,7 @@ class KeyTable:
         n = entries.size
         if n:
             rank = np.arange(n, dtype=np.int64)
-            at = (fps >> self.shift).view(np.int64)  # the homes (below 2**62), in place:
+            at = self._home(fps)  # a fresh array, worked on in place:
             at -= rank
             np.maximum.accumulate(at, out=at)
             at += rank
