@@ -248,6 +248,18 @@ wait_ready(int fd, short events, int timeout_ms)
     }
 }
 
+/* After a socket call failed with errno: 0 to try it again (interrupted, or the socket is
+ * ready now), TIMED_OUT, or the errno to report. */
+static int
+after_failed_call(int fd, short events, int timeout_ms)
+{
+    if (errno == EINTR)
+        return 0;
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+        return wait_ready(fd, events, timeout_ms);
+    return errno;
+}
+
 /* sendmsg the iovecs, at most piece bytes a call; 0, TIMED_OUT or an errno. */
 static int
 send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeout_ms)
@@ -270,15 +282,10 @@ send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeo
         msg.msg_iovlen = (size_t)k;
         ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
         if (sent < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int w = wait_ready(fd, POLLOUT, timeout_ms);
-                if (w)
-                    return w;
-                continue;
-            }
-            return errno;
+            int w = after_failed_call(fd, POLLOUT, timeout_ms);
+            if (w)
+                return w;
+            continue;
         }
         size_t left = (size_t)sent; /* drop what was sent */
         while (first < n && left >= iov[first].iov_len) {
@@ -307,15 +314,10 @@ recv_pieces(int fd, char *dst, size_t n, size_t piece, int give_way, int timeout
         size_t want = n - pos < piece ? n - pos : piece;
         ssize_t got = recv(fd, dst + pos, want, 0);
         if (got < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                int w = wait_ready(fd, POLLIN, timeout_ms);
-                if (w)
-                    return w;
-                continue;
-            }
-            return errno;
+            int w = after_failed_call(fd, POLLIN, timeout_ms);
+            if (w)
+                return w;
+            continue;
         }
         if (got == 0)
             return CLOSED;
