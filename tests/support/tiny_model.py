@@ -117,6 +117,14 @@ def build_mla_model(out_dir: str | Path, spec: MLAModelSpec | None = None) -> Pa
     )
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles: vLLM then runs MLA models with its AMX_MLA backend
+    (bfloat16 only), which keeps vLLM's own prefix caching on and so lets the connector load
+    MLA prefixes; elsewhere vLLM's reference CPU_MLA backend turns both off."""
+    with open("/proc/cpuinfo") as fh:
+        return "amx_tile" in fh.read().split()
+
+
 @dataclass(frozen=True)
 class SlidingModelSpec:
     """A Gemma-3-style model: ``sliding_per_full`` sliding-window layers (window of

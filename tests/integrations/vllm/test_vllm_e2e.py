@@ -68,6 +68,7 @@ from support.clusterkit import TOKEN, start_node
 from support.forked_engines import Zygote
 from support.httputil import free_port, get_json, request, wait_for
 from support.shm_segments import python_segments, remove_orphans
+from support.tiny_model import cpu_has_amx
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
 # Engines start in ~10 s each here; a loaded 2-core CI machine gets ample headroom.
@@ -832,11 +833,6 @@ def test_mla_on_the_cpu_platform_stores_its_latent_chunks_and_never_loads(
         stats = client.stats()
     assert stats.errors == {}, stats.errors
     assert stats.objects == 2 + 2
-
-
-def cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo") as fh:
-        return "amx_tile" in fh.read().split()
 
 
 @pytest.mark.skipif(not cpu_has_amx(), reason="vLLM's AMX_MLA backend needs a CPU with AMX tiles")
