@@ -3,13 +3,13 @@
 Two real servers (A and B) form a cluster on loopback. An engine on A stores ``--chunks``
 chunks of ``--chunk-mib`` MiB; an engine on B then runs the whole read path: LOOKUP (B's
 pool misses, the prefetch resolves the keys through the directory and fetches the chunks
-from A's pool straight into reserved slots of B's pool, verifying checksums), polls
-QUERY_PREFETCH, and retrieves the chunks into its own (pre-touched) buffers. Between
-repetitions B's pool is cleared, so every repetition crosses the network again. The bound,
-measured in the same run: one raw TCP stream of the same number of bytes between two
-processes (``sendall`` from a touched buffer, ``recv_into`` a touched buffer). The fetch and
-the bounds take turns, a repetition of each in turn, so that they see the same moments of
-this VM's drifting bandwidth.
+from A's pool straight into reserved slots of B's pool, verifying checksums), waits for it
+(``Client.wait_prefetch``: the server answers the moment it has landed), and retrieves the
+chunks into its own (pre-touched) buffers. Between repetitions B's pool is cleared, so every
+repetition crosses the network again. The bound, measured in the same run: one raw TCP stream
+of the same number of bytes between two processes (``sendall`` from a touched buffer,
+``recv_into`` a touched buffer). The fetch and the bounds take turns, a repetition of each in
+turn, so that they see the same moments of this VM's drifting bandwidth.
 
 The same fetch over the NIXL data plane, in the same run: a second pair of servers (C and D,
 ``--peer-transport nixl``, UCX restricted to ``--nixl-ucx-tls``, default ``tcp`` on
@@ -267,7 +267,7 @@ class RawTcp:
 # -- the peer fetch ----------------------------------------------------------------------
 class PeerFetch:
     """The measured path: an engine on B looks the prompt up (B's pool cleared first, so the
-    prefetch fetches every chunk from A), polls the prefetch, retrieves into its own touched
+    prefetch fetches every chunk from A), waits for the prefetch, retrieves into its own touched
     buffers, and checks every byte."""
 
     def __init__(
@@ -293,14 +293,8 @@ class PeerFetch:
         rid = f"bench-{r}"
         t0 = time.perf_counter()
         result = engine.lookup(self.tokens, request_id=rid)
-        hits = result.hits
-        if result.prefetching:
-            while True:  # an engine polls; this one every 0.5 ms
-                status = engine.query_prefetch(rid)
-                if status.done:
-                    hits = status.hits
-                    break
-                time.sleep(0.0005)
+        # Waits as an engine does (the server answers the moment the prefetch has landed).
+        hits = engine.wait_prefetch(rid) if result.prefetching else result.hits
         t1 = time.perf_counter()
         got = engine.retrieve(request_id=rid, out=self.out)
         seconds = time.perf_counter() - t0

@@ -23,9 +23,11 @@ import msgspec
 
 # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
 # salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
-# (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup
-PROTOCOL_VERSION = 5
+# (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup;
+# 6: QueryPrefetch.wait_ms (the server answers when the prefetch is done)
+PROTOCOL_VERSION = 6
 MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note (PrepareStore.notes) at most
+MAX_PREFETCH_WAIT_MS = 60_000  # the longest QueryPrefetch.wait_ms
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
@@ -102,9 +104,15 @@ class Lookup(Struct, tag="lookup"):
 
 
 class QueryPrefetch(Struct, tag="query_prefetch"):
+    """Whether a lookup's prefetch is done. ``wait_ms`` > 0: the server holds the reply until
+    the prefetch is done, or that many milliseconds have passed, or the server's
+    ``prefetch_timeout`` has ended the prefetch, whichever comes first (at most
+    ``MAX_PREFETCH_WAIT_MS``); 0 answers at once."""
+
     rid: int
     client: int
     request_id: str
+    wait_ms: int = 0
 
 
 class PrepareStore(Struct, tag="prepare_store"):

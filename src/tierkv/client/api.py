@@ -41,6 +41,11 @@ from tierkv.pool import ShmPool
 
 log = logging.getLogger(__name__)
 
+# The longest the server holds one QUERY_PREFETCH of wait_prefetch: an answer the moment the
+# prefetch is done, 50 requests a second at most, and another thread of the client waits at
+# most this long for the connection.
+PREFETCH_WAIT_SLICE = 0.02
+
 T = TypeVar("T")
 Gather = SlotCallback  # (chunk, the slot's view to fill)
 Scatter = SlotCallback  # (chunk, the slot's view to read before returning)
@@ -131,27 +136,32 @@ class Client(ServerConnection):
             return msgspec.structs.replace(reply, hits=hits, prefetching=False)
         return reply
 
-    def query_prefetch(self, request_id: str) -> p.PrefetchStatus:
-        """Whether the lookup's prefetch is done, and the hit count so far."""
-        return self._channel.call(p.QueryPrefetch(*self._ids(), request_id))  # type: ignore[no-any-return]
+    def query_prefetch(self, request_id: str, wait: float = 0.0) -> p.PrefetchStatus:
+        """Whether the lookup's prefetch is done, and the hit count so far. ``wait``: the
+        server may hold the reply that many seconds, answering as soon as the prefetch is
+        done (other threads' calls on this client wait meanwhile)."""
+        wait_ms = max(0, min(round(wait * 1000), p.MAX_PREFETCH_WAIT_MS))
+        req = p.QueryPrefetch(*self._ids(), request_id, wait_ms)
+        return self._channel.call(req, timeout=self.timeout + wait_ms / 1000)  # type: ignore[no-any-return]
 
     def wait_prefetch(self, request_id: str, timeout: float | None = None) -> int:
-        """Poll until the lookup's prefetch is done; returns the final hit count. The server
-        bounds every prefetch (prefetch_timeout), so this ends even if a tier hangs; a
-        prefetch still not done after ``timeout`` (the client's by default) is a miss for
-        what it was fetching: the hits the pool had at the lookup are returned, never an
-        error (the server finishes the prefetch in the background)."""
+        """Wait until the lookup's prefetch is done; returns the final hit count. The
+        server answers the moment it is done (it holds each query up to
+        ``PREFETCH_WAIT_SLICE`` seconds, so another thread of this client never waits
+        longer for the connection). The server bounds every prefetch (prefetch_timeout), so
+        this ends even if a tier hangs; a prefetch still not done after ``timeout`` (the
+        client's by default) is a miss for what it was fetching: the hits the pool had at
+        the lookup are returned, never an error (the server finishes the prefetch in the
+        background)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        delay = 0.0005
         while True:
-            status = self.query_prefetch(request_id)
+            left = deadline - time.monotonic()
+            status = self.query_prefetch(request_id, wait=min(PREFETCH_WAIT_SLICE, max(left, 0)))
             if status.done:
                 return status.hits
             if time.monotonic() >= deadline:
                 log.debug("prefetch of %r not done in time: %d hits", request_id, status.hits)
                 return status.hits
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
 
     def free_lookup_locks(self, request_id: str) -> int:
         reply: p.Ok = self._channel.call(p.FreeLookupLocks(*self._ids(), request_id))

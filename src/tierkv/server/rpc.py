@@ -10,6 +10,9 @@ run on threads of their own (:data:`ROUTER_WORKERS`), so that however many of th
 those threads keep the default time slice: woken, they do not take a core from an engine
 the way the loop and its request workers do (:func:`tierkv.priority.control_thread`).
 
+A QUERY_PREFETCH with ``wait_ms`` is answered when the lookup's prefetch lands or its wait
+runs out, with no thread waiting for it (:mod:`tierkv.server.held_queries`).
+
 A request that cannot be decoded gets an error reply and changes nothing; one announcing
 more than ``max_message_bytes`` gets an error reply and its connection is closed (its body
 is never read). A client whose replies pile up unread (more than ``MAX_UNSENT`` bytes) is
@@ -39,6 +42,7 @@ from tierkv import protocol as p
 from tierkv.endpoints import EndpointInUseError
 from tierkv.priority import control_thread
 from tierkv.server.engine_first import EngineFirst
+from tierkv.server.held_queries import HeldQueries
 from tierkv.server.service import CacheService
 from tierkv.workers import WorkerPool
 
@@ -117,6 +121,10 @@ class RpcServer:
             queue.SimpleQueue()
         )
         self._conns: dict[int, _Connection] = {}
+        # QUERY_PREFETCH replies that wait for the prefetch; deadlines in the prefetcher's clock.
+        self._held: HeldQueries[_Connection] = HeldQueries(
+            service, self._send_later, service.tiering.prefetcher.clock
+        )
 
     listener: socket.socket  # from start() on
     selector: selectors.BaseSelector
@@ -162,13 +170,16 @@ class RpcServer:
         last_sweep = self.service.clock()
         try:
             while not self._stop.is_set():
-                events = self.selector.select(POLL_SECONDS)
+                events = self.selector.select(self._held.timeout(POLL_SECONDS))
                 if events:
                     self.engines.started()  # the loop's own turn: routers wait meanwhile
                     try:
                         self._serve_events(events)
                     finally:
                         self.engines.finished()
+                for conn, reply in self._held.expire():
+                    if conn.sock.fileno() in self._conns:
+                        self._reply(conn, reply)
                 now = self.service.clock()
                 self.last_tick = now
                 if now - last_sweep >= 1.0:
@@ -237,6 +248,11 @@ class RpcServer:
             )
             self._reply(conn, reply)
             return
+        if type(req) is p.QueryPrefetch and req.wait_ms:
+            held = self._held.hold(conn, req)
+            if held is not None:
+                self._reply(conn, held)
+            return
         if type(req) in self.service.blocking:
             # An engine's request counts until its reply is forwarded (on this thread);
             # a router's lookup is the work that waits for them, not one of them.
@@ -253,9 +269,16 @@ class RpcServer:
         try:
             payload = self._encode(self.service.handle(req))
         finally:
-            self._results.put((conn, payload, engine))
-            with contextlib.suppress(BlockingIOError, OSError):
-                self._wake_w.send(b"x")
+            self._hand_to_loop(conn, payload, engine)
+
+    def _send_later(self, conn: _Connection, reply: Any) -> None:
+        """From any thread: send ``reply`` on the loop's next turn (a held query's)."""
+        self._hand_to_loop(conn, self._encode(reply), False)
+
+    def _hand_to_loop(self, conn: _Connection, payload: bytes | None, engine: bool) -> None:
+        self._results.put((conn, payload, engine))
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"x")
 
     def _forward_results(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):

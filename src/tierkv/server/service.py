@@ -155,6 +155,11 @@ class CacheService:
         self.metrics.request_done(type(req), reply, time.perf_counter() - start)
         return reply
 
+    def reply_to(self, req: Any) -> Any:
+        """The reply to ``req`` without counting it as a request: a held request's progress
+        read again (:mod:`tierkv.server.held_queries`)."""
+        return self._dispatch(req)
+
     def malformed(self, rid: int, message: str) -> p.Error:
         """The reply to a message that could not be decoded (counted as "malformed")."""
         reply = p.Error(rid, p.ErrorCode.BAD_REQUEST, message)
@@ -404,12 +409,29 @@ class CacheService:
         return ready
 
     def query_prefetch(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
+        """The progress now (the RPC loop holds the reply of one with ``wait_ms``: see
+        :meth:`watch_prefetch`)."""
+        if not 0 <= req.wait_ms <= p.MAX_PREFETCH_WAIT_MS:
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"wait_ms must be 0 to {p.MAX_PREFETCH_WAIT_MS}, not {req.wait_ms}",
+            )
         reg = self._client(req.client)
         progress = self.sessions.query(reg.token, req.request_id)
         if progress is None:
             raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
         sources = [p.SourceRun(where, chunks) for where, chunks in progress.sources]
         return p.PrefetchStatus(req.rid, progress.done, progress.hits, sources)
+
+    def watch_prefetch(self, req: p.QueryPrefetch, wake: Callable[[], None]) -> float | None:
+        """For a QUERY_PREFETCH whose reply waits: call ``wake()`` (on a tier thread) each
+        time a prefetch of the lookup finishes. Returns the time (this service's clock) by
+        which all of them are over, or None if none is running (answer now). Only after
+        :meth:`query_prefetch` answered the same request, not done."""
+        reg = self.registry.get(req.client)
+        if reg is None:
+            return None
+        return self.sessions.watch(reg.token, req.request_id, wake)
 
     def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
         reg = self._worker(req.client)

@@ -7,7 +7,8 @@ runs. Its life:
 - ``open``: lock the hit prefix, start the prefetch of the rest (the lookup's outcome is
   counted now, or by the prefetch when it finishes);
 - ``query``: has the prefetch finished (or timed out)? Its locks are folded into the session
-  and the engine is told the new hit count;
+  and the engine is told the new hit count (``watch`` calls back when it finishes, for a
+  query whose reply waits for that);
 - ``take``: PREPARE_RETRIEVE takes the session over with its lease (ended by
   FINISH_RETRIEVE); a prefetch landing later gives back whatever lease it made;
 - ``drop``: END_SESSION, FREE_LOOKUP_LOCKS, a new lookup under the same request id, the
@@ -192,6 +193,22 @@ class LookupSessions:
                 if not session.handed_out:
                     session.hits = hits
         return Progress(True, hits, _source_runs(members, hits))
+
+    def watch(self, holder: int, request_id: str, wake: Callable[[], None]) -> float | None:
+        """Call ``wake()`` (on a tier thread) each time a prefetch of the session (a group's:
+        any rank's) finishes; returns the latest time by which every one of them is over
+        (their deadlines), or None if none is running (the session's progress is final, or
+        there is no such session)."""
+        with self._lock:
+            group = self._groups.get(holder, {}).get(request_id)
+            if group is not None:
+                members = [session for _, session in group.members]
+            else:
+                single = self._single.get(holder, {}).get(request_id)
+                members = [] if single is None else [single]
+            jobs = [m.prefetch for m in members if m.prefetch is not None]
+        watched = [job.deadline for job in jobs if job.watch(wake)]
+        return max(watched) if watched else None
 
     def _settle(self, session: Session) -> bool:
         """Whether the session's prefetch is over; folds its result into ``available``."""

@@ -79,10 +79,32 @@ class PrefetchJob:
         # job knows ("corrupt", "error", "expired"; "" otherwise).
         self.sources: list[str] = []
         self.miss_reason = ""
+        self._watchers: list[Callable[[], None]] = []
+        self._watch_lock = threading.Lock()
 
     @property
     def hits(self) -> int:
         return self.first + self.loaded
+
+    def watch(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback()`` (on the tier thread) once the job is done; False, and no
+        call, if it is done already."""
+        with self._watch_lock:
+            if self.done.is_set():
+                return False
+            self._watchers.append(callback)
+            return True
+
+    def finish(self) -> None:
+        """Mark the job done and call its watchers."""
+        with self._watch_lock:
+            self.done.set()
+            watchers, self._watchers = self._watchers, []
+        for callback in watchers:
+            try:
+                callback()
+            except Exception:
+                log.exception("prefetch watcher failed")
 
 
 class Prefetcher:
@@ -191,7 +213,7 @@ class Prefetcher:
                     job.on_done(job)
                 except Exception:
                     log.exception("prefetch completion callback failed")
-            job.done.set()
+            job.finish()
 
     def _first_chunk(self, key: bytes, job: PrefetchJob) -> Tier | object | None:
         """Where ``key``, the first chunk the lookup lacked, is: the first tier that has it,
