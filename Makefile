@@ -25,7 +25,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml setup.py src/tierkv/_keychain.c src/tierkv/_streamcopy.c \
-		src/tierkv/_piecewise.c src/tierkv/_stream.h src/tierkv/_fingerprints.c scripts/ensure-system-deps.sh
+		src/tierkv/_piecewise.c src/tierkv/_stream.h src/tierkv/_xxh3_copy.h src/tierkv/_fingerprints.c scripts/ensure-system-deps.sh
 	bash scripts/ensure-system-deps.sh $(PY)
 	$(PY) -m pip install -q -e '.[redis,s3,test,docs,deploy]'
 	touch $(STAMP)

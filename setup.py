@@ -42,7 +42,7 @@ setup(
         Extension(
             "tierkv._piecewise",
             sources=["src/tierkv/_piecewise.c"],
-            depends=["src/tierkv/_stream.h"],
+            depends=["src/tierkv/_stream.h", "src/tierkv/_xxh3_copy.h"],
             libraries=["xxhash"],
             extra_compile_args=["-O2", "-Wall"],
             optional=True,

@@ -88,6 +88,7 @@
 #endif
 
 #include "_stream.h"
+#include "_xxh3_copy.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22 /* Linux 5.14; older kernels answer EINVAL */
@@ -100,6 +101,7 @@
 #define CLOSED (-2)            /* the peer closed the connection */
 
 static run_copy stream = plain; /* set at import */
+static int fused_copy = 0;       /* set at import: copy and hash in one pass (AVX2) */
 
 /* -- the SIGBUS guard ------------------------------------------------------------------ */
 struct guard {
@@ -203,12 +205,21 @@ copy_hashed(int fd, size_t offset, char *dst, size_t n, size_t piece, int reside
 
     XXH3_state_t state;
     XXH3_128bits_reset(&state);
+    XXH128_hash_t digest = {0, 0};
+    int fused = 0;
+#ifdef HAVE_XXH3_COPY
+    fused = fused_copy && n >= XC_MIN_LEN && ((uintptr_t)dst & 31) == 0;
+#endif
     struct guard g;
     g.lo = base;
     g.hi = base + len;
     if (sigsetjmp(g.env, 1) == 0) {
         active = &g;
-        for (size_t pos = 0; pos < n; pos += piece) {
+#ifdef HAVE_XXH3_COPY
+        if (fused) /* each stripe loaded once: stored and hashed from registers */
+            xxh3_copy_avx2(dst, src, n, piece, give_way, &digest.high64, &digest.low64);
+#endif
+        for (size_t pos = 0; !fused && pos < n; pos += piece) {
             size_t k = n - pos < piece ? n - pos : piece;
             (k >= MIN_STREAM ? stream : plain)(dst + pos, src + pos, k);
             HASH_UPDATE(&state, src + pos, k); /* the source piece, from the caches */
@@ -223,7 +234,7 @@ copy_hashed(int fd, size_t offset, char *dst, size_t n, size_t piece, int reside
     stream_fence();
     if (ok) {
         XXH128_canonical_t canon;
-        XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(&state));
+        XXH128_canonicalFromHash(&canon, fused ? digest : XXH3_128bits_digest(&state));
         memcpy(out, canon.digest, 16);
     }
 unmap:
@@ -572,5 +583,8 @@ PyMODINIT_FUNC
 PyInit__piecewise(void)
 {
     stream = stream_pick();
+#ifdef HAVE_XXH3_COPY
+    fused_copy = stream == stream_avx2;
+#endif
     return PyModule_Create(&module);
 }

@@ -82,6 +82,37 @@ def test_bytes_and_checksum_equal_a_plain_read(
     assert preadv_calls == []  # the mapped way, not the fallback
 
 
+# Around XXH3's boundaries: its long path (> 240 bytes), a stripe (64), a block (1024), the
+# last stripe that overlaps the one before, and pieces.
+FUSED_SIZES = [241, 255, 256, 1023, 1024, 1025, 1088, 1089, 2047, 2048, 2049, 4096 + 63]
+FUSED_SIZES += [pieces.PIECE - 1, pieces.PIECE + 1, 3 * pieces.PIECE + 12345, 8 << 20]
+
+
+@built
+@pytest.mark.parametrize("n", FUSED_SIZES)
+@pytest.mark.parametrize("offset", [HEADER, 4096, 1])
+def test_a_slot_aligned_copy_hashes_as_it_copies_bit_for_bit(
+    tmp_path: Path, n: int, offset: int
+) -> None:
+    """Into a destination aligned like a pool slot, on a CPU with AVX2, a page-cached read
+    copies and computes XXH3-128 in one pass (``_xxh3_copy.h``): the checksum must be
+    libxxhash's, bit for bit, for every length and source alignment."""
+    payload = _payload(n, seed=offset)
+    path = tmp_path / "chunk"
+    path.write_bytes(b"\xee" * offset + payload)
+    fd = os.open(path, os.O_RDONLY)
+    room = np.zeros(n + 128, np.uint8)
+    start = (-room.ctypes.data) % 64
+    dst = memoryview(room[start : start + n])
+    try:
+        got, digest = pieces.read_hashed(fd, dst, offset)
+    finally:
+        os.close(fd)
+    assert (got, digest) == (n, checksum(payload))
+    assert bytes(dst) == payload
+    assert not room[:start].any() and not room[start + n :].any()
+
+
 @built
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("offset", [0, HEADER, pieces.PIECE + 5])
