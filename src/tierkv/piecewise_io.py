@@ -21,10 +21,11 @@ Where the C helper ``tierkv._piecewise`` was built (:data:`NATIVE`), the same lo
 C without the GIL: the Python loops take and drop it several times a piece (a peer fetch's
 four streams on two cores took 123-148 ms each for 64 MiB with them, 87-95 ms in C). A file
 whose bytes are all in the page cache is read mapped there: copied with streaming stores
-piece by piece and each piece hashed from the caches. ``os.preadv``'s copy leaves neither
-side of a large copy in the caches, so hashing after it reads the chunk from memory again:
-0.58-0.71 of a plain read's speed with the checksum, against 0.80-0.94 mapped (8 MiB chunks,
-two threads, the CI machine type). A read from the
+and hashed in the same pass (each 64-byte stripe from the registers it was copied through;
+each piece from the caches where the CPU lacks AVX2 or the destination is not aligned).
+``os.preadv``'s copy leaves neither side of a large copy in the caches, so hashing after it
+reads the chunk from memory again: 0.58-0.71 of a plain read's speed with the checksum,
+against 0.88-0.96 mapped (8 MiB chunks, two threads, the CI machine type). A read from the
 device, or a file that changes under the copy, goes the ``os.preadv`` way. Sockets that are
 not plain ``socket.socket`` objects (TLS, test doubles) take the Python loops.
 """
