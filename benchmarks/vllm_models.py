@@ -119,7 +119,7 @@ FLOAT32 = {"dtype": "float32"}
 # like the other kinds' 4 MiB: with 4 layers a chunk was 1.1 MiB, whose copy takes less time
 # than the Python around it (real MLA models have 27 to 61 layers: 7.6 to 17 MiB chunks).
 MLA_DEPTH = {"num_layers": 16, "q_lora_rank": 128}
-MLA_TOKENS = 8 * 256 + 1
+MLA_TOKENS = 16 * 256 + 1
 KINDS = {
     "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 4600, FLOAT32),
     # With AMX tiles vLLM runs MLA with its AMX_MLA backend, bfloat16 only, its own prefix
