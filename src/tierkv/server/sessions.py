@@ -173,15 +173,11 @@ class LookupSessions:
         """Settle the session's prefetch if it is over; None if there is no such session."""
         now = self.clock()
         with self._lock:
-            group = self._groups.get(holder, {}).get(request_id)
+            group, members = self._members_locked(holder, request_id)
+            if not members:
+                return None
             if group is not None:
                 group.touched = now
-                members = [session for _, session in group.members]
-            else:
-                single = self._single.get(holder, {}).get(request_id)
-                if single is None:
-                    return None
-                members = [single]
             for session in members:
                 session.touched = now
         done = all([self._settle(session) for session in members])  # settle every member
@@ -200,15 +196,21 @@ class LookupSessions:
         (their deadlines), or None if none is running (the session's progress is final, or
         there is no such session)."""
         with self._lock:
-            group = self._groups.get(holder, {}).get(request_id)
-            if group is not None:
-                members = [session for _, session in group.members]
-            else:
-                single = self._single.get(holder, {}).get(request_id)
-                members = [] if single is None else [single]
+            _, members = self._members_locked(holder, request_id)
             jobs = [m.prefetch for m in members if m.prefetch is not None]
         watched = [job.deadline for job in jobs if job.watch(wake)]
         return max(watched) if watched else None
+
+    def _members_locked(
+        self, holder: int, request_id: str
+    ) -> tuple[GroupSession | None, list[Session]]:
+        """The lookup's group session (a scheduler's) if it is one, and its sessions (none
+        if there is no such lookup). Under ``_lock``."""
+        group = self._groups.get(holder, {}).get(request_id)
+        if group is not None:
+            return group, [session for _, session in group.members]
+        single = self._single.get(holder, {}).get(request_id)
+        return None, [] if single is None else [single]
 
     def _settle(self, session: Session) -> bool:
         """Whether the session's prefetch is over; folds its result into ``available``."""
