@@ -36,9 +36,10 @@ Figures per kind: ``speedup`` (median cold TTFT over median warm TTFT), bytes st
 token (a chunk's bytes over its tokens; a full-attention model of the same shape beside it
 where that differs from the model's own geometry), the connector's store and load GB/s (the
 worker's own totals over the rounds, as in ``vllm_ttft.py``) against a memcpy of as many
-chunks of the same size by as many threads as the connector copies with, measured right
-after each round (the rounds' harmonic mean), and the outputs. A sliding-window model's load
-figure counts whole chunks, but the layers whose blocks lie behind the window on the warm
+chunks of the same size by as many threads as the connector copies with, between buffers out
+of the CPU's caches (``vllm_ttft.memcpy_gbps``), measured right after each round (the
+rounds' harmonic mean), and the outputs. A sliding-window model's load figure counts whole
+chunks, but the layers whose blocks lie behind the window on the warm
 request get vLLM's null block and are not copied (about half of the bytes here): that figure
 is not a copy speed, is printed with that caveat and left out of ``min_load_vs_memcpy``
 (its store figure copies every byte and counts). The last line is
