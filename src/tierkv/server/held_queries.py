@@ -25,14 +25,14 @@ Conn = TypeVar("Conn")
 
 
 class HeldQuery(Generic[Conn]):
-    """One held QUERY_PREFETCH: its connection, the request and when its wait ends."""
+    """One held QUERY_PREFETCH: its connection and the request (when its wait ends is the
+    key it is filed under)."""
 
-    __slots__ = ("_answered", "_lock", "conn", "deadline", "req")
+    __slots__ = ("_answered", "_lock", "conn", "req")
 
-    def __init__(self, conn: Conn, req: p.QueryPrefetch, deadline: float) -> None:
+    def __init__(self, conn: Conn, req: p.QueryPrefetch) -> None:
         self.conn = conn
         self.req = req
-        self.deadline = deadline
         self._answered = False
         self._lock = threading.Lock()
 
@@ -72,13 +72,13 @@ class HeldQueries(Generic[Conn]):
         reply = self.service.handle(req)
         if req.wait_ms <= 0 or not isinstance(reply, p.PrefetchStatus) or reply.done:
             return reply
-        held = HeldQuery(conn, req, self.clock() + req.wait_ms / 1000)
+        waits_until = self.clock() + req.wait_ms / 1000
+        held = HeldQuery(conn, req)
         over_by = self.service.watch_prefetch(req, lambda: self._landed(held))
         if over_by is None:  # it ended between the reply above and the watch
             held.claim()
             return self.service.reply_to(req)
-        held.deadline = min(held.deadline, over_by)
-        heapq.heappush(self._heap, (held.deadline, next(self._order), held))
+        heapq.heappush(self._heap, (min(waits_until, over_by), next(self._order), held))
         return None
 
     def _landed(self, held: HeldQuery[Conn]) -> None:
@@ -108,6 +108,3 @@ class HeldQueries(Generic[Conn]):
         if not self._heap:
             return longest
         return max(0.0, min(longest, self._heap[0][0] - self.clock()))
-
-    def __len__(self) -> int:
-        return len(self._heap)
