@@ -1204,8 +1204,10 @@ def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None
     assert _is_latent(_attention_spec(kv_cache_config(mla)))
     hybrid = kv_cache_config(sliding, sliding, full)
     assert _attention_spec(hybrid) is sliding
-    assert _layer_groups(hybrid) == {f"model.layers.{i}.attn": i for i in range(3)}
-    assert _layer_groups(kv_cache_config(full)) is None
+    names = [f"model.layers.{i}.attn" for i in range(3)]
+    assert _layer_groups(hybrid, names) == {name: i for i, name in enumerate(names)}
+    assert _layer_groups(hybrid, names[1:]) == {name: i + 1 for i, name in enumerate(names[1:])}
+    assert _layer_groups(kv_cache_config(full), names[:1]) is None
     with pytest.raises(UnsupportedLayoutError, match="not SlidingWindowSpec"):
         _attention_spec(kv_cache_config(sliding))  # alone: vLLM frees every old block
     with pytest.raises(UnsupportedLayoutError, match=r"has 2 \(FullAttentionSpec, MLA"):

@@ -46,9 +46,13 @@ def real_ids(ref: BlockRef) -> list[int]:
     return [i for i in ref if i != NULL_BLOCK]
 
 
-def has_null(ref: BlockRef) -> bool:
-    """A group holds the null block at this position (its KV is gone)."""
-    return not isinstance(ref, int) and NULL_BLOCK in ref
+def has_null(ref: BlockRef, ignore: frozenset[int] = frozenset()) -> bool:
+    """A group holds the null block at this position (its KV is gone); groups in ``ignore``
+    (a hybrid model's state groups, whose blocks hold states only at some positions) do not
+    count."""
+    if isinstance(ref, int):
+        return False
+    return any(b == NULL_BLOCK for g, b in enumerate(ref) if g not in ignore)
 
 
 def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
@@ -77,6 +81,28 @@ def chunk_hashes(
 
 
 @dataclass(frozen=True)
+class StateLoad:
+    """The state a hybrid model's load restores with its KV (see
+    :mod:`tierkv.integrations.vllm.state`): retrieved by ``request_id`` (the scheduler's
+    state lookup) into ``block_ids``, one per state layer. Not ``usable`` when vLLM accepted
+    a prefix that does not end where the state does: the whole load then fails."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    usable: bool = True
+
+
+@dataclass(frozen=True)
+class StateStore:
+    """Store the state in ``block_ids`` (one per state layer, written by this step's
+    forward pass) as the pieces named ``hashes``."""
+
+    request_id: str
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """Load blocks ``[start_block, end_block)`` of a request from the chunks its lookup locked
     (retrieve by request id). ``block_ids[i]`` is the vLLM block of block ``start_block + i``.
@@ -85,7 +111,8 @@ class LoadSpec:
 
     ``hashes``/``tokens`` (keys of the chunks from chunk 0, as in :class:`StoreSpec`) and
     ``salt``: set for an MLA engine with several ranks, whose ranks other than 0 read the
-    chunks rank 0 stores by key (the scheduler's lookup locked them for rank 0 only)."""
+    chunks rank 0 stores by key (the scheduler's lookup locked them for rank 0 only).
+    ``state``: a hybrid model's state at the load's end."""
 
     request_id: str
     start_block: int
@@ -94,6 +121,7 @@ class LoadSpec:
     hashes: tuple[bytes, ...] | None = None
     tokens: bytes | None = None
     salt: str = ""
+    state: StateLoad | None = None
 
     def blocks_of(self, chunk: int, bpc: int) -> list[tuple[int, BlockRef]]:
         """(position of the block within the chunk, vLLM block id) for every block of

@@ -83,6 +83,13 @@ from tierkv.integrations.vllm.layout import CacheGeometry, UnsupportedLayoutErro
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata
 from tierkv.integrations.vllm.scheduler import SchedulerSide
 from tierkv.integrations.vllm.settings import ConnectorSettings, stores_async
+from tierkv.integrations.vllm.state import (
+    STATE_SPECS,
+    StateFormat,
+    StateLayout,
+    UnsupportedStateError,
+    state_format,
+)
 from tierkv.integrations.vllm.stats import PEER, POOL, TierKVPromMetrics, TierKVStats
 from tierkv.integrations.vllm.worker import WorkerSide
 
@@ -133,13 +140,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         engine_id = str(transfer.engine_id)
         async_store = stores_async(self.settings, can_load=can_load, can_save=can_save)
         model_id = self.settings.model_id or _model_identity(vllm_config)
+        self._state: StateFormat | None = None
         try:
+            self._state = state_format(kv_cache_config, self.settings.chunk_size)
             self._spec = _attention_spec(kv_cache_config)
             self._unsupported = ""
-        except UnsupportedLayoutError as e:
+        except (UnsupportedLayoutError, UnsupportedStateError) as e:
             # A model whose KV tierkv cannot store and restore exactly: the engine runs, and
             # every request is a miss (never wrong KV, never a failed start).
-            self._spec, self._unsupported = None, str(e)
+            self._spec, self._state, self._unsupported = None, None, str(e)
             can_load = can_save = False
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("tierkv: %s: this engine neither loads nor stores", e)
@@ -173,10 +182,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 async_store=async_store,
                 shared_ranks=_is_latent(self._spec),
                 kv_events=_kv_events_on(vllm_config),
-                # Notes name vLLM's block hashes one per block: not at another granularity.
+                # Notes name vLLM's block hashes one per block: not at another granularity,
+                # nor a hybrid model's state blocks.
                 note_groups=(
-                    _note_groups(kv_cache_config) if block_size == hash_block_size else None
+                    _note_groups(kv_cache_config)
+                    if block_size == hash_block_size and self._state is None
+                    else None
                 ),
+                state_format=self._state,
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "
@@ -238,12 +251,19 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         geometry = CacheGeometry(
             int(spec.block_size), heads, int(spec.head_size), latent=_is_latent(spec)
         )
+        state = StateLayout(self._state, kv_caches) if self._state is not None else None
+        attention = {
+            name: tensor
+            for name, tensor in kv_caches.items()
+            if state is None or name not in state.format.layers
+        }
         worker.register_kv_caches(
-            kv_caches,
+            attention,
             geometry,
-            _backend_names(self._vllm_config, kv_caches),
+            _backend_names(self._vllm_config, attention),
             self.settings.kv_layout,
-            _layer_groups(self._kv_cache_config),
+            _layer_groups(self._kv_cache_config, attention),
+            state,
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -523,7 +543,9 @@ def _hybrid_spec(groups: Any) -> Any:
     whose layers have one geometry (block size, KV heads, head size, dtype). Every group's
     K/V of every token is stored (so any prefix boundary can be served, and engines with the
     hybrid allocator off share the chunks); a sliding-window group's blocks behind the
-    window are null: a load skips them, and a chunk with one is not stored."""
+    window are null: a load skips them, and a chunk with one is not stored. A hybrid
+    model's state groups are left out here (see :mod:`tierkv.integrations.vllm.state`)."""
+    groups = [g for g in groups if type(g.kv_cache_spec).__name__ not in STATE_SPECS]
     kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
     specs = [g.kv_cache_spec for g in groups]
     if not set(kinds) <= set(_HYBRID_SPECS):
@@ -545,12 +567,15 @@ def _hybrid_spec(groups: Any) -> Any:
     return specs[0]
 
 
-def _layer_groups(kv_cache_config: Any) -> dict[str, int] | None:
-    """Each layer's KV cache group, for a model with several."""
+def _layer_groups(kv_cache_config: Any, layers: Iterable[str]) -> dict[str, int] | None:
+    """Each of ``layers``' KV cache group, for a model with several."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if len(groups) < 2:
         return None
-    return {name: g for g, group in enumerate(groups) for name in group.layer_names}
+    wanted = set(layers)
+    return {
+        name: g for g, group in enumerate(groups) for name in group.layer_names if name in wanted
+    }
 
 
 def _block_sizes(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int]:

@@ -408,7 +408,7 @@ def detect_layout(
         )
     names: list[str] = []
     seen: set[tuple[int, int, tuple[int, ...], int]] = set()
-    for name in sorted(kv_caches, key=_layer_order):
+    for name in sorted(kv_caches, key=layer_order):
         t = kv_caches[name]
         group = (groups or {}).get(name, 0)
         identity = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()), group)
@@ -462,11 +462,13 @@ def detect_layout(
         views=views,
         stacked=_stack(views),
         backend=backend,
-        layer_groups=layer_groups if len(set(layer_groups)) > 1 else None,
+        # Positions name a block per group whenever the model has several groups (a hybrid
+        # model's attention layers may all be in one of them).
+        layer_groups=layer_groups if groups else None,
     )
 
 
-def _layer_order(name: str) -> tuple[Any, ...]:
+def layer_order(name: str) -> tuple[Any, ...]:
     """Natural order: model.layers.2 before model.layers.10."""
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
 

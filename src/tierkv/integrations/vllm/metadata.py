@@ -27,13 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec
+from tierkv.integrations.vllm.chunks import LoadSpec, StateStore, StoreSpec
 
 
 @dataclass
 class TierKVConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     stores: list[StoreSpec] = field(default_factory=list)
+    # A hybrid model's states handed over by vLLM in this step (stored after its forward pass).
+    state_stores: list[StateStore] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     registrations: int = 0

@@ -88,6 +88,8 @@ from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.chunks import (
     BlockRef,
     LoadSpec,
+    StateLoad,
+    StateStore,
     StoreSpec,
     block_positions,
     blocks_per_chunk,
@@ -98,12 +100,19 @@ from tierkv.integrations.vllm.chunks import (
 from tierkv.integrations.vllm.kv_events import NoteGroup, PoolEvents, chunk_note
 from tierkv.integrations.vllm.metadata import TierKVConnectorMetadata, TierKVWorkerMetadata
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.state import MAX_PROBES, StateFormat, prefix_id
 from tierkv.integrations.vllm.stats import POOL, TierKVStats
 
 log = logging.getLogger("vllm.tierkv")
 
 # Lookup phases of a request.
 NEW, PREFETCHING, LOOKED_UP, ALLOCATED = "new", "prefetching", "looked_up", "allocated"
+STATE_PREFETCHING = "state_prefetching"  # a hybrid model's state is being prefetched
+
+
+def state_session(request_id: str) -> str:
+    """The server session (lookup locks) of a request's state, beside its KV's."""
+    return f"{request_id}#state"
 
 
 @dataclass
@@ -137,6 +146,12 @@ class RequestState:
     # Asynchronous stores: stores were handed to the workers whose end no step has waited
     # for (set when one is planned, cleared when a preemption makes the workers wait).
     stores_running: bool = False
+    # A hybrid model's state: the chunks whose end state the server holds for this request
+    # (locked in the state session), a probe whose prefetch runs, and the state session.
+    state_chunks: int = 0
+    state_probe: int = 0
+    state_session: bool = False
+    stored_states: set[int] = field(default_factory=set)  # chunk ends with a state stored
 
 
 class SchedulerSide:
@@ -158,6 +173,7 @@ class SchedulerSide:
         shared_ranks: bool = False,
         kv_events: bool = False,
         note_groups: Sequence[NoteGroup] | None = None,
+        state_format: StateFormat | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``async_store``: the workers store on their store threads (see the module doc;
@@ -165,7 +181,9 @@ class SchedulerSide:
         ``shared_ranks``: every rank holds the same KV (MLA), see the module doc.
         ``kv_events``: vLLM publishes KV events (see the module doc); ``note_groups``: the
         KV cache groups the notes describe (None: no notes, as when the block hashes'
-        granularity is not the block size)."""
+        granularity is not the block size). ``state_format``: a hybrid model's state layers
+        (:mod:`tierkv.integrations.vllm.state`): a prefix is served only up to a chunk whose
+        end state the server holds, and the states vLLM hands over are stored."""
         self.settings = settings
         self.world_size = world_size  # ranks (workers) of this engine
         self.shared_ranks = shared_ranks
@@ -182,6 +200,8 @@ class SchedulerSide:
         # An inactive connector (a model it cannot serve) plans no chunk: its block size
         # need not divide the chunk size (a Mamba-2 hybrid's is 4096 tokens here).
         self.bpc = blocks_per_chunk(self.chunk_size, block_size) if can_load or can_save else 0
+        self.state_format = state_format
+        self._state_groups = state_format.state_groups if state_format else frozenset()
         self._clock = clock
         self.requests: dict[str, RequestState] = {}
         self._loads: dict[str, LoadSpec] = {}  # planned by allocations, for the next step
@@ -274,6 +294,7 @@ class SchedulerSide:
             state.phase = LOOKED_UP
             return 0, False
         if state.phase == NEW:
+            state.state_chunks = state.state_probe = 0
             hits = self._lookup(state)
             if hits is None:
                 return None, False
@@ -286,6 +307,13 @@ class SchedulerSide:
         if state.failed_from is not None:
             # A load of this request failed before: recompute rather than try again.
             hits = min(hits, state.failed_from // self.chunk_size)
+        if self.state_format is not None and hits > 0:
+            state.hits = hits
+            with_state = self._state_hit(state, hits, num_computed_tokens)
+            if with_state is None:
+                state.phase = STATE_PREFETCHING
+                return None, False
+            hits = with_state
         state.hits = hits
         state.max_hits = max(state.max_hits, hits)
         state.phase = LOOKED_UP
@@ -317,6 +345,64 @@ class SchedulerSide:
             state.prefetch_deadline = self._clock() + 4 * self.settings.timeout
             return None
         return int(result.hits)
+
+    def _state_hit(self, state: RequestState, hits: int, computed: int) -> int | None:
+        """The longest prefix of at most ``hits`` chunks whose end state the server holds
+        (locked in the request's state session), beyond vLLM's own ``computed`` tokens; 0 if
+        none; None while a probe's prefetch runs (vLLM asks again next step). A prefix ends
+        before the prompt's last token (vLLM computes that one), and at most
+        :data:`MAX_PROBES` chunk ends are asked for."""
+        fmt = self.state_format
+        assert fmt is not None
+        top = min(hits, (int(state.request.num_prompt_tokens) - 1) // self.chunk_size)
+        low = computed // self.chunk_size
+        if 0 < state.state_chunks <= top:
+            return state.state_chunks  # found by an earlier call (vLLM asks again)
+        sid = state_session(state.request.request_id)
+        chunks = top
+        if state.state_probe:
+            chunks = state.state_probe
+            status = self.link.call("query_prefetch", lambda c: c.query_prefetch(sid), None)
+            if status is not None and not status.done and self._clock() < state.prefetch_deadline:
+                return None
+            state.state_probe = 0
+            if status is not None and status.hits == fmt.pieces:
+                state.state_chunks = chunks
+                return chunks
+            chunks -= 1
+        probes = 0
+        while chunks > low and probes < MAX_PROBES:
+            result = self._lookup_state(
+                sid, fmt.piece_hashes(self._prefix_id(state, chunks), state.salt)
+            )
+            if result is None:
+                break
+            state.state_session = True
+            if result.prefetching:
+                state.state_probe = chunks
+                state.prefetch_deadline = self._clock() + 4 * self.settings.timeout
+                return None
+            if result.hits == fmt.pieces:
+                state.state_chunks = chunks
+                return chunks
+            chunks -= 1
+            probes += 1
+        self._end_state_session(state)
+        return 0
+
+    def _lookup_state(self, sid: str, pieces: list[bytes]) -> p.LookupResult | None:
+        return self.link.call("lookup", lambda c: c.lookup(hashes=pieces, request_id=sid), None)
+
+    def _prefix_id(self, state: RequestState, chunks: int) -> bytes:
+        """The identity of the request's first ``chunks`` chunks (see :func:`prefix_id`)."""
+        request = state.request
+        if self.use_block_hashes:
+            hashes = chunk_hashes(
+                request.block_hashes, chunks, self.chunk_size, self.hash_block_size
+            )
+            if hashes is not None:
+                return hashes[-1]
+        return prefix_id(request.all_token_ids[: chunks * self.chunk_size], "", self.chunk_size)
 
     def _poll_prefetch(self, state: RequestState) -> int | None:
         rid = state.request.request_id
@@ -355,14 +441,33 @@ class SchedulerSide:
                 hashes=tuple(keys["hashes"]) if keys and "hashes" in keys else None,
                 tokens=keys["tokens"] if keys and "tokens" in keys else None,
                 salt=state.salt,
+                state=self._state_load(state, block_ids, end),
             )
             state.external_tokens = num_external_tokens
             state.external_sources = tokens_by_source(state.sources, self.chunk_size, start, end)
             self._count_hit(state.external_sources)
             state.loading = True
-        elif state.session:
-            self._free_locks(state)
+        else:
+            if state.session:
+                self._free_locks(state)
+            self._end_state_session(state)
         state.phase = ALLOCATED
+
+    def _state_load(
+        self, state: RequestState, block_ids: list[BlockRef], end: int
+    ) -> StateLoad | None:
+        """The state a load ending at token ``end`` restores (a hybrid model): the state
+        groups' blocks at the last position of the prefix. Not usable (the load fails whole)
+        if vLLM took another length than the prefix whose state is held."""
+        fmt = self.state_format
+        if fmt is None:
+            return None
+        sid = state_session(state.request.request_id)
+        position = end // self.block_size - 1
+        ref = block_ids[position] if 0 <= position < len(block_ids) else None
+        if end != state.state_chunks * self.chunk_size or not isinstance(ref, tuple):
+            return StateLoad(sid, (), usable=False)
+        return StateLoad(sid, tuple(ref[g] for g in fmt.groups))
 
     # -- per-step metadata -----------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
@@ -391,7 +496,35 @@ class SchedulerSide:
                 state.block_ids.extend(self._positions(state, new_blocks))
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
             self._plan_step(state, computed, meta)
+        if self.state_format is not None and self.can_save:
+            self._plan_state_stores(scheduler_output, meta)
         return meta
+
+    def _plan_state_stores(self, scheduler_output: Any, meta: TierKVConnectorMetadata) -> None:
+        """Store the states vLLM hands over in this step (a hybrid model in its "align"
+        mode): each boundary that ends a chunk and has a block of every state group."""
+        fmt = self.state_format
+        assert fmt is not None
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        for rid, entries in offers.items():
+            state = self.requests.get(rid)
+            if state is None or not state.cacheable:
+                continue
+            by_boundary: dict[int, dict[int, int]] = {}
+            for group, block_id, tokens in entries:
+                by_boundary.setdefault(int(tokens), {})[int(group)] = int(block_id)
+            for tokens, blocks in sorted(by_boundary.items()):
+                chunks, rest = divmod(tokens, self.chunk_size)
+                if rest or not chunks or not fmt.state_groups <= blocks.keys():
+                    continue
+                if chunks in state.stored_states or tokens > len(state.request.all_token_ids):
+                    continue
+                hashes = fmt.piece_hashes(self._prefix_id(state, chunks), state.salt)
+                meta.state_stores.append(
+                    StateStore(rid, tuple(hashes), tuple(blocks[g] for g in fmt.groups))
+                )
+                state.stored_states.add(chunks)
 
     def _note_preemptions(self, scheduler_output: Any, meta: TierKVConnectorMetadata) -> None:
         """vLLM freed the blocks of the requests it preempted since the last step: with
@@ -426,7 +559,7 @@ class SchedulerSide:
         # Not from a chunk with a null block on (a sliding-window group's KV behind the
         # window is gone): later chunks could never be found behind it either.
         blocks = state.block_ids[first * self.bpc : done * self.bpc]
-        done = first + _intact_chunks(blocks, self.bpc)
+        done = first + _intact_chunks(blocks, self.bpc, self._state_groups)
         if done <= first:
             return False
         selector = self._selector(state, done)
@@ -612,11 +745,19 @@ class SchedulerSide:
         self.link.call("free_lookup_locks", lambda c: c.free_lookup_locks(rid), 0)
 
     def _end_session(self, state: RequestState) -> None:
+        self._end_state_session(state)
         if not state.session:
             return
         state.session = False
         rid = state.request.request_id
         self.link.call("end_session", lambda c: c.end_session(rid), 0)
+
+    def _end_state_session(self, state: RequestState) -> None:
+        if not state.state_session:
+            return
+        state.state_session = False
+        sid = state_session(state.request.request_id)
+        self.link.call("end_session", lambda c: c.end_session(sid), 0)
 
     def shutdown(self) -> None:
         for state in list(self.requests.values()):
@@ -646,10 +787,13 @@ def tokens_by_source(
     return out
 
 
-def _intact_chunks(block_ids: list[BlockRef], bpc: int) -> int:
-    """Leading whole chunks of ``block_ids`` without a null block."""
+def _intact_chunks(
+    block_ids: list[BlockRef], bpc: int, state_groups: frozenset[int] = frozenset()
+) -> int:
+    """Leading whole chunks of ``block_ids`` without a null block (in a group other than a
+    hybrid model's state groups)."""
     for i, ref in enumerate(block_ids):
-        if has_null(ref):
+        if has_null(ref, state_groups):
             return i // bpc
     return len(block_ids) // bpc
 

@@ -63,6 +63,7 @@ chunk's blocks once every rank's part is held (see :mod:`tierkv.integrations.vll
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -75,8 +76,19 @@ from tierkv import keys
 from tierkv.arraycopy import COPIES
 from tierkv.client import Client, PreparedStore
 from tierkv.integrations.link import ServerLink
-from tierkv.integrations.vllm.chunks import LoadSpec, StoreSpec, blocks_per_chunk
-from tierkv.integrations.vllm.layout import CacheGeometry, PagedKVLayout, detect_layout
+from tierkv.integrations.vllm.chunks import (
+    LoadSpec,
+    StateLoad,
+    StateStore,
+    StoreSpec,
+    blocks_per_chunk,
+)
+from tierkv.integrations.vllm.layout import (
+    CacheGeometry,
+    PagedKVLayout,
+    UnsupportedLayoutError,
+    detect_layout,
+)
 from tierkv.integrations.vllm.metadata import (
     RankReport,
     TierKVConnectorMetadata,
@@ -84,6 +96,7 @@ from tierkv.integrations.vllm.metadata import (
 )
 from tierkv.integrations.vllm.pinning import page_lock
 from tierkv.integrations.vllm.settings import ConnectorSettings
+from tierkv.integrations.vllm.state import StateLayout
 from tierkv.integrations.vllm.stats import RANK_FIELDS, TierKVStats
 from tierkv.integrations.vllm.stores import StoreQueue
 from tierkv.pool import ShmPool
@@ -120,6 +133,7 @@ class WorkerSide:
         self.can_save = can_save
         self.chunk_size = settings.chunk_size
         self.layout: PagedKVLayout | None = None
+        self.state_layout: StateLayout | None = None  # a hybrid model's state layers
         self.bpc = 0
         self.link = ServerLink(
             settings,
@@ -161,6 +175,8 @@ class WorkerSide:
             "loaded_chunks": 0,
             "loaded_tokens": 0,
             "failed_blocks": 0,
+            "stored_states": 0,  # a hybrid model's states (see tierkv.integrations.vllm.state)
+            "loaded_states": 0,
             "stored_chunks": 0,
             "store_seconds": 0.0,
             "store_prepare_seconds": 0.0,
@@ -195,13 +211,26 @@ class WorkerSide:
         backends: Mapping[str, str],
         content: str = "auto",
         groups: Mapping[str, int] | None = None,
+        state: StateLayout | None = None,
     ) -> PagedKVLayout:
         """Detect the layout (raises :class:`UnsupportedLayoutError` for one it cannot map)
         and register with the server (a server that is down now is retried later).
-        ``groups``: each layer's KV cache group, for a model with several."""
+        ``groups``: each layer's KV cache group, for a model with several. ``state``: a
+        hybrid model's state layers (``kv_caches`` then holds its attention layers only);
+        their states are stored as pieces of this layout's chunk size."""
         self._failed_loads = set() if len(set((groups or {}).values())) > 1 else None
         self.layout = detect_layout(kv_caches, geometry, backends, content, groups)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
+        if state is not None:
+            chunk_bytes = math.prod(self.layout.chunk_shape(self.chunk_size)) * (
+                self.layout.views[0].element_size()
+            )
+            if chunk_bytes != state.format.piece_bytes:
+                raise UnsupportedLayoutError(
+                    f"tierkv: a chunk is {chunk_bytes} bytes, the state's pieces "
+                    f"{state.format.piece_bytes}"
+                )
+        self.state_layout = state
         log.info(
             "tierkv worker rank %d/%d: %s; chunks of %d tokens (%d blocks) shaped %s; "
             "copies in host memory by %s",
@@ -282,6 +311,9 @@ class WorkerSide:
             loaded.add(chunk)
 
         start = time.perf_counter()
+        if spec.state is not None and not spec.state.usable:
+            self._finish_load(spec, set())  # the prefix vLLM took does not end at the state
+            return
         if self.reads_by_key:
             if spec.hashes is None and spec.tokens is None:
                 self._finish_load(spec, set())  # no keys to read by: recompute
@@ -300,9 +332,35 @@ class WorkerSide:
             lambda c: c.retrieve(scatter=scatter, caller_copies=True, wait_release=False, **named),
             None,
         )
+        if spec.state is not None and not self._load_state(spec.state):
+            loaded = set()  # KV without its state is never used: vLLM recomputes it all
         with self._lock:
             self._timed("load", start, 0 if result is None else len(result.retrieved))
         self._finish_load(spec, loaded)
+
+    def _load_state(self, state: StateLoad) -> bool:
+        """Write a hybrid model's state (the scheduler's state lookup locked its pieces)
+        into its blocks; whether every piece arrived."""
+        layout = self.state_layout
+        if layout is None or len(state.block_ids) != len(layout.format.layers):
+            return False
+        written: set[int] = set()
+
+        def scatter(piece: int, src: Any) -> None:
+            layout.scatter(piece, state.block_ids, src)
+            written.add(piece)
+
+        self.link.call(
+            f"retrieve of {state.request_id}",
+            lambda c: c.retrieve(
+                request_id=state.request_id, scatter=scatter, caller_copies=True, wait_release=False
+            ),
+            None,
+        )
+        if len(written) != layout.format.pieces:
+            return False
+        self.stats["loaded_states"] += 1
+        return True
 
     def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
         block_size = self.layout.geometry.block_size if self.layout else 1
@@ -401,6 +459,10 @@ class WorkerSide:
                         self._abort(future)
                     continue  # never store what was computed on top of a failed load
                 self._submit_store(spec, future, confirm=spec.request_id not in meta.prefilling)
+        if meta.state_stores and self.state_layout is not None and self.stores_here:
+            for state in meta.state_stores:
+                if state.request_id not in failed:
+                    self._store_state(state)
         self._settle(meta.prefilling)
         # After this step's stores were submitted: get_finished reports these once none of
         # their stores is pending (at once when synchronous). vLLM puts a finished request
@@ -408,6 +470,24 @@ class WorkerSide:
         # reported always belongs to a set get_finished was given, in this call or before
         # (before: when vLLM defers wait_for_save past get_finished, with a draft model).
         self._releasing.update(meta.release)
+
+    def _store_state(self, state: StateStore) -> None:
+        """Store a state vLLM handed over in this step, now: after this step its block may
+        be freed (vLLM keeps only the states it retains)."""
+        layout = self.state_layout
+        assert layout is not None
+        result = self.link.call(
+            f"state store of {state.request_id}",
+            lambda c: c.store(
+                hashes=list(state.hashes),
+                gather=lambda piece, dst: layout.gather(piece, state.block_ids, dst),
+                caller_copies=True,
+            ),
+            None,
+        )
+        if result is not None and len(result.stored) + len(result.present) == len(state.hashes):
+            with self._lock:
+                self.stats["stored_states"] += 1
 
     def _submit_store(
         self, spec: StoreSpec, prepared: Future[PreparedStore | None] | None, confirm: bool
