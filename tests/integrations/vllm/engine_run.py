@@ -32,6 +32,7 @@ connector's), auth_token (the connector's: the server's shared secret, as a clus
 servers have), reannounce_interval (the connector's kv_events_reannounce_interval), hashes
 (the connector's ``hashes``: chunk keys from "tokens" (token ids, as a router's ``POST
 /lookup`` with ``tokens`` hashes them), "vllm" (vLLM's block hashes) or "auto", the default),
+chunk_size (the connector's: the server's ``--chunk-size``),
 pause_after (prompt indexes: after each, create ``pause_dir``/paused-N and wait
 for ``pause_dir``/resume-N, so a test can kill or restart the server between two prompts;
 with ``tick_until`` the engine runs ticks while it waits),
@@ -217,6 +218,8 @@ def main(config_path: str) -> None:
             extra["auth_token"] = config["auth_token"]
         if "hashes" in config:
             extra["hashes"] = config["hashes"]
+        if "chunk_size" in config:
+            extra["chunk_size"] = int(config["chunk_size"])
         if "reannounce_interval" in config:
             extra["kv_events_reannounce_interval"] = float(config["reannounce_interval"])
         kwargs["kv_transfer_config"] = {

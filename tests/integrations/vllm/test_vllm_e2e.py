@@ -25,8 +25,12 @@ connector; the server is a real ``tierkv server`` process.
 - Models the connector cannot serve exactly start with tierkv attached, which says once why
   it stays inactive, and answer as an engine without tierkv (a prompt repeated on a fresh
   engine too): every layer a sliding window (vLLM frees its blocks behind the window, so no
-  prefix chunk survives), a Mamba-2 hybrid (a tiny Nemotron-H, vLLM's prefix caching off) and
-  a gated-DeltaNet hybrid (a tiny Qwen3-Next in bfloat16; all groups of 384-token blocks).
+  prefix chunk survives), a Mamba-2 hybrid (a tiny Nemotron-H, vLLM's prefix caching off), a
+  gated-DeltaNet hybrid (a tiny Qwen3-Next in bfloat16) with vLLM's prefix caching off (no
+  state is handed over) and with it on but chunks of 256 tokens (its blocks are 640).
+- A gated-DeltaNet hybrid with vLLM's prefix caching on and chunks of its block size: a fresh
+  engine loads a prefix's KV and its state and computes one token on top, answering as an
+  engine without tierkv.
 - With ``store_decode`` an engine also stores the chunks its answers fill: the next chat turn
   (prompt + answer + new tokens) on another engine loads them.
 - The connector's ``tenant`` is the tenant a quota names: its chunks (cache-salted requests
@@ -983,10 +987,17 @@ INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[
         {"prefix_caching": False},
         "(FullAttentionSpec, MambaSpec)",
     ),
-    "gdn-qwen3-next": (
+    # vLLM's prefix caching off: its Mamba cache mode "none" hands no state over.
+    "gdn-qwen3-next-no-prefix-caching": (
+        vllm_engine.tiny_gdn_hybrid_model_dir,
+        {"dtype": "bfloat16", "prefix_caching": False},
+        "stores MambaSpec states only where vLLM hands them over",
+    ),
+    # With it on (the "align" mode), blocks of 640 tokens: no divisor of the chunk size 256.
+    "gdn-qwen3-next-chunk-size": (
         vllm_engine.tiny_gdn_hybrid_model_dir,
         {"dtype": "bfloat16"},
-        "(FullAttentionSpec, MambaSpec)",
+        "chunk size 256 is not a multiple of the hybrid model's block size 640",
     ),
 }
 
@@ -1022,6 +1033,51 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
     with server.client(timeout=5.0) as client:
         stats = client.stats()
     assert stats.errors == {} and stats.objects == 0
+
+
+# -- hybrid models' state groups -----------------------------------------------------------------
+GDN_BLOCK = 640  # vLLM's block size for the tiny Qwen3-Next with its prefix caching on
+
+
+def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
+    tmp_path_factory: pytest.TempPathFactory,
+    server_factory: Callable[..., Any],
+    engines: Callable[..., Engine],
+) -> None:
+    """A Qwen3-Next-style hybrid (gated DeltaNet state layers and a full-attention layer),
+    vLLM's prefix caching on (its Mamba "align" mode: blocks of 640 tokens), tierkv's chunks
+    of 640 tokens. A computes a 1281-token prompt: tierkv stores its 2 KV chunks and the state
+    vLLM hands over at token 1280. B, a fresh engine, loads KV and state (1280 tokens from the
+    pool) and computes the last token only, on top of the loaded state: its answers equal an
+    engine's without tierkv. (With one token computed on the state, a wrong state shows: the
+    same engine whose load wrote a constant into the state answered other tokens.) A's
+    second prompt shares the first 640 tokens only: no state is held at 640 (vLLM handed
+    none over there), so it is a miss."""
+    from support.tiny_model import tokenizer_size
+
+    model_dir = vllm_engine.tiny_gdn_hybrid_model_dir(tmp_path_factory)
+    rng = random.Random(2026)
+    vocab = tokenizer_size(model_dir)
+    doc = [rng.randrange(3, vocab) for _ in range(2 * GDN_BLOCK)]
+    prompt = {"tokens": [*doc, rng.randrange(3, vocab)]}
+    other = {"tokens": [*doc[:GDN_BLOCK], *(rng.randrange(3, vocab) for _ in range(GDN_BLOCK + 1))]}
+    server = server_factory(pool_size="256MiB", extra=["--chunk-size", str(GDN_BLOCK)])
+    model = {"model": str(model_dir), "dtype": "bfloat16"}
+    tierkv = {**model, "endpoint": server.endpoint, "chunk_size": GDN_BLOCK}
+    reference = engines("reference", **model, prompts=[prompt, other]).results()
+    a = engines("A", **tierkv, prompts=[prompt]).results()
+    b = engines("B", **tierkv, prompts=[prompt, other]).output()
+    assert a[0]["tokens"] == reference[0]["tokens"]
+    assert a[0]["tierkv"]["stored_chunks"] == 2
+    loaded, missed = b["results"]
+    assert loaded["tierkv"]["loaded_tokens"] == 2 * GDN_BLOCK, b.get("log")
+    assert loaded["num_cached_tokens"] == 2 * GDN_BLOCK
+    assert loaded["tierkv"]["load_failed_from"] is None
+    assert missed["tierkv"]["external_tokens"] == 0
+    assert [loaded["tokens"], missed["tokens"]] == [r["tokens"] for r in reference]
+    with server.client(timeout=5.0) as client:
+        stats = client.stats()
+    assert stats.errors == {} and stats.objects > 2  # the chunks and the state's pieces
 
 
 # -- KV events ---------------------------------------------------------------------------------

@@ -218,7 +218,9 @@ class WorkerSide:
         ``groups``: each layer's KV cache group, for a model with several. ``state``: a
         hybrid model's state layers (``kv_caches`` then holds its attention layers only);
         their states are stored as pieces of this layout's chunk size."""
-        self._failed_loads = set() if len(set((groups or {}).values())) > 1 else None
+        # Several KV cache groups (``groups`` is given only then; a hybrid model's attention
+        # layers may all be in one of them): vLLM takes failed loads by request, not block.
+        self._failed_loads = set() if groups or state is not None else None
         self.layout = detect_layout(kv_caches, geometry, backends, content, groups)
         self.bpc = blocks_per_chunk(self.chunk_size, geometry.block_size)
         if state is not None:
@@ -384,11 +386,11 @@ class WorkerSide:
             self._failed_this_step.add(spec.request_id)
             self.stats["failed_blocks"] += len(failed)
             log.warning(
-                "tierkv worker rank %d: request %s: %d of %d blocks not loaded; vLLM "
-                "recomputes them",
+                "tierkv worker rank %d: request %s: %d of %d block positions not loaded; "
+                "vLLM recomputes them",
                 self.rank,
                 spec.request_id,
-                len(failed),
+                spec.end_block - first_failed,
                 spec.end_block - spec.start_block,
             )
         self._finished_recving.add(spec.request_id)
