@@ -93,9 +93,9 @@ def test_the_state_format_of_a_hybrid_and_why_others_are_refused() -> None:
     assert fmt.layer_bytes == STATE_BYTES
     assert fmt.piece_bytes == LAYERS * PAGE * (CHUNK // BLOCK) and fmt.pieces == 1
     assert state_format(config((ATTENTION_LAYERS, attention())), CHUNK) is None
-    with pytest.raises(UnsupportedStateError, match="'align'.*this engine's is \\['none'\\]"):
+    with pytest.raises(UnsupportedStateError, match=r"'align'.*this engine's is \['none'\]"):
         state_format(hybrid("none"), CHUNK)
-    with pytest.raises(UnsupportedStateError, match="chunk size 256 is not a multiple of.* 384"):
+    with pytest.raises(UnsupportedStateError, match=r"chunk size 256 is not a multiple of.* 384"):
         state_format(
             config((ATTENTION_LAYERS, attention(384)), ([STATE_LAYER], mamba(block=384))), CHUNK
         )
