@@ -17,13 +17,17 @@ this CPU):
   one, vLLM's hybrid KV cache manager on (the connector declares ``SupportsHMA``): four
   groups, three sliding and one full;
 - ``gdn-hybrid``: Qwen3-Next-style, gated-DeltaNet (linear attention, state) layers beside
-  full-attention ones. The connector cannot restore a state group exactly, so it stays
-  inactive for this model (a clean miss for every request, never wrong KV): its speedup is
-  about 1 by design, reported as such and left out of ``min_speedup`` and the copy ratios
-  (nothing is stored or loaded).
+  full-attention ones (16 layers, 4 of them attention), in bfloat16, vLLM's prefix caching on
+  (its Mamba "align" mode, blocks of 256 tokens; emptied before each request like MLA's).
+  tierkv stores the state vLLM hands over at the last block boundary before the prompt's
+  last token with the KV chunks, and a warm request loads both: the prompt is 16 chunks and
+  one token, so the warm request computes one token on top of the loaded state. Bytes per
+  token are the attention layers' KV; the state, stored once per such prefix, is printed
+  beside. (A hybrid whose block size does not divide 256 needs a server and connector with
+  a chunk size that is a multiple of it: ``Kind.chunk_size``.)
 
 Per kind, with vLLM's own prefix cache off or emptied (every reuse comes from tierkv), one tierkv
-server for all: a reference engine without tierkv (a child process) answers each prompt
+server per chunk size: a reference engine without tierkv (a child process) answers each prompt
 with 16 greedy tokens; then an engine with the connector (another child process: one vLLM
 engine per process) runs a warm-up prompt, then per round a fresh prompt cold (the lookup
 misses, the prompt is computed, its full chunks are stored, synchronously), then warm (every
@@ -35,14 +39,14 @@ before the measured engine's first one (nothing else runs while it is timed).
 Figures per kind: ``speedup`` (median cold TTFT over median warm TTFT), bytes stored per
 token (a chunk's bytes over its tokens; a full-attention model of the same shape beside it
 where that differs from the model's own geometry), the connector's store and load GB/s (the
-worker's own totals over the rounds, as in ``vllm_ttft.py``) against a memcpy of as many
-chunks of the same size by as many threads as the connector copies with, between buffers out
-of the CPU's caches (``vllm_ttft.memcpy_gbps``), measured right after each round (the
-rounds' harmonic mean), and the outputs. A sliding-window model's load figure counts whole
-chunks, but the layers whose blocks lie behind the window on the warm
-request get vLLM's null block and are not copied (about half of the bytes here): that figure
-is not a copy speed, is printed with that caveat and left out of ``min_load_vs_memcpy``
-(its store figure copies every byte and counts). The last line is
+worker's own totals over the rounds, as in ``vllm_ttft.py``; a hybrid's states included)
+against a memcpy of as many chunks of the same size by as many threads as the connector
+copies with, between buffers out of the CPU's caches (``vllm_ttft.memcpy_gbps``), measured
+right after each round (the rounds' harmonic mean), and the outputs. A sliding-window
+model's load figure counts whole chunks, but the layers whose blocks lie behind the window
+on the warm request get vLLM's null block and are not copied (about half of the bytes
+here): that figure is not a copy speed, is printed with that caveat and left out of
+``min_load_vs_memcpy`` (its store figure copies every byte and counts). The last line is
 ``vllm_models kinds=N outputs_match=M min_speedup=X min_store_vs_memcpy=Y
 min_load_vs_memcpy=Z`` (M: kinds whose every warm output equals the reference; the minima
 over the kinds where the connector is active, which the line before names; loads over those
@@ -97,6 +101,7 @@ class Kind:
     # it on); the measured engine empties it before each request, so every reuse still
     # comes from tierkv, and the reference's expected output is its own prefix-cache hit.
     own_prefix_cache: bool = False
+    chunk_size: int = 256  # the server's and the connector's (a hybrid's: its block size)
 
 
 # Every model: 4 layers of width 512 (MLA: 16), an initializer range of 0.2 (logits far apart:
@@ -121,6 +126,12 @@ FLOAT32 = {"dtype": "float32"}
 # than the Python around it (real MLA models have 27 to 61 layers: 7.6 to 17 MiB chunks).
 MLA_DEPTH = {"num_layers": 16, "q_lora_rank": 128}
 MLA_TOKENS = 16 * 256 + 1
+# The GDN hybrid: 16 layers (12 gated-DeltaNet, 4 full attention with 8 KV heads: 2 MiB
+# chunks), so that vLLM's blocks (every group's: an attention block's page matches a
+# state's) are 256 tokens with its prefix caching on, tierkv's default chunk size. The
+# state handed over is at the last block boundary before the prompt's last token.
+GDN_CHUNK = 256
+GDN_TOKENS = 16 * GDN_CHUNK + 1
 KINDS = {
     "llama": Kind("build_model", "ModelSpec", {**COMMON, "num_kv_heads": 8}, 4600, FLOAT32),
     # With AMX tiles vLLM runs MLA with its AMX_MLA backend, bfloat16 only, its own prefix
@@ -158,13 +169,16 @@ KINDS = {
         "GDNHybridSpec",
         {
             **COMMON,
-            "num_kv_heads": 2,
+            "num_layers": 16,
+            "num_kv_heads": 8,
             "moe_intermediate_size": 256,
             "torch_dtype": "bfloat16",
             "max_position_embeddings": 12288,
         },
-        9500,
-        {"dtype": "bfloat16"},
+        GDN_TOKENS,
+        {"dtype": "bfloat16", "enable_prefix_caching": True},
+        own_prefix_cache=True,
+        chunk_size=GDN_CHUNK,
     ),
 }
 
@@ -186,15 +200,20 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="tierkv-vllm-models-") as tmp:
         models = Path(args.models or tmp)
-        server = LocalServer(parse_size(args.pool_size), ["--prefault"]).start()
+        servers: dict[int, Any] = {}  # one per chunk size
         try:
             results = []
             for name in kinds:
                 model_dir = build(name, models / name)
-                results.append(run_kind(name, args, model_dir, server.endpoint))
+                size = KINDS[name].chunk_size
+                if size not in servers:
+                    extra = ["--prefault", "--chunk-size", str(size)]
+                    servers[size] = LocalServer(parse_size(args.pool_size), extra).start()
+                results.append(run_kind(name, args, model_dir, servers[size].endpoint))
         finally:
-            server.stop()
-            server.cleanup()
+            for server in servers.values():
+                server.stop()
+                server.cleanup()
     summarize(results)
 
 
@@ -255,9 +274,11 @@ def receive(conn: Connection, what: str, timeout: float = 900.0) -> Any:
     return conn.recv()
 
 
-def engine_args(tokens: int) -> argparse.Namespace:
+def engine_args(tokens: int, chunk_size: int) -> argparse.Namespace:
     """What ``vllm_ttft.engine`` reads: synchronous stores, the connector's own threads."""
-    return argparse.Namespace(tokens=tokens, async_store=False, copy_threads=None)
+    return argparse.Namespace(
+        tokens=tokens, async_store=False, copy_threads=None, chunk_size=chunk_size
+    )
 
 
 def reference_main(name: str, tokens: int, model_dir: Path, conn: Connection) -> None:
@@ -265,7 +286,7 @@ def reference_main(name: str, tokens: int, model_dir: Path, conn: Connection) ->
     greedy output tokens and the tokens its own prefix cache served (a kind that keeps vLLM's
     prefix cache on answers each prompt twice and gives the second, its own cache's hit)."""
     kind = KINDS[name]
-    llm = engine(engine_args(tokens), model_dir, None, **kind.options)
+    llm = engine(engine_args(tokens, kind.chunk_size), model_dir, None, **kind.options)
     prompts = conn.recv()
     answers = []
     for prompt in prompts:
@@ -281,7 +302,7 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     kind = KINDS[name]
-    llm = engine(engine_args(tokens), model_dir, endpoint, **kind.options)
+    llm = engine(engine_args(tokens, kind.chunk_size), model_dir, endpoint, **kind.options)
     connector = get_kv_transfer_group()
 
     def forget() -> None:
@@ -340,8 +361,15 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
             "first_tokens": first_tokens,
             "stats": stats,
             "bounds": bounds,
+            "state_bytes": state_bytes(connector),
         }
     )
+
+
+def state_bytes(connector: Any) -> int:
+    """A hybrid model's state bytes stored per prefix (all its state layers; 0: none)."""
+    fmt = getattr(connector, "_state", None)
+    return 0 if fmt is None else len(fmt.layers) * fmt.layer_bytes
 
 
 def attention_backend(connector: Any) -> str:
@@ -376,7 +404,12 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     }
     if active:
         bound = statistics.harmonic_mean(result["bounds"])
-        store = stats["store_bytes"] / stats["store_seconds"] / 1e9
+        # A hybrid's stores and loads move its states too (their own time and bytes).
+        store = (
+            (stats["store_bytes"] + stats.get("state_store_bytes", 0))
+            / (stats["store_seconds"] + stats.get("state_store_seconds", 0.0))
+            / 1e9
+        )
         figures.update(
             bytes_per_token=stats["store_bytes"] / chunks / result["chunk_tokens"],
             store_gbps=store,
@@ -384,7 +417,11 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
             store_vs_memcpy=store / bound,
         )
     if figures["loads"]:
-        load = stats["load_bytes"] / stats["load_seconds"] / 1e9
+        load = (
+            (stats["load_bytes"] + stats.get("state_load_bytes", 0))
+            / (stats["load_seconds"] + stats.get("state_load_seconds", 0.0))
+            / 1e9
+        )
         figures.update(load_gbps=load, load_vs_memcpy=load / bound)
     return figures
 
@@ -418,8 +455,8 @@ def print_kind(result: dict[str, Any]) -> None:
     )
     if not f["active"]:
         print(
-            f"{name}: speedup={f['speedup']:.2f} (inactive: state groups not cached, a clean "
-            f"miss for every request; the connector: {result['inactive'] or 'nothing stored'}), "
+            f"{name}: speedup={f['speedup']:.2f} (inactive, a clean miss for every request; "
+            f"the connector: {result['inactive'] or 'nothing stored'}), "
             f"nothing stored or loaded; {outputs}"
         )
         return
@@ -438,6 +475,12 @@ def print_kind(result: dict[str, Any]) -> None:
         )
         loads = f"loads {f['load_gbps']:.2f} GB/s"
         load_ratio = f" load_vs_memcpy={f['load_vs_memcpy']:.2f}{caveat}"
+    stats = result["stats"]
+    if result["state_bytes"]:
+        beside += (
+            f" and a state of {result['state_bytes']} B per prefix (stored "
+            f"{stats['stored_states']:.0f}, loaded {stats['loaded_states']:.0f})"
+        )
     print(
         f"{name}: speedup={f['speedup']:.2f}; {f['bytes_per_token']:.0f} B stored per "
         f"token{beside}; stores {f['store_gbps']:.2f} GB/s, {loads}, "

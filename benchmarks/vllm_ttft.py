@@ -134,6 +134,7 @@ def engine(args: argparse.Namespace, model_dir: Path, endpoint: str | None, **op
                 "endpoint": endpoint,
                 "async_store": args.async_store,
                 **({} if args.copy_threads is None else {"copy_threads": args.copy_threads}),
+                **({"chunk_size": args.chunk_size} if getattr(args, "chunk_size", None) else {}),
             },
         }
         if endpoint

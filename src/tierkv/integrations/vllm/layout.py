@@ -316,10 +316,16 @@ class PagedKVLayout:
         stacked, views = self._moved_views(host)
         split = self._split_chunk(chunk)  # [..., kernel blocks, kernel block size, ...]
         axis, sub = self.token_axis, self.sub_blocks  # axis: the split chunk's block axis
-        if stacked is None or self.layer_groups is not None:
+        groups = set(self.layer_groups or ())
+        if len(groups) == 1:  # every layer in one of the model's groups (a hybrid's attention)
+            (group,) = groups
+            blocks = [(j, ref[group]) for j, ref in blocks if ref[group] != NULL_BLOCK]
+            groups = set()
+        if stacked is None or groups:
             layers = _unbind(split, self.layer_axis)
             axis -= 1  # the layer axis comes before the token axis
-        if self.layer_groups is not None:
+        if groups:
+            assert self.layer_groups is not None
             refs = list(blocks)
             runs = {  # each group's runs, its null blocks left out
                 group: list(

@@ -175,8 +175,14 @@ class WorkerSide:
             "loaded_chunks": 0,
             "loaded_tokens": 0,
             "failed_blocks": 0,
-            "stored_states": 0,  # a hybrid model's states (see tierkv.integrations.vllm.state)
+            # A hybrid model's states (see tierkv.integrations.vllm.state): how many, and the
+            # time and bytes of those written into the pool and loaded from it.
+            "stored_states": 0,
             "loaded_states": 0,
+            "state_store_seconds": 0.0,
+            "state_store_bytes": 0,
+            "state_load_seconds": 0.0,
+            "state_load_bytes": 0,
             "stored_chunks": 0,
             "store_seconds": 0.0,
             "store_prepare_seconds": 0.0,
@@ -334,10 +340,10 @@ class WorkerSide:
             lambda c: c.retrieve(scatter=scatter, caller_copies=True, wait_release=False, **named),
             None,
         )
-        if spec.state is not None and not self._load_state(spec.state):
-            loaded = set()  # KV without its state is never used: vLLM recomputes it all
         with self._lock:
             self._timed("load", start, 0 if result is None else len(result.retrieved))
+        if spec.state is not None and not self._load_state(spec.state):
+            loaded = set()  # KV without its state is never used: vLLM recomputes it all
         self._finish_load(spec, loaded)
 
     def _load_state(self, state: StateLoad) -> bool:
@@ -346,6 +352,7 @@ class WorkerSide:
         layout = self.state_layout
         if layout is None or len(state.block_ids) != len(layout.format.layers):
             return False
+        start = time.perf_counter()
         written: set[int] = set()
 
         def scatter(piece: int, src: Any) -> None:
@@ -362,6 +369,8 @@ class WorkerSide:
         if len(written) != layout.format.pieces:
             return False
         self.stats["loaded_states"] += 1
+        self.stats["state_load_seconds"] += time.perf_counter() - start
+        self.stats["state_load_bytes"] += len(layout.format.layers) * layout.format.layer_bytes
         return True
 
     def _finish_load(self, spec: LoadSpec, loaded: set[int]) -> None:
@@ -478,6 +487,7 @@ class WorkerSide:
         be freed (vLLM keeps only the states it retains)."""
         layout = self.state_layout
         assert layout is not None
+        start = time.perf_counter()
         result = self.link.call(
             f"state store of {state.request_id}",
             lambda c: c.store(
@@ -490,6 +500,10 @@ class WorkerSide:
         if result is not None and len(result.stored) + len(result.present) == len(state.hashes):
             with self._lock:
                 self.stats["stored_states"] += 1
+                if result.stored:  # written now (not already held): time and bytes copied
+                    self.stats["state_store_seconds"] += time.perf_counter() - start
+                    fmt = layout.format
+                    self.stats["state_store_bytes"] += len(fmt.layers) * fmt.layer_bytes
 
     def _submit_store(
         self, spec: StoreSpec, prepared: Future[PreparedStore | None] | None, confirm: bool
