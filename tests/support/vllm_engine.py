@@ -107,6 +107,29 @@ def tiny_gdn_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_gdn_hybrid_model(tmp_path_factory.getbasetemp() / "tiny-qwen3-next")
 
 
+def scheduler_request(rid: str, tokens: list[int]) -> Any:
+    """What the connector's scheduler role reads of a vLLM request (a prompt of ``tokens``,
+    nothing computed, no block hashes), as a plain object."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        num_tokens=len(tokens),
+        all_token_ids=list(tokens),
+        num_computed_tokens=0,
+        num_in_flight_tokens=0,
+        blocks=[],  # a test's own record of the request's block table
+        block_hashes=[],
+        cache_salt=None,
+        lora_request=None,
+        mm_features=[],
+        prompt_embeds=None,
+        skip_reading_prefix_cache=False,
+    )
+
+
 def vllm_cpu_caches(
     layers: int, blocks: int, block_size: int, heads: int, head_size: int, dtype: Any = None
 ) -> dict[str, Any]:

@@ -272,23 +272,7 @@ def make_engine(
     return Engine(scheduler, workers, caches)
 
 
-def request(rid: str, tokens: list[int]) -> Any:
-    return SimpleNamespace(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        num_prompt_tokens=len(tokens),
-        num_tokens=len(tokens),
-        all_token_ids=list(tokens),
-        num_computed_tokens=0,
-        num_in_flight_tokens=0,
-        blocks=[],  # the test's own record of the request's block table
-        block_hashes=[],
-        cache_salt=None,
-        lora_request=None,
-        mm_features=[],
-        prompt_embeds=None,
-        skip_reading_prefix_cache=False,
-    )
+request = vllm_engine.scheduler_request
 
 
 def step_output(

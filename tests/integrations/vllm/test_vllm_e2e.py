@@ -985,7 +985,7 @@ INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[
     "mamba2-nemotron-h": (
         vllm_engine.tiny_mamba_hybrid_model_dir,
         {"prefix_caching": False},
-        "(FullAttentionSpec, MambaSpec)",
+        "stores MambaSpec states only where vLLM hands them over",
     ),
     # vLLM's prefix caching off: its Mamba cache mode "none" hands no state over.
     "gdn-qwen3-next-no-prefix-caching": (

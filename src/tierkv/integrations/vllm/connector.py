@@ -38,10 +38,16 @@ one geometry are served (see :func:`_hybrid_spec`). Either way a chunk holds eve
 K/V of every token: the same bytes per token as a full-attention model of the same shape,
 any prefix boundary can be served, and engines with the allocator on and off share chunks.
 
-Models tierkv cannot serve exactly (other group kinds, such as Mamba/GDN state or MLA mixed
-with others, groups of different geometries, an all-sliding-window cache whose blocks vLLM
-frees behind the window, unsupported KV quantization) do not stop the engine: the connector
-logs why, once, and neither loads nor stores.
+Hybrid models with state layers (vLLM's ``MambaSpec`` groups: gated DeltaNet, Mamba-2) are
+served in vLLM's Mamba "align" mode (its prefix caching on): the states vLLM hands over are
+stored beside the KV, and a prefix is served only with its state (see
+:mod:`tierkv.integrations.vllm.state`); the KV chunks hold the attention layers only.
+
+Models tierkv cannot serve exactly (other group kinds, state layers without the "align" mode
+or with a block size the chunk size is no multiple of, MLA mixed with others, groups of
+different geometries, an all-sliding-window cache whose blocks vLLM frees behind the window,
+unsupported KV quantization) do not stop the engine: the connector logs why, once, and
+neither loads nor stores.
 
 Statistics go through vLLM's own channels (:mod:`tierkv.integrations.vllm.stats`): every
 worker's loads and stores and the scheduler's hits by source are vLLM's connector stats (its
