@@ -213,17 +213,22 @@ def step(
 TOKENS = list(range(3000, 3000 + 600))  # 2 whole chunks (4 blocks) and 88 more tokens
 
 
-def compute(engine: Hybrid, rid: str, offer_at: int | None) -> tuple[list[int], list[int]]:
-    """A request that misses: vLLM computes it; with ``offer_at`` vLLM hands over the state
-    at that token (the state group's block at that position). Returns its block ids."""
+def compute(
+    engine: Hybrid, rid: str, offer_at: int | None, reserve_first: bool = True
+) -> tuple[list[int], list[int]]:
+    """A request vLLM computes (whatever the lookup found); with ``offer_at`` vLLM hands over the state
+    at that token (the state group's block at that position). ``reserve_first``: the stores
+    are reserved before the forward pass, as binding the step's metadata does in vLLM;
+    otherwise each store reserves its slots itself. Returns its block ids."""
     req = request(rid, TOKENS)
-    assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+    engine.scheduler.get_num_new_matched_tokens(req, 0)  # hit or miss: vLLM computes it all
     attn, state = engine.blocks(-(-len(TOKENS) // BLOCK))
     positions = list(zip(attn, state, strict=True))
-    engine.scheduler.update_state_after_alloc(req, positions, 0)
+    engine.scheduler.update_state_after_alloc(req, positions, 0)  # vLLM computes it all
     offers = None if offer_at is None else [(1, state[offer_at // BLOCK - 1], offer_at)]
     meta = engine.scheduler.build_connector_meta(step(rid, (attn, state), len(TOKENS), offers))
-    engine.worker.prepare_stores(meta)
+    if reserve_first:
+        engine.worker.prepare_stores(meta)
     engine.worker.wait_for_save(meta)
     engine.scheduler.request_finished(req)
     return attn, state
@@ -263,12 +268,18 @@ def test_a_handed_over_state_is_stored_and_a_fresh_engine_loads_it_with_the_kv(
     engines: Callable[[str], Hybrid],
 ) -> None:
     """A computes a 600-token prompt and vLLM hands over the state at token 512 (a chunk's
-    end): A stores the 2 KV chunks and the state. B, a fresh engine, looks the prompt up:
+    end): A stores the 2 KV chunks and the state (its slots reserved during the forward pass,
+    as the chunks' are; C, computing it again without that, finds it held). B, a fresh
+    engine, looks the prompt up:
     512 tokens, and its load writes the KV into its attention blocks and the state into its
     state group's block at the prefix's last position, byte for byte."""
     a, b = engines("engine-a"), engines("engine-b")
     a_attn, a_state = compute(a, "a-1", offer_at=512)
     assert a.worker.stats["stored_states"] == 1
+    # The same prompt computed again, its stores not reserved first: the state is held.
+    c = engines("engine-c")
+    compute(c, "c-1", offer_at=512, reserve_first=False)
+    assert c.worker.stats["stored_states"] == 1 and c.worker.stats["state_store_bytes"] == 0
     req, external, attn, state = look_up(b, "b-1")
     assert external == 512
     run_load(b, req, attn, state, external)

@@ -153,6 +153,7 @@ class WorkerSide:
         self._prepare_thread = ThreadPoolExecutor(1, thread_name_prefix=f"tierkv-prepare-{rank}")
         self._prepared_for: TierKVConnectorMetadata | None = None
         self._prepared: list[Future[PreparedStore | None] | None] = []
+        self._prepared_states: list[Future[PreparedStore | None] | None] = []
         # Guards what the store thread shares with vLLM's thread: _report and the store stats.
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -412,7 +413,7 @@ class WorkerSide:
         commits."""
         if (
             meta is self._prepared_for
-            or not meta.stores
+            or not (meta.stores or meta.state_stores)
             or self.layout is None
             or not self.stores_here
         ):
@@ -424,6 +425,12 @@ class WorkerSide:
             if spec.request_id in self._failed_this_step
             else self._prepare_thread.submit(self._prepare, spec)
             for spec in meta.stores
+        ]
+        self._prepared_states = [
+            None
+            if state.request_id in self._failed_this_step or self.state_layout is None
+            else self._prepare_thread.submit(self._prepare_state, state)
+            for state in meta.state_stores
         ]
 
     def _prepare(self, spec: StoreSpec) -> PreparedStore | None:
@@ -439,19 +446,28 @@ class WorkerSide:
             self.stats["store_prepare_seconds"] += time.perf_counter() - start
         return prepared
 
+    def _prepare_state(self, state: StateStore) -> PreparedStore | None:
+        return self.link.call(
+            f"state store of {state.request_id}",
+            lambda c: c.prepare_store(hashes=list(state.hashes)),
+            None,
+        )
+
     def _take_prepared(
-        self, meta: TierKVConnectorMetadata, i: int
+        self, meta: TierKVConnectorMetadata, i: int, states: bool = False
     ) -> Future[PreparedStore | None] | None:
-        """The reservation made for ``meta.stores[i]`` (None: none was made)."""
+        """The reservation made for ``meta.stores[i]`` (``states``: for
+        ``meta.state_stores[i]``; None: none was made)."""
         if meta is not self._prepared_for:
             return None
-        future, self._prepared[i] = self._prepared[i], None
+        prepared = self._prepared_states if states else self._prepared
+        future, prepared[i] = prepared[i], None
         return future
 
     def _give_back_unused(self) -> None:
         """Abort the reservations of the last prepared step that no store took."""
-        unused = [f for f in self._prepared if f is not None]
-        self._prepared_for, self._prepared = None, []
+        unused = [f for f in (*self._prepared, *self._prepared_states) if f is not None]
+        self._prepared_for, self._prepared, self._prepared_states = None, [], []
         for future in unused:
             self._abort(future)
 
@@ -471,9 +487,13 @@ class WorkerSide:
                     continue  # never store what was computed on top of a failed load
                 self._submit_store(spec, future, confirm=spec.request_id not in meta.prefilling)
         if meta.state_stores and self.state_layout is not None and self.stores_here:
-            for state in meta.state_stores:
-                if state.request_id not in failed:
-                    self._store_state(state)
+            for i, state in enumerate(meta.state_stores):
+                future = self._take_prepared(meta, i, states=True)
+                if state.request_id in failed:
+                    if future is not None:
+                        self._abort(future)
+                    continue
+                self._store_state(state, None if future is None else future.result())
         self._settle(meta.prefilling)
         # After this step's stores were submitted: get_finished reports these once none of
         # their stores is pending (at once when synchronous). vLLM puts a finished request
@@ -482,21 +502,23 @@ class WorkerSide:
         # (before: when vLLM defers wait_for_save past get_finished, with a draft model).
         self._releasing.update(meta.release)
 
-    def _store_state(self, state: StateStore) -> None:
+    def _store_state(self, state: StateStore, prepared: PreparedStore | None) -> None:
         """Store a state vLLM handed over in this step, now: after this step its block may
-        be freed (vLLM keeps only the states it retains)."""
+        be freed (vLLM keeps only the states it retains). ``prepared``: its slots, reserved
+        during the forward pass (None: reserved here)."""
         layout = self.state_layout
         assert layout is not None
         start = time.perf_counter()
-        result = self.link.call(
-            f"state store of {state.request_id}",
-            lambda c: c.store(
-                hashes=list(state.hashes),
-                gather=lambda piece, dst: layout.gather(piece, state.block_ids, dst),
-                caller_copies=True,
-            ),
-            None,
-        )
+
+        def gather(piece: int, dst: Any) -> None:
+            layout.gather(piece, state.block_ids, dst)
+
+        def store(c: Client) -> Any:
+            if prepared is not None:
+                return c.finish_store(prepared, gather=gather, caller_copies=True)
+            return c.store(hashes=list(state.hashes), gather=gather, caller_copies=True)
+
+        result = self.link.call(f"state store of {state.request_id}", store, None)
         if result is not None and len(result.stored) + len(result.present) == len(state.hashes):
             with self._lock:
                 self.stats["stored_states"] += 1
