@@ -216,12 +216,12 @@ TOKENS = list(range(3000, 3000 + 600))  # 2 whole chunks (4 blocks) and 88 more 
 def compute(
     engine: Hybrid, rid: str, offer_at: int | None, reserve_first: bool = True
 ) -> tuple[list[int], list[int]]:
-    """A request vLLM computes (whatever the lookup found); with ``offer_at`` vLLM hands over the state
-    at that token (the state group's block at that position). ``reserve_first``: the stores
-    are reserved before the forward pass, as binding the step's metadata does in vLLM;
-    otherwise each store reserves its slots itself. Returns its block ids."""
+    """A request vLLM computes (whatever the lookup found); with ``offer_at`` vLLM hands over
+    the state at that token (the state group's block at that position). ``reserve_first``:
+    the stores are reserved before the forward pass, as binding the step's metadata does in
+    vLLM; otherwise each store reserves its slots itself. Returns its block ids."""
     req = request(rid, TOKENS)
-    engine.scheduler.get_num_new_matched_tokens(req, 0)  # hit or miss: vLLM computes it all
+    engine.scheduler.get_num_new_matched_tokens(req, 0)
     attn, state = engine.blocks(-(-len(TOKENS) // BLOCK))
     positions = list(zip(attn, state, strict=True))
     engine.scheduler.update_state_after_alloc(req, positions, 0)  # vLLM computes it all
