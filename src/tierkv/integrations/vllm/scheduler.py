@@ -402,7 +402,7 @@ class SchedulerSide:
             )
             if hashes is not None:
                 return hashes[-1]
-        return prefix_id(request.all_token_ids[: chunks * self.chunk_size], "", self.chunk_size)
+        return prefix_id(request.all_token_ids[: chunks * self.chunk_size], self.chunk_size)
 
     def _poll_prefetch(self, state: RequestState) -> int | None:
         rid = state.request.request_id

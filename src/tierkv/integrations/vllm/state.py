@@ -157,7 +157,7 @@ def state_format(kv_cache_config: Any, chunk_size: int) -> StateFormat | None:
     )
 
 
-def prefix_id(tokens: Sequence[int], salt: str, chunk_size: int) -> bytes:
+def prefix_id(tokens: Sequence[int], chunk_size: int) -> bytes:
     """The identity of a prefix of whole chunks: the chain hash of its last chunk (the cache
     salt goes into the piece hashes)."""
     return keys.chunk_hashes(_PREFIX_DIGEST, tokens, chunk_size)[-1]
