@@ -171,7 +171,9 @@ class StateLayout:
         self._rows: list[Any] = []
         for name in fmt.layers:
             tensor = kv_caches[name]
-            rows = tensor.reshape(tensor.shape[0], -1)  # [blocks, page bytes as stored]
+            # [blocks, page bytes as stored]: a view (a reshape could copy, and loads would
+            # then write into the copy), which raises where the pages are not rows of bytes.
+            rows = tensor.view(tensor.shape[0], -1)
             if rows.shape[1] * rows.element_size() < fmt.layer_bytes:
                 raise UnsupportedStateError(
                     f"state layer {name}: {rows.shape[1] * rows.element_size()} bytes per "
