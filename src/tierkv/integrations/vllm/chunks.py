@@ -84,12 +84,11 @@ def chunk_hashes(
 class StateLoad:
     """The state a hybrid model's load restores with its KV (see
     :mod:`tierkv.integrations.vllm.state`): retrieved by ``request_id`` (the scheduler's
-    state lookup) into ``block_ids``, one per state layer. Not ``usable`` when vLLM accepted
-    a prefix that does not end where the state does: the whole load then fails."""
+    state lookup) into ``block_ids``, one per state layer; none when vLLM accepted a prefix
+    that does not end where the state does: the whole load then fails."""
 
     request_id: str
     block_ids: tuple[int, ...]
-    usable: bool = True
 
 
 @dataclass(frozen=True)

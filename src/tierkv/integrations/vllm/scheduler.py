@@ -457,7 +457,7 @@ class SchedulerSide:
         self, state: RequestState, block_ids: list[BlockRef], end: int
     ) -> StateLoad | None:
         """The state a load ending at token ``end`` restores (a hybrid model): the state
-        groups' blocks at the last position of the prefix. Not usable (the load fails whole)
+        groups' blocks at the last position of the prefix; none (the load fails whole)
         if vLLM took another length than the prefix whose state is held."""
         fmt = self.state_format
         if fmt is None:
@@ -466,7 +466,7 @@ class SchedulerSide:
         position = end // self.block_size - 1
         ref = block_ids[position] if 0 <= position < len(block_ids) else None
         if end != state.state_chunks * self.chunk_size or not isinstance(ref, tuple):
-            return StateLoad(sid, (), usable=False)
+            return StateLoad(sid, ())
         return StateLoad(sid, tuple(ref[g] for g in fmt.groups))
 
     # -- per-step metadata -----------------------------------------------------------------

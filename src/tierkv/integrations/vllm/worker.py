@@ -320,7 +320,7 @@ class WorkerSide:
             loaded.add(chunk)
 
         start = time.perf_counter()
-        if spec.state is not None and not spec.state.usable:
+        if spec.state is not None and not spec.state.block_ids:
             self._finish_load(spec, set())  # the prefix vLLM took does not end at the state
             return
         if self.reads_by_key:
