@@ -19,6 +19,8 @@ as vLLM's CPU worker does.
 from __future__ import annotations
 
 import importlib.util
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,17 @@ def scheduler_request(rid: str, tokens: list[int]) -> Any:
         prompt_embeds=None,
         skip_reading_prefix_cache=False,
     )
+
+
+def fill_random(tensors: Iterable[Any], name: str) -> Any:
+    """Fill ``tensors`` with normal values from a generator seeded by ``name`` (the same
+    values every run; other names, other values) and return that generator, for more."""
+    import torch
+
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=generator))
+    return generator
 
 
 def vllm_cpu_caches(

@@ -163,11 +163,11 @@ def test_settings_defaults_and_validation() -> None:
 
 
 # -- roles against a real server -----------------------------------------------------------------
-def cpu_caches() -> dict[str, Any]:
-    """Per-layer CPU KV caches allocated by vLLM, filled with distinct random values."""
+def cpu_caches(name: str) -> dict[str, Any]:
+    """Per-layer CPU KV caches allocated by vLLM, filled with random values seeded by
+    ``name`` (another name, other values)."""
     caches = vllm_engine.vllm_cpu_caches(LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD)
-    for t in caches.values():
-        t.copy_(torch.randn(t.shape))
+    vllm_engine.fill_random(caches.values(), name)
     return caches
 
 
@@ -258,12 +258,11 @@ def make_engine(
         )
         if mla:
             cache = vllm_engine.vllm_cpu_mla_caches(LAYERS, NUM_BLOCKS, BLOCK, LATENT)
-            for t in cache.values():
-                t.copy_(torch.randn(t.shape))
+            vllm_engine.fill_random(cache.values(), f"{engine_id}/rank{rank}")
             geometry = CacheGeometry(BLOCK, 1, LATENT, latent=True)
             worker.register_kv_caches(cache, geometry, dict.fromkeys(cache, "CPU_MLA"))
         else:
-            cache = cpu_caches()
+            cache = cpu_caches(f"{engine_id}/rank{rank}")
             worker.register_kv_caches(
                 cache, CacheGeometry(BLOCK, HEADS, HEAD), {name: backend for name in cache}
             )

@@ -196,7 +196,8 @@ def test_legacy_five_dimensional_layouts() -> None:
 
 def test_kernel_blocks_smaller_than_vllm_blocks() -> None:
     """A vLLM block split into two kernel blocks of half the tokens."""
-    caches = {"l.0": torch.randn(2 * BLOCKS, HEADS, BLOCK // 2, 2 * HEAD)}
+    gen = torch.Generator().manual_seed(4)
+    caches = {"l.0": torch.randn(2 * BLOCKS, HEADS, BLOCK // 2, 2 * HEAD, generator=gen)}
     layout = detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), {"l.0": "TRITON_ATTN"})
     assert layout.sub_blocks == 2 and layout.num_blocks == BLOCKS
     chunk = torch.zeros(layout.chunk_shape(BLOCK))

@@ -174,9 +174,8 @@ def make_hybrid(endpoint: str, engine_id: str) -> Hybrid:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     kv = vllm_engine.vllm_cpu_caches(LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD)
-    for t in kv.values():
-        t.copy_(torch.randn(t.shape))
-    pages = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8)
+    generator = vllm_engine.fill_random(kv.values(), engine_id)
+    pages = torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=generator)
     backend = f"CPU_ATTN/{_get_attn_isa(torch.float32, BLOCK, HEAD)}"
     assert fmt is not None
     worker.register_kv_caches(
