@@ -42,7 +42,8 @@ ready (a file to create once the engine is built), tick_until (a file, with voca
 tokenizer's size: while waiting for
 ``wait_for``, and after the prompts until this file exists, run "ticks": one-block prompts,
 each new, so the engine steps, and its KV events, those of the pool included, go out, with
-at least one of vLLM's own per tick).
+at least one of vLLM's own per tick; a tenth of a second apart, so that engines ticking
+while they wait leave the two cores to those at work).
 
 Before it writes its output the engine steps until vLLM has freed every finished request's
 blocks: with asynchronous stores that is when every store has ended (committed or failed), so
@@ -165,9 +166,12 @@ def pause(where: Path, i: int, tick: Any = None) -> None:
             time.sleep(0.05)
 
 
+TICK_PAUSE = 0.1  # seconds after each tick: waiting engines leave the cores to the others
+
+
 def ticker(llm: Any, vocab: int, block: int) -> Any:
     """A function that runs one tick: a new prompt of one full block (vLLM caches it: one
-    BlockStored of its own), one output token."""
+    BlockStored of its own), one output token, then a pause of ``TICK_PAUSE``."""
     import random
 
     from vllm import SamplingParams
@@ -184,6 +188,7 @@ def ticker(llm: Any, vocab: int, block: int) -> Any:
             SamplingParams(temperature=0.0, max_tokens=1),
             use_tqdm=False,
         )
+        time.sleep(TICK_PAUSE)
 
     return tick
 

@@ -1253,6 +1253,11 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
             events = streams.events[name]
             chunks = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
             assert sorted(len(e.block_hashes) for e in chunks) == [CHUNK // BLOCK] * 2, chunks
+        # An engine started now (as one that restarted): its first read of the feed is a
+        # snapshot, which it announces (read below, once it runs: it starts meanwhile).
+        started["C"] = start("C", [])
+        streams.subscribe("C", ports["C"])
+        c_since = time.monotonic()
         # A router that subscribes late: the re-announcement tells it (within two intervals
         # while A steps); vLLM's replay endpoint is not needed (llm-d's indexer reads none).
         streams.subscribe("late router", ports["A"])
@@ -1263,11 +1268,7 @@ def test_both_engines_announce_what_one_stored_as_vllm_does_and_a_clear_to_both(
         )
         late = time.monotonic() - since
         assert {h: stored("late router", "CPU")[h] for h in own} == own
-        # An engine started now (as one that restarted): its first read of the feed is a
-        # snapshot, which it announces.
-        started["C"] = start("C", [])
-        streams.subscribe("C", ports["C"])
-        since = time.monotonic()
+        since = c_since
         read_until(lambda: streams.events["C"], "C's first events (ticks)")
         ready = time.monotonic()
         read_until(
