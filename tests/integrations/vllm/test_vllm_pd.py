@@ -6,7 +6,9 @@ Node A runs the producer (``kv_role: kv_producer``) on its tierkv server, node B
 which prefills it on the producer (one output token) and at once sends the whole request to
 the consumer. Prompts of 3 to 11 full chunks (and a partial one) are sent back to back, as
 completions (one streamed) and as a chat; every one must be answered with the tokens of a
-vLLM instance without tierkv (greedy), and the consumer must have loaded every full chunk of
+vLLM engine without tierkv (greedy: an ``engine_run.py`` engine forked from the session's
+engine zygote, given the chat's tokens as the API servers' template renders it), and the
+consumer must have loaded every full chunk of
 every prompt from tierkv: B's lookup finds them on A the moment A's store returned (the
 commit waits for the directory, ``--commit-publish-timeout``). The producer prefills in steps
 of 512 tokens, so most prompts' early commits are not waited for: read-your-writes must hold
@@ -29,10 +31,11 @@ from typing import Any
 import pytest
 
 from support.clusterkit import TOKEN, Node, converged, start_node, status, wait_for
+from support.forked_engines import Engine, Zygote
 from support.httputil import request
 from support.servers import ServerProcess
 from support.tiny_model import SENTENCES, tokenizer_size
-from support.vllm_serve import PDProxy, VllmServer, tierkv_connector
+from support.vllm_serve import CHAT_TEMPLATE, PDProxy, VllmServer, tierkv_connector
 
 pytestmark = [pytest.mark.vllm, pytest.mark.processes, pytest.mark.timeout(1200)]
 
@@ -63,6 +66,32 @@ def vllm_servers() -> Iterator[Callable[..., list[VllmServer]]]:
     for server in started:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def engine_without_tierkv(
+    zygote: Zygote, tiny_model: Path, tmp_path: Path
+) -> Iterator[Callable[[list[list[int]]], Engine]]:
+    """Start an engine of the tiny model without tierkv on prompts (token ids), each answered
+    with ``MAX_TOKENS`` tokens (greedy, EOS ignored); stopped after the test."""
+    started: list[Engine] = []
+
+    def start(prompts: list[list[int]]) -> Engine:
+        engine = Engine(
+            zygote,
+            tmp_path,
+            "reference",
+            model=str(tiny_model),
+            prompts=[{"tokens": p} for p in prompts],
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+        )
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.stop()
 
 
 @pytest.fixture
@@ -119,6 +148,21 @@ def make_requests(model: Path) -> tuple[list[Request], Request]:
     return requests, completion(FALLBACK_CHUNKS)
 
 
+def prompt_tokens(model: Path, body: dict[str, Any]) -> list[int]:
+    """The token ids vLLM's API server makes of a request's prompt: a completion's are its
+    prompt; a chat's, its messages rendered by the servers' ``CHAT_TEMPLATE`` and tokenized
+    without special tokens (a chat's default: the template would hold them)."""
+    if "prompt" in body:
+        return list(body["prompt"])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    text = tokenizer.apply_chat_template(
+        body["messages"], chat_template=CHAT_TEMPLATE, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 @dataclass
 class Answer:
     tokens: list[int]  # output token ids
@@ -141,13 +185,17 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
     server_factory: Callable[..., ServerProcess],
     vllm_servers: Callable[..., list[VllmServer]],
     pd_proxy: Callable[[str, str], PDProxy],
+    engine_without_tierkv: Callable[[list[list[int]]], Engine],
 ) -> None:
+    requests, fallback = make_requests(tiny_model)
+    # Forked with vLLM imported, it answers while the API servers start.
+    prompts = [prompt_tokens(tiny_model, body) for _, body in [*requests, fallback]]
+    reference = engine_without_tierkv(prompts)
     a = start_node(server_factory, [], pool_size="256MiB", seed_self=True)
     b = start_node(server_factory, [a.port], pool_size="256MiB", seed_self=True)
     wait_for(lambda: converged([a, b]))
-    reference, producer, consumer = vllm_servers(
+    producer, consumer = vllm_servers(
         [
-            (tiny_model, None),
             # Prefill in steps of 512 tokens: the commits of a prompt's steps but its last
             # are not waited for; the step in which the request can finish waits for them all.
             (tiny_model, connector_config(a, "kv_producer"), PRODUCER_STEP),
@@ -155,10 +203,7 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
         ]
     )
     proxy = pd_proxy(producer.url, consumer.url)
-    requests, fallback = make_requests(tiny_model)
-
-    expected = [ask(reference, path, body).tokens for path, body in [*requests, fallback]]
-    reference.stop()  # its cores and memory go to the others
+    expected = [r["tokens"] for r in reference.results()]
 
     answers: list[Answer] = []
     seconds: list[float] = []
@@ -170,6 +215,8 @@ def test_consumer_loads_every_full_chunk_the_producer_prefilled(
     full_chunks = [answer.prompt_tokens // CHUNK for answer in answers]
     assert all(answer.prompt_tokens % CHUNK for answer in answers)  # a partial last chunk
     assert full_chunks[:-1] == FULL_CHUNKS and full_chunks[-1] >= 3, full_chunks
+    # The reference answered the same prompts (the chat's, as the servers rendered it).
+    assert [answer.prompt_tokens for answer in answers] == [len(p) for p in prompts[:-1]]
     assert [answer.tokens for answer in answers] == expected[: len(requests)]
     for i, answer in enumerate(answers):
         if i == STREAMED:
