@@ -754,6 +754,7 @@ def test_mla_on_amx_loads_its_prefix_into_a_fresh_engine(
     tmp_path_factory: pytest.TempPathFactory,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
+    tmp_path: Path,
 ) -> None:
     """On a CPU with AMX tiles vLLM runs a bfloat16 DeepSeek-V2 with AMX_MLA and keeps its
     own prefix caching on, so the connector loads MLA prefixes: A stores its prompt's two
@@ -772,9 +773,12 @@ def test_mla_on_amx_loads_its_prefix_into_a_fresh_engine(
     server = server_factory(pool_size="256MiB")
     model = {"model": str(model_dir), "timeout": 120.0, "dtype": "bfloat16"}
     tierkv = {**model, "endpoint": server.endpoint, "report_clients": 1}
-    reference = engines("reference", **model, prompts=prompts_a + prompts_b).results()
-    a = engines("A", **tierkv, prompts=prompts_a).output()
-    b = engines("B", **tierkv, prompts=prompts_b).output()
+    # The three at once; B, a fresh engine, runs its prompts once A is done (its stores ended).
+    reference_engine = engines("reference", **model, prompts=prompts_a + prompts_b)
+    a_done = tmp_path / "a.done"
+    a_engine = engines("A", **tierkv, prompts=prompts_a, done=str(a_done))
+    b_engine = engines("B", **tierkv, prompts=prompts_b, wait_for=str(a_done))
+    reference, a, b = reference_engine.results(), a_engine.output(), b_engine.output()
     (first,) = a["results"]
     assert first["tokens"] == reference[0]["tokens"]
     assert first["tierkv"]["stored_chunks"] == 2 and first["num_cached_tokens"] == 0
@@ -953,6 +957,7 @@ def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
     tmp_path_factory: pytest.TempPathFactory,
     server_factory: Callable[..., Any],
     engines: Callable[..., Engine],
+    tmp_path: Path,
 ) -> None:
     """A Qwen3-Next-style hybrid (gated DeltaNet state layers and a full-attention layer),
     vLLM's prefix caching on (its Mamba "align" mode: blocks of 640 tokens), tierkv's chunks
@@ -974,9 +979,12 @@ def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
     server = server_factory(pool_size="256MiB", extra=["--chunk-size", str(GDN_BLOCK)])
     model = {"model": str(model_dir), "dtype": "bfloat16"}
     tierkv = {**model, "endpoint": server.endpoint, "chunk_size": GDN_BLOCK}
-    reference = engines("reference", **model, prompts=[prompt, other]).results()
-    a = engines("A", **tierkv, prompts=[prompt]).results()
-    b = engines("B", **tierkv, prompts=[prompt, other]).output()
+    # The three at once; B, a fresh engine, runs its prompts once A is done (its stores ended).
+    reference_engine = engines("reference", **model, prompts=[prompt, other])
+    a_done = tmp_path / "a.done"
+    a_engine = engines("A", **tierkv, prompts=[prompt], done=str(a_done))
+    b_engine = engines("B", **tierkv, prompts=[prompt, other], wait_for=str(a_done))
+    reference, a, b = reference_engine.results(), a_engine.results(), b_engine.output()
     assert a[0]["tokens"] == reference[0]["tokens"]
     assert a[0]["tierkv"]["stored_chunks"] == 2
     loaded, missed = b["results"]
