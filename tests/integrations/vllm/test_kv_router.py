@@ -38,11 +38,18 @@ CHUNK = 256  # the servers' chunk size (their default)
 
 @pytest.fixture
 def services() -> Iterator[list[Any]]:
+    """The services a test started, all stopped (at once: a vLLM API server takes seconds to
+    stop) and removed after it."""
     started: list[Any] = []
     yield started
-    for service in reversed(started):
+
+    def stop(service: Any) -> None:
         service.stop()
         shutil.rmtree(service.workdir, ignore_errors=True)
+
+    if started:
+        with ThreadPoolExecutor(len(started)) as pool:
+            list(pool.map(stop, started))
 
 
 def ask(router: KVRouter, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
