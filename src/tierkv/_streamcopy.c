@@ -22,6 +22,16 @@
  * over its numpy view), BufferError for a read-only dst. On other architectures every run
  * is a memcpy.
  *
+ * copy_blocks(dst, src, axis, runs) -> bool
+ *
+ * The same copy for blocks picked along one axis: for every (j, b, count) row of runs (an
+ * int64 array), src's blocks b..b+count-1 along ``axis`` into dst's j..j+count-1 (a KV
+ * chunk gathered from, or scattered to, an engine's paged cache: every block of a chunk in
+ * one call, where a call per run of blocks cost a few microseconds of Python each, several
+ * times that with the interpreter's data out of the caches after each copy). Every row is
+ * checked against both shapes before anything is copied (IndexError); False as for copy(),
+ * decided on a one-block slice.
+ *
  * The GIL is released during the copy (a chunk takes 0.1 to 1 ms), as numpy's copies do;
  * the buffers stay held until the copy has ended. A store fence ends every copy, so the
  * bytes are visible to other cores (a server that reads the chunk after the commit) before
@@ -63,24 +73,27 @@ extent(const Py_buffer *b, const Py_ssize_t *strides, char **lo, char **hi)
     *hi = h;
 }
 
-/* Fill plan from two matching buffers; 0: nothing to copy, 1: ok, -1: runs too short. */
+/* Fill plan for copying an array of ``ndim`` dimensions of ``shape`` (items of ``itemsize``
+ * bytes) between the strides dstrides and sstrides; 0: nothing to copy, 1: ok, -1: runs
+ * too short. No Python object is touched (callable without the GIL). */
 static int
-make_plan(const Py_buffer *d, const Py_buffer *s, plan_t *plan)
+make_plan(int ndim, const Py_ssize_t *dims, const Py_ssize_t *dstrides,
+          const Py_ssize_t *sstrides, Py_ssize_t itemsize, plan_t *plan)
 {
     Py_ssize_t shape[MAX_DIMS], ds[MAX_DIMS], ss[MAX_DIMS];
     int n = 0;
-    for (int k = 0; k < d->ndim; k++) {
-        if (d->shape[k] == 0)
+    for (int k = 0; k < ndim; k++) {
+        if (dims[k] == 0)
             return 0;
-        if (d->shape[k] == 1)
+        if (dims[k] == 1)
             continue; /* any stride: never stepped */
-        shape[n] = d->shape[k];
-        ds[n] = d->strides[k];
-        ss[n] = s->strides[k];
+        shape[n] = dims[k];
+        ds[n] = dstrides[k];
+        ss[n] = sstrides[k];
         n++;
     }
     /* The innermost dimensions contiguous in both become one run. */
-    size_t run = (size_t)d->itemsize;
+    size_t run = (size_t)itemsize;
     while (n > 0 && ds[n - 1] == (Py_ssize_t)run && ss[n - 1] == (Py_ssize_t)run) {
         run *= (size_t)shape[n - 1];
         n--;
@@ -106,6 +119,7 @@ make_plan(const Py_buffer *d, const Py_buffer *s, plan_t *plan)
     return 1;
 }
 
+/* Copy by plan (no fence: the caller fences once after its last plan). */
 static void
 run_plan(char *dp, const char *sp, const plan_t *plan)
 {
@@ -127,7 +141,6 @@ run_plan(char *dp, const char *sp, const plan_t *plan)
         if (k < 0)
             break;
     }
-    stream_fence(); /* the streamed lines are visible to every core from here */
 }
 
 static PyObject *
@@ -157,7 +170,7 @@ copy(PyObject *self, PyObject *args)
         }
     }
     plan_t plan;
-    int made = make_plan(&d, &s, &plan);
+    int made = make_plan(d.ndim, d.shape, d.strides, s.strides, d.itemsize, &plan);
     if (made == 0) {
         result = Py_True;
         goto done;
@@ -171,9 +184,104 @@ copy(PyObject *self, PyObject *args)
     }
     Py_BEGIN_ALLOW_THREADS
     run_plan(d.buf, s.buf, &plan);
+    stream_fence(); /* the streamed lines are visible to every core from here */
     Py_END_ALLOW_THREADS
     result = Py_True;
 done:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    Py_XINCREF(result);
+    return result;
+}
+
+/* copy_blocks(dst, src, axis, runs) -> bool: for every row (j, b, m) of runs (int64,
+ * three per row), dst[..., j:j+m, ...] = src[..., b:b+m, ...] along ``axis``; dst and src
+ * have the same item size and the same shape but along ``axis``. Rows that continue the
+ * one before (j and b both where it ended) are copied as one. Every index is checked
+ * before anything is copied; False (nothing copied) as for copy(). */
+static PyObject *
+copy_blocks(PyObject *self, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj, *runs_obj, *result = NULL;
+    int axis;
+    Py_buffer d, s, r;
+    if (!PyArg_ParseTuple(args, "OOiO", &dst_obj, &src_obj, &axis, &runs_obj))
+        return NULL;
+    if (PyObject_GetBuffer(dst_obj, &d, PyBUF_STRIDES | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(src_obj, &s, PyBUF_STRIDES) < 0) {
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(runs_obj, &r, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&s);
+        PyBuffer_Release(&d);
+        return NULL;
+    }
+    if (d.ndim != s.ndim || d.itemsize != s.itemsize || d.ndim > MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError,
+                     "arrays do not match: %d dimensions of %zd bytes into %d of %zd (at most %d)",
+                     s.ndim, s.itemsize, d.ndim, d.itemsize, MAX_DIMS);
+        goto done;
+    }
+    if (axis < 0 || axis >= d.ndim) {
+        PyErr_Format(PyExc_ValueError, "axis %d is not one of the %d dimensions", axis, d.ndim);
+        goto done;
+    }
+    for (int k = 0; k < d.ndim; k++) {
+        if (k != axis && d.shape[k] != s.shape[k]) {
+            PyErr_Format(PyExc_ValueError, "shapes differ in dimension %d: %zd into %zd", k,
+                         s.shape[k], d.shape[k]);
+            goto done;
+        }
+    }
+    if (r.itemsize != 8 || r.format == NULL || strchr("qlQL", r.format[0]) == NULL ||
+        r.format[1] != 0 || r.len % 24 != 0) {
+        PyErr_SetString(PyExc_ValueError, "runs must be int64 triples (j, b, count)");
+        goto done;
+    }
+    const int64_t *rows = r.buf;
+    Py_ssize_t n = r.len / 24;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t j = rows[3 * i], b = rows[3 * i + 1], m = rows[3 * i + 2];
+        if (j < 0 || b < 0 || m < 1 || j > d.shape[axis] - m || b > s.shape[axis] - m) {
+            PyErr_Format(PyExc_IndexError,
+                         "run %zd (%lld, %lld, %lld) is outside %zd and %zd blocks", i,
+                         (long long)j, (long long)b, (long long)m, d.shape[axis],
+                         s.shape[axis]);
+            goto done;
+        }
+    }
+    result = Py_True;
+    if (n == 0 || d.len == 0)
+        goto done;
+    /* The plan of a one-block slice decides: its runs are the shortest any row gives. */
+    Py_ssize_t dims[MAX_DIMS];
+    memcpy(dims, d.shape, sizeof(Py_ssize_t) * (size_t)d.ndim);
+    dims[axis] = 1;
+    plan_t plan;
+    char *dlo, *dhi, *slo, *shi;
+    extent(&d, d.strides, &dlo, &dhi);
+    extent(&s, s.strides, &slo, &shi);
+    if (make_plan(d.ndim, dims, d.strides, s.strides, d.itemsize, &plan) < 0 ||
+        (dlo < shi && slo < dhi)) {
+        result = Py_False;
+        goto done;
+    }
+    Py_ssize_t along_d = d.strides[axis], along_s = s.strides[axis];
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n;) {
+        int64_t j = rows[3 * i], b = rows[3 * i + 1], m = rows[3 * i + 2];
+        for (i++; i < n && rows[3 * i] == j + m && rows[3 * i + 1] == b + m; i++)
+            m += rows[3 * i + 2];
+        dims[axis] = (Py_ssize_t)m;
+        if (make_plan(d.ndim, dims, d.strides, s.strides, d.itemsize, &plan) > 0)
+            run_plan((char *)d.buf + j * along_d, (const char *)s.buf + b * along_s, &plan);
+    }
+    stream_fence();
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&r);
     PyBuffer_Release(&s);
     PyBuffer_Release(&d);
     Py_XINCREF(result);
@@ -191,6 +299,10 @@ static PyMethodDef methods[] = {
      "copy(dst, src) -> bool: copy src into dst (same shape and item size, any strides) "
      "with non-temporal stores; False if their contiguous runs are too short or their "
      "byte ranges overlap (copied nothing: numpy's copy is the one for those)."},
+    {"copy_blocks", copy_blocks, METH_VARARGS,
+     "copy_blocks(dst, src, axis, runs) -> bool: for every (j, b, count) row of runs (int64), "
+     "copy src's blocks b..b+count along axis into dst's j..j+count, as copy() does; every "
+     "index checked first; False (nothing copied) as for copy()."},
     {"kind", kind, METH_NOARGS, "kind() -> str: the stores this CPU copies with."},
     {NULL, NULL, 0, NULL},
 };

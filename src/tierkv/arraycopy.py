@@ -21,13 +21,15 @@ import numpy as np
 import numpy.typing as npt
 
 _stream_copy: Callable[[Any, Any], bool] | None
+_stream_blocks: Callable[[Any, Any, int, Any], bool] | None
 try:
     from tierkv._streamcopy import copy as _stream_copy
+    from tierkv._streamcopy import copy_blocks as _stream_blocks
     from tierkv._streamcopy import kind as _kind
 
     STORES = _kind()
 except ImportError:  # built without a C compiler: numpy copies
-    _stream_copy = None
+    _stream_copy = _stream_blocks = None
     STORES = "numpy"
 """What the copies write with: ``avx2`` or ``sse2`` streaming stores, ``memcpy`` (the helper
 on another architecture), or ``numpy`` (no helper)."""
@@ -54,6 +56,33 @@ def copy_array(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
     if _stream_copy is not None and _stream_copy(dst, src):
         return
     np.copyto(dst, src if src.dtype == dst.dtype else src.view(dst.dtype), casting="no")
+
+
+def copy_blocks(
+    dst: npt.NDArray[Any], src: npt.NDArray[Any], axis: int, runs: npt.NDArray[np.int64]
+) -> None:
+    """For every row ``(j, b, count)`` of ``runs`` (int64, shape ``(n, 3)``): copy ``src``'s
+    blocks ``b .. b + count - 1`` along ``axis`` into ``dst``'s ``j .. j + count - 1``, as
+    :func:`copy_array` copies (``dst`` and ``src``: the same element size, the same shape
+    but along ``axis``). All of a chunk's blocks in one call (one call into the C helper,
+    which checks every row before it copies). IndexError for a row outside either array."""
+    if _stream_blocks is not None and _stream_blocks(dst, src, axis, runs):
+        return
+    for j, b, count in runs.tolist():
+        if min(j, b) < 0 or count < 1 or j + count > dst.shape[axis] or b + count > src.shape[axis]:
+            raise IndexError(
+                f"run ({j}, {b}, {count}) is outside {dst.shape[axis]} and {src.shape[axis]} blocks"
+            )
+    for j, b, count in runs.tolist():
+        copy_array(_along(dst, axis, j, count), _along(src, axis, b, count))
+
+
+def _along(array: npt.NDArray[Any], axis: int, start: int, count: int) -> npt.NDArray[Any]:
+    """``array``'s entries ``start .. start + count - 1`` along ``axis`` (a view)."""
+    index: list[Any] = [slice(None)] * array.ndim
+    index[axis] = slice(start, start + count)
+    view: npt.NDArray[Any] = array[tuple(index)]
+    return view
 
 
 # numpy has no bfloat16 or float8: host tensors are viewed as integers of their element size.

@@ -213,3 +213,113 @@ def test_threads_copy_at_once() -> None:
         t.join()
     for d, s in zip(dsts, srcs, strict=True):
         np.testing.assert_array_equal(d, s)
+
+
+@st.composite
+def block_copies(draw: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray]:
+    """(raw buffer, destination in it, source, axis, runs): a random strided source with
+    ``src_blocks`` entries along ``axis``, a destination with ``dst_blocks`` there, and runs
+    (j, b, count) that never write a destination block twice, some continuing each other."""
+    dtype = draw(st.sampled_from([np.uint8, np.int16, np.int64]))
+    ndim = draw(st.integers(1, 5))
+    axis = draw(st.integers(0, ndim - 1))
+    shape = draw(st.lists(st.integers(1, 6), min_size=ndim, max_size=ndim))
+    if draw(st.booleans()):  # long contiguous runs: the streaming path
+        shape[-1] = draw(st.integers(64, 700))
+    src_blocks, dst_blocks = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    src_shape = [*shape[:axis], src_blocks, *shape[axis + 1 :]]
+    src = rng.integers(0, 2**7, size=src_shape, dtype=dtype)
+    if ndim > 1 and draw(st.booleans()):  # the blocks' axis elsewhere in memory
+        src = np.moveaxis(np.ascontiguousarray(np.moveaxis(src, axis, 0)), 0, axis)
+    runs, j = [], draw(st.integers(0, dst_blocks - 1))
+    while (j < dst_blocks and draw(st.booleans())) or not runs:
+        count = draw(st.integers(1, min(dst_blocks - j, src_blocks)))
+        b = draw(st.integers(0, src_blocks - count))
+        if runs and draw(st.booleans()) and runs[-1][1] + runs[-1][2] + count <= src_blocks:
+            b = runs[-1][1] + runs[-1][2]  # continues the run before (j does too)
+            j = runs[-1][0] + runs[-1][2]
+            if j + count > dst_blocks:
+                break
+        runs.append((j, b, count))
+        j += count + draw(st.integers(0, 2))
+    dst_shape = (*shape[:axis], dst_blocks, *shape[axis + 1 :])
+    raw, dst = _guarded(dst_shape, dtype, draw(st.integers(0, 80)))
+    return raw, dst, src, axis, np.array(runs, np.int64).reshape(-1, 3)
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(case=block_copies(), helper=st.booleans())
+def test_blocks_picked_along_an_axis_are_copied_exactly_and_nothing_else_is_written(
+    case: tuple[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray],
+    helper: bool,
+) -> None:
+    """copy_blocks (the connector's gather and scatter of a chunk's blocks) against numpy, with
+    the C helper and with the Python loop a build without it takes."""
+    raw, dst, src, axis, runs = case
+    expected = dst.copy()
+    for j, b, count in runs.tolist():
+        index: list[Any] = [slice(None)] * dst.ndim
+        index[axis] = slice(j, j + count)
+        source = list(index)
+        source[axis] = slice(b, b + count)
+        expected[tuple(index)] = src[tuple(source)]
+    offset = dst.__array_interface__["data"][0] - raw.__array_interface__["data"][0]
+    before = raw.copy()
+    with pytest.MonkeyPatch.context() as patch:
+        if not helper:
+            patch.setattr(arraycopy, "_stream_blocks", None)
+        arraycopy.copy_blocks(dst, src, axis, runs)
+    np.testing.assert_array_equal(dst, expected)
+    outside = np.ones(raw.size, bool)
+    outside[offset : offset + dst.nbytes] = False
+    np.testing.assert_array_equal(raw[outside], before[outside])
+
+
+@built
+def test_bad_block_runs_are_refused_before_anything_is_copied() -> None:
+    from tierkv._streamcopy import copy_blocks
+
+    src = np.arange(4 * 10 * 64, dtype=np.int16).reshape(4, 10, 64)
+    dst = np.zeros((4, 6, 64), np.int16)
+    for runs in ([[0, 0, 1], [5, 9, 2]], [[0, 0, 1], [-1, 0, 1]], [[0, 9, 2]], [[1, 1, 0]]):
+        # The first row is good: nothing may be copied when a later one is not.
+        for copier in (copy_blocks, arraycopy.copy_blocks):
+            with pytest.raises(IndexError, match="outside"):
+                copier(dst, src, 1, np.array(runs, np.int64))
+            assert not dst.any()
+    good = np.array([[0, 2, 3]], np.int64)
+    for args, error in [
+        ((dst, src, 0, good), ValueError),  # other shapes off the axis
+        ((dst, src, 3, good), ValueError),  # no such axis
+        ((dst, src.astype(np.int32), 1, good), ValueError),  # item sizes
+        ((dst, src, 1, good.astype(np.int32)), ValueError),  # runs not int64
+        ((dst, src, 1, np.zeros(4, np.int64)), ValueError),  # not triples
+        ((dst, src, 1, good[:, ::2]), ValueError),  # runs not contiguous
+        ((dst, src, 1, [0, 2, 3]), TypeError),  # runs not a buffer
+    ]:
+        with pytest.raises(error):
+            copy_blocks(*args)
+    assert not dst.any()
+    assert copy_blocks(dst, src, 1, good) is True
+    np.testing.assert_array_equal(dst[:, :3], src[:, 2:5])
+    assert not dst[:, 3:].any()
+
+
+@built
+def test_short_or_overlapping_block_runs_are_left_to_numpy() -> None:
+    from tierkv._streamcopy import copy_blocks
+
+    src = np.arange(8 * 64, dtype=np.int16).reshape(8, 64).T  # runs of one element
+    dst = np.zeros((64, 4), np.int16)
+    runs = np.array([[0, 1, 2], [2, 6, 2]], np.int64)
+    assert copy_blocks(dst, src, 1, runs) is False and not dst.any()
+    arraycopy.copy_blocks(dst, src, 1, runs)
+    np.testing.assert_array_equal(dst, src[:, [1, 2, 6, 7]])
+    a = np.arange(16 * 64, dtype=np.int64).reshape(16, 64)
+    assert copy_blocks(a[:8], a[4:], 0, np.array([[0, 0, 8]], np.int64)) is False
+    expected = a.copy()
+    expected[:8] = expected[4:12].copy()
+    arraycopy.copy_blocks(a[:8], a[4:], 0, np.array([[0, 0, 8]], np.int64))
+    np.testing.assert_array_equal(a, expected)

@@ -50,13 +50,14 @@ consecutive blocks (a prefill's blocks usually are, so usually one per chunk) fo
 at once when the layers sit in one allocation at a constant stride (vLLM's usual case), else
 one per run and layer. Caches in host memory (the CPU backend) are copied on the calling
 thread over integer views of the same bytes (:func:`tierkv.arraycopy.host_view`) by
-:func:`tierkv.arraycopy.copy_array` (non-temporal stores): one thread, like a memcpy, and
-the GIL released during each copy. A torch ``copy_`` would split every block over the
-process's OpenMP threads, which vLLM's CPU worker binds to the cores: with another
-process on one of those cores, each copy waits for a thread that is not running (measured:
-0.15 instead of 4-6 GB/s). Caches on an accelerator are copied with ``copy_``: a whole
-chunk's blocks are gathered into (or scattered from) a buffer on the device, one per copy
-thread, and the chunk crosses to or from the pool in one contiguous copy.
+:func:`tierkv.arraycopy.copy_blocks` (non-temporal stores; all of a chunk's blocks in one
+call): one thread, like a memcpy, and the GIL released during each copy. A torch ``copy_``
+would split every block over the process's OpenMP threads, which vLLM's CPU worker binds to
+the cores: with another process on one of those cores, each copy waits for a thread that is
+not running (measured: 0.15 instead of 4-6 GB/s). Caches on an accelerator are copied with
+``copy_``: a whole chunk's blocks are gathered into (or scattered from) a buffer on the
+device, one per copy thread, and the chunk crosses to or from the pool in one contiguous
+copy.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tierkv.arraycopy import copy_array, host_view
+from tierkv.arraycopy import copy_blocks, host_view
 
 NULL_BLOCK = 0  # vLLM's null block (chunks.NULL_BLOCK): a group's position with no KV
 NATIVE = "native"
@@ -240,37 +241,41 @@ class PagedKVLayout:
             )
         return position
 
-    def read_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
+    def read_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: Any) -> None:
         """For every ``(j, block_id)``: copy vLLM block ``block_id`` into the chunk's ``j``-th
         block (tokens ``[j * block_size, +block_size)``). With :attr:`layer_groups`,
-        ``block_id`` is a tuple of one id per group."""
+        ``block_id`` is a tuple of one id per group. ``chunk``: a tensor of the chunk's shape,
+        or a pool slot's view (numpy, the chunk's shape, an element of the KV dtype's size:
+        see :meth:`chunk_tensor`)."""
         host = self._host_chunk(chunk)
         if host is not None:
-            for paged, part in self._block_parts(blocks, host, host=True):
-                copy_array(part, paged)
+            for paged, part, axis, runs in self._host_copies(blocks, host):
+                copy_blocks(part, paged, axis, runs)
             return
+        chunk = self.chunk_tensor(chunk) if isinstance(chunk, np.ndarray) else chunk
         pairs = list(blocks)
         staging = self._staging(pairs, chunk)
         # One copy_ per part: torch._foreach_copy_ (one call for all) returned wrong bytes for
         # MLA chunks on an H200 (torch 2.11, CUDA 13), caught by benchmarks/gpu_copies.py.
-        for paged, part in self._block_parts(pairs, chunk if staging is None else staging, False):
+        for paged, part in self._block_parts(pairs, chunk if staging is None else staging):
             part.copy_(paged)
         if staging is not None:
             chunk.copy_(staging)  # one contiguous copy off the device
 
-    def write_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor) -> None:
+    def write_blocks(self, blocks: Iterable[tuple[int, Any]], chunk: Any) -> None:
         """For every ``(j, block_id)``: copy the chunk's ``j``-th block into vLLM block
-        ``block_id``."""
+        ``block_id`` (``chunk`` as for :meth:`read_blocks`)."""
         host = self._host_chunk(chunk)
         if host is not None:
-            for paged, part in self._block_parts(blocks, host, host=True):
-                copy_array(paged, part)
+            for paged, part, axis, runs in self._host_copies(blocks, host):
+                copy_blocks(paged, part, axis, _swapped(runs))
             return
+        chunk = self.chunk_tensor(chunk) if isinstance(chunk, np.ndarray) else chunk
         pairs = list(blocks)
         staging = self._staging(pairs, chunk)
         if staging is not None:
             staging.copy_(chunk)  # one contiguous copy onto the device
-        for paged, part in self._block_parts(pairs, chunk if staging is None else staging, False):
+        for paged, part in self._block_parts(pairs, chunk if staging is None else staging):
             paged.copy_(part)
 
     def _staging(self, blocks: list[tuple[int, int]], chunk: torch.Tensor) -> torch.Tensor | None:
@@ -294,45 +299,83 @@ class PagedKVLayout:
             staging = buffers[key] = torch.empty(chunk.shape, dtype=chunk.dtype, device=device)
         return staging
 
-    def _host_chunk(self, chunk: torch.Tensor) -> npt.NDArray[Any] | None:
-        """The chunk as a numpy view when both it and the cache are in host memory."""
-        if self.host_views is None or chunk.dtype != self.dtype:
+    def _host_chunk(self, chunk: Any) -> npt.NDArray[Any] | None:
+        """The chunk as a numpy view when both it and the cache are in host memory (a slot
+        view as it is: no tensor made and taken apart again for every chunk)."""
+        if self.host_views is None:
+            return None
+        if isinstance(chunk, np.ndarray):
+            return chunk if chunk.dtype.itemsize == self.dtype.itemsize else None
+        if chunk.dtype != self.dtype:
             return None
         return host_view(chunk)
 
+    def _host_copies(
+        self, blocks: Iterable[tuple[int, Any]], chunk: npt.NDArray[Any]
+    ) -> Iterator[tuple[npt.NDArray[Any], npt.NDArray[Any], int, npt.NDArray[np.int64]]]:
+        """For a cache in host memory: (paged cache view, chunk view, block axis, runs) for
+        :func:`~tierkv.arraycopy.copy_blocks`, covering the vLLM blocks ``(j, block_id)``
+        (runs of the chunk's kernel blocks, then the cache's: ``(j, block, count)``): one
+        for all layers at once (stacked), else one per layer (with several groups, each
+        layer with its group's blocks, null blocks left out). Both views have their blocks
+        on the same axis (see :meth:`_block_parts`)."""
+        stacked, views = self._moved_views(True)
+        split = self._split_chunk(chunk)  # [..., kernel blocks, kernel block size, ...]
+        axis, sub = self.token_axis, self.sub_blocks
+        common, by_group = self._grouped(blocks)
+        if not by_group:
+            runs = _kernel_runs(common, sub)
+            if stacked is not None:
+                yield stacked, split, axis, runs
+                return
+            for view, layer in zip(views, _unbind(split, self.layer_axis), strict=True):
+                yield view, layer, axis - 1, runs  # the layer axis came before the block axis
+            return
+        assert self.layer_groups is not None
+        runs_of = {group: _kernel_runs(pairs, sub) for group, pairs in by_group.items()}
+        layers = _unbind(split, self.layer_axis)
+        for view, layer, group in zip(views, layers, self.layer_groups, strict=True):
+            yield view, layer, axis - 1, runs_of[group]
+
+    def _grouped(
+        self, blocks: Iterable[tuple[int, Any]]
+    ) -> tuple[list[tuple[int, int]], dict[int, list[tuple[int, int]]]]:
+        """The blocks as ``(j, block id)`` pairs for every layer, or, with the layers in
+        several of the model's groups, each group's pairs (and no common ones). A group's
+        null blocks are left out; with every layer in one group (a hybrid's attention), that
+        group's pairs are everyone's."""
+        pairs = list(blocks)
+        groups = set(self.layer_groups or ())
+        if not groups:
+            return pairs, {}
+        by_group = {g: [(j, ref[g]) for j, ref in pairs if ref[g] != NULL_BLOCK] for g in groups}
+        if len(by_group) == 1:
+            return by_group.popitem()[1], {}
+        return [], by_group
+
     def _block_parts(
-        self, blocks: Iterable[tuple[int, Any]], chunk: Any, host: bool
+        self, blocks: Iterable[tuple[int, Any]], chunk: torch.Tensor
     ) -> Iterator[tuple[Any, Any]]:
-        """(paged cache view, chunk view) pairs covering the vLLM blocks ``(j, block_id)``:
-        one per run of consecutive blocks (block ids and chunk positions both counting up
-        by one, as a prefill's blocks usually are) for all layers at once (stacked), else
-        one per run and layer. ``host``: numpy views (``chunk`` is one), else torch views.
+        """(paged cache view, chunk view) pairs covering the vLLM blocks ``(j, block_id)``,
+        torch views of a cache on an accelerator: one per run of consecutive blocks (block
+        ids and chunk positions both counting up by one, as a prefill's blocks usually are)
+        for all layers at once (stacked), else one per run and layer.
 
         A run of ``m`` kernel blocks is one copy: the paged side is the run's blocks with
         their block axis next to the token axis, ``[..., m, tokens, dim]``; the chunk side is
         the run's tokens with the token axis split into ``(m, tokens)``. Both are slices of
         views made once (per layout, per chunk): a copy per layer costs a few microseconds of
         Python, which is most of a copy's time on a GPU (61 layers of an MLA chunk)."""
-        stacked, views = self._moved_views(host)
+        stacked, views = self._moved_views(False)
         split = self._split_chunk(chunk)  # [..., kernel blocks, kernel block size, ...]
         axis, sub = self.token_axis, self.sub_blocks  # axis: the split chunk's block axis
-        groups = set(self.layer_groups or ())
-        if len(groups) == 1:  # every layer in one of the model's groups (a hybrid's attention)
-            (group,) = groups
-            blocks = [(j, ref[group]) for j, ref in blocks if ref[group] != NULL_BLOCK]
-            groups = set()
-        if stacked is None or groups:
+        common, by_group = self._grouped(blocks)
+        if stacked is None or by_group:
             layers = _unbind(split, self.layer_axis)
             axis -= 1  # the layer axis comes before the token axis
-        if groups:
+        if by_group:
             assert self.layer_groups is not None
-            refs = list(blocks)
-            runs = {  # each group's runs, its null blocks left out
-                group: list(
-                    block_runs((j, ref[group]) for j, ref in refs if ref[group] != NULL_BLOCK)
-                )
-                for group in set(self.layer_groups)
-            }
+            runs = {group: list(block_runs(pairs)) for group, pairs in by_group.items()}
             for layer, (view, group) in enumerate(zip(views, self.layer_groups, strict=True)):
                 for j, block_id, count in runs[group]:
                     m = count * sub
@@ -341,7 +384,7 @@ class PagedKVLayout:
                         _narrow(layers[layer], axis, j * sub, m),
                     )
             return
-        for j, block_id, count in block_runs(blocks):
+        for j, block_id, count in block_runs(common):
             kb, b0, m = block_id * sub, j * sub, count * sub
             if stacked is not None:
                 yield _narrow(stacked, -3, kb, m), _narrow(split, axis, b0, m)
@@ -573,6 +616,22 @@ def _unbind(array: Any, axis: int) -> Sequence[Any]:
         array.unbind(axis) if isinstance(array, torch.Tensor) else list(np.moveaxis(array, axis, 0))
     )
     return views
+
+
+def _kernel_runs(pairs: Sequence[tuple[int, int]], sub: int) -> npt.NDArray[np.int64]:
+    """``(j, block_id)`` pairs of vLLM blocks as rows ``(j, block, count)`` of kernel blocks
+    (``sub`` per vLLM block), for :func:`~tierkv.arraycopy.copy_blocks`."""
+    runs = np.empty((len(pairs), 3), np.int64)
+    if pairs:
+        runs[:, :2] = pairs
+        runs[:, :2] *= sub
+        runs[:, 2] = sub
+    return runs
+
+
+def _swapped(runs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Rows ``(j, block, count)`` as ``(block, j, count)``: the same runs the other way."""
+    return np.ascontiguousarray(runs[:, [1, 0, 2]])
 
 
 def block_runs(blocks: Iterable[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:

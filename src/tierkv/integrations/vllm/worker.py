@@ -316,7 +316,7 @@ class WorkerSide:
             blocks = spec.blocks_of(chunk, self.bpc)
             if not blocks:
                 return  # a chunk vLLM already had, or beyond what vLLM asked for
-            layout.write_blocks(blocks, layout.chunk_tensor(src))
+            layout.write_blocks(blocks, src)
             loaded.add(chunk)
 
         start = time.perf_counter()
@@ -604,7 +604,7 @@ class WorkerSide:
         assert layout is not None
 
         def gather(chunk: int, dst: Any) -> None:
-            layout.read_blocks(enumerate(spec.blocks_of(chunk, self.bpc)), layout.chunk_tensor(dst))
+            layout.read_blocks(enumerate(spec.blocks_of(chunk, self.bpc)), dst)
 
         # A synchronous store holds vLLM's thread up anyway: it copies too. The store thread
         # of asynchronous stores leaves the cores to the forward pass.
