@@ -127,9 +127,10 @@ FLOAT32 = {"dtype": "float32"}
 MLA_DEPTH = {"num_layers": 16, "q_lora_rank": 128}
 MLA_TOKENS = 16 * 256 + 1
 # The GDN hybrid: 16 layers (12 gated-DeltaNet, 4 full attention with 8 KV heads: 2 MiB
-# chunks), so that vLLM's blocks (every group's: an attention block's page matches a
-# state's) are 256 tokens with its prefix caching on, tierkv's default chunk size. The
-# state handed over is at the last block boundary before the prompt's last token.
+# chunks), with vLLM's blocks (every group's: an attention block's page at least a state's)
+# set to 256 tokens, tierkv's default chunk size (left to itself, vLLM picks 256 with AMX
+# tiles, 128 on an AVX2-only CPU). The state handed over is at the last block boundary
+# before the prompt's last token.
 GDN_CHUNK = 256
 GDN_TOKENS = 16 * GDN_CHUNK + 1
 KINDS = {
@@ -176,7 +177,7 @@ KINDS = {
             "max_position_embeddings": 12288,
         },
         GDN_TOKENS,
-        {"dtype": "bfloat16", "enable_prefix_caching": True},
+        {"dtype": "bfloat16", "enable_prefix_caching": True, "block_size": GDN_CHUNK},
         own_prefix_cache=True,
         chunk_size=GDN_CHUNK,
     ),

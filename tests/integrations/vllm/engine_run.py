@@ -14,9 +14,10 @@ timeout (the connector's RPC timeout, default 2.0), store_decode, tenant and asy
 connector options), num_blocks (vLLM's num_gpu_blocks_override: a small KV cache) and
 max_model_len (default 4096), dtype (default float32), attention_backend (vLLM's: e.g.
 "CPU_MLA", which an x86 CPU with AMX tiles would replace by AMX_MLA, a backend that takes no
-float32 weights), tensor_parallel_size (default 1), prefix_caching, hma (vLLM's hybrid KV
-cache manager on or off; default: vLLM's choice, on unless a connector without
-``SupportsHMA`` is attached),
+float32 weights), block_size (vLLM's; without it vLLM picks one for the attention backend,
+which for a hybrid model depends on the CPU's instruction set), tensor_parallel_size
+(default 1), prefix_caching, hma (vLLM's hybrid KV cache manager on or off; default: vLLM's
+choice, on unless a connector without ``SupportsHMA`` is attached),
 prompts ([{"tokens": [...], "salt": "..."|null}], see below), max_tokens, out, wait_for (a
 file to wait for before generating),
 done (a file to create after), report_clients (add
@@ -237,6 +238,8 @@ def main(config_path: str) -> None:
         kwargs["disable_hybrid_kv_cache_manager"] = not config["hma"]
     if config.get("attention_backend"):
         kwargs["attention_backend"] = config["attention_backend"]
+    if config.get("block_size"):
+        kwargs["block_size"] = int(config["block_size"])
     if config.get("kv_events_endpoint"):
         kwargs["kv_events_config"] = {
             "enable_kv_cache_events": True,

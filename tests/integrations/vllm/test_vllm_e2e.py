@@ -907,10 +907,10 @@ INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[
         {"dtype": "bfloat16", "prefix_caching": False},
         "stores MambaSpec states only where vLLM hands them over",
     ),
-    # With it on (the "align" mode), blocks of 640 tokens: no divisor of the chunk size 256.
+    # With it on (the "align" mode) and blocks of 640 tokens: no divisor of the chunk size 256.
     "gdn-qwen3-next-chunk-size": (
         vllm_engine.tiny_gdn_hybrid_model_dir,
-        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "block_size": 640},
         "chunk size 256 is not a multiple of the hybrid model's block size 640",
     ),
 }
@@ -950,7 +950,11 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
 
 
 # -- hybrid models' state groups -----------------------------------------------------------------
-GDN_BLOCK = 640  # vLLM's block size for the tiny Qwen3-Next with its prefix caching on
+# The block size of the tiny Qwen3-Next with its prefix caching on, set for vLLM: left to
+# itself vLLM makes an attention block's page at least a state's, in a multiple of its
+# attention kernel's block size, which depends on the CPU (640 tokens with AMX tiles, 384 on
+# an AVX2-only CPU).
+GDN_BLOCK = 640
 
 
 def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
@@ -960,14 +964,14 @@ def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
     tmp_path: Path,
 ) -> None:
     """A Qwen3-Next-style hybrid (gated DeltaNet state layers and a full-attention layer),
-    vLLM's prefix caching on (its Mamba "align" mode: blocks of 640 tokens), tierkv's chunks
-    of 640 tokens. A computes a 1281-token prompt: tierkv stores its 2 KV chunks and the state
-    vLLM hands over at token 1280. B, a fresh engine, loads KV and state (1280 tokens from the
-    pool) and computes the last token only, on top of the loaded state: its answers equal an
-    engine's without tierkv. (With one token computed on the state, a wrong state shows: the
-    same engine whose load wrote a constant into the state answered other tokens.) A's
-    second prompt shares the first 640 tokens only: no state is held at 640 (vLLM handed
-    none over there), so it is a miss."""
+    vLLM's prefix caching on (its Mamba "align" mode) with blocks of 640 tokens, tierkv's
+    chunks of 640 tokens. A computes a 1281-token prompt: tierkv stores its 2 KV chunks and
+    the state vLLM hands over at token 1280. B, a fresh engine, loads KV and state (1280
+    tokens from the pool) and computes the last token only, on top of the loaded state: its
+    answers equal an engine's without tierkv. (With one token computed on the state, a wrong
+    state shows: the same engine whose load wrote a constant into the state answered other
+    tokens.) A's second prompt shares the first 640 tokens only: no state is held at 640
+    (vLLM handed none over there), so it is a miss."""
     from support.tiny_model import tokenizer_size
 
     model_dir = vllm_engine.tiny_gdn_hybrid_model_dir(tmp_path_factory)
@@ -977,7 +981,7 @@ def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
     prompt = {"tokens": [*doc, rng.randrange(3, vocab)]}
     other = {"tokens": [*doc[:GDN_BLOCK], *(rng.randrange(3, vocab) for _ in range(GDN_BLOCK + 1))]}
     server = server_factory(pool_size="256MiB", extra=["--chunk-size", str(GDN_BLOCK)])
-    model = {"model": str(model_dir), "dtype": "bfloat16"}
+    model = {"model": str(model_dir), "dtype": "bfloat16", "block_size": GDN_BLOCK}
     tierkv = {**model, "endpoint": server.endpoint, "chunk_size": GDN_BLOCK}
     # The three at once; B, a fresh engine, runs its prompts once A is done (its stores ended).
     reference_engine = engines("reference", **model, prompts=[prompt, other])

@@ -26,10 +26,11 @@ prefix's identity (the chain hash of its tokens and the cache salt) and the piec
 Requirements, checked when the connector starts (otherwise it stays inactive, as for any
 model it cannot serve): the ``"align"`` mode, one block size for every group, and a chunk
 size that is a multiple of it (vLLM sizes a hybrid's blocks so that an attention block's
-page matches a state's page: hundreds of tokens, e.g. 640, not a divisor of tierkv's
-default 256: set the server's ``--chunk-size`` and the connector's ``chunk_size`` to a
-multiple). vLLM's ``"none"`` mode (prefix caching off) keeps only a request's current state
-and never hands one over: such a model is served as a clean miss.
+page is at least a state's: hundreds of tokens, e.g. 640 or 384 for the same model on two
+CPUs, often not a divisor of tierkv's default 256: pin vLLM's ``block_size`` and set the
+server's ``--chunk-size`` and the connector's ``chunk_size`` to a multiple of it). vLLM's
+``"none"`` mode (prefix caching off) keeps only a request's current state and never hands
+one over: such a model is served as a clean miss.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def state_format(kv_cache_config: Any, chunk_size: int) -> StateFormat | None:
         raise UnsupportedStateError(
             f"tierkv chunk size {chunk_size} is not a multiple of the hybrid model's block size "
             f"{block_size}: set the server's --chunk-size and the connector's chunk_size to a "
-            f"multiple of {block_size}"
+            f"multiple of {block_size} (and vLLM's block size, which depends on the hardware "
+            f"when left to vLLM, to {block_size} or a divisor of the chunk size at least that)"
         )
     specs = {_describe(group.kv_cache_spec) for _, group in state}
     if len(specs) != 1:
