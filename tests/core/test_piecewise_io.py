@@ -14,7 +14,7 @@ import pytest
 from tierkv import piecewise_io as pieces
 from tierkv.checksums import checksum
 
-SIZES = [1, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345]
+SIZES = [1, pieces.PIECE - 1, pieces.PIECE, 3 * pieces.PIECE + 12345, 2 * pieces.FILE_PIECE + 99]
 
 
 def _payload(n: int) -> memoryview:
@@ -27,10 +27,12 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
 ) -> None:
     data = _payload(n)
     sizes: list[int] = []
+    writes: list[tuple[int, int]] = []  # (offset, length)
     real_pwrite, real_preadv = os.pwrite, os.preadv
 
     def pwrite(fd: int, buf: memoryview, offset: int) -> int:
         sizes.append(len(buf))
+        writes.append((offset, len(buf)))
         return real_pwrite(fd, buf, offset)
 
     def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
@@ -60,7 +62,15 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
         assert (got, digest) == (n // 2, checksum(data[: n // 2]))
     finally:
         os.close(fd)
-    assert sizes and max(sizes) <= pieces.PIECE
+    # Reads of at most PIECE bytes a call; writes of at most FILE_PIECE, each ending at a
+    # multiple of it in the file (or at the end of the data).
+    assert writes and all(
+        length <= pieces.FILE_PIECE
+        and ((offset + length) % pieces.FILE_PIECE == 0 or offset + length == 64 + n)
+        for offset, length in writes
+    )
+    reads = sizes[len(writes) :]
+    assert reads and max(reads) <= pieces.PIECE
 
 
 class _CountingSocket(socket.socket):
