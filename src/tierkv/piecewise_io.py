@@ -59,8 +59,9 @@ except ImportError:  # built without a C compiler or libxxhash's headers
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 # Bytes per write(2) of a chunk file (the one exception to PIECE): the page cache holds what a
-# write brings in folios no larger than the write, and a mapped read of 2 MiB folios (mapped
-# whole, a TLB entry each) copies far faster than of 512 KiB ones (4 KiB entries): 8 MiB
+# write brings in folios no larger than the write, and a mapped read of 2 MiB folios (one
+# page-table entry each) copies far faster than of 512 KiB ones (mapped 4 KiB at a time:
+# 2048 entries per 8 MiB chunk, populated and torn down again by every read): 8 MiB
 # chunk files read at 12.1-12.7 GB/s against 8.9 (two threads, the AVX2-only EPYC VM type;
 # a plain read(2) of the same files 9.5-10). A 2 MiB write copies for about 0.2 ms in one
 # go, during which a woken control thread waits (see above): a write of a chunk is a
