@@ -26,8 +26,9 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int
 ) -> None:
     data = _payload(n)
-    sizes: list[int] = []
+    sizes: list[int] = []  # every call's bytes, in order
     writes: list[tuple[int, int]] = []  # (offset, length)
+    reads: list[int] = []
     real_pwrite, real_preadv = os.pwrite, os.preadv
 
     def pwrite(fd: int, buf: memoryview, offset: int) -> int:
@@ -37,6 +38,7 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
 
     def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
         sizes.append(sum(len(b) for b in bufs))
+        reads.append(sizes[-1])
         return real_preadv(fd, bufs, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
@@ -69,7 +71,6 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
         and ((offset + length) % pieces.FILE_PIECE == 0 or offset + length == 64 + n)
         for offset, length in writes
     )
-    reads = sizes[len(writes) :]
     assert reads and max(reads) <= pieces.PIECE
 
 

@@ -888,6 +888,13 @@ def test_a_failed_load_under_the_hybrid_allocator_is_recomputed(
     assert "block-level load failures" not in b.log(400)
 
 
+# The block size of the tiny Qwen3-Next with its prefix caching on, set for vLLM: left to
+# itself vLLM makes an attention block's page at least a state's, in a multiple of its
+# attention kernel's block size, which depends on the CPU (640 tokens with AMX tiles, 384 on
+# an AVX2-only CPU).
+GDN_BLOCK = 640
+
+
 # Models the connector cannot serve: (model directory, engine config, why it stays inactive).
 INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[str, Any], str]] = {
     "all-sliding-window": (
@@ -907,11 +914,12 @@ INACTIVE_MODELS: dict[str, tuple[Callable[[pytest.TempPathFactory], Path], dict[
         {"dtype": "bfloat16", "prefix_caching": False},
         "stores MambaSpec states only where vLLM hands them over",
     ),
-    # With it on (the "align" mode) and blocks of 640 tokens: no divisor of the chunk size 256.
+    # With it on (the "align" mode) and blocks of GDN_BLOCK tokens: no divisor of the chunk
+    # size 256.
     "gdn-qwen3-next-chunk-size": (
         vllm_engine.tiny_gdn_hybrid_model_dir,
-        {"dtype": "bfloat16", "block_size": 640},
-        "chunk size 256 is not a multiple of the hybrid model's block size 640",
+        {"dtype": "bfloat16", "block_size": GDN_BLOCK},
+        f"chunk size 256 is not a multiple of the hybrid model's block size {GDN_BLOCK}",
     ),
 }
 
@@ -950,11 +958,6 @@ def test_a_model_the_connector_cannot_serve_runs_with_every_request_a_miss(
 
 
 # -- hybrid models' state groups -----------------------------------------------------------------
-# The block size of the tiny Qwen3-Next with its prefix caching on, set for vLLM: left to
-# itself vLLM makes an attention block's page at least a state's, in a multiple of its
-# attention kernel's block size, which depends on the CPU (640 tokens with AMX tiles, 384 on
-# an AVX2-only CPU).
-GDN_BLOCK = 640
 
 
 def test_a_gdn_hybrids_prefix_loads_into_a_fresh_engine_with_its_state(
