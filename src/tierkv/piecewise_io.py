@@ -14,9 +14,10 @@ per chunk, and the kernel gets a chance to switch after each piece; a data threa
 gives way after each (:func:`tierkv.priority.give_way`), so that a woken control thread gets
 the core then rather than at the end of the data thread's time slice.
 
-The checksum (:func:`tierkv.checksums.checksum`, XXH3-128) is computed piece by piece, right
-after each piece was written or has landed, while it is still in the CPU's cache, instead of
-in a second pass over the whole chunk.
+The checksum (:func:`tierkv.checksums.checksum`, XXH3-128) is computed piece by piece, while
+the piece is in the CPU's caches, instead of in a second pass over the whole chunk: a piece
+to write just before it is written (the kernel's copy then reads it from the caches), a
+piece read right after it has landed.
 
 Where the C helper ``tierkv._piecewise`` was built (:data:`NATIVE`), the same loops run in
 C without the GIL: the Python loops take and drop it several times a piece (a peer fetch's
@@ -26,7 +27,8 @@ and hashed in the same pass (each 64-byte stripe from the registers it was copie
 each piece from the caches where the CPU lacks AVX2 or the destination is not aligned).
 ``os.preadv``'s copy leaves neither side of a large copy in the caches, so hashing after it
 reads the chunk from memory again: 0.58-0.71 of a plain read's speed with the checksum,
-against 0.88-0.96 mapped (8 MiB chunks, two threads, the CI machine type). A read from the
+against 0.88-0.96 mapped (8 MiB chunks, two threads, the CI machine type; 1.17-1.30 on
+its AVX2-only EPYC variant, see ``_piecewise.c``). A read from the
 device, or a file that changes under the copy, goes the ``os.preadv`` way. Sockets that are
 not plain ``socket.socket`` objects (TLS, test doubles) take the Python loops.
 """
@@ -45,7 +47,7 @@ from tierkv.checksums import checksummer
 from tierkv.framing import drop_sent
 from tierkv.priority import give_way, is_data_thread
 
-_write_native: Callable[[int, int, memoryview, int, bool], bytes] | None
+_write_native: Callable[[int, int, memoryview, int, bool, bytes], bytes] | None
 _read_mapped: Callable[[int, int, memoryview, int, bool, bool], bytes | None] | None
 _send_native: Callable[[int, Sequence[memoryview | bytes], int, bool, float | None], None] | None
 _recv_native: Callable[[int, memoryview, int, bool, float | None], bytes] | None
@@ -72,23 +74,39 @@ NATIVE = _write_native is not None  # whether the C helper moves the bytes (see 
 
 
 # -- files -------------------------------------------------------------------------------
-def write_hashed(fd: int, data: memoryview, offset: int) -> bytes:
+def write_hashed(fd: int, data: memoryview, offset: int, head: bytes = b"") -> bytes:
     """Write ``data`` (bytes) at ``offset`` of ``fd`` in pieces, resuming after short writes;
-    returns the checksum of ``data``, computed piece by piece as it was written."""
+    returns the checksum of ``data``, computed piece by piece as it was written. ``head``
+    (empty, or ``offset`` bytes: a placeholder for a header the caller writes afterwards)
+    goes out at 0 in the same call as the first piece, so that every piece of the file,
+    the first too, is written whole and aligned (see :data:`FILE_PIECE`)."""
+    if head and len(head) != offset:
+        raise ValueError(f"head is {len(head)} bytes, not the offset {offset}")
     if _write_native is not None:
-        return _write_native(fd, offset, data, FILE_PIECE, is_data_thread())
+        return _write_native(fd, offset, data, FILE_PIECE, is_data_thread(), head)
     hasher = checksummer()
-    pos, n = 0, data.nbytes
-    while pos < n:
+    pos = hashed = head_done = 0
+    n = data.nbytes
+    while pos < n or head_done < len(head):
         # Pieces end at multiples of FILE_PIECE in the file (the first is shorter by
-        # ``offset``): the page cache then holds the file in large aligned folios, which a
-        # mapped read (tierkv._piecewise) maps and copies faster than unaligned ones.
+        # ``offset``, unless ``head`` fills that): the page cache then holds the file in large
+        # aligned folios, which a mapped read (tierkv._piecewise) maps and copies faster than
+        # smaller ones. Each is hashed just before it is written (the write then copies it
+        # from the caches).
         end = min(n, pos + FILE_PIECE - (offset + pos) % FILE_PIECE)
-        wrote = os.pwrite(fd, data[pos:end], offset + pos)
+        if hashed < end:
+            hasher.update(data[hashed:end])
+            hashed = end
+        head_left = len(head) - head_done
+        if head_left:
+            wrote = os.pwritev(fd, [head[head_done:], data[pos:end]], head_done)
+        else:
+            wrote = os.pwrite(fd, data[pos:end], offset + pos)
         if wrote <= 0:
             raise OSError(errno.EIO, "short write")
-        hasher.update(data[pos : pos + wrote])
-        pos += wrote
+        of_head = min(wrote, head_left)
+        head_done += of_head
+        pos += wrote - of_head
         give_way()
     digest: bytes = hasher.digest()
     return digest

@@ -31,10 +31,17 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
     reads: list[int] = []
     real_pwrite, real_preadv = os.pwrite, os.preadv
 
+    real_pwritev = os.pwritev
+
     def pwrite(fd: int, buf: memoryview, offset: int) -> int:
         sizes.append(len(buf))
         writes.append((offset, len(buf)))
         return real_pwrite(fd, buf, offset)
+
+    def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
+        sizes.append(sum(len(b) for b in bufs))
+        writes.append((offset, sizes[-1]))
+        return real_pwritev(fd, bufs, offset)
 
     def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
         sizes.append(sum(len(b) for b in bufs))
@@ -42,6 +49,7 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
         return real_preadv(fd, bufs, offset)
 
     monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwritev", pwritev)
     monkeypatch.setattr(os, "preadv", preadv)
     # The Python loops (without the C helper; with it: test_piecewise.py).
     monkeypatch.setattr(pieces, "_write_native", None)
@@ -51,8 +59,9 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
     path = tmp_path / "chunk"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        assert pieces.write_hashed(fd, data, 64) == checksum(data)
-        assert path.read_bytes()[64:] == data.tobytes()
+        head = bytes(range(64))  # written with the first piece
+        assert pieces.write_hashed(fd, data, 64, head) == checksum(data)
+        assert path.read_bytes() == head + data.tobytes()
         back = bytearray(n)
         got, digest = pieces.read_hashed(fd, memoryview(back), 64)
         assert (got, digest, bytes(back)) == (n, checksum(data), data.tobytes())
@@ -64,14 +73,49 @@ def test_file_pieces_write_and_read_back_with_their_checksum(
         assert (got, digest) == (n // 2, checksum(data[: n // 2]))
     finally:
         os.close(fd)
-    # Reads of at most PIECE bytes a call; writes of at most FILE_PIECE, each ending at a
-    # multiple of it in the file (or at the end of the data).
+    # Reads of at most PIECE bytes a call; writes of at most FILE_PIECE, each starting and
+    # ending at a multiple of it in the file (or at the end of the data): the first, with
+    # the head, at 0.
     assert writes and all(
         length <= pieces.FILE_PIECE
+        and offset % pieces.FILE_PIECE == 0
         and ((offset + length) % pieces.FILE_PIECE == 0 or offset + length == 64 + n)
         for offset, length in writes
     )
     assert reads and max(reads) <= pieces.PIECE
+
+
+def test_short_file_writes_resume_and_the_checksum_covers_each_byte_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel may write less than asked: the rest follows, hashed once (each piece is
+    hashed before it is written, so a resumed piece must not be hashed again)."""
+    n = 2 * pieces.FILE_PIECE + 12345
+    data = _payload(n)
+    real_pwrite = os.pwrite
+    asked: list[int] = []
+
+    def short_pwrite(fd: int, buf: memoryview, offset: int) -> int:
+        asked.append(len(buf))
+        return real_pwrite(fd, buf[: max(1, len(buf) // 3)], offset)  # a third of it
+
+    def short_pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
+        flat = b"".join(bufs)  # the test's copy
+        asked.append(len(flat))
+        part = 10 if offset == 0 else max(1, len(flat) // 3)  # the first: part of the head
+        return real_pwrite(fd, flat[:part], offset)
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    monkeypatch.setattr(pieces, "_write_native", None)
+    path = tmp_path / "chunk"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert pieces.write_hashed(fd, data, 64, b"h" * 64) == checksum(data)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"h" * 64 + data.tobytes()
+    assert len(asked) > 3 * 3  # every piece took several calls
 
 
 class _CountingSocket(socket.socket):

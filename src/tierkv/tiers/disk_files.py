@@ -9,8 +9,10 @@ all of an engine's chunks in one directory. Each file is the 64-byte record head
 (``flock``) while a tier uses the directory, so two servers never share one.
 
 A record file is written to a temporary file next to its final name (payload first, hashed
-piece by piece as it goes out, then the header with the checksum), optionally ``fsync``-ed,
-then ``os.replace``-d into place: a torn write is never visible under a chunk's name.
+piece by piece as it goes out, behind a zeroed header written in the same call as its first
+piece so that every piece is aligned in the file; then the header with the checksum),
+optionally ``fsync``-ed, then ``os.replace``-d into place: a torn write is never visible
+under a chunk's name.
 
 A record file is read into the caller's slot and verified against the size the file has
 *now* (``fstat``), not the size it was indexed with, so bytes appended to a file make it
@@ -48,6 +50,7 @@ SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 LOCK_NAME = ".tierkv-disk.lock"
 
+_NO_HEADER = bytes(HEADER_SIZE)  # a tmp file's first bytes until its header is written
 _NAME_RE = re.compile(r"[0-9a-f]{64}\.kv\Z")
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}\Z")
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -89,9 +92,10 @@ def write_record(path: str, tmp: str, key: bytes, data: memoryview, fsync: bool)
         fd = os.open(tmp, flags, 0o600)
     try:
         try:
-            # The payload first, hashed as it goes out, then the header that holds the
-            # checksum (the file has its final name only once both are written).
-            digest = write_hashed(fd, data, HEADER_SIZE)
+            # The payload first (behind a placeholder for the header, written with its first
+            # piece), hashed as it goes out, then the header that holds the checksum (the
+            # file has its final name only once both are written).
+            digest = write_hashed(fd, data, HEADER_SIZE, _NO_HEADER)
             if os.pwrite(fd, pack_header(key, data, digest), 0) != HEADER_SIZE:
                 raise OSError(errno.EIO, "short write of the record header")
             if fsync:
