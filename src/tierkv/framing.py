@@ -86,9 +86,10 @@ def connect(endpoint: str, timeout: float) -> socket.socket:
     return sock
 
 
-def connect_until(endpoint: str, deadline: float) -> socket.socket | None:
+def connect_until(endpoint: str, deadline: float, wait: bool = True) -> socket.socket | None:
     """Connect, retrying (a server that is starting or restarting) until ``deadline``
-    (``time.monotonic()``); None if it never accepted."""
+    (``time.monotonic()``); None if it never accepted. ``wait=False``: one attempt (still
+    bounded by ``deadline``), None at once when nothing listens there."""
     pause = 0.002
     while True:
         left = deadline - time.monotonic()
@@ -97,7 +98,9 @@ def connect_until(endpoint: str, deadline: float) -> socket.socket | None:
         try:
             return connect(endpoint, left)
         except (FileNotFoundError, ConnectionError, TimeoutError):
-            pass  # nothing listens yet (or any more): try again
+            if not wait:
+                return None
+            # nothing listens yet (or any more): try again
         time.sleep(min(pause, max(deadline - time.monotonic(), 0)))
         pause = min(pause * 2, 0.05)
 
@@ -212,9 +215,12 @@ class Connection:
         self._readable.register(sock, select.POLLIN)
 
     @classmethod
-    def open(cls, endpoint: str, deadline: float, spin: float = 0.0) -> Connection | None:
-        """Connect (see :func:`connect_until`); None if nothing accepted by ``deadline``."""
-        sock = connect_until(endpoint, deadline)
+    def open(
+        cls, endpoint: str, deadline: float, spin: float = 0.0, wait: bool = True
+    ) -> Connection | None:
+        """Connect (see :func:`connect_until`); None if nothing accepted by ``deadline`` (with
+        ``wait`` False: at the first attempt)."""
+        sock = connect_until(endpoint, deadline, wait)
         return None if sock is None else cls(sock, spin=spin)
 
     def pending(self) -> bool:

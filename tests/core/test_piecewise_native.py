@@ -206,6 +206,7 @@ print("ok")
 
 
 @built
+@pytest.mark.processes
 @pytest.mark.parametrize("check", ["cachestat", "mincore"])
 def test_a_file_partly_in_the_page_cache_is_left_to_preadv(tmp_path: Path, check: str) -> None:
     """Both residency checks (cachestat, and mincore where the kernel lacks cachestat) see a

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support.servers import CHUNK_SIZE, ServerProcess, chunk_data, register
-from tierkv.client import Client, NotRegisteredError
+from tierkv import framing
+from tierkv.client import Client, NotRegisteredError, ServerUnavailableError
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.vllm.settings import ConnectorSettings, SettingsError
 from tierkv.protocol import ErrorCode
@@ -104,6 +107,56 @@ def test_a_restarted_server_is_registered_with_again_and_the_call_retried(
     finally:
         link.close()
     assert any("registering again" in r.getMessage() for r in caplog.records)
+
+
+def test_a_killed_server_costs_one_refused_connect_per_retry_interval(
+    server_factory: Callable[..., ServerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """kill -9 leaves the socket file behind, where nothing accepts connections any more: the
+    link's call tries once, gets the fallback and marks the server down (one WARNING saying
+    why), instead of retrying the connect for its whole timeout on the engine's thread. A
+    plain client still waits for a server that is (re)starting, as before."""
+    srv = server_factory()
+    settings = ConnectorSettings.from_extra_config(
+        {"endpoint": srv.endpoint, "timeout": 30, "retry_interval": 0}
+    )
+    link = ServerLink(settings, register, "worker rank 0", logging.getLogger("engine"))
+    attempts: list[str] = []
+    real_connect = framing.connect
+
+    def counted(endpoint: str, timeout: float) -> socket.socket:
+        attempts.append(endpoint)
+        return real_connect(endpoint, timeout)
+
+    monkeypatch.setattr(framing, "connect", counted)
+    caplog.set_level(logging.INFO, logger="engine")
+    try:
+        assert link.call("ping", lambda c: c.ping() or 1, 0) == 1
+        srv.kill()
+        assert os.path.exists(srv.endpoint[len("ipc://") :])  # the socket file stays
+        attempts.clear()
+        for _ in range(3):  # retry_interval 0: each call asks the server again
+            assert link.call("ping", lambda c: c.ping() or 1, 0) == 0
+        assert len(attempts) == 3  # one connect each, none retried for 30 s
+        assert link.failures == 3
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "no tierkv server accepts connections" in warnings[0]
+        # Back: the next call connects, registers again (the server forgot it) and answers.
+        srv.start()
+        assert link.call("ping", lambda c: c.ping() or 1, 0) == 1
+        assert any("is back after" in r.getMessage() for r in caplog.records)
+    finally:
+        link.close()
+
+    # A plain client (wait_for_server=True, the default) retries until its timeout, so that
+    # it connects to a server that is starting.
+    srv.kill()
+    attempts.clear()
+    with pytest.raises(ServerUnavailableError, match="no reply"):
+        Client(srv.endpoint, timeout=0.3).ping()
+    assert len(attempts) > 1
 
 
 def test_a_server_that_keeps_refusing_the_client_gives_the_fallback(

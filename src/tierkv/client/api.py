@@ -66,6 +66,7 @@ class Client(ServerConnection):
         data_priority: bool = True,
         on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
         reply_spin: float = DEFAULT_REPLY_SPIN,
+        wait_for_server: bool = True,
     ) -> None:
         """``copy_threads``: threads that copy a large batch (default: the cores, at most
         4). Arrays given as ``chunks``/``out`` are always copied by them; ``gather``/
@@ -82,6 +83,7 @@ class Client(ServerConnection):
             populate=populate,
             on_pool=on_pool,
             reply_spin=reply_spin,
+            wait_for_server=wait_for_server,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._copier = Copier(copy_threads, data_priority=data_priority)

@@ -12,6 +12,7 @@ fewer chunks than they named (:meth:`RequestChannel.commit_shortfalls`).
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -35,12 +36,15 @@ DEFAULT_REPLY_SPIN = 100e-6
 class RequestChannel:
     """Requests to the server at ``endpoint`` and their replies (thread-safe)."""
 
-    def __init__(self, endpoint: str, timeout: float, reply_spin: float) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float, reply_spin: float, wait_for_server: bool = True
+    ) -> None:
         if reply_spin < 0:
             raise ValueError("reply_spin must be >= 0")
         self.endpoint = endpoint
         self.timeout = timeout
         self.reply_spin = reply_spin
+        self.wait_for_server = wait_for_server
         self.conn: framing.Connection | None = None
         self._pid = os.getpid()  # a forked child must not share its parent's connection
         self.closed = False
@@ -82,7 +86,8 @@ class RequestChannel:
     def _connection(self, deadline: float) -> framing.Connection | None:
         """The connection to carry the next request: the current one if it is still good
         (nothing unexpected to read: no stale reply, no close by a restarted server), else a
-        new one, waiting for a server that is (re)starting until ``deadline``."""
+        new one, waiting for a server that is (re)starting until ``deadline`` (unless
+        ``wait_for_server`` is False: one attempt)."""
         conn = self.conn
         if conn is not None and (
             self._pid != os.getpid() or (conn.pending() and not self._read_unanswered(conn))
@@ -90,7 +95,9 @@ class RequestChannel:
             self.disconnect()
             conn = None
         if conn is None:
-            conn = self.conn = framing.Connection.open(self.endpoint, deadline, self.reply_spin)
+            conn = self.conn = framing.Connection.open(
+                self.endpoint, deadline, self.reply_spin, self.wait_for_server
+            )
         return conn
 
     def call(
@@ -108,7 +115,9 @@ class RequestChannel:
             try:
                 conn = self._connection(deadline)
                 if conn is None:
-                    raise TimeoutError
+                    if self.wait_for_server:
+                        raise TimeoutError
+                    raise ConnectionRefusedError(errno.ECONNREFUSED, "nothing accepted it")
                 try:
                     conn.send(self._encode(req), deadline)
                 except (BrokenPipeError, ConnectionResetError):
@@ -132,6 +141,10 @@ class RequestChannel:
         for the answer to a later request, so the next call connects afresh) and return the
         error to raise, naming ``what`` waited."""
         self.disconnect()
+        if isinstance(exc, ConnectionRefusedError):  # nothing listens (wait_for_server off)
+            return ServerUnavailableError(
+                f"no tierkv server accepts connections at {self.endpoint} ({what}): is it running?"
+            )
         why = "no reply" if isinstance(exc, TimeoutError) else f"connection lost ({exc})"
         return ServerUnavailableError(
             f"{why} from tierkv server at {self.endpoint} within {wait:.1f} s ({what}): "

@@ -40,14 +40,21 @@ class ServerConnection:
         populate: bool = False,
         on_pool: Callable[[ShmPool], Callable[[], None] | None] | None = None,
         reply_spin: float = DEFAULT_REPLY_SPIN,
+        wait_for_server: bool = True,
     ) -> None:
         """``populate``: map the pool with its pages faulted in. ``on_pool(pool)`` runs each
         time the client maps a pool (at registration, again after a server restart) and may
         return a function that runs before that mapping is closed (a GPU engine page-locks
         it: :mod:`tierkv.integrations.vllm.pinning`). ``reply_spin``: seconds the calling
         thread keeps reading for a reply before it sleeps (:class:`tierkv.framing.Connection`;
-        0: sleep at once)."""
-        self._channel = RequestChannel(endpoint or default_endpoint(), timeout, reply_spin)
+        0: sleep at once). ``wait_for_server``: when nothing listens at the endpoint (a
+        server starting, restarting or gone), keep trying to connect until the request's
+        timeout (True), or fail at once with ServerUnavailableError (False: an engine's
+        link, which then serves misses and asks again after its retry interval, instead of
+        holding the engine's thread for the timeout)."""
+        self._channel = RequestChannel(
+            endpoint or default_endpoint(), timeout, reply_spin, wait_for_server
+        )
         self.auth_token = auth_token
         self._mapping = PoolMapping(populate, on_pool)
         self.registration: Registration | None = None

@@ -5,8 +5,12 @@ Shared by the engine integrations (the vLLM connector, the SGLang storage backen
 The engine must never wait long on the cache, nor fail because of it. :class:`ServerLink`
 runs every RPC with the connector's (short) timeout; when one fails (server down, killed,
 overloaded) it logs once and stays away for ``retry_interval`` seconds, during which every
-call returns its fallback at once, i.e. the cache behaves as a miss. When the server answers
-that it does not know the client (it restarted), the link registers again, once, and retries.
+call returns its fallback at once, i.e. the cache behaves as a miss. Where nothing listens at
+the endpoint (a killed server's socket file is still there, or a TCP port refuses), the
+attempt fails at once instead of retrying the connect until the timeout: a server down costs
+the engine one refused connect per ``retry_interval``, not ``timeout`` seconds of its thread.
+When the server answers that it does not know the client (it restarted), the link registers
+again, once, and retries.
 
 A call that failed without an answer (a timeout: the server stalled, or is gone) keeps the
 registration: the server, if it is still there, still holds this client, its engine group
@@ -159,6 +163,9 @@ class ServerLink:
                     copy_threads=self.copy_threads(),
                     on_pool=self.on_pool,
                     reply_spin=self.settings.reply_spin_us * 1e-6,
+                    # A server that is gone is down for retry_interval at once: the
+                    # engine's thread never waits out the timeout on connection attempts.
+                    wait_for_server=False,
                 )
             client = self._client
             if (self._down_since is not None or not self._registered) and not _socket_present(
