@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from support import ports
 from support.servers import ServerProcess
 from tierkv.client import Client
 from tierkv.cluster import messages as m
@@ -29,18 +29,7 @@ _HAS_HTTP = "http_port" in {f.name for f in msgspec.structs.fields(ServerConfig)
 
 def free_ports(n: int) -> list[int]:
     """``n`` ports, each with its successor free too (control port + data port)."""
-    out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        if port not in out and port + 1 not in out and port - 1 not in out:
-            out.append(port)
-    return out
+    return ports.free_ports(n, span=2)
 
 
 @dataclass

@@ -13,12 +13,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from support.ports import free_port as free_port  # where the tests have imported it from
 
 
 @dataclass

@@ -44,11 +44,18 @@ def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
         stop_process(proc, timeout)
 
 
-def _log_tail(path: Path, lines: int = 30) -> str:
+def _log_tail(path: Path, lines: int = 30, errors: int = 20) -> str:
+    """The log's last ``lines`` lines, after the first ``errors`` lines before them that
+    name an error (a child's root cause is often far above the traceback that ends a log)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
+    head, tail = text[:-lines], text[-lines:]
+    named = [line for line in head if "Error" in line or "error:" in line][:errors]
+    if not named:
+        return "\n".join(tail)
+    return "\n".join(["(error lines above the tail:)", *named, "(the tail:)", *tail])
 
 
 _ServiceT = TypeVar("_ServiceT", bound="_Service")
