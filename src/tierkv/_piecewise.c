@@ -53,7 +53,7 @@
  * and copied with streaming stores (no read of the destination). Into a 32-byte aligned
  * destination (a pool slot) on a CPU with AVX2, each 64-byte stripe is hashed from the
  * registers it was copied through (_xxh3_copy.h): 0.88-0.96 of a plain read, checksum
- * included (Xeon VM); 1.17-1.30 on the AVX2-only EPYC VM type, where files written by
+ * included (Xeon VM); 1.10-1.33 on the AVX2-only EPYC VM type, where files written by
  * write_hashed with a head are in 2 MiB folios throughout (mapped one page-table entry per
  * folio) and residency is one cachestat(2) call; otherwise each piece is hashed from the
  * caches after its copy: 0.78-0.94.

@@ -27,7 +27,7 @@ and hashed in the same pass (each 64-byte stripe from the registers it was copie
 each piece from the caches where the CPU lacks AVX2 or the destination is not aligned).
 ``os.preadv``'s copy leaves neither side of a large copy in the caches, so hashing after it
 reads the chunk from memory again: 0.58-0.71 of a plain read's speed with the checksum,
-against 0.88-0.96 mapped (8 MiB chunks, two threads, the CI machine type; 1.17-1.30 on
+against 0.88-0.96 mapped (8 MiB chunks, two threads, the CI machine type; 1.10-1.33 on
 its AVX2-only EPYC variant, see ``_piecewise.c``). A read from the
 device, or a file that changes under the copy, goes the ``os.preadv`` way. Sockets that are
 not plain ``socket.socket`` objects (TLS, test doubles) take the Python loops.
