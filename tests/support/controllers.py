@@ -16,6 +16,7 @@ from typing import Any
 
 from support.clusterkit import FAST, TOKEN, Node, free_ports, wait_for
 from support.servers import ServerProcess
+from support.stuck import FAULTHANDLER, describe_stuck
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
@@ -48,7 +49,8 @@ class ControllerProcess:
 
     def start(self) -> ControllerProcess:
         cmd = [
-            sys.executable, "-m", "tierkv.cli", "controller", "--port", str(self.port),
+            sys.executable, *FAULTHANDLER, "-m", "tierkv.cli", "controller",
+            "--port", str(self.port),
             "--http-port", str(self.http_port), "--auth-token", TOKEN,
             "--heartbeat-interval", str(self.heartbeat_interval),
             "--dead-after", str(self.dead_after), "--log-level", "debug",
@@ -57,7 +59,11 @@ class ControllerProcess:
         out = open(self.log_path, "wb")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=out, stderr=out)
         proc = self.proc
-        wait_for(lambda: proc.poll() is not None or self.status() is not None)
+        try:
+            wait_for(lambda: proc.poll() is not None or self.status() is not None)
+        except AssertionError:
+            state = describe_stuck(proc, self.log_path)
+            raise RuntimeError(f"controller did not answer:\n{state}") from None
         if proc.poll() is not None:
             raise RuntimeError(f"controller exited at start-up:\n{self.log()}")
         return self

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from support.stuck import FAULTHANDLER, describe_stuck
 from tierkv.client import Client, Registration, ServerUnavailableError, wait_for_server
 from tierkv.pool import segment_exists
 
@@ -35,7 +36,7 @@ class ServerProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "tierkv.cli", "server",
+            sys.executable, *FAULTHANDLER, "-m", "tierkv.cli", "server",
             "--instance", self.instance,
             "--runtime-dir", str(self.runtime_dir),
             "--pool-name", self.pool_name,
@@ -54,7 +55,8 @@ class ServerProcess:
             if not wait_for_server(self.endpoint, timeout, lambda: proc.poll() is not None):
                 raise RuntimeError(f"server exited at start-up:\n{self.log()}")
         except ServerUnavailableError:
-            raise RuntimeError(f"server did not answer:\n{self.log()}") from None
+            state = describe_stuck(proc, self.log_path)
+            raise RuntimeError(f"server did not answer in {timeout} s:\n{state}") from None
         return self
 
     def log(self) -> str:

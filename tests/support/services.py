@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from support.httputil import free_port
+from support.stuck import describe_stuck
 from tierkv.demo.local_process import stop_process
 from tierkv.pool import ShmPool
 from tierkv.tiers.base import LoadStatus, Tier
@@ -101,7 +102,10 @@ class _Service:
             if self._wait_ready(port):
                 self.port = port
                 return self
-            _stop(self.proc)
+            if self.proc.poll() is None:  # running, but no answer within start_timeout
+                state = describe_stuck(self.proc, self.log_path)
+                wait = self.start_timeout
+                raise RuntimeError(f"{self.what} did not answer in {wait} s:\n{state}")
         raise RuntimeError(f"{self.what} did not start:\n{_log_tail(self.log_path)}")
 
     def _wait_ready(self, port: int) -> bool:
