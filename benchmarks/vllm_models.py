@@ -46,7 +46,14 @@ right after each round (the rounds' harmonic mean), and the outputs. A sliding-w
 model's load figure counts whole chunks, but the layers whose blocks lie behind the window
 on the warm request get vLLM's null block and are not copied (about half of the bytes
 here): that figure is not a copy speed, is printed with that caveat and left out of
-``min_load_vs_memcpy`` (its store figure copies every byte and counts). The last line is
+``min_load_vs_memcpy`` (its store figure copies every byte and counts). Beside the bound,
+per kind: a memcpy of each round's bytes into a segment made and prefaulted with the
+server's pool and idle since (``Twin``), each byte written once as each pool slot is. On a
+VM whose host takes idle guest memory back this first write is what a store's destination
+costs (the CI machine type: prefaulted memory idle for 150 s took 0.6-6 GB/s on its first
+write, 9 GB/s after; idle for 5-40 s, 6-10), which the warm bound does not pay; a load's
+destination, blocks of the engine's KV cache idle since the engine started, can pay it too.
+It is context, not part of the goals. The last line is
 ``vllm_models kinds=N outputs_match=M min_speedup=X min_store_vs_memcpy=Y
 min_load_vs_memcpy=Z`` (M: kinds whose every warm output equals the reference; the minima
 over the kinds where the connector is active, which the line before names; loads over those
@@ -62,11 +69,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -184,6 +193,45 @@ KINDS = {
 }
 
 
+@dataclass
+class Twin:
+    """A shared-memory segment made and prefaulted like the server's pool, right after it,
+    then left idle: the memory a store writes into is in the same state. On a VM whose host
+    takes back guest memory that sits idle (the CI machine type: a prefaulted segment
+    written for the first time minutes later took 0.6-6 GB/s, 9 GB/s once written), the
+    first write into a pool slot costs far more than a memcpy between buffers written a
+    moment before; a memcpy into the twin's next unwritten bytes (each byte written once,
+    as each slot is) pays the same, and is printed beside the warm bound."""
+
+    segment: Any  # tierkv.pool.ShmPool
+    used: int = 0  # bytes written so far (by the kinds before)
+
+    def next(self) -> tuple[str, int, int]:
+        """(segment name, first unwritten byte, size) for the next kind's child."""
+        return self.segment.name, self.used, self.segment.size
+
+
+def first_write_gbps(view: memoryview, chunk_bytes: int, chunks: int, threads: int) -> float:
+    """``chunks`` chunks of ``chunk_bytes`` copied once (glibc's memcpy, by ``threads``
+    threads as in ``vllm_ttft.memcpy_gbps``) into ``view``, memory not written since it was
+    prefaulted, from buffers written just before (as the engine's KV cache is)."""
+    import numpy as np
+
+    src = [np.ones(chunk_bytes, np.uint8) for _ in range(chunks)]
+    dst = np.frombuffer(view, np.uint8)
+    shares = [range(t, chunks, threads) for t in range(threads)]
+
+    def copy_share(share: range) -> None:
+        for i in share:
+            np.copyto(dst[i * chunk_bytes : (i + 1) * chunk_bytes], src[i])
+
+    with ThreadPoolExecutor(threads) as pool:
+        start = time.perf_counter()
+        list(pool.map(copy_share, shares))
+        seconds = time.perf_counter() - start
+    return chunk_bytes * chunks / seconds / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
@@ -198,10 +246,13 @@ def main() -> None:
 
     from tierkv.demo.local_server import LocalServer
     from tierkv.options import parse_size
+    from tierkv.pool import ShmPool
 
+    pool_size = parse_size(args.pool_size)
     with tempfile.TemporaryDirectory(prefix="tierkv-vllm-models-") as tmp:
         models = Path(args.models or tmp)
         servers: dict[int, Any] = {}  # one per chunk size
+        twins: dict[int, Twin] = {}  # each server's idle twin (see Twin)
         try:
             results = []
             for name in kinds:
@@ -209,12 +260,19 @@ def main() -> None:
                 size = KINDS[name].chunk_size
                 if size not in servers:
                     extra = ["--prefault", "--chunk-size", str(size)]
-                    servers[size] = LocalServer(parse_size(args.pool_size), extra).start()
-                results.append(run_kind(name, args, model_dir, servers[size].endpoint))
+                    servers[size] = LocalServer(pool_size, extra).start()
+                    segment = f"tierkv-bench-twin-{os.getpid()}-{size}"
+                    twins[size] = Twin(ShmPool.create(segment, pool_size, prefault=True))
+                twin = twins[size]
+                result = run_kind(name, args, model_dir, servers[size].endpoint, twin.next())
+                twin.used += result["twin_used"]
+                results.append(result)
         finally:
             for server in servers.values():
                 server.stop()
                 server.cleanup()
+            for twin in twins.values():
+                twin.segment.close()
     summarize(results)
 
 
@@ -230,9 +288,11 @@ def build(name: str, out: Path) -> Path:
     return model_dir
 
 
-def run_kind(name: str, args: argparse.Namespace, model_dir: Path, endpoint: str) -> dict[str, Any]:
+def run_kind(
+    name: str, args: argparse.Namespace, model_dir: Path, endpoint: str, twin: tuple[str, int, int]
+) -> dict[str, Any]:
     """Both engines of one kind, each in a child process: the reference's outputs first,
-    then the measured engine's rounds."""
+    then the measured engine's rounds (``twin``: see :meth:`Twin.next`)."""
     from support.tiny_model import tokenizer_size
 
     kind = KINDS[name]
@@ -246,7 +306,9 @@ def run_kind(name: str, args: argparse.Namespace, model_dir: Path, endpoint: str
     ours, theirs = spawn.Pipe()
     start = time.perf_counter()
     reference = spawn.Process(target=reference_main, args=(name, tokens, model_dir, ref_theirs))
-    measured = spawn.Process(target=measured_main, args=(name, tokens, model_dir, endpoint, theirs))
+    measured = spawn.Process(
+        target=measured_main, args=(name, tokens, model_dir, endpoint, twin, theirs)
+    )
     reference.start()
     measured.start()
     try:
@@ -297,10 +359,22 @@ def reference_main(name: str, tokens: int, model_dir: Path, conn: Connection) ->
     conn.send(answers)
 
 
-def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: Connection) -> None:
+def measured_main(
+    name: str,
+    tokens: int,
+    model_dir: Path,
+    endpoint: str,
+    twin: tuple[str, int, int],
+    conn: Connection,
+) -> None:
     """Child process: the engine with tierkv; runs the warm-up and the rounds it receives
     and answers with the figures."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tierkv.pool import ShmPool
+
+    twin_name, twin_used, twin_size = twin
+    twin_pool = ShmPool.attach(twin_name, twin_size, populate=True)  # as the connector maps
 
     kind = KINDS[name]
     llm = engine(engine_args(tokens, kind.chunk_size), model_dir, endpoint, **kind.options)
@@ -319,6 +393,8 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
         drain(llm)
     since = worker_stats()
     cold, warm, loaded, cached, outputs, bounds, first_tokens = [], [], [], [], [], [], []
+    first_writes: list[float] = []
+    started_at = twin_used
     for prompt in prompts:
         before = worker_stats()
         forget()
@@ -335,6 +411,14 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
         after = worker_stats()
         if after["stored_chunks"] > before["stored_chunks"]:
             bounds.append(round_bound(before, after))
+            chunks = int(after["stored_chunks"] - before["stored_chunks"])
+            moved = int(after["store_bytes"] - before["store_bytes"])
+            if twin_used + moved <= twin_size:
+                view = twin_pool.view(twin_used, moved)
+                threads = connector.worker_copy_threads
+                first_writes.append(first_write_gbps(view, moved // chunks, chunks, threads))
+                del view
+                twin_used += moved
         cold.append(cold_s)
         warm.append(warm_s)
         loaded.append(int(info.get("loaded_tokens", 0)))
@@ -362,9 +446,12 @@ def measured_main(name: str, tokens: int, model_dir: Path, endpoint: str, conn: 
             "first_tokens": first_tokens,
             "stats": stats,
             "bounds": bounds,
+            "first_writes": first_writes,
+            "twin_used": twin_used - started_at,
             "state_bytes": state_bytes(connector),
         }
     )
+    twin_pool.close()
 
 
 def state_bytes(connector: Any) -> int:
@@ -417,6 +504,9 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
             bound=bound,
             store_vs_memcpy=store / bound,
         )
+        if result["first_writes"]:
+            first = statistics.harmonic_mean(result["first_writes"])
+            figures.update(first_write=first, store_vs_first_write=store / first)
     if figures["loads"]:
         load = (
             (stats["load_bytes"] + stats.get("state_load_bytes", 0))
@@ -488,6 +578,13 @@ def print_kind(result: dict[str, Any]) -> None:
         f"memcpy of the same chunks {f['bound']:.2f} GB/s (rounds: {bounds}): "
         f"store_vs_memcpy={f['store_vs_memcpy']:.2f}{load_ratio}; {outputs}"
     )
+    if "first_write" in f:
+        firsts = " / ".join(f"{b:.2f}" for b in result["first_writes"])
+        print(
+            f"{name}: memcpy into idle pool-like memory, each byte written once (the stores' "
+            f"destination's state: see Twin) {f['first_write']:.2f} GB/s (rounds: {firsts}): "
+            f"store_vs_first_write={f['store_vs_first_write']:.2f}"
+        )
 
 
 def differ(result: dict[str, Any]) -> str:
