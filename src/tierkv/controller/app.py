@@ -8,16 +8,18 @@ import logging
 import signal
 import threading
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster.control import ControlServer
 from tierkv.controller.config import ControllerConfig
-from tierkv.controller.http import create_app
 from tierkv.controller.service import ControllerService
 from tierkv.gc_pauses import freeze_startup
 from tierkv.logs import setup_logging
 from tierkv.thread_names import name_os_threads
-from tierkv.web.serving import HttpServer
+
+if TYPE_CHECKING:  # the HTTP stack (FastAPI, uvicorn: half a second) loads with HTTP on
+    from tierkv.web.serving import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ class Controller:
             self.control.start()
             self.service.start(min(self.cfg.heartbeat_interval, self.cfg.dead_after / 3))
             if self.cfg.http_port:
+                from tierkv.controller.http import create_app
+                from tierkv.web.serving import HttpServer
+
                 self.http = HttpServer(
                     self.cfg, create_app(self.service, self._health, self.cfg.auth_token)
                 )
@@ -77,6 +82,9 @@ def run(cfg: ControllerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if cfg.http_port:  # imported when HTTP starts; now, so that freezing covers it too
+        import tierkv.controller.http
+        import tierkv.web.serving  # noqa: F401
     freeze_startup()
     controller = Controller(cfg).start()
     try:

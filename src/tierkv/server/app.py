@@ -34,6 +34,9 @@ def run(cfg: ServerConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if cfg.http_port:  # imported when HTTP starts; now, so that freezing covers it too
+        import tierkv.server.http
+        import tierkv.web.serving  # noqa: F401
     freeze_startup()  # the imports: never scanned by a collection again
     server.serve()
     return 0

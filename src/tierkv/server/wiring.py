@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tierkv import __version__, keys
 from tierkv.allocator import Allocator
@@ -36,7 +37,6 @@ from tierkv.server.collector import StatsCollector
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.front_process import FrontProcess, FrontSettings
 from tierkv.server.health import Health
-from tierkv.server.http import create_app
 from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.quota_values import TIERS as QUOTA_TIERS
 from tierkv.server.quotas import Quotas
@@ -49,7 +49,9 @@ from tierkv.server.tiering import LookupAccounting, NamespacedTier, Tiering, Tie
 from tierkv.tenants import TenantIds
 from tierkv.tiers.base import Tier
 from tierkv.tiers.registry import create_tier
-from tierkv.web.serving import HttpServer
+
+if TYPE_CHECKING:  # the HTTP stack (FastAPI, uvicorn: half a second) loads with HTTP on
+    from tierkv.web.serving import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +269,9 @@ class Server:
         self.http = None
         if not cfg.http_port:
             return
+        from tierkv.server.http import create_app
+        from tierkv.web.serving import HttpServer
+
         app = create_app(
             self.service,
             self.document,
