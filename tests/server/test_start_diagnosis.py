@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support.stuck import FAULTHANDLER, describe_stuck
+from support.stuck import FAULTHANDLER, describe_stuck, gone
 
 pytestmark = pytest.mark.processes
 
@@ -61,3 +61,36 @@ def test_a_child_that_exited_is_described_by_its_exit_code(tmp_path: Path) -> No
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     proc.wait()
     assert describe_stuck(proc, log_path) == "the process exited with 3\nbad option\n"
+
+
+PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", %r])
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_children_of_a_stuck_child_are_described_and_do_not_outlive_it(
+    tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "child.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, *FAULTHANDLER, "-c", PARENT % STUCK],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while log_path.read_text().count("started") < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1
+    grandchild = int(children[0])
+    text = describe_stuck(proc, log_path)
+    assert f"process {grandchild}: state S (sleeping)" in text
+    assert "waiting_for_something_that_never_comes" in text  # the grandchild's stack
+    deadline = time.monotonic() + 10
+    while not gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(grandchild)

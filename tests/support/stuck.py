@@ -11,9 +11,11 @@ before it ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 # Arguments for the interpreter of a child whose stacks :func:`describe_stuck` may dump.
@@ -26,8 +28,12 @@ def describe_stuck(proc: subprocess.Popen[bytes], log_path: Path | None) -> str:
     the stacks ``faulthandler`` wrote to ``log_path`` with whatever was logged before."""
     if proc.poll() is not None:
         return f"the process exited with {proc.returncode}\n{_read(log_path)}"
-    parts = [_process_state(proc.pid), _machine_load()]
+    tree = _descendants(proc.pid)  # an engine's workers, a server's front process
+    parts = [_process_state(pid) for pid in [proc.pid, *tree]]
+    parts.append(_machine_load())
     size = log_path.stat().st_size if log_path is not None and log_path.exists() else 0
+    for pid in tree:  # each dumps its own stacks where it runs faulthandler
+        _signal(pid, signal.SIGABRT)
     proc.send_signal(signal.SIGABRT)
     try:
         proc.wait(5.0)
@@ -35,9 +41,52 @@ def describe_stuck(proc: subprocess.Popen[bytes], log_path: Path | None) -> str:
         proc.kill()
         proc.wait()
         parts.append("no stacks: the process did not take SIGABRT within 5 s")
+    _wait_gone(tree, 5.0)  # their stacks written
+    for pid in tree:  # none may outlive the test
+        _signal(pid, signal.SIGKILL)
     log = _read(log_path)
     parts.append(f"its log ({size} bytes before the SIGABRT), with the stacks:\n{log}")
     return "\n".join(parts)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (no such process, or a zombie not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _process_state(pid: int) -> str:
