@@ -3,10 +3,10 @@
 A server that neither answers nor logs a line within its start-up timeout leaves a test
 with an empty log and no cause. :func:`describe_stuck` gathers what can still be seen: the
 process's state in the kernel (run state, what it waits in, CPU seconds it used), the
-machine's load and busiest processes (a start-up starved of the cores, or one stuck in the
-kernel, reads differently), and, for a Python child started with :data:`FAULTHANDLER`, every
-thread's stack: a SIGABRT makes ``faulthandler`` write them to the child's stderr (its log)
-before it ends.
+machine's load, free memory and busiest processes (a start-up starved of the cores or of
+memory, or one stuck in the kernel, reads differently), and, for a Python child started
+with :data:`FAULTHANDLER`, every thread's stack: a SIGABRT makes ``faulthandler`` write
+them to the child's stderr (its log) before it ends.
 """
 
 from __future__ import annotations
@@ -121,7 +121,9 @@ def _machine_load() -> str:
         ).stdout.splitlines()[:8]
     except (OSError, subprocess.TimeoutExpired) as exc:
         top = [f"(ps failed: {exc})"]
-    return "\n".join([f"load average {load}; busiest processes:", *top])
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    memory = ", ".join(f"{k} {meminfo[k].strip()}" for k in ("MemAvailable", "Shmem"))
+    return "\n".join([f"load average {load}; {memory}; busiest processes:", *top])
 
 
 def _read(path: Path | None) -> str:
