@@ -42,8 +42,11 @@ class Controller:
         self.http: HttpServer | None = None
 
     def start(self) -> Controller:
+        """Bind the control endpoint (a port in use fails first), start the reaper and
+        HTTP, then serve control last: once the control endpoint answers (what servers and
+        start-up scripts wait for), HTTP serves too."""
         try:
-            self.control.start()
+            self.control.bind()
             self.service.start(min(self.cfg.heartbeat_interval, self.cfg.dead_after / 3))
             if self.cfg.http_port:
                 from tierkv.controller.http import create_app
@@ -53,6 +56,7 @@ class Controller:
                     self.cfg, create_app(self.service, self._health, self.cfg.auth_token)
                 )
                 self.http.start()
+            self.control.start()
         except BaseException:
             self.close()
             raise
@@ -63,11 +67,11 @@ class Controller:
         return {"control": self.control.alive(), "reaper": self.service.alive()}
 
     def close(self) -> None:
+        self.control.close()
         if self.http is not None:
             self.http.stop()
             self.http = None
         self.service.close()
-        self.control.close()
 
 
 def run(cfg: ControllerConfig) -> int:
