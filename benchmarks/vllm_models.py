@@ -84,6 +84,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.tiny_model import cpu_has_amx
 from vllm_ttft import (
+    copy_pass,
     drain,
     engine,
     generate,
@@ -218,17 +219,10 @@ def first_write_gbps(view: memoryview, chunk_bytes: int, chunks: int, threads: i
     import numpy as np
 
     src = [np.ones(chunk_bytes, np.uint8) for _ in range(chunks)]
-    dst = np.frombuffer(view, np.uint8)
-    shares = [range(t, chunks, threads) for t in range(threads)]
-
-    def copy_share(share: range) -> None:
-        for i in share:
-            np.copyto(dst[i * chunk_bytes : (i + 1) * chunk_bytes], src[i])
-
+    whole = np.frombuffer(view, np.uint8)
+    dst = [whole[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(chunks)]
     with ThreadPoolExecutor(threads) as pool:
-        start = time.perf_counter()
-        list(pool.map(copy_share, shares))
-        seconds = time.perf_counter() - start
+        seconds = copy_pass(pool, threads, dst, src, np.copyto)
     return chunk_bytes * chunks / seconds / 1e9
 
 

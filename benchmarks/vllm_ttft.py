@@ -63,7 +63,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -430,24 +430,35 @@ def memcpy_gbps(
     to cache, up to 10 GB/s where a copy between memory and memory runs at 5 to 7."""
     import numpy as np
 
-    copy_one = copy or np.copyto
     sources = chunks if distinct_sources else 1
     src = [np.ones(chunk_bytes, np.uint8) for _ in range(sources)]
     dst = [np.zeros(chunk_bytes, np.uint8) for _ in range(chunks)]
-    shares = [range(t, chunks, threads) for t in range(threads)]
-
-    def copy_share(share: range) -> None:
-        for i in share:
-            copy_one(dst[i], src[i % sources])  # releases the GIL
-
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(5):
             evict_caches()
-            start = time.perf_counter()
-            list(pool.map(copy_share, shares))
-            best = min(best, time.perf_counter() - start)
+            best = min(best, copy_pass(pool, threads, dst, src, copy or np.copyto))
     return chunk_bytes * chunks / best / 1e9
+
+
+def copy_pass(
+    pool: ThreadPoolExecutor,
+    threads: int,
+    dst: Sequence[Any],
+    src: Sequence[Any],
+    copy: Callable[[Any, Any], None],
+) -> float:
+    """Seconds for ``threads`` threads of ``pool`` to ``copy`` every ``dst[i]`` from
+    ``src[i % len(src)]``, thread t the chunks t, t + threads, ..."""
+    shares = [range(t, len(dst), threads) for t in range(threads)]
+
+    def copy_share(share: range) -> None:
+        for i in share:
+            copy(dst[i], src[i % len(src)])  # releases the GIL
+
+    start = time.perf_counter()
+    list(pool.map(copy_share, shares))
+    return time.perf_counter() - start
 
 
 _SCRATCH: list[Any] = []  # evict_caches' buffer, made once
