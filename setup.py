@@ -5,8 +5,9 @@
   (:mod:`tierkv.arraycopy`).
 - ``tierkv._piecewise`` moves chunks between the pool and files or sockets without the GIL,
   checksummed on the way (:mod:`tierkv.piecewise_io`); it links libxxhash (``libxxhash-dev``).
-- ``tierkv._fingerprints`` computes the controller's key fingerprints in one pass
-  (:mod:`tierkv.controller.keytable`).
+- ``tierkv._fingerprints`` computes the controller's key fingerprints in one pass and
+  searches its lookup filter and key tables (:mod:`tierkv.controller.keytable`,
+  :mod:`tierkv.controller.holders`).
 
 All are optional: without a C compiler, Python's headers, OpenSSL's (``libssl-dev``) or
 xxHash's (``libxxhash-dev``), tierkv installs anyway and does the same in Python and numpy,

@@ -1,5 +1,6 @@
 /* tierkv._fingerprints: the controller's key fingerprints (tierkv.controller.keytable) in one
- * pass over the keys.
+ * pass over the keys, and its lookups' two searches (tierkv.controller.holders,
+ * tierkv.controller.keytable) in one call per batch.
  *
  * fill(keys, out) -> bool
  *
@@ -16,6 +17,26 @@
  * numpy needs a dozen passes over the keys and as many temporary arrays for a full report
  * of a million keys (about 25 ms on the CI machine type); this loop reads them once. The
  * GIL is released while it runs.
+ *
+ * match_slots(arr, starts, shift, want, seen, out, count) -> int
+ *
+ * The holder filter's search: ``arr`` a sorted uint64 array of entries (``high bits | slot``,
+ * the slot in the low 16 bits), ``starts`` its directory (int64, bucket b's entries are
+ * ``[starts[b], starts[b + 1])`` with b an entry's top bits, ``>> shift``; an empty buffer:
+ * no directory, the whole array is searched), ``want`` uint64 values with the slot bits
+ * clear. For every entry whose high bits equal a wanted value, its slot, unless ``seen``
+ * (uint8, one per slot) marks it already, is marked and appended to ``out`` (int64, one per
+ * slot) after the first ``count``; returns the new count. The same as numpy's searchsorted
+ * and a walk along the matches, in one pass: numpy's version is a dozen calls per step of
+ * the search for a 512-key batch, 0.16 ms of a lookup's 0.33 ms on the CI machine type.
+ * Each key's bucket is prefetched a few keys ahead, so the misses of several keys overlap.
+ *
+ * probe(slots, shift, fps, out)
+ *
+ * A key table's lookup: ``slots`` its uint64 array (``fingerprint << 2 | tier``, 0 empty,
+ * 1 deleted), ``shift`` its home shift; for each fingerprint of ``fps`` (uint64) the tier
+ * it is held at into ``out`` (int8), -1 where absent: linear probing from the home slot
+ * ``fp >> shift`` to the fingerprint or an empty slot (the array ends with empty slots).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -83,10 +104,164 @@ done:
     return result;
 }
 
+#define SLOT_BITS 16
+#define SLOTS (1 << SLOT_BITS)
+#define LOW_MASK ((uint64_t)(SLOTS - 1))
+#define AHEAD 8 /* keys whose buckets are prefetched ahead of the one searched */
+
+/* The first index in [lo, hi) whose entry is >= want (hi when none). */
+static inline size_t
+lower_bound(const uint64_t *arr, size_t lo, size_t hi, uint64_t want)
+{
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (arr[mid] < want)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static size_t
+match_all(const uint64_t *arr, size_t n, const int64_t *starts, size_t buckets, unsigned shift,
+          const uint64_t *want, size_t m, uint8_t *seen, int64_t *out, size_t count)
+{
+    for (size_t i = 0; i < m; i++) {
+        size_t lo = 0, hi = n;
+        if (buckets) {
+            if (i + AHEAD < m) {
+                uint64_t b = want[i + AHEAD] >> shift;
+                if (b < buckets && starts[b] >= 0 && (size_t)starts[b] < n) {
+                    const uint64_t *p = arr + starts[b];
+                    __builtin_prefetch(p);
+                    __builtin_prefetch(p + 8);
+                    __builtin_prefetch(p + 16);
+                    __builtin_prefetch(p + 24);
+                }
+            }
+            uint64_t b = want[i] >> shift;
+            if (b >= buckets)
+                continue;
+            /* Bounds from the directory, clamped to arr: never read outside it, whatever
+               the directory holds (checking all of it would cost more than the search). */
+            int64_t s0 = starts[b], s1 = starts[b + 1];
+            lo = s0 < 0 ? 0 : (size_t)s0 > n ? n : (size_t)s0;
+            hi = s1 < 0 ? 0 : (size_t)s1 > n ? n : (size_t)s1;
+            if (lo > hi)
+                continue;
+        }
+        for (size_t at = lower_bound(arr, lo, hi, want[i]); at < n; at++) {
+            uint64_t e = arr[at];
+            if ((e & ~LOW_MASK) != want[i])
+                break;
+            size_t slot = (size_t)(e & LOW_MASK);
+            if (!seen[slot]) {
+                seen[slot] = 1;
+                out[count++] = (int64_t)slot;
+            }
+        }
+    }
+    return count;
+}
+
+static PyObject *
+match_slots(PyObject *self, PyObject *args)
+{
+    Py_buffer a, st, w, sn, o;
+    unsigned shift;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "y*y*Iy*w*w*n", &a, &st, &shift, &w, &sn, &o, &count))
+        return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)a.len / 8, m = (size_t)w.len / 8;
+    size_t buckets = st.len ? (size_t)st.len / 8 - 1 : 0;
+    if (a.len % 8 || w.len % 8 || (st.len && (st.len % 8 || st.len < 16)) ||
+        ((uintptr_t)a.buf | (uintptr_t)w.buf | (uintptr_t)st.buf | (uintptr_t)o.buf) & 7) {
+        PyErr_SetString(PyExc_ValueError, "arr, starts, want and out must be aligned 8-byte arrays");
+        goto done;
+    }
+    if (sn.len != SLOTS || o.len != SLOTS * 8 || count < 0 || count > SLOTS) {
+        PyErr_Format(PyExc_ValueError, "seen and out must hold %d slots, count at most that",
+                     SLOTS);
+        goto done;
+    }
+    if (shift >= 64) { /* a key's bucket is want >> shift: one past the buckets is skipped */
+        PyErr_SetString(PyExc_ValueError, "the directory's shift must be below 64");
+        goto done;
+    }
+    size_t got;
+    Py_BEGIN_ALLOW_THREADS
+    got = match_all(a.buf, n, st.buf, buckets, shift, w.buf, m, sn.buf, o.buf, (size_t)count);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSize_t(got);
+done:
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&sn);
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&a);
+    return result;
+}
+
+static void
+probe_all(const uint64_t *slots, size_t n, unsigned shift, const uint64_t *fps, size_t m,
+          int8_t *out)
+{
+    for (size_t i = 0; i < m; i++) {
+        if (i + AHEAD < m) {
+            size_t ahead = (size_t)(fps[i + AHEAD] >> shift);
+            if (ahead < n)
+                __builtin_prefetch(slots + ahead);
+        }
+        int8_t tier = -1;
+        for (size_t at = (size_t)(fps[i] >> shift); at < n; at++) {
+            uint64_t e = slots[at];
+            if (e == 0)
+                break;
+            if (e >> TIER_BITS == fps[i]) {
+                tier = (int8_t)(e & ((1 << TIER_BITS) - 1));
+                break;
+            }
+        }
+        out[i] = tier;
+    }
+}
+
+static PyObject *
+probe(PyObject *self, PyObject *args)
+{
+    Py_buffer sl, f, o;
+    unsigned shift;
+    if (!PyArg_ParseTuple(args, "y*Iy*w*", &sl, &shift, &f, &o))
+        return NULL;
+    PyObject *result = NULL;
+    if (sl.len % 8 || f.len % 8 || ((uintptr_t)sl.buf | (uintptr_t)f.buf) & 7 ||
+        o.len != f.len / 8 || shift >= 64) {
+        PyErr_SetString(PyExc_ValueError,
+                        "slots and fps must be aligned 8-byte arrays, out one byte per fp");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    probe_all(sl.buf, (size_t)sl.len / 8, shift, f.buf, (size_t)f.len / 8, o.buf);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&o);
+    PyBuffer_Release(&f);
+    PyBuffer_Release(&sl);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS,
      "fill(keys, out) -> bool: each 32-byte key's fingerprint into out (8 bytes each); "
      "whether all keys share the first key's namespace."},
+    {"match_slots", match_slots, METH_VARARGS,
+     "match_slots(arr, starts, shift, want, seen, out, count) -> int: the slots of arr's "
+     "entries matching any wanted value, appended to out (see the module's comment)."},
+    {"probe", probe, METH_VARARGS,
+     "probe(slots, shift, fps, out): each fingerprint's tier in a key table, -1 if absent."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -222,6 +222,67 @@ def test_lookups_through_directories_match_a_model(monkeypatch: pytest.MonkeyPat
         idx.close()
 
 
+def test_the_c_helpers_search_the_filter_and_probe_tables_as_numpy_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`make test` builds tierkv._fingerprints: a lookup's filter search (a directory on the
+    base, runs beside it) and its table probes (windows overflowing into the next, deleted
+    slots) answer as the numpy versions do."""
+    assert holders_module._match_slots is not None and keytable._probe is not None
+    monkeypatch.setattr(holders_module, "DIRECTORY_MIN", 1)
+    monkeypatch.setattr(holders_module, "BUCKET_ENTRIES", 4)
+    idx = ControllerIndex()
+    try:
+        keys = [keys_of(NS_A, 4000) for _ in range(5)]
+        for i, ks in enumerate(keys):
+            idx.replace(f"i{i}", b"".join(ks), i % 3)
+            if i < 3:
+                idx.settle()  # the first three in the base (with its directory), two in runs
+        idx.add("i0", b"".join(keys[4][:100]), 1)  # shared keys: several entries each
+        f = idx.filter
+        assert f.directory is not None and f.directory.of is f.base and (f.runs or f.merging)
+        rng = np.random.default_rng(11)
+        for _ in range(20):
+            pick = [ks[int(j)] for ks in keys for j in rng.integers(0, len(ks), 30)]
+            query = np.sort(fingerprints(pick + keys_of(NS_A, 50)))
+            got = f.candidates(query)
+            assert got.size and np.array_equal(got, f.candidates_numpy(query))
+        assert f.candidates(np.zeros(0, dtype=np.uint64)).size == 0
+    finally:
+        idx.close()
+    table = KeyTable(1024)  # crowded: windows overflow, then deletions leave tombstones
+    held = fingerprints(b"".join(keys_of(NS_A, 500)))
+    table.add(held, np.arange(held.size, dtype=np.int8) % 4)
+    table.remove(held[::3])
+    probe = np.concatenate([held, fingerprints(b"".join(keys_of(NS_A, 500)))])
+    assert np.array_equal(table.tiers(probe), table.tiers_numpy(probe))
+    assert (table.tiers(held[::3]) == NO_TIER).all()
+
+
+def test_the_c_search_reads_nothing_outside_the_array_whatever_the_directory_says() -> None:
+    """Bounds from a directory are clamped to the array (a wrong one finds less, never
+    reads past it), and arguments of the wrong shape are refused."""
+    from tierkv._fingerprints import match_slots, probe
+
+    arr = np.sort(np.random.default_rng(2).integers(0, 2**63, 1000, dtype=np.uint64))
+    want = arr[::7] & ~np.uint64(SLOTS - 1)
+    seen, out = np.zeros(SLOTS, np.uint8), np.empty(SLOTS, np.int64)
+    for starts in (
+        np.full(9, 10**12, dtype=np.int64),
+        np.full(9, -5, dtype=np.int64),
+        np.array([900, 3, 10**9, -1, 0, 2000, 5, 5, 7], dtype=np.int64),
+    ):
+        assert 0 <= match_slots(arr, starts, 61, want, seen, out, 0) <= SLOTS
+    with pytest.raises(ValueError):
+        match_slots(arr, np.zeros(0, np.int64), 0, want, np.zeros(10, np.uint8), out, 0)
+    with pytest.raises(ValueError):
+        match_slots(arr, np.zeros(0, np.int64), 0, want, seen, out, SLOTS + 1)
+    with pytest.raises(ValueError):
+        match_slots(arr, np.zeros(3, np.int64), 64, want, seen, out, 0)
+    with pytest.raises(ValueError):
+        probe(arr, 0, want, np.empty(3, np.int8))
+
+
 def test_filter_refuses_more_instances_than_slots() -> None:
     f = HolderFilter()
     for i in range(SLOTS):
