@@ -46,9 +46,11 @@ def test_the_control_endpoint_answers_only_once_http_serves(
     controller = Controller(cfg)
     starting = threading.Thread(target=controller.start)
     starting.start()
+    deadline = time.monotonic() + 30
     try:
         while ctl_call(addr, m.GetStatus(0), timeout=0.2) is None:
             assert starting.is_alive() or controller.control.alive(), "the start failed"
+            assert time.monotonic() < deadline, "the controller did not answer in 30 s"
         assert slow_http.is_set()
         # The first answer: HTTP must serve already (not refuse the connection).
         health = get_json(f"http://127.0.0.1:{cfg.http_port}/healthcheck")
