@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from support.stuck import FAULTHANDLER, describe_stuck, gone
+from support.stuck import FAULTHANDLER, describe_stuck, gone, wait_gone
 
 pytestmark = pytest.mark.processes
 
@@ -90,7 +90,5 @@ def test_the_children_of_a_stuck_child_are_described_and_do_not_outlive_it(
     text = describe_stuck(proc, log_path)
     assert f"process {grandchild}: state S (sleeping)" in text
     assert "waiting_for_something_that_never_comes" in text  # the grandchild's stack
-    deadline = time.monotonic() + 10
-    while not gone(grandchild) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_gone([grandchild], 10)
     assert gone(grandchild)

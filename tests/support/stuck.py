@@ -41,7 +41,7 @@ def describe_stuck(proc: subprocess.Popen[bytes], log_path: Path | None) -> str:
         proc.kill()
         proc.wait()
         parts.append("no stacks: the process did not take SIGABRT within 5 s")
-    _wait_gone(tree, 5.0)  # their stacks written
+    wait_gone(tree, 5.0)  # their stacks written
     for pid in tree:  # none may outlive the test
         _signal(pid, signal.SIGKILL)
     log = _read(log_path)
@@ -83,7 +83,8 @@ def gone(pid: int) -> bool:
         return True
 
 
-def _wait_gone(pids: list[int], timeout: float) -> None:
+def wait_gone(pids: list[int], timeout: float) -> None:
+    """Until every one of ``pids`` has ended (:func:`gone`), at most ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -32,7 +32,7 @@ merge's sort under its lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -188,11 +188,8 @@ class HolderFilter:
         seen = np.zeros(SLOTS, dtype=np.uint8)
         found = np.empty(SLOTS, dtype=np.int64)
         count = 0
-        directory = self.directory
-        for arr in [self.base, *self.merging, *self.runs]:
-            if not arr.size:
-                continue
-            if directory is not None and directory.of is arr:
+        for arr, directory in self._searched():
+            if directory is not None:
                 starts, shift = directory.starts, int(directory.shift)
             else:
                 starts, shift = _NO_DIRECTORY, 0
@@ -204,11 +201,8 @@ class HolderFilter:
         twice the time of the C helper's one pass for a 512-key batch."""
         lo = (fps << _S) & _HIGH
         found: list[U64] = []
-        directory = self.directory
-        for arr in [self.base, *self.merging, *self.runs]:
-            if not arr.size:
-                continue
-            if directory is not None and directory.of is arr:
+        for arr, directory in self._searched():
+            if directory is not None:
                 at = directory.search(arr, lo)
             else:
                 at = np.searchsorted(arr, lo, side="left")
@@ -225,6 +219,13 @@ class HolderFilter:
         if not found:
             return np.zeros(0, dtype=np.int64)
         return self._live(np.unique((np.concatenate(found) & _LOW).astype(np.int64)))
+
+    def _searched(self) -> Iterator[tuple[U64, Directory | None]]:
+        """The arrays a lookup searches (the non-empty ones), each with its directory."""
+        directory = self.directory
+        for arr in [self.base, *self.merging, *self.runs]:
+            if arr.size:
+                yield arr, directory if directory is not None and directory.of is arr else None
 
     def _live(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Those of ``slots`` (sorted) that belong to an instance now."""
