@@ -15,6 +15,7 @@ the kernel fills directly, so no message is copied after it is received.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import select
 import socket
@@ -112,6 +113,39 @@ def drop_sent(parts: deque[memoryview], sent: int) -> None:
         sent -= len(parts.popleft())
     if sent:
         parts[0] = parts[0][sent:]
+
+
+class Outbox:
+    """Bytes queued for a non-blocking socket that the kernel has not taken yet (a server's
+    replies to a client that reads them slower than they come)."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: deque[memoryview] = deque()
+        self.size = 0  # bytes queued
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def add(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            self.parts.append(memoryview(part))
+            self.size += len(part)
+
+    def flush(self, sock: socket.socket) -> None:
+        """Send what the kernel takes now (OSError when the connection failed)."""
+        while self.parts:
+            try:
+                sent = sock.sendmsg(list(itertools.islice(self.parts, 64)))
+            except (BlockingIOError, InterruptedError):
+                return
+            self.size -= sent
+            drop_sent(self.parts, sent)
+
+    def clear(self) -> None:
+        self.parts.clear()
+        self.size = 0
 
 
 class FrameReader:

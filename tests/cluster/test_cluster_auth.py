@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
+import time
 from typing import Any
 
+import pytest
 import zmq
 
 from tierkv.cluster import messages as m
@@ -20,6 +23,7 @@ from tierkv.cluster.auth import (
     nonce,
 )
 from tierkv.cluster.control import ControlClient
+from tierkv.cluster.control_server import ControlServer
 from tierkv.cluster.replay import ReplayGuard
 
 SKEW_NS = 300 * 10**9
@@ -178,25 +182,46 @@ def test_concurrent_signers_are_all_served() -> None:
     assert [server.check_request(a, b"p") for a in signed] == [""] * len(signed)
 
 
-def test_a_peer_of_the_older_format_is_named_in_its_refusal() -> None:
-    """A node of the version before single-use requests cannot read our signature and
-    refuses, signing in its format: the caller gets the refusal, saying why."""
+def test_a_peer_of_the_zmq_control_wire_is_named_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """tierkv before the framed control channel spoke ZMQ: a call to such a peer gets no
+    answer (and says why in the log, once), and such a peer calling us is refused, named."""
     router: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    old = m.Refused(0, "unauthenticated cluster request: no request signature (--auth-token)")
-
-    def answer() -> None:
-        ident, _, _ = router.recv_multipart()
-        router.send_multipart([ident, bytes(OLD_AUTH_BYTES), m.encode(old)])
-
-    peer = threading.Thread(target=answer)
-    peer.start()
-    client = ControlClient("secret", 10.0)
+    client = ControlClient("secret", 2.0)
     try:
-        reply = client.call(f"127.0.0.1:{port}", m.GetMembers(0))
+        with caplog.at_level(logging.WARNING, logger="tierkv.cluster.control"):
+            assert client.call(f"127.0.0.1:{port}", m.GetMembers(0)) is None
+            assert client.call(f"127.0.0.1:{port}", m.GetMembers(0)) is None
+        named = [r for r in caplog.records if "older tierkv" in r.getMessage()]
+        assert len(named) == 1, caplog.text
+        assert client.timeouts == 2 and client.suspect(f"127.0.0.1:{port}")
     finally:
-        peer.join()
         client.close()
         router.close(linger=0)
-    assert isinstance(reply, m.Refused) and "older tierkv" in reply.reason, reply
+
+    handlers = {m.GetMembers: lambda r: m.MemberList(r.rid, [])}
+    server = ControlServer("127.0.0.1", 0, "secret", handlers)
+    server.start()
+    dealer: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierkv.cluster.control_server"):
+            dealer.connect(f"tcp://127.0.0.1:{server.port}")
+            dealer.send_multipart([b"auth", b"payload"])
+            deadline = time.monotonic() + 10
+            while server.refused == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert server.refused == 1 and server.served == 0
+        assert "older tierkv" in caplog.text and "upgrade" in caplog.text
+        # The server goes on serving peers of its own version.
+        client = ControlClient("secret", 5.0)
+        try:
+            assert client.call(f"127.0.0.1:{server.port}", m.GetMembers(0)) == m.MemberList(1, [])
+        finally:
+            client.close()
+    finally:
+        dealer.close(linger=0)
+        server.close()

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from tierkv.cluster import messages as m
-from tierkv.cluster.control import ControlClient, ControlServer
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.control_server import ControlServer
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
 
 from support.clusterkit import TOKEN, Node, call, start_node, status
+from support.control_wire import RawControl
 from support.servers import ServerProcess
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import ControlSigner
@@ -28,21 +28,17 @@ class Wire:
 
     def __init__(self, node: Node) -> None:
         self.signer = ControlSigner(TOKEN)
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{node.addr}")
+        self.raw = RawControl(node.addr)
 
     def sign(self, msg: Any) -> list[bytes]:
         payload = m.encode(msg)
         return [self.signer.sign_request(payload), payload]
 
     def send(self, frames: list[bytes]) -> Any:
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(10_000), "no answer from the control server"
-        return m.reply_decoder.decode(self.sock.recv_multipart()[-1])
+        return self.raw.call(frames)
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.raw.close()
 
 
 def holders(node: Node) -> set[str]:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from support.browser import Figures, run_chromium
 from support.clusterkit import (
@@ -28,6 +27,7 @@ from support.clusterkit import (
     status,
     wait_for,
 )
+from support.control_wire import RawControl
 from support.kvops import fetch, store, tokens_for
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
 from tierkv.checksums import checksum
@@ -252,16 +252,11 @@ def test_unauthenticated_peer_is_refused(trio: list[Node]) -> None:
         reply = call(b.addr, msg, token=token)
         assert isinstance(reply, m.Refused) and "unauthenticated" in reply.reason, reply
     # Unsigned (the bare payload), and correctly signed but replayed from long ago.
-    ctx = zmq.Context.instance()
-    with ctx.socket(zmq.DEALER) as raw:
-        raw.setsockopt(zmq.LINGER, 0)
-        raw.connect(f"tcp://{b.addr}")
+    with RawControl(b.addr) as raw:
         payload = m.encode(m.Unpublish(1, a.node_id, keys))
         old = ControlSigner(TOKEN, clock_ns=lambda: time.time_ns() - 3600 * 10**9)
         for frames in ([payload], [old.sign_request(payload), payload]):
-            raw.send_multipart(frames)
-            assert raw.poll(5000), "no answer"
-            reply = m.reply_decoder.decode(raw.recv_multipart()[-1])
+            reply = raw.call(frames)
             assert isinstance(reply, m.Refused) and "unauthenticated" in reply.reason, reply
     assert "intruder:1" not in members_of(b)
     assert all(holders == {a.node_id} for holders in located(trio, keys))

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
 
 from support.clusterkit import (
     TOKEN,
@@ -23,6 +22,7 @@ from support.clusterkit import (
     status,
     wait_for,
 )
+from support.control_wire import RawControl
 from support.controllers import ControllerProcess, controller_args
 from support.servers import ServerProcess
 from tierkv.cluster import messages as m
@@ -52,16 +52,10 @@ def bad_frames(n: int) -> list[list[bytes]]:
 
 def flood(addr: str, frames: list[list[bytes]]) -> list[Any]:
     """Send every frame, then collect every reply (payloads, undecoded)."""
-    with zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{addr}")
+    with RawControl(addr) as conn:
         for f in frames:
-            sock.send_multipart(f)
-        replies = []
-        for _ in frames:
-            assert sock.poll(10_000), f"{len(replies)} answers of {len(frames)}"
-            replies.append(sock.recv_multipart()[-1])
-        return replies
+            conn.send(f)
+        return [conn.reply() for _ in frames]
 
 
 def noisy_lines(log: str, *words: str) -> list[str]:

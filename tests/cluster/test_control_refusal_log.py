@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from tierkv.cluster.control import RefusalLog
+from tierkv.cluster.control_server import RefusalLog
 
 LOGGER = "tierkv.test.refusals"
 

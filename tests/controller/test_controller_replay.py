@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from typing import Any
 
 import pytest
-import zmq
 
 from support.clusterkit import wait_for
+from support.control_wire import Tap, raw_call
 from support.controllers import ControllerProcess, ctl_call, start_server
 from support.kvops import store, tokens_for
 from support.servers import ServerProcess
@@ -29,62 +27,6 @@ from tierkv.keys import KEY_SIZE
 
 Factory = Callable[..., ServerProcess]
 CHUNKS = 4
-
-
-class Tap:
-    """A ZMQ relay (ROUTER in front, DEALER to the controller) that keeps a copy of every
-    request it forwards: what an attacker on the path would capture."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.captured: list[list[bytes]] = []  # [auth, payload] of each request
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self.addr = ""
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10)
-
-    def _run(self) -> None:
-        ctx = zmq.Context.instance()
-        front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        for sock in (front, back):
-            sock.setsockopt(zmq.LINGER, 0)
-        port = front.bind_to_random_port("tcp://127.0.0.1")
-        back.connect(f"tcp://{self.upstream}")
-        self.addr = f"127.0.0.1:{port}"
-        self._ready.set()
-        poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
-        poller.register(back, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                for sock, _ in poller.poll(50):
-                    frames = sock.recv_multipart()
-                    if sock is front:
-                        self.captured.append(frames[-2:])
-                        back.send_multipart(frames)
-                    else:
-                        front.send_multipart(frames)
-        finally:
-            front.close(linger=0)
-            back.close(linger=0)
-
-    def requests(self, kind: type) -> list[list[bytes]]:
-        return [f for f in list(self.captured) if isinstance(cm.request_decoder.decode(f[1]), kind)]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-
-def replay(addr: str, frames: list[bytes]) -> Any:
-    with zmq.Context.instance().socket(zmq.DEALER) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{addr}")
-        sock.send_multipart(frames)
-        assert sock.poll(10_000), "no answer from the controller"
-        return cm.reply_decoder.decode(sock.recv_multipart()[-1])
 
 
 def keys_of(ctl: ControllerProcess, instance: str) -> int:
@@ -107,10 +49,10 @@ def test_a_replayed_register_of_a_live_server_is_refused(
         wait_for(lambda: a.node_id in controller.instances())
         store(a, tokens_for(1, CHUNKS), CHUNKS)
         wait_for(lambda: keys_of(controller, a.node_id) == CHUNKS)
-        (register, *_) = tap.requests(cm.Register)
+        (register, *_) = tap.requests(cm.request_decoder, cm.Register)
         before = controller.status()
         assert before is not None
-        reply = replay(controller.addr, register)
+        reply = raw_call(controller.addr, register, cm.reply_decoder)
         assert isinstance(reply, m.Refused) and "replayed" in reply.reason, reply
         after = controller.status()
         assert after is not None

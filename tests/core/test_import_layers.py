@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
         "checksums", "dtypes", "endpoints", "framing", "gc_pauses", "liveness", "logs",
         "options", "pool", "priority", "protocol", "runtime_dir", "thread_names", "workers",
     },
-    {"arraycopy", "chunk_follower", "copier", "keys", "piecewise_io"},  # keys, copies, pieces
+    {"arraycopy", "chunk_follower", "copier", "keys", "piecewise_io", "served_connections"},
     {"tenants", "tiers"},  # the storage tiers
     {"config", "index"},  # the server's configuration, the pool's object index
     {"client", "cluster", "eviction"},  # the engines' client; servers among themselves

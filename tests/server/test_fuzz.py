@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from support.clusterkit import TOKEN, Node, call, members, start_node, status, wait_for
+from support.control_wire import RawControl
 from support.raw_rpc import Raw
 from support.servers import (
     CHUNK_BYTES,
@@ -323,9 +323,7 @@ class ClusterEnv:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.signer = ControlSigner(TOKEN)
-        self.sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{node.addr}")
+        self.raw = RawControl(node.addr)
         with node.client() as c:
             register(c, model="cluster-keeper")
             res = c.store(KEEP, [chunk_data(KEEP, i) for i in range(4)])
@@ -337,10 +335,7 @@ class ClusterEnv:
         wait_for(self.resolvable)
 
     def signed_call(self, payload: bytes) -> Any:
-        self.sock.send_multipart([self.signer.sign_request(payload), payload])
-        assert self.sock.poll(10_000), "no answer from the control server"
-        frames = self.sock.recv_multipart()
-        return m.reply_decoder.decode(frames[-1])
+        return self.raw.call([self.signer.sign_request(payload), payload])
 
     def assert_alive(self) -> None:
         proc = self.node.server.proc
@@ -379,7 +374,7 @@ def cluster(factory: Callable[..., ServerProcess]) -> Iterator[ClusterEnv]:
     try:
         yield env
     finally:
-        env.sock.close(linger=0)
+        env.raw.close()
 
 
 # -- cluster strategies ------------------------------------------------------------------

@@ -56,7 +56,7 @@ def derive_key(token: str) -> bytes:
     return hmac.new(token.encode(), b"tierkv cluster v1", hashlib.sha256).digest()
 
 
-def _mac(key: bytes, *parts: bytes) -> bytes:
+def _mac(key: bytes, *parts: bytes | memoryview) -> bytes:
     h = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         h.update(part)
@@ -100,12 +100,12 @@ class ControlSigner:
         self.clock_ns = clock_ns
         self.replays = ReplayGuard(self.max_skew_ns, clock_ns=clock_ns)
 
-    def sign_request(self, payload: bytes) -> bytes:
+    def sign_request(self, payload: bytes | memoryview) -> bytes:
         sender, counter = _SENDER.next()
         head = REQUEST_HEAD.pack(VERSION, sender, counter, self.clock_ns())
         return head + _mac(self.key, b"request", head, payload)
 
-    def check_request(self, auth: bytes, payload: bytes) -> str:
+    def check_request(self, auth: bytes, payload: bytes | memoryview) -> str:
         """ "" if ``auth`` proves the request and it was not served before (it is then
         remembered as served); otherwise why not (for the log)."""
         if len(auth) != AUTH_BYTES or auth[0] != VERSION:
@@ -120,11 +120,11 @@ class ControlSigner:
             return "timestamp outside the allowed clock skew (replayed, or clocks disagree)"
         return self.replays.first_use(sender, counter, sent)
 
-    def sign_reply(self, request_auth: bytes, payload: bytes) -> bytes:
+    def sign_reply(self, request_auth: bytes, payload: bytes | memoryview) -> bytes:
         head = REPLY_HEAD.pack(VERSION, self.clock_ns())
         return head + _mac(self.key, b"reply", request_auth, head, payload)
 
-    def check_reply(self, request_auth: bytes, auth: bytes, payload: bytes) -> bool:
+    def check_reply(self, request_auth: bytes, auth: bytes, payload: bytes | memoryview) -> bool:
         if len(auth) != REPLY_AUTH_BYTES or auth[0] != VERSION:
             return False
         head = auth[: REPLY_HEAD.size]

@@ -1,271 +1,168 @@
-"""The cluster's control channel over ZMQ: a ROUTER server and a pooled DEALER client.
+"""The client end of the cluster's control channel: signed calls to peers' control ports.
 
-The server binds ``tcp://HOST:PORT`` and answers each request on its own thread; handlers
-are small dict operations (membership, directory entries), so they run inline. Requests and
-replies are signed with the cluster secret (:mod:`tierkv.cluster.auth`): a request whose
-signature is wrong, or that was served already (a replay), is refused before it is even
-decoded; one that cannot be decoded gets :class:`Refused` too; all are counted and change
-nothing. They are logged as one :class:`~tierkv.logs.FailureLog` (:class:`RefusalLog`): the
-first at WARNING with its cause, then a summary at most once a minute, never a line each (a
-port under attack, or a node with the wrong token, would otherwise flood the log). Messages above
-``max_message_bytes`` are dropped by ZMQ itself. A reply whose signature does not match its
-request is ignored (counted), as if it never came.
+Requests travel over TCP stream sockets in the format of :mod:`tierkv.cluster.control_wire`
+and are served by :class:`~tierkv.cluster.control_server.ControlServer`. The client leases
+one connection per call from a per-peer pool (so directory lookups to one owner from several
+threads run concurrently) and returns it only after a clean exchange; a connection whose call
+failed or timed out is closed, never reused, so a late reply can never be taken for the
+answer to a later request. :meth:`ControlClient.call_many` sends to several peers at once
+and waits for all replies together: one round trip, however many owners. A call is one
+``sendmsg`` and one ``recv`` on the calling thread, with no broker thread in between.
 
-The client leases one DEALER socket per call from a per-peer pool (so directory lookups to
-one owner from several threads run concurrently) and returns it only after a clean call; a
-socket whose call timed out is closed, never reused, so a late reply can never be taken for
-the answer to a later request. :meth:`ControlClient.call_many` sends to several peers at
-once and waits for all replies together: one round trip, however many owners.
+A peer that is not listening (yet, or any more) is tried again, backing off from 2 ms to
+100 ms, until the call's timeout: a peer that is starting answers as soon as it listens. A
+pooled connection the peer closed (it restarted) is replaced by a fresh one the same way.
 
-A peer that timed out is *suspect* until it answers again: callers skip it (lookups answer
-without it, publishes to it are deferred), so a silent peer or controller costs one timeout,
-not one per request. While any peer is suspect, a probe thread sends each one a cheap request
-(an empty ``Resolve``, which cluster nodes and the controller both answer) every
-``probe_interval`` seconds with a short timeout; any answer, to a probe or to any other call
-(a heartbeat), ends the suspicion.
+A peer that did not answer in time is *suspect* until it answers again: callers skip it
+(lookups answer without it, publishes to it are deferred), so a silent peer or controller
+costs one timeout, not one per request. While any peer is suspect, a probe thread sends each
+one a cheap request (an empty ``Resolve``, which cluster nodes and the controller both
+answer) every ``probe_interval`` seconds with a short timeout; any answer, to a probe or to
+any other call (a heartbeat), ends the suspicion. A reply whose signature does not match its
+request counts as no answer (counted in ``bad_replies``), except a refusal: a peer with
+another secret cannot sign for us, and a forged refusal only fails this call.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import itertools
 import logging
+import select
+import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
-import zmq
 
+from tierkv import framing
+from tierkv.cluster import control_wire as wire
 from tierkv.cluster import messages as m
-from tierkv.cluster.auth import OLD_AUTH_BYTES, ControlSigner
-from tierkv.cluster.replay import REPLAYED
-from tierkv.config import ConfigError
-from tierkv.logs import FailureLog
-from tierkv.priority import control_thread
+from tierkv.cluster.auth import ControlSigner
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100
-DEFAULT_MAX_MESSAGE = 64 * 2**20
 PROBE_INTERVAL = 0.5  # seconds between probes of suspect peers
 PROBE_TIMEOUT = 1.0  # the most a probe waits (less when the client's timeout is shorter)
-
-Handler = Callable[[Any], Any]
-
-
-def tcp(addr: str) -> str:
-    return f"tcp://{addr}"
-
-
-class RefusalLog(FailureLog):
-    """Requests a control port refused: a :class:`~tierkv.logs.FailureLog` whose episode
-    never ends (refusals have no "works again"), worded for refusals."""
-
-    FIRST = (
-        "%(what)s: refused a request: %(error)s; further refusals are logged at DEBUG and "
-        "summarised at most every %(interval).0fs"
-    )
-    STILL = "%(what)s: %(failures)d requests refused in %(lasted).0fs; the last: %(error)s"
-    EACH = "%(what)s: refused a request: %(error)s"
+MAX_REPLY_BYTES = 256 * 2**20
+LINK_SCRATCH_BYTES = 64 * 1024
+FIRST_RETRY = 0.002  # seconds before a refused connection is tried again (then doubling)
+MAX_RETRY = 0.1
+# A reply that comes while the waiting thread sleeps costs the wake-up of its core, which on
+# a virtual machine is about as long as a small request's whole round trip (measured on the
+# CI machine type: a TCP echo over loopback 121 us waiting in poll, 38 us reading in a loop):
+# spin that long before sleeping, while every call waits for its reply.
+DEFAULT_REPLY_SPIN = 300e-6
+_NO_ANSWER = object()  # what a call ends with when it got no answer it could use
 
 
-class ControlServer:
-    """Serves cluster requests on ``host:port`` (port 0: any free port) until :meth:`close`."""
+def _spin(poller: select.poll, until: float) -> list[tuple[int, int]]:
+    """``poller``'s events, polled without sleeping until ``until`` (``perf_counter``)."""
+    while True:
+        events = poller.poll(0)
+        if events or time.perf_counter() >= until:
+            return events
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        token: str,
-        handlers: Mapping[type, Handler],
-        ctx: zmq.Context[Any] | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
-        decoder: msgspec.msgpack.Decoder[Any] = m.request_decoder,
-    ) -> None:
-        """``decoder``: the requests this server understands (the cluster's by default; the
-        controller serves its own)."""
-        self.signer = ControlSigner(token)
-        self.handlers = dict(handlers)
-        self.ctx = ctx or zmq.Context.instance()
-        self.refused = 0  # unauthenticated: no or a wrong signature, too old, replayed
-        self.malformed = 0
-        self.served = 0
-        self.host, self.port = host, port  # port 0: the one bind() got
-        self.max_message_bytes = max_message_bytes
-        self.sock: zmq.Socket[Any] | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._decode = decoder.decode
-        self.refusals = RefusalLog(f"cluster control port {host}:{port}", log)
 
-    @property
-    def replayed(self) -> int:
-        """Requests refused as replays (counted in :attr:`refused` too)."""
-        return self.signer.replays.refused
+class _Link:
+    """One connection to a peer's control port, and the reader of its replies."""
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "served": self.served,
-            "refused": self.refused,
-            "replayed": self.replayed,
-            "malformed": self.malformed,
-        }
+    __slots__ = ("answered", "reader", "sock")
 
-    def bind(self) -> None:
-        """Open the listening socket (once); :attr:`port` is known from then on."""
-        if self.sock is not None:
-            return
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        try:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ConfigError(
-                f"cannot bind the cluster port {self.host}:{self.port}: {exc} (choose another "
-                "--cluster-port, or stop the server using it)"
-            ) from None
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(endpoint, bytes)
-        self.port = int(endpoint.decode().rsplit(":", 1)[1])
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.refusals.what = f"cluster control port {self.host}:{self.port}"
+        self.reader = framing.FrameReader(MAX_REPLY_BYTES, bytearray(LINK_SCRATCH_BYTES))
+        self.answered = False  # it carried a reply already (its peer speaks our wire)
 
-    def start(self) -> None:
-        """Bind (if not yet) and serve on a thread."""
-        self.bind()
-        self._thread = threading.Thread(target=self._serve, name="tierkv-cluster-ctl", daemon=True)
-        self._thread.start()
+    def stale(self) -> bool:
+        """Whether an idle connection has something to read: the peer's close, most likely
+        (it restarted); either way it cannot carry the next request."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
-    def alive(self) -> bool:
-        """Whether its serving thread runs (for health checks)."""
-        return self._thread is not None and self._thread.is_alive()
 
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
-            self._thread = None
-        if self.sock is not None:
-            self.sock.close(linger=0)
+class _Call:
+    """One request of a :meth:`ControlClient.call_many` on its way to one peer."""
 
-    def _serve(self) -> None:
-        sock = self.sock
-        assert sock is not None
-        control_thread()  # a peer's lookup waits for this thread: it takes a core first
-        while not self._stop.is_set():
-            try:
-                if not sock.poll(POLL_MS):
-                    continue
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            if len(frames) < 2:
-                continue
-            # [identity, auth, payload] from our DEALERs; [identity, payload] is refused.
-            envelope, auth = (frames[:-2], frames[-2]) if len(frames) >= 3 else (frames[:1], b"")
-            payload = m.encode(self._handle(auth, frames[-1]))
-            reply = [*envelope, self.signer.sign_reply(auth, payload), payload]
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart(reply, zmq.NOBLOCK)
+    __slots__ = ("addr", "auth", "connecting", "link", "out", "pause", "payload", "retry_at", "rid")
 
-    def _handle(self, auth: bytes, payload: bytes) -> Any:
-        why = self.signer.check_request(auth, payload)
-        if why:
-            self.refused += 1
-            self.refusals.failed("request", why)
-            hint = "" if why.startswith(REPLAYED) else " (--auth-token)"
-            return m.Refused(0, f"unauthenticated cluster request: {why}{hint}")
-        try:
-            req = self._decode(payload)
-        # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.
-        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
-            self.malformed += 1
-            self.refusals.failed("request", f"malformed: {exc}")
-            return m.Refused(0, f"malformed cluster request: {exc}")
-        handler = self.handlers.get(type(req))
-        if handler is None:
-            return m.Refused(req.rid, f"unsupported request {type(req).__name__}")
-        try:
-            reply = handler(req)
-        except Exception:
-            log.exception("cluster handler for %s failed", type(req).__name__)
-            return m.Refused(req.rid, "internal error")
-        self.served += 1
-        return reply
+    def __init__(self, addr: str, rid: int, payload: bytes) -> None:
+        self.addr = addr
+        self.rid = rid
+        self.payload = payload
+        self.auth = b""  # the signature it was sent with (signed just before sending)
+        self.link: _Link | None = None
+        self.connecting = False
+        self.out: deque[memoryview] = deque()  # bytes still to send
+        self.pause = FIRST_RETRY
+        self.retry_at = 0.0
 
 
 class ControlClient:
-    """Calls peers' control servers; thread-safe (a socket is leased per call)."""
+    """Calls peers' control servers; thread-safe (a connection is leased per call)."""
 
     def __init__(
         self,
         token: str,
         timeout: float,
-        ctx: zmq.Context[Any] | None = None,
         max_idle_per_peer: int = 16,
         probe_interval: float = PROBE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         decoder: msgspec.msgpack.Decoder[Any] = m.reply_decoder,
+        reply_spin: float = DEFAULT_REPLY_SPIN,
     ) -> None:
         """``decoder``: the replies expected (the cluster's by default).
-        ``probe_interval``: seconds between probes of suspect peers."""
+        ``probe_interval``: seconds between probes of suspect peers. ``reply_spin``: seconds
+        a call keeps reading before it sleeps until its replies come."""
         self.signer = ControlSigner(token)
         self._decode = decoder.decode
         self.timeout = timeout
-        self.ctx = ctx or zmq.Context.instance()
         self.max_idle = max_idle_per_peer
         self.probe_interval = probe_interval
         self.probe_timeout = min(timeout, PROBE_TIMEOUT)
         self.clock = clock
-        self._idle: dict[str, list[zmq.Socket[Any]]] = {}
+        self.reply_spin = reply_spin
+        self._idle: dict[str, list[_Link]] = {}
         self._suspect: dict[str, float] = {}  # address -> since when
+        self._old_peers: set[str] = set()  # named in the log as speaking the ZMQ wire
         self._lock = threading.Lock()
         self._rids = itertools.count(1)
         self._closed = False
         self._prober: threading.Thread | None = None
         self._probe_wake = threading.Event()
-        self.timeouts = 0  # requests that timed out (heartbeats and probes not counted)
-        self.quiet_timeouts = 0  # heartbeats and probes that timed out (suspect=False)
+        self.timeouts = 0  # requests with no answer (heartbeats and probes not counted)
+        self.quiet_timeouts = 0  # heartbeats and probes with no answer (suspect=False)
         self.calls = 0
-        self.bad_replies = 0  # replies whose signature did not match (ignored)
+        self.bad_replies = 0  # replies whose signature did not match, or unreadable
         self.suspected = 0  # times a peer became suspect
         self.probes = 0  # probes sent to suspect peers
         self.recovered = 0  # suspect peers that answered again
 
-    # -- sockets ---------------------------------------------------------------------------
-    def _lease(self, addr: str) -> zmq.Socket[Any]:
-        with self._lock:
-            idle = self._idle.get(addr)
-            if idle:
-                return idle.pop()
-        sock: zmq.Socket[Any] = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 1000)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        try:
-            sock.connect(tcp(addr))
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
-        return sock
+    # -- connections -----------------------------------------------------------------------
+    def _lease(self, addr: str) -> _Link | None:
+        """A pooled connection to ``addr`` that is fit to carry a request, if there is one."""
+        while True:
+            with self._lock:
+                idle = self._idle.get(addr)
+                if not idle:
+                    return None
+                link = idle.pop()
+            if not link.stale():
+                return link
+            link.sock.close()
 
-    def _give_back(self, addr: str, sock: zmq.Socket[Any], clean: bool) -> None:
+    def _give_back(self, addr: str, link: _Link, clean: bool) -> None:
         with self._lock:
-            idle = self._idle.setdefault(addr, [])
-            if clean and not self._closed and len(idle) < self.max_idle:
-                idle.append(sock)
-                return
-        sock.close(linger=0)
+            if clean and not self._closed:
+                idle = self._idle.setdefault(addr, [])
+                if len(idle) < self.max_idle:
+                    idle.append(link)
+                    return
+        link.sock.close()
 
     # -- suspicion -------------------------------------------------------------------------
     def suspect(self, addr: str) -> bool:
@@ -318,12 +215,12 @@ class ControlClient:
             self.call_many({a: m.Resolve(0, []) for a in addrs}, self.probe_timeout, False)
 
     def forget(self, addr: str) -> None:
-        """Drop pooled sockets to a peer that left (their connections would only retry)."""
+        """Close the pooled connections to a peer that left, and forget its suspicion."""
         with self._lock:
-            socks = self._idle.pop(addr, [])
+            links = self._idle.pop(addr, [])
             self._suspect.pop(addr, None)
-        for sock in socks:
-            sock.close(linger=0)
+        for link in links:
+            link.sock.close()
 
     # -- calls -----------------------------------------------------------------------------
     def call(self, addr: str, msg: Any, timeout: float | None = None) -> Any | None:
@@ -340,82 +237,189 @@ class ControlClient:
         if not requests:
             return {}
         deadline = self.clock() + (self.timeout if timeout is None else timeout)
-        pending: dict[zmq.Socket[Any], tuple[str, int, bytes]] = {}
-        replies: dict[str, Any] = {}
-        poller = zmq.Poller()
+        pending: list[_Call] = []
         for addr, msg in requests.items():
             msg.rid = next(self._rids)
-            payload = m.encode(msg)
-            try:
-                sock = self._lease(addr)
-            except zmq.ZMQError as exc:
-                # An address ZMQ cannot parse (a bogus member's): no reply, like a timeout;
-                # the other requests of this call go on.
-                log.debug("cannot reach cluster peer %r: %s", addr, exc)
-                continue
-            # Signed just before it is sent: requests of this process's threads reach a
-            # peer nearly in the order of their counters (the peer's replay window).
-            auth = self.signer.sign_request(payload)
-            try:
-                sock.send_multipart([auth, payload], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                self._give_back(addr, sock, clean=False)
-                continue
-            pending[sock] = (addr, msg.rid, auth)
-            poller.register(sock, zmq.POLLIN)
+            call = _Call(addr, msg.rid, m.encode(msg))
+            link = self._lease(addr)
+            if link is not None:
+                call.link = link
+                self._queue(call, b"")
+                pending.append(call)
+            elif self._connect(call):
+                pending.append(call)
         self.calls += len(requests)
+        replies: dict[str, Any] = {}
+        unanswered: list[_Call] = []
+        spin_until = time.perf_counter() + self.reply_spin
         try:
             while pending:
-                left = deadline - self.clock()
-                if left <= 0:
+                now = self.clock()
+                if now >= deadline:
                     break
-                for sock, _ in poller.poll(max(1, int(left * 1000))):
-                    addr, rid, auth = pending[sock]
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.ZMQError:
+                wait = deadline - now
+                poller = select.poll()
+                by_fd: dict[int, _Call] = {}
+                spin = True  # while every call waits for its reply
+                for call in pending:
+                    if call.link is None and call.retry_at <= now:
+                        self._connect(call)
+                    if call.link is None:
+                        wait = min(wait, call.retry_at - now)
                         continue
-                    if len(frames) != 2:
-                        self.bad_replies += 1
+                    sending = call.connecting or bool(call.out)
+                    spin = spin and not sending
+                    by_fd[call.link.sock.fileno()] = call
+                    poller.register(call.link.sock, select.POLLOUT if sending else select.POLLIN)
+                events = _spin(poller, spin_until) if spin and len(by_fd) == len(pending) else []
+                for fd, _ in events or poller.poll(max(0, int(wait * 1000)) + 1):
+                    call = by_fd[fd]
+                    outcome = self._progress(call)
+                    if outcome is None:
                         continue
-                    try:
-                        reply = self._decode(frames[1])
-                    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
-                        continue
-                    # Unverifiable replies are ignored, except a refusal: a peer with another
-                    # secret cannot sign for us, and a forged refusal only fails this call.
-                    if not self.signer.check_reply(auth, *frames):
-                        self.bad_replies += 1
-                        if not isinstance(reply, m.Refused):
-                            continue
-                        reply.rid = rid
-                        if len(frames[0]) == OLD_AUTH_BYTES:  # it could not read ours either
-                            reply.reason = f"the peer runs an older tierkv: {reply.reason}"
-                    if reply.rid != rid:
-                        continue  # cannot happen on a fresh lease; ignore defensively
-                    replies[addr] = reply
-                    poller.unregister(sock)
-                    del pending[sock]
-                    self._answered(addr)
-                    self._give_back(addr, sock, clean=True)
+                    pending.remove(call)
+                    if outcome is _NO_ANSWER:
+                        unanswered.append(call)
+                    else:
+                        replies[call.addr] = outcome
+                        self._answered(call.addr)
         finally:
-            for sock, (addr, _, _) in pending.items():
+            for call in pending + unanswered:
                 if suspect:
                     self.timeouts += 1
-                    self._suspected(addr)
+                    self._suspected(call.addr)
                 else:
                     self.quiet_timeouts += 1
-                self._give_back(addr, sock, clean=False)
+                if call.link is not None:
+                    self._give_back(call.addr, call.link, clean=False)
         return replies
+
+    def _connect(self, call: _Call) -> bool:
+        """Start a new connection for ``call`` (or schedule another try when the peer refuses
+        it); False when its address cannot be reached at all (the call is dropped)."""
+        try:
+            family, address = framing.parse_endpoint(f"tcp://{call.addr}")
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except (ValueError, OSError) as exc:
+            # A bogus member's address: no reply, like a timeout, but nothing to wait for.
+            log.debug("cannot reach cluster peer %r: %s", call.addr, exc)
+            return False
+        sock.setblocking(False)
+        try:
+            framing.tune(sock)
+            err = sock.connect_ex(address)
+        except OSError as exc:  # a host name that does not resolve
+            sock.close()
+            log.debug("cannot reach cluster peer %r: %s", call.addr, exc)
+            return False
+        if err not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._retry_later(call)
+            return True
+        call.link = _Link(sock)
+        call.connecting = True
+        return True
+
+    def _retry_later(self, call: _Call) -> None:
+        """The connection failed before a reply: try a fresh one after a pause."""
+        if call.link is not None:
+            call.link.sock.close()
+            call.link = None
+        call.connecting = False
+        call.out.clear()
+        call.retry_at = self.clock() + call.pause
+        call.pause = min(call.pause * 2, MAX_RETRY)
+
+    def _queue(self, call: _Call, hello: bytes) -> None:
+        """Sign the request (just before it is sent: requests of this process's threads
+        reach a peer nearly in the order of their counters, the peer's replay window) and
+        send what the socket takes now."""
+        call.auth = self.signer.sign_request(call.payload)
+        parts = wire.frame(call.auth, call.payload)
+        if hello:
+            parts[0] = hello + parts[0]
+        call.out.extend(memoryview(part) for part in parts)
+        self._send(call)
+
+    def _send(self, call: _Call) -> None:
+        assert call.link is not None
+        try:
+            framing.drop_sent(call.out, call.link.sock.sendmsg(call.out))
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._retry_later(call)
+
+    def _progress(self, call: _Call) -> Any:
+        """Move ``call`` on after its socket became ready: the reply, :data:`_NO_ANSWER`, or
+        None while it goes on."""
+        link = call.link
+        assert link is not None
+        if call.connecting:
+            if link.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                self._retry_later(call)  # refused: nothing listens there (yet)
+                return None
+            call.connecting = False
+            self._queue(call, wire.hello())
+            return None
+        if call.out:
+            self._send(call)
+            return None
+        return self._receive(call, link)
+
+    def _receive(self, call: _Call, link: _Link) -> Any:
+        try:
+            if not link.answered and link.sock.recv(1, socket.MSG_PEEK)[:1] == b"\xff":
+                self._old_peer(call.addr)
+                return _NO_ANSWER
+            frames = link.reader.read(link.sock)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except (OSError, framing.FrameTooLargeError):
+            self._retry_later(call)  # closed (a peer restarting) or broken
+            return None
+        if not frames:
+            return None
+        reply = self._verified(call, frames) if len(frames) == 1 else None
+        if reply is None:
+            self.bad_replies += 1
+            return _NO_ANSWER
+        link.answered = True
+        call.link = None
+        self._give_back(call.addr, link, clean=not link.reader.filled)
+        return reply
+
+    def _verified(self, call: _Call, frames: list[memoryview]) -> Any:
+        """The reply in ``frames`` if it is the answer to ``call``; None if not."""
+        parts = wire.split(frames[0])
+        if parts is None:
+            return None
+        auth, payload = parts
+        try:
+            reply = self._decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            return None
+        if not self.signer.check_reply(call.auth, auth, payload):
+            if not isinstance(reply, m.Refused):
+                return None
+            reply.rid = call.rid  # a refusal we cannot verify still fails the call
+        return reply if reply.rid == call.rid else None
+
+    def _old_peer(self, addr: str) -> None:
+        with self._lock:
+            first = addr not in self._old_peers
+            self._old_peers.add(addr)
+        if first:
+            log.warning("cluster peer %s %s", addr, wire.OLD_WIRE)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle]
+            links = [link for idle in self._idle.values() for link in idle]
             self._idle.clear()
             prober, self._prober = self._prober, None
         self._probe_wake.set()
         if prober is not None and prober is not threading.current_thread():
             prober.join(5.0)
-        for sock in socks:
-            sock.close(linger=0)
+        for link in links:
+            link.sock.close()

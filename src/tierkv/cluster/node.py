@@ -29,7 +29,8 @@ from tierkv.checksums import checksum
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster import router_lookup
-from tierkv.cluster.control import ControlClient, ControlServer
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.control_server import ControlServer
 from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership

@@ -11,7 +11,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 from tierkv.cluster import controller_messages as cm
-from tierkv.cluster.control import ControlServer
+from tierkv.cluster.control_server import ControlServer
 from tierkv.controller.config import ControllerConfig
 from tierkv.controller.service import ControllerService
 from tierkv.gc_pauses import freeze_startup

@@ -24,7 +24,6 @@ For ipc endpoints the socket file lives in a 0700 runtime directory and is made 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -32,7 +31,6 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
 from typing import Any, get_args
 
 import msgspec
@@ -41,6 +39,7 @@ from tierkv import framing
 from tierkv import protocol as p
 from tierkv.endpoints import EndpointInUseError
 from tierkv.priority import control_thread
+from tierkv.served_connections import Served, ServedConnections
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.held_queries import HeldQueries
 from tierkv.server.service import CacheService
@@ -83,17 +82,10 @@ def _describe_malformed(payload: bytes | memoryview, exc: Exception) -> str:
     return f"malformed request: {exc}"
 
 
-class _Connection:
-    """One engine's connection: its reader and the reply bytes the kernel has not taken."""
+class _Connection(Served):
+    """One engine's connection."""
 
-    __slots__ = ("reader", "sock", "unsent", "unsent_bytes", "writing")
-
-    def __init__(self, sock: socket.socket, reader: framing.FrameReader) -> None:
-        self.sock = sock
-        self.reader = reader
-        self.unsent: deque[memoryview] = deque()
-        self.unsent_bytes = 0
-        self.writing = False  # registered for EVENT_WRITE
+    __slots__ = ()
 
 
 class RpcServer:
@@ -120,7 +112,6 @@ class RpcServer:
         self._results: queue.SimpleQueue[tuple[_Connection, bytes | None, bool]] = (
             queue.SimpleQueue()
         )
-        self._conns: dict[int, _Connection] = {}
         # QUERY_PREFETCH replies that wait for the prefetch; deadlines in the prefetcher's clock.
         self._held: HeldQueries[_Connection] = HeldQueries(
             service, self._send_later, service.tiering.prefetcher.clock
@@ -128,12 +119,16 @@ class RpcServer:
 
     listener: socket.socket  # from start() on
     selector: selectors.BaseSelector
+    _conns: ServedConnections[_Connection]
 
     def start(self) -> None:
         """Bind the endpoint (the loop itself runs in :meth:`serve_forever`)."""
         self.listener = self._bind()
         self._bound = True
         self.selector = selectors.DefaultSelector()
+        self._conns: ServedConnections[_Connection] = ServedConnections(
+            self.selector, "rpc", MAX_UNSENT
+        )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -178,7 +173,7 @@ class RpcServer:
                     finally:
                         self.engines.finished()
                 for conn, reply in self._held.expire():
-                    if conn.sock.fileno() in self._conns:
+                    if conn in self._conns:
                         self._reply(conn, reply)
                 now = self.service.clock()
                 self.last_tick = now
@@ -198,25 +193,16 @@ class RpcServer:
             else:
                 conn: _Connection = key.data
                 if mask & selectors.EVENT_WRITE:
-                    self._flush(conn)
-                if mask & selectors.EVENT_READ and conn.sock.fileno() in self._conns:
+                    self._conns.flush(conn)
+                if mask & selectors.EVENT_READ and conn in self._conns:
                     self._receive(conn)
 
     def _accept(self) -> None:
-        for _ in range(MAX_BATCH):
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # out of file descriptors, for one
-                log.warning("could not accept a connection: %s", exc)
-                return
-            sock.setblocking(False)
-            framing.tune(sock)
-            reader = framing.FrameReader(self.service.cfg.max_message_bytes, self._scratch)
-            conn = _Connection(sock, reader)
-            self._conns[sock.fileno()] = conn
-            self.selector.register(sock, selectors.EVENT_READ, conn)
+        self._conns.accept(self.listener, self._connection)
+
+    def _connection(self, sock: socket.socket) -> _Connection:
+        reader = framing.FrameReader(self.service.cfg.max_message_bytes, self._scratch)
+        return _Connection(sock, reader)
 
     def _receive(self, conn: _Connection) -> None:
         for _ in range(MAX_BATCH):
@@ -228,10 +214,10 @@ class RpcServer:
                     f"({exc.limit}); connection closed"
                 )
                 self._reply(conn, p.Error(0, p.ErrorCode.TOO_LARGE, why))  # sent if it fits
-                self._drop(conn)
+                self._conns.drop(conn)
                 return
             except OSError:  # closed or reset by the client (it exited, or crashed)
-                self._drop(conn)
+                self._conns.drop(conn)
                 return
             for frame in frames:
                 self._handle(conn, frame)
@@ -291,51 +277,14 @@ class RpcServer:
                 return
             if engine:
                 self.engines.finished()
-            if payload is not None and conn.sock.fileno() in self._conns:
+            if payload is not None and conn in self._conns:
                 self._send(conn, payload)
 
     def _reply(self, conn: _Connection, reply: Any) -> None:
         self._send(conn, self._encode(reply))
 
     def _send(self, conn: _Connection, payload: bytes) -> None:
-        """Queue a reply behind what the connection has not sent yet, and send what the
-        kernel takes now; the rest goes when the socket is writable again."""
-        conn.unsent.append(memoryview(framing.HEADER.pack(len(payload))))
-        conn.unsent.append(memoryview(payload))
-        conn.unsent_bytes += framing.HEADER.size + len(payload)
-        self._flush(conn)
-        if conn.unsent_bytes > MAX_UNSENT:
-            log.warning(
-                "disconnecting a client that does not read its replies (%d bytes unsent)",
-                conn.unsent_bytes,
-            )
-            self._drop(conn)
-
-    def _flush(self, conn: _Connection) -> None:
-        while conn.unsent:
-            try:
-                sent = conn.sock.sendmsg(list(itertools.islice(conn.unsent, 64)))
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._drop(conn)
-                return
-            conn.unsent_bytes -= sent
-            framing.drop_sent(conn.unsent, sent)
-        waiting = bool(conn.unsent)
-        if conn.writing != waiting and conn.sock.fileno() in self._conns:
-            conn.writing = waiting
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
-            self.selector.modify(conn.sock, events, conn)
-
-    def _drop(self, conn: _Connection) -> None:
-        fd = conn.sock.fileno()
-        if self._conns.pop(fd, None) is None:
-            return
-        with contextlib.suppress(KeyError, ValueError):
-            self.selector.unregister(conn.sock)
-        conn.unsent.clear()
-        conn.sock.close()
+        self._conns.send(conn, framing.HEADER.pack(len(payload)), payload)
 
     # -- shutdown --------------------------------------------------------------------------
     def stop(self) -> None:
@@ -357,15 +306,15 @@ class RpcServer:
         self._router_executor.shutdown(wait=True, cancel=True)
         self._executor.shutdown(wait=True)
         self._forward_results()
-        for conn in list(self._conns.values()):
+        for conn in self._conns:
             with contextlib.suppress(OSError, framing.FrameTooLargeError):
                 for frame in conn.reader.read(conn.sock):
                     rid = _lenient_rid(frame)
                     self._reply(conn, p.Error(rid, p.ErrorCode.SHUTTING_DOWN, "server stopping"))
         deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline and any(c.unsent for c in self._conns.values()):
-            for conn in [c for c in self._conns.values() if c.unsent]:
-                self._flush(conn)
+        while time.monotonic() < deadline and any(c.outbox for c in self._conns):
+            for conn in [c for c in self._conns if c.outbox]:
+                self._conns.flush(conn)
             time.sleep(0.005)
         self.close()
 
@@ -378,8 +327,7 @@ class RpcServer:
         self._stopped.set()
         self._executor.shutdown(wait=False, cancel=True)
         self._router_executor.shutdown(wait=False, cancel=True)
-        for conn in list(self._conns.values()):
-            self._drop(conn)
+        self._conns.drop_all()
         self.selector.close()
         self.listener.close()
         self._wake_r.close()

@@ -1,0 +1,114 @@
+"""The client connections of a server that serves stream sockets from one selector thread.
+
+The engine RPC loop (:mod:`tierkv.server.rpc`) and the cluster control port
+(:mod:`tierkv.cluster.control_server`) both read length-prefixed messages
+(:mod:`tierkv.framing`) on one thread and answer on it. :class:`ServedConnections` is what
+they share: accepting connections, queueing a reply and sending what the kernel takes now
+(the rest when the socket is writable again), and dropping a connection that failed or whose
+replies pile up unread (more than ``max_unsent`` bytes: a client that does not read must not
+grow the server's memory). Only the serving thread calls it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from tierkv import framing
+
+log = logging.getLogger(__name__)
+
+ACCEPT_BATCH = 256  # connections accepted per turn of the loop
+
+
+class Served:
+    """One client's connection: its socket, the reader of its messages, unsent replies."""
+
+    __slots__ = ("outbox", "reader", "sock", "writing")
+
+    def __init__(self, sock: socket.socket, reader: framing.FrameReader) -> None:
+        self.sock = sock
+        self.reader = reader
+        self.outbox = framing.Outbox()
+        self.writing = False  # registered for EVENT_WRITE
+
+
+C = TypeVar("C", bound=Served)
+
+
+class ServedConnections(Generic[C]):
+    """The open connections of one server, registered with its ``selector`` (each with
+    itself as the key's data)."""
+
+    def __init__(self, selector: selectors.BaseSelector, what: str, max_unsent: int) -> None:
+        self.selector = selector
+        self.what = what  # names the server in log lines
+        self.max_unsent = max_unsent
+        self._by_fd: dict[int, C] = {}
+
+    def __iter__(self) -> Iterator[C]:
+        return iter(list(self._by_fd.values()))
+
+    def __contains__(self, conn: C) -> bool:
+        """Whether ``conn`` is still open (not dropped)."""
+        return self._by_fd.get(conn.sock.fileno()) is conn
+
+    def accept(self, listener: socket.socket, make: Callable[[socket.socket], C]) -> None:
+        """Accept the connections waiting on ``listener``; ``make`` wraps each."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of file descriptors, for one
+                log.warning("%s: could not accept a connection: %s", self.what, exc)
+                return
+            sock.setblocking(False)
+            framing.tune(sock)
+            conn = make(sock)
+            self._by_fd[sock.fileno()] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def send(self, conn: C, *parts: bytes | memoryview) -> None:
+        """Queue ``parts`` behind what ``conn`` has not sent yet, and send what the kernel
+        takes now."""
+        conn.outbox.add(*parts)
+        self.flush(conn)
+        if conn.outbox.size > self.max_unsent:
+            log.warning(
+                "%s: disconnecting a client that does not read its replies (%d bytes unsent)",
+                self.what,
+                conn.outbox.size,
+            )
+            self.drop(conn)
+
+    def flush(self, conn: C) -> None:
+        """Send what the kernel takes; wait for writability only while bytes remain."""
+        try:
+            conn.outbox.flush(conn.sock)
+        except OSError:
+            self.drop(conn)
+            return
+        waiting = bool(conn.outbox)
+        if conn.writing != waiting and conn in self:
+            conn.writing = waiting
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if waiting else 0)
+            self.selector.modify(conn.sock, events, conn)
+
+    def drop(self, conn: C) -> None:
+        """Close ``conn`` (once)."""
+        if conn not in self:
+            return
+        del self._by_fd[conn.sock.fileno()]
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn.sock)
+        conn.outbox.clear()
+        conn.sock.close()
+
+    def drop_all(self) -> None:
+        for conn in self:
+            self.drop(conn)
