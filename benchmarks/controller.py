@@ -13,11 +13,12 @@ Columns (the seed's RegistryTree figures in brackets):
   with no merge under way; the merge of its entries into the filter's sorted array, which
   a controller does in the background, is timed after it and printed apart.
 - deregister_ms: one instance with 1M chunks deregistered; median of 3 [8 ms].
-- lookup512_wire_p50_us: a 512-chunk lookup (``Resolve``, signed, over ZMQ on loopback)
-  through a running controller serving this index, p50 of ``--wire-lookups``, the reply
-  decoded. The controller's parts (:class:`tierkv.controller.app.Controller`: control
-  server, handlers, reaper) run in this process on their own threads, so the client and
-  the controller share one interpreter: an upper bound of a separate process's figure.
+- lookup512_wire_p50_us: a 512-chunk lookup (``Resolve``, signed, over the control
+  channel's TCP on loopback) through a running controller serving this index, p50 of
+  ``--wire-lookups``, the reply decoded. The controller's parts
+  (:class:`tierkv.controller.app.Controller`: control server, handlers, reaper) run in this
+  process on their own threads, so the client and the controller share one interpreter: an
+  upper bound of a separate process's figure.
 
 Use ``--instances`` / ``--chunks`` for a smaller run. The last line of output is
 ``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E``.

@@ -51,20 +51,7 @@ MAX_REPLY_BYTES = 256 * 2**20
 LINK_SCRATCH_BYTES = 64 * 1024
 FIRST_RETRY = 0.002  # seconds before a refused connection is tried again (then doubling)
 MAX_RETRY = 0.1
-# A reply that comes while the waiting thread sleeps costs the wake-up of its core, which on
-# a virtual machine is about as long as a small request's whole round trip (measured on the
-# CI machine type: a TCP echo over loopback 121 us waiting in poll, 38 us reading in a loop):
-# spin that long before sleeping, while every call waits for its reply.
-DEFAULT_REPLY_SPIN = 300e-6
 _NO_ANSWER = object()  # what a call ends with when it got no answer it could use
-
-
-def _spin(poller: select.poll, until: float) -> list[tuple[int, int]]:
-    """``poller``'s events, polled without sleeping until ``until`` (``perf_counter``)."""
-    while True:
-        events = poller.poll(0)
-        if events or time.perf_counter() >= until:
-            return events
 
 
 class _Link:
@@ -113,11 +100,9 @@ class ControlClient:
         probe_interval: float = PROBE_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         decoder: msgspec.msgpack.Decoder[Any] = m.reply_decoder,
-        reply_spin: float = DEFAULT_REPLY_SPIN,
     ) -> None:
         """``decoder``: the replies expected (the cluster's by default).
-        ``probe_interval``: seconds between probes of suspect peers. ``reply_spin``: seconds
-        a call keeps reading before it sleeps until its replies come."""
+        ``probe_interval``: seconds between probes of suspect peers."""
         self.signer = ControlSigner(token)
         self._decode = decoder.decode
         self.timeout = timeout
@@ -125,7 +110,6 @@ class ControlClient:
         self.probe_interval = probe_interval
         self.probe_timeout = min(timeout, PROBE_TIMEOUT)
         self.clock = clock
-        self.reply_spin = reply_spin
         self._idle: dict[str, list[_Link]] = {}
         self._suspect: dict[str, float] = {}  # address -> since when
         self._old_peers: set[str] = set()  # named in the log as speaking the ZMQ wire
@@ -251,7 +235,6 @@ class ControlClient:
         self.calls += len(requests)
         replies: dict[str, Any] = {}
         unanswered: list[_Call] = []
-        spin_until = time.perf_counter() + self.reply_spin
         try:
             while pending:
                 now = self.clock()
@@ -260,7 +243,6 @@ class ControlClient:
                 wait = deadline - now
                 poller = select.poll()
                 by_fd: dict[int, _Call] = {}
-                spin = True  # while every call waits for its reply
                 for call in pending:
                     if call.link is None and call.retry_at <= now:
                         self._connect(call)
@@ -268,11 +250,9 @@ class ControlClient:
                         wait = min(wait, call.retry_at - now)
                         continue
                     sending = call.connecting or bool(call.out)
-                    spin = spin and not sending
                     by_fd[call.link.sock.fileno()] = call
                     poller.register(call.link.sock, select.POLLOUT if sending else select.POLLIN)
-                events = _spin(poller, spin_until) if spin and len(by_fd) == len(pending) else []
-                for fd, _ in events or poller.poll(max(0, int(wait * 1000)) + 1):
+                for fd, _ in poller.poll(max(0, int(wait * 1000)) + 1):
                     call = by_fd[fd]
                     outcome = self._progress(call)
                     if outcome is None:

@@ -34,7 +34,7 @@ class MemberInfo(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fi
     restarted node (same id) is told apart from its previous life."""
 
     node_id: str
-    control: str  # HOST:PORT of its control socket (ZMQ)
+    control: str  # HOST:PORT of its control port (TCP)
     data: str  # HOST:PORT of its data-plane listener (TCP)
     incarnation: int
 

@@ -1,5 +1,5 @@
-"""Entry point of `tierkv controller`: the control port (signed ZMQ, the cluster's
-:class:`~tierkv.cluster.control.ControlServer` serving the controller's messages), the
+"""Entry point of `tierkv controller`: the control port (signed frames over TCP, the cluster's
+:class:`~tierkv.cluster.control_server.ControlServer` serving the controller's messages), the
 liveness reaper and HTTP; SIGTERM/SIGINT stop them in reverse order."""
 
 from __future__ import annotations

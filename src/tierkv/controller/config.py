@@ -32,7 +32,7 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
         str,
         option(
             CONTROL,
-            "address of the controller's control port (ZMQ); a non-loopback address "
+            "address of the controller's control port (TCP); a non-loopback address "
             "requires --auth-token",
         ),
     ] = "127.0.0.1"
