@@ -169,7 +169,7 @@ def wire_p50(index: ControllerIndex, blobs: list[bytes], lookups: int) -> float:
             t = time.perf_counter()
             reply = client.call(addr, m.Resolve(0, keys))
             times.append((time.perf_counter() - t) * 1e6)
-            if not isinstance(reply, cm.Located) or len(reply.found) < 512:
+            if not isinstance(reply, cm.Located) or len(reply.positions) < 512 * 4:
                 raise RuntimeError(f"a wire lookup did not find its prefix: {reply!r:.200}")
     finally:
         client.close()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from support.clusterkit import TOKEN, Node, call, start_node, status
+from support.clusterkit import TOKEN, Node, call, rows_of, start_node, status
 from support.control_wire import RawControl
 from support.servers import ServerProcess
 from tierkv.cluster import messages as m
@@ -44,7 +44,7 @@ class Wire:
 def holders(node: Node) -> set[str]:
     reply = call(node.addr, m.Resolve(0, [KEY]))
     assert isinstance(reply, m.Resolved), reply
-    return {reply.holders[h] for _, h, _ in reply.found}
+    return {reply.holders[h] for _, h, _ in rows_of(reply)}
 
 
 def test_replayed_publish_and_unpublish_are_refused(server_factory: Factory) -> None:

@@ -23,6 +23,7 @@ from support.clusterkit import (
     call,
     converged,
     free_ports,
+    rows_of,
     start_node,
     status,
     wait_for,
@@ -50,7 +51,7 @@ def entries_of(nodes: list[Node], keys: list[bytes]) -> list[set[tuple[str, m.Wh
     for node in nodes:
         reply = call(node.addr, m.Resolve(0, keys))
         assert isinstance(reply, m.Resolved)
-        for pos, h, where in reply.found:
+        for pos, h, where in rows_of(reply):
             out[pos].add((reply.holders[h], m.Where(where)))
     return out
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from support.clusterkit import Node, call, converged, start_node, status, wait_for
+from support.clusterkit import Node, call, converged, rows_of, start_node, status, wait_for
 from support.controllers import running_controller, start_server
 from support.kvops import chunk_keys, tokens_for
 from support.servers import CHUNK_SHAPE, ServerProcess, chunk_data, register
@@ -100,7 +100,7 @@ def test_a_frozen_ring_owner_costs_one_timeout_then_stores_and_lookups_skip_it(
     def c_knows_them() -> bool:
         reply = call(c.addr, m.Resolve(0, owned_by_c))
         assert isinstance(reply, m.Resolved)
-        return len({pos for pos, _, _ in reply.found}) == len(owned_by_c)
+        return len({pos for pos, _, _ in rows_of(reply)}) == len(owned_by_c)
 
     wait_for(c_knows_them)
     assert status(a)["control"]["recovered"] >= 1
@@ -189,7 +189,7 @@ def test_a_prefetch_not_done_in_time_is_a_miss_not_an_error(server_factory: Fact
     def a_knows_them() -> bool:
         reply = call(a.addr, m.Resolve(0, keys))
         assert isinstance(reply, m.Resolved)
-        return len({pos for pos, _, _ in reply.found}) == CHUNKS
+        return len({pos for pos, _, _ in rows_of(reply)}) == CHUNKS
 
     wait_for(a_knows_them)  # A owns every key (two nodes, two replicas): no RPC to resolve
     with a.client() as engine, frozen(pid_of(b)):

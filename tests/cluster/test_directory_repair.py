@@ -11,7 +11,16 @@ from collections.abc import Callable
 
 import pytest
 
-from support.clusterkit import TOKEN, Node, call, converged, start_node, status, wait_for
+from support.clusterkit import (
+    TOKEN,
+    Node,
+    call,
+    converged,
+    rows_of,
+    start_node,
+    status,
+    wait_for,
+)
 from support.kvops import store, tokens_for
 from support.servers import ServerProcess
 from tierkv.cluster import messages as m
@@ -39,7 +48,7 @@ def listed(node: Node, keys: list[bytes]) -> list[set[tuple[str, Where]]]:
     reply = call(node.addr, m.Resolve(0, keys))
     assert isinstance(reply, m.Resolved), reply
     out: list[set[tuple[str, Where]]] = [set() for _ in keys]
-    for pos, h, where in reply.found:
+    for pos, h, where in rows_of(reply):
         out[pos].add((reply.holders[h], Where(where)))
     return out
 

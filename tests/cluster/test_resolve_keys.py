@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
+from support.clusterkit import columns_of
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Location, Where
@@ -28,6 +29,7 @@ class FakeClient:
         self.asked: dict[str, list[bytes]] = {}
         self.suspects: set[str] = set()
         self.extra: list[tuple[int, int, int]] = []  # appended to every reply's entries
+        self.columns: tuple[bytes, bytes, bytes] | None = None  # every reply's, if set
 
     def suspect(self, addr: str) -> bool:
         return addr in self.suspects
@@ -42,7 +44,8 @@ class FakeClient:
             for pos, key in enumerate(req.keys):
                 for holder, where in self.tables.get(addr, {}).get(key, []):
                     found.append((pos, holders.setdefault(holder, len(holders)), where))
-            out[addr] = m.Resolved(req.rid, list(holders), found + self.extra)
+            columns = self.columns or columns_of(found + self.extra)
+            out[addr] = m.Resolved(req.rid, list(holders), *columns)
         return out
 
 
@@ -109,6 +112,22 @@ def test_malformed_entries_are_left_out() -> None:
     client.extra = [(10_000, 0, 0), (0, 99, 0), (0, 0, 7), (-1, 0, 0)]
     found, _, _ = resolve(client, ring)
     assert found == [[Location("h:1", Where.POOL)] for _ in KEYS]
+
+
+def test_answers_whose_columns_are_not_whole_rows_are_not_used() -> None:
+    ring = Ring(NAMES, vnodes=16, replicas=1)
+    client = FakeClient({n: {k: [("h:1", 0)] for k in KEYS} for n in NAMES})
+    assert all(resolve(client, ring)[0])
+    positions, holder_of, tiers = columns_of([(i, 0, 0) for i in range(len(KEYS))])
+    for broken in (
+        (positions[:-4], holder_of, tiers),  # one position short
+        (positions + b"\x00", holder_of, tiers),  # not whole uint32s
+        (positions, holder_of[:-1], tiers),
+        (positions, holder_of, tiers + b"\x00"),
+    ):
+        client.columns = broken
+        found, _, _ = resolve(client, ring)
+        assert found == [[] for _ in KEYS]
 
 
 def test_only_live_holders_are_kept() -> None:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from support.clusterkit import wait_for
+from support.clusterkit import rows_of, wait_for
 from support.control_wire import RawControl
 from support.controllers import ControllerProcess, ctl_call, start_server
 from support.kvops import fetch, store, tokens_for
@@ -29,7 +29,7 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b_via_the_controller(
     located = ctl_call(controller.addr, m.Resolve(0, keys))
     assert isinstance(located, cm.Located)
     assert [h.node_id for h in located.holders] == [a.node_id]
-    assert sorted(p for p, _, _ in located.found) == list(range(6))
+    assert sorted(p for p, _, _ in rows_of(located)) == list(range(6))
     hits, retrieved = fetch(b, tokens, 6)
     assert hits == 6 and retrieved == list(range(6))
     # B's copies are reported too: C finds two holders.

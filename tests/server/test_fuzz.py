@@ -30,7 +30,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from support.clusterkit import TOKEN, Node, call, members, start_node, status, wait_for
+from support.clusterkit import (
+    TOKEN,
+    Node,
+    call,
+    members,
+    rows_of,
+    start_node,
+    status,
+    wait_for,
+)
 from support.control_wire import RawControl
 from support.raw_rpc import Raw
 from support.servers import (
@@ -346,7 +355,7 @@ class ClusterEnv:
         reply = call(self.node.addr, m.Resolve(0, self.keys))
         assert isinstance(reply, m.Resolved), reply
         held = [set() for _ in self.keys]  # type: list[set[str]]
-        for pos, h, _ in reply.found:
+        for pos, h, _ in rows_of(reply):
             held[pos].add(reply.holders[h])
         return all(self.node.node_id in h for h in held)
 
@@ -454,7 +463,7 @@ def test_control_entries_the_ring_cannot_place_are_dropped(cluster: ClusterEnv) 
     reply = cluster.signed_call(m.encode(m.Handoff(2, [(k, "fuzz:2", 1, w) for k, w in bad])))
     assert isinstance(reply, m.Done) and reply.count == 0, reply
     resolved = call(cluster.node.addr, m.Resolve(0, [good, b"short", bytes(33)]))
-    assert isinstance(resolved, m.Resolved) and len(resolved.found) == 1, resolved
+    assert isinstance(resolved, m.Resolved) and len(rows_of(resolved)) == 1, resolved
     assert cluster.signed_call(m.encode(m.Unpublish(3, "fuzz:2", [good]))) == m.Done(3, 1)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from support import ports
 from support.servers import ServerProcess
@@ -127,3 +128,20 @@ def converged(nodes: list[Node]) -> bool:
 
 def published(node: Node) -> int:
     return int(status(node)["published"])
+
+
+def rows_of(answer: Any) -> list[tuple[int, int, int]]:
+    """A lookup answer's (``Resolved``, ``Located``) rows as (position, holder index, tier)."""
+    cols = (
+        np.frombuffer(answer.positions, "<u4").tolist(),
+        np.frombuffer(answer.holder_of, "<u2").tolist(),
+        np.frombuffer(answer.tiers, "u1").tolist(),
+    )
+    return list(zip(*cols, strict=True))
+
+
+def columns_of(rows: list[tuple[int, int, int]]) -> tuple[bytes, bytes, bytes]:
+    """Rows as an answer's columns; values outside a column's range wrap, as a peer that
+    writes them carelessly would send them."""
+    pos, hold, tier = (np.array([r[i] for r in rows], np.int64) for i in range(3))
+    return pos.astype("<u4").tobytes(), hold.astype("<u2").tobytes(), tier.astype("u1").tobytes()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from support.clusterkit import FAST, TOKEN, Node, free_ports, wait_for
+from support.clusterkit import FAST, TOKEN, Node, free_ports, rows_of, wait_for
 from support.servers import ServerProcess
 from support.stuck import FAULTHANDLER, describe_stuck
 from tierkv.cluster import controller_messages as cm
@@ -85,7 +85,7 @@ class ControllerProcess:
         reply = ctl_call(self.addr, m.Resolve(0, keys))
         assert isinstance(reply, cm.Located), reply
         out: list[set[str]] = [set() for _ in keys]
-        for pos, h, _ in reply.found:
+        for pos, h, _ in rows_of(reply):
             out[pos].add(reply.holders[h].node_id)
         return out
 

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tierkv.cluster import controller_messages as cm
+from tierkv.cluster import found_columns
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
@@ -137,9 +138,14 @@ class ControllerDirectory(Directory):
         with self._cond:
             for info in reply.holders:
                 self._members[info.node_id] = info
-        for pos, h, where in reply.found:
-            if 0 <= pos < len(keys) and 0 <= h < len(reply.holders) and where in (0, 1):
-                out[pos].append(Location(reply.holders[h].node_id, Where(where)))
+        rows = found_columns.groups(
+            reply.positions, reply.holder_of, reply.tiers, len(keys), len(reply.holders)
+        )
+        for h, where, at in rows or ():
+            if where in (Where.POOL, Where.DISK):
+                loc = Location(reply.holders[h].node_id, Where(where))
+                for pos in at.tolist():
+                    out[pos].append(loc)
         self.counts["resolve_found"] += sum(1 for locs in out if locs)
         return out
 

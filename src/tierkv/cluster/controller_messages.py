@@ -130,13 +130,16 @@ class Deregister(Struct, tag="c_deregister"):
 
 
 class Located(Struct, tag="c_located"):
-    """The answer to a :class:`~tierkv.cluster.messages.Resolve`: for the keys held,
-    ``(position in the request, holder index, Where)``, one tuple per holder; ``holders``
-    are the holders' member records (data-plane addresses) the indexes point into."""
+    """The answer to a :class:`~tierkv.cluster.messages.Resolve`: for the keys held, one row
+    per (key, holder) in three columns (:mod:`tierkv.cluster.found_columns`): the key's
+    position in the request, the holder's index in ``holders`` (their member records, with
+    data-plane addresses), the Where code."""
 
     rid: int
     holders: list[m.MemberInfo]
-    found: list[tuple[int, int, int]]
+    positions: bytes = b""
+    holder_of: bytes = b""
+    tiers: bytes = b""
 
 
 Request = (

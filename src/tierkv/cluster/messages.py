@@ -96,12 +96,15 @@ class Resolve(Struct, tag="resolve"):
 
 
 class Resolved(Struct, tag="resolved"):
-    """For the keys found: ``(position in the request, holder index, Where)``, one tuple per
-    holder; ``holders`` is the table the indexes point into."""
+    """For the keys found, one row per (key, holder) in three columns
+    (:mod:`tierkv.cluster.found_columns`): the key's position in the request, the holder's
+    index in ``holders``, the Where code."""
 
     rid: int
     holders: list[str]
-    found: list[tuple[int, int, int]]
+    positions: bytes = b""
+    holder_of: bytes = b""
+    tiers: bytes = b""
 
 
 class Digest(Struct, tag="digest"):

@@ -45,7 +45,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from tierkv.cluster import digest
+from tierkv.cluster import digest, found_columns
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
@@ -735,12 +735,18 @@ class RingDirectory(Directory):
     def on_resolve(self, req: m.Resolve) -> m.Resolved:
         self.counts["served_resolves"] += 1
         holders: dict[str, int] = {}
-        found: list[tuple[int, int, int]] = []
+        positions: list[int] = []
+        holder_of: list[int] = []
+        tiers: list[int] = []
+        index, at, tier = holders.setdefault, positions.append, tiers.append
+        held = holder_of.append
         for pos, entries in enumerate(self.shard.get(req.keys)):
             for holder, _, where in entries:
-                h = holders.setdefault(holder, len(holders))
-                found.append((pos, h, where))
-        return m.Resolved(req.rid, list(holders), found)
+                at(pos)
+                held(index(holder, len(holders)))
+                tier(where)
+        columns = found_columns.of_lists(positions, holder_of, tiers)
+        return m.Resolved(req.rid, list(holders), *columns)
 
     def stats(self) -> dict[str, object]:
         return {"entries": len(self.shard), "members": len(self.ring), **self.counts}
@@ -806,23 +812,27 @@ def resolve_keys(
         return per
 
     remaining = np.arange(n)
+    hit = np.zeros(n, dtype=bool)  # keys with a location found
     rpcs = 0
     for attempt in range(rounds):
         owner_of = table[sets[remaining], attempt]
         groups = {
-            owner_names[c]: remaining[owner_of == c].tolist()
+            owner_names[c]: remaining[owner_of == c]
             for c in np.unique(owner_of[owner_of >= 0]).tolist()
         }
         if not groups:
             break
         mine = groups.pop(me, None)
-        if mine and local is not None:
-            for i, entries in zip(mine, local([keys[i] for i in mine]), strict=True):
+        if mine is not None and local is not None:
+            mine_list = mine.tolist()
+            for i, entries in zip(mine_list, local([keys[i] for i in mine_list]), strict=True):
                 locs = [locations(h).get(w) for h, _, w in entries]
                 found[i] = [loc for loc in locs if loc is not None]
+                hit[i] = bool(found[i])
         asked = {o: idx for o, idx in groups.items() if o in members}
         calls = {
-            members[o].control: m.Resolve(0, [keys[i] for i in idx]) for o, idx in asked.items()
+            members[o].control: m.Resolve(0, [keys[i] for i in idx.tolist()])
+            for o, idx in asked.items()
         }
         by_addr = {members[o].control: idx for o, idx in asked.items()}
         if calls:
@@ -830,19 +840,20 @@ def resolve_keys(
             for addr, reply in client.call_many(calls).items():
                 if not isinstance(reply, m.Resolved):
                     continue
-                slots = [found[i] for i in by_addr[addr]]  # by position in the request
-                per = [locations(h) for h in reply.holders]
-                for pos, h, w in reply.found:
-                    if pos >= 0 and h >= 0:
-                        # Past the request or the holders, a tier that is no Where, a
-                        # holder that is not live: left out. (try, not contextlib.suppress:
-                        # a context manager per key costs more than the rest of the loop.)
-                        try:  # noqa: SIM105
-                            slots[pos].append(per[h][w])
-                        except (IndexError, KeyError):
-                            pass
+                idx = by_addr[addr]  # key indexes, by position in the request
+                rows = found_columns.groups(
+                    reply.positions, reply.holder_of, reply.tiers, len(idx), len(reply.holders)
+                )
+                for h, w, at in rows or ():
+                    # A tier that is no Where, a holder that is not live: left out.
+                    loc = locations(reply.holders[h]).get(w)
+                    if loc is not None:
+                        keys_at = idx[at]
+                        hit[keys_at] = True
+                        for i in keys_at.tolist():
+                            found[i].append(loc)
         if attempt + 1 < rounds:
-            remaining = remaining[[not found[i] for i in remaining.tolist()]]
+            remaining = remaining[~hit[remaining]]
             if not remaining.size:
                 break
     return found, rpcs, skipped

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from tierkv.cluster import controller_messages as cm
+from tierkv.cluster import found_columns, router_lookup
 from tierkv.cluster import messages as m
-from tierkv.cluster import router_lookup
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
 from tierkv.keys import KEY_SIZE
@@ -320,19 +320,18 @@ class ControllerService:
         with self._lock:
             members = {i: s.member for i, s in self._instances.items()}
         holders: list[m.MemberInfo] = []
-        out: list[tuple[int, int, int]] = []
+        parts = []
         for instance, tiers in found.items():
             member = members.get(instance)
             if member is None:
                 continue
-            h = len(holders)
-            holders.append(member)
             pos = np.flatnonzero(tiers >= 0)
-            out.extend(zip(pos.tolist(), [h] * pos.size, tiers[pos].tolist(), strict=True))
+            parts.append((len(holders), pos, tiers[pos]))
+            holders.append(member)
         self.counts["lookups"] += 1
         self.counts["lookup_keys"] += len(req.keys)
         self.lookup_seconds.append(time.perf_counter() - t)
-        return cm.Located(req.rid, holders, out)
+        return cm.Located(req.rid, holders, *found_columns.of_arrays(parts))
 
     def _remember(self, namespaces: list[cm.NamespaceInfo]) -> None:
         """Note namespaces a server named (caller holds the lock); those no instance names
