@@ -8,6 +8,7 @@ import contextlib
 import select
 import socket
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -67,14 +68,19 @@ class RawControl:
         return decoder.decode(self.reply())
 
     def closed_by_peer(self, timeout: float = TIMEOUT) -> bool:
-        """Whether the server closes this connection (within ``timeout``)."""
-        self.sock.settimeout(timeout)
+        """Whether the server closes this connection within ``timeout`` (replies not read
+        yet are read and dropped)."""
+        deadline = time.monotonic() + timeout
         try:
-            return self.sock.recv(1) == b""
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if not self.sock.recv(65536):
+                    return True
         except ConnectionError:
             return True
         except TimeoutError:
-            return False
+            pass
+        return False
 
     def close(self) -> None:
         self.sock.close()

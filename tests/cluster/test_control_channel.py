@@ -1,0 +1,180 @@
+"""The control channel's connections (:mod:`tierkv.cluster.control`,
+:mod:`tierkv.cluster.control_server`): a peer that starts listening during a call, a peer that
+restarted under pooled connections, calls to several peers at once, a connection cut in the
+middle of a request, a request over the size limit, a client that never reads its replies."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from support.control_wire import RawControl
+from tierkv import framing
+from tierkv.cluster import control_server
+from tierkv.cluster import messages as m
+from tierkv.cluster.auth import ControlSigner
+from tierkv.cluster.control import ControlClient
+from tierkv.cluster.control_server import ControlServer
+
+TOKEN = "channel-secret"
+
+
+def members_handler(req: m.GetMembers) -> m.MemberList:
+    return m.MemberList(req.rid, [])
+
+
+def serve(port: int = 0, max_message_bytes: int = 1 << 20) -> ControlServer:
+    server = ControlServer(
+        "127.0.0.1", port, TOKEN, {m.GetMembers: members_handler}, max_message_bytes
+    )
+    server.start()
+    return server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_call_to_a_peer_that_starts_listening_meanwhile_is_answered() -> None:
+    port = free_port()
+    client = ControlClient(TOKEN, 10.0)
+    started: list[ControlServer] = []
+    later = threading.Timer(0.3, lambda: started.append(serve(port)))
+    later.start()
+    try:
+        t = time.monotonic()
+        reply = client.call(f"127.0.0.1:{port}", m.GetMembers(0))
+        assert isinstance(reply, m.MemberList), reply
+        assert 0.25 < time.monotonic() - t < 10.0
+        assert client.timeouts == 0 and not client.suspects()
+    finally:
+        later.join()
+        client.close()
+        for server in started:
+            server.close()
+
+
+def test_nothing_listening_is_no_answer_by_the_timeout_and_a_suspect() -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    client = ControlClient(TOKEN, 0.3)
+    try:
+        t = time.monotonic()
+        assert client.call(addr, m.GetMembers(0)) is None
+        assert 0.25 < time.monotonic() - t < 10.0
+        assert client.suspect(addr) and client.timeouts == 1
+        # An address that cannot be one: no answer at once, nobody made suspect.
+        assert client.call("not an address", m.GetMembers(0)) is None
+        assert not client.suspect("not an address")
+    finally:
+        client.close()
+
+
+def test_pooled_connections_to_a_restarted_peer_are_replaced() -> None:
+    server = serve()
+    port = server.port
+    addr = f"127.0.0.1:{port}"
+    client = ControlClient(TOKEN, 5.0)
+    try:
+        # Several threads at once: several pooled connections.
+        replies: list[object] = []
+        threads = [
+            threading.Thread(target=lambda: replies.append(client.call(addr, m.GetMembers(0))))
+            for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(isinstance(r, m.MemberList) for r in replies), replies
+        server.close()
+        server = serve(port)
+        for _ in range(20):  # every pooled connection is stale: each is noticed, none fails
+            assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)
+        assert client.timeouts == 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_call_many_waits_for_all_together_and_names_who_did_not_answer() -> None:
+    servers = [serve() for _ in range(3)]
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    client = ControlClient(TOKEN, 0.5)
+    try:
+        addrs = [f"127.0.0.1:{s.port}" for s in servers]
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        t = time.monotonic()
+        replies = client.call_many({a: m.GetMembers(0) for a in [*addrs, mute]})
+        assert time.monotonic() - t >= 0.45  # waited for the silent one to its timeout
+        assert sorted(replies) == sorted(addrs)
+        assert all(isinstance(r, m.MemberList) for r in replies.values())
+        assert client.suspects() == [mute]
+    finally:
+        client.close()
+        silent.close()
+        for s in servers:
+            s.close()
+
+
+def test_cut_and_oversized_requests_close_their_connection_only() -> None:
+    server = serve(max_message_bytes=4096)
+    addr = f"127.0.0.1:{server.port}"
+    signer = ControlSigner(TOKEN)
+    client = ControlClient(TOKEN, 5.0)
+    try:
+        # A request cut in the middle (its sender died): the connection goes, nothing else.
+        with RawControl(addr) as raw:
+            raw.sock.sendall(framing.HEADER.pack(100) + b"\x20\x00" + bytes(10))
+        # Announced over the limit: refused with the reason, the body never read.
+        with RawControl(addr) as raw:
+            raw.sock.sendall(framing.HEADER.pack(1 << 30))
+            reply = m.reply_decoder.decode(raw.reply())
+            assert isinstance(reply, m.Refused) and "larger than the limit" in reply.reason
+            assert raw.closed_by_peer()
+        # Within the limit, signed: served, on the same server.
+        with RawControl(addr) as raw:
+            payload = m.encode(m.GetMembers(7))
+            assert raw.call([signer.sign_request(payload), payload]) == m.MemberList(7, [])
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)
+        assert server.malformed == 1 and server.alive()
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_client_that_never_reads_its_replies_is_disconnected(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(control_server, "MAX_UNSENT", 1 << 20)
+    big = ["h" * 65536]  # each answer about 64 KiB: the kernel's buffers fill after a few
+    server = ControlServer(
+        "127.0.0.1",
+        0,
+        TOKEN,
+        {m.GetMembers: members_handler, m.Resolve: lambda r: m.Resolved(r.rid, big)},
+    )
+    server.start()
+    addr = f"127.0.0.1:{server.port}"
+    signer = ControlSigner(TOKEN)
+    client = ControlClient(TOKEN, 5.0)
+    try:
+        with RawControl(addr) as raw:
+            closed = False
+            for i in range(10_000):  # requests, never a read, until the server gives up
+                payload = m.encode(m.Resolve(i, []))
+                try:
+                    raw.send([signer.sign_request(payload), payload])
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+            assert closed or raw.closed_by_peer(), "the server kept replies nobody reads"
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)
+        assert server.alive()
+    finally:
+        client.close()
+        server.close()
