@@ -37,6 +37,16 @@
  * 1 deleted), ``shift`` its home shift; for each fingerprint of ``fps`` (uint64) the tier
  * it is held at into ``out`` (int8), -1 where absent: linear probing from the home slot
  * ``fp >> shift`` to the fingerprint or an empty slot (the array ends with empty slots).
+ *
+ * place(entries, slots, shift, by_tier) -> (live, last)
+ *
+ * A full report's table: ``entries`` (uint64, ``fingerprint << 2 | tier``) sorted, placed
+ * into an empty table's ``slots``, each at the larger of its home and the previous entry's
+ * slot + 1 (what linear probing gives in sorted order), a fingerprint that repeats the
+ * previous one left out; ``by_tier`` (4 int64) counts the entries placed by tier. Returns
+ * how many were placed and the last slot needed (-1: none); slots past the array are not
+ * written, so a caller whose array was too short makes a longer one and places again. The
+ * same as keytable's numpy passes (repeats, homes, a running maximum, a scatter, counts).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -253,6 +263,63 @@ done:
     return result;
 }
 
+/* A table built from entries sorted by fingerprint (so by home): each goes to
+ * max(home, previous slot + 1), the running maximum that linear probing gives in that order;
+ * an entry whose fingerprint repeats the previous one is left out (the first is kept).
+ * Writes only slots inside the array; returns the last slot an entry needs (-1: none), so
+ * that a caller whose array was too short makes a longer one and places again. */
+static Py_ssize_t
+place_sorted(const uint64_t *entries, size_t m, uint64_t *slots, size_t n, unsigned shift,
+             int64_t *by_tier, Py_ssize_t *live)
+{
+    Py_ssize_t last = -1, kept = 0;
+    uint64_t prev = 0;
+    for (size_t i = 0; i < m; i++) {
+        uint64_t e = entries[i], fp = e >> TIER_BITS;
+        if (kept && fp == prev)
+            continue;
+        Py_ssize_t at = (Py_ssize_t)(fp >> shift);
+        if (at <= last)
+            at = last + 1;
+        if ((size_t)at < n)
+            slots[at] = e;
+        by_tier[e & ((1 << TIER_BITS) - 1)]++;
+        last = at;
+        prev = fp;
+        kept++;
+    }
+    *live = kept;
+    return last;
+}
+
+static PyObject *
+place(PyObject *self, PyObject *args)
+{
+    Py_buffer en, sl, bt;
+    unsigned shift;
+    if (!PyArg_ParseTuple(args, "y*w*Iw*", &en, &sl, &shift, &bt))
+        return NULL;
+    PyObject *result = NULL;
+    if (en.len % 8 || sl.len % 8 ||
+        ((uintptr_t)en.buf | (uintptr_t)sl.buf | (uintptr_t)bt.buf) & 7 ||
+        bt.len != 8 * (1 << TIER_BITS) || shift >= 64) {
+        PyErr_SetString(PyExc_ValueError,
+                        "entries and slots must be aligned 8-byte arrays, by_tier 4 int64s");
+        goto done;
+    }
+    Py_ssize_t live = 0, last;
+    Py_BEGIN_ALLOW_THREADS
+    last = place_sorted(en.buf, (size_t)en.len / 8, sl.buf, (size_t)sl.len / 8, shift, bt.buf,
+                        &live);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(nn)", live, last);
+done:
+    PyBuffer_Release(&bt);
+    PyBuffer_Release(&sl);
+    PyBuffer_Release(&en);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS,
      "fill(keys, out) -> bool: each 32-byte key's fingerprint into out (8 bytes each); "
@@ -262,6 +329,9 @@ static PyMethodDef methods[] = {
      "entries matching any wanted value, appended to out (see the module's comment)."},
     {"probe", probe, METH_VARARGS,
      "probe(slots, shift, fps, out): each fingerprint's tier in a key table, -1 if absent."},
+    {"place", place, METH_VARARGS,
+     "place(entries, slots, shift, by_tier) -> (live, last): sorted entries placed into an "
+     "empty key table; by_tier counted; last: the last slot needed (-1: none)."},
     {NULL, NULL, 0, NULL},
 };
 

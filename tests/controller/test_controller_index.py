@@ -106,6 +106,38 @@ def test_build_from_a_full_report_dedupes_and_finds_everything() -> None:
     assert (table.find(absent) == -1).all()
 
 
+def test_the_c_placement_builds_the_table_numpy_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repeats (kept once), mixed tiers, crowded homes and homes at the very end of the
+    table (whose entries run past it: the tail grows) come out slot for slot the same."""
+    assert keytable._place is not None, "tierkv._fingerprints was not built"
+    rng = np.random.default_rng(11)
+    top = np.uint64((1 << keytable.FP_BITS) - 1)
+    cases = [
+        rng.integers(2, 1 << 62, 20_000, dtype=np.uint64),
+        np.concatenate(
+            [
+                top - np.arange(0, 100, 2, dtype=np.uint64),
+                rng.integers(2, 1 << 62, 500, dtype=np.uint64),
+            ]
+        ),
+        np.repeat(rng.integers(2, 1 << 62, 300, dtype=np.uint64), 3),
+        np.zeros(0, dtype=np.uint64),
+    ]
+    grew = False
+    for fps in cases:
+        fps = np.maximum(fps + np.arange(fps.size, dtype=np.uint64) % 2, np.uint64(1)) & top
+        tiers = rng.integers(0, 2, fps.size).astype(np.int8)
+        native = KeyTable.build(fps, tiers)
+        monkeypatch.setattr(keytable, "_place", None)
+        reference = KeyTable.build(fps, tiers)
+        monkeypatch.undo()
+        assert np.array_equal(native.slots, reference.slots)
+        assert len(native) == len(reference) and native.deleted == reference.deleted == 0
+        assert native.by_tier.tolist() == reference.by_tier.tolist()
+        grew = grew or native.slots.size > KeyTable.sized_for(fps.size).slots.size
+    assert grew, "no case ran past the table's end"
+
+
 def test_index_lookup_returns_every_holder_with_its_tier() -> None:
     idx = ControllerIndex()
     keys = keys_of(NS_A, 8)
