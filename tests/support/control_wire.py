@@ -16,13 +16,15 @@ import msgspec
 from tierkv import framing
 from tierkv.cluster import control_wire as wire
 from tierkv.cluster import messages as m
+from tierkv.piecewise_io import recv_exact
 
 TIMEOUT = 10.0
 
 
 def _host_port(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return host, int(port)
+    address = framing.parse_endpoint(f"tcp://{addr}")[1]
+    assert isinstance(address, tuple)
+    return address
 
 
 def read_frame(sock: socket.socket, timeout: float = TIMEOUT) -> bytes:
@@ -34,12 +36,8 @@ def read_frame(sock: socket.socket, timeout: float = TIMEOUT) -> bytes:
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        got = sock.recv(n - len(data))
-        if not got:
-            raise ConnectionError("the peer closed the connection")
-        data += got
+    data = bytearray(n)
+    recv_exact(sock, memoryview(data))
     return bytes(data)
 
 
