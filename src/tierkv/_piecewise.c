@@ -35,6 +35,21 @@
  * which a mapped read maps 4 KiB at a time. Raises OSError with pwrite's errno (EIO for a
  * write of 0 bytes).
  *
+ * preallocate(fd, length) -> bool
+ *
+ * Reserves the file's first ``length`` bytes with fallocate(2) (mode 0: the size becomes
+ * ``length``), before a file that is written whole (a chunk record) is written. True when
+ * reserved; False, with nothing done, where the filesystem or kernel cannot (EOPNOTSUPP,
+ * ENOSYS, EINVAL, EPERM from a seccomp filter, or not a regular file: ENODEV, ESPIPE):
+ * unlike posix_fallocate(3), never a fallback that writes zeros. OSError for a refusal of the space itself (ENOSPC, EDQUOT, EIO).
+ *
+ * Why. On ext4 a write into a file's unallocated range reserves its blocks page by page
+ * (delayed allocation) inside the write; with the range allocated up front in one extent
+ * the same pwrite(2)s skip that: 8 MiB chunk files from one thread, interleaved A/B on the
+ * AVX2-only EPYC VM type, 4.3-5.0 GB/s against 3.0-3.3 without, and 1.05 against 0.90 GB/s
+ * with the sync that follows counted. On tmpfs it is about even (the pages are allocated
+ * either way).
+ *
  * read_hashed(fd, offset, dst, piece, resident_only, give_way) -> bytes | None
  *
  * Copies len(dst) bytes of the file from ``offset`` into ``dst`` (a writable contiguous
@@ -77,6 +92,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
 #include <setjmp.h>
@@ -649,6 +665,33 @@ kind(PyObject *self, PyObject *unused)
     return PyUnicode_FromString(stream_kind(stream));
 }
 
+static PyObject *
+preallocate(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "in", &fd, &length))
+        return NULL;
+    if (length <= 0)
+        Py_RETURN_FALSE;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (fallocate(fd, 0, 0, (off_t)length) < 0) {
+        if (errno != EINTR) {
+            err = errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (!err)
+        Py_RETURN_TRUE;
+    if (err == EOPNOTSUPP || err == ENOSYS || err == EINVAL || err == EPERM || err == ENODEV ||
+        err == ESPIPE)
+        Py_RETURN_FALSE;
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
 static PyMethodDef methods[] = {
     {"send_pieces", send_pieces, METH_VARARGS,
      "send_pieces(fd, parts, piece, give_way, timeout) -> None: sendmsg the buffers, at "
@@ -660,6 +703,9 @@ static PyMethodDef methods[] = {
      "write_hashed(fd, offset, src, piece, give_way, head) -> bytes: pwrite src at offset "
      "in pieces aligned to piece (head, if any, at 0 with the first) and return src's "
      "XXH3-128 checksum (canonical)."},
+    {"preallocate", preallocate, METH_VARARGS,
+     "preallocate(fd, length) -> bool: reserve the file's first length bytes (fallocate, "
+     "mode 0); False where the filesystem cannot, OSError where the space is refused."},
     {"read_hashed", read_hashed, METH_VARARGS,
      "read_hashed(fd, offset, dst, piece, resident_only, give_way) -> bytes | None: copy "
      "len(dst) bytes of the file from offset into dst and return their XXH3-128 checksum "

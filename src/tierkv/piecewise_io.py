@@ -51,13 +51,15 @@ _write_native: Callable[[int, int, memoryview, int, bool, bytes], bytes] | None
 _read_mapped: Callable[[int, int, memoryview, int, bool, bool], bytes | None] | None
 _send_native: Callable[[int, Sequence[memoryview | bytes], int, bool, float | None], None] | None
 _recv_native: Callable[[int, memoryview, int, bool, float | None], bytes] | None
+_preallocate: Callable[[int, int], bool] | None
 try:
+    from tierkv._piecewise import preallocate as _preallocate
     from tierkv._piecewise import read_hashed as _read_mapped
     from tierkv._piecewise import recv_hashed as _recv_native
     from tierkv._piecewise import send_pieces as _send_native
     from tierkv._piecewise import write_hashed as _write_native
 except ImportError:  # built without a C compiler or libxxhash's headers
-    _write_native = _read_mapped = _send_native = _recv_native = None
+    _write_native = _read_mapped = _send_native = _recv_native = _preallocate = None
 
 PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a core's L2
 # Bytes per write(2) of a chunk file (the one exception to PIECE): the page cache holds what a
@@ -74,6 +76,17 @@ NATIVE = _write_native is not None  # whether the C helper moves the bytes (see 
 
 
 # -- files -------------------------------------------------------------------------------
+def preallocate(fd: int, length: int) -> bool:
+    """Reserve the first ``length`` bytes of ``fd`` (a file about to be written whole; its
+    size becomes ``length``) in one fallocate(2): on ext4 the writes that follow then skip
+    reserving blocks page by page, 30-50 % faster for a chunk file (see ``_piecewise.c``).
+    False, with nothing done, where the filesystem cannot or the C helper is not built (never
+    a fallback that writes zeros); OSError where the space is refused (ENOSPC, EDQUOT)."""
+    if _preallocate is None:
+        return False
+    return _preallocate(fd, length)
+
+
 def write_hashed(fd: int, data: memoryview, offset: int, head: bytes = b"") -> bytes:
     """Write ``data`` (bytes) at ``offset`` of ``fd`` in pieces, resuming after short writes;
     returns the checksum of ``data``, computed piece by piece as it was written. ``head``

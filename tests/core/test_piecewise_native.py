@@ -136,6 +136,45 @@ def test_writes_hold_the_bytes_and_return_their_checksum(
 
 
 @built
+def test_preallocate_reserves_a_whole_file_or_says_it_cannot(tmp_path: Path) -> None:
+    path = tmp_path / "chunk"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert pieces.preallocate(fd, 3 * pieces.FILE_PIECE + 100)  # a filesystem that can
+        assert os.fstat(fd).st_size == 3 * pieces.FILE_PIECE + 100
+        assert os.pread(fd, 4096, 0) == bytes(4096)
+        payload = _payload(pieces.FILE_PIECE + 7)
+        assert pieces.write_hashed(fd, memoryview(payload), HEADER, b"\xdd" * HEADER) == (
+            checksum(payload)
+        )
+        assert os.pread(fd, HEADER + len(payload), 0) == b"\xdd" * HEADER + payload
+        assert not pieces.preallocate(fd, 0)  # nothing to reserve
+    finally:
+        os.close(fd)
+    for name in ("/dev/null", "/dev/zero"):  # not a file: nothing done, no error
+        dev = os.open(name, os.O_WRONLY)
+        try:
+            assert pieces.preallocate(dev, 4096) is False
+        finally:
+            os.close(dev)
+    read_end, write_end = os.pipe()
+    try:
+        assert pieces.preallocate(write_end, 4096) is False
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    ro = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as refused:
+            pieces.preallocate(ro, 4096)
+        assert refused.value.errno == errno.EBADF
+    finally:
+        os.close(ro)
+    with pytest.raises(TypeError):
+        _piecewise.preallocate("3", 4096)  # type: ignore[arg-type]
+
+
+@built
 def test_a_failed_write_is_an_oserror_with_its_errno(tmp_path: Path) -> None:
     path = tmp_path / "chunk"
     path.write_bytes(b"")

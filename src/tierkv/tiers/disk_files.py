@@ -8,9 +8,11 @@ all of an engine's chunks in one directory. Each file is the 64-byte record head
 :mod:`tierkv.tiers.records` followed by the payload. ``<path>/.tierkv-disk.lock`` is held
 (``flock``) while a tier uses the directory, so two servers never share one.
 
-A record file is written to a temporary file next to its final name (payload first, hashed
-piece by piece as it goes out, behind a zeroed header written in the same call as its first
-piece so that every piece is aligned in the file; then the header with the checksum),
+A record file is written to a temporary file next to its final name (its blocks reserved
+first in one ``fallocate`` where the filesystem supports it:
+:func:`tierkv.piecewise_io.preallocate`; then the payload, hashed piece by piece as it goes
+out, behind a zeroed header written in the same call as its first piece so that every piece
+is aligned in the file; then the header with the checksum),
 optionally ``fsync``-ed, then ``os.replace``-d into place: a torn write is never visible
 under a chunk's name.
 
@@ -40,7 +42,7 @@ import shutil
 import stat
 from typing import NamedTuple
 
-from tierkv.piecewise_io import read_hashed, write_hashed
+from tierkv.piecewise_io import preallocate, read_hashed, write_hashed
 from tierkv.tiers.base import LoadStatus, TierError
 from tierkv.tiers.records import HEADER_SIZE, pack_header, unpack_header, verify, whole_record
 
@@ -92,6 +94,8 @@ def write_record(path: str, tmp: str, key: bytes, data: memoryview, fsync: bool)
         fd = os.open(tmp, flags, 0o600)
     try:
         try:
+            # The record's blocks in one go (a refused space raises here, before any write).
+            preallocate(fd, HEADER_SIZE + data.nbytes)
             # The payload first (behind a placeholder for the header, written with its first
             # piece), hashed as it goes out, then the header that holds the checksum (the
             # file has its final name only once both are written).
