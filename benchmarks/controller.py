@@ -20,7 +20,9 @@ Columns (the seed's RegistryTree figures in brackets):
   process on their own threads, so the client and the controller share one interpreter: an
   upper bound of a separate process's figure.
 
-Use ``--instances`` / ``--chunks`` for a smaller run. The last line of output is
+Use ``--instances`` / ``--chunks`` for a smaller run; ``--busy-cores 1`` measures with a core
+kept busy by a spinning process (``busy_cores.py``; the line is then ``controller_busy``).
+The last line of output is
 ``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E``.
 """
 
@@ -34,6 +36,7 @@ import time
 
 import numpy as np
 
+from busy_cores import add_option, kept_busy, line_name
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
@@ -66,7 +69,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=1_000_000, help="chunks per instance")
     ap.add_argument("--lookups", type=int, default=50, help="512-chunk lookups timed")
     ap.add_argument("--wire-lookups", type=int, default=200, help="lookups over the wire")
+    add_option(ap)
     args = ap.parse_args()
+    with kept_busy(args.busy_cores):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Everything but the argument parsing: the index filled, the figures printed."""
     n_inst, n = args.instances, args.chunks
 
     index = ControllerIndex()
@@ -143,7 +153,8 @@ def main() -> None:
     print(f"its merge into the filter (in the background in a controller): {merges!r} s")
     print(f"deregister: {deregister_ms:.2f} ms (median of {drops!r})")
     print(
-        f"controller lookup_us={lookup_us:.2f} memory_gb={memory / 1e9:.2f} "
+        f"{line_name('controller', args.busy_cores)} lookup_us={lookup_us:.2f} "
+        f"memory_gb={memory / 1e9:.2f} "
         f"full_report_ms={full_report_ms:.1f} deregister_ms={deregister_ms:.2f} "
         f"lookup512_wire_p50_us={wire_us:.0f}"
     )

@@ -26,7 +26,11 @@ entry is a round trip away, one per owner, all owners in parallel) resolves the 
 512-chunk prefix that A published; p50 over ``--lookups`` lookups.
 
     python benchmarks/peers.py [--chunks 32] [--chunk-mib 8] [--repeat 5] [--lookups 300]
-                               [--nixl-ucx-tls tcp] [--no-nixl]
+                               [--nixl-ucx-tls tcp] [--no-nixl] [--busy-cores N]
+
+``--busy-cores 1``: the same with a core kept busy by a process spinning at the default
+priority (``busy_cores.py``), the noisier machine the goals' margin is for; its last line is
+then named ``peers_busy``.
 
 The last line is machine-readable:
 ``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B ... nixl_ok=C nixl_transport=D``
@@ -56,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from busy_cores import add_option, kept_busy, line_name
 from tierkv import keys as tk
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
@@ -411,10 +416,17 @@ def main() -> None:
     )
     ap.add_argument("--no-nixl", action="store_true", help="leave the NIXL path out")
     ap.add_argument("--raw-sender", nargs=4, type=int, help=argparse.SUPPRESS)
+    add_option(ap)
     args = ap.parse_args()
     if args.raw_sender:
         raw_sender(*args.raw_sender)
         return
+    with kept_busy(args.busy_cores):
+        measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Everything but the argument parsing: servers, rounds, the figures printed."""
 
     chunk_bytes = args.chunk_mib * MIB
     per = chunk_bytes // (2 * CHUNK_TOKENS * 4)
@@ -542,7 +554,8 @@ def main() -> None:
     print(nixl_line)
     ratio = fetch_gbps / raw_gbps
     print(
-        f"peers fetch_vs_raw_tcp={ratio:.3f} directory_lookup512_p50_us={p50_us:.0f} "
+        f"{line_name('peers', args.busy_cores)} fetch_vs_raw_tcp={ratio:.3f} "
+        f"directory_lookup512_p50_us={p50_us:.0f} "
         f"immediate_remote_hit={immediate:.2f} commit_publish_wait_us={wait_us - plain_us:.0f} "
         f"nixl_ok={nixl_ok} nixl_transport={nixl_tls}"
     )
