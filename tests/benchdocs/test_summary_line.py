@@ -42,6 +42,10 @@ tiers disk_write_vs_raw=0.46 disk_read_vs_raw=0.67 redis_set_vs_raw=2.20 redis_g
 NIXL path not measured: nixl is not installed
 peers fetch_vs_raw_tcp=0.890 directory_lookup512_p50_us=2748 immediate_remote_hit=1.00 \
 commit_publish_wait_us=1686 nixl_ok=0 nixl_transport=none""",
+    "peers.py --busy-cores 1": """\
+NIXL fetch (LOOKUP + NIXL READs from C + retrieve on D, UCX_TLS=tcp): best 250.1 ms
+peers_busy fetch_vs_raw_tcp=0.995 directory_lookup512_p50_us=910 immediate_remote_hit=1.00 \
+commit_publish_wait_us=1412 nixl_ok=1 nixl_transport=tcp""",
     "directory_repair.py": """\
 digest in sync:     0.95 us; listing one bucket 4.1 ms (a scan of 100000 entries)
 directory_repair holder_round_ms=62.0 holder_vs_route=3.10 core_share_pct=1.24 \
@@ -59,6 +63,10 @@ engines8_lookup_p99_ms=5.94 lookup_p99_under_transfer_ms=9.15""",
 deregister: 7.91 ms (median of [7.9, 8.1, 7.6])
 controller lookup_us=2.10 memory_gb=4.41 full_report_ms=52.0 deregister_ms=7.91 \
 lookup512_wire_p50_us=1040""",
+    "controller.py --busy-cores 1": """\
+deregister: 0.04 ms (median of [0.04, 0.03, 0.05])
+controller_busy lookup_us=0.21 memory_gb=3.02 full_report_ms=30.8 deregister_ms=0.04 \
+lookup512_wire_p50_us=563""",
     "router_load.py": """\
 GET /quota: 1000 tenants 16.0 ms, 2000 tenants 30.1 ms, 4000 tenants 44.2 ms
 floor idle_p99_ms=1.20 routers_p99_ms=2.10 quota_p99_ms=1.90
@@ -87,7 +95,9 @@ BUILT_KEYS = {"batch16", "batch512", "quota_1000_ms"}
 
 
 def parse_sample(script: str) -> summary_line.Summary:
-    return parse_output(SAMPLES[script].replace("\\\n", "").splitlines(), script[:-3])
+    """The sample of ``script`` (``"name.py"``, or with its arguments: another run's format)."""
+    name = script.split()[0][:-3]
+    return parse_output(SAMPLES[script].replace("\\\n", "").splitlines(), name)
 
 
 def test_values() -> None:
@@ -142,11 +152,14 @@ def test_mixed_values_and_nan() -> None:
 
 @pytest.mark.parametrize("figure", FIGURES, ids=lambda f: f.figure_id)
 def test_every_catalogued_figure_parses_from_its_script_format(figure: Figure) -> None:
-    summary = parse_sample(figure.script)
+    busy = figure.line.endswith("_busy")  # a run with --busy-cores (benchmarks/busy_cores.py)
+    summary = parse_sample(f"{figure.script} --busy-cores 1" if busy else figure.script)
     assert isinstance(summary[figure.line][figure.key], int | float)
     for where in (figure.bound_key, figure.per):
         if where is not None:
             assert isinstance(summary[where[0]][where[1]], int | float)
     source = (BENCHMARKS / figure.script).read_text()
     assert figure.key in BUILT_KEYS or f"{figure.key}=" in source
-    assert f"{figure.line} " in source or figure.line == figure.script[:-3]
+    line = figure.line.removesuffix("_busy") if busy else figure.line
+    assert f"{line} " in source or line == figure.script[:-3] or f"line_name('{line}'" in source
+    assert not busy or f"line_name('{line}', args.busy_cores)" in source
