@@ -222,10 +222,11 @@ class KeyTable:
         return table
 
     def _fill(self, entries: U64, uniform_tier: int | None = None) -> None:
-        """Place ``entries`` into this (empty) table: sorted by fingerprint they are sorted
-        by home, and linear probing puts the i-th at max(home_i, slot_{i-1} + 1).
-        ``uniform_tier``: every entry has that tier (the counts need no pass)."""
-        entries = np.sort(entries)
+        """Place ``entries`` (a fresh array: sorted here in place, no copy) into this
+        (empty) table: sorted by fingerprint they are sorted by home, and linear probing
+        puts the i-th at max(home_i, slot_{i-1} + 1). ``uniform_tier``: every entry has
+        that tier (the counts need no pass)."""
+        entries.sort()
         if _place is not None:
             self._place(entries)
             return
