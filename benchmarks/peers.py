@@ -427,7 +427,6 @@ def main() -> None:
 
 def measure(args: argparse.Namespace) -> None:
     """Everything but the argument parsing: servers, rounds, the figures printed."""
-
     chunk_bytes = args.chunk_mib * MIB
     per = chunk_bytes // (2 * CHUNK_TOKENS * 4)
     shape = (2, CHUNK_TOKENS, per)

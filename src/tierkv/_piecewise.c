@@ -41,7 +41,8 @@
  * ``length``), before a file that is written whole (a chunk record) is written. True when
  * reserved; False, with nothing done, where the filesystem or kernel cannot (EOPNOTSUPP,
  * ENOSYS, EINVAL, EPERM from a seccomp filter, or not a regular file: ENODEV, ESPIPE):
- * unlike posix_fallocate(3), never a fallback that writes zeros. OSError for a refusal of the space itself (ENOSPC, EDQUOT, EIO).
+ * unlike posix_fallocate(3), never a fallback that writes zeros. OSError for a refusal of
+ * the space itself (ENOSPC, EDQUOT) or a failed device (EIO).
  *
  * Why. On ext4 a write into a file's unallocated range reserves its blocks page by page
  * (delayed allocation) inside the write; with the range allocated up front in one extent
