@@ -600,21 +600,25 @@ def print_kind(result: dict[str, Any]) -> None:
         f"memcpy of the same chunks {f['bound']:.2f} GB/s (rounds: {bounds}): "
         f"store_vs_memcpy={f['store_vs_memcpy']:.2f}{load_ratio}; {outputs}"
     )
-    if "first_write" in f:
-        firsts = " / ".join(f"{b:.2f}" for b in result["first_writes"])
-        print(
-            f"{name}: memcpy into idle pool-like memory, each byte written once (the stores' "
-            f"destination's state: see Twin) {f['first_write']:.2f} GB/s (rounds: {firsts}): "
-            f"store_vs_first_write={f['store_vs_first_write']:.2f}"
-        )
-    if "load_first_write" in f:
-        firsts = " / ".join(f"{b:.2f}" for b in result["load_first_writes"])
-        print(
-            f"{name}: memcpy into idle memory of the engine's process, each byte written once "
-            f"(the loads' destination's state: see ENGINE_TWIN_BYTES) "
-            f"{f['load_first_write']:.2f} GB/s (rounds: {firsts}): "
-            f"load_vs_first_write={f['load_vs_first_write']:.2f}"
-        )
+    twins = (
+        ("first_writes", "first_write", "store", "idle pool-like memory", "stores", "Twin"),
+        (
+            "load_first_writes",
+            "load_first_write",
+            "load",
+            "idle memory of the engine's process",
+            "loads",
+            "ENGINE_TWIN_BYTES",
+        ),
+    )
+    for rounds, key, copy, memory, whose, see in twins:
+        if key in f:
+            firsts = " / ".join(f"{b:.2f}" for b in result[rounds])
+            print(
+                f"{name}: memcpy into {memory}, each byte written once (the {whose}' "
+                f"destination's state: see {see}) {f[key]:.2f} GB/s (rounds: {firsts}): "
+                f"{copy}_vs_first_write={f[f'{copy}_vs_first_write']:.2f}"
+            )
 
 
 def differ(result: dict[str, Any]) -> str:
