@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from busy_cores import add_option, kept_busy, line_name
+from stop_signals import exit_on_stop_signals
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
@@ -64,6 +65,7 @@ def random_keys(n: int) -> bytes:
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--instances", type=int, default=100)
     ap.add_argument("--chunks", type=int, default=1_000_000, help="chunks per instance")

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stop_signals import exit_on_stop_signals
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODEL = {
@@ -71,6 +73,7 @@ class Answer:
 
 
 def main() -> None:
+    exit_on_stop_signals()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=6)
     parser.add_argument("--asks", type=int, default=4, help="questions per document")

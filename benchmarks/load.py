@@ -58,6 +58,7 @@ import numpy as np
 
 from peers import TOKEN, Server, free_port_pair, members, wait_for
 from shm_path import start_server
+from stop_signals import exit_on_stop_signals
 from tierkv import arraycopy, framing
 from tierkv.arraycopy import copy_array
 from tierkv.client import Client
@@ -493,6 +494,7 @@ def under_transfer(root: Path, rounds: int, slow_tier: str) -> dict[str, Any]:
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=5, help="prompts per engine")

@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from busy_cores import add_option, kept_busy, line_name
+from stop_signals import exit_on_stop_signals
 from tierkv import keys as tk
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
@@ -405,6 +406,7 @@ def read_your_writes(a: Server, b: Server, rounds: int) -> tuple[int, list[float
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--chunks", type=int, default=32, help="chunks fetched per round")
     ap.add_argument("--chunk-mib", type=int, default=8, help="MiB per chunk")

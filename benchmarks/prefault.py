@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from stop_signals import exit_on_stop_signals
 from tierkv.pool import ShmPool, check_shm_capacity, format_bytes, segment_exists
 
 MIB = 1 << 20
@@ -136,6 +137,7 @@ def median_run(runs: list[Run]) -> Run:
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=1024, help="pool size (default 1024 MiB)")
     ap.add_argument("--chunk-mib", type=int, default=4, help="copy granularity (default 4 MiB)")

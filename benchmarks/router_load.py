@@ -51,6 +51,7 @@ import numpy as np
 import load
 from load import SMALL, Floor, pct, prompt, within
 from peers import TOKEN, Server, free_port_pair, members, wait_for
+from stop_signals import exit_on_stop_signals
 
 MIB = 1 << 20
 AUTH = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
@@ -284,6 +285,7 @@ def run(
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--routers", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=5.0, help="of each idle and router phase")

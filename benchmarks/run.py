@@ -18,6 +18,7 @@ from pathlib import Path
 
 import results_file
 import summary_line
+from stop_signals import pass_on_stop_signals
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +29,7 @@ def run(script: Path, args: list[str]) -> tuple[int, list[str]]:
     with subprocess.Popen(
         [sys.executable, str(script), *args], stdout=subprocess.PIPE, text=True, bufsize=1
     ) as proc:
+        pass_on_stop_signals(proc)  # a stopped run stops its script, which cleans up
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)

@@ -76,6 +76,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from stop_signals import exit_on_stop_signals
 from tierkv import arraycopy
 from tierkv.arraycopy import copy_array
 from tierkv.chunk_follower import ChunkFollower
@@ -642,6 +643,7 @@ def server_and_clients(
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_stop_signals()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--chunk-mib", type=int, default=8, help="chunk size S (default 8)")
     parser.add_argument("--chunks-per-request", type=int, default=16, help="N (default 16)")

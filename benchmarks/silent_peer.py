@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from peers import free_port_pair
+from stop_signals import exit_on_stop_signals
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
@@ -225,6 +226,7 @@ def ring_mode(root: str, ops: int) -> tuple[float, float, float]:
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ops", type=int, default=10, help="operations per phase")
     args = ap.parse_args()

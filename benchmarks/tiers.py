@@ -69,6 +69,7 @@ from typing import Any
 
 import numpy as np
 
+from stop_signals import exit_on_stop_signals
 from tierkv.checksums import checksum
 from tierkv.copier import Copier, default_threads
 from tierkv.piecewise_io import preallocate
@@ -673,6 +674,7 @@ def print_table(res: Results, chunk: int, n: int, repeat: int, disk_repeat: int)
 
 
 def main() -> None:
+    exit_on_stop_signals()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=24, help="chunks per run (disk, redis)")
     ap.add_argument("--s3-chunks", type=int, default=8, help="chunks per run for s3 (moto)")

@@ -83,6 +83,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from stop_signals import exit_on_stop_signals
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.tiny_model import cpu_has_amx
 from vllm_ttft import (
@@ -238,6 +240,7 @@ def first_write_gbps(view: memoryview, chunk_bytes: int, chunks: int, threads: i
 
 
 def main() -> None:
+    exit_on_stop_signals()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated model kinds")
     parser.add_argument("--rounds", type=int, default=3, help="prompts per kind (cold + warm)")

@@ -69,6 +69,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from stop_signals import exit_on_stop_signals
 from tierkv import arraycopy
 from tierkv.arraycopy import copy_array
 from tierkv.copier import default_threads
@@ -90,6 +91,7 @@ MODEL = {
 
 
 def main() -> None:
+    exit_on_stop_signals()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=8300, help="prompt length (tokens)")
     parser.add_argument("--rounds", type=int, default=3, help="prompts (cold + warm each)")

@@ -1,0 +1,115 @@
+"""benchmarks/stop_signals.py: a benchmark stopped by SIGTERM or SIGHUP, directly or through
+the runner, still kills its spinners and unlinks its shared-memory segment, and exits with
+128 + the signal's number; the runner records nothing for it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.processes  # real scripts, spinners and segments
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+SCRIPT = """
+import sys, time
+from busy_cores import kept_busy
+from stop_signals import exit_on_stop_signals
+from tierkv.pool import ShmPool
+
+def main():
+    exit_on_stop_signals()
+    segment = ShmPool.create(sys.argv[1], 1 << 20)
+    try:
+        with kept_busy(1):
+            print("ready", flush=True)
+            time.sleep(60)
+    finally:
+        segment.close()
+        print("cleaned up", flush=True)
+
+main()
+"""
+
+
+def _start(tmp_path: Path, segment: str, through_runner: bool) -> subprocess.Popen[str]:
+    script = tmp_path / "stoppable.py"
+    script.write_text(SCRIPT)
+    runner = [str(BENCHMARKS / "run.py"), "--results", str(tmp_path / "results.jsonl")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), *sys.path])}
+    return subprocess.Popen(
+        [sys.executable, *(runner if through_runner else []), str(script), segment],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _descendants(root: int) -> set[int]:
+    """The processes below ``root`` (children, grandchildren, ...)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    while True:
+        more = {pid for pid, ppid in parents.items() if ppid in found | {root}} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _spinning(pids: set[int]) -> set[int]:
+    """Those of ``pids`` running busy_cores' spin loop."""
+    found = set()
+    for pid in pids:
+        try:
+            if b"while True: pass" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    ("signum", "through_runner"),
+    [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGTERM, True)],
+)
+def test_stopped_benchmark_cleans_up(tmp_path: Path, signum: int, through_runner: bool) -> None:
+    segment = f"tierkv-test-stop-{os.getpid()}-{signum}-{int(through_runner)}"
+    proc = _start(tmp_path, segment, through_runner)
+    assert proc.stdout is not None
+    spinners: set[int] = set()
+    try:
+        for line in proc.stdout:  # the spinner's line, then ours
+            if line.strip() == "ready":
+                break
+        else:
+            pytest.fail("the script never got ready")
+        assert Path(f"/dev/shm/{segment}").exists()
+        spinners = _spinning(_descendants(proc.pid))
+        assert len(spinners) == 1
+        proc.send_signal(signum)
+        # A spinner left behind would hold the pipe open: no end of output, a timeout.
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        for pid in [proc.pid, *spinners]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{segment}")
+    assert proc.returncode == 128 + signum
+    assert "cleaned up" in rest  # the script's finally ran (and could still print)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)  # killed and reaped
+    assert not (tmp_path / "results.jsonl").exists()  # a stopped run records nothing
