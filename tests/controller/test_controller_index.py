@@ -315,6 +315,52 @@ def test_the_c_search_reads_nothing_outside_the_array_whatever_the_directory_say
         probe(arr, 0, want, np.empty(3, np.int8))
 
 
+def test_the_c_merge_merges_as_numpy_does() -> None:
+    """The filter's merge in C (a k-way merge taking runs from one part): the same array as
+    numpy's filter, sort and dedupe, for parts that interleave, repeat each other's entries
+    (the same key held twice), hold dead slots' entries, or are empty; any number of parts."""
+    assert holders_module._merge is not None
+    rng = np.random.default_rng(5)
+    slot_of = np.uint64(SLOTS - 1)
+    for case in range(60):
+        k = int(rng.integers(1, 12))
+        sizes = rng.integers(0, 3000 if case % 3 else 40, k)
+        top = 2**20 if case % 2 else 2**63  # small values: many repeats across parts
+        parts = []
+        for size in sizes:
+            high = rng.integers(0, top, int(size), dtype=np.uint64) << np.uint64(16)
+            part = np.sort(high | rng.integers(0, 8, int(size), dtype=np.uint64))
+            if case % 4 == 0 and part.size:  # a long run from one part
+                part = np.sort(np.concatenate([part, part[: part.size // 2]]))
+            parts.append(part)
+        if k > 1 and parts[0].size:
+            parts[1] = np.sort(np.concatenate([parts[1], parts[0][::3]]))  # shared entries
+        live = rng.random(SLOTS) < (0.7 if case % 5 else 1.0)
+        got = merge_parts(parts, live)
+        want = holders_module.merge_parts_numpy(parts, live)
+        assert got.dtype == np.uint64 and np.array_equal(got, want), case
+        assert live[(got & slot_of).astype(np.int64)].all()
+    assert merge_parts([], np.ones(SLOTS, bool)).size == 0
+
+
+def test_the_c_merge_refuses_arguments_of_the_wrong_shape() -> None:
+    from tierkv._fingerprints import merge
+
+    part = np.arange(10, dtype=np.uint64)
+    live = np.ones(SLOTS, dtype=np.bool_)
+    with pytest.raises(ValueError, match="out holds"):
+        merge([part, part], live, np.empty(19, np.uint64))
+    with pytest.raises(ValueError, match="live"):
+        merge([part], live[:100], np.empty(10, np.uint64))
+    with pytest.raises(ValueError, match="aligned"):
+        merge([part.view(np.uint8)[1:9]], live, np.empty(10, np.uint64))
+    with pytest.raises(TypeError):
+        merge(5, live, np.empty(10, np.uint64))
+    with pytest.raises(TypeError):
+        merge([part, "x"], live, np.empty(20, np.uint64))
+    assert merge([], live, np.empty(0, np.uint64)) == 0
+
+
 def test_filter_refuses_more_instances_than_slots() -> None:
     f = HolderFilter()
     for i in range(SLOTS):
