@@ -204,6 +204,20 @@ def test_filter_names_every_slot_of_a_key_and_forgets_retired_ones_after_a_merge
     assert f.take_slot("d") == b and f.candidates(np.sort(keys)).tolist() == sorted([a, c])
 
 
+def test_filter_memory_counts_the_arrays_a_merge_left_as_views() -> None:
+    """A merge that drops a few entries keeps a view of its array: counted whole."""
+    f = HolderFilter()
+    keys = fingerprints(keys_of(NS_A, 100))
+    a, b = f.take_slot("a"), f.take_slot("b")
+    parts = [pack_sorted(np.sort(keys), a), pack_sorted(np.sort(keys[:10]), b)]
+    f.retire(b)
+    f.base = merge_parts(parts, f.live_mask())
+    assert f.base.size == 100 and f.nbytes == 8 * 110
+    f.retire(a)
+    f.base = merge_parts([f.base], f.live_mask())  # nearly all dropped: a right-sized copy
+    assert f.base.size == 0 and f.nbytes == 0
+
+
 def test_a_directory_search_finds_what_a_binary_search_of_the_whole_array_finds() -> None:
     rng = np.random.default_rng(3)
     top = np.iinfo(np.uint64).max

@@ -162,7 +162,11 @@ class HolderFilter:
 
     @property
     def nbytes(self) -> int:
-        return int(self.base.nbytes) + sum(int(r.nbytes) for r in self.runs + self.merging)
+        """The memory the arrays hold (a merged base may be a view of a longer array)."""
+        arrays = [self.base, *self.runs, *self.merging]
+        return sum(
+            int(a.base.nbytes if isinstance(a.base, np.ndarray) else a.nbytes) for a in arrays
+        )
 
     def take_slot(self, instance: str) -> int:
         if not self._free:
