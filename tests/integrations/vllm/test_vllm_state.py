@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from support import vllm_engine
@@ -130,6 +131,39 @@ def test_pieces_cover_every_state_byte_once_and_name_the_format_and_the_prefix()
     assert one != fmt.piece_hashes(b"prefix-2", "") != fmt.piece_hashes(b"prefix-1", "salt")
     other = StateFormat(("a", "b", "c"), (1, 2, 3), 1000, 768, signature=b"t")
     assert other.piece_hashes(b"prefix-1", "") != one
+
+
+def test_state_copies_through_torch_write_the_bytes_the_host_path_writes() -> None:
+    """A cache numpy cannot view (on a GPU; here: a CPU tensor of 16-byte elements) is copied
+    through torch, straight between its pages and the slot: gathers and scatters of pieces
+    that span layers give the bytes the host path gives, pages not named stay as they were."""
+    layers, blocks, page = ("s.0", "s.1", "s.2"), 6, 4096
+    fmt = StateFormat(layers, (1, 1, 1), layer_bytes=3000, piece_bytes=2048, signature=b"s")
+    gen = torch.Generator().manual_seed(7)
+    raw = [torch.randint(0, 256, (blocks, page), dtype=torch.uint8, generator=gen) for _ in layers]
+    host = StateLayout(fmt, {n: r.clone() for n, r in zip(layers, raw, strict=True)})
+    wide = {n: r.clone().view(torch.complex128) for n, r in zip(layers, raw, strict=True)}
+    device_like = StateLayout(fmt, wide)
+    assert all(not isinstance(rows, np.ndarray) for rows in device_like._rows)  # torch's path
+    at = [4, 1, 5]  # one block per layer
+    for piece in range(fmt.pieces):
+        a = np.full(fmt.piece_bytes, 0xAA, np.uint8)
+        b = np.full(fmt.piece_bytes, 0x55, np.uint8)
+        host.gather(piece, at, a)
+        device_like.gather(piece, at, b)
+        assert np.array_equal(a, b)
+    new = np.random.default_rng(3).integers(0, 256, (fmt.pieces, fmt.piece_bytes), np.uint8)
+    into = [2, 3, 0]
+    for piece in range(fmt.pieces):
+        host.scatter(piece, into, new[piece])
+        device_like.scatter(piece, into, new[piece].copy())
+    for i, name in enumerate(layers):
+        got = wide[name].view(torch.uint8)
+        assert torch.equal(got, torch.from_numpy(host._rows[i]))  # the host path's pages
+        flat = new.reshape(-1)[i * fmt.layer_bytes : (i + 1) * fmt.layer_bytes]
+        assert np.array_equal(got[into[i], : fmt.layer_bytes].numpy(), flat)
+        untouched = [b for b in range(blocks) if b != into[i]]
+        assert torch.equal(got[untouched], raw[i][untouched])
 
 
 # -- both roles against a real server ----------------------------------------------------------

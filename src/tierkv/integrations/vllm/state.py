@@ -211,11 +211,11 @@ class StateLayout:
             else:
                 copy_array(page, slot)
             return
-        import torch  # a device cache: one copy across, through torch
+        import torch  # a device cache: one copy across, through torch, straight to the slot
 
         page = rows[block].view(torch.uint8)[offset : offset + n]
         if store:
-            slot[:] = page.cpu().numpy()
+            torch.from_numpy(slot).copy_(page)
         else:
             page.copy_(torch.from_numpy(np.ascontiguousarray(slot)))
 
