@@ -33,7 +33,9 @@ block ids, scatters including null blocks, and the whole cache compared after a 
 block the plan does not name, the null block included, must not change). Last lines, one
 per kind and a summary:
 ``gpu_copies[KIND] gather_vs_copy=A scatter_vs_copy=B`` (against the pageable bound) and
-``gpu_copies kinds=3 bit_exact=3 min_gather_vs_copy=A min_scatter_vs_copy=B``.
+``gpu_copies kinds=3 bit_exact=3 state_exact=1 min_gather_vs_copy=A min_scatter_vs_copy=B``
+(``state_exact``: a hybrid's state layers, raw byte pages as vLLM hands a gated-DeltaNet or
+Mamba layer over, copied to and from pool memory bit for bit, pieces spanning layers).
 """
 
 from __future__ import annotations
@@ -194,6 +196,41 @@ def check_bits(case: Case, device: Any) -> None:
     del host_caches, reference
 
 
+def check_state(device: Any, layers: int) -> None:
+    """A hybrid's state layers (:class:`~tierkv.integrations.vllm.state.StateLayout`: raw
+    byte pages per block, as vLLM hands a Mamba/GDN layer over) copied to and from pool
+    memory on the device: pieces that span layers gathered and scattered as on the host,
+    bit for bit, and pages not named left as they were."""
+    import torch
+
+    from tierkv.integrations.vllm.state import StateFormat, StateLayout
+
+    blocks, page, state = 8, 1 << 20, 3 * (1 << 18) + 1000  # a state: most of its page, odd
+    names = tuple(f"model.layers.{i}.linear_attn" for i in range(layers))
+    fmt = StateFormat(names, (1,) * layers, layer_bytes=state, piece_bytes=2 << 20, signature=b"s")
+    gen = torch.Generator(device=device).manual_seed(9)
+    pages = {
+        n: torch.randint(-128, 127, (blocks, page), dtype=torch.int8, device=device, generator=gen)
+        for n in names
+    }
+    host_pages = _host_copies(pages)
+    on_device, reference = StateLayout(fmt, pages), StateLayout(fmt, host_pages)
+    at, into = [i % blocks for i in range(layers)], [(i + 3) % blocks for i in range(layers)]
+    for piece in range(fmt.pieces):
+        got = np.full(fmt.piece_bytes, 0xAA, np.uint8)
+        want = np.full(fmt.piece_bytes, 0x55, np.uint8)
+        on_device.gather(piece, at, got)
+        reference.gather(piece, at, want)
+        assert np.array_equal(got, want), f"state: piece {piece} gather differs"
+    source = np.random.default_rng(10).integers(0, 256, (fmt.pieces, fmt.piece_bytes), np.uint8)
+    for piece in range(fmt.pieces):
+        on_device.scatter(piece, into, source[piece])
+        reference.scatter(piece, into, source[piece])
+    for n in names:
+        assert torch.equal(pages[n].cpu(), host_pages[n]), f"state: scatter differs ({n})"
+    print(f"state: {layers} layers of {state} bytes in {fmt.pieces} pieces, bit-exact")
+
+
 def _host_copies(caches: dict[str, Any]) -> dict[str, Any]:
     """Copies in host memory, tensors shared between layers still shared."""
     copies: dict[int, Any] = {}
@@ -306,8 +343,9 @@ def main() -> None:
         del case
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    check_state(device, 4 if args.small else 36)
     print(
-        f"gpu_copies kinds={len(kinds)} bit_exact={exact} "
+        f"gpu_copies kinds={len(kinds)} bit_exact={exact} state_exact=1 "
         f"min_gather_vs_copy={min(r[0] for r in ratios.values()):.2f} "
         f"min_scatter_vs_copy={min(r[1] for r in ratios.values()):.2f}"
     )
