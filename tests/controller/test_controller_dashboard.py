@@ -114,3 +114,6 @@ def test_remove_needs_the_token_refuses_bad_bodies_and_forgets_the_instance(
     assert "removed" in events
     assert val(scrape(base), "tierkv_controller_deregistrations_total", reason="operator") == 1
     wait_for(lambda: controller.holders(keys) == [{a.node_id}] * 4)
+    # The merge that dropped A's removed slot (at least): counted and timed.
+    wait_for(lambda: val(scrape(base), "tierkv_controller_index_merges_total") >= 1)
+    assert val(scrape(base), "tierkv_controller_index_merge_seconds_total") > 0

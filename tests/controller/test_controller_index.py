@@ -181,6 +181,8 @@ def test_full_report_replaces_and_deregister_drops_in_bulk() -> None:
     tiers = np.array([i % 2 for i in range(50)], dtype=np.int8)
     assert idx.replace("z", a + b, tiers) == 50
     assert idx.namespaces("z") == {NS_A.hex(): [15, 15, 0, 0], NS_B.hex(): [10, 10, 0, 0]}
+    idx.settle()
+    assert idx.merges >= 1 and idx.merge_seconds > 0  # counted and timed (the metrics')
     idx.close()
 
 

@@ -82,6 +82,12 @@ class ControllerCollector(Collector):
             "merges of reports into the index's sorted array",
             value=s.index.merges,
         )
+        yield CounterMetricFamily(
+            "tierkv_controller_index_merge_seconds",
+            "seconds spent merging reports into the index's sorted array (its rate: the share "
+            "of a core the background merges take)",
+            value=s.index.merge_seconds,
+        )
         yield GaugeMetricFamily(
             "tierkv_controller_instances", "registered servers", value=len(s.instances())
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +95,7 @@ class ControllerIndex:
         self.merge_interval = merge_interval
         self.run_limit = run_limit
         self.merges = 0
+        self.merge_seconds = 0.0  # spent merging, in all (its rate: the share of a core)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,6 +148,7 @@ class ControllerIndex:
                 # reading it outside the lock misses nothing held now; later admits are runs.
                 tables = {slot: table.slots for slot, table in self._pending.items()}
                 live = f.live_mask()
+            started = time.perf_counter()
             try:
                 parts = [base, *runs, *(from_table(a, slot) for slot, a in tables.items())]
                 merged = merge_parts(parts, live)
@@ -161,6 +164,7 @@ class ControllerIndex:
                     self._pending.pop(slot, None)
                 f.free(dead)
                 self.merges += 1
+                self.merge_seconds += time.perf_counter() - started
             return True
 
     def settle(self) -> None:

@@ -408,6 +408,7 @@ class ControllerService:
             "total_keys": self.index.total(),
             "index_bytes": self.index.nbytes(),
             "index_merges": self.index.merges,
+            "index_merge_seconds": round(self.index.merge_seconds, 3),
             "activity": list(self.activity),
             "control": self.control_stats(),
             **self.counts,
