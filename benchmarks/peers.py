@@ -21,6 +21,10 @@ arrived byte-exact and over NIXL (D's figures: every chunk read by NIXL, no fall
 the NIXL servers were given (``none`` without NIXL). On a machine without RDMA this measures
 correctness and overhead, not RDMA speed.
 
+B's control path while B fetches: the fetch rounds run once more while a prober process (an
+engine on B with 16 small chunks of its own) looks them up every 2 ms, then as long without
+a fetch; the lookups' p50 and p99 in both (printed, not in the last line).
+
 Directory lookup latency: an outside reader (the benchmark process, not a member, so every
 entry is a round trip away, one per owner, all owners in parallel) resolves the keys of a
 512-chunk prefix that A published; p50 over ``--lookups`` lookups.
@@ -30,7 +34,10 @@ entry is a round trip away, one per owner, all owners in parallel) resolves the 
 
 ``--busy-cores 1``: the same with a core kept busy by a process spinning at the default
 priority (``busy_cores.py``), the noisier machine the goals' margin is for; its last line is
-then named ``peers_busy``.
+then named ``peers_busy``. Such a run also times raw TCP over as many streams with every
+sending and receiving thread at the priority tierkv gives its data threads (a higher nice
+value: they leave a busy core to the other process), beside the others: the bound at the
+priority the fetch's own threads run at.
 
 The last line is machine-readable:
 ``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B ... nixl_ok=C nixl_transport=D``
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import math
 import os
 import shutil
@@ -69,6 +77,7 @@ from tierkv.cluster.control import ControlClient
 from tierkv.cluster.nixl_agent import unavailable
 from tierkv.cluster.ring_directory import DirectoryReader
 from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
+from tierkv.priority import DATA_NICE, DATA_SLICE_NS, data_thread
 
 MIB = 1 << 20
 TOKEN = "peers-bench"
@@ -189,12 +198,15 @@ def stream_bounds(nbytes: int, streams: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
-def raw_sender(port: int, nbytes: int, rounds: int, streams: int) -> None:
-    """Serve ``streams`` connections; each round, each sends its share of the bytes."""
+def raw_sender(port: int, nbytes: int, rounds: int, streams: int, lowered: int = 0) -> None:
+    """Serve ``streams`` connections; each round, each sends its share of the bytes
+    (``lowered``: from threads at tierkv's data-thread priority)."""
     buf = np.random.default_rng(7).integers(0, 256, size=nbytes, dtype=np.uint8)
     view = memoryview(buf)
 
     def serve(conn: socket.socket, lo: int, hi: int) -> None:
+        if lowered:
+            data_thread()
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for _ in range(rounds):
@@ -218,16 +230,19 @@ def raw_sender(port: int, nbytes: int, rounds: int, streams: int) -> None:
 class RawTcp:
     """The bound: rounds of ``nbytes`` from a sender process over ``streams`` parallel
     connections (``recv_into`` a touched buffer, one receiving thread per connection); at
-    most ``rounds`` calls of :meth:`round`, each timed alone."""
+    most ``rounds`` calls of :meth:`round`, each timed alone. ``lowered``: the sending and
+    receiving threads run at the priority tierkv gives its data threads
+    (:func:`tierkv.priority.data_thread`: a higher nice value, a longer time slice)."""
 
-    def __init__(self, nbytes: int, rounds: int, streams: int = 1) -> None:
+    def __init__(self, nbytes: int, rounds: int, streams: int = 1, lowered: bool = False) -> None:
         self.nbytes, self.rounds, self.streams = nbytes, rounds, streams
+        self.lowered = lowered
 
     def __enter__(self) -> RawTcp:
         port = free_port_pair()
         self.child = subprocess.Popen(
             [sys.executable, __file__, "--raw-sender", str(port), str(self.nbytes),
-             str(self.rounds), str(self.streams)],
+             str(self.rounds), str(self.streams), str(int(self.lowered))],
             stdout=subprocess.PIPE,
             text=True,
         )  # fmt: skip
@@ -240,7 +255,9 @@ class RawTcp:
                 sock = socket.create_connection(("127.0.0.1", port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.socks.append(sock)
-            self.pool = ThreadPoolExecutor(self.streams)
+            self.pool = ThreadPoolExecutor(
+                self.streams, initializer=data_thread if self.lowered else None
+            )
         except BaseException:
             self.__exit__()
             raise
@@ -377,6 +394,59 @@ def lookup_latencies(a: Server, count: int, lookups: int) -> list[float]:
         reader.close()
 
 
+def percentile(values: list[float], q: float) -> float:
+    return sorted(values)[int(q * (len(values) - 1))]
+
+
+PROBE_SPACING = 0.002  # seconds between two lookups of the prober
+
+
+def lookup_prober(endpoint: str) -> None:
+    """The prober process (``--lookup-prober``): an engine on B stores a few small chunks of
+    its own, prints ``ready``, looks them up (local hits: only B's control path) every
+    :data:`PROBE_SPACING` seconds until a line arrives on stdin, then prints the lookups'
+    seconds as one JSON list."""
+    shape = (2, CHUNK_TOKENS, 2)
+    tokens = np.arange(30_000_000, 30_000_000 + 16 * CHUNK_TOKENS, dtype=np.uint32)
+    with Client(endpoint, timeout=60.0, auth_token=TOKEN) as engine:
+        engine.register("bench-probe-model", shape, "float32", token_axis=1)
+        engine.store(tokens, [np.full(shape, i, np.float32) for i in range(16)])
+        stop = threading.Event()
+        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+        print("ready", flush=True)
+        times: list[float] = []
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            hits = engine.lookup(tokens).hits
+            times.append(time.perf_counter() - t0)
+            if hits != 16:
+                raise SystemExit(f"the prober's chunks missed: {hits} of 16")
+            time.sleep(PROBE_SPACING)
+    print(json.dumps(times), flush=True)
+
+
+def lookups_meanwhile(b: Server, busy: Callable[[], object]) -> list[float]:
+    """B's LOOKUP latencies (a prober process's local hits) while ``busy()`` runs."""
+    prober = subprocess.Popen(
+        [sys.executable, __file__, "--lookup-prober", b.endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert prober.stdin is not None and prober.stdout is not None
+        if prober.stdout.readline().strip() != "ready":
+            raise RuntimeError("the lookup prober did not start")
+        busy()
+        prober.stdin.write("stop\n")
+        prober.stdin.flush()
+        times: list[float] = json.loads(prober.stdout.readline())
+    finally:
+        prober.kill()
+        prober.wait(30)
+    return times
+
+
 def read_your_writes(a: Server, b: Server, rounds: int) -> tuple[int, list[float], list[float]]:
     """Prompts of 2 small chunks stored on A (whose commits wait for the directory) and
     looked up on B the moment each store returned, as a prefill/decode proxy does; the
@@ -417,11 +487,15 @@ def main() -> None:
         "--nixl-ucx-tls", default="tcp", help="UCX_TLS of the NIXL servers (default: tcp)"
     )
     ap.add_argument("--no-nixl", action="store_true", help="leave the NIXL path out")
-    ap.add_argument("--raw-sender", nargs=4, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--raw-sender", nargs=5, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--lookup-prober", help=argparse.SUPPRESS)
     add_option(ap)
     args = ap.parse_args()
     if args.raw_sender:
         raw_sender(*args.raw_sender)
+        return
+    if args.lookup_prober:
+        lookup_prober(args.lookup_prober)
         return
     with kept_busy(args.busy_cores):
         measure(args)
@@ -490,8 +564,23 @@ def measure(args: argparse.Namespace) -> None:
                         return math.inf
 
                 measures.append(nixl_round)
-            fetch, raw, raw_par, *nixl_times = interleaved(args.repeat, *measures)
+            nixl_times: list[list[float]] = []
+            raw_lowered: list[float] = []
+            if args.busy_cores:  # the bound at the data threads' priority, beside the others
+                lowered = stack.enter_context(RawTcp(nbytes, args.repeat, streams, lowered=True))
+                measures.append(lowered.round)
+            fetch, raw, raw_par, *rest = interleaved(args.repeat, *measures)
+            if d is not None:
+                nixl_times = rest[:1]
+            if args.busy_cores:
+                raw_lowered = rest[-1]
             fetch_parts = peer_fetch.parts[-args.repeat :]
+            # B's control path while B fetches: the same rounds again, a prober looking up
+            # meanwhile; then as long without them.
+            t0 = time.perf_counter()
+            during = lookups_meanwhile(b, lambda: [peer_fetch.round() for _ in range(args.repeat)])
+            spent = time.perf_counter() - t0
+            idle = lookups_meanwhile(b, lambda: time.sleep(spent))
         nixl_ok, nixl_tls, nixl_line = 0, "none", f"NIXL path not measured: {why_not_nixl}"
         if c is not None and d is not None:
             over_nixl, over_tcp, fallbacks, nixl_tls = nixl_figures(d.addr, c.addr)
@@ -517,7 +606,7 @@ def measure(args: argparse.Namespace) -> None:
     fetch_gbps = nbytes / min(fetch) / 1e9
     raw_gbps = nbytes / min(raw) / 1e9
     p50_us = statistics.median(lookups) * 1e6
-    p99_us = sorted(lookups)[int(0.99 * (len(lookups) - 1))] * 1e6
+    p99_us = percentile(lookups, 0.99) * 1e6
     print(
         f"peer fetch (LOOKUP + prefetch from A + retrieve on B): {args.chunks} x "
         f"{args.chunk_mib} MiB, best {min(fetch) * 1e3:.1f} ms = {fetch_gbps:.2f} GB/s "
@@ -540,9 +629,22 @@ def measure(args: argparse.Namespace) -> None:
         f"best {min(raw_par) * 1e3:.1f} ms = {raw_par_gbps:.2f} GB/s "
         f"(fetch / this = {fetch_gbps / raw_par_gbps:.2f})"
     )
+    if raw_lowered:
+        print(
+            f"raw TCP, {streams} parallel streams, every sending and receiving thread at the "
+            f"priority of tierkv's data threads (nice +{DATA_NICE}, {DATA_SLICE_NS / 1e6:g} ms "
+            f"slice), same bytes: best {min(raw_lowered) * 1e3:.1f} ms (the fetch's network "
+            f"part at {min(raw_lowered) / network:.2f} of its speed)"
+        )
     print(
         f"directory lookup, 512-chunk prefix, outside reader: p50 {p50_us:.0f} us, "
         f"p99 {p99_us:.0f} us"
+    )
+    print(
+        f"B's lookups (16 local chunks, one every {PROBE_SPACING * 1e3:g} ms) while B fetches: "
+        f"{len(during)} lookups, p50 {percentile(during, 0.5) * 1e6:.0f} us, p99 "
+        f"{percentile(during, 0.99) * 1e6:.0f} us; without a fetch: p50 "
+        f"{percentile(idle, 0.5) * 1e6:.0f} us, p99 {percentile(idle, 0.99) * 1e6:.0f} us"
     )
     wait_us = statistics.median(ryw_wait) * 1e6
     plain_us = statistics.median(ryw_plain) * 1e6

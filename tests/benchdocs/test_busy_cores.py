@@ -10,6 +10,7 @@ import time
 import pytest
 
 from busy_cores import add_option, kept_busy, line_name
+from support.proc_tree import children
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -18,39 +19,24 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _children() -> set[int]:
-    me = os.getpid()
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            if ppid == me:
-                found.add(int(entry))
-    return found
-
-
 @pytest.mark.processes
 def test_spinners_run_for_the_block_and_are_gone_after() -> None:
-    before = _children()
+    before = children(os.getpid())
     with kept_busy(1):
-        spinners = _children() - before
+        spinners = children(os.getpid()) - before
         assert len(spinners) == 1
         (pid,) = spinners
         deadline = time.monotonic() + 10
         while _cpu_seconds(pid) < 0.2:  # it spins: CPU time, not sleep
             assert time.monotonic() < deadline, "the spinner used no CPU"
             time.sleep(0.05)
-    assert _children() == before and not os.path.exists(f"/proc/{pid}")  # killed, reaped
+    assert children(os.getpid()) == before and not os.path.exists(f"/proc/{pid}")  # killed, reaped
 
 
 def test_no_spinner_for_zero_and_a_clear_error_for_less() -> None:
-    before = _children()
+    before = children(os.getpid())
     with kept_busy(0):
-        assert _children() == before
+        assert children(os.getpid()) == before
     with pytest.raises(SystemExit, match="--busy-cores"), kept_busy(-1):
         pass
 

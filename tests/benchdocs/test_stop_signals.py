@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from support.proc_tree import descendants
+
 pytestmark = pytest.mark.processes  # real scripts, spinners and segments
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -51,24 +53,6 @@ def _start(tmp_path: Path, segment: str, through_runner: bool) -> subprocess.Pop
     )
 
 
-def _descendants(root: int) -> set[int]:
-    """The processes below ``root`` (children, grandchildren, ...)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    while True:
-        more = {pid for pid, ppid in parents.items() if ppid in found | {root}} - found
-        if not more:
-            return found
-        found |= more
-
-
 def _spinning(pids: set[int]) -> set[int]:
     """Those of ``pids`` running busy_cores' spin loop."""
     found = set()
@@ -97,7 +81,7 @@ def test_stopped_benchmark_cleans_up(tmp_path: Path, signum: int, through_runner
         else:
             pytest.fail("the script never got ready")
         assert Path(f"/dev/shm/{segment}").exists()
-        spinners = _spinning(_descendants(proc.pid))
+        spinners = _spinning(set(descendants(proc.pid)))
         assert len(spinners) == 1
         proc.send_signal(signum)
         # A spinner left behind would hold the pipe open: no end of output, a timeout.

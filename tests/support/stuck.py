@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from support.proc_tree import descendants
+
 # Arguments for the interpreter of a child whose stacks :func:`describe_stuck` may dump.
 FAULTHANDLER = ["-X", "faulthandler"]
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -28,7 +30,7 @@ def describe_stuck(proc: subprocess.Popen[bytes], log_path: Path | None) -> str:
     the stacks ``faulthandler`` wrote to ``log_path`` with whatever was logged before."""
     if proc.poll() is not None:
         return f"the process exited with {proc.returncode}\n{_read(log_path)}"
-    tree = _descendants(proc.pid)  # an engine's workers, a server's front process
+    tree = descendants(proc.pid)  # an engine's workers, a server's front process
     parts = [_process_state(pid) for pid in [proc.pid, *tree]]
     parts.append(_machine_load())
     size = log_path.stat().st_size if log_path is not None and log_path.exists() else 0
@@ -47,27 +49,6 @@ def describe_stuck(proc: subprocess.Popen[bytes], log_path: Path | None) -> str:
     log = _read(log_path)
     parts.append(f"its log ({size} bytes before the SIGABRT), with the stacks:\n{log}")
     return "\n".join(parts)
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (children, theirs, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def _signal(pid: int, sig: int) -> None:
