@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from peers import TOKEN, Server, free_port_pair, members, wait_for
+from percentiles import pct
 from shm_path import start_server
 from stop_signals import exit_on_stop_signals
 from tierkv import arraycopy, framing
@@ -74,11 +75,6 @@ CHUNK_BYTES = 2 * CHUNK_TOKENS * 4096 * 4
 SMALL = (2, CHUNK_TOKENS, 2)  # the looking-up engine's chunks (their size does not matter)
 GOAL_VS_MEMCPY = 0.8
 GOAL_P99_MS = 5.0
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 def within(samples: list[tuple[float, float]], windows: list[tuple[float, float]]) -> list[float]:

@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from busy_cores import add_option, kept_busy, line_name
+from percentiles import pct
 from stop_signals import exit_on_stop_signals
 from tierkv import keys as tk
 from tierkv.client import Client, wait_for_server
@@ -394,23 +395,20 @@ def lookup_latencies(a: Server, count: int, lookups: int) -> list[float]:
         reader.close()
 
 
-def percentile(values: list[float], q: float) -> float:
-    return sorted(values)[int(q * (len(values) - 1))]
-
-
 PROBE_SPACING = 0.002  # seconds between two lookups of the prober
+PROBE_CHUNKS = 16  # the prober's own chunks, each lookup's hits
 
 
 def lookup_prober(endpoint: str) -> None:
-    """The prober process (``--lookup-prober``): an engine on B stores a few small chunks of
-    its own, prints ``ready``, looks them up (local hits: only B's control path) every
-    :data:`PROBE_SPACING` seconds until a line arrives on stdin, then prints the lookups'
-    seconds as one JSON list."""
+    """The prober process (``--lookup-prober``): an engine on B stores :data:`PROBE_CHUNKS`
+    small chunks of its own, prints ``ready``, looks them up (local hits: only B's control
+    path) every :data:`PROBE_SPACING` seconds until a line arrives on stdin, then prints the
+    lookups' seconds as one JSON list."""
     shape = (2, CHUNK_TOKENS, 2)
-    tokens = np.arange(30_000_000, 30_000_000 + 16 * CHUNK_TOKENS, dtype=np.uint32)
+    tokens = np.arange(30_000_000, 30_000_000 + PROBE_CHUNKS * CHUNK_TOKENS, dtype=np.uint32)
     with Client(endpoint, timeout=60.0, auth_token=TOKEN) as engine:
         engine.register("bench-probe-model", shape, "float32", token_axis=1)
-        engine.store(tokens, [np.full(shape, i, np.float32) for i in range(16)])
+        engine.store(tokens, [np.full(shape, i, np.float32) for i in range(PROBE_CHUNKS)])
         stop = threading.Event()
         threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
         print("ready", flush=True)
@@ -419,8 +417,8 @@ def lookup_prober(endpoint: str) -> None:
             t0 = time.perf_counter()
             hits = engine.lookup(tokens).hits
             times.append(time.perf_counter() - t0)
-            if hits != 16:
-                raise SystemExit(f"the prober's chunks missed: {hits} of 16")
+            if hits != PROBE_CHUNKS:
+                raise SystemExit(f"the prober's chunks missed: {hits} of {PROBE_CHUNKS}")
             time.sleep(PROBE_SPACING)
     print(json.dumps(times), flush=True)
 
@@ -564,16 +562,12 @@ def measure(args: argparse.Namespace) -> None:
                         return math.inf
 
                 measures.append(nixl_round)
-            nixl_times: list[list[float]] = []
-            raw_lowered: list[float] = []
             if args.busy_cores:  # the bound at the data threads' priority, beside the others
                 lowered = stack.enter_context(RawTcp(nbytes, args.repeat, streams, lowered=True))
                 measures.append(lowered.round)
             fetch, raw, raw_par, *rest = interleaved(args.repeat, *measures)
-            if d is not None:
-                nixl_times = rest[:1]
-            if args.busy_cores:
-                raw_lowered = rest[-1]
+            nixl_times = rest[:1] if d is not None else []
+            raw_lowered = rest[-1] if args.busy_cores else []
             fetch_parts = peer_fetch.parts[-args.repeat :]
             # B's control path while B fetches: the same rounds again, a prober looking up
             # meanwhile; then as long without them.
@@ -606,7 +600,7 @@ def measure(args: argparse.Namespace) -> None:
     fetch_gbps = nbytes / min(fetch) / 1e9
     raw_gbps = nbytes / min(raw) / 1e9
     p50_us = statistics.median(lookups) * 1e6
-    p99_us = percentile(lookups, 0.99) * 1e6
+    p99_us = pct(lookups, 0.99) * 1e6
     print(
         f"peer fetch (LOOKUP + prefetch from A + retrieve on B): {args.chunks} x "
         f"{args.chunk_mib} MiB, best {min(fetch) * 1e3:.1f} ms = {fetch_gbps:.2f} GB/s "
@@ -641,10 +635,11 @@ def measure(args: argparse.Namespace) -> None:
         f"p99 {p99_us:.0f} us"
     )
     print(
-        f"B's lookups (16 local chunks, one every {PROBE_SPACING * 1e3:g} ms) while B fetches: "
-        f"{len(during)} lookups, p50 {percentile(during, 0.5) * 1e6:.0f} us, p99 "
-        f"{percentile(during, 0.99) * 1e6:.0f} us; without a fetch: p50 "
-        f"{percentile(idle, 0.5) * 1e6:.0f} us, p99 {percentile(idle, 0.99) * 1e6:.0f} us"
+        f"B's lookups ({PROBE_CHUNKS} local chunks, one every {PROBE_SPACING * 1e3:g} ms) "
+        f"while B fetches: "
+        f"{len(during)} lookups, p50 {pct(during, 0.5) * 1e6:.0f} us, p99 "
+        f"{pct(during, 0.99) * 1e6:.0f} us; without a fetch: p50 "
+        f"{pct(idle, 0.5) * 1e6:.0f} us, p99 {pct(idle, 0.99) * 1e6:.0f} us"
     )
     wait_us = statistics.median(ryw_wait) * 1e6
     plain_us = statistics.median(ryw_plain) * 1e6

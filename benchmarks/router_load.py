@@ -49,8 +49,9 @@ from pathlib import Path
 import numpy as np
 
 import load
-from load import SMALL, Floor, pct, prompt, within
+from load import SMALL, Floor, prompt, within
 from peers import TOKEN, Server, free_port_pair, members, wait_for
+from percentiles import pct
 from stop_signals import exit_on_stop_signals
 
 MIB = 1 << 20
