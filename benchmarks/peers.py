@@ -291,22 +291,13 @@ class RawTcp:
 # -- the peer fetch ----------------------------------------------------------------------
 class PeerFetch:
     """The measured path: an engine on B looks the prompt up (B's pool cleared first, so the
-    prefetch fetches every chunk from A) and retrieves into its own touched buffers, copying
-    each part out as it lands (``Client.retrieve(request_id, wait=True)``), and checks every
-    byte. ``waited``: the engine waits for the whole prefetch first (``wait_prefetch``), then
-    retrieves: the path of the vLLM connector and the SGLang backend, whose engines learn the
-    hit count before they make room for the chunks."""
+    prefetch fetches every chunk from A), waits for the prefetch, retrieves into its own touched
+    buffers, and checks every byte."""
 
     def __init__(
-        self,
-        b: Server,
-        tokens: np.ndarray[Any, Any],
-        shape: tuple[int, ...],
-        src: list[Any],
-        waited: bool = False,
+        self, b: Server, tokens: np.ndarray[Any, Any], shape: tuple[int, ...], src: list[Any]
     ) -> None:
         self.b, self.tokens, self.shape, self.src = b, tokens, shape, src
-        self.waited = waited
 
     def __enter__(self) -> PeerFetch:
         self.out = [np.ones(self.shape, np.float32) for _ in self.src]
@@ -327,23 +318,17 @@ class PeerFetch:
         rid = f"bench-{r}"
         t0 = time.perf_counter()
         result = engine.lookup(self.tokens, request_id=rid)
-        if not self.waited:
-            got = engine.retrieve(request_id=rid, out=self.out, wait=True)
-            seconds = time.perf_counter() - t0
-            hits = len(got.retrieved)
-            print(f"  round {r}: LOOKUP + retrieve as it lands {seconds * 1e3:.1f} ms", flush=True)
-        else:
-            # The server answers the moment the prefetch has landed.
-            hits = engine.wait_prefetch(rid) if result.prefetching else result.hits
-            t1 = time.perf_counter()
-            got = engine.retrieve(request_id=rid, out=self.out)
-            seconds = time.perf_counter() - t0
-            self.parts.append((t1 - t0, seconds - (t1 - t0)))
-            print(
-                f"  round {r} (waited): LOOKUP + prefetch {(t1 - t0) * 1e3:.1f} ms, "
-                f"retrieve {(time.perf_counter() - t1) * 1e3:.1f} ms",
-                flush=True,
-            )
+        # Waits as an engine does (the server answers the moment the prefetch has landed).
+        hits = engine.wait_prefetch(rid) if result.prefetching else result.hits
+        t1 = time.perf_counter()
+        got = engine.retrieve(request_id=rid, out=self.out)
+        seconds = time.perf_counter() - t0
+        self.parts.append((t1 - t0, seconds - (t1 - t0)))
+        print(
+            f"  round {r}: LOOKUP + prefetch {(t1 - t0) * 1e3:.1f} ms, "
+            f"retrieve {(time.perf_counter() - t1) * 1e3:.1f} ms",
+            flush=True,
+        )
         if hits != n or len(got.retrieved) != n:
             raise RuntimeError(f"round {r}: {hits} hits, {len(got.retrieved)} retrieved of {n}")
         for i in range(n):
@@ -560,12 +545,11 @@ def measure(args: argparse.Namespace) -> None:
         nixl_failures: list[str] = []
         with (
             PeerFetch(b, tokens, shape, src) as peer_fetch,
-            PeerFetch(b, tokens, shape, src, waited=True) as waited_fetch,
             RawTcp(nbytes, args.repeat) as raw_tcp,
             RawTcp(nbytes, args.repeat, streams) as raw_tcp_par,
             contextlib.ExitStack() as stack,
         ):
-            measures = [peer_fetch.round, waited_fetch.round, raw_tcp.round, raw_tcp_par.round]
+            measures = [peer_fetch.round, raw_tcp.round, raw_tcp_par.round]
             if d is not None:
                 nixl_fetch = stack.enter_context(PeerFetch(d, tokens, shape, src))
 
@@ -581,10 +565,10 @@ def measure(args: argparse.Namespace) -> None:
             if args.busy_cores:  # the bound at the data threads' priority, beside the others
                 lowered = stack.enter_context(RawTcp(nbytes, args.repeat, streams, lowered=True))
                 measures.append(lowered.round)
-            fetch, waited, raw, raw_par, *rest = interleaved(args.repeat, *measures)
+            fetch, raw, raw_par, *rest = interleaved(args.repeat, *measures)
             nixl_times = rest[:1] if d is not None else []
             raw_lowered = rest[-1] if args.busy_cores else []
-            fetch_parts = waited_fetch.parts[-args.repeat :]
+            fetch_parts = peer_fetch.parts[-args.repeat :]
             # B's control path while B fetches: the same rounds again, a prober looking up
             # meanwhile; then as long without them.
             t0 = time.perf_counter()
@@ -618,15 +602,9 @@ def measure(args: argparse.Namespace) -> None:
     p50_us = statistics.median(lookups) * 1e6
     p99_us = pct(lookups, 0.99) * 1e6
     print(
-        f"peer fetch (LOOKUP + prefetch from A + retrieve on B as the chunks land): "
-        f"{args.chunks} x {args.chunk_mib} MiB, best {min(fetch) * 1e3:.1f} ms = "
-        f"{fetch_gbps:.2f} GB/s (median {statistics.median(fetch) * 1e3:.1f} ms)"
-    )
-    waited_gbps = nbytes / min(waited) / 1e9
-    print(
-        f"peer fetch waited (the whole prefetch, then the retrieve: the vLLM and SGLang "
-        f"integrations' path): best {min(waited) * 1e3:.1f} ms = {waited_gbps:.2f} GB/s "
-        f"({waited_gbps / raw_gbps:.2f} of raw TCP)"
+        f"peer fetch (LOOKUP + prefetch from A + retrieve on B): {args.chunks} x "
+        f"{args.chunk_mib} MiB, best {min(fetch) * 1e3:.1f} ms = {fetch_gbps:.2f} GB/s "
+        f"(median {statistics.median(fetch) * 1e3:.1f} ms)"
     )
     network = min(t for t, _ in fetch_parts)
     print(

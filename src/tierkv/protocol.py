@@ -24,10 +24,8 @@ import msgspec
 # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
 # salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
 # (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup;
-# 6: QueryPrefetch.wait_ms (the server answers when the prefetch is done); 7: chunks a
-# prefetch has landed, retrieved while it runs (QueryPrefetch.landed_over,
-# PrefetchStatus.landed, PrepareRetrieve.landed_only)
-PROTOCOL_VERSION = 7
+# 6: QueryPrefetch.wait_ms (the server answers when the prefetch is done)
+PROTOCOL_VERSION = 6
 MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note (PrepareStore.notes) at most
 MAX_PREFETCH_WAIT_MS = 60_000  # the longest QueryPrefetch.wait_ms
 
@@ -109,15 +107,12 @@ class QueryPrefetch(Struct, tag="query_prefetch"):
     """Whether a lookup's prefetch is done. ``wait_ms`` > 0: the server holds the reply until
     the prefetch is done, or that many milliseconds have passed, or the server's
     ``prefetch_timeout`` has ended the prefetch, whichever comes first (at most
-    ``MAX_PREFETCH_WAIT_MS``); 0 answers at once. ``landed_over`` >= 0: a held reply is
-    also sent as soon as more than that many leading chunks have landed (see
-    ``PrefetchStatus.landed``); -1: only the end counts."""
+    ``MAX_PREFETCH_WAIT_MS``); 0 answers at once."""
 
     rid: int
     client: int
     request_id: str
     wait_ms: int = 0
-    landed_over: int = -1
 
 
 class PrepareStore(Struct, tag="prepare_store"):
@@ -149,19 +144,14 @@ class AbortStore(Struct, tag="abort_store"):
 
 
 class PrepareRetrieve(Struct, tag="prepare_retrieve"):
-    """Slots to read. Either the locks a LOOKUP took (``request_id``: the lookup's hits from
-    ``first_chunk`` on; this ends the lookup's session), or ``chunks`` to lock now (from
-    ``first_chunk`` on: every chunk that is present is locked; the reply lists the missing
-    ones). ``landed_only`` (with ``request_id``): the chunks from ``first_chunk`` on that the
-    lookup's prefetch has landed so far, locked under a lease of their own; the session
-    goes on (retrieve the rest later, from where this ended)."""
+    """Slots to read. Either the locks a LOOKUP took (``request_id``), or ``chunks`` to lock
+    now (every chunk that is present is locked; the reply lists the missing ones)."""
 
     rid: int
     client: int
     request_id: str = ""
     chunks: ChunkSelector | None = None
     first_chunk: int = 0
-    landed_only: bool = False
 
 
 class FinishRetrieve(Struct, tag="finish_retrieve"):
@@ -329,15 +319,12 @@ class SourceRun(msgspec.Struct, array_like=True, frozen=True):
 
 class PrefetchStatus(Struct, tag="prefetch_status"):
     """``sources``: where the ``hits`` came from, in chunk order (once ``done``; empty while
-    the prefetch runs, when every hit is the pool's). ``landed``: the leading chunks locked
-    for the lookup now, the pool's hits and what the prefetch has landed since (equal to
-    ``hits`` once done): a retrieve with ``landed_only`` may copy them out already."""
+    the prefetch runs, when every hit is the pool's)."""
 
     rid: int
     done: bool
     hits: int
     sources: list[SourceRun] = msgspec.field(default_factory=list)
-    landed: int = 0
 
 
 class Slot(msgspec.Struct, array_like=True, frozen=True):

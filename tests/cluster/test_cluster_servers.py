@@ -90,7 +90,7 @@ def test_chunk_stored_on_a_is_retrieved_byte_exact_on_b(trio: list[Node]) -> Non
     assert peer_tier(a)["published"] == 6
     # B's copies are local now, and published: C fetches from A or B.
     wait_for(lambda: all(holders == {a.node_id, b.node_id} for holders in located(trio, keys)))
-    assert fetch(c, tokens, 6, rid="c", landing=True) == (6, list(range(6)))  # copied as it lands
+    assert fetch(c, tokens, 6, rid="c") == (6, list(range(6)))
 
     def sent(node: Node) -> int:
         return sum(int(p["chunks"]) for p in status(node)["transport"]["sent"].values())
@@ -118,7 +118,7 @@ def test_a_fetched_chunk_is_published_and_outlives_its_first_holder(trio: list[N
     wait_for(lambda: all(holders == {a.node_id, b.node_id} for holders in located(trio, keys)))
     assert status(b)["published"] == 5  # published with the checksums verified on arrival
     a.server.kill()  # the first holder is gone; entries still name it until it is declared dead
-    hits, retrieved = fetch(c, tokens, 5, landing=True)
+    hits, retrieved = fetch(c, tokens, 5)
     assert hits == 5 and retrieved == list(range(5))  # served by B (A, if tried, fails fast)
 
 

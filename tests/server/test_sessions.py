@@ -4,7 +4,6 @@ kept in memory, a hand-driven clock. No server process."""
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +21,6 @@ from tierkv.pool import ShmPool
 from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.sessions import LookupSessions, Progress
 from tierkv.server.tiering import LookupAccounting, Tiering
-from tierkv.tiers.base import LoadStatus
 
 ENGINE, RANK0, RANK1, SCHEDULER = 7, 10, 11, 12
 TTL = 30.0
@@ -100,7 +98,7 @@ def test_a_full_hit_is_locked_until_the_retrieve_takes_it_over(env: Env) -> None
     session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 3)
     assert (session.hits, session.total, session.prefetch) == (3, 3, None)
     assert env.index.stats().read_locked == 3
-    assert env.sessions.query(ENGINE, "r") == Progress(True, 3, (("pool", 3),), 3)
+    assert env.sessions.query(ENGINE, "r") == Progress(True, 3, (("pool", 3),))
     lease = session.lease
     taken = env.sessions.take(ENGINE, "r")
     assert taken is not None and taken[0] == lease and taken[1] is session
@@ -119,43 +117,12 @@ def test_a_partial_hit_prefetches_the_rest_from_the_tier(env: Env) -> None:
     session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 4)
     assert session.hits == 1 and session.prefetch is not None
     # Where each hit came from, in chunk order (the engine reports it as its hit sources).
-    assert env.settle(ENGINE, "r") == Progress(True, 4, (("pool", 1), ("mem", 3)), 4)
+    assert env.settle(ENGINE, "r") == Progress(True, 4, (("pool", 1), ("mem", 3)))
     lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
     assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks
     env.index.release_read(lease, ENGINE)
     hits, misses = env.metrics.lookup_counts(["mem"])
     assert hits == {"pool": 1, "mem": 3} and sum(misses.values()) == 0
-
-
-def test_a_prefetch_offers_its_chunks_span_by_span_as_they_land(env: Env) -> None:
-    """19 chunks from the tier: spans of 2 (``landing.SPANS``). Each span is committed and
-    locked for the session once it and everything before it landed; a corrupt chunk ends
-    the prefix inside its span: its span's intact chunk before it is committed at the end,
-    the chunks after it are not, though they landed intact."""
-    ks = keys(20)
-    env.store(ks[:1])
-    env.tier.put(ks[1:])
-    env.tier.load_status[ks[8]] = LoadStatus.CORRUPT
-    steps = env.tier.steps = threading.Semaphore(0)
-    session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 20)
-    assert session.prefetch is not None
-    steps.release(7)  # chunks 1-7 land: spans 1-2, 3-4, 5-6 complete, 7-8 not
-    deadline = time.monotonic() + WAIT
-    while (progress := env.sessions.query(ENGINE, "r")) and progress.landed < 7:
-        assert time.monotonic() < deadline, progress
-        time.sleep(0.005)
-    assert progress == Progress(False, 1, landed=7)
-    assert env.index.stats().read_locked == 7  # locked for the session as they landed
-    assert env.index.contains(ks[:9]) == [True] * 7 + [False] * 2
-    steps.release(20)
-    assert env.settle(ENGINE, "r") == Progress(True, 8, (("pool", 1), ("mem", 7)), 8)
-    assert env.index.contains(ks) == [True] * 8 + [False] * 12
-    lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
-    assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks[:8]
-    env.index.release_read(lease, ENGINE)
-    stats = env.index.stats()
-    assert (stats.read_locked, stats.write_leases, stats.writing) == (0, 0, 0)
-    env.index.check()
 
 
 def test_dropping_or_reopening_a_session_releases_its_locks(env: Env) -> None:
@@ -193,7 +160,7 @@ def test_a_group_lookup_answers_the_smallest_rank_and_ends_as_a_whole(env: Env) 
         SCHEDULER, "r", [(RANK0, rank0, [CHUNK] * 3), (RANK1, rank1, [CHUNK] * 3)]
     )
     assert (hits, total, prefetching) == (2, 3, True)  # rank 1 prefetches (and misses)
-    assert env.settle(SCHEDULER, "r") == Progress(True, 2, (("pool", 2),), 2)
+    assert env.settle(SCHEDULER, "r") == Progress(True, 2, (("pool", 2),))
     # One count per open session: the scheduler's group and each rank's own.
     assert [env.sessions.count_of(t) for t in (SCHEDULER, RANK0, RANK1)] == [1, 1, 1]
     assert env.sessions.count() == 3
@@ -215,7 +182,7 @@ def test_a_rank_that_looked_up_again_keeps_its_new_session_when_the_group_ends(
     env.sessions.open_group(SCHEDULER, "r", [(RANK0, rank0, [CHUNK]), (RANK1, rank1, [CHUNK])])
     env.sessions.open(RANK1, "r", rank1, [CHUNK])  # the rank replaced its session
     assert env.sessions.drop(SCHEDULER, "r") == 1  # rank 0's only
-    assert env.sessions.query(RANK1, "r") == Progress(True, 1, (("pool", 1),), 1)
+    assert env.sessions.query(RANK1, "r") == Progress(True, 1, (("pool", 1),))
 
 
 def test_a_group_hit_counts_under_the_tier_any_rank_prefetched_it_from(env: Env) -> None:
@@ -229,7 +196,7 @@ def test_a_group_hit_counts_under_the_tier_any_rank_prefetched_it_from(env: Env)
         SCHEDULER, "r", [(RANK0, rank0, [CHUNK] * 3), (RANK1, rank1, [CHUNK] * 3)]
     )
     assert (hits, prefetching) == (1, True)
-    assert env.settle(SCHEDULER, "r") == Progress(True, 3, (("pool", 1), ("mem", 2)), 3)
+    assert env.settle(SCHEDULER, "r") == Progress(True, 3, (("pool", 1), ("mem", 2)))
     env.sessions.drop(SCHEDULER, "r")
     assert env.index.stats().read_locked == 0
 
@@ -275,7 +242,7 @@ def test_lazily_hashed_keys_are_prefetched_in_full_once_a_tier_has_the_first_mis
     env.tier.put(ks[2:])
     session = env.sessions.open(ENGINE, "r", lazy, [CHUNK] * 6)
     assert session.hits == 2
-    assert env.settle(ENGINE, "r") == Progress(True, 6, (("pool", 2), ("mem", 4)), 6)
+    assert env.settle(ENGINE, "r") == Progress(True, 6, (("pool", 2), ("mem", 4)))
     assert lazy.hashed == ks
     lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
     assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks

@@ -30,23 +30,13 @@ def store(node: Node, tokens: list[int], chunks: int) -> list[bytes]:
         return chunk_keys(c, tokens)
 
 
-def fetch(
-    node: Node, tokens: list[int], chunks: int, rid: str = "r", landing: bool = False
-) -> tuple[int, list[int]]:
-    """Look up on ``node`` (waiting for the prefetch), retrieve, check bytes; (hits, ok).
-    ``landing``: retrieve while the prefetch lands (``retrieve(wait=True)``); hits is then
-    the number of leading chunks retrieved."""
+def fetch(node: Node, tokens: list[int], chunks: int, rid: str = "r") -> tuple[int, list[int]]:
+    """Look up on ``node`` (waiting for the prefetch), retrieve, check bytes; (hits, ok)."""
     with node.client() as c:
         register(c)
+        hits = c.lookup(tokens, request_id=rid, wait=True).hits
         out = [np.zeros(CHUNK_SHAPE, np.float32) for _ in range(chunks)]
-        if landing:
-            c.lookup(tokens, request_id=rid)
-            got = c.retrieve(request_id=rid, out=out, wait=True)
-            hits = len(got.retrieved)
-            assert got.retrieved == list(range(hits)) and got.missing == list(range(hits, chunks))
-        else:
-            hits = c.lookup(tokens, request_id=rid, wait=True).hits
-            got = c.retrieve(request_id=rid, out=out)
+        got = c.retrieve(request_id=rid, out=out)
         for i in got.retrieved:
             np.testing.assert_array_equal(out[i], chunk_data(tokens, i))
         return hits, got.retrieved

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tierkv.tiers.base import Landed, LoadStatus, Tier, TierUsage
+from tierkv.tiers.base import LoadStatus, Tier, TierUsage
 
 CHUNK = 64 * 1024  # bytes per chunk (a multiple of the 4 KiB alignment)
 WAIT = 15.0  # bound of every wait for an asynchronous effect
@@ -43,9 +43,6 @@ class MemTier(Tier):
         self.raise_on_load = False
         self.short_answers = False  # answer one result fewer than asked (a broken tier)
         self.gate: threading.Event | None = None  # load/store block until it is set
-        # With steps: a load takes one release per chunk before it loads it, and reports
-        # each chunk that loads intact as landed (a tier whose chunks land one by one).
-        self.steps: threading.Semaphore | None = None
         self.entered = threading.Event()  # set when a load or store starts
         self.loads: Counter[bytes] = Counter()
         self.stores: Counter[bytes] = Counter()
@@ -84,18 +81,11 @@ class MemTier(Tier):
         return out[:-1] if self.short_answers else out
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
-        return self.load_verified(items)[0]
-
-    def load_verified(
-        self, items: Sequence[tuple[bytes, memoryview]], landed: Landed | None = None
-    ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
         self._enter()
         if self.raise_on_load:
             raise ConnectionError("injected load failure")
         out = []
-        for i, (k, view) in enumerate(items):
-            if self.steps is not None:
-                assert self.steps.acquire(timeout=WAIT), "the test never let the chunk land"
+        for k, view in items:
             with self._lock:
                 self.loads[k] += 1
             status = self.load_status.get(k)
@@ -106,9 +96,7 @@ class MemTier(Tier):
             elif status is LoadStatus.CORRUPT:
                 view[:] = b"\xee" * len(view)  # garbage in the slot must never be served
             out.append(status)
-            if status is LoadStatus.OK and landed is not None and self.steps is not None:
-                landed(i)
-        return (out[:-1] if self.short_answers else out), {}
+        return out[:-1] if self.short_answers else out
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return sum(self.data.pop(k, None) is not None for k in keys)

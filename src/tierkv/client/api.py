@@ -20,7 +20,6 @@ overlap KV movement with compute.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -139,15 +138,12 @@ class Client(ServerConnection):
             return msgspec.structs.replace(reply, hits=hits, prefetching=False)
         return reply
 
-    def query_prefetch(
-        self, request_id: str, wait: float = 0.0, landed_over: int = -1
-    ) -> p.PrefetchStatus:
+    def query_prefetch(self, request_id: str, wait: float = 0.0) -> p.PrefetchStatus:
         """Whether the lookup's prefetch is done, and the hit count so far. ``wait``: the
         server may hold the reply that many seconds, answering as soon as the prefetch is
-        done, or (``landed_over`` >= 0) as soon as more than that many leading chunks have
-        landed (other threads' calls on this client wait meanwhile)."""
+        done (other threads' calls on this client wait meanwhile)."""
         wait_ms = max(0, min(round(wait * 1000), p.MAX_PREFETCH_WAIT_MS))
-        req = p.QueryPrefetch(*self._ids(), request_id, wait_ms, landed_over)
+        req = p.QueryPrefetch(*self._ids(), request_id, wait_ms)
         return self._channel.call(req, timeout=self.timeout + wait_ms / 1000)  # type: ignore[no-any-return]
 
     def wait_prefetch(self, request_id: str, timeout: float | None = None) -> int:
@@ -327,7 +323,6 @@ class Client(ServerConnection):
         salt: str = "",
         caller_copies: bool | None = None,
         wait_release: bool = True,
-        wait: bool = False,
     ) -> RetrieveResult:
         """Copy cached chunks out, once, then release their locks.
 
@@ -340,38 +335,16 @@ class Client(ServerConnection):
         release is sent, without waiting for the server's answer (this client's next call
         reads it; the server releases before it serves that call, and an error is logged):
         for an engine waiting to run its forward pass, which the answer would only delay.
-
-        ``wait`` (with ``request_id``, for a lookup whose prefetch may still be running):
-        wait for the prefetch as :meth:`wait_prefetch` does, copying each part of the chunks
-        out as it lands, so that the copy runs while the rest are on the way. The result is
-        that of :meth:`wait_prefetch` then :meth:`retrieve`, reached sooner (if the prefetch
-        is not done within the client's timeout, also the chunks that had landed by then).
         """
         if (out is None) == (scatter is None):
             raise ValueError("give exactly one of out or scatter")
         if request_id:
             if tokens is not None or hashes is not None:
                 raise ValueError("give request_id or tokens/hashes, not both")
-            if wait:
-                return self._retrieve_landing(request_id, out, scatter, caller_copies)
             req = p.PrepareRetrieve(*self._ids(), request_id=request_id)
         else:
-            if wait:
-                raise ValueError("wait needs a request_id (a lookup's prefetch to wait for)")
             sel = selector(tokens, hashes, partial_last, salt)
             req = p.PrepareRetrieve(*self._ids(), chunks=sel, first_chunk=first_chunk)
-        return self._retrieve_slots(req, out, scatter, first_chunk, caller_copies, wait_release)
-
-    def _retrieve_slots(
-        self,
-        req: p.PrepareRetrieve,
-        out: Sequence[Any] | None,
-        scatter: Scatter | None,
-        first_chunk: int,
-        caller_copies: bool | None,
-        wait_release: bool,
-    ) -> RetrieveResult:
-        """PREPARE_RETRIEVE, the copy out, FINISH_RETRIEVE."""
         slots: p.RetrieveSlots
         slots, pool = self._call_for_slots(req)
         result = RetrieveResult(missing=slots.missing)
@@ -384,43 +357,6 @@ class Client(ServerConnection):
             finish = p.FinishRetrieve(*self._ids(), slots.lease)
             self._channel.call(finish, answered=wait_release)
         return result
-
-    def _retrieve_landing(
-        self,
-        request_id: str,
-        out: Sequence[Any] | None,
-        scatter: Scatter | None,
-        caller_copies: bool | None,
-    ) -> RetrieveResult:
-        """:meth:`retrieve` with ``wait``: each wait for the prefetch ends when more chunks
-        have landed; those are copied out (under a lease of their own, the lookup's session
-        going on), and the chunks left when it is done are retrieved as usual."""
-        ids = self._ids()
-        copied: list[int] = []
-        start = 0  # the chunks before this one are copied out
-        deadline = time.monotonic() + self.timeout
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                wait = min(PREFETCH_WAIT_SLICE, max(left, 0))
-                status = self.query_prefetch(request_id, wait, landed_over=start)
-                if status.done or left <= 0:
-                    break
-                if status.landed <= start:
-                    continue
-                req = p.PrepareRetrieve(*ids, request_id, first_chunk=start, landed_only=True)
-                part = self._retrieve_slots(req, out, scatter, 0, caller_copies, False)
-                if not part.retrieved or part.missing:
-                    break  # cannot happen while the session holds them: take the rest at once
-                copied += part.retrieved
-                start = part.retrieved[-1] + 1
-            req = p.PrepareRetrieve(*ids, request_id, first_chunk=start)
-            rest = self._retrieve_slots(req, out, scatter, 0, caller_copies, True)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.end_session(request_id)  # its locks must not outlive this call
-            raise
-        return RetrieveResult(copied + rest.retrieved, rest.missing)
 
     def _copy_slots(
         self,

@@ -72,7 +72,6 @@ from tierkv.cluster.transport import (
     SENT_LENGTH,
     SENT_MISSING,
     SENT_OK,
-    Landed,
     PeerFigures,
     PeerRefused,
     Served,
@@ -256,11 +255,10 @@ class NixlTransport(TcpTransport):
         self,
         batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
         verified: dict[bytes, bytes] | None = None,
-        landed: Landed | None = None,
     ) -> list[list[LoadStatus]]:
         agent = self.agent
         if agent is None or not agent.registered:
-            return super().fetch_many(batches, verified, landed)
+            return super().fetch_many(batches, verified)
         out: list[list[LoadStatus]] = [[LoadStatus.ERROR] * len(items) for _, items in batches]
         tcp: list[tuple[int, list[int]]] = []  # (batch, its items that go over TCP)
         # (batch, first item, holder, items): a batch is split as over TCP, into a few
@@ -290,14 +288,9 @@ class NixlTransport(TcpTransport):
             out[b][start : start + len(part)] = statuses
             if fallback:
                 tcp.append((b, [start + i for i in fallback]))
-            if landed is not None:  # a READ's chunks land together, when it completes
-                for i, st in enumerate(statuses):
-                    if st is LoadStatus.OK:
-                        landed(b, start + i)
         if tcp:
             sub = [(batches[b][0], [batches[b][1][i] for i in idx]) for b, idx in tcp]
-            relay = None if landed is None else (lambda k, i: landed(tcp[k][0], tcp[k][1][i]))
-            for (b, idx), got in zip(tcp, super().fetch_many(sub, verified, relay), strict=True):
+            for (b, idx), got in zip(tcp, super().fetch_many(sub, verified), strict=True):
                 for i, st in zip(idx, got, strict=True):
                     out[b][i] = st
         return out

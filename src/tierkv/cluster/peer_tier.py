@@ -28,13 +28,13 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from tierkv.cluster.directory import Directory, Location, Where
 from tierkv.cluster.messages import MemberInfo
 from tierkv.cluster.transport import Transport
-from tierkv.tiers.base import Landed, LoadStatus, Tier, TierUsage
+from tierkv.tiers.base import LoadStatus, Tier, TierUsage
 
 NAME = "peer"
 CACHE_ENTRIES = 65536
@@ -158,11 +158,10 @@ class PeerTier(Tier):
         return self.load_verified(items)[0]
 
     def load_verified(
-        self, items: Sequence[tuple[bytes, memoryview]], landed: Landed | None = None
+        self, items: Sequence[tuple[bytes, memoryview]]
     ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
         """Fetch from the holders; the checksums are those each chunk was verified against
-        as it arrived (the prefetcher hands them back to :meth:`loaded_and_committed`).
-        ``landed(i)`` as each chunk arrives intact (from the transfer threads)."""
+        as it arrived (the prefetcher hands them back to :meth:`loaded_and_committed`)."""
         verified: dict[bytes, bytes] = {}
         statuses = [LoadStatus.MISSING] * len(items)
         choices = self._locations([key for key, _ in items])
@@ -182,8 +181,7 @@ class PeerTier(Tier):
                     continue
                 batches.append((info, [items[i] for i in idx]))
                 order.append(idx)
-            relay = None if landed is None else self._relay(landed, order)
-            fetched = self.transport.fetch_many(batches, verified, relay)
+            fetched = self.transport.fetch_many(batches, verified)
             for (info, _), idx, results in zip(batches, order, fetched, strict=True):
                 for i, st in zip(idx, results, strict=True):
                     statuses[i] = st
@@ -199,11 +197,6 @@ class PeerTier(Tier):
             if st is LoadStatus.OK and key in verified
         }
         return statuses, intact
-
-    @staticmethod
-    def _relay(landed: Landed, order: list[list[int]]) -> Callable[[int, int], None]:
-        """The transport's ``landed(batch, item)`` as the caller's ``landed(i)``."""
-        return lambda b, j: landed(order[b][j])
 
     def loaded_and_committed(self, chunks: Sequence[tuple[bytes, bytes, int]]) -> None:
         """Chunks fetched from peers are in this node's pool now: this node is one more

@@ -63,7 +63,6 @@ from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-Landed = Callable[[int, int], None]  # (batch, item) of an item that arrived intact
 
 VERSION = 2
 HELLO = struct.Struct("<4sHH8x")
@@ -186,16 +185,10 @@ class Transport(ABC):
         self,
         batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
         verified: dict[bytes, bytes] | None = None,
-        landed: Landed | None = None,
     ) -> list[list[LoadStatus]]:
         """Fill each (key, writable view) from its batch's holder, all holders in parallel;
         a status per item, in order. ``verified``, if given, receives key -> checksum of
-        every chunk that arrived intact (so it need not be hashed again to publish it).
-        ``landed(batch, item)``, if given, is called for each item that arrived intact, as it
-        lands (after its checksum is in ``verified``), from the transfer threads, before
-        this returns; it must not raise. Items land roughly in order: a batch's streams take
-        its items in turn (stream ``s`` of ``k`` the items ``s, s + k, ...``), so a reader
-        can use a batch's leading items while the rest are still on the way."""
+        every chunk that arrived intact (so it need not be hashed again to publish it)."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -530,32 +523,30 @@ class TcpTransport(Transport):
         self,
         batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
         verified: dict[bytes, bytes] | None = None,
-        landed: Landed | None = None,
     ) -> list[list[LoadStatus]]:
         out: list[list[LoadStatus]] = [[LoadStatus.ERROR] * len(items) for _, items in batches]
-        jobs: list[tuple[int, list[int], m.MemberInfo]] = []  # (batch, its items, holder)
+        jobs = []
         for b, (peer, items) in enumerate(batches):
             if not items:
                 continue
             total = sum(len(v) for _, v in items)
             streams = max(1, min(self.streams, len(items), math.ceil(total / (4 * 2**20))))
+            bounds = [round(s * len(items) / streams) for s in range(streams + 1)]
             for s in range(streams):
-                taken = list(range(s, len(items), streams))  # in turn: landing in order
-                for start in range(0, len(taken), MAX_CHUNKS):
-                    jobs.append((b, taken[start : start + MAX_CHUNKS], peer))
-
-        def stream(b: int, idx: list[int], peer: m.MemberInfo) -> list[LoadStatus]:
-            items = batches[b][1]
-            on_item = None if landed is None else (lambda j: landed(b, idx[j]))
-            return self._stream(peer, [items[i] for i in idx], verified, on_item)
-
+                lo, hi = bounds[s], bounds[s + 1]
+                for start in range(lo, hi, MAX_CHUNKS):
+                    end = min(hi, start + MAX_CHUNKS)
+                    jobs.append((b, start, peer, list(items[start:end])))
         if len(jobs) == 1:
-            results = [stream(*jobs[0])]
-        else:
-            results = [f.result() for f in [self._executor.submit(stream, *job) for job in jobs]]
-        for (b, idx, _), statuses in zip(jobs, results, strict=True):
-            for i, st in zip(idx, statuses, strict=True):
-                out[b][i] = st
+            b, start, peer, part = jobs[0]
+            out[b][start : start + len(part)] = self._stream(peer, part, verified)
+            return out
+        futures = [
+            (b, start, len(part), self._executor.submit(self._stream, peer, part, verified))
+            for b, start, peer, part in jobs
+        ]
+        for b, start, n, fut in futures:
+            out[b][start : start + n] = fut.result()
         return out
 
     def _call(
@@ -603,17 +594,15 @@ class TcpTransport(Transport):
         peer: m.MemberInfo,
         items: list[tuple[bytes, memoryview]],
         verified: dict[bytes, bytes] | None = None,
-        landed: Callable[[int], None] | None = None,
     ) -> list[LoadStatus]:
-        """One request on one pooled connection; a status per item (``landed(i)`` as item
-        ``i`` arrives intact)."""
+        """One request on one pooled connection; a status per item."""
         figures = self._figures(self.received, peer.node_id)
         statuses = [LoadStatus.ERROR] * len(items)
         started = time.perf_counter()
         try:
             self._call(
                 peer,
-                lambda sock: self._exchange(sock, items, statuses, verified, landed),
+                lambda sock: self._exchange(sock, items, statuses, verified),
                 may_retry=lambda: all(st is LoadStatus.ERROR for st in statuses),
             )
         except NoFreeConnection:
@@ -653,11 +642,9 @@ class TcpTransport(Transport):
         items: list[tuple[bytes, memoryview]],
         statuses: list[LoadStatus],
         verified: dict[bytes, bytes] | None = None,
-        landed: Callable[[int], None] | None = None,
     ) -> None:
         """Send one request, receive every chunk into its view and set its status (the
-        connection is clean only if this returns normally); ``landed(i)`` for each intact
-        one as it arrives."""
+        connection is clean only if this returns normally)."""
         sock.settimeout(self.timeout)
         request = [REQUEST.pack(b"TKVR", len(items))]
         request += [ITEM.pack(key, len(view)) for key, view in items]
@@ -675,8 +662,6 @@ class TcpTransport(Transport):
                 statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
                 if ok and verified is not None:
                     verified[key] = digest  # one dict store: atomic under the GIL
-                if ok and landed is not None:
-                    landed(i)
             else:
                 statuses[i] = LoadStatus.MISSING
 

@@ -4,10 +4,8 @@ An engine that waits for a lookup's prefetch (the SGLang backend, ``Client.wait_
 used to poll: a request every 0.5 to 20 ms, each a wake-up of the server's control threads
 in the middle of the prefetch's transfers, and an answer up to one poll interval late. A
 held query is answered once: as soon as the lookup's prefetch lands (on the tier thread that
-finished it, through the loop's reply queue), or, for one with ``landed_over``, as soon as
-more chunks than that have landed (on the transfer thread that landed them), or when its
-wait runs out (on the loop), or when the server's own ``prefetch_timeout`` has ended the
-prefetch, whichever comes first.
+finished it, through the loop's reply queue), or when its wait runs out (on the loop), or
+when the server's own ``prefetch_timeout`` has ended the prefetch, whichever comes first.
 No thread waits for it. The request is counted once, when it arrives; re-reading its
 progress is not another request.
 """
@@ -72,7 +70,7 @@ class HeldQueries(Generic[Conn]):
         """The reply to send now (an error, a prefetch that is done, ``wait_ms`` 0), or None
         when the reply is held."""
         reply = self.service.handle(req)
-        if req.wait_ms <= 0 or _final(req, reply):
+        if req.wait_ms <= 0 or not isinstance(reply, p.PrefetchStatus) or reply.done:
             return reply
         waits_until = self.clock() + req.wait_ms / 1000
         held = HeldQuery(conn, req)
@@ -84,13 +82,13 @@ class HeldQueries(Generic[Conn]):
         return None
 
     def _landed(self, held: HeldQuery[Conn]) -> None:
-        """On the thread that landed chunks of one of the lookup's prefetches or finished
-        it: answer if the query's wait is over now (a group's other ranks may still be
-        loading). A query answered already (its wait ran out) costs nothing more."""
+        """On the tier thread that finished one of the lookup's prefetches: answer if the
+        lookup's progress is final now (a group's other ranks may still be loading). A query
+        answered already (its wait ran out) costs nothing more."""
         if held.answered:
             return
         reply = self.service.reply_to(held.req)
-        if not _final(held.req, reply):
+        if isinstance(reply, p.PrefetchStatus) and not reply.done:
             return
         if held.claim():
             self.send_later(held.conn, reply)
@@ -110,11 +108,3 @@ class HeldQueries(Generic[Conn]):
         if not self._heap:
             return longest
         return max(0.0, min(longest, self._heap[0][0] - self.clock()))
-
-
-def _final(req: p.QueryPrefetch, reply: Any) -> bool:
-    """Whether ``reply`` ends the query's wait: an error, the prefetch done, or more chunks
-    landed than the query's ``landed_over``."""
-    if not isinstance(reply, p.PrefetchStatus) or reply.done:
-        return True
-    return 0 <= req.landed_over < reply.landed

@@ -51,14 +51,6 @@ class CommitPublisher(Protocol):
     def wait_published(self, ticket: int, timeout: float) -> bool: ...
 
 
-def _no_session(request_id: str) -> RequestError:
-    return RequestError(
-        p.ErrorCode.NOT_FOUND,
-        f"no lookup session {request_id!r} (never looked up, already retrieved, ended or "
-        "expired): look up again",
-    )
-
-
 class CacheService:
     """Request handlers over one pool. Thread-safe."""
 
@@ -424,23 +416,18 @@ class CacheService:
                 p.ErrorCode.BAD_REQUEST,
                 f"wait_ms must be 0 to {p.MAX_PREFETCH_WAIT_MS}, not {req.wait_ms}",
             )
-        if req.landed_over < -1:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"landed_over must be -1 or more, not {req.landed_over}"
-            )
         reg = self._client(req.client)
         progress = self.sessions.query(reg.token, req.request_id)
         if progress is None:
             raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
         sources = [p.SourceRun(where, chunks) for where, chunks in progress.sources]
-        return p.PrefetchStatus(req.rid, progress.done, progress.hits, sources, progress.landed)
+        return p.PrefetchStatus(req.rid, progress.done, progress.hits, sources)
 
     def watch_prefetch(self, req: p.QueryPrefetch, wake: Callable[[], None]) -> float | None:
-        """For a QUERY_PREFETCH whose reply waits: call ``wake()`` each time a prefetch of
-        the lookup lands chunks (on a transfer thread) or finishes (on a tier thread).
-        Returns the time (this service's clock) by which all of them are over, or None if
-        none is running (answer now). Only after :meth:`query_prefetch` answered the same
-        request, not done."""
+        """For a QUERY_PREFETCH whose reply waits: call ``wake()`` (on a tier thread) each
+        time a prefetch of the lookup finishes. Returns the time (this service's clock) by
+        which all of them are over, or None if none is running (answer now). Only after
+        :meth:`query_prefetch` answered the same request, not done."""
         reg = self.registry.get(req.client)
         if reg is None:
             return None
@@ -448,12 +435,6 @@ class CacheService:
 
     def prepare_retrieve(self, req: p.PrepareRetrieve) -> p.RetrieveSlots:
         reg = self._worker(req.client)
-        if req.first_chunk < 0:
-            raise RequestError(
-                p.ErrorCode.BAD_REQUEST, f"first_chunk must be 0 or more, not {req.first_chunk}"
-            )
-        if req.landed_only and not req.request_id:
-            raise RequestError(p.ErrorCode.BAD_REQUEST, "landed_only needs a request_id")
         if req.chunks is not None:
             if req.request_id:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks, not both")
@@ -468,59 +449,35 @@ class CacheService:
             )
         if not req.request_id:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks")
-        if req.landed_only:
-            return self._retrieve_landed(reg, req)
         taken = self.sessions.take(reg.token, req.request_id)
         if taken is None:
-            raise _no_session(req.request_id)
+            raise RequestError(
+                p.ErrorCode.NOT_FOUND,
+                f"no lookup session {req.request_id!r} (never looked up, already "
+                "retrieved, ended or expired): look up again",
+            )
         lease, session = taken
-        first = req.first_chunk
         if lease == 0:
-            return p.RetrieveSlots(req.rid, 0, [], list(range(first, session.total)))
-        slots = self._session_slots(lease, reg.token, req.request_id)
-        # A prefetch may have added locks beyond what the engine was told; those stay under
-        # the lease (released by FINISH_RETRIEVE) but are not offered.
-        offered = len(slots[: session.hits])
-        if offered <= first:
-            self.index.release_read(lease, reg.token)
-            return p.RetrieveSlots(req.rid, 0, [], list(range(first, session.total)))
-        return p.RetrieveSlots(
-            req.rid,
-            lease,
-            [p.Slot(i, slots[i][1], slots[i][2]) for i in range(first, offered)],
-            list(range(offered, session.total)),
-        )
-
-    def _retrieve_landed(self, reg: Registration, req: p.PrepareRetrieve) -> p.RetrieveSlots:
-        """A lookup's chunks from ``first_chunk`` on that have landed so far, read-locked
-        under a lease of their own (the session's lease keeps holding them too)."""
-        found = self.sessions.landed_part(reg.token, req.request_id)
-        if found is None:
-            raise _no_session(req.request_id)
-        lease, landed = found
-        first = req.first_chunk
-        if not lease or landed <= first:
-            return p.RetrieveSlots(req.rid, 0, [], [])
-        part = self._session_slots(lease, reg.token, req.request_id)[first:landed]
-        lock = self.index.lock_read([key for key, _, _ in part], reg.token, prefix=False)
-        return p.RetrieveSlots(
-            req.rid,
-            lock.lease_id,
-            [p.Slot(first + i, off, n) for i, off, n in lock.slots],
-            [first + i for i in lock.missing],
-        )
-
-    def _session_slots(
-        self, lease: int, token: int, request_id: str
-    ) -> list[tuple[bytes, int, int]]:
-        """(key, offset, length) of each chunk a lookup's lease holds, in chunk order."""
+            return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         try:
-            return self.index.lease_slots(lease, token)
+            slots = self.index.lease_slots(lease, reg.token)
         except LeaseNotFound:
             raise RequestError(
                 p.ErrorCode.NOT_FOUND,
-                f"the locks of lookup {request_id!r} expired (read_ttl); look up again",
+                f"the locks of lookup {req.request_id!r} expired (read_ttl); look up again",
             ) from None
+        # A prefetch may have added locks beyond what the engine was told; those stay under
+        # the lease (released by FINISH_RETRIEVE) but are not offered.
+        slots = slots[: session.hits]
+        if not slots:
+            self.index.release_read(lease, reg.token)
+            return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
+        return p.RetrieveSlots(
+            req.rid,
+            lease,
+            [p.Slot(i, off, n) for i, (_, off, n) in enumerate(slots)],
+            list(range(len(slots), session.total)),
+        )
 
     def finish_retrieve(self, req: p.FinishRetrieve) -> p.Ok:
         reg = self._client(req.client)

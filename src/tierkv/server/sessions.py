@@ -7,11 +7,8 @@ runs. Its life:
 - ``open``: lock the hit prefix, start the prefetch of the rest (the lookup's outcome is
   counted now, or by the prefetch when it finishes);
 - ``query``: has the prefetch finished (or timed out)? Its locks are folded into the session
-  and the engine is told the new hit count (``watch`` calls back as it lands chunks and when
-  it finishes, for a query whose reply waits for that). While it runs, the chunks it has
-  landed are locked under the session's lease already (``landed``): ``landed_part`` locks
-  them once more for a retrieve of its own, so that the engine copies them out while the
-  rest arrive, the session going on;
+  and the engine is told the new hit count (``watch`` calls back when it finishes, for a
+  query whose reply waits for that);
 - ``take``: PREPARE_RETRIEVE takes the session over with its lease (ended by
   FINISH_RETRIEVE); a prefetch landing later gives back whatever lease it made;
 - ``drop``: END_SESSION, FREE_LOOKUP_LOCKS, a new lookup under the same request id, the
@@ -26,7 +23,6 @@ answered with the smallest hit count. Thread-safe: prefetches finish on tier thr
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,7 +72,6 @@ class Progress:
     done: bool
     hits: int
     sources: tuple[tuple[str, int], ...] = ()  # (where, chunks) runs over the hits, once done
-    landed: int = 0  # leading chunks locked for the lookup now (== hits once done)
 
 
 class LookupSessions:
@@ -140,9 +135,13 @@ class LookupSessions:
         with self._lock:
             self._single.setdefault(holder, {})[request_id] = session
         if hits < len(keys) and self.tiering.enabled:
-            attach = functools.partial(self._prefetch_done, holder, request_id, session)
             session.prefetch = self.tiering.prefetch(
-                holder, keys, lengths, hits, lock.lease_id, attach, on_lease=attach
+                holder,
+                keys,
+                lengths,
+                hits,
+                lock.lease_id,
+                lambda job: self._prefetch_done(holder, request_id, session, job),
             )
         else:
             self.lookups.record(keys, hits)  # with a prefetch, the tiering counts it when done
@@ -151,9 +150,8 @@ class LookupSessions:
     def _prefetch_done(
         self, holder: int, request_id: str, session: Session, job: PrefetchJob
     ) -> None:
-        """When the prefetch creates a lease (a transfer thread) and when it ends (its tier
-        thread): hand the lease to its session, or give it back if nobody can use it any
-        more (session ended, retrieved or timed out: the prefetch then stops locking)."""
+        """On a tier thread: hand a lease the prefetch created to its session, or give it
+        back if nobody can use it any more (session ended, retrieved or timed out)."""
         new_lease = job.lease_id if job.lease_id != session.lease else 0
         if not new_lease:
             return  # nothing locked, or locks added to the session's own lease
@@ -185,24 +183,12 @@ class LookupSessions:
         done = all([self._settle(session) for session in members])  # settle every member
         with self._lock:
             if not done:
-                landed = min(_landed(m) for m in members)
-                return Progress(False, min(m.hits for m in members), landed=landed)
+                return Progress(False, min(m.hits for m in members))
             hits = min(m.available for m in members)
             for session in members:
                 if not session.handed_out:
                     session.hits = hits
-        return Progress(True, hits, _source_runs(members, hits), hits)
-
-    def landed_part(self, holder: int, request_id: str) -> tuple[int, int] | None:
-        """(the session's lease, its leading chunks landed and locked under it) for a
-        retrieve of what has landed, the session going on; None if there is no such
-        session (one a retrieve took is gone)."""
-        with self._lock:
-            session = self._single.get(holder, {}).get(request_id)
-            if session is None:
-                return None
-            session.touched = self.clock()
-            return session.lease, _landed(session)
+        return Progress(True, hits, _source_runs(members, hits))
 
     def watch(self, holder: int, request_id: str, wake: Callable[[], None]) -> float | None:
         """Call ``wake()`` (on a tier thread) each time a prefetch of the session (a group's:
@@ -309,15 +295,6 @@ class LookupSessions:
         """Open sessions of every client, counted as :meth:`count_of` does."""
         with self._lock:
             return sum(map(len, self._single.values())) + sum(map(len, self._groups.values()))
-
-
-def _landed(session: Session) -> int:
-    """The session's leading chunks locked under its lease now: its prefetch's progress
-    while that runs (under the sessions' lock)."""
-    job = session.prefetch
-    if job is None or job.cancelled or not session.lease:
-        return session.available
-    return max(session.available, job.hits)
 
 
 def _source_runs(members: Sequence[Session], hits: int) -> tuple[tuple[str, int], ...]:

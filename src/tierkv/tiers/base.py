@@ -14,13 +14,11 @@ from __future__ import annotations
 import enum
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierkv.tiers.outage import Outage
-
-Landed = Callable[[int], None]  # called with the index of an item that loaded intact
 
 
 class TierError(Exception):
@@ -68,16 +66,11 @@ class Tier(ABC):
         """Fill each writable view with the key's payload (same length), verified."""
 
     def load_verified(
-        self, items: Sequence[tuple[bytes, memoryview]], landed: Landed | None = None
+        self, items: Sequence[tuple[bytes, memoryview]]
     ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
         """:meth:`load`, plus the checksum of each chunk the tier verified on the way in
         (key -> checksum), for a caller that would otherwise hash the bytes again. Tiers that
-        do not hand their checksums out return an empty dict.
-
-        ``landed(i)``, if given, may be called (from any thread, before this returns) for
-        item ``i`` once its bytes are in place and verified, so that a caller can use the
-        first chunks while the rest load; a tier that loads everything at once need not call
-        it (the statuses say the same when this returns). It must not raise."""
+        do not hand their checksums out return an empty dict."""
         return self.load(items), {}
 
     def loaded_and_committed(self, chunks: Sequence[tuple[bytes, bytes, int]]) -> None:  # noqa: B027

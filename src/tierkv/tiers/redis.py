@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from tierkv.options import Size
-from tierkv.tiers.base import Landed, LoadStatus, Tier, TierError, TierUsage
+from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
 from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
@@ -274,17 +274,12 @@ class RedisTier(Tier):
         return self.load_verified(items)[0]
 
     def load_verified(
-        self, items: Sequence[tuple[bytes, memoryview]], landed: Landed | None = None
+        self, items: Sequence[tuple[bytes, memoryview]]
     ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
         statuses: list[LoadStatus] = []
         sums: dict[bytes, bytes] = {}
         for batch in self._load_batches(items):
-            first = len(statuses)
             statuses.extend(self._load_batch(batch, sums))
-            if landed is not None:
-                for i in range(first, len(statuses)):
-                    if statuses[i] is LoadStatus.OK:
-                        landed(i)
         return statuses, sums
 
     def _load_batches(

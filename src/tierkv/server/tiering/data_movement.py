@@ -101,7 +101,6 @@ class Tiering:
         first: int,
         lease_id: int,
         on_done: Callable[[PrefetchJob], None],
-        on_lease: Callable[[PrefetchJob], None] | None = None,
     ) -> PrefetchJob | None:
         if not self.tiers:
             return None
@@ -110,7 +109,7 @@ class Tiering:
             self.lookups.record_prefetch(keys, job)
             on_done(job)
 
-        job = self.prefetcher.start(holder, keys, lengths, first, lease_id, done, on_lease)
+        job = self.prefetcher.start(holder, keys, lengths, first, lease_id, done)
         if job is None:  # too many in flight: the lookup gets what the pool had
             self.lookups.record(keys, first)
         return job

@@ -7,11 +7,8 @@ run of chunks found somewhere (each from the pool if it is there, else from the 
 that has it). It reserves pool slots for the run's tier chunks, loads the bytes straight
 into them, verifies them (the tiers check checksums), commits the ones that arrived intact
 and read-locks the prefix (pool chunks included) for the engine under the lookup's lease.
-It does so as the chunks land (:mod:`tierkv.server.tiering.landing`): the lookup's locked
-prefix grows while the load runs, and the job's watchers hear of each step, so an engine
-can copy the first chunks out while the rest are on the way. The first chunk that is
-missing, does not fit, or fails to load ends the prefix there: the engine gets fewer hits,
-never wrong bytes. A chunk found nowhere because a tier failed to
+The first chunk that is missing, does not fit, or fails to load ends the prefix there: the
+engine gets fewer hits, never wrong bytes. A chunk found nowhere because a tier failed to
 answer whether it holds it (:meth:`Tier.presence` gave None) ends it as an ``error``, not
 as a chunk known to be absent.
 
@@ -22,17 +19,15 @@ pool had; when it completes later its chunks stay in the pool, unlocked, for the
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tierkv.index import LeaseNotFound, ObjectIndex
+from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.pool import ShmPool
 from tierkv.priority import moving_data
-from tierkv.server.tiering.landing import GroupLanding
 from tierkv.tiers.base import LoadStatus, Tier
 from tierkv.workers import Submit
 
@@ -41,11 +36,6 @@ log = logging.getLogger(__name__)
 _NOWHERE = object()  # a chunk neither the pool nor any tier holds
 
 Verified = tuple[bytes, bytes, int]  # (key, checksum verified on the way in, length)
-
-
-def _hold_after(hold: Callable[[int], None], before: int, n: int) -> None:
-    """``hold`` told of a group's prefix of ``n`` chunks, ``before`` chunks into the run."""
-    hold(before + n)
 
 
 @dataclass
@@ -60,15 +50,13 @@ class PrefetchStats:
 
 
 class PrefetchJob:
-    """One lookup's prefetch. ``hits`` grows as chunks land (each one read-locked for the
-    lookup by then) and is final once ``done`` is set.
+    """One lookup's prefetch. ``hits`` is final once ``done`` is set.
 
     ``into_lease`` is the lookup's own read lease (0 if it locked nothing): loaded chunks
     are locked into it. ``lease_id`` is a lease the job *created* because the lookup had
     none; it is 0 when the locks went into ``into_lease`` or nothing was locked, so a
     completion callback never mistakes the lookup's lease (which a retrieve may be using
-    by then) for one it has to hand over or give back. ``on_lease(job)`` runs when the job
-    creates that lease, before its first chunks count in ``hits``.
+    by then) for one it has to hand over or give back.
     """
 
     def __init__(
@@ -77,19 +65,15 @@ class PrefetchJob:
         deadline: float,
         on_done: Callable[[PrefetchJob], None] | None,
         into_lease: int = 0,
-        on_lease: Callable[[PrefetchJob], None] | None = None,
     ) -> None:
         self.first = first
         self.on_done = on_done
-        self.on_lease = on_lease
         self.deadline = deadline
-        self.loaded = 0  # leading chunks after ``first`` read-locked for the lookup
+        self.loaded = 0
         self.into_lease = into_lease
         self.lease_id = 0
         self.done = threading.Event()
         self.cancelled = False
-        self.held_all = True  # False once a lock came short: the prefix ends there
-        self.hold_lock = threading.Lock()  # one extension of the locked prefix at a time
         # For lookup accounting: where each chunk of the loaded prefix came from (a tier's
         # name, or "pool" if it was there already), and why the prefix ended early when the
         # job knows ("corrupt", "error", "expired"; "" otherwise).
@@ -103,24 +87,13 @@ class PrefetchJob:
         return self.first + self.loaded
 
     def watch(self, callback: Callable[[], None]) -> bool:
-        """Call ``callback()`` each time ``hits`` grows (on the thread that landed the
-        chunks) and once the job is done (on the tier thread); False, and no call, if it
-        is done already."""
+        """Call ``callback()`` (on the tier thread) once the job is done; False, and no
+        call, if it is done already."""
         with self._watch_lock:
             if self.done.is_set():
                 return False
             self._watchers.append(callback)
             return True
-
-    def progressed(self) -> None:
-        """Tell the watchers that ``hits`` grew."""
-        with self._watch_lock:
-            watchers = list(self._watchers)
-        for callback in watchers:
-            try:
-                callback()
-            except Exception:
-                log.exception("prefetch watcher failed")
 
     def finish(self) -> None:
         """Mark the job done and call its watchers."""
@@ -169,12 +142,10 @@ class Prefetcher:
         first: int,
         lease_id: int,
         on_done: Callable[[PrefetchJob], None] | None = None,
-        on_lease: Callable[[PrefetchJob], None] | None = None,
     ) -> PrefetchJob | None:
         """Prefetch ``keys[first:]`` for ``holder``, locking into ``lease_id`` (0: a new
-        lease; ``on_lease(job)`` when it is made). ``on_done(job)`` runs on the tier thread
-        just before ``job.done`` is set. None when there is nothing to do or too much in
-        flight."""
+        lease). ``on_done(job)`` runs on the tier thread just before ``job.done`` is set.
+        None when there is nothing to do or too much in flight."""
         if not self.tiers or first >= len(keys):
             return None
         with self._lock:
@@ -183,7 +154,7 @@ class Prefetcher:
                 return None
             self.stats.inflight += 1
             self.stats.started += 1
-        job = PrefetchJob(first, self.clock() + self.timeout, on_done, lease_id, on_lease)
+        job = PrefetchJob(first, self.clock() + self.timeout, on_done, lease_id)
         self.executor.submit(self._run, job, holder, keys, list(lengths))
         return job
 
@@ -217,14 +188,17 @@ class Prefetcher:
             run, unchecked = self._locate(
                 keys[job.first :], head if isinstance(head, Tier) else None
             )
-            hold = functools.partial(self._hold, job, holder, keys)
-            loaded = self._load(keys, lengths, run, job, hold)
+            loaded = self._load(keys, lengths, job.first, run, job)
             if unchecked and loaded == len(run):
                 job.miss_reason = "error"  # the prefix ended at a chunk no tier could check
-            hold(loaded)  # the rest: chunks the pool had
+            if loaded and not job.cancelled:
+                want = keys[job.first : job.first + loaded]
+                lock = self.index.lock_read(want, holder, prefix=True, into_lease=job.into_lease)
+                job.lease_id = 0 if job.into_lease else lock.lease_id
+                job.loaded = len(lock.slots)
         except LeaseNotFound:
             job.miss_reason = "expired"
-            log.debug("a reservation of the prefetch expired before its commit")
+            log.debug("lookup lease ended before its prefetch finished")
         except Exception:
             job.miss_reason = "error"
             log.exception("prefetch failed")
@@ -240,32 +214,6 @@ class Prefetcher:
                 except Exception:
                     log.exception("prefetch completion callback failed")
             job.finish()
-
-    def _hold(self, job: PrefetchJob, holder: int, keys: Sequence[bytes], upto: int) -> None:
-        """Read-lock the loaded chunks up to ``first + upto`` for the lookup (those not
-        locked yet), then tell the job's watchers; from a transfer thread as chunks land, and
-        from the job at its end. A chunk that is not there (gone since it landed) ends the
-        prefix for good; so does the lookup's lease ending (its session is over)."""
-        with job.hold_lock:
-            if job.cancelled or not job.held_all or upto <= job.loaded:
-                return
-            want = keys[job.first + job.loaded : job.first + upto]
-            lease = job.into_lease or job.lease_id
-            try:
-                lock = self.index.lock_read(want, holder, prefix=True, into_lease=lease)
-            except LeaseNotFound:
-                job.held_all = False
-                job.miss_reason = "expired"
-                log.debug("lookup lease ended before its prefetch finished")
-                return
-            if not lease and lock.lease_id:
-                job.lease_id = lock.lease_id
-                if job.on_lease is not None:
-                    job.on_lease(job)
-            job.loaded += len(lock.slots)
-            job.held_all = len(lock.slots) == len(want)
-        if lock.slots:
-            job.progressed()
 
     def _first_chunk(self, key: bytes, job: PrefetchJob) -> Tier | object | None:
         """Where ``key``, the first chunk the lookup lacked, is: the first tier that has it,
@@ -351,15 +299,13 @@ class Prefetcher:
         self,
         keys: list[bytes],
         lengths: list[int],
+        first: int,
         run: list[Tier | None],
         job: PrefetchJob,
-        hold: Callable[[int], None],
     ) -> int:
         """Load the run (see :meth:`_locate`) into the pool; returns the length of the
         prefix now in the pool. Each group is the chunks of one tier with the pool's chunks
-        among and before them, loaded in one batch; ``hold(n)`` hears of the intact prefix
-        (``n`` chunks of the run) as it grows."""
-        first = job.first
+        among and before them, loaded in one batch."""
         done = 0
         pos = 0
         while pos < len(run):
@@ -374,11 +320,7 @@ class Prefetcher:
                 job.sources.extend(["pool"] * got)
             else:
                 got = self._load_group(
-                    tier,
-                    keys[first + pos : first + end],
-                    lengths[first + pos : first + end],
-                    job,
-                    functools.partial(_hold_after, hold, done),
+                    tier, keys[first + pos : first + end], lengths[first + pos : first + end], job
                 )
             done += got
             if got < end - pos:
@@ -387,28 +329,22 @@ class Prefetcher:
         return done
 
     def _load_group(
-        self,
-        tier: Tier,
-        keys: list[bytes],
-        lengths: list[int],
-        job: PrefetchJob,
-        hold: Callable[[int], None],
+        self, tier: Tier, keys: list[bytes], lengths: list[int], job: PrefetchJob
     ) -> int:
         """Load consecutive chunks from one tier; returns the intact prefix length. Chunks
         the pool has (reserve_write reports them present) are not loaded and count as the
         pool's; one that left the pool since it was located gets a slot and is asked of the
-        tier like the others (if the tier lacks it, it ends the prefix as a miss). The
-        chunks are committed as they land (:class:`GroupLanding`), ``hold(n)`` told of the
-        group's committed prefix as it grows."""
-        landing = GroupLanding(self.index, keys, hold)
-        items = landing.reserve(self.pool, lengths, tier.name)
+        tier like the others (if the tier lacks it, it ends the prefix as a miss)."""
+        res = self.index.reserve_write(keys, lengths, Holder.PREFETCH, tier=tier.name)
         if self.on_reserved is not None:
             self.on_reserved()
-        stop = landing.stop
+        stop = res.no_space[0] if res.no_space else len(keys)
+        reserved = [(i, off, n) for i, off, n in res.slots if i < stop]
+        items = [(keys[i], self.pool.view(off, n)) for i, off, n in reserved]
         sums: dict[bytes, bytes] = {}
         try:
             with moving_data():
-                statuses, sums = tier.load_verified(items, landing.landed) if items else ([], {})
+                statuses, sums = tier.load_verified(items) if items else ([], {})
         except Exception as exc:  # a tier should report failures, not raise them
             tier.outage.failed("load", exc, len(items), exc_info=True)
             statuses = [LoadStatus.ERROR] * len(items)
@@ -417,8 +353,7 @@ class Prefetcher:
             statuses = [LoadStatus.ERROR] * len(items)
         del items
         # The intact prefix: present-in-pool chunks count, the first failure ends it.
-        loaded = [p for p, _, _ in landing.reserved if p < stop]
-        status_of = dict(zip(loaded, statuses, strict=True))
+        status_of = {i: st for (i, _, _), st in zip(reserved, statuses, strict=True)}
         prefix = 0
         for i in range(stop):
             st = status_of.get(i, LoadStatus.OK)  # not reserved = already in the pool
@@ -431,20 +366,20 @@ class Prefetcher:
             job.sources.append(tier.name if i in status_of else "pool")
         if prefix == stop < len(keys):
             job.miss_reason = "error"  # no room in the pool to load the rest into
-        landing.settle(prefix)
-        if self.on_committed and landing.committed_keys:
-            length_of = {keys[i]: n for i, _, n in landing.reserved}
-            verified = [
-                (key, sums[key], length_of[key]) for key in landing.committed_keys if key in sums
-            ]
-            self.on_committed(tier, landing.committed_keys, verified)
+        commit_pos = [p for p, (i, _, _) in enumerate(reserved) if i < prefix]
+        nbytes = sum(reserved[p][2] for p in commit_pos)
+        if res.lease_id:
+            result = self.index.commit(res.lease_id, Holder.PREFETCH, commit_pos)
+            if self.on_committed and result.committed_keys:
+                length_of = {keys[i]: n for i, _, n in reserved}
+                verified = [
+                    (key, sums[key], length_of[key]) for key in result.committed_keys if key in sums
+                ]
+                self.on_committed(tier, result.committed_keys, verified)
         with self._lock:
             s = self.stats
-            s.loaded_chunks[tier.name] = s.loaded_chunks.get(tier.name, 0) + len(
-                landing.committed_keys
-            )
-            s.loaded_bytes[tier.name] = s.loaded_bytes.get(tier.name, 0) + landing.committed_bytes
-        hold(prefix)
+            s.loaded_chunks[tier.name] = s.loaded_chunks.get(tier.name, 0) + len(commit_pos)
+            s.loaded_bytes[tier.name] = s.loaded_bytes.get(tier.name, 0) + nbytes
         return prefix
 
     def _count_failure(self, tier: str, status: LoadStatus) -> None:
