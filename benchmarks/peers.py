@@ -39,6 +39,11 @@ sending and receiving thread at the priority tierkv gives its data threads (a hi
 value: they leave a busy core to the other process), beside the others: the bound at the
 priority the fetch's own threads run at.
 
+Beside raw TCP, every run times the design's own work over the same one stream, printed with
+the fetch's speed over its speed: each chunk checksummed as it lands (tierkv's receive loop), then
+copied once into an engine's buffers (tierkv's copier). A fetch cannot do less than that;
+what it takes beyond it is the servers, the protocol, the pool and the directory.
+
 The last line is machine-readable:
 ``peers fetch_vs_raw_tcp=A directory_lookup512_p50_us=B ... nixl_ok=C nixl_transport=D``
 (A: fetch throughput over raw TCP throughput, best of the repetitions for each; goals
@@ -72,12 +77,15 @@ from busy_cores import add_option, kept_busy, line_name
 from percentiles import pct
 from stop_signals import exit_on_stop_signals
 from tierkv import keys as tk
+from tierkv.arraycopy import copy_array
 from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.nixl_agent import unavailable
 from tierkv.cluster.ring_directory import DirectoryReader
 from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
+from tierkv.copier import Copier
+from tierkv.piecewise_io import recv_hashed
 from tierkv.priority import DATA_NICE, DATA_SLICE_NS, data_thread
 
 MIB = 1 << 20
@@ -285,6 +293,48 @@ class RawTcp:
         t0 = time.perf_counter()
         for fut in [self.pool.submit(self._receive, s, lo, hi) for s, (lo, hi) in parts]:
             fut.result()
+        return time.perf_counter() - t0
+
+
+class DesignBound(RawTcp):
+    """Raw TCP plus the work the design adds to it, over the same one stream: every chunk
+    checksummed as it lands (tierkv's own receive loop, :func:`tierkv.piecewise_io.recv_hashed`:
+    XXH3-128 over each piece while it is in the caches), then the one copy of every chunk
+    into an engine's touched buffers (tierkv's :class:`~tierkv.copier.Copier`, as
+    ``Client.retrieve`` copies). What a fetch cannot avoid doing, without the servers, the
+    protocol, the pool or the directory."""
+
+    def __init__(self, nbytes: int, rounds: int, chunk_bytes: int) -> None:
+        super().__init__(nbytes, rounds)
+        self.chunk_bytes = chunk_bytes
+
+    def __enter__(self) -> DesignBound:
+        super().__enter__()
+        n = self.nbytes // self.chunk_bytes
+        self.out = [np.ones(self.chunk_bytes, np.uint8) for _ in range(n)]  # touched
+        self.copier = Copier()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if hasattr(self, "copier"):
+            self.copier.close()
+        super().__exit__(*exc)
+
+    def _receive(self, sock: socket.socket, lo: int, hi: int) -> None:
+        sock.sendall(b"g")
+        for start in range(lo, hi, self.chunk_bytes):
+            recv_hashed(sock, self.view[start : min(hi, start + self.chunk_bytes)])
+
+    def round(self) -> float:
+        """Seconds for one round: the checksummed receive, then the copy out."""
+        cb, src = self.chunk_bytes, np.frombuffer(self.view, np.uint8)
+        t0 = time.perf_counter()
+        self.pool.submit(self._receive, self.socks[0], 0, self.nbytes).result()
+        self.copier.run(
+            lambda i: copy_array(self.out[i], src[i * cb : (i + 1) * cb]),
+            range(len(self.out)),
+            [cb] * len(self.out),
+        )
         return time.perf_counter() - t0
 
 
@@ -547,9 +597,10 @@ def measure(args: argparse.Namespace) -> None:
             PeerFetch(b, tokens, shape, src) as peer_fetch,
             RawTcp(nbytes, args.repeat) as raw_tcp,
             RawTcp(nbytes, args.repeat, streams) as raw_tcp_par,
+            DesignBound(nbytes, args.repeat, chunk_bytes) as design,
             contextlib.ExitStack() as stack,
         ):
-            measures = [peer_fetch.round, raw_tcp.round, raw_tcp_par.round]
+            measures = [peer_fetch.round, raw_tcp.round, raw_tcp_par.round, design.round]
             if d is not None:
                 nixl_fetch = stack.enter_context(PeerFetch(d, tokens, shape, src))
 
@@ -565,7 +616,7 @@ def measure(args: argparse.Namespace) -> None:
             if args.busy_cores:  # the bound at the data threads' priority, beside the others
                 lowered = stack.enter_context(RawTcp(nbytes, args.repeat, streams, lowered=True))
                 measures.append(lowered.round)
-            fetch, raw, raw_par, *rest = interleaved(args.repeat, *measures)
+            fetch, raw, raw_par, designed, *rest = interleaved(args.repeat, *measures)
             nixl_times = rest[:1] if d is not None else []
             raw_lowered = rest[-1] if args.busy_cores else []
             fetch_parts = peer_fetch.parts[-args.repeat :]
@@ -622,6 +673,11 @@ def measure(args: argparse.Namespace) -> None:
         f"raw TCP, {streams} parallel streams (as many as a peer fetch uses), same bytes: "
         f"best {min(raw_par) * 1e3:.1f} ms = {raw_par_gbps:.2f} GB/s "
         f"(fetch / this = {fetch_gbps / raw_par_gbps:.2f})"
+    )
+    print(
+        f"raw TCP stream plus the design's work (each chunk checksummed as it lands, then "
+        f"copied once into touched buffers by tierkv's copier), same bytes: best "
+        f"{min(designed) * 1e3:.1f} ms (fetch / this = {min(designed) / min(fetch):.2f})"
     )
     if raw_lowered:
         print(
