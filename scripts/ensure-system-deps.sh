@@ -65,9 +65,12 @@ fi
 
 echo "ensure-system-deps: installing ${missing[*]} ..." >&2
 export DEBIAN_FRONTEND=noninteractive
-${as_root[@]+"${as_root[@]}"} apt-get update -qq >/dev/null || fail "apt-get update failed"
+# A fresh machine often has apt busy at boot (unattended-upgrades), and two setups may run
+# at once: wait for the package manager's locks rather than fail.
+wait_lock=(-o DPkg::Lock::Timeout=600)
+${as_root[@]+"${as_root[@]}"} apt-get "${wait_lock[@]}" update -qq >/dev/null || fail "apt-get update failed"
 ${as_root[@]+"${as_root[@]}"} env DEBIAN_FRONTEND=noninteractive \
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+  apt-get "${wait_lock[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
   || fail "apt-get install ${missing[*]} failed"
 for entry in "${REQUIRED[@]}"; do
   read -r cmd pkg <<<"$entry"
