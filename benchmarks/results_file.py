@@ -36,14 +36,24 @@ def append(record: Record, path: Path = RESULTS) -> None:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+# The widest vector extension first: VMs sold as one type come with CPUs that differ in it
+# (an AVX2-only AMD EPYC, one with AVX-512, an Intel Xeon with AMX tiles), and figures that
+# copy or hash bytes, or run vLLM on the CPU, follow it.
+VECTOR_FLAGS = ("amx_tile", "avx512f", "avx2")
+
+
 def machine() -> dict[str, Any]:
-    """This machine: usable cores, memory (GiB), CPU model, kernel."""
-    cpu = platform.processor() or platform.machine()
-    memory_gib = None
+    """This machine: usable cores, memory (GiB), CPU model, its widest vector extension
+    (``vector``: one of :data:`VECTOR_FLAGS` or ``"none"``), kernel."""
+    model = vector = memory_gib = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name") and model is None:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and vector is None:
+                flags = set(line.split(":", 1)[1].split())
+                vector = next((f for f in VECTOR_FLAGS if f in flags), "none")
+            if model is not None and vector is not None:
                 break
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
@@ -52,7 +62,13 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cores": cores, "memory_gib": memory_gib, "cpu": cpu, "kernel": platform.release()}
+    return {
+        "cores": cores,
+        "memory_gib": memory_gib,
+        "cpu": model or platform.processor() or platform.machine(),
+        "vector": vector,
+        "kernel": platform.release(),
+    }
 
 
 def git_commit(repo: Path) -> str | None:

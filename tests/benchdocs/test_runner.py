@@ -43,6 +43,7 @@ def test_records_the_summary(tmp_path: Path) -> None:
         "trivial": {"ratio": 0.91, "kind": "tcp"},
     }
     assert record["time"].endswith("Z") and record["machine"]["cores"] >= 1
+    assert record["machine"]["vector"] in ("amx_tile", "avx512f", "avx2", "none")
     assert record["command"].endswith("trivial.py --flag 2")
     assert "commit" in record
 
