@@ -1,6 +1,8 @@
 """benchmarks/stop_signals.py: a benchmark stopped by SIGTERM or SIGHUP, directly or through
 the runner, still kills its spinners and unlinks its shared-memory segment, and exits with
-128 + the signal's number; the runner records nothing for it."""
+128 + the signal's number; the runner records nothing for it. A second stop signal while it
+cleans up (``pkill -f`` matches the runner and the script: the script gets its own and the
+one the runner passes on) does not cut the cleanup short."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.proc_tree import descendants
+from support.proc_tree import children, descendants
 
 pytestmark = pytest.mark.processes  # real scripts, spinners and segments
 
@@ -33,6 +35,9 @@ def main():
             print("ready", flush=True)
             time.sleep(60)
     finally:
+        print("cleaning up", flush=True)
+        if sys.argv[2:] == ["slow"]:
+            time.sleep(1)  # as long as stopping a benchmark's servers takes
         segment.close()
         print("cleaned up", flush=True)
 
@@ -40,17 +45,25 @@ main()
 """
 
 
-def _start(tmp_path: Path, segment: str, through_runner: bool) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, segment: str, through_runner: bool, *args: str) -> subprocess.Popen[str]:
     script = tmp_path / "stoppable.py"
     script.write_text(SCRIPT)
     runner = [str(BENCHMARKS / "run.py"), "--results", str(tmp_path / "results.jsonl")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), *sys.path])}
     return subprocess.Popen(
-        [sys.executable, *(runner if through_runner else []), str(script), segment],
+        [sys.executable, *(runner if through_runner else []), str(script), segment, *args],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def _wait_for(proc: subprocess.Popen[str], wanted: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the spinner's line, then ours
+        if line.strip() == wanted:
+            return
+    pytest.fail(f"the script never printed {wanted!r}")
 
 
 def _spinning(pids: set[int]) -> set[int]:
@@ -75,11 +88,7 @@ def test_stopped_benchmark_cleans_up(tmp_path: Path, signum: int, through_runner
     assert proc.stdout is not None
     spinners: set[int] = set()
     try:
-        for line in proc.stdout:  # the spinner's line, then ours
-            if line.strip() == "ready":
-                break
-        else:
-            pytest.fail("the script never got ready")
+        _wait_for(proc, "ready")
         assert Path(f"/dev/shm/{segment}").exists()
         spinners = _spinning(set(descendants(proc.pid)))
         assert len(spinners) == 1
@@ -97,3 +106,32 @@ def test_stopped_benchmark_cleans_up(tmp_path: Path, signum: int, through_runner
     assert "cleaned up" in rest  # the script's finally ran (and could still print)
     assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)  # killed and reaped
     assert not (tmp_path / "results.jsonl").exists()  # a stopped run records nothing
+
+
+@pytest.mark.parametrize("through_runner", [False, True])
+def test_a_second_stop_signal_does_not_cut_the_cleanup_short(
+    tmp_path: Path, through_runner: bool
+) -> None:
+    segment = f"tierkv-test-stop-twice-{os.getpid()}-{int(through_runner)}"
+    proc = _start(tmp_path, segment, through_runner, "slow")
+    spinners: set[int] = set()
+    try:
+        _wait_for(proc, "ready")
+        spinners = _spinning(set(descendants(proc.pid)))
+        (script,) = children(proc.pid) if through_runner else (proc.pid,)
+        os.kill(script, signal.SIGTERM)
+        _wait_for(proc, "cleaning up")
+        proc.send_signal(signal.SIGTERM)  # the runner passes it on to the script
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        for pid in [proc.pid, *spinners]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        leaked = Path(f"/dev/shm/{segment}").exists()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{segment}")
+    assert "cleaned up" in rest
+    assert not leaked
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)
