@@ -1,6 +1,7 @@
 /* tierkv._fingerprints: the controller's key fingerprints (tierkv.controller.keytable) in one
- * pass over the keys, and its lookups' two searches (tierkv.controller.holders,
- * tierkv.controller.keytable) in one call per batch.
+ * pass over the keys, its lookups' two searches (tierkv.controller.holders,
+ * tierkv.controller.keytable) in one call per batch, and the sort and merges of its full
+ * reports.
  *
  * fill(keys, out) -> bool
  *
@@ -47,6 +48,16 @@
  * how many were placed and the last slot needed (-1: none); slots past the array are not
  * written, so a caller whose array was too short makes a longer one and places again. The
  * same as keytable's numpy passes (repeats, homes, a running maximum, a scatter, counts).
+ *
+ * sort(arr)
+ *
+ * ``arr`` (a contiguous uint64 array) sorted in place: a least-significant-digit radix sort,
+ * eight passes of one byte each (a pass whose byte is the same in every value is skipped),
+ * the eight counts taken in one pass first, a scratch array of the same size allocated and
+ * freed here, the GIL released. A full report sorts a million entries before placing them:
+ * numpy's sort took 51 ms of that report's 57 on an AVX-512 AMD EPYC VM (its vectorized
+ * quicksort stores through AVX-512's compress instruction, which that CPU runs slowly), this
+ * one 13 ms: it reads and writes every value once a pass, whatever the values and the CPU.
  *
  * merge(parts, live, out) -> int
  *
@@ -333,6 +344,77 @@ done:
     return result;
 }
 
+#define RADIX_BITS 8
+#define RADIX (1u << RADIX_BITS)
+#define RADIX_PASSES (64 / RADIX_BITS)
+
+/* Sort a (n values) in place through scratch (n values); see sort's comment. */
+static void
+radix_sort(uint64_t *a, uint64_t *scratch, size_t n, size_t counts[RADIX_PASSES][RADIX])
+{
+    memset(counts, 0, sizeof(size_t) * RADIX_PASSES * RADIX);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t v = a[i];
+        for (unsigned p = 0; p < RADIX_PASSES; p++)
+            counts[p][(v >> (p * RADIX_BITS)) & (RADIX - 1)]++;
+    }
+    uint64_t *src = a, *dst = scratch;
+    for (unsigned p = 0; p < RADIX_PASSES; p++) {
+        size_t *c = counts[p], at = 0;
+        unsigned shift = p * RADIX_BITS;
+        if (c[(src[0] >> shift) & (RADIX - 1)] == n)
+            continue; /* every value has the first one's byte here: already in order */
+        for (unsigned b = 0; b < RADIX; b++) {
+            size_t k = c[b];
+            c[b] = at;
+            at += k;
+        }
+        for (size_t i = 0; i < n; i++) {
+            uint64_t v = src[i];
+            dst[c[(v >> shift) & (RADIX - 1)]++] = v;
+        }
+        uint64_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a)
+        memcpy(a, src, n * sizeof(uint64_t));
+}
+
+static PyObject *
+sort(PyObject *self, PyObject *args)
+{
+    Py_buffer ar;
+    if (!PyArg_ParseTuple(args, "w*", &ar))
+        return NULL;
+    PyObject *result = NULL;
+    if (ar.len % 8 || (uintptr_t)ar.buf & 7) {
+        PyErr_SetString(PyExc_ValueError, "arr must be an aligned array of 8-byte values");
+        goto done;
+    }
+    size_t n = (size_t)ar.len / 8;
+    if (n > 1) {
+        uint64_t *scratch = PyMem_RawMalloc(ar.len);
+        size_t(*counts)[RADIX] = PyMem_RawMalloc(sizeof(size_t) * RADIX_PASSES * RADIX);
+        if (scratch == NULL || counts == NULL) {
+            PyMem_RawFree(scratch);
+            PyMem_RawFree(counts);
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        radix_sort(ar.buf, scratch, n, counts);
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(scratch);
+        PyMem_RawFree(counts);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&ar);
+    return result;
+}
+
 /* One heap entry: a part's next entry and the part's index. */
 typedef struct {
     uint64_t head;
@@ -487,6 +569,8 @@ static PyMethodDef methods[] = {
     {"place", place, METH_VARARGS,
      "place(entries, slots, shift, by_tier) -> (live, last): sorted entries placed into an "
      "empty key table; by_tier counted; last: the last slot needed (-1: none)."},
+    {"sort", sort, METH_VARARGS,
+     "sort(arr): a uint64 array sorted in place (a radix sort, without the GIL)."},
     {"merge", merge, METH_VARARGS,
      "merge(parts, live, out) -> int: sorted parts merged into out, entries of slots not "
      "live and repeats left out; how many were written."},

@@ -377,6 +377,35 @@ def test_the_c_merge_refuses_arguments_of_the_wrong_shape() -> None:
     assert merge([], live, np.empty(0, np.uint64)) == 0
 
 
+def test_the_c_sort_sorts_as_numpy_does() -> None:
+    """The radix sort in C: numpy's order for uniform 64-bit values, values that share most
+    of their bytes (passes skipped), repeats, the extremes, every length around its
+    threshold; ``sort_values`` sorts in place where it may and leaves views to numpy."""
+    from tierkv._fingerprints import sort
+
+    rng = np.random.default_rng(11)
+    top = np.uint64(2**64 - 1)
+    for case in range(40):
+        n = int(rng.integers(0, 5000)) if case % 4 else [0, 1, 2, 1023, 1024, 1025][case % 6]
+        if case % 3 == 0:
+            values = rng.integers(0, 2**64 - 1, n, dtype=np.uint64, endpoint=True)
+        elif case % 3 == 1:  # one varying byte, the rest equal: seven passes skipped
+            values = (rng.integers(0, 256, n, dtype=np.uint64) << np.uint64(40)) | top
+        else:  # few distinct values: repeats
+            values = rng.integers(0, 5, n, dtype=np.uint64) * np.uint64(0x0101010101010101)
+        got = values.copy()
+        sort(got)
+        assert np.array_equal(got, np.sort(values)), case
+        again = values.copy()
+        assert keytable.sort_values(again) is again and np.array_equal(again, got), case
+    strided = np.arange(4000, 0, -1, dtype=np.uint64)[::2]
+    assert np.array_equal(keytable.sort_values(strided), np.arange(2, 4001, 2, dtype=np.uint64))
+    with pytest.raises(ValueError, match="aligned"):
+        sort(np.zeros(4, np.uint64).view(np.uint8)[1:25])
+    with pytest.raises(TypeError):
+        sort(b"01234567")  # read-only
+
+
 def test_filter_refuses_more_instances_than_slots() -> None:
     f = HolderFilter()
     for i in range(SLOTS):

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.controller.keytable import TIER_BITS, U64
+from tierkv.controller.keytable import TIER_BITS, U64, sort_values
 
 _match_slots: Callable[[Any, Any, int, Any, Any, Any, int], int] | None
 _merge: Callable[[Any, Any, Any], int] | None
@@ -105,7 +105,7 @@ def from_table(slots: U64, slot: int) -> U64:
     are empty and deleted) as this filter's entries of ``slot``, sorted."""
     held = slots[slots > 1]
     out: U64 = (held & _HIGH) | np.uint64(slot)
-    return dedupe(np.sort(out))
+    return dedupe(sort_values(out))
 
 
 def dedupe(sorted_entries: U64) -> U64:
@@ -193,7 +193,7 @@ class HolderFilter:
             return
         self.runs.append(run)
         if len(self.runs) > MAX_RUNS:  # small runs: compacting them is cheap
-            self.runs = [dedupe(np.sort(np.concatenate(self.runs), kind="stable"))]
+            self.runs = [dedupe(sort_values(np.concatenate(self.runs)))]
 
     def live_mask(self) -> npt.NDArray[np.bool_]:
         return np.fromiter((o is not None for o in self.owner), dtype=bool, count=SLOTS)

@@ -44,6 +44,7 @@ from tierkv.controller.keytable import (
     fingerprints_and_namespace,
     key_array,
     single_namespace,
+    sort_values,
 )
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class ControllerIndex:
         arr = key_array(keys)
         fps = fingerprints(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
-        sorted_fps = np.sort(fps)
+        sorted_fps = sort_values(fps.copy())
         with self._lock:
             h = self._holders.get(instance)
             if h is None:

@@ -50,14 +50,36 @@ FP_BITS = 62
 _fill: Callable[[Any, Any], bool] | None
 _probe: Callable[[Any, int, Any, Any], None] | None
 _place: Callable[[Any, Any, int, Any], tuple[int, int]] | None
+_radix_sort: Callable[[Any], None] | None
 try:
     from tierkv._fingerprints import fill as _fill
     from tierkv._fingerprints import place as _place
     from tierkv._fingerprints import probe as _probe
+    from tierkv._fingerprints import sort as _radix_sort
 except ImportError:  # built without a C compiler: numpy computes the same
-    _fill = _probe = _place = None
+    _fill = _probe = _place = _radix_sort = None
 NATIVE_FINGERPRINTS = _fill is not None
+# From this many values on the C helper's radix sort beats numpy's (1,024 values: 11 against
+# 12 us; a million: 12 against 51 ms on an AVX-512 AMD EPYC VM, 13 against 117 ms of qsort).
+RADIX_SORT_MIN = 1024
 FEW = 8  # keys past their window looked up one by one rather than in a vectorised round
+
+
+def sort_values(values: U64) -> U64:
+    """``values`` (a uint64 array of this process's own) sorted in place, and returned: by
+    the C helper's radix sort where it was built and the array is large, else by numpy.
+    Fingerprints are uniform 62-bit values, which a radix sort takes in a fixed number of
+    passes, where numpy's sort follows the CPU (its AVX-512 quicksort is slow on AMD's)."""
+    if (
+        _radix_sort is not None
+        and values.size >= RADIX_SORT_MIN
+        and values.flags.c_contiguous
+        and values.flags.writeable
+    ):
+        _radix_sort(values)
+    else:
+        values.sort()
+    return values
 
 
 def key_array(keys: bytes | list[bytes]) -> npt.NDArray[np.uint64]:
@@ -226,7 +248,7 @@ class KeyTable:
         (empty) table: sorted by fingerprint they are sorted by home, and linear probing
         puts the i-th at max(home_i, slot_{i-1} + 1). ``uniform_tier``: every entry has
         that tier (the counts need no pass)."""
-        entries.sort()
+        sort_values(entries)
         if _place is not None:
             self._place(entries)
             return
