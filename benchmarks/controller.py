@@ -12,6 +12,10 @@ Columns (the seed's RegistryTree figures in brackets):
   wire) applied: fingerprints, the table built, swapped in; median of 3 [60 ms]. Timed
   with no merge under way; the merge of its entries into the filter's sorted array, which
   a controller does in the background, is timed after it and printed apart.
+- full_report_tp4_ms: the same for an instance whose engine runs 4 tensor-parallel ranks:
+  its keys are of 4 namespaces (one per rank), taking turns in the report, and are counted
+  per namespace (which ``POST /lookup`` and the controller's instance table read); median
+  of 3.
 - deregister_ms: one instance with 1M chunks deregistered; median of 3 [8 ms].
 - lookup512_wire_p50_us: a 512-chunk lookup (``Resolve``, signed, over the control
   channel's TCP on loopback) through a running controller serving this index, p50 of
@@ -23,7 +27,8 @@ Columns (the seed's RegistryTree figures in brackets):
 Use ``--instances`` / ``--chunks`` for a smaller run; ``--busy-cores 1`` measures with a core
 kept busy by a spinning process (``busy_cores.py``; the line is then ``controller_busy``).
 The last line of output is
-``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E``.
+``controller lookup_us=A memory_gb=B full_report_ms=C deregister_ms=D lookup512_wire_p50_us=E
+full_report_tp4_ms=F``.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from tierkv.controller.index import ControllerIndex
 
 KEY = 32
 NAMESPACE = b"N" * 16  # one model: every instance's keys share a namespace
+TP_NAMESPACES = 4  # full_report_tp4_ms: an engine's 4 ranks, a namespace each
 
 
 def rss_bytes() -> int:
@@ -57,10 +63,12 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def random_keys(n: int) -> bytes:
-    """``n`` keys of one namespace, concatenated (how a report carries them)."""
+def random_keys(n: int, namespaces: int = 1) -> bytes:
+    """``n`` keys, concatenated (how a report carries them): of one namespace, or of
+    ``namespaces`` (those of tensor-parallel ranks) taking turns."""
     arr = np.frombuffer(os.urandom(n * KEY), dtype=np.uint8).reshape(n, KEY).copy()
-    arr[:, :16] = np.frombuffer(NAMESPACE, dtype=np.uint8)
+    digests = np.frombuffer(NAMESPACE + os.urandom(16 * (namespaces - 1)), dtype=np.uint8)
+    arr[:, :16] = digests.reshape(namespaces, 16)[np.arange(n) % namespaces]
     return arr.tobytes()
 
 
@@ -129,7 +137,8 @@ def measure(args: argparse.Namespace) -> None:
     wire_us = wire_p50(index, [samples[name] for name in names], args.wire_lookups)
     print(f"lookup over the wire: p50 {wire_us:.0f} us per 512-chunk lookup")
 
-    # Full report and deregistration of one instance, 3 times each.
+    # Full report and deregistration of one instance, 3 times each; then 3 full reports of an
+    # instance whose engine has 4 tensor-parallel ranks (4 namespaces).
     reports: list[float] = []
     drops: list[float] = []
     merges: list[float] = []
@@ -148,17 +157,32 @@ def measure(args: argparse.Namespace) -> None:
         drops.append((time.perf_counter() - t) * 1e3)
         if dropped != n:
             raise RuntimeError(f"deregistered {dropped} keys, not {n}")
+    tp_reports: list[float] = []
+    for _ in range(3):
+        blob = random_keys(n, TP_NAMESPACES)
+        index.settle()
+        t = time.perf_counter()
+        index.replace("inst-0", blob, tiers)
+        tp_reports.append((time.perf_counter() - t) * 1e3)
+        del blob
+        if len(index.namespaces("inst-0")) != TP_NAMESPACES:
+            raise RuntimeError("a report of 4 namespaces was not counted per namespace")
     index.close()
     full_report_ms = statistics.median(reports)
+    tp_report_ms = statistics.median(tp_reports)
     deregister_ms = statistics.median(drops)
     print(f"full report: {full_report_ms:.1f} ms (median of {reports!r})")
+    print(
+        f"full report of {TP_NAMESPACES} namespaces (an engine with {TP_NAMESPACES} "
+        f"tensor-parallel ranks): {tp_report_ms:.1f} ms (median of {tp_reports!r})"
+    )
     print(f"its merge into the filter (in the background in a controller): {merges!r} s")
     print(f"deregister: {deregister_ms:.2f} ms (median of {drops!r})")
     print(
         f"{line_name('controller', args.busy_cores)} lookup_us={lookup_us:.2f} "
         f"memory_gb={memory / 1e9:.2f} "
         f"full_report_ms={full_report_ms:.1f} deregister_ms={deregister_ms:.2f} "
-        f"lookup512_wire_p50_us={wire_us:.0f}"
+        f"lookup512_wire_p50_us={wire_us:.0f} full_report_tp4_ms={tp_report_ms:.1f}"
     )
 
 

@@ -157,6 +157,9 @@ FIGURES: tuple[Figure, ...] = (
     _fig("controller.py", "full_report_ms", "ms", "the same, a core kept busy",
          "none: an absolute time", line="controller_busy", goal=Goal("<=", 60),
          name="busy_full_report_ms"),
+    _fig("controller.py", "full_report_tp4_ms", "ms", "a full report of 1M keys of 4 "
+         "namespaces (an engine with 4 tensor-parallel ranks)", "none: an absolute time",
+         goal=Goal("<=", 60)),
     _fig("router_load.py", "routers_vs_idle", X, "engine lookup p99 beside 50 routers",
          "the same lookups, idle", goal=Goal("<=", 2)),
     _fig("router_load.py", "quota_1000_ms", "ms", "GET /quota of 1,000 tenants",

@@ -19,6 +19,17 @@
  * of a million keys (about 25 ms on the CI machine type); this loop reads them once. The
  * GIL is released while it runs.
  *
+ * namespaces(keys, index, cap) -> list | None
+ *
+ * The distinct namespace digests (the first 16 bytes) of ``keys`` (n 32-byte keys,
+ * concatenated), as bytes, in the order they first appear, and per key the position of its
+ * own in that list, into ``index`` (a writable buffer of n int64s); None where there are
+ * more than ``cap`` distinct ones (the caller then groups them with numpy). One pass over
+ * the keys with a small open-addressing table (a key of the same namespace as the key
+ * before skips it): an engine with several tensor-parallel ranks, or tenants with cache
+ * salts, reports keys of several namespaces at once, which numpy's ``unique`` over the
+ * digests' rows took 0.75 to 1.3 s to group for a million keys.
+ *
  * match_slots(arr, starts, shift, want, seen, out, count) -> int
  *
  * The holder filter's search: ``arr`` a sorted uint64 array of entries (``high bits | slot``,
@@ -135,6 +146,106 @@ fill(PyObject *self, PyObject *args)
     result = PyBool_FromLong(one);
 done:
     PyBuffer_Release(&o);
+    PyBuffer_Release(&k);
+    return result;
+}
+
+/* One namespace in namespaces()' table: its digest's two words and its position. */
+typedef struct {
+    uint64_t a, b;
+    int64_t id; /* -1: an empty entry */
+} ns_entry;
+
+/* Group n keys by namespace; see namespaces' comment. Returns how many distinct ones, -1
+ * past cap; first[j]: the first key of the j-th. */
+static Py_ssize_t
+group_namespaces(const unsigned char *keys, size_t n, int64_t *index, ns_entry *table,
+                 size_t mask, size_t *first, size_t cap)
+{
+    size_t count = 0;
+    uint64_t last_a = 0, last_b = 0;
+    int64_t last = -1;
+    for (size_t i = 0; i < n; i++, keys += KEY_SIZE) {
+        uint64_t a = word(keys), b = word(keys + 8);
+        if (last >= 0 && a == last_a && b == last_b) {
+            index[i] = last;
+            continue;
+        }
+        size_t h = (size_t)(((a ^ b) * M1) >> 32) & mask; /* digests are uniform already */
+        while (table[h].id >= 0 && (table[h].a != a || table[h].b != b))
+            h = (h + 1) & mask;
+        if (table[h].id < 0) {
+            if (count == cap)
+                return -1;
+            table[h].a = a;
+            table[h].b = b;
+            table[h].id = (int64_t)count;
+            first[count++] = i;
+        }
+        last_a = a;
+        last_b = b;
+        last = table[h].id;
+        index[i] = last;
+    }
+    return (Py_ssize_t)count;
+}
+
+static PyObject *
+namespaces(PyObject *self, PyObject *args)
+{
+    Py_buffer k, ix;
+    Py_ssize_t cap;
+    if (!PyArg_ParseTuple(args, "y*w*n", &k, &ix, &cap))
+        return NULL;
+    PyObject *result = NULL;
+    ns_entry *table = NULL;
+    size_t *first = NULL;
+    if (k.len % KEY_SIZE) {
+        PyErr_Format(PyExc_ValueError, "keys must be %d bytes each", KEY_SIZE);
+        goto done;
+    }
+    size_t n = (size_t)k.len / KEY_SIZE;
+    if ((size_t)ix.len != n * 8 || ((uintptr_t)ix.buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "index must be %zu aligned bytes (8 per key)", n * 8);
+        goto done;
+    }
+    if (cap < 1 || cap > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "cap must be in [1, 2**20]");
+        goto done;
+    }
+    size_t size = 1;
+    while (size < 2 * (size_t)cap)
+        size <<= 1; /* at most half full */
+    table = PyMem_Malloc(size * sizeof(ns_entry));
+    first = PyMem_Malloc((size_t)cap * sizeof(size_t));
+    if (table == NULL || first == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (size_t i = 0; i < size; i++)
+        table[i].id = -1;
+    Py_ssize_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = group_namespaces(k.buf, n, ix.buf, table, size - 1, first, (size_t)cap);
+    Py_END_ALLOW_THREADS
+    if (count < 0) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
+    result = PyList_New(count);
+    for (Py_ssize_t j = 0; result != NULL && j < count; j++) {
+        PyObject *digest =
+            PyBytes_FromStringAndSize((const char *)k.buf + first[j] * KEY_SIZE, 16);
+        if (digest == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, j, digest);
+    }
+done:
+    PyMem_Free(first);
+    PyMem_Free(table);
+    PyBuffer_Release(&ix);
     PyBuffer_Release(&k);
     return result;
 }
@@ -562,6 +673,9 @@ static PyMethodDef methods[] = {
     {"fill", fill, METH_VARARGS,
      "fill(keys, out) -> bool: each 32-byte key's fingerprint into out (8 bytes each); "
      "whether all keys share the first key's namespace."},
+    {"namespaces", namespaces, METH_VARARGS,
+     "namespaces(keys, index, cap) -> list | None: the distinct namespace digests of keys, "
+     "each key's position among them into index; None past cap distinct ones."},
     {"match_slots", match_slots, METH_VARARGS,
      "match_slots(arr, starts, shift, want, seen, out, count) -> int: the slots of arr's "
      "entries matching any wanted value, appended to out (see the module's comment)."},

@@ -62,11 +62,11 @@ engines8_lookup_p99_ms=5.94 lookup_p99_under_transfer_ms=9.15""",
     "controller.py": """\
 deregister: 7.91 ms (median of [7.9, 8.1, 7.6])
 controller lookup_us=2.10 memory_gb=4.41 full_report_ms=52.0 deregister_ms=7.91 \
-lookup512_wire_p50_us=1040""",
+lookup512_wire_p50_us=1040 full_report_tp4_ms=27.9""",
     "controller.py --busy-cores 1": """\
 deregister: 0.04 ms (median of [0.04, 0.03, 0.05])
 controller_busy lookup_us=0.21 memory_gb=3.02 full_report_ms=30.8 deregister_ms=0.04 \
-lookup512_wire_p50_us=563""",
+lookup512_wire_p50_us=563 full_report_tp4_ms=31.2""",
     "router_load.py": """\
 GET /quota: 1000 tenants 16.0 ms, 2000 tenants 30.1 ms, 4000 tenants 44.2 ms
 floor idle_p99_ms=1.20 routers_p99_ms=2.10 quota_p99_ms=1.90

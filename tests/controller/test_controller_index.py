@@ -165,6 +165,62 @@ def test_index_counts_per_namespace_and_tier_through_moves_and_evictions() -> No
     assert idx.remove("nobody", a) == 0
 
 
+def _grouping(digests: list[bytes], index: np.ndarray) -> list[bytes]:
+    """Each key's namespace digest, as a grouping assigns it."""
+    return [digests[i] for i in index.tolist()]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_keys_are_grouped_by_namespace_whatever_their_order(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """namespace_groups (in C, or folded and sorted by numpy): every key is given its own
+    digest, each digest listed once, for runs and interleavings of 1 to 64 namespaces, more
+    namespaces than the C helper groups (numpy takes over), and two digests whose folded
+    words are equal (told apart all the same)."""
+    if native:
+        assert keytable._namespaces is not None, "tierkv._fingerprints was not built"
+    else:
+        monkeypatch.setattr(keytable, "_namespaces", None)
+    rng = np.random.default_rng(13)
+    m1 = int(keytable._M1)
+    a0, b1 = 0x0123456789ABCDEF, 0x0FEDCBA987654321
+    fold = (b1 * m1 % 2**64) ^ a0
+    b0 = 0x1111111111111111  # a second digest folded alike: a1 ^ b0 * M1 == fold
+    a1 = fold ^ (b0 * m1 % 2**64)
+    twins = [
+        a0.to_bytes(8, "little") + b1.to_bytes(8, "little"),
+        a1.to_bytes(8, "little") + b0.to_bytes(8, "little"),
+    ]
+    cases = [[rng.bytes(16) for _ in range(k)] for k in (1, 2, 4, 64, keytable.NAMESPACE_CAP + 5)]
+    for case, spaces in enumerate([*cases, twins]):
+        n = max(3000, 2 * len(spaces))
+        pick = (
+            rng.integers(0, len(spaces), n)
+            if case % 2
+            else np.repeat(np.arange(len(spaces)), -(-n // len(spaces)))[:n]
+        )  # interleaved, or in runs
+        pick[: len(spaces)] = np.arange(len(spaces))  # every namespace present
+        keys = [spaces[i] + rng.bytes(16) for i in pick.tolist()]
+        digests, index = keytable.namespace_groups(keytable.key_array(keys))
+        assert len(digests) == len(set(digests)) == len(spaces), case
+        assert _grouping(digests, index) == [k[:16] for k in keys], case
+    assert keytable.namespace_groups(keytable.key_array(b""))[0] == []
+
+
+def test_the_c_namespace_grouping_refuses_arguments_of_the_wrong_shape() -> None:
+    from tierkv._fingerprints import namespaces
+
+    keys = b"".join(keys_of(NS_A, 4))
+    with pytest.raises(ValueError, match="32 bytes"):
+        namespaces(keys[:-1], np.empty(4, np.int64), 8)
+    with pytest.raises(ValueError, match="index"):
+        namespaces(keys, np.empty(3, np.int64), 8)
+    with pytest.raises(ValueError, match="cap"):
+        namespaces(keys, np.empty(4, np.int64), 0)
+    assert namespaces(keys + b"".join(keys_of(NS_B, 1)), np.empty(5, np.int64), 1) is None
+
+
 def test_full_report_replaces_and_deregister_drops_in_bulk() -> None:
     idx = ControllerIndex()
     old, new = keys_of(NS_A, 1000), keys_of(NS_A, 3000)

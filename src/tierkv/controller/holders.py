@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.controller.keytable import TIER_BITS, U64, sort_values
+from tierkv.controller.keytable import TIER_BITS, U64, dedupe, sort_values
 
 _match_slots: Callable[[Any, Any, int, Any, Any, Any, int], int] | None
 _merge: Callable[[Any, Any, Any], int] | None
@@ -106,16 +106,6 @@ def from_table(slots: U64, slot: int) -> U64:
     held = slots[slots > 1]
     out: U64 = (held & _HIGH) | np.uint64(slot)
     return dedupe(sort_values(out))
-
-
-def dedupe(sorted_entries: U64) -> U64:
-    if sorted_entries.size < 2:
-        return sorted_entries
-    keep = np.empty(sorted_entries.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(sorted_entries[1:], sorted_entries[:-1], out=keep[1:])
-    out: U64 = sorted_entries[keep]
-    return out
 
 
 def merge_parts(parts: list[U64], live: npt.NDArray[np.bool_]) -> U64:

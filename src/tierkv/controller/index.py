@@ -43,6 +43,7 @@ from tierkv.controller.keytable import (
     fingerprints,
     fingerprints_and_namespace,
     key_array,
+    namespace_groups,
     single_namespace,
     sort_values,
 )
@@ -64,19 +65,18 @@ class Holdings:
 
     def count(self, keys: npt.NDArray[np.uint64], tiers: I8, sign: int) -> None:
         """Add (``sign`` 1) or subtract (-1) keys with ``tiers`` (NO_TIER: not counted)."""
-        ns = keys[:, :2]
-        if not ns.shape[0]:
+        if not keys.shape[0]:
             return
         counted = tiers >= 0
         digest = single_namespace(keys)
         if digest is not None:
-            groups = [(digest, counted)]
+            adds = [(digest, np.bincount(tiers[counted].astype(np.int64), minlength=TIERS))]
         else:
-            uniq, inverse = np.unique(ns, axis=0, return_inverse=True)
-            inverse = inverse.reshape(-1)
-            groups = [(u.tobytes(), counted & (inverse == i)) for i, u in enumerate(uniq)]
-        for digest, sel in groups:
-            add = np.bincount(tiers[sel].astype(np.int64), minlength=TIERS)
+            digests, inverse = namespace_groups(keys)
+            cell = inverse[counted] * TIERS + tiers[counted]  # (namespace, tier)
+            table = np.bincount(cell, minlength=len(digests) * TIERS).reshape(-1, TIERS)
+            adds = list(zip(digests, table, strict=True))
+        for digest, add in adds:
             now = self.namespaces.get(digest, np.zeros(TIERS, dtype=np.int64)) + sign * add
             if now.any():
                 self.namespaces[digest] = now
