@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -178,10 +177,15 @@ def test_bad_arguments_are_refused_and_the_helper_keeps_working() -> None:
         (np.zeros(1000, np.int32), np.zeros(1000, np.int64), ValueError),  # item sizes
         (readonly, np.zeros(1024, np.uint8), ValueError),  # numpy: "read-only"
         (b"x" * 100, bytearray(100), BufferError),
-        (torch.zeros(100), torch.zeros(100), TypeError),
         (np.zeros(4), 7, TypeError),
         (None, np.zeros(4), TypeError),
     ]
+    try:  # with vLLM (make test): a torch tensor is not a buffer
+        import torch
+
+        cases.append((torch.zeros(100), torch.zeros(100), TypeError))
+    except ImportError:  # make test-fast on a bare venv
+        pass
     for dst, src, error in cases:
         with pytest.raises(error):
             copy(dst, src)

@@ -65,7 +65,7 @@ def vllms_own(req: Request, first: int, count: int, group: int = 0) -> BlockStor
     [
         {},
         {"cache_salt": "tenant-7"},
-        {"lora_request": LoRARequest("adapter-a", 3, "/nowhere")},
+        {"lora_request": ("adapter-a", 3, "/nowhere")},  # made in the test: vLLM's type
     ],
     ids=["plain", "cache_salt", "lora"],
 )
@@ -73,6 +73,8 @@ def vllms_own(req: Request, first: int, count: int, group: int = 0) -> BlockStor
 def test_a_notes_event_is_vllms_own_event_in_the_pools_medium(
     kw: dict[str, object], chunk: int
 ) -> None:
+    if "lora_request" in kw:
+        kw = {"lora_request": LoRARequest(*kw["lora_request"])}
     req = request(list(range(1000, 1000 + 3 * CHUNK_BLOCKS * BLOCK + 5)), **kw)
     first = chunk * CHUNK_BLOCKS
     (ours,) = stored_events(chunk_note(req, first, CHUNK_BLOCKS, BLOCK))

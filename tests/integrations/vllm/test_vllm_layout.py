@@ -247,7 +247,7 @@ def test_native_override_for_an_unknown_backend_tags_it() -> None:
 
 def geometry_of(name: str) -> CacheGeometry:
     """The cache spec's geometry of a layout of :func:`layouts_of_every_kind`."""
-    return MLA_GEOMETRY if name == "mla" else CacheGeometry(*GEOMETRY_ARGS)
+    return mla_geometry() if name == "mla" else CacheGeometry(*GEOMETRY_ARGS)
 
 
 def torch_copies(layout: PagedKVLayout) -> PagedKVLayout:
@@ -362,7 +362,11 @@ def test_runs_of_consecutive_blocks_copy_what_single_blocks_do(index: int, host:
 
 # -- MLA ---------------------------------------------------------------------------------------
 LATENT, LORA, ROPE = 576, 512, 64  # DeepSeek-V2: kv_lora_rank + qk_rope_head_dim
-MLA_GEOMETRY = CacheGeometry(BLOCK, 1, LATENT, latent=True)
+
+
+def mla_geometry() -> CacheGeometry:
+    """The MLA test caches' geometry (built when a test asks: vLLM may not be installed)."""
+    return CacheGeometry(BLOCK, 1, LATENT, latent=True)
 
 
 def mla_caches(dtype: Any = None) -> dict[str, Any]:
@@ -387,7 +391,7 @@ def mla_backends() -> dict[str, str]:
 
 def test_mla_layout_is_one_latent_head_stacked_with_a_shared_format() -> None:
     caches = mla_caches()
-    layout = detect_layout(caches, MLA_GEOMETRY, mla_backends())
+    layout = detect_layout(caches, mla_geometry(), mla_backends())
     assert layout.kind == MLA and layout.latent and layout.as_stored
     assert layout.format_tag == MLA_FORMAT  # the same for every listed MLA backend
     assert layout.chunk_shape(CHUNK) == [LAYERS, 1, CHUNK, LATENT]
@@ -415,8 +419,8 @@ def test_mla_chunk_holds_each_token_latent_contiguously_and_moves_byte_exact(
         cpu_mla_write(x[name], kv_c, k_pe, [5, 2])
         cpu_mla_write(reference[name], kv_c, k_pe, [6, 1])
         latents.append(torch.cat([kv_c, k_pe], dim=-1))
-    lx = detect_layout(x, MLA_GEOMETRY, mla_backends())
-    ly = detect_layout(y, MLA_GEOMETRY, mla_backends())
+    lx = detect_layout(x, mla_geometry(), mla_backends())
+    ly = detect_layout(y, mla_geometry(), mla_backends())
     chunk = torch.zeros(lx.chunk_shape(CHUNK), dtype=dtype)
     lx.read_blocks([(0, 5), (1, 2)], chunk)
     assert torch.equal(chunk[:, 0], torch.stack(latents))  # [layers, tokens, latent]
@@ -468,8 +472,8 @@ def test_mla_three_dimensional_gpu_caches_map_to_the_same_chunk() -> None:
             for i in range(LAYERS)}  # fmt: skip
     four = {n: t.unsqueeze(1) for n, t in flat.items()}
     backends = dict.fromkeys(flat, "TRITON_MLA")
-    a = detect_layout(flat, MLA_GEOMETRY, backends)
-    b = detect_layout(four, MLA_GEOMETRY, backends)
+    a = detect_layout(flat, mla_geometry(), backends)
+    b = detect_layout(four, mla_geometry(), backends)
     assert a.chunk_shape(CHUNK) == b.chunk_shape(CHUNK) and a.format_tag == b.format_tag
     got_a, got_b = torch.zeros(a.chunk_shape(CHUNK)), torch.zeros(b.chunk_shape(CHUNK))
     a.read_blocks([(0, 3), (1, 7)], got_a)
@@ -491,7 +495,7 @@ def test_mla_caches_tierkv_cannot_map_are_refused(
     backend: str, shape: tuple[int, ...], message: str
 ) -> None:
     with pytest.raises(UnsupportedLayoutError, match=message):
-        detect_layout({"l.0": torch.zeros(shape)}, MLA_GEOMETRY, {"l.0": backend})
+        detect_layout({"l.0": torch.zeros(shape)}, mla_geometry(), {"l.0": backend})
 
 
 # -- several KV cache groups (vLLM's hybrid allocator) ---------------------------------------------
