@@ -1,7 +1,7 @@
 """What the directory's anti-entropy costs (``--directory-repair-interval``, default 5 s).
 
 In one process, with the real code (:mod:`tierkv.cluster.digest`, the directory's
-:class:`~tierkv.cluster.ring_directory.Shard`), for a node holding ``--keys`` chunks in a ring of
+:class:`~tierkv.cluster.ring_shard.Shard`), for a node holding ``--keys`` chunks in a ring of
 ``--members`` members (two replicas):
 
 - holder, every round: hash what it holds and summarise it for every owner (what
@@ -31,7 +31,8 @@ from collections.abc import Callable
 from tierkv.cluster import digest
 from tierkv.cluster.directory import Where
 from tierkv.cluster.ring import Ring
-from tierkv.cluster.ring_directory import REPAIR_CPU_SHARE, Shard
+from tierkv.cluster.ring_directory import REPAIR_CPU_SHARE
+from tierkv.cluster.ring_shard import Shard
 
 INTERVAL = 5.0
 

@@ -82,7 +82,7 @@ from tierkv.client import Client, wait_for_server
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.nixl_agent import unavailable
-from tierkv.cluster.ring_directory import DirectoryReader
+from tierkv.cluster.ring_resolve import DirectoryReader
 from tierkv.cluster.transport import DEFAULT_STREAMS_PER_FETCH
 from tierkv.copier import Copier
 from tierkv.piecewise_io import recv_hashed

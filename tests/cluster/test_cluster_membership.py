@@ -17,7 +17,8 @@ from tierkv.cluster.control_server import ControlServer
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
-from tierkv.cluster.ring_directory import DirectoryReader, RingDirectory
+from tierkv.cluster.ring_directory import RingDirectory
+from tierkv.cluster.ring_resolve import DirectoryReader
 from tierkv.config import ConfigError
 
 TOKEN = "s3cret"

@@ -16,7 +16,8 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Where
 from tierkv.cluster.membership import Membership
-from tierkv.cluster.ring_directory import RingDirectory, Shard
+from tierkv.cluster.ring_directory import RingDirectory
+from tierkv.cluster.ring_shard import Shard
 
 
 def random_keys(n: int, seed: int) -> list[bytes]:

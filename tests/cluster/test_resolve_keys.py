@@ -1,4 +1,4 @@
-"""Batch resolves (:func:`tierkv.cluster.ring_directory.resolve_keys`) against a fake client:
+"""Batch resolves (:func:`tierkv.cluster.ring_resolve.resolve_keys`) against a fake client:
 which owner each key is asked of, retries on the next replica, suspect owners, the local
 shard, and replies that are partly malformed."""
 
@@ -13,7 +13,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.directory import Location, Where
 from tierkv.cluster.ring import Ring
-from tierkv.cluster.ring_directory import resolve_keys
+from tierkv.cluster.ring_resolve import resolve_keys
 
 NAMES = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"]
 MEMBERS = {n: m.MemberInfo(n, n, n + "0", 1) for n in NAMES}

@@ -19,6 +19,7 @@ from tierkv.cluster import messages as m
 log = logging.getLogger(__name__)
 
 Where = m.Where
+WHERE_CODES = frozenset(int(w) for w in Where)  # the tier codes an entry may name
 
 
 class Location(NamedTuple):

@@ -1,6 +1,7 @@
 """The ring's directory (:class:`RingDirectory`, a :class:`~tierkv.cluster.directory.Directory`):
-decentralised, every member hosts a :class:`Shard` of it, and the consistent-hash ring
-(:mod:`tierkv.cluster.ring`) names the ``replicas`` owners of each key's entry.
+decentralised, every member hosts a shard of it (:class:`~tierkv.cluster.ring_shard.Shard`),
+and the consistent-hash ring (:mod:`tierkv.cluster.ring`) names the ``replicas`` owners of
+each key's entry.
 
 Writes are asynchronous: ``publish`` and ``unpublish`` only queue; a publisher thread drains
 the queue, groups the keys by owner and sends one batch per owner (all owners at once), so
@@ -20,13 +21,12 @@ core). Entries of holders that are no members are dropped after a few rounds.
 A shard keeps every holder's entry of a key (none pushes another out: the repair would put
 it back and push the next out, for ever).
 
-Reads are batched: :meth:`RingDirectory.resolve` asks each key of one owner (this node
-first when it is one; otherwise as few owners as cover the keys, so a two-member ring with
-two replicas answers a prefix in one round trip), all owners in one round trip; keys still
-unresolved (owner dead, entry not moved yet) are asked of another replica, up to
-``replicas`` rounds. Suspect
-owners are not asked at all: a key only they know is a miss at once, never a wait. Holders
-that are not live members are dropped.
+Reads are batched (:mod:`tierkv.cluster.ring_resolve`): :meth:`RingDirectory.resolve` asks
+each key of one owner (this node first when it is one; otherwise as few owners as cover the
+keys, so a two-member ring with two replicas answers a prefix in one round trip), all owners
+in one round trip; keys still unresolved (owner dead, entry not moved yet) are asked of
+another replica, up to ``replicas`` rounds. Suspect owners are not asked at all: a key only
+they know is a miss at once, never a wait. Holders that are not live members are dropped.
 
 Membership changes rebalance: entries of departed or restarted holders are purged, entries
 move to the owners that are new for them (and leave a node that no longer owns them), and
@@ -40,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -48,9 +48,11 @@ import numpy as np
 from tierkv.cluster import digest, found_columns
 from tierkv.cluster import messages as m
 from tierkv.cluster.control import ControlClient
-from tierkv.cluster.directory import Directory, Location, PublishQueue, Where
+from tierkv.cluster.directory import WHERE_CODES, Directory, Location, PublishQueue, Where
 from tierkv.cluster.membership import Membership
 from tierkv.cluster.ring import Ring
+from tierkv.cluster.ring_resolve import resolve_keys
+from tierkv.cluster.ring_shard import Shard
 from tierkv.keys import KEY_SIZE
 
 log = logging.getLogger(__name__)
@@ -63,182 +65,12 @@ _NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on re
 DEFERRED_CHECK = 0.25  # seconds between checks whether a suspect owner answers again
 
 _T = TypeVar("_T")
-_WHERE = frozenset(int(w) for w in Where)
 
 
 def _valid(key: bytes, where: int) -> bool:
     """An entry the ring can place and a resolve can read back; a buggy member's others are
     dropped (one key of another length would fail every later rebalance)."""
-    return len(key) == KEY_SIZE and where in _WHERE
-
-
-class Shard:
-    """This node's part of the directory: key -> ((holder, incarnation, where), ...), one
-    entry per holder, newest last; and per holder, the summary of its entries that the
-    holder compares with its own (:mod:`tierkv.cluster.digest`), kept up to date entry by
-    entry."""
-
-    def __init__(self) -> None:
-        self._entries: dict[bytes, tuple[tuple[str, int, int], ...]] = {}
-        self._summaries = digest.Summaries()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _set(
-        self,
-        key: bytes,
-        entry: tuple[str, int, int],
-        added: list[tuple[str, bytes, int, int]],
-        removed: list[tuple[str, bytes, int, int]],
-    ) -> bool:
-        """Put ``entry`` for ``key`` in place of its holder's previous one, noting the
-        summaries' changes (lock held); False if it was there already."""
-        holder = entry[0]
-        old = self._entries.get(key, ())
-        for e in old:
-            if e[0] == holder:
-                if e == entry:
-                    return False
-                removed.append((holder, key, e[1], e[2]))
-                old = tuple(o for o in old if o[0] != holder)
-                break
-        self._entries[key] = (*old, entry)
-        added.append((holder, key, entry[1], entry[2]))
-        return True
-
-    def _cut(
-        self,
-        key: bytes,
-        old: tuple[tuple[str, int, int], ...],
-        gone: Callable[[tuple[str, int, int]], bool],
-        removed: list[tuple[str, bytes, int, int]],
-    ) -> int:
-        """Drop the entries of ``key`` that are ``gone``, noting them in ``removed`` (lock
-        held); returns how many."""
-        kept = tuple(e for e in old if not gone(e))
-        if len(kept) == len(old):
-            return 0
-        removed.extend((e[0], key, e[1], e[2]) for e in old if gone(e))
-        if kept:
-            self._entries[key] = kept
-        else:
-            del self._entries[key]
-        return len(old) - len(kept)
-
-    def _account(
-        self, added: list[tuple[str, bytes, int, int]], removed: list[tuple[str, bytes, int, int]]
-    ) -> None:
-        self._summaries.apply(removed, -1)
-        self._summaries.apply(added, 1)
-
-    def put(self, holder: str, incarnation: int, entries: Iterable[tuple[bytes, int]]) -> int:
-        n = 0
-        added: list[tuple[str, bytes, int, int]] = []
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            for key, where in entries:
-                self._set(key, (holder, incarnation, int(where)), added, removed)
-                n += 1
-            self._account(added, removed)
-        return n
-
-    def put_many(self, entries: Iterable[tuple[bytes, str, int, int]]) -> int:
-        n = 0
-        added: list[tuple[str, bytes, int, int]] = []
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            table = self._entries
-            for key, holder, incarnation, where in entries:
-                if any(e[0] == holder and e[1] > incarnation for e in table.get(key, ())):
-                    continue  # an entry of a previous life of that holder
-                self._set(key, (holder, incarnation, where), added, removed)
-                n += 1
-            self._account(added, removed)
-        return n
-
-    def remove(self, holder: str, keys: Iterable[bytes]) -> int:
-        n = 0
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            table = self._entries
-            for key in keys:
-                old = table.get(key)
-                if old and self._cut(key, old, lambda e: e[0] == holder, removed):
-                    n += 1
-            self._account([], removed)
-        return n
-
-    def get(self, keys: Sequence[bytes]) -> list[tuple[tuple[str, int, int], ...]]:
-        with self._lock:
-            table = self._entries
-            return [table.get(k, ()) for k in keys]
-
-    def purge(self, gone: dict[str, int]) -> int:
-        """Drop entries of holders that are gone (``gone``: node id -> the incarnation that
-        ended; entries of that holder with that incarnation or older go)."""
-        if not gone:
-            return 0
-        n = 0
-
-        def stale(e: tuple[str, int, int]) -> bool:
-            return e[0] in gone and e[1] <= gone[e[0]]
-
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            for key, old in list(self._entries.items()):
-                n += self._cut(key, old, stale, removed)
-            self._account([], removed)
-        return n
-
-    def drop_holders(self, holders: Iterable[str]) -> int:
-        """Drop every entry of ``holders``."""
-        out = set(holders)
-        if not out:
-            return 0
-        n = 0
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            for key, old in list(self._entries.items()):
-                n += self._cut(key, old, lambda e: e[0] in out, removed)
-            self._account([], removed)
-        return n
-
-    def items(self) -> list[tuple[bytes, tuple[tuple[str, int, int], ...]]]:
-        with self._lock:
-            return list(self._entries.items())
-
-    def drop(self, keys: Iterable[bytes]) -> None:
-        removed: list[tuple[str, bytes, int, int]] = []
-        with self._lock:
-            for key in keys:
-                old = self._entries.get(key)
-                if old:
-                    self._cut(key, old, lambda e: True, removed)
-            self._account([], removed)
-
-    # -- anti-entropy ----------------------------------------------------------------------
-    def summary(self, holder: str) -> digest.Summary:
-        """The summary of ``holder``'s entries here (O(1))."""
-        with self._lock:
-            return self._summaries.get(holder)
-
-    def holders(self) -> list[str]:
-        """The holders that have entries here."""
-        with self._lock:
-            return self._summaries.holders()
-
-    def entries_of(self, holder: str, buckets: Iterable[int]) -> list[tuple[bytes, int, int]]:
-        """``holder``'s entries in ``buckets``: ``(key, incarnation, where)`` (a scan of the
-        shard: only for summaries that differ)."""
-        wanted = set(buckets)
-        out: list[tuple[bytes, int, int]] = []
-        for key, entries in self.items():
-            for h, incarnation, where in entries:
-                if h == holder and digest.bucket(key) in wanted:
-                    out.append((key, incarnation, where))
-        return out
+    return len(key) == KEY_SIZE and where in WHERE_CODES
 
 
 class RingDirectory(Directory):
@@ -754,186 +586,3 @@ class RingDirectory(Directory):
 
 def _batches(items: list[_T]) -> list[list[_T]]:
     return [items[i : i + BATCH] for i in range(0, len(items), BATCH)]
-
-
-def resolve_keys(
-    keys: Sequence[bytes],
-    members: Mapping[str, m.MemberInfo],
-    ring: Ring,
-    client: ControlClient,
-    me: str = "",
-    local: Callable[[Sequence[bytes]], list[tuple[tuple[str, int, int], ...]]] | None = None,
-    live: Container[str] | None = None,
-) -> tuple[list[list[Location]], int, int]:
-    """Holders of each key, the number of owner round trips it took, and the number of
-    owners skipped because they are suspect (silent since a timeout: never waited for).
-
-    Each key is asked of one of its owners (``me`` first when it is one: ``local`` answers
-    without a round trip; suspect owners are not asked; otherwise as few owners as cover
-    the keys, :func:`_fewest_owners`), every owner in one parallel round trip; keys still
-    unresolved are asked of another replica, up to ``replicas`` rounds.
-    ``live``: the holders to keep (default: all); entries naming others, or a tier code
-    that is not a :class:`Where`, are left out.
-
-    Keys are grouped by owner with numpy over the ring's distinct owner tuples, and a
-    :class:`Location` is built once per (holder, tier) of a reply, not once per key: a
-    512-key prefix costs the reader about 0.22 ms of CPU on the 2-core CI machine type (an
-    enum call and a tuple per key cost 0.76 ms there)."""
-    n = len(keys)
-    found: list[list[Location]] = [[] for _ in range(n)]
-    if not n or not len(ring):
-        return found, 0, 0
-    suspect = {o: client.suspect(i.control) for o, i in members.items() if o != me}
-    sets = ring.owner_set_ids(keys)
-    used = np.unique(sets).tolist()
-    # The owners to ask, in order, for each owner tuple the keys fall in.
-    rounds = max(1, ring.replicas)
-    ranked: dict[int, list[str]] = {}
-    skipped = 0
-    for s in used:
-        owners = ring.owner_sets[s]
-        ranked[s] = [o for o in owners if not suspect.get(o, False)]
-        skipped += len(owners) - len(ranked[s])
-        ranked[s].sort(key=lambda o: (o != me, o not in members))
-    weight = np.bincount(sets, minlength=len(ring.owner_sets)).tolist()
-    names: dict[str, int] = {}
-    table = np.full((len(ring.owner_sets), rounds), -1, dtype=np.intp)
-    for s, order in _fewest_owners(ranked, weight, me, members, rounds).items():
-        for attempt, o in enumerate(order):
-            table[s, attempt] = names.setdefault(o, len(names))
-    owner_names = list(names)
-    tiers: dict[str, dict[int, Location]] = {}  # holder -> its Location per tier code
-
-    def locations(holder: str) -> dict[int, Location]:
-        per = tiers.get(holder)
-        if per is None:
-            keep = live is None or holder in live
-            per = tiers[holder] = {w: Location(holder, Where(w)) for w in _WHERE} if keep else {}
-        return per
-
-    remaining = np.arange(n)
-    hit = np.zeros(n, dtype=bool)  # keys with a location found
-    rpcs = 0
-    for attempt in range(rounds):
-        owner_of = table[sets[remaining], attempt]
-        groups = {
-            owner_names[c]: remaining[owner_of == c]
-            for c in np.unique(owner_of[owner_of >= 0]).tolist()
-        }
-        if not groups:
-            break
-        mine = groups.pop(me, None)
-        if mine is not None and local is not None:
-            mine_list = mine.tolist()
-            for i, entries in zip(mine_list, local([keys[i] for i in mine_list]), strict=True):
-                locs = [locations(h).get(w) for h, _, w in entries]
-                found[i] = [loc for loc in locs if loc is not None]
-                hit[i] = bool(found[i])
-        asked = {o: idx for o, idx in groups.items() if o in members}
-        calls = {
-            members[o].control: m.Resolve(0, [keys[i] for i in idx.tolist()])
-            for o, idx in asked.items()
-        }
-        by_addr = {members[o].control: idx for o, idx in asked.items()}
-        if calls:
-            rpcs += len(calls)
-            for addr, reply in client.call_many(calls).items():
-                if not isinstance(reply, m.Resolved):
-                    continue
-                idx = by_addr[addr]  # key indexes, by position in the request
-                rows = found_columns.groups(
-                    reply.positions, reply.holder_of, reply.tiers, len(idx), len(reply.holders)
-                )
-                for h, w, at in rows or ():
-                    # A tier that is no Where, a holder that is not live: left out.
-                    loc = locations(reply.holders[h]).get(w)
-                    if loc is not None:
-                        keys_at = idx[at]
-                        hit[keys_at] = True
-                        for i in keys_at.tolist():
-                            found[i].append(loc)
-        if attempt + 1 < rounds:
-            remaining = remaining[~hit[remaining]]
-            if not remaining.size:
-                break
-    return found, rpcs, skipped
-
-
-def _fewest_owners(
-    ranked: Mapping[int, list[str]],
-    weight: Sequence[int],
-    me: str,
-    members: Container[str],
-    rounds: int,
-) -> dict[int, list[str]]:
-    """The order to ask the owners of each owner tuple in (``ranked``: tuple id -> its
-    owners that may be asked, ``me`` first; ``weight``: keys per tuple id), at most
-    ``rounds`` of them. ``me`` goes first where it is an owner (no round trip); the rest,
-    round by round, is a greedy cover: the member that can answer the most keys still to
-    place is asked them all (ties: the one that is first owner of the most of them, then by
-    name), then the next, so that a prefix costs as few round trips as its replicas allow.
-    Every owner has every entry of its keys (publishes go to all of them), so any may be
-    asked first; a key it lacks (an entry still moving) is asked of another next round.
-    With two members and two replicas, one owner answers the whole prefix."""
-    order: dict[int, list[str]] = {s: [] for s in ranked}
-    for attempt in range(rounds):
-        open_: dict[int, list[str]] = {}
-        for s, owners in ranked.items():
-            left = [o for o in owners if o not in order[s]]
-            if len(order[s]) != attempt or not left:
-                continue
-            if left[0] == me or not any(o in members for o in left):
-                order[s].append(left[0])  # this node; or nobody to ask (skipped later)
-            else:
-                open_[s] = [o for o in left if o in members]
-        while open_:
-            cover: dict[str, int] = {}
-            lead: dict[str, int] = {}
-            for s, owners in open_.items():
-                for o in owners:
-                    cover[o] = cover.get(o, 0) + weight[s]
-                lead[owners[0]] = lead.get(owners[0], 0) + weight[s]
-            best = max(cover, key=lambda o: (cover[o], lead.get(o, 0), o))
-            for s in [s for s, owners in open_.items() if best in owners]:
-                order[s].append(best)
-                del open_[s]
-    return order
-
-
-class DirectoryReader:
-    """Read-only access to a cluster's directory from outside the cluster (tools,
-    benchmarks, dashboards): the member list comes from a seed, lookups go straight to the
-    owners, exactly as a member's own lookups do."""
-
-    def __init__(
-        self,
-        seed: str,
-        token: str,
-        timeout: float = 2.0,
-        replicas: int = 2,
-        vnodes: int = 160,
-    ) -> None:
-        self.seed = seed
-        self.client = ControlClient(token, timeout)
-        self.replicas = replicas
-        self.vnodes = vnodes
-        self.members: dict[str, m.MemberInfo] = {}
-        self.ring = Ring((), vnodes, replicas)
-
-    def refresh(self) -> dict[str, m.MemberInfo]:
-        reply = self.client.call(self.seed, m.GetMembers(0))
-        if isinstance(reply, m.Refused):
-            raise PermissionError(f"{self.seed} refused: {reply.reason}")
-        if not isinstance(reply, m.MemberList):
-            raise TimeoutError(f"no member list from {self.seed}")
-        self.members = {info.node_id: info for info in reply.members}
-        self.ring = Ring(self.members, self.vnodes, self.replicas)
-        return self.members
-
-    def resolve(self, keys: Sequence[bytes]) -> list[list[Location]]:
-        if not self.members:
-            self.refresh()
-        return resolve_keys(keys, self.members, self.ring, self.client)[0]
-
-    def close(self) -> None:
-        self.client.close()
