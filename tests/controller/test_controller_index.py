@@ -221,6 +221,21 @@ def test_the_c_namespace_grouping_refuses_arguments_of_the_wrong_shape() -> None
     assert namespaces(keys + b"".join(keys_of(NS_B, 1)), np.empty(5, np.int64), 1) is None
 
 
+def test_large_batches_with_repeats_count_each_key_once() -> None:
+    """Batches past the radix sort's threshold, keys given twice in them: added, moved and
+    removed keys are counted once per namespace and tier."""
+    idx = ControllerIndex()
+    a, b = keys_of(NS_A, 3000), keys_of(NS_B, 1000)
+    assert idx.add("x", a + b + a[:500] + b[:10], 0) == 4000
+    assert idx.namespaces("x") == {NS_A.hex(): [3000, 0, 0, 0], NS_B.hex(): [1000, 0, 0, 0]}
+    assert idx.add("x", a[:1500] + a[:1500], 1) == 0  # moved, each given twice
+    assert idx.namespaces("x") == {NS_A.hex(): [1500, 1500, 0, 0], NS_B.hex(): [1000, 0, 0, 0]}
+    assert idx.remove("x", a[1000:2000] + a[1000:2000] + b) == 2000
+    assert idx.namespaces("x") == {NS_A.hex(): [1000, 1000, 0, 0]}
+    assert idx.size("x") == 2000
+    idx.close()
+
+
 def test_full_report_replaces_and_deregister_drops_in_bulk() -> None:
     idx = ControllerIndex()
     old, new = keys_of(NS_A, 1000), keys_of(NS_A, 3000)

@@ -197,28 +197,41 @@ class ControllerIndex:
         fps = fingerprints(keys)
         tier_arr = np.broadcast_to(np.asarray(tiers, dtype=np.int8), (fps.size,))
         sorted_fps = sort_values(fps.copy())
+        first = self._firsts(fps, sorted_fps)  # outside the lock: lookups wait on it
         with self._lock:
             h = self._holders.get(instance)
             if h is None:
                 h = self._holders[instance] = Holdings()
                 self._new_slot(instance, h, pending=False)
             before = h.table.add(fps, tier_arr)
-            h.count(arr, self._first_only(fps, before), -1)
-            h.count(arr, self._first_only(fps, h.table.tiers(fps)), 1)
+            h.count(arr, self._first_only(first, before), -1)
+            h.count(arr, self._first_only(first, h.table.tiers(fps)), 1)
             self.filter.add_run(pack_sorted(sorted_fps, h.slot))
             if self.filter.run_entries > self.run_limit:
                 self._kick()
-            return int(np.count_nonzero(before < 0))
+            new = before < 0  # a key given twice is new once
+            return int(np.count_nonzero(new if first is None else new[first]))
 
     @staticmethod
-    def _first_only(fps: npt.NDArray[np.uint64], tiers: npt.NDArray[np.int8]) -> I8:
-        """``tiers`` with repeats of a key in one batch not counted twice."""
+    def _firsts(
+        fps: npt.NDArray[np.uint64], sorted_fps: npt.NDArray[np.uint64] | None = None
+    ) -> npt.NDArray[np.intp] | None:
+        """Where each distinct key of a batch first appears; None when no key repeats (the
+        batch ``sorted_fps`` tells at the cost of one comparison pass)."""
         if fps.size < 2:
-            return np.asarray(tiers, dtype=np.int8)
+            return None
+        if sorted_fps is not None and bool((sorted_fps[1:] != sorted_fps[:-1]).all()):
+            return None
         _, first = np.unique(fps, return_index=True)
-        if first.size == fps.size:
+        return None if first.size == fps.size else first
+
+    @staticmethod
+    def _first_only(first: npt.NDArray[np.intp] | None, tiers: npt.NDArray[np.int8]) -> I8:
+        """``tiers`` with repeats of a key in one batch not counted twice (``first``: from
+        :meth:`_firsts`)."""
+        if first is None:
             return np.asarray(tiers, dtype=np.int8)
-        out = np.full(fps.size, NO_TIER, dtype=np.int8)
+        out = np.full(tiers.size, NO_TIER, dtype=np.int8)
         out[first] = tiers[first]
         return out
 
@@ -227,12 +240,13 @@ class ControllerIndex:
         (lookups ask the table, so they are never returned); once an instance has evicted
         more than it holds, its table is extracted afresh under a new slot."""
         arr = key_array(keys)
+        fps = fingerprints(keys)
+        first = self._firsts(fps, sort_values(fps.copy()))
         with self._lock:
             h = self._holders.get(instance)
             if h is None:
                 return 0
-            fps = fingerprints(keys)
-            held = self._first_only(fps, h.table.remove(fps))
+            held = self._first_only(first, h.table.remove(fps))
             h.count(arr, held, -1)
             gone = int(np.count_nonzero(held >= 0))
             h.evicted += gone
@@ -251,7 +265,7 @@ class ControllerIndex:
         elif len(fresh.table) == fps.size:
             fresh.count(arr, tier_arr, 1)
         else:  # repeats in the report
-            fresh.count(arr, self._first_only(fps, tier_arr), 1)
+            fresh.count(arr, self._first_only(self._firsts(fps), tier_arr), 1)
         with self._lock:
             old = self._holders.get(instance)
             if old is not None:
