@@ -31,9 +31,8 @@ def exit_on_stop_signals() -> None:
     def stop(signum: int, frame: FrameType | None) -> None:
         # Once: a second stop signal raised inside the cleanup would cut it short, leaving
         # servers and segments behind (``pkill -f`` matches the runner and the script, so
-        # the script gets its own signal and the one the runner passes on).
-        # (A handler that does nothing, not SIG_IGN, which processes started meanwhile would
-        # inherit.)
+        # the script gets its own signal and the one the runner passes on). A handler that
+        # does nothing, not SIG_IGN, which processes started meanwhile would inherit.
         for other in STOP_SIGNALS:
             signal.signal(other, _ignore)
         raise SystemExit(128 + signum)

@@ -123,6 +123,23 @@ fill_all(const unsigned char *keys, uint64_t *out, size_t n)
     return n && !differ;
 }
 
+/* The number of 32-byte keys in k, into *n, where out holds 8 aligned bytes per key;
+ * 0 with a ValueError naming out (as ``what``) otherwise. */
+static int
+count_keys(const Py_buffer *k, const Py_buffer *out, const char *what, size_t *n)
+{
+    if (k->len % KEY_SIZE) {
+        PyErr_Format(PyExc_ValueError, "keys must be %d bytes each", KEY_SIZE);
+        return 0;
+    }
+    *n = (size_t)k->len / KEY_SIZE;
+    if ((size_t)out->len != *n * 8 || ((uintptr_t)out->buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "%s must be %zu aligned bytes (8 per key)", what, *n * 8);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *
 fill(PyObject *self, PyObject *args)
 {
@@ -130,15 +147,9 @@ fill(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "y*w*", &k, &o))
         return NULL;
     PyObject *result = NULL;
-    if (k.len % KEY_SIZE) {
-        PyErr_Format(PyExc_ValueError, "keys must be %d bytes each", KEY_SIZE);
+    size_t n;
+    if (!count_keys(&k, &o, "out", &n))
         goto done;
-    }
-    size_t n = (size_t)k.len / KEY_SIZE;
-    if ((size_t)o.len != n * 8 || ((uintptr_t)o.buf & 7)) {
-        PyErr_Format(PyExc_ValueError, "out must be %zu aligned bytes (8 per key)", n * 8);
-        goto done;
-    }
     int one;
     Py_BEGIN_ALLOW_THREADS
     one = fill_all(k.buf, o.buf, n);
@@ -200,15 +211,9 @@ namespaces(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     ns_entry *table = NULL;
     size_t *first = NULL;
-    if (k.len % KEY_SIZE) {
-        PyErr_Format(PyExc_ValueError, "keys must be %d bytes each", KEY_SIZE);
+    size_t n;
+    if (!count_keys(&k, &ix, "index", &n))
         goto done;
-    }
-    size_t n = (size_t)k.len / KEY_SIZE;
-    if ((size_t)ix.len != n * 8 || ((uintptr_t)ix.buf & 7)) {
-        PyErr_Format(PyExc_ValueError, "index must be %zu aligned bytes (8 per key)", n * 8);
-        goto done;
-    }
     if (cap < 1 || cap > (1 << 20)) {
         PyErr_SetString(PyExc_ValueError, "cap must be in [1, 2**20]");
         goto done;

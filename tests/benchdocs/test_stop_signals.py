@@ -66,6 +66,19 @@ def _wait_for(proc: subprocess.Popen[str], wanted: str) -> None:
     pytest.fail(f"the script never printed {wanted!r}")
 
 
+def _tear_down(proc: subprocess.Popen[str], spinners: set[int], segment: str) -> bool:
+    """Kill what a test started, whatever happened, and unlink the segment; whether the
+    segment was still there (the script's cleanup left it behind)."""
+    for pid in [proc.pid, *spinners]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    leaked = Path(f"/dev/shm/{segment}").exists()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{segment}")
+    return leaked
+
+
 def _spinning(pids: set[int]) -> set[int]:
     """Those of ``pids`` running busy_cores' spin loop."""
     found = set()
@@ -96,12 +109,7 @@ def test_stopped_benchmark_cleans_up(tmp_path: Path, signum: int, through_runner
         # A spinner left behind would hold the pipe open: no end of output, a timeout.
         rest, _ = proc.communicate(timeout=30)
     finally:
-        for pid in [proc.pid, *spinners]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{segment}")
+        _tear_down(proc, spinners, segment)
     assert proc.returncode == 128 + signum
     assert "cleaned up" in rest  # the script's finally ran (and could still print)
     assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)  # killed and reaped
@@ -124,13 +132,7 @@ def test_a_second_stop_signal_does_not_cut_the_cleanup_short(
         proc.send_signal(signal.SIGTERM)  # the runner passes it on to the script
         rest, _ = proc.communicate(timeout=30)
     finally:
-        for pid in [proc.pid, *spinners]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-        leaked = Path(f"/dev/shm/{segment}").exists()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{segment}")
+        leaked = _tear_down(proc, spinners, segment)
     assert "cleaned up" in rest
     assert not leaked
     assert proc.returncode == 128 + signal.SIGTERM
