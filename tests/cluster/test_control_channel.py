@@ -14,8 +14,9 @@ import pytest
 from support.control_wire import RawControl
 from tierkv import framing
 from tierkv.cluster import control_server
+from tierkv.cluster import control_wire as wire
 from tierkv.cluster import messages as m
-from tierkv.cluster.auth import ControlSigner
+from tierkv.cluster.auth import REPLY_AUTH_BYTES, ControlSigner
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.control_server import ControlServer
 
@@ -178,3 +179,43 @@ def test_a_client_that_never_reads_its_replies_is_disconnected(
     finally:
         client.close()
         server.close()
+
+
+def test_a_first_reply_of_any_length_is_answered_not_taken_for_a_zmq_peer() -> None:
+    """A ZMTP greeting (an older tierkv's ZMQ control wire) starts with 0xFF, and so does a
+    reply frame whose length's low byte is 0xFF: every first reply on a fresh connection,
+    of each of the 256 low bytes, is answered (tests/cluster/test_cluster_auth.py keeps a
+    real ZMQ peer named as one)."""
+    pad: list[int] = [0]
+    server = ControlServer(
+        "127.0.0.1",
+        0,
+        TOKEN,
+        {m.GetStatus: lambda req: m.NodeStatus(req.rid, {"pad": "x" * pad[0]})},
+    )
+    server.start()
+    lows: set[int] = set()
+    try:
+        for n in range(256):
+            pad[0] = n
+            client = ControlClient(TOKEN, 5.0)  # a fresh connection: its first reply
+            try:
+                reply = client.call(f"127.0.0.1:{server.port}", m.GetStatus(0))
+            finally:
+                client.close()
+            assert isinstance(reply, m.NodeStatus) and reply.stats["pad"] == "x" * n, (n, reply)
+            assert client.bad_replies == 0
+            payload = m.encode(m.NodeStatus(0, {"pad": "x" * n}))
+            lows.add(wire.frame(bytes(REPLY_AUTH_BYTES), payload)[0][0])
+    finally:
+        server.close()
+    assert 0xFF in lows  # the case: a frame whose first byte is ZMTP's
+
+
+def test_zmtp_greetings_are_told_from_reply_frames() -> None:
+    libzmq = b"\xff" + (1).to_bytes(8, "big") + b"\x7f"  # what libzmq's signature looks like
+    assert wire.zmtp_greeting(libzmq + b"\x03\x00NULL") is True
+    assert wire.zmtp_greeting(libzmq[:5]) is None  # the rest on its way
+    frame = b"".join(wire.frame(bytes(REPLY_AUTH_BYTES), bytes(0xFF - 2 - REPLY_AUTH_BYTES)))
+    assert frame[0] == 0xFF and wire.zmtp_greeting(frame[:10]) is False
+    assert wire.zmtp_greeting(b"") is False

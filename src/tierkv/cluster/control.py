@@ -349,9 +349,13 @@ class ControlClient:
 
     def _receive(self, call: _Call, link: _Link) -> Any:
         try:
-            if not link.answered and link.sock.recv(1, socket.MSG_PEEK)[:1] == b"\xff":
-                self._old_peer(call.addr)
-                return _NO_ANSWER
+            if not link.answered:
+                zmtp = wire.zmtp_greeting(link.sock.recv(wire.ZMTP_SIGNATURE, socket.MSG_PEEK))
+                if zmtp is None:
+                    return None  # the rest of the first 10 bytes is on its way
+                if zmtp:
+                    self._old_peer(call.addr)
+                    return _NO_ANSWER
             frames = link.reader.read(link.sock)
         except (BlockingIOError, InterruptedError):
             return None

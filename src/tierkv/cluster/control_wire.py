@@ -11,7 +11,8 @@ reply's signature and payload). A connection carries one request at a time.
 A connection that opens with anything else is closed; one that opens with a ZMTP greeting
 (its first byte ``0xFF``) comes from a tierkv of the versions whose control channel ran on
 ZMQ, and is named so in the log (:data:`OLD_WIRE`); a client that reads a ZMTP greeting from
-a server names it the same way.
+a server names it the same way (:func:`zmtp_greeting`: a reply whose length's low byte is
+``0xFF`` is not one).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ VERSION = 1
 HELLO = struct.Struct("<4sH2x")
 AUTH_LENGTH = struct.Struct("<H")
 ZMTP_FIRST_BYTE = 0xFF
+ZMTP_SIGNATURE = 10  # bytes
 OLD_WIRE = (
     "speaks the ZMQ control protocol of an older tierkv: upgrade every node of the cluster, "
     "and its controller, to the same version"
@@ -34,6 +36,19 @@ OLD_WIRE = (
 def hello() -> bytes:
     """What a client sends first on every connection."""
     return HELLO.pack(MAGIC, VERSION)
+
+
+def zmtp_greeting(head: bytes) -> bool | None:
+    """Whether a server's first bytes (at least :data:`ZMTP_SIGNATURE` of them, peeked) are a
+    ZMTP greeting; None while too few have arrived to tell. A ZMTP signature is ``0xFF``,
+    8 bytes of padding (libzmq: a big-endian 64-bit count, so its bytes 4 and 5 are zero)
+    and ``0x7F``. A reply frame may start with ``0xFF`` too (the low byte of its length),
+    but its bytes 4 and 5 are the length of its signature, never zero."""
+    if head[:1] != bytes([ZMTP_FIRST_BYTE]):
+        return False
+    if len(head) < ZMTP_SIGNATURE:
+        return None
+    return head[4:6] == b"\0\0" and head[9] == 0x7F
 
 
 def check_hello(data: bytes | bytearray) -> str:
