@@ -524,8 +524,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("peer_timeout must be a positive number of seconds")
         if self.peer_transport not in ("tcp", "nixl"):
             raise ConfigError(f"peer_transport must be tcp or nixl, not {self.peer_transport!r}")
-        if not (self.peer_lease_ttl > 0 and math.isfinite(self.peer_lease_ttl)):
-            raise ConfigError("peer_lease_ttl must be a positive number of seconds")
+        if not (0.01 <= self.peer_lease_ttl <= 86400):  # sent in ms, as 32 bits
+            raise ConfigError("peer_lease_ttl must be 0.01 to 86400 seconds")
         if not (self.commit_publish_timeout >= 0 and math.isfinite(self.commit_publish_timeout)):
             raise ConfigError("commit_publish_timeout must be >= 0 seconds (0: do not wait)")
         if not (

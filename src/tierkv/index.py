@@ -38,6 +38,12 @@ Deleting or clearing an object that is locked or pinned removes it from the key 
 (new lookups miss) and frees its slot when the last lease on it ends, so a reader never sees
 its slot reused under it.
 
+A *fence* (:meth:`ObjectIndex.fence`) keeps slots from being reused while something outside
+the index may still write into them: a one-sided READ that passed its deadline and was given
+up, whose bytes can still land (:mod:`tierkv.cluster.late_reads`). The objects' leases end as
+usual; a fenced slot that the index frees stays allocated (``fenced_free``) until its last
+fence is lifted (:meth:`ObjectIndex.unfence`).
+
 Every public method takes the index lock once per batch; nothing in here does I/O.
 """
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -183,6 +190,7 @@ class IndexStats:
     expired_read_locks: int  # read locks and pins
     evictions: int
     evicted_bytes: int
+    fenced_free: int = 0  # slots freed but kept back: a transfer may still write into them
 
 
 class ObjectIndex:
@@ -218,6 +226,10 @@ class ObjectIndex:
         self._expired_read_locks = 0
         self._evictions = 0
         self._evicted_bytes = 0
+        # Fences: slot offset -> how many fences hold it; the fenced slots the index has freed
+        # meanwhile, given back to the allocator at the last unfence.
+        self._fences: dict[int, int] = {}
+        self._fenced_free: set[int] = set()
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
         # order), and its quota and figures (the tally).
@@ -494,6 +506,42 @@ class ObjectIndex:
                     released += self._end(lease)
             return freed, released
 
+    # -- fences ----------------------------------------------------------------------------
+    def fence(self, offsets: Iterable[int]) -> None:
+        """Keep these slots (offsets of allocated slots) from being reused until as many
+        :meth:`unfence` calls lift the fence: whatever their objects' fate meanwhile, a slot
+        the index frees stays allocated (its tenant is no longer charged for it)."""
+        offsets = list(offsets)
+        with self._lock:
+            for offset in offsets:
+                if self.allocator.size_of(offset) is None:
+                    raise ValueError(f"fence of offset {offset}, which is not allocated")
+            fences = self._fences
+            for offset in offsets:
+                fences[offset] = fences.get(offset, 0) + 1
+
+    def unfence(self, offsets: Iterable[int]) -> int:
+        """Lift one fence from each slot; a slot freed while fenced goes back to the
+        allocator with its last fence. Returns how many slots were given back."""
+        lifts = Counter(offsets)
+        given = 0
+        with self._lock:
+            fences = self._fences
+            for offset, n in lifts.items():
+                if n > fences.get(offset, 0):
+                    raise ValueError(f"unfence of offset {offset}, which is not fenced")
+            for offset in lifts.elements():
+                left = fences[offset] - 1
+                if left:
+                    fences[offset] = left
+                    continue
+                del fences[offset]
+                if offset in self._fenced_free:
+                    self._fenced_free.discard(offset)
+                    self.allocator.free(offset)
+                    given += 1
+        return given
+
     # -- deletion, eviction, expiry --------------------------------------------------------
     def delete(self, keys: Iterable[bytes]) -> int:
         """Remove objects from the index. Returns how many keys were present."""
@@ -649,6 +697,7 @@ class ObjectIndex:
                 expired_read_locks=self._expired_read_locks,
                 evictions=self._evictions,
                 evicted_bytes=self._evicted_bytes,
+                fenced_free=len(self._fenced_free),
             )
 
     def check(self) -> None:
@@ -733,7 +782,15 @@ class ObjectIndex:
                 {t: list(d) for t, d in self._tlru.items()} == tlru,
                 "a tenant's LRU is not the global LRU's objects of that tenant, in its order",
             )
-            require(alloc.allocations == len(slots), "allocated blocks != objects")
+            for offset in self._fenced_free:
+                require(offset in self._fences, f"slot {offset} kept back without a fence")
+                require(offset not in slots, f"slot {offset} kept back and in use")
+            for offset in self._fences:
+                require(alloc.size_of(offset) is not None, f"fenced slot {offset} not allocated")
+            require(
+                alloc.allocations == len(slots) + len(self._fenced_free),
+                "allocated blocks != objects and fenced slots kept back",
+            )
             zombies = sum(1 for e in slots.values() if not e.live)
             require(zombies == self._zombies, f"zombie count {self._zombies} != {zombies}")
 
@@ -835,7 +892,10 @@ class ObjectIndex:
         """Give the entry's slot back to the allocator and its bytes back to its tenant's
         account; returns the aligned bytes freed."""
         size = self.allocator.aligned(entry.length)
-        self.allocator.free(entry.offset)
+        if entry.offset in self._fences:
+            self._fenced_free.add(entry.offset)
+        else:
+            self.allocator.free(entry.offset)
         tid = entry.tenant
         left = self._tused[tid] - size
         if left:

@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -31,7 +31,7 @@ from tierkv.cluster.nixl_transport import (
     RELEASED,
     NixlTransport,
 )
-from tierkv.cluster.transport import ITEM, MAX_CHUNKS, REQUEST, TcpTransport
+from tierkv.cluster.transport import ITEM, MAX_CHUNKS, REQUEST, Served, TcpTransport
 from tierkv.tiers.base import LoadStatus
 
 pytestmark = needs_nixl
@@ -72,7 +72,8 @@ def holder_side(seed: int, n: int, size: int = SIZE, **kw: object) -> tuple[Side
         t: TcpTransport = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "holder")
     else:
         t = NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "holder",
-                          region=source.pool.buf, **kw)  # type: ignore[arg-type]  # fmt: skip
+                          region=source.pool.buf, fence=source.index,
+                          **kw)  # type: ignore[arg-type]  # fmt: skip
     t.serve(source)
     return Side(source, t), keys
 
@@ -82,7 +83,7 @@ def reader() -> Iterator[Side]:
     source = PoolSource(64 << 20)
     # The deadline is a liveness bound here (a loaded machine's first READ sets up UCX).
     t = NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=source.pool.buf,
-                      timeout=10.0)  # fmt: skip
+                      fence=source.index, timeout=10.0)  # fmt: skip
     side = Side(source, t)
     yield side
     side.close()
@@ -129,6 +130,8 @@ def test_reads_land_in_the_readers_pool_byte_exact(reader: Side) -> None:
         assert reader.t.fetch_many([(member(holder.t.address), odd)]) == [
             [LoadStatus.MISSING, LoadStatus.MISSING]
         ]
+        received = reader.t.stats()["nixl"]["received"][holder.t.address]  # type: ignore[index]
+        assert received["requests"] == 2 and received["missing"] == 2  # a batch of misses too
     finally:
         holder.close()
 
@@ -401,3 +404,57 @@ def test_a_batch_beyond_one_requests_chunk_limit_is_split(reader: Side) -> None:
         assert leases(holder)["notified"] == leases(holder)["granted"] >= 2
     finally:
         holder.close()
+
+
+class SlowOnce(PoolSource):
+    """A holder's pool whose next lease takes longer than the reader waits."""
+
+    delay = 0.0
+
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served:
+        delay, self.delay = self.delay, 0.0
+        time.sleep(delay)  # e.g. its chunks promoted from disk first
+        return super().acquire(keys, lengths)
+
+
+def test_a_lease_request_that_times_out_is_not_sent_again() -> None:
+    """A pooled connection's request that times out is a slow holder, not a dropped
+    connection: it is not sent again on a fresh one (which granted a second lease, and made
+    the reader wait twice its timeout); the batch is a miss, and the next one is read."""
+    source = SlowOnce(16 << 20)
+    keys = [chunk_key(5, i) for i in range(2)]
+    for i, key in enumerate(keys):
+        source.put(key, chunk_bytes(5, i, SIZE))
+    held = NixlTransport(
+        "127.0.0.1", 0, "127.0.0.1", TOKEN, "holder", region=source.pool.buf, lease_ttl=30.0
+    )
+    holder = Side(source, held)
+    held.serve(source)
+    rsrc = PoolSource(16 << 20)
+    reads = NixlTransport(
+        "127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=rsrc.pool.buf, fence=rsrc.index,
+        timeout=1.0,
+    )  # fmt: skip
+    reader = Side(rsrc, reads)
+    try:
+        _, items = reserve(reader, keys)
+        at = member(holder.t.address)
+        assert reader.t.fetch_many([(at, items)]) == [[LoadStatus.OK] * 2]  # a pooled connection
+        wait_for(lambda: leases(holder)["live"] == 0)
+        source.delay = 1.5
+        assert reader.t.fetch_many([(at, items)]) == [[LoadStatus.ERROR] * 2]
+        wait_for(lambda: leases(holder)["granted"] == 2)
+        time.sleep(0.5)  # a second request would have been granted by now
+        assert leases(holder)["granted"] == 2
+        assert reader.t.fetch_many([(at, items)]) == [[LoadStatus.OK] * 2]
+    finally:
+        reader.close()
+        holder.close()
+
+
+@pytest.mark.parametrize("ttl", [0.0, 0.001, 86400.1, float("nan")])
+def test_a_lease_time_to_live_the_wire_cannot_carry_is_refused(ttl: float) -> None:
+    """Lease lifetimes go over the wire in milliseconds, as 32 bits: under 10 ms every
+    READ would be late, past a day the holder could not send its grants."""
+    with pytest.raises(ValueError, match="time to live"):
+        NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "holder", lease_ttl=ttl)

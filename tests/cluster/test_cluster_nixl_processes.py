@@ -22,6 +22,7 @@ from support.nixl_kit import (
     WRITER,
     HolderProcess,
     PoolSource,
+    chunk_key,
     member,
     needs_nixl,
     sigstop,
@@ -47,7 +48,14 @@ def _ucx_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
 def reader() -> Iterator[tuple[PoolSource, NixlTransport]]:
     source = PoolSource(64 << 20)
     t = NixlTransport(
-        "127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=source.pool.buf, timeout=TIMEOUT
+        "127.0.0.1",
+        0,
+        "127.0.0.1",
+        TOKEN,
+        "reader",
+        region=source.pool.buf,
+        fence=source.index,
+        timeout=TIMEOUT,
     )
     yield source, t
     t.close()
@@ -117,18 +125,44 @@ def test_a_killed_holder_is_a_miss_and_the_reader_keeps_reading(
 def test_a_stopped_holder_is_a_miss_at_the_readers_deadline(
     reader: tuple[PoolSource, NixlTransport], holders: Callable[..., HolderProcess]
 ) -> None:
-    _, t = reader
+    """The READ that NIXL cannot stop lands once the holder is back: until it has, its
+    slots are used for nothing else (no other chunk is stored there, nothing fetched into
+    them); then they go back to the pool. Before, the slots were freed at the deadline and
+    the late READ overwrote the chunks committed there meanwhile."""
+    source, t = reader
     a, b = holders(21), holders(22)
     assert read_all(reader, a) == (OK4, [True] * 4)
     t.before_read = lambda lease_id: sigstop(a.proc.pid)
     started = time.monotonic()
-    statuses, _ = read_all(reader, a)  # NIXL would wait forever: the reader's deadline ends it
-    assert statuses == [LoadStatus.ERROR] * 4
+    res = source.index.reserve_write(a.keys, [SIZE] * 4, WRITER)
+    items = [(a.keys[i], source.pool.view(off, n)) for i, off, n in res.slots]
+    # NIXL would wait forever: the reader's deadline ends the fetch.
+    assert t.fetch_many([(member(a.address), items)])[0] == [LoadStatus.ERROR] * 4
     assert time.monotonic() - started < 60  # a liveness bound, not a timing claim
-    assert t.read_timeouts == 1  # cancelled at the deadline, handle released
+    assert t.read_timeouts == 1
     t.before_read = None
+    # Another holder's chunks into the same slots: refused while the READ may land.
+    retry = [(b.keys[i], view) for i, (_, view) in enumerate(items)]
+    assert t.fetch_many([(member(b.address), retry)])[0] == [LoadStatus.ERROR] * 4
+    assert over_nixl(t, b) == 0
+    del items, retry
+    source.index.abort(res.lease_id, WRITER)  # the prefetcher gives the slots back
+    fenced = {off for _, off, _ in res.slots}
+    assert source.index.stats().fenced_free == 4
+    source.index.check()
+    others = {chunk_key(99, i): bytes([i + 1]) * SIZE for i in range(4)}
+    placed = {key: source.put(key, data) for key, data in others.items()}
+    assert not fenced & set(placed.values())  # stored elsewhere
     assert read_all(reader, b) == (OK4, [True] * 4) and over_nixl(t, b) == 4
     os.kill(a.proc.pid, signal.SIGCONT)
+    assert t.late is not None
+    wait_for(lambda: t.late is not None and t.late.stats()["pending"] == 0, timeout=60)
+    late = t.late.stats()
+    assert (late["given_up"], late["landed"], late["slots_given_back"]) == (1, 1, 4), late
+    assert source.index.stats().fenced_free == 0
+    source.index.check()
+    for key, data in others.items():  # the chunks committed meanwhile are intact
+        assert bytes(source.pool.view(placed[key], SIZE)) == data
     # The holder is back; its reads go over TCP for a while (one fallback), byte-exact.
     assert read_all(reader, a) == (OK4, [True] * 4)
     assert over_nixl(t, a) == 4 and t.fallbacks == 1

@@ -64,6 +64,8 @@ _PUBLIC = (
     "evict",
     "expire",
     "stats",
+    "fence",
+    "unfence",
 )
 
 
@@ -165,6 +167,59 @@ def test_abort_gives_slots_back() -> None:
     with pytest.raises(LeaseNotFound):
         index.commit(res.lease_id, ALICE)
     store(index, [k(0), k(1)])  # the keys can be stored again
+
+
+def test_a_fenced_slot_is_not_reused_until_its_last_fence_is_lifted() -> None:
+    """A fence (a one-sided READ given up at its deadline may still land there) keeps a
+    slot allocated through whatever its object goes through: aborted, committed and
+    evicted, deleted; the slot goes back to the pool with the last fence."""
+    index, _ = make(blocks=4)
+    res = index.reserve_write([k(0), k(1), k(2)], BLOCK, ALICE)
+    offsets = {key: off for (i, off, _), key in zip(res.slots, [k(0), k(1), k(2)], strict=True)}
+    index.fence([offsets[k(0)], offsets[k(1)]])
+    index.fence([offsets[k(1)]])  # fenced twice
+    assert index.abort(res.lease_id, ALICE) == 3
+    figures(index, objects=0, fenced_free=2)
+    assert index.used == 2 * BLOCK  # k(2)'s slot is free again, the fenced ones are not
+    res = index.reserve_write([k(3), k(4)], BLOCK, ALICE)
+    assert not {off for _, off, _ in res.slots} & {offsets[k(0)], offsets[k(1)]}
+    assert index.abort(res.lease_id, ALICE) == 2
+    assert index.unfence([offsets[k(0)], offsets[k(1)]]) == 1  # k(1) still has a fence
+    figures(index, fenced_free=1)
+    assert index.unfence([offsets[k(1)]]) == 1
+    figures(index, fenced_free=0)
+    assert index.used == 0
+    # A fence on a committed object: evicted, its slot stays allocated till the unfence.
+    store(index, [k(5)])
+    ((_, off, _),) = index.lock_read([k(5)], BOB).slots
+    index.fence([off])
+    index.release_holder(BOB)
+    assert [e.key for e in index.evict(BLOCK)] == [k(5)]
+    figures(index, objects=0, fenced_free=1)
+    assert index.unfence([off]) == 1 and index.used == 0
+    # A fence on a slot that stays in use: lifted, the object keeps it.
+    store(index, [k(6)])
+    ((_, off, _),) = index.lock_read([k(6)], BOB).slots
+    index.fence([off])
+    assert index.unfence([off]) == 0
+    figures(index, objects=1, fenced_free=0)
+
+
+def test_fences_refuse_slots_that_are_not_allocated_or_not_fenced() -> None:
+    index, _ = make(blocks=4)
+    with pytest.raises(ValueError, match="not allocated"):
+        index.fence([0])
+    store(index, [k(0)])
+    with pytest.raises(ValueError, match="not fenced"):
+        index.unfence([0])
+    index.fence([0])
+    with pytest.raises(ValueError, match="not fenced"):
+        index.unfence([0, 0])  # one fence, two lifts: nothing lifted
+    assert index.unfence([0]) == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        index.fence([0, 4 * BLOCK])  # all or nothing
+    with pytest.raises(ValueError, match="not fenced"):
+        index.unfence([0])
 
 
 def test_reserve_reports_present_keys_and_never_allocates_twice() -> None:

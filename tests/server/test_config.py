@@ -230,6 +230,8 @@ def test_invalid_values_name_the_option(option: str, value: str) -> None:
         ("peer_transport", "rdma"),
         ("peer_lease_ttl", "0"),
         ("peer_lease_ttl", "inf"),
+        ("peer_lease_ttl", "0.001"),
+        ("peer_lease_ttl", "1e7"),
         ("cluster_host", "0.0.0.0"),  # beyond loopback without auth_token
     ],
 )

@@ -193,7 +193,7 @@ def _holder_main() -> None:
     hook = (lambda md: md[: len(md) // 2] + bytes(8)) if args.bad_metadata else None
     transport = NixlTransport(
         "127.0.0.1", 0, "127.0.0.1", TOKEN, "holder", region=source.pool.buf,
-        lease_ttl=args.lease_ttl, metadata_hook=hook, timeout=2.0,
+        fence=source.index, lease_ttl=args.lease_ttl, metadata_hook=hook, timeout=2.0,
     )  # fmt: skip
     transport.serve(source)
     hello = json.dumps({"address": transport.address, "keys": [k.hex() for k in keys]})

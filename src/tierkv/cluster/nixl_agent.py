@@ -6,7 +6,10 @@ NIXL is optional (``scripts/install-nixl.sh``: the ``nixl-cu12`` wheel without i
 dependencies, which a CPU-only node does not need). :func:`unavailable` says why it cannot be
 used here, or returns "" when it can. A READ from a holder that stopped answering never ends
 in NIXL (it has no timeout): :meth:`Agent.read` polls the transfer until the caller's
-deadline, then releases the handle (which cancels the transfer) and reports ``TIMEOUT``.
+deadline, then reports ``TIMEOUT`` and hands the running transfer back. Releasing a NIXL
+handle does not stop its transfer (a READ given up at its deadline was seen landing seconds
+later, over UCX's TCP transport): the reader keeps the destination from reuse until the
+transfer ends (:mod:`tierkv.cluster.late_reads`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-DONE, ERROR, TIMEOUT, REFUSED = "DONE", "ERR", "TIMEOUT", "REFUSED"
+DONE, ERROR, TIMEOUT, REFUSED, PROC = "DONE", "ERR", "TIMEOUT", "REFUSED", "PROC"
 
 _module: Any = None
 _import_error = ""
@@ -185,12 +188,15 @@ class Agent:
         agent: str,
         deadline: float,
         notify: bytes = b"",
-    ) -> str:
-        """READ each remote (address, length) of ``agent`` into the local one; DONE, ERR,
-        TIMEOUT (``deadline``, monotonic, passed: the transfer was cancelled) or REFUSED
-        (NIXL would not start it: nothing was transferred). The handle is released.
-        ``notify``: a message NIXL delivers to ``agent`` once the transfer is done
-        (:meth:`notifications` there)."""
+    ) -> tuple[str, Any]:
+        """READ each remote (address, length) of ``agent`` into the local one; returns
+        (state, handle). The state is DONE, ERR, REFUSED (NIXL would not start it: nothing
+        was transferred) or TIMEOUT (``deadline``, monotonic, passed). The handle is None,
+        released, but for TIMEOUT: the transfer then still runs, and may still write into
+        the local buffers, until :meth:`state` says it ended; the caller keeps those buffers
+        from reuse until then, and :meth:`release` s the handle after (releasing it earlier
+        does not stop the transfer). ``notify``: a message NIXL delivers to ``agent`` once
+        the transfer is done (:meth:`notifications` there)."""
         mine = np.array([(a, n, 0) for a, n in local], dtype=np.uint64).reshape(-1, 3)
         theirs = np.array([(a, n, 0) for a, n in remote], dtype=np.uint64).reshape(-1, 3)
         try:
@@ -203,24 +209,34 @@ class Agent:
             )
         except Exception as exc:
             log.debug("NIXL: a READ from %s could not start: %s", agent, exc)
-            return REFUSED
+            return REFUSED, None
         state = ERROR
         try:
             state = self._agent.transfer(handle)
             delay = 20e-6
-            while state == "PROC":
+            while state == PROC:
                 if time.monotonic() >= deadline:
-                    state = TIMEOUT
-                    break
+                    return TIMEOUT, handle
                 time.sleep(delay)
                 delay = min(delay * 2, 1e-3)
                 state = self._agent.check_xfer_state(handle)
         except Exception as exc:
             log.debug("NIXL: a READ from %s failed: %s", agent, exc)
             state = ERROR
-        finally:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception as exc:
-                log.warning("NIXL: a READ's handle could not be released: %s", exc)
-        return state if state in (DONE, TIMEOUT) else ERROR
+        self.release(handle)
+        return (DONE if state == DONE else ERROR), None
+
+    def state(self, handle: Any) -> str:
+        """A transfer's state: PROC (running), DONE or ERR."""
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as exc:
+            log.debug("NIXL: checking a READ failed: %s", exc)
+            return ERROR
+        return state if state in (PROC, DONE) else ERROR
+
+    def release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.warning("NIXL: a READ's handle could not be released: %s", exc)

@@ -30,10 +30,12 @@ batch takes a lease, READs every leased chunk with one transfer into its slots (
 lie in its own registered pool; others go over TCP), polls the transfer until a deadline of
 its own (the peer timeout, and never past the lease's time to live) and verifies each
 chunk's checksum; the READ's notification releases the lease. A deadline passed or a failed
-READ cancels the transfer (the handle is released, the peer's agent unloaded) and the chunks
-are ERROR: a miss, never a hang. A holder without NIXL, metadata NIXL refuses, a region the
-holder unregistered or a failed READ send that peer's reads over TCP (one log line per event;
-retried after :data:`FALLBACK_RETRY` seconds, except for a holder without NIXL).
+READ makes the chunks ERROR: a miss, never a hang. NIXL cannot stop such a READ, so its
+slots stay fenced in this node's pool, and nothing else is fetched into them, until it has
+ended (:mod:`tierkv.cluster.late_reads`); the peer's agent is unloaded then. A holder without
+NIXL, metadata NIXL refuses, a region the holder unregistered or a failed READ send that
+peer's reads over TCP (one log line per event; retried after :data:`FALLBACK_RETRY` seconds,
+except for a holder without NIXL).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 
 from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
+from tierkv.cluster.late_reads import LateReads, SlotFence
 from tierkv.cluster.leases import LeaseTable
 from tierkv.cluster.nixl_agent import (
     DONE,
@@ -93,6 +96,7 @@ SENT_OUTSIDE = 4
 RELEASE_OK, RELEASE_UNKNOWN = 0, 1
 MAX_METADATA = 1 << 20
 FALLBACK_RETRY = 30.0  # seconds a peer's reads stay on TCP after NIXL failed for it
+MIN_LEASE_TTL, MAX_LEASE_TTL = 0.01, 86400.0  # seconds; sent in ms, as 32 bits
 _ZERO = bytes(16)
 EXPIRED = "EXPIRED"
 
@@ -120,16 +124,24 @@ class NixlTransport(TcpTransport):
         region: memoryview | None = None,
         lease_ttl: float = 10.0,
         max_leases: int = 1024,
+        fence: SlotFence | None = None,
         honour_lease_deadline: bool = True,
         metadata_hook: Callable[[bytes], bytes] | None = None,
         before_read: Callable[[int], None] | None = None,
         **kwargs: object,
     ) -> None:
         """``region``: this node's pool mapping, registered with NIXL (peers READ from it,
-        this node's READs land in it). The last three arguments are for tests only: read
-        past a lease's deadline (a READ that lands late), alter the metadata handed out,
-        call ``before_read(lease_id)`` between the lease and the READ."""
+        this node's READs land in it); ``fence``: the pool's index, which keeps the slots of
+        a READ given up at its deadline from reuse until the READ has ended
+        (:mod:`tierkv.cluster.late_reads`). The last three arguments are for tests only:
+        read past a lease's deadline (a READ that lands late), alter the metadata handed
+        out, call ``before_read(lease_id)`` between the lease and the READ."""
         super().__init__(host, port, advertise_host, token, node_id, **kwargs)  # type: ignore[arg-type]
+        if not MIN_LEASE_TTL <= lease_ttl <= MAX_LEASE_TTL:
+            raise ValueError(
+                f"a lease's time to live must be {MIN_LEASE_TTL} to {MAX_LEASE_TTL} s, "
+                f"not {lease_ttl}"
+            )
         self.lease_ttl = lease_ttl
         self.honour_lease_deadline = honour_lease_deadline
         self.metadata_hook = metadata_hook
@@ -146,6 +158,11 @@ class NixlTransport(TcpTransport):
             except NixlError as exc:
                 why, self.agent = str(exc), None
         self.why_not_nixl = why
+        self.late: LateReads | None = None
+        if self.agent is not None:
+            # A failed READ's slots stay fenced as long as a READ may take.
+            grace = max(self.timeout, lease_ttl)
+            self.late = LateReads(self.agent, self.agent.base, fence, grace)
         if why:
             log.warning("peer transport nixl: %s; peers read from this node over TCP", why)
         self.leases = LeaseTable(
@@ -155,6 +172,7 @@ class NixlTransport(TcpTransport):
         self._tcp_only: dict[tuple[str, int], float] = {}  # until (monotonic)
         self._nixl_lock = threading.Lock()  # the two tables above; no I/O under it
         self.nixl_received: dict[str, PeerFigures] = {}
+        self._counts_lock = threading.Lock()  # the four counters below
         self.fallbacks = 0
         self.read_timeouts = 0
         self.read_errors = 0
@@ -256,6 +274,28 @@ class NixlTransport(TcpTransport):
         batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
         verified: dict[bytes, bytes] | None = None,
     ) -> list[list[LoadStatus]]:
+        late = self.late
+        if late is None or not late.pending():
+            return self._fetch_many(batches, verified)
+        # Slots a given-up READ may still write into get nothing else meanwhile: ERROR.
+        keep = [
+            [i for i, (_, v) in enumerate(items) if not late.holds(address_of(v))]
+            for _, items in batches
+        ]
+        sub = [
+            (peer, [items[i] for i in k]) for (peer, items), k in zip(batches, keep, strict=True)
+        ]
+        out = [[LoadStatus.ERROR] * len(items) for _, items in batches]
+        for b, (k, got) in enumerate(zip(keep, self._fetch_many(sub, verified), strict=True)):
+            for i, st in zip(k, got, strict=True):
+                out[b][i] = st
+        return out
+
+    def _fetch_many(
+        self,
+        batches: Sequence[tuple[m.MemberInfo, Sequence[tuple[bytes, memoryview]]]],
+        verified: dict[bytes, bytes] | None,
+    ) -> list[list[LoadStatus]]:
         agent = self.agent
         if agent is None or not agent.registered:
             return super().fetch_many(batches, verified)
@@ -353,6 +393,7 @@ class NixlTransport(TcpTransport):
             elif st in (SENT_MISSING, SENT_LENGTH):
                 statuses[i] = LoadStatus.MISSING
         state = DONE
+        nbytes = chunks = corrupt = 0
         if reads:
             if self.before_read is not None:
                 self.before_read(lease_id)
@@ -363,11 +404,10 @@ class NixlTransport(TcpTransport):
             remote_descs = [(a, items[i][1].nbytes) for i, a, _ in reads]
             if time.monotonic() < deadline:
                 done = COMPLETED.pack(b"TKVU", lease_id)  # ends the lease at the holder
-                state = agent.read(local, remote_descs, remote.agent, deadline, done)
+                state, running = agent.read(local, remote_descs, remote.agent, deadline, done)
             else:  # the lease (or our patience) ran out before the READ could start
-                state = EXPIRED
-                self.leases_expired_unread += 1
-            nbytes = chunks = corrupt = 0
+                state, running = EXPIRED, None
+                self._count("leases_expired_unread")
             if state == DONE:
                 for i, _, digest in reads:
                     view = items[i][1]
@@ -390,29 +430,38 @@ class NixlTransport(TcpTransport):
                 fallback.extend(i for i, _, _ in reads)
                 self._fall_back(peer, "NIXL refused the READ (wrong metadata?)", FALLBACK_RETRY)
             elif state != EXPIRED:
+                # The READ may still land: its slots stay out of use until it has ended
+                # (before _fall_back, which unloads the holder's agent once it has).
+                late = self.late
+                assert late is not None
                 if state == TIMEOUT:
-                    self.read_timeouts += 1
+                    late.given_up(running, [a for a, _ in local], remote.agent)
                 else:
-                    self.read_errors += 1
+                    late.failed([a for a, _ in local], remote.agent)
+                self._count("read_timeouts" if state == TIMEOUT else "read_errors")
                 self._fall_back(
                     peer,
-                    "a READ passed its deadline (cancelled)"
+                    "a READ passed its deadline (given up)"
                     if state == TIMEOUT
                     else "a READ failed",
                     FALLBACK_RETRY,
                 )
-            figures.add(
-                time.monotonic() - started,
-                chunks,
-                nbytes,
-                missing=statuses.count(LoadStatus.MISSING),
-                corrupt=corrupt,
-                errors=0 if state == REFUSED else len(reads) - chunks - corrupt,
-            )
+        figures.add(
+            time.monotonic() - started,
+            chunks,
+            nbytes,
+            missing=statuses.count(LoadStatus.MISSING),
+            corrupt=corrupt,
+            errors=0 if state == REFUSED else len(reads) - chunks - corrupt,
+        )
         # A completed READ's notification released the lease; a stalled holder's expires.
         if lease_id and state not in (DONE, TIMEOUT):
             self._release_lease(peer, lease_id)
         return statuses, fallback
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            setattr(self, name, getattr(self, name) + 1)
 
     def _remote(self, peer: m.MemberInfo) -> _Remote | None:
         """The holder's agent, loaded once per incarnation; None: read it over TCP."""
@@ -433,6 +482,8 @@ class NixlTransport(TcpTransport):
         except NixlError as exc:
             self._fall_back(peer, str(exc), FALLBACK_RETRY)
             return None
+        if self.late is not None:
+            self.late.keep_loaded(name)
         remote = _Remote(name, generation, base, size)
         with self._nixl_lock:
             self._remotes[key] = remote
@@ -469,6 +520,12 @@ class NixlTransport(TcpTransport):
         except (OSError, ConnectionError, PeerRefused) as exc:
             log.debug("releasing a NIXL lease at %s failed: %s (it expires)", peer.node_id, exc)
 
+    def _tcp_only_count(self) -> int:
+        """How many peers' reads go over TCP now."""
+        now = time.monotonic()
+        with self._nixl_lock:
+            return sum(1 for until in self._tcp_only.values() if until > now)
+
     def _tcp_only_now(self, peer: m.MemberInfo) -> bool:
         with self._nixl_lock:
             until = self._tcp_only.get((peer.data, peer.incarnation))
@@ -484,8 +541,8 @@ class NixlTransport(TcpTransport):
             remote = self._remotes.pop(key, None)
             if not already:
                 self.fallbacks += 1
-        if remote is not None and self.agent is not None:
-            self.agent.remove_remote(remote.agent)
+        if remote is not None:
+            self._unload(remote)
         if not already:
             later = "" if math.isinf(seconds) else f" (NIXL again in {seconds:.0f} s)"
             log.warning("reads from %s go over TCP: %s%s", peer.node_id, why, later)
@@ -497,14 +554,21 @@ class NixlTransport(TcpTransport):
             remotes = [self._remotes.pop(k) for k in gone]
             for k in [k for k in self._tcp_only if k[0] == peer.data]:
                 del self._tcp_only[k]
-        if self.agent is not None:
-            for remote in remotes:
-                self.agent.remove_remote(remote.agent)
+        for remote in remotes:
+            self._unload(remote)
+
+    def _unload(self, remote: _Remote) -> None:
+        """Unload a holder's agent, once the READs given up on it have ended."""
+        agent, late = self.agent, self.late
+        if agent is not None and late is not None:
+            late.unload_when_done(remote.agent, lambda: agent.remove_remote(remote.agent))
 
     # -- lifecycle and figures -------------------------------------------------------------
     def close(self) -> None:
         super().close()
         self.leases.close()
+        if self.late is not None:
+            self.late.close()
         if self.agent is not None:
             self.agent.close()
 
@@ -522,6 +586,7 @@ class NixlTransport(TcpTransport):
             "read_timeouts": self.read_timeouts,
             "read_errors": self.read_errors,
             "leases_expired_unread": self.leases_expired_unread,
-            "tcp_only": len(self._tcp_only),
+            "tcp_only": self._tcp_only_count(),
+            "late_reads": self.late.stats() if self.late is not None else {},
         }
         return out

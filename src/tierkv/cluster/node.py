@@ -175,6 +175,7 @@ class ClusterNode:
             token,
             "",
             region=pool.buf,
+            fence=index,
             lease_ttl=min(settings.lease_ttl, index.read_ttl / 2),
             connections_per_peer=settings.connections,
             timeout=timeout,

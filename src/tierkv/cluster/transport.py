@@ -557,8 +557,9 @@ class TcpTransport(Transport):
     ) -> T:
         """One request-reply ``exchange`` on a pooled connection to ``peer``. A pooled
         connection the peer dropped while idle fails at once: the exchange is retried once on
-        a fresh one when ``may_retry()`` says nothing was done yet. Raises what failed:
-        OSError, ConnectionError, PeerRefused, or :class:`NoFreeConnection`."""
+        a fresh one when ``may_retry()`` says nothing was done yet (never after a timeout).
+        Raises what failed: OSError, ConnectionError, PeerRefused, or
+        :class:`NoFreeConnection`."""
         pool = self._pool(peer)
         if not pool.slots.acquire(timeout=self.timeout):
             raise NoFreeConnection(f"no free data-plane connection to {peer.node_id}")
@@ -577,8 +578,16 @@ class TcpTransport(Transport):
                         pool.idle.append(conn)
                     conn = None
                     return result
-                except (OSError, ConnectionError):
-                    stale = conn is not None and conn.reused and attempt == 0 and may_retry()
+                except (OSError, ConnectionError) as exc:
+                    # A timeout is a slow peer, not a dropped connection: the request may
+                    # be under way there (a lease granted twice, twice the wait).
+                    stale = (
+                        conn is not None
+                        and conn.reused
+                        and attempt == 0
+                        and not isinstance(exc, TimeoutError)
+                        and may_retry()
+                    )
                     if not stale:
                         raise
                 finally:
