@@ -384,6 +384,83 @@ def test_mamba_states_are_per_rank_where_mla_kv_is_shared(
         assert sp.slot_bytes(reader.mamba, 0) == sp.slot_bytes(ranks[r].mamba, slot)
 
 
+def test_an_mha_pool_of_an_mla_model_is_per_rank(srv: ServerProcess, backends: list[Any]) -> None:
+    """A standard-attention sidecar (an MHA draft model on an MLA target) holds each rank's
+    own heads: rank 1 never reads rank 0's pages (before, every non-Mamba pool of an MLA model
+    shared one namespace, written by rank 0, and rank 1 loaded rank 0's heads)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    ranks = [Hybrid(kv="mla") for _ in range(2)]
+    for r, hybrid in enumerate(ranks):
+        hybrid.fill(seed=20 + r)
+    backend = [make(backends, srv, ranks[r], mla=True, tp_rank=r, tp_size=2) for r in range(2)]
+    keys = keys_for("mla-mha-sidecar", 3)
+    pages = [0, 1, 2]
+    kv0 = transfer(PoolName.KV, keys, sp.indices(ranks[0].kv, pages))
+    swa = [transfer(PoolName.SWA, keys, sp.indices(ranks[r].swa, pages)) for r in range(2)]
+    assert backend[0].batch_set_v2([kv0, swa[0]]) == {
+        PoolName.KV: [True] * 3,
+        PoolName.SWA: [True] * 3,
+    }
+    swa_q = [transfer(PoolName.SWA, keys)]
+    assert backend[1].batch_exists_v2(keys, swa_q).kv_hit_pages == 0  # not rank 1's heads
+    assert backend[1].batch_set_v2([swa[1]]) == {PoolName.SWA: [True] * 3}
+    assert backend[1].batch_exists_v2(keys, swa_q).kv_hit_pages == 3
+    for r in range(2):
+        reader = Hybrid(kv="mla")
+        fresh = make(backends, srv, reader, mla=True, tp_rank=r, tp_size=2)
+        got = fresh.batch_get_v2([transfer(PoolName.SWA, keys, sp.indices(reader.swa, [4, 5, 6]))])
+        assert got == {PoolName.SWA: [True] * 3}
+        for page, own in zip([4, 5, 6], pages, strict=True):
+            assert sp.page_bytes(reader.swa, page) == sp.page_bytes(ranks[r].swa, own)
+    assert_clean(srv)
+
+
+def test_v2_spans_longer_than_a_servers_request_go_in_pieces(
+    server_factory: Callable[..., ServerProcess],
+    backends: list[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SGLang hands a hybrid model's whole prefetch span (and a whole backup) to one v2
+    call: the backend sends it in pieces the server takes (before, a span of more pages than
+    the server's max_chunks_per_request was refused whole: a miss, a failed write). Here a
+    server taking 8 chunks a request, pieces of 4, a span of 12."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName
+
+    from tierkv.integrations.sglang import pool_store
+
+    monkeypatch.setattr(pool_store, "PAGES_PER_REQUEST", 4)
+    srv = server_factory(pool_size="64MiB", extra=["--max-chunks-per-request", "8"])
+    src = Hybrid()
+    src.fill(seed=3)
+    backend = make(backends, srv, src)
+    keys = keys_for("request-limit", 12)
+    pages = list(range(12))
+    trailing = PoolHitPolicy.TRAILING_PAGES
+    assert backend.batch_set_v2(
+        [
+            transfer(PoolName.KV, keys, sp.indices(src.kv, pages)),
+            transfer(PoolName.SWA, keys, sp.indices(src.swa, pages)),
+            transfer(PoolName.MAMBA, [keys[11]], sp.slots([3]), trailing),
+        ]
+    ) == {PoolName.KV: [True] * 12, PoolName.SWA: [True] * 12, PoolName.MAMBA: [True]}
+    query = [transfer(PoolName.SWA, keys), transfer(PoolName.MAMBA, ["?"], policy=trailing)]
+    assert backend.batch_exists_v2(keys, query).kv_hit_pages == 12
+    reader = Hybrid()
+    fresh = make(backends, srv, reader)
+    got = fresh.batch_get_v2(
+        [
+            transfer(PoolName.KV, keys, sp.indices(reader.kv, pages)),
+            transfer(PoolName.SWA, keys, sp.indices(reader.swa, pages)),
+        ]
+    )
+    assert got == {PoolName.KV: [True] * 12, PoolName.SWA: [True] * 12}
+    for page in pages:
+        assert sp.page_bytes(reader.kv, page) == sp.page_bytes(src.kv, page)
+        assert sp.page_bytes(reader.swa, page) == sp.page_bytes(src.swa, page)
+    assert_clean(srv)
+
+
 # -- bad input: a logged miss, the server keeps serving --------------------------------------
 def test_bad_v2_input_is_a_logged_miss_and_stored_pages_stay_intact(
     srv: ServerProcess, backends: list[Any], caplog: pytest.LogCaptureFixture

@@ -1226,6 +1226,77 @@ def test_chunks_with_a_groups_null_block_are_not_stored(server: Any) -> None:
     assert plan("chunk-0-freed", (full, [0, 0, 9, 10, 11, 12])).stores == []
 
 
+def two_group_step(
+    rid: str,
+    added: tuple[list[int], list[int]],
+    now: tuple[list[int], list[int]],
+    computed: int,
+    scheduled: int,
+) -> Any:
+    """A step of a running request of a two-group model (full attention, sliding window):
+    the blocks vLLM added (``new_block_ids``) and its tables as they are now
+    (``kv_connector_block_state``: the sliding window's freed blocks null)."""
+    output = step_output([], [(rid, added[0], computed, scheduled)])
+    output.scheduled_cached_reqs.new_block_ids = [added]
+    output.kv_connector_block_state = SimpleNamespace(
+        get_block_ids=lambda r: now if r == rid else None
+    )
+    return output
+
+
+def start_two_groups(
+    engine: Engine, rid: str, tokens: list[int], first: tuple[list[int], ...]
+) -> Any:
+    from tierkv.integrations.vllm.chunks import block_positions
+
+    req = request(rid, tokens)
+    assert ask(engine, req) == (0, False)
+    engine.scheduler.update_state_after_alloc(req, block_positions(first) or [], 0)
+    output = step_output([(rid, [], 0, BLOCK)])
+    output.scheduled_new_reqs[0].block_ids = first
+    assert engine.scheduler.build_connector_meta(output).stores == []  # no chunk complete
+    return req
+
+
+def test_a_chunk_on_sliding_blocks_vllm_freed_in_a_later_step_is_not_stored(server: Any) -> None:
+    """vLLM frees a sliding-window group's blocks behind the window as a request's prefill
+    moves on (and may hand them to another request in the same step), telling the connector
+    only of the blocks it adds: the connector plans from the tables as they are now, so a
+    chunk on a freed block is not stored (before, it was, from blocks another request's
+    forward pass wrote)."""
+    engine = make_engine(server.endpoint, "engine-a")
+    start_two_groups(engine, "sw", list(range(6000, 6700)), ([1], [7]))
+    # Tokens [128, 512): chunks 0 and 1 complete; block 7 is behind the window now.
+    step = two_group_step("sw", ([2, 3, 4], [8, 9, 10]), ([1, 2, 3, 4], [0, 8, 9, 10]), 128, 384)
+    assert engine.scheduler.build_connector_meta(step).stores == []
+
+
+def test_async_stores_of_sliding_blocks_vllm_frees_end_before_the_next_forward_pass(
+    server: Any,
+) -> None:
+    """A store on the workers' store threads may still read blocks vLLM frees behind a
+    sliding window in the next step (or as the request finishes): the workers wait for the
+    request's stores before the forward pass that may reuse them, as for a preemption."""
+    engine = make_engine(server.endpoint, "engine-a", async_store=True)
+    req = start_two_groups(engine, "sw", list(range(7000, 7700)), ([1], [7]))
+    step = two_group_step("sw", ([2], [8]), ([1, 2], [7, 8]), 128, 128)
+    meta = engine.scheduler.build_connector_meta(step)
+    assert planned(meta) == [(0, 1)] and meta.preempted == []  # running on the store threads
+    # Tokens [256, 512): vLLM freed chunk 0's sliding blocks; chunk 1 is stored.
+    step = two_group_step("sw", ([3, 4], [9, 10]), ([1, 2, 3, 4], [0, 0, 9, 10]), 256, 256)
+    meta = engine.scheduler.build_connector_meta(step)
+    assert meta.preempted == ["sw"] and planned(meta) == [(1, 2)]
+    assert meta.stores[0].block_ids == ((3, 9), (4, 10))
+    # Nothing freed since: no wait.
+    step = two_group_step("sw", ([], []), ([1, 2, 3, 4], [0, 0, 9, 10]), 512, 1)
+    assert engine.scheduler.build_connector_meta(step).preempted == []
+    # It finishes; vLLM frees block 9 first: the next forward pass waits, the rest is kept.
+    engine.scheduler.request_finished(req, [(1, 0), (2, 0), (3, 0), (4, 10)])
+    assert engine.scheduler.keeps_blocks("sw")
+    meta = engine.scheduler.build_connector_meta(step_output([]))
+    assert meta.preempted == ["sw"] and meta.release == ["sw"]
+
+
 def test_a_mamba_hybrid_engine_starts_with_the_connector_inactive_every_request_a_miss(
     server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -238,7 +238,8 @@ def step(
         num_scheduled_tokens={rid: scheduled},
         preempted_req_ids=set(),
         kv_connector_block_state=SimpleNamespace(
-            boundary_state_offloads={rid: offers} if offers else {}
+            boundary_state_offloads={rid: offers} if offers else {},
+            get_block_ids=lambda r: groups if r == rid else None,
         ),
     )
 

@@ -151,8 +151,14 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             raise UnsupportedPoolError(f"tierkv: a second {name} host pool for one backend")
         geometry = sidecar_geometry(pool, name)
         # Pools replicated on every rank (an MLA model's, but for the rank-sharded Mamba
-        # states, as SGLang's own backends key them) share one namespace and one writer.
-        shared = bool(self.config.is_mla_model) and name != PoolName.MAMBA.value
+        # states, as SGLang's own backends key them) share one namespace and one writer. A
+        # standard-attention pool holds this rank's heads, whatever the model (an MHA draft
+        # model on an MLA target): its own namespace per rank.
+        shared = (
+            bool(self.config.is_mla_model)
+            and name != PoolName.MAMBA.value
+            and geometry.kind != "mha"
+        )
         link = ServerLink(
             self.settings,
             lambda client: self._register_namespace(

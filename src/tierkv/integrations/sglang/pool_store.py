@@ -11,6 +11,11 @@ as views of the host buffer (standard-attention and MLA pools: one copy each way
 SGLang's flat data pages (Mamba states, DSA indexer pages: SGLang gathers the page's
 components into one flat page, tierkv copies that, and ``set_from_flat_data_page``
 scatters it back).
+
+A call names at most :data:`PAGES_PER_REQUEST` pages to the server (a server refuses
+requests of more than its ``max_chunks_per_request``, 16,384 by default): SGLang hands a
+hybrid model's whole prefetch span, or a whole backup, to one v2 call, which at a page of
+one token is a long prompt's every token.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.pages import PageGeometry, page_starts, raw_array
 
 Copy = Callable[[int, npt.NDArray[Any]], None]
+
+PAGES_PER_REQUEST = 1024
+
+
+def pieces(n: int) -> list[tuple[int, int]]:
+    """``[0, n)`` as runs of at most :data:`PAGES_PER_REQUEST`."""
+    return [(i, min(n, i + PAGES_PER_REQUEST)) for i in range(0, n, PAGES_PER_REQUEST)]
 
 
 class PoolStore:
@@ -62,8 +74,15 @@ class PoolStore:
     def leading(self, what: str, hashes: list[bytes]) -> int:
         """How many leading pages of ``hashes`` this namespace holds, after fetching those
         held in slower tiers or on other nodes into the pool (waits at most ``timeout``)."""
-        if not hashes:
-            return 0
+        held = 0
+        for start, stop in pieces(len(hashes)):
+            got = self._leading(what, hashes[start:stop])
+            held += got
+            if got < stop - start:
+                break
+        return held
+
+    def _leading(self, what: str, hashes: list[bytes]) -> int:
         rid = f"sglang-{uuid.uuid4().hex}"
 
         def exists(client: Client) -> int:
@@ -96,13 +115,18 @@ class PoolStore:
         if copies is None:
             return [False] * n
         gather, _ = copies
+        out: list[bool] = []
+        for start, stop in pieces(n):
 
-        def store(client: Client) -> list[bool]:
-            done = client.store(hashes=hashes, gather=gather)
-            held = set(done.stored) | set(done.present)
-            return [i in held for i in range(n)]
+            def store(client: Client, start: int = start, stop: int = stop) -> list[bool]:
+                done = client.store(
+                    hashes=hashes[start:stop], gather=lambda c, dst: gather(start + c, dst)
+                )
+                held = set(done.stored) | set(done.present)
+                return [i in held for i in range(stop - start)]
 
-        return self.link.call(what, store, [False] * n)
+            out += self.link.call(what, store, [False] * (stop - start))
+        return out
 
     def load(self, what: str, hashes: list[bytes], host_indices: Any, *, exact: bool) -> list[bool]:
         """Read the pages of ``hashes`` into the host pool at ``host_indices``: True for
@@ -112,13 +136,18 @@ class PoolStore:
         if copies is None:
             return [False] * n
         _, scatter = copies
+        out: list[bool] = []
+        for start, stop in pieces(n):
 
-        def load(client: Client) -> list[bool]:
-            got = client.retrieve(hashes=hashes, scatter=scatter)
-            read = set(got.retrieved)
-            return [i in read for i in range(n)]
+            def load(client: Client, start: int = start, stop: int = stop) -> list[bool]:
+                got = client.retrieve(
+                    hashes=hashes[start:stop], scatter=lambda c, src: scatter(start + c, src)
+                )
+                read = set(got.retrieved)
+                return [i in read for i in range(stop - start)]
 
-        return self.link.call(what, load, [False] * n)
+            out += self.link.call(what, load, [False] * (stop - start))
+        return out
 
     def _copies(
         self, what: str, host_indices: Any, count: int, exact: bool

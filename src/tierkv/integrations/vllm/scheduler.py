@@ -39,8 +39,12 @@ a finished request whose stores may still run is kept (``request_finished`` answ
 id goes into the next step's ``release``, and the workers report it finished sending once all
 its stores ended); a preempted request's id goes into the next step's ``preempted``, and the
 workers wait for its stores before that step's forward pass (vLLM's ``handle_preemptions``).
-vLLM frees blocks on no other path while the request is known to the connector: an abort
-ends the request through ``request_finished`` too.
+So does a request whose sliding-window blocks vLLM freed behind the window (every step it
+frees those a running request no longer needs, and once more as it finishes): the scheduler
+reads each scheduled request's table as vLLM has it now (``kv_connector_block_state``), and a
+block no longer there is waited for before it can be another request's. vLLM frees blocks on
+no other path while the request is known to the connector: an abort ends the request through
+``request_finished`` too.
 
 Decode chunks (``store_decode``). A chunk of the request's whole token sequence (prompt, then
 output tokens) is stored once every one of its tokens has KV in the paged cache and a known id:
@@ -477,11 +481,15 @@ class SchedulerSide:
         self._loads.clear()
         self._note_preemptions(scheduler_output, meta)
         scheduled = scheduler_output.num_scheduled_tokens
+        # vLLM's block tables as they are now (vLLM >= 0.32): a sliding-window group's
+        # blocks behind the window, freed this step, are null there.
+        tables = getattr(scheduler_output, "kv_connector_block_state", None)
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = self._positions(state, new.block_ids)
+            now = tables.get_block_ids(new.req_id) if tables is not None else None
+            state.block_ids = self._positions(state, now if now is not None else new.block_ids)
             computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
             self._plan_step(state, computed, meta)
         cached = scheduler_output.scheduled_cached_reqs
@@ -490,8 +498,11 @@ class SchedulerSide:
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
+            now = tables.get_block_ids(rid) if tables is not None else None
             if rid in cached.resumed_req_ids:
-                state.block_ids = self._positions(state, new_blocks)
+                state.block_ids = self._positions(state, now if now is not None else new_blocks)
+            elif now is not None:
+                self._blocks_now(state, self._positions(state, now), meta)
             elif new_blocks:
                 state.block_ids.extend(self._positions(state, new_blocks))
             computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
@@ -536,6 +547,26 @@ class SchedulerSide:
             if state is not None and state.stores_running:
                 meta.preempted.append(rid)
                 state.stores_running = False  # none is left running after that wait
+
+    def _blocks_now(
+        self,
+        state: RequestState,
+        positions: list[BlockRef],
+        meta: TierKVConnectorMetadata,
+        finished: bool = False,
+    ) -> None:
+        """The request's block table as vLLM has it now. A block vLLM freed since (a
+        sliding-window group's, behind the window; null now) may be another request's in
+        the next forward pass: with asynchronous stores, a store of it planned earlier may
+        still run, so the workers wait for the request's stores before that pass. (For a
+        finished request the blocks it still has are kept as well: ``release``.)"""
+        if state.stores_running and _freed(state.block_ids, positions):
+            rid = state.request.request_id
+            if rid not in meta.preempted:
+                meta.preempted.append(rid)
+            if not finished:
+                state.stores_running = False  # none is left running after that wait
+        state.block_ids = positions
 
     def _plan_step(self, state: RequestState, computed: int, meta: TierKVConnectorMetadata) -> None:
         """A scheduled request, ``computed`` tokens with KV once this step has run: its
@@ -677,7 +708,9 @@ class SchedulerSide:
         self._loads.pop(request.request_id, None)
         if state is None:
             return {}
-        self._plan_last_store(state, block_ids)
+        if block_ids is not None:  # vLLM freed the blocks behind a sliding window just now
+            self._blocks_now(state, list(block_ids), self._final, finished=True)
+        self._plan_last_store(state)
         self._keep_for_running_stores(state)
         self._end_session(state)
         return {
@@ -716,15 +749,13 @@ class SchedulerSide:
         if state.stores_running and not state.loading and rid not in self._final.release:
             self._final.release.append(rid)
 
-    def _plan_last_store(self, state: RequestState, block_ids: list[BlockRef] | None) -> None:
+    def _plan_last_store(self, state: RequestState) -> None:
         """Plan the complete chunks of a finished request that no step planned yet."""
         if not self.store_decode or state.loading or state.phase != ALLOCATED:
             return  # a request still loading is vLLM's to keep until the load is reported
         request = state.request
         # KV computed in steps already run (not a step still in flight with async scheduling).
         computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
-        if block_ids is not None:
-            state.block_ids = list(block_ids)
         if self._plan_store(state, computed, self._final):
             self._final.release.append(request.request_id)
 
@@ -785,6 +816,11 @@ def tokens_by_source(
     if end > max(lo, start):
         out[POOL] = out.get(POOL, 0) + end - max(lo, start)
     return out
+
+
+def _freed(before: list[BlockRef], now: list[BlockRef]) -> bool:
+    """Whether a block of ``before`` is no longer at its position (vLLM freed it)."""
+    return any(a != b for a, b in zip(before, now, strict=False))
 
 
 def _intact_chunks(
