@@ -212,10 +212,12 @@ def make_engine(
     async_store: bool = False,
     mla: bool = False,
     kv_events: bool = False,
+    kv_variant: str = "",
     **extra: Any,
 ) -> Engine:
     """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA);
-    ``kv_events``: vLLM's KV events on (one KV cache group)."""
+    ``kv_events``: vLLM's KV events on (one KV cache group); ``kv_variant``: the workers'
+    (config overrides)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -255,6 +257,7 @@ def make_engine(
             can_load=can_load,
             can_save=can_save,
             async_store=async_store,
+            kv_variant=kv_variant,
         )
         if mla:
             cache = vllm_engine.vllm_cpu_mla_caches(LAYERS, NUM_BLOCKS, BLOCK, LATENT)
@@ -391,6 +394,34 @@ def test_chunks_computed_by_one_engine_load_into_another_engines_blocks(server: 
     assert b.worker.stats["load_bytes"] == 2 * reg.chunk_bytes
     assert a.worker.stats["store_seconds"] > 0 and b.worker.stats["load_seconds"] > 0
     assert b.worker.stats["store_bytes"] == a.worker.stats["load_bytes"] == 0
+
+
+def test_engines_whose_config_overrides_differ_never_share_chunks(server: Any) -> None:
+    """The same weights with another RoPE scaling (vLLM's hf_overrides), another config file
+    or other custom code compute other KV: such engines' chunks are in namespaces apart."""
+    from tierkv.integrations.vllm.connector import _kv_variant
+
+    def config(**model: Any) -> Any:
+        return SimpleNamespace(model_config=SimpleNamespace(**model))
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_theta": 1e6}
+    assert _kv_variant(config()) == _kv_variant(config(hf_overrides={})) == ""
+    same = _kv_variant(config(hf_overrides=yarn))
+    reordered = dict(reversed(yarn.items()))
+    assert same.startswith("|cfg=") and same == _kv_variant(config(hf_overrides=reordered))
+    assert _kv_variant(config(hf_overrides={"rope_theta": 5e5})) != same
+    assert _kv_variant(config(hf_config_path="/other")) not in ("", same)
+    assert _kv_variant(config(code_revision="abc")) not in ("", same)
+    function = lambda hf_config: hf_config  # noqa: E731
+    assert _kv_variant(config(hf_overrides=function)) != _kv_variant(config(hf_overrides=function))
+
+    a = make_engine(server.endpoint, "engine-a", kv_variant=same)
+    tokens = list(range(1500, 1500 + 512))
+    compute_and_store(a, "a-1", tokens)
+    other = make_engine(server.endpoint, "engine-b", kv_variant=_kv_variant(config()))
+    assert ask(other, request("b-1", tokens)) == (0, False)
+    twin = make_engine(server.endpoint, "engine-c", kv_variant=same)
+    assert ask(twin, request("c-1", tokens)) == (512, True)
 
 
 @pytest.mark.parametrize("reserve_first", [True, False])

@@ -63,8 +63,11 @@ never do).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -221,6 +224,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 can_load=can_load,
                 can_save=can_save,
                 async_store=async_store,
+                kv_variant=_kv_variant(vllm_config),
             )
 
     @property
@@ -456,6 +460,27 @@ def _model_identity(vllm_config: Any) -> str:
     if getattr(mc, "quantization", None):
         ident += f"|quant={mc.quantization}"
     return ident
+
+
+def _kv_variant(vllm_config: Any) -> str:
+    """What else makes the KV of the same weights differ: overrides of the model's config
+    (``hf_overrides``: RoPE scaling or theta, ...), another config file, other custom code.
+    "" when there is none; else ``"|cfg="`` and a digest, appended to the chunk format in
+    the namespace (engines whose KV differs never share chunks; routers still find the
+    model by its name). Overrides given as a function cannot be compared across engines:
+    such an engine shares its chunks with none."""
+    mc = vllm_config.model_config
+    parts: dict[str, Any] = {}
+    overrides = getattr(mc, "hf_overrides", None)
+    if overrides:
+        parts["hf_overrides"] = f"function {uuid.uuid4()}" if callable(overrides) else overrides
+    for name in ("hf_config_path", "code_revision"):
+        if value := getattr(mc, name, None):
+            parts[name] = value
+    if not parts:
+        return ""
+    canonical = json.dumps(parts, sort_keys=True, default=str)
+    return "|cfg=" + hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 def _kv_events_on(vllm_config: Any) -> bool:

@@ -121,11 +121,15 @@ class WorkerSide:
         can_load: bool,
         can_save: bool,
         async_store: bool = False,
+        kv_variant: str = "",
     ) -> None:
         """``async_store``: store on a store thread (the connector decides,
-        :func:`~tierkv.integrations.vllm.settings.stores_async`)."""
+        :func:`~tierkv.integrations.vllm.settings.stores_async`); ``kv_variant``: what else
+        makes this engine's KV differ from another's of the same model (config overrides),
+        appended to the chunk format in the namespace."""
         self.settings = settings
         self.model_id = model_id
+        self.kv_variant = kv_variant
         self.engine_id = engine_id
         self.world_size = world_size
         self.rank = rank
@@ -272,7 +276,7 @@ class WorkerSide:
     def _register(self, client: Client) -> None:
         layout = self.layout
         assert layout is not None
-        model = keys.model_with_format(self.model_id, layout.format_tag)
+        model = keys.model_with_format(self.model_id, layout.format_tag + self.kv_variant)
         if self.shared:
             model += f"|tp={self.world_size}"  # see the module doc
         client.register(
