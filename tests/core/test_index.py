@@ -1093,6 +1093,7 @@ class MEntry:
     readers: int = 0
     pins: int = 0
     live: bool = True
+    offset: int = -1
 
 
 @dataclasses.dataclass
@@ -1123,10 +1124,14 @@ class IndexModel(RuleBasedStateMachine):
         self.held: list[MEntry] = []  # every entry with a block (live or zombie)
         self.lru: list[MEntry] = []  # oldest first
         self.leases: dict[int, MLease] = {}
+        self.fences: dict[int, int] = {}  # offset -> fences on it
+        self.kept: dict[int, int] = {}  # fenced slots freed meanwhile: offset -> blocks
 
     # model helpers
     def _free(self, entry: MEntry) -> None:
         self.held.remove(entry)
+        if entry.offset in self.fences:
+            self.kept[entry.offset] = entry.blocks
 
     def _unmap(self, entry: MEntry) -> None:
         del self.keymap[entry.key]
@@ -1218,7 +1223,7 @@ class IndexModel(RuleBasedStateMachine):
                 assert self.index.stats().largest_free < blocks * BLOCK
                 continue
             seen.add(key)
-            entry = MEntry(key, blocks)
+            entry = MEntry(key, blocks, offset=dict((j, o) for j, o, _ in res.slots)[i])
             self.keymap[key] = entry
             self.held.append(entry)
             entries.append(entry)
@@ -1473,6 +1478,29 @@ class IndexModel(RuleBasedStateMachine):
         self.index.expire()
         self._expire()
 
+    @rule(pick=st.integers(0, 10**6))
+    def fence(self, pick: int) -> None:
+        """A fence on a slot in use (a one-sided READ into it given up at its deadline)."""
+        if not self.held:
+            return
+        offset = self.held[pick % len(self.held)].offset
+        self.index.fence([offset])
+        self.fences[offset] = self.fences.get(offset, 0) + 1
+
+    @rule(pick=st.integers(0, 10**6))
+    def unfence(self, pick: int) -> None:
+        if not self.fences:
+            with pytest.raises(ValueError):
+                self.index.unfence([pick % POOL_BLOCKS * BLOCK])
+            return
+        offset = sorted(self.fences)[pick % len(self.fences)]
+        self.fences[offset] -= 1
+        given = 0
+        if not self.fences[offset]:
+            del self.fences[offset]
+            given = int(self.kept.pop(offset, None) is not None)
+        assert self.index.unfence([offset]) == given
+
     def _pick(self, pick: int, kind: str) -> tuple[int, int]:
         """(lease id, holder): mostly a live lease of the right kind and its holder,
         sometimes another holder, an id of another kind or one never issued."""
@@ -1488,12 +1516,14 @@ class IndexModel(RuleBasedStateMachine):
     @invariant()
     def agrees(self) -> None:
         self.index.check()
-        assert self.index.used == sum(e.blocks for e in self.held) * BLOCK
+        kept = sum(self.kept.values())
+        assert self.index.used == (sum(e.blocks for e in self.held) + kept) * BLOCK
         assert self.index.contains(KEYS) == [
             key in self.keymap and self.keymap[key].ready for key in KEYS
         ]
         stats = self.index.stats()
         assert stats.zombies == sum(1 for e in self.held if not e.live)
+        assert stats.fenced_free == len(self.kept)
         assert stats.evictable == sum(1 for e in self.lru if e.pins == 0)
         assert stats.pinned == sum(1 for e in self.keymap.values() if e.pins)
         assert stats.read_locked == stats.ready - stats.evictable
