@@ -156,9 +156,8 @@ class LateReads:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        for entry in late:
-            if entry.handle is not None:
-                self.transfers.release(entry.handle)
+        for handle in [h for entry in late if (h := self._take_handle(entry)) is not None]:
+            self.transfers.release(handle)
 
     # -- internals -------------------------------------------------------------------------
     def _hold(self, late: _Late, failed: bool) -> None:
@@ -223,8 +222,10 @@ class LateReads:
                         len(late.addresses),
                     )
                 return False
-            self.transfers.release(late.handle)
-            late.handle = None
+            handle = self._take_handle(late)
+            if handle is None:
+                return False  # closed meanwhile: close() released it
+            self.transfers.release(handle)
             late.until = now if state == DONE else now + self.grace
             with self._cond:
                 f = self.figures
@@ -237,6 +238,12 @@ class LateReads:
                 state,
             )
         return now >= late.until
+
+    def _take_handle(self, late: _Late) -> Any:
+        """The READ's handle, taken once (whoever takes it releases it)."""
+        with self._cond:
+            handle, late.handle = late.handle, None
+        return handle
 
     def _end(self, ended: list[_Late]) -> None:
         unloads: list[Callable[[], None]] = []
