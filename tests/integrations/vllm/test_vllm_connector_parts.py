@@ -213,11 +213,13 @@ def make_engine(
     mla: bool = False,
     kv_events: bool = False,
     kv_variant: str = "",
+    tables_change: bool = False,
     **extra: Any,
 ) -> Engine:
     """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA);
     ``kv_events``: vLLM's KV events on (one KV cache group); ``kv_variant``: the workers'
-    (config overrides)."""
+    (config overrides); ``tables_change``: the scheduler reads vLLM's tables every step (a
+    model with several KV cache groups)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -242,6 +244,7 @@ def make_engine(
         shared_ranks=mla,
         kv_events=kv_events,
         note_groups=[NoteGroup()] if kv_events else None,
+        tables_change=tables_change,
     )
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -1295,7 +1298,7 @@ def test_a_chunk_on_sliding_blocks_vllm_freed_in_a_later_step_is_not_stored(serv
     only of the blocks it adds: the connector plans from the tables as they are now, so a
     chunk on a freed block is not stored (before, it was, from blocks another request's
     forward pass wrote)."""
-    engine = make_engine(server.endpoint, "engine-a")
+    engine = make_engine(server.endpoint, "engine-a", tables_change=True)
     start_two_groups(engine, "sw", list(range(6000, 6700)), ([1], [7]))
     # Tokens [128, 512): chunks 0 and 1 complete; block 7 is behind the window now.
     step = two_group_step("sw", ([2, 3, 4], [8, 9, 10]), ([1, 2, 3, 4], [0, 8, 9, 10]), 128, 384)
@@ -1308,7 +1311,7 @@ def test_async_stores_of_sliding_blocks_vllm_frees_end_before_the_next_forward_p
     """A store on the workers' store threads may still read blocks vLLM frees behind a
     sliding window in the next step (or as the request finishes): the workers wait for the
     request's stores before the forward pass that may reuse them, as for a preemption."""
-    engine = make_engine(server.endpoint, "engine-a", async_store=True)
+    engine = make_engine(server.endpoint, "engine-a", async_store=True, tables_change=True)
     req = start_two_groups(engine, "sw", list(range(7000, 7700)), ([1], [7]))
     step = two_group_step("sw", ([2], [8]), ([1, 2], [7, 8]), 128, 128)
     meta = engine.scheduler.build_connector_meta(step)

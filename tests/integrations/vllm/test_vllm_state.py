@@ -195,6 +195,7 @@ def make_hybrid(endpoint: str, engine_id: str) -> Hybrid:
         can_load=True,
         can_save=True,
         state_format=fmt,
+        tables_change=True,  # several KV cache groups
     )
     worker = WorkerSide(
         settings,

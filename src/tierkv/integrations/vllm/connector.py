@@ -199,6 +199,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                     else None
                 ),
                 state_format=self._state,
+                tables_change=kv_cache_config is not None
+                and len(kv_cache_config.kv_cache_groups) > 1,
             )
             log.info(
                 "tierkv scheduler: engine %s (%d ranks), model %r, server %s, chunks of %d "

@@ -178,6 +178,7 @@ class SchedulerSide:
         kv_events: bool = False,
         note_groups: Sequence[NoteGroup] | None = None,
         state_format: StateFormat | None = None,
+        tables_change: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``async_store``: the workers store on their store threads (see the module doc;
@@ -187,8 +188,12 @@ class SchedulerSide:
         KV cache groups the notes describe (None: no notes, as when the block hashes'
         granularity is not the block size). ``state_format``: a hybrid model's state layers
         (:mod:`tierkv.integrations.vllm.state`): a prefix is served only up to a chunk whose
-        end state the server holds, and the states vLLM hands over are stored."""
+        end state the server holds, and the states vLLM hands over are stored.
+        ``tables_change``: vLLM frees blocks of running requests (several KV cache groups:
+        a sliding window's behind it), so each step reads the scheduled requests' tables
+        as they are (vLLM builds them on request: with one group they only ever grow)."""
         self.settings = settings
+        self.tables_change = tables_change
         self.world_size = world_size  # ranks (workers) of this engine
         self.shared_ranks = shared_ranks
         self.model_id = model_id
@@ -484,6 +489,8 @@ class SchedulerSide:
         # vLLM's block tables as they are now (vLLM >= 0.32): a sliding-window group's
         # blocks behind the window, freed this step, are null there.
         tables = getattr(scheduler_output, "kv_connector_block_state", None)
+        if not self.tables_change:
+            tables = None
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is None:
