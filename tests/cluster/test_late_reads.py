@@ -54,6 +54,16 @@ def reserved(index: ObjectIndex, n: int) -> tuple[int, list[int]]:
     return res.lease_id, [BASE + off for _, off, _ in res.slots]
 
 
+def give_up(
+    index: ObjectIndex, transfers: Transfers, late: LateReads, handle: int, n: int
+) -> tuple[int, list[int]]:
+    """A READ into ``n`` reserved slots, given up while it runs: (lease id, addresses)."""
+    lease, addresses = reserved(index, n)
+    transfers.states[handle] = PROC
+    late.given_up(handle, addresses, "holder-a")
+    return lease, addresses
+
+
 @pytest.fixture
 def parts() -> Iterator[tuple[ObjectIndex, Transfers, LateReads]]:
     index = ObjectIndex(Allocator(16 * BLOCK, BLOCK))
@@ -68,9 +78,7 @@ def test_a_given_up_read_keeps_its_slots_until_it_ends(
     parts: tuple[ObjectIndex, Transfers, LateReads],
 ) -> None:
     index, transfers, late = parts
-    lease, addresses = reserved(index, 3)
-    transfers.states[1] = PROC
-    late.given_up(1, addresses, "holder-a")
+    lease, addresses = give_up(index, transfers, late, 1, 3)
     assert late.pending() and all(late.holds(a) for a in addresses)
     index.abort(lease, WRITER)  # the miss: the prefetcher gives the slots back
     assert index.stats().fenced_free == 3 and index.used == 3 * BLOCK
@@ -96,9 +104,7 @@ def test_a_read_that_failed_keeps_its_slots_for_the_grace(
     assert index.used == 0 and late.stats()["failed"] == 1
     # A given-up READ that ends in error: its slots stay the grace more.
     patient = LateReads(transfers, BASE, index, grace=60.0, poll=0.002)
-    lease, addresses = reserved(index, 1)
-    transfers.states[2] = PROC
-    patient.given_up(2, addresses, "holder-a")
+    lease, addresses = give_up(index, transfers, patient, 2, 1)
     index.abort(lease, WRITER)
     transfers.states[2] = ERROR
     wait_for(lambda: transfers.released == [2])
@@ -111,9 +117,7 @@ def test_a_holders_agent_is_unloaded_once_its_reads_ended(
     parts: tuple[ObjectIndex, Transfers, LateReads],
 ) -> None:
     index, transfers, late = parts
-    _, addresses = reserved(index, 1)
-    transfers.states[1] = PROC
-    late.given_up(1, addresses, "holder-a")
+    give_up(index, transfers, late, 1, 1)
     unloaded: list[str] = []
     late.unload_when_done("holder-b", lambda: unloaded.append("b"))  # nothing pending: now
     late.unload_when_done("holder-a", lambda: unloaded.append("a"))
@@ -121,9 +125,7 @@ def test_a_holders_agent_is_unloaded_once_its_reads_ended(
     transfers.states[1] = DONE
     wait_for(lambda: unloaded == ["b", "a"])
     # Loaded again before its READs ended: the waiting unload is dropped.
-    _, addresses = reserved(index, 1)
-    transfers.states[2] = PROC
-    late.given_up(2, addresses, "holder-a")
+    give_up(index, transfers, late, 2, 1)
     late.unload_when_done("holder-a", lambda: unloaded.append("a again"))
     late.keep_loaded("holder-a")
     transfers.states[2] = DONE
@@ -135,9 +137,7 @@ def test_close_releases_every_pending_handle_once(
     parts: tuple[ObjectIndex, Transfers, LateReads],
 ) -> None:
     index, transfers, late = parts
-    _, addresses = reserved(index, 1)
-    transfers.states[1] = PROC
-    late.given_up(1, addresses, "holder-a")
+    give_up(index, transfers, late, 1, 1)
     transfers.states[1] = DONE  # may end while closing: released once either way
     late.close()
     assert transfers.released == [1]
