@@ -197,3 +197,34 @@ def test_a_gone_engines_namespace_is_remembered_for_a_grace_then_forgotten(
             node.router_lookup(query)
     finally:
         node.close()
+
+
+def test_a_chunk_stored_again_while_a_peer_found_it_missing_stays_published(
+    pool: ShmPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's fetch finds a chunk missing (a stale entry) and withdraws it; an engine's
+    commit of that chunk lands between the peer's read lock and the withdrawal: the chunk
+    stays published (before, the withdrawal came last and dropped it from the node's record
+    too, so no repair ever published it again)."""
+    node = make_node(pool)
+    try:
+        key = os.urandom(32)
+        lease = put(node, [key], commit=False)  # an engine writing it
+        lock_read = node.index.lock_read
+
+        def commit_in_between(*args: object, **kw: object) -> object:
+            lock = lock_read(*args, **kw)  # type: ignore[arg-type]
+            result = node.index.commit(lease, 7)
+            node.publish_committed(result.committed_keys, result.committed_lengths)
+            return lock
+
+        monkeypatch.setattr(node.index, "lock_read", commit_in_between)
+        served = node.acquire([key], [CHUNK])
+        monkeypatch.undo()
+        assert served.views == [None]  # missing when the peer looked
+        node.release(served)
+        assert (key, Where.POOL) in node._claimed()
+        assert node.directory.flush()
+        assert [loc.holder for loc in node.directory.resolve([key])[0]] == [node.node_id]
+    finally:
+        node.close()

@@ -176,7 +176,8 @@ def test_a_member_with_an_unusable_data_address_fails_only_its_own_batch(
     data = chunks(2)
     h = holder(data)
     try:
-        for bad in ("garbage", "", "host:port", "127.0.0.1:99999", "127.0.0.1:0", "[::1"):
+        labels = ("a" * 64 + ":7000", "node1..example.com:7000")  # the resolver refuses
+        for bad in ("garbage", "", "host:port", "127.0.0.1:99999", "127.0.0.1:0", "[::1", *labels):
             peer = m.MemberInfo("bogus", "127.0.0.1:1", bad, 1)
             items = slots(data)
             out = reader.fetch_many([(peer, [(os.urandom(32), memoryview(bytearray(8)))]),
@@ -185,6 +186,30 @@ def test_a_member_with_an_unusable_data_address_fails_only_its_own_batch(
             assert all(bytes(v) == data[k] for k, v in items)
     finally:
         h.close()
+
+
+class SlowSource(DictSource):
+    def acquire(self, keys: Sequence[bytes], lengths: Sequence[int]) -> Served:
+        time.sleep(0.5)  # a busy holder
+        return super().acquire(keys, lengths)
+
+
+def test_a_fetch_returns_only_once_every_stream_has_ended(reader: TcpTransport) -> None:
+    """The caller frees the slots of chunks that failed when the fetch returns: one peer's
+    stream failing in any way (before: a host name the resolver refused raised out of the
+    fetch) must not return while another peer's stream still writes into its slots."""
+    data = chunks(4)
+    slow = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "slow-holder")
+    slow.serve(SlowSource(data))
+    try:
+        bad = m.MemberInfo("bogus", "127.0.0.1:1", "a" * 64 + ":7000", 1)
+        items = slots(data)
+        out = reader.fetch_many([(bad, [(os.urandom(32), memoryview(bytearray(8)))]),
+                                 (info(slow), items)])  # fmt: skip
+        assert out == [[LoadStatus.ERROR], [LoadStatus.OK] * 4]
+        assert all(bytes(v) == data[k] for k, v in items)
+    finally:
+        slow.close()
 
 
 def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:

@@ -80,6 +80,7 @@ from tierkv.cluster.transport import (
     Served,
     TcpTransport,
     _recv_bytes,
+    every_result,
 )
 from tierkv.piecewise_io import send_all
 from tierkv.tiers.base import LoadStatus
@@ -317,14 +318,24 @@ class NixlTransport(TcpTransport):
                 for start in range(lo, hi, MAX_CHUNKS):
                     jobs.append((b, start, peer, items[start : min(hi, start + MAX_CHUNKS)]))
         if len(jobs) == 1:
-            results = [self._nixl_batch(jobs[0][2], jobs[0][3], verified)]
+            results: list[tuple[list[LoadStatus], list[int]] | None]
+            try:
+                results = [self._nixl_batch(jobs[0][2], jobs[0][3], verified)]
+            except Exception:
+                log.exception("a NIXL fetch from %s failed", jobs[0][2].node_id)
+                results = [None]
         else:
-            futures = [
-                self._executor.submit(self._nixl_batch, peer, part, verified)
-                for _, _, peer, part in jobs
-            ]
-            results = [f.result() for f in futures]
-        for (b, start, _, part), (statuses, fallback) in zip(jobs, results, strict=True):
+            # Every part ends before this returns (its caller frees the slots then).
+            results = every_result(
+                [
+                    self._executor.submit(self._nixl_batch, peer, part, verified)
+                    for _, _, peer, part in jobs
+                ]
+            )
+        for (b, start, _, part), result in zip(jobs, results, strict=True):
+            if result is None:
+                continue  # ERROR already
+            statuses, fallback = result
             out[b][start : start + len(part)] = statuses
             if fallback:
                 tcp.append((b, [start + i for i in fallback]))

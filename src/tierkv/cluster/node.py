@@ -528,7 +528,8 @@ class ClusterNode:
             assert view is not None
             sums[i] = checksum(view)
         if lock.missing:
-            self._forget_missing([keys[i] for i in lock.missing])
+            gone = lock.missing
+            self._forget_missing([keys[i] for i in gone], [lengths[i] for i in gone])
         return Served(views, sums, lock.lease_id)
 
     def release(self, served: Served) -> None:
@@ -573,17 +574,24 @@ class ClusterNode:
         self.promoted += len(committed)
         self.directory.publish(list(committed), Where.POOL)
 
-    def _forget_missing(self, keys: list[bytes]) -> None:
-        """A peer asked for chunks this node no longer has: withdraw their entries."""
+    def _forget_missing(self, keys: list[bytes], lengths: list[int]) -> None:
+        """A peer asked for chunks this node no longer has: withdraw their entries. One an
+        engine stored again meanwhile (after the peer's read lock missed it) is published
+        again after the withdrawal: its own publish may have gone first, or not at all (an
+        entry still recorded is not published twice)."""
         on_disk = self._disk_has(keys)
-        gone = [k for k, has in zip(keys, on_disk, strict=True) if not has]
+        gone = [(k, n) for k, n, has in zip(keys, lengths, on_disk, strict=True) if not has]
+        if not gone:
+            return
         with self._lock:
-            for k in gone:
+            for k, _ in gone:
                 self._published.pop(k, None)
                 self._on_disk.discard(k)
-        if gone:
-            self.stale_withdrawn += len(gone)
-            self.directory.unpublish(gone)
+        self.stale_withdrawn += len(gone)
+        self.directory.unpublish([k for k, _ in gone])
+        back = self.index.contains([k for k, _ in gone])
+        if any(back):
+            self.publish_known([(k, b"", n) for (k, n), has in zip(gone, back, strict=True) if has])
 
     # -- figures ---------------------------------------------------------------------------
     def stats(self) -> dict[str, object]:

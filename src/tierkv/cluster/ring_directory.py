@@ -288,11 +288,16 @@ class RingDirectory(Directory):
         self, pubs: dict[str, list[tuple[bytes, int]]], unpubs: dict[str, list[bytes]]
     ) -> None:
         """Take the updates for suspect owners out of ``pubs`` and ``unpubs`` and keep them
-        (merged, the latest per key) until the owner answers again."""
+        (merged, the latest per key) until the owner answers again. An owner that answers
+        again but still has updates kept gets its new ones merged in too: sent before them,
+        the kept (older) ones would undo them (a withdrawal kept while the owner was suspect
+        removing a chunk stored again since)."""
         members, _ = self.current()
         for owner in set(pubs) | set(unpubs):
             info = members.get(owner)
-            if info is None or not self.client.suspect(info.control):
+            if info is None:
+                continue
+            if owner not in self._deferred and not self.client.suspect(info.control):
                 continue
             held = self._deferred.setdefault(owner, {})
             entries = pubs.pop(owner, [])

@@ -50,7 +50,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -207,6 +207,21 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def every_result(futures: Sequence[Future[T]]) -> list[T | None]:
+    """The futures' results once every one has ended (None for one that raised, logged):
+    the streams of a fetch write into slots the caller frees when it returns, so it returns
+    only when none is left running, whatever one of them raised."""
+    wait(futures)
+    out: list[T | None] = []
+    for fut in futures:
+        try:
+            out.append(fut.result())
+        except Exception:
+            log.exception("a peer fetch failed")
+            out.append(None)
+    return out
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -487,7 +502,12 @@ class TcpTransport(Transport):
             raise ConnectionError(
                 f"peer {peer.node_id} advertises an unusable data address {peer.data!r}"
             ) from None
-        sock = socket.create_connection((host, port), timeout=self.timeout)
+        try:
+            sock = socket.create_connection((host, port), timeout=self.timeout)
+        except (UnicodeError, ValueError) as exc:  # a host name the resolver cannot take
+            raise ConnectionError(
+                f"peer {peer.node_id} advertises an unusable data address {peer.data!r}: {exc}"
+            ) from None
         try:
             _tune(sock)
             mine = nonce()
@@ -545,8 +565,10 @@ class TcpTransport(Transport):
             (b, start, len(part), self._executor.submit(self._stream, peer, part, verified))
             for b, start, peer, part in jobs
         ]
-        for b, start, n, fut in futures:
-            out[b][start : start + n] = fut.result()
+        results = every_result([f for *_, f in futures])
+        for (b, start, n, _), got in zip(futures, results, strict=True):
+            if got is not None:
+                out[b][start : start + n] = got
         return out
 
     def _call(
@@ -621,6 +643,8 @@ class TcpTransport(Transport):
             log.error("%s", exc)
         except (OSError, ConnectionError) as exc:
             log.warning("fetch from %s failed: %s", peer.node_id, exc)
+        except Exception:  # a failed fetch, whatever raised: its chunks are ERROR
+            log.exception("fetch from %s failed", peer.node_id)
         ok = [len(v) for (_, v), st in zip(items, statuses, strict=True) if st is LoadStatus.OK]
         figures.add(
             time.perf_counter() - started,

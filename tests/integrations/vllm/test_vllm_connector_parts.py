@@ -214,12 +214,14 @@ def make_engine(
     kv_events: bool = False,
     kv_variant: str = "",
     tables_change: bool = False,
+    stages: bool = False,
     **extra: Any,
 ) -> Engine:
     """``mla``: MLA caches (one 576-value latent per token and layer, CPU_MLA);
     ``kv_events``: vLLM's KV events on (one KV cache group); ``kv_variant``: the workers'
     (config overrides); ``tables_change``: the scheduler reads vLLM's tables every step (a
-    model with several KV cache groups)."""
+    model with several KV cache groups); ``stages``: the ranks are pipeline stages (an MLA
+    cache's ranks then hold different layers)."""
     settings = ConnectorSettings.from_extra_config(
         {
             "endpoint": endpoint,
@@ -241,7 +243,7 @@ def make_engine(
         can_save=can_save,
         world_size=world_size,
         async_store=async_store,
-        shared_ranks=mla,
+        shared_ranks=mla and not stages,
         kv_events=kv_events,
         note_groups=[NoteGroup()] if kv_events else None,
         tables_change=tables_change,
@@ -261,6 +263,7 @@ def make_engine(
             can_save=can_save,
             async_store=async_store,
             kv_variant=kv_variant,
+            share_latent=not stages,
         )
         if mla:
             cache = vllm_engine.vllm_cpu_mla_caches(LAYERS, NUM_BLOCKS, BLOCK, LATENT)
@@ -745,6 +748,47 @@ def test_an_mla_engine_stores_once_and_every_rank_loads_that_copy(server: Any) -
     # An engine of another tensor-parallel size computes other bytes: it shares nothing.
     c = make_engine(server.endpoint, "engine-c", world_size=1, mla=True)
     assert ask(c, request("c-1", tokens)) == (0, False)
+
+
+def test_mla_ranks_that_are_pipeline_stages_each_store_and_load_their_own_layers(
+    server: Any,
+) -> None:
+    """Pipeline stages hold different layers: an MLA engine's ranks share one namespace
+    only when they are tensor-parallel (before, stage 1 loaded stage 0's latents); context
+    parallelism (each rank a shard of every block's tokens) is refused."""
+    from tierkv.integrations.vllm.connector import _check_parallelism, _shares_latent
+    from tierkv.integrations.vllm.layout import UnsupportedLayoutError
+
+    def config(**parallel: int) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(**parallel))
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    latent = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    assert not _shares_latent(config(pipeline_parallel_size=1), full)
+    assert _shares_latent(config(pipeline_parallel_size=1), latent)
+    assert not _shares_latent(config(pipeline_parallel_size=2), latent)
+    _check_parallelism(config(decode_context_parallel_size=1, prefill_context_parallel_size=1))
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        with pytest.raises(UnsupportedLayoutError, match="context parallelism"):
+            _check_parallelism(config(**{name: 2}))
+
+    a = make_engine(server.endpoint, "engine-a", world_size=2, mla=True, stages=True)
+    b = make_engine(server.endpoint, "engine-b", world_size=2, mla=True, stages=True)
+    tokens = list(range(3100, 3100 + 700))
+    a_blocks = compute_and_store(a, "a-1", tokens)
+    with server.client(timeout=5.0) as admin:
+        assert admin.stats().objects == 4  # each stage its own chunks
+    _, b_blocks = load(b, "b-1", tokens)
+    meta = b.scheduler.build_connector_meta(step_output([]))
+    for worker in b.workers:
+        worker.start_load_kv(meta)
+        assert worker.get_block_ids_with_load_errors() == set()
+    for rank in (0, 1):
+        for i in range(4):
+            got, want = b.block_bytes(b_blocks[i], rank), a.block_bytes(a_blocks[i], rank)
+            assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
 
 
 def test_the_lookup_finds_only_what_every_rank_holds(server: Any) -> None:

@@ -342,6 +342,28 @@ def test_kv_without_its_state_is_never_served(engines: Callable[[str], Hybrid]) 
         b.scheduler.request_finished(req)
 
 
+def test_group_tables_of_different_lengths_fail_the_load_not_the_engine(
+    engines: Callable[[str], Hybrid],
+) -> None:
+    """With speculative decoding vLLM gives a state group more blocks than the attention
+    groups (its lookahead), so the tables do not line up into positions: the load fails
+    whole (vLLM recomputes), nothing is written, and nothing raises into vLLM's worker
+    (before: an IndexError from the worker's load)."""
+    from tierkv.integrations.vllm.chunks import block_positions
+
+    a, b = engines("engine-a"), engines("engine-b")
+    compute(a, "a-1", offer_at=512)
+    req, external, attn, state = look_up(b, "b-1")
+    assert external == 512
+    groups = (attn[:4], state[:5])  # 4 attention blocks, 4 + 1 state blocks
+    assert block_positions(groups) is None
+    kv_before = {name: t.clone() for name, t in b.kv.items()}
+    b.scheduler.update_state_after_alloc(req, [], external)  # what the connector passes
+    b.worker.start_load_kv(b.scheduler.build_connector_meta(step("b-1", groups, 0, None)))
+    assert b.worker.get_failed_loads() == {"b-1"}
+    assert all(torch.equal(b.kv[name], kv_before[name]) for name in b.kv)
+
+
 def test_a_prefix_of_another_length_than_its_state_fails_the_whole_load(
     engines: Callable[[str], Hybrid],
 ) -> None:

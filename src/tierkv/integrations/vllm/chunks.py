@@ -134,9 +134,10 @@ class LoadSpec:
 
     def failed_blocks(self, loaded_chunks: set[int], bpc: int) -> list[int]:
         """vLLM block ids of every block in range whose chunk was not loaded completely."""
+        end = min(self.end_block, self.start_block + len(self.block_ids))
         return [
             block_id
-            for block in range(self.start_block, self.end_block)
+            for block in range(self.start_block, end)
             if block // bpc not in loaded_chunks
             for block_id in real_ids(self.block_ids[block - self.start_block])
         ]

@@ -151,6 +151,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         model_id = self.settings.model_id or _model_identity(vllm_config)
         self._state: StateFormat | None = None
         try:
+            _check_parallelism(vllm_config)
             self._state = state_format(kv_cache_config, self.settings.chunk_size)
             self._spec = _attention_spec(kv_cache_config)
             self._unsupported = ""
@@ -189,7 +190,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 can_save=can_save,
                 world_size=int(vllm_config.parallel_config.world_size),
                 async_store=async_store,
-                shared_ranks=_is_latent(self._spec),
+                shared_ranks=_shares_latent(vllm_config, self._spec),
                 kv_events=_kv_events_on(vllm_config),
                 # Notes name vLLM's block hashes one per block: not at another granularity,
                 # nor a hybrid model's state blocks.
@@ -227,6 +228,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 can_save=can_save,
                 async_store=async_store,
                 kv_variant=_kv_variant(vllm_config),
+                share_latent=_shares_latent(vllm_config, self._spec),
             )
 
     @property
@@ -516,6 +518,29 @@ def _note_groups(kv_cache_config: Any) -> list[NoteGroup]:
 def _is_latent(spec: Any) -> bool:
     """An MLA spec: one latent vector per token, the same on every tensor-parallel rank."""
     return spec is not None and type(spec).__name__ == "MLAAttentionSpec"
+
+
+def _check_parallelism(vllm_config: Any) -> None:
+    """Context parallelism (decode or prefill) gives each rank a shard of every block's
+    tokens, and vLLM's scheduler counts blocks of all the shards' tokens: chunks would hold
+    other tokens than their keys name. Raises :class:`UnsupportedLayoutError` for it (the
+    connector then stays inactive)."""
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(parallel, name, 1) or 1)
+        if size > 1:
+            raise UnsupportedLayoutError(
+                f"tierkv does not support context parallelism ({name} {size}): each rank "
+                "holds a shard of every block's tokens"
+            )
+
+
+def _shares_latent(vllm_config: Any, spec: Any) -> bool:
+    """Every rank holds the same KV (MLA: one namespace, rank 0 stores, all read): only
+    where the ranks are tensor-parallel. Pipeline stages hold other layers: each rank then
+    keeps its own namespace, as for standard attention."""
+    stages = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    return _is_latent(spec) and stages == 1
 
 
 def _loads_give_wrong_output(vllm_config: Any, spec: Any) -> bool:

@@ -122,12 +122,15 @@ class WorkerSide:
         can_save: bool,
         async_store: bool = False,
         kv_variant: str = "",
+        share_latent: bool = True,
     ) -> None:
         """``async_store``: store on a store thread (the connector decides,
         :func:`~tierkv.integrations.vllm.settings.stores_async`); ``kv_variant``: what else
         makes this engine's KV differ from another's of the same model (config overrides),
-        appended to the chunk format in the namespace."""
+        appended to the chunk format in the namespace; ``share_latent``: the ranks of an MLA
+        cache hold the same bytes (tensor parallelism only; not pipeline stages)."""
         self.settings = settings
+        self.share_latent = share_latent
         self.model_id = model_id
         self.kv_variant = kv_variant
         self.engine_id = engine_id
@@ -260,8 +263,9 @@ class WorkerSide:
 
     @property
     def shared(self) -> bool:
-        """The ranks' caches hold the same bytes (MLA): one namespace for all of them."""
-        return self.layout is not None and self.layout.latent
+        """The ranks' caches hold the same bytes (MLA, tensor-parallel ranks): one namespace
+        for all of them."""
+        return self.layout is not None and self.layout.latent and self.share_latent
 
     @property
     def reads_by_key(self) -> bool:
@@ -327,6 +331,11 @@ class WorkerSide:
         if spec.state is not None and not spec.state.block_ids:
             self._finish_load(spec, set())  # the prefix vLLM took does not end at the state
             return
+        if len(spec.block_ids) < spec.end_block - spec.start_block:
+            # vLLM's groups' tables did not line up (a hybrid model's state group with
+            # speculative decoding's extra blocks): no blocks to write into, recompute.
+            self._finish_load(spec, set())
+            return
         if self.reads_by_key:
             if spec.hashes is None and spec.tokens is None:
                 self._finish_load(spec, set())  # no keys to read by: recompute
@@ -391,14 +400,16 @@ class WorkerSide:
         self.stats["loaded_chunks"] += len(loaded)
         self.stats["loaded_tokens"] += tokens
         if first_failed is not None:
-            failed = spec.failed_blocks(loaded, bpc)
             if self._failed_loads is None:
-                self._load_errors.update(failed)
-            else:
+                blocks = spec.failed_blocks(loaded, bpc)
+                self._load_errors.update(blocks)
+                failed = len(blocks)
+            else:  # the whole request (several groups): no block ids needed
+                failed = spec.end_block - first_failed
                 self._failed_loads.add(spec.request_id)
             self._report.failed_from[spec.request_id] = first_failed * block_size
             self._failed_this_step.add(spec.request_id)
-            self.stats["failed_blocks"] += len(failed)
+            self.stats["failed_blocks"] += failed
             log.warning(
                 "tierkv worker rank %d: request %s: %d of %d block positions not loaded; "
                 "vLLM recomputes them",
