@@ -11,7 +11,7 @@
  * limit), as a socket's own timeout applies to each call: TimeoutError when it passes.
  * OSError with the errno of a failed call.
  *
- * recv_hashed(fd, dst, piece, give_way, timeout) -> bytes
+ * recv_hashed(fd, dst, piece, give_way, timeout, deadline=0) -> bytes
  *
  * Fills ``dst`` from the socket and returns the XXH3-128 checksum of what arrived
  * (canonical), hashed each time HASH_STEP more bytes have, while they are in the caches.
@@ -107,6 +107,7 @@
 #include <sys/syscall.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
@@ -385,20 +386,39 @@ send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeo
     return 0;
 }
 
-/* Fill dst from fd and hash it; 0, TIMED_OUT, CLOSED or an errno. */
+/* CLOCK_MONOTONIC in seconds: Python's time.monotonic() on Linux. */
+static double
+monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Fill dst from fd and hash it; 0, TIMED_OUT, CLOSED or an errno. Each wait for data lasts
+   at most timeout_ms; with deadline > 0 (monotonic seconds) the whole fill ends by then,
+   however the data trickles in. */
 static int
 recv_pieces(int fd, char *dst, size_t n, size_t piece, int give_way, int timeout_ms,
-            unsigned char out[16])
+            double deadline, unsigned char out[16])
 {
     XXH3_state_t state;
     XXH3_128bits_reset(&state);
     size_t pos = 0, hashed = 0;
     while (pos < n) {
+        int wait_ms = timeout_ms;
+        if (deadline > 0) {
+            double left_ms = (deadline - monotonic_s()) * 1000.0;
+            if (left_ms <= 0)
+                return TIMED_OUT;
+            if (wait_ms < 0 || left_ms < (double)wait_ms)
+                wait_ms = (int)left_ms + 1;
+        }
         size_t step = piece < RECV_STEP ? piece : RECV_STEP;
         size_t want = n - pos < step ? n - pos : step;
         ssize_t got = recv(fd, dst + pos, want, 0);
         if (got < 0) {
-            int w = after_failed_call(fd, POLLIN, timeout_ms);
+            int w = after_failed_call(fd, POLLIN, wait_ms);
             if (w)
                 return w;
             continue;
@@ -513,7 +533,8 @@ recv_hashed(PyObject *self, PyObject *args)
     Py_ssize_t piece;
     Py_buffer d;
     PyObject *timeout;
-    if (!PyArg_ParseTuple(args, "iw*npO", &fd, &d, &piece, &give_way, &timeout))
+    double deadline = 0.0;
+    if (!PyArg_ParseTuple(args, "iw*npO|d", &fd, &d, &piece, &give_way, &timeout, &deadline))
         return NULL;
     if (piece <= 0 || timeout_ms_of(timeout, &timeout_ms) < 0) {
         if (!PyErr_Occurred())
@@ -524,7 +545,8 @@ recv_hashed(PyObject *self, PyObject *args)
     unsigned char digest[16];
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = recv_pieces(fd, d.buf, (size_t)d.len, (size_t)piece, give_way, timeout_ms, digest);
+    err = recv_pieces(fd, d.buf, (size_t)d.len, (size_t)piece, give_way, timeout_ms, deadline,
+                      digest);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     if (err)
@@ -698,8 +720,9 @@ static PyMethodDef methods[] = {
      "send_pieces(fd, parts, piece, give_way, timeout) -> None: sendmsg the buffers, at "
      "most piece bytes a call."},
     {"recv_hashed", recv_hashed, METH_VARARGS,
-     "recv_hashed(fd, dst, piece, give_way, timeout) -> bytes: fill dst from the socket, at "
-     "most piece bytes a call; the XXH3-128 checksum of what arrived (canonical)."},
+     "recv_hashed(fd, dst, piece, give_way, timeout, deadline=0) -> bytes: fill dst from the "
+     "socket, at most piece bytes a call, by the deadline (time.monotonic(); 0: none); the "
+     "XXH3-128 checksum of what arrived (canonical)."},
     {"write_hashed", write_hashed, METH_VARARGS,
      "write_hashed(fd, offset, src, piece, give_way, head) -> bytes: pwrite src at offset "
      "in pieces aligned to piece (head, if any, at 0 with the first) and return src's "

@@ -7,7 +7,7 @@ def send_pieces(
     fd: int, parts: Sequence[Any], piece: int, give_way: bool, timeout: float | None, /
 ) -> None: ...
 def recv_hashed(
-    fd: int, dst: Any, piece: int, give_way: bool, timeout: float | None, /
+    fd: int, dst: Any, piece: int, give_way: bool, timeout: float | None, deadline: float = ..., /
 ) -> bytes: ...
 def write_hashed(
     fd: int, offset: int, src: Any, piece: int, give_way: bool, head: bytes, /

@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -50,7 +51,7 @@ from tierkv.priority import give_way, is_data_thread
 _write_native: Callable[[int, int, memoryview, int, bool, bytes], bytes] | None
 _read_mapped: Callable[[int, int, memoryview, int, bool, bool], bytes | None] | None
 _send_native: Callable[[int, Sequence[memoryview | bytes], int, bool, float | None], None] | None
-_recv_native: Callable[[int, memoryview, int, bool, float | None], bytes] | None
+_recv_native: Callable[[int, memoryview, int, bool, float | None, float], bytes] | None
 _preallocate: Callable[[int, int], bool] | None
 try:
     from tierkv._piecewise import preallocate as _preallocate
@@ -178,27 +179,43 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def recv_hashed(
-    sock: socket.socket, view: memoryview, hasher: xxhash.xxh3_128 | None = None
+    sock: socket.socket,
+    view: memoryview,
+    hasher: xxhash.xxh3_128 | None = None,
+    deadline: float = 0.0,
 ) -> bytes:
     """Fill ``view`` (bytes) from ``sock`` at most :data:`PIECE` bytes a call and return its
     checksum, hashing what arrived as soon as :data:`HASH_STEP` bytes have (a receive often
     returns less than asked). ``hasher``: a running checksum to go on from (of the bytes
-    before ``view``; the digest then covers both)."""
+    before ``view``; the digest then covers both). ``deadline`` (``time.monotonic()``; 0:
+    none): the whole fill ends by then (TimeoutError), however slowly the bytes come; the
+    socket's timeout bounds each wait for them."""
     if _recv_native is not None and hasher is None and type(sock) is socket.socket:
-        return _recv_native(sock.fileno(), view, PIECE, is_data_thread(), sock.gettimeout())
+        timeout = sock.gettimeout()
+        return _recv_native(sock.fileno(), view, PIECE, is_data_thread(), timeout, deadline)
     hasher = checksummer() if hasher is None else hasher
     pos, n = 0, len(view)
     hashed = 0
-    while pos < n:
-        got = sock.recv_into(view[pos:], min(PIECE, n - pos))
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        if (pos + got) // PIECE != pos // PIECE:  # once a piece (a receive is at most one)
-            give_way()
-        pos += got
-        if pos - hashed >= HASH_STEP or pos == n:
-            hasher.update(view[hashed:pos])
-            hashed = pos
+    timeout = sock.gettimeout()
+    try:
+        while pos < n:
+            if deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("timed out")
+                sock.settimeout(left if timeout is None else min(timeout, left))
+            got = sock.recv_into(view[pos:], min(PIECE, n - pos))
+            if not got:
+                raise ConnectionError("peer closed the connection")
+            if (pos + got) // PIECE != pos // PIECE:  # once a piece (a receive is at most one)
+                give_way()
+            pos += got
+            if pos - hashed >= HASH_STEP or pos == n:
+                hasher.update(view[hashed:pos])
+                hashed = pos
+    finally:
+        if deadline:
+            sock.settimeout(timeout)
     digest: bytes = hasher.digest()
     return digest
 

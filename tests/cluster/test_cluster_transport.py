@@ -226,3 +226,39 @@ def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:
     finally:
         intruder.close()
         h.close()
+
+
+def test_a_holder_that_trickles_its_chunks_is_cut_off_at_the_transfer_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder that never falls silent for a timeout but sends a chunk far too slowly: the
+    fetch ends at the reader's transfer limit (a failed fetch) and writes nothing into its
+    slots after (before, it went on for as long as the holder sent, past the reservation
+    of the slots it wrote into)."""
+    from tierkv.cluster import transport
+
+    plain = transport.send_all
+
+    def trickle(sock: object, parts: Sequence[memoryview | bytes]) -> None:
+        if sum(len(p) for p in parts) < 4096:
+            return plain(sock, parts)  # type: ignore[arg-type]
+        for part in parts:
+            for i in range(0, len(part), 1024):
+                plain(sock, [part[i : i + 1024]])  # type: ignore[arg-type]
+                time.sleep(0.01)
+        return None
+
+    data = chunks(1, size=1 << 20)  # 10 s at that rate
+    h = holder(data)
+    monkeypatch.setattr(transport, "send_all", trickle)
+    slow = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", transfer_limit=0.5)
+    try:
+        items = slots(data)
+        assert slow.fetch_many([(info(h), items)]) == [[LoadStatus.ERROR]]
+        landed = bytes(items[0][1])
+        time.sleep(0.2)
+        assert bytes(items[0][1]) == landed  # nothing lands after the fetch returned
+        assert landed != next(iter(data.values()))
+    finally:
+        slow.close()
+        h.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,4 +188,41 @@ def test_a_peer_that_hangs_up_midway_is_an_error_not_a_short_chunk() -> None:
         with pytest.raises(ConnectionError):
             pieces.recv_hashed(receiver, memoryview(bytearray(5000)))
     finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_peer_that_trickles_is_cut_off_at_the_deadline(native: bool) -> None:
+    """Each wait for bytes is bounded by the socket's timeout, the whole fill by the
+    deadline: a peer that sends a byte every 10 ms (never silent for a timeout) cannot keep
+    the fill going past it. ``native``: the C loop (a plain socket), else the Python one."""
+    a, b = socket.socketpair()
+    if native:
+        sender, receiver = a, b
+        receiver.settimeout(10)
+    else:
+        sender, receiver = _pair()
+        a.close()
+        b.close()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.01):
+            try:
+                sender.send(b"x")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    view = memoryview(bytearray(1 << 20))  # 10,000 s at that rate
+    try:
+        with pytest.raises(TimeoutError):
+            pieces.recv_hashed(receiver, view, deadline=time.monotonic() + 0.3)
+        assert view.tobytes().count(b"x") < len(view)
+        assert receiver.gettimeout() == 10  # the socket's own timeout is left as it was
+    finally:
+        stop.set()
+        t.join(10)
+        sender.close()
         receiver.close()

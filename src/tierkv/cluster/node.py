@@ -161,9 +161,18 @@ class ClusterNode:
         """The data plane the settings choose (NIXL imported only when chosen)."""
         host, port, token = settings.host, settings.data_port, settings.token
         advertise, timeout = settings.advertise_host, max(settings.timeout, 1.0)
+        # A fetch's slots stay reserved for the index's write TTL: its streams end well before.
+        limit = index.write_ttl / 2
         if settings.transport != "nixl":
             return TcpTransport(
-                host, port, advertise, token, "", settings.connections, timeout=timeout
+                host,
+                port,
+                advertise,
+                token,
+                "",
+                settings.connections,
+                timeout=timeout,
+                transfer_limit=limit,
             )
         from tierkv.cluster.nixl_transport import NixlTransport
 
@@ -179,6 +188,7 @@ class ClusterNode:
             lease_ttl=min(settings.lease_ttl, index.read_ttl / 2),
             connections_per_peer=settings.connections,
             timeout=timeout,
+            transfer_limit=limit,
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -34,7 +34,11 @@ one peer is split into a few streams over separate connections, and streams to a
 run in parallel. Payloads are received with ``recv_into`` straight into the reserved slot
 views, in pieces, and verified with XXH3-128 as they land (which releases the GIL, so streams
 hash in parallel). Any failure marks the affected chunks ERROR (or CORRUPT) and closes that
-connection; nothing raises to the caller and nothing waits longer than the socket timeout.
+connection; nothing raises to the caller. Each wait for a peer lasts at most the socket
+timeout, and one request's chunks at most ``transfer_limit`` in all (a holder that trickles
+its bytes is cut off: the slots they land in are reserved only for the pool's write TTL); a
+fetch returns only once every one of its streams has ended, so that nothing lands in a slot
+after its caller gave it back.
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ MAX_CHUNKS = 4096
 MAX_NODE_ID = 256
 MAX_CHUNK_BYTES = 1 << 34
 DEFAULT_STREAMS_PER_FETCH = 4  # connections one batch to one peer is split over
+# Seconds one request's chunks may take in all (a holder that trickles its bytes): half the
+# pool's default write TTL, for which the slots they land in stay reserved.
+DEFAULT_TRANSFER_LIMIT = 300.0
 
 HELLO_OK, HELLO_UNAUTHORIZED, HELLO_VERSION = 0, 1, 2
 SENT_OK, SENT_MISSING, SENT_LENGTH, SENT_ERROR = 0, 1, 2, 3
@@ -260,8 +267,13 @@ class TcpTransport(Transport):
         timeout: float = 5.0,
         max_serving: int = 512,
         corrupt_hook: Callable[[bytes], bool] | None = None,
+        transfer_limit: float = DEFAULT_TRANSFER_LIMIT,
     ) -> None:
+        """``timeout``: each wait for a peer; ``transfer_limit``: seconds one request's
+        chunks may take in all, however slowly a holder sends them (the slots they land in
+        are reserved for the pool's write TTL: the limit must be well under it)."""
         self.key = derive_key(token)
+        self.transfer_limit = transfer_limit
         self.node_id = node_id.encode()
         self.limit = connections_per_peer
         self.streams = max(1, min(streams_per_fetch, connections_per_peer))
@@ -679,19 +691,22 @@ class TcpTransport(Transport):
         """Send one request, receive every chunk into its view and set its status (the
         connection is clean only if this returns normally)."""
         sock.settimeout(self.timeout)
+        deadline = time.monotonic() + self.transfer_limit
         request = [REQUEST.pack(b"TKVR", len(items))]
         request += [ITEM.pack(key, len(view)) for key, view in items]
         send_all(sock, [b"".join(request)])
         head = bytearray(CHUNK.size)
         hview = memoryview(head)
         for i, (key, view) in enumerate(items):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the chunks took over {self.transfer_limit:g} s")
             recv_exact(sock, hview)
             status, length, digest = CHUNK.unpack(head)
             if status == SENT_OK:
                 if length != len(view):
                     raise ConnectionError(f"peer sent {length} bytes for a {len(view)}-byte slot")
                 target = view.cast("B") if view.format != "B" else view
-                ok = recv_hashed(sock, target) == digest
+                ok = recv_hashed(sock, target, deadline=deadline) == digest
                 statuses[i] = LoadStatus.OK if ok else LoadStatus.CORRUPT
                 if ok and verified is not None:
                     verified[key] = digest  # one dict store: atomic under the GIL
