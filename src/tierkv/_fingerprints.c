@@ -307,7 +307,8 @@ match_all(const uint64_t *arr, size_t n, const int64_t *starts, size_t buckets, 
             if ((e & ~LOW_MASK) != want[i])
                 break;
             size_t slot = (size_t)(e & LOW_MASK);
-            if (!seen[slot]) {
+            if (!seen[slot] && count < SLOTS) { /* a count the caller's seen does not
+                                                     match must not write past out */
                 seen[slot] = 1;
                 out[count++] = (int64_t)slot;
             }

@@ -40,7 +40,8 @@ chain(PyObject *self, PyObject *args)
     }
     if (stop > data.len) /* pieces start inside data; the last may be short */
         stop = data.len;
-    Py_ssize_t count = (stop - start + step - 1) / step;
+    Py_ssize_t span = stop - start; /* no overflow: 0 <= start <= stop <= len(data) */
+    Py_ssize_t count = span / step + (span % step != 0);
     if ((out = PyList_New(count)) == NULL)
         goto done;
     initial = EVP_MD_CTX_new();

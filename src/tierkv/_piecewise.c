@@ -150,6 +150,10 @@ static __thread struct guard *volatile active __attribute__((tls_model("initial-
 static struct sigaction previous; /* the handler before ours */
 static pthread_mutex_t install_lock = PTHREAD_MUTEX_INITIALIZER;
 static unsigned long faults; /* copies cut short by a SIGBUS (atomic) */
+/* Set once a SIGBUS that is not ours went to the previous handler: if it comes back (a
+   handler such as faulthandler's reinstalls ours and raises it again), it ends the process
+   instead of going round between the two handlers for ever. */
+static volatile sig_atomic_t forwarded;
 
 static void
 on_sigbus(int sig, siginfo_t *info, void *context)
@@ -158,16 +162,21 @@ on_sigbus(int sig, siginfo_t *info, void *context)
     const char *addr = info->si_addr;
     if (g != NULL && addr >= g->lo && addr < g->hi)
         siglongjmp(g->env, 1);
-    if (previous.sa_flags & SA_SIGINFO) {
-        previous.sa_sigaction(sig, info, context);
-        return;
+    if (!forwarded) {
+        forwarded = 1;
+        if (previous.sa_flags & SA_SIGINFO) {
+            previous.sa_sigaction(sig, info, context);
+            return;
+        }
+        if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+            previous.sa_handler(sig);
+            return;
+        }
     }
-    if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
-        previous.sa_handler(sig);
-        return;
-    }
-    /* The default action: returning re-runs the faulting access, which ends the process. */
+    /* The default action, for a fault or a SIGBUS sent by kill(): raised again, it is
+       delivered when this handler returns (blocked until then) and ends the process. */
     signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 /* Our handler in place; 0, or -1 where sigaction failed. */
@@ -411,12 +420,16 @@ recv_pieces(int fd, char *dst, size_t n, size_t piece, int give_way, int timeout
             double left_ms = (deadline - monotonic_s()) * 1000.0;
             if (left_ms <= 0)
                 return TIMED_OUT;
+            if (left_ms >= (double)INT_MAX - 1)
+                left_ms = (double)INT_MAX - 1;
             if (wait_ms < 0 || left_ms < (double)wait_ms)
                 wait_ms = (int)left_ms + 1;
         }
         size_t step = piece < RECV_STEP ? piece : RECV_STEP;
         size_t want = n - pos < step ? n - pos : step;
-        ssize_t got = recv(fd, dst + pos, want, 0);
+        /* With a deadline, never block in recv (a socket without a timeout is blocking):
+           the waits are polls bounded by it. */
+        ssize_t got = recv(fd, dst + pos, want, deadline > 0 ? MSG_DONTWAIT : 0);
         if (got < 0) {
             int w = after_failed_call(fd, POLLIN, wait_ms);
             if (w)
@@ -450,7 +463,7 @@ timeout_ms_of(PyObject *timeout, int *ms)
     double t = PyFloat_AsDouble(timeout);
     if (t == -1.0 && PyErr_Occurred())
         return -1;
-    if (t < 0) {
+    if (!(t >= 0)) { /* negative, or NaN */
         PyErr_SetString(PyExc_ValueError, "timeout must be >= 0 or None");
         return -1;
     }

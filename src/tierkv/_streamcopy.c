@@ -269,14 +269,20 @@ copy_blocks(PyObject *self, PyObject *args)
         goto done;
     }
     Py_ssize_t along_d = d.strides[axis], along_s = s.strides[axis];
+    plan_t one = plan; /* a block at a time: always a plan (checked above) */
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n;) {
         int64_t j = rows[3 * i], b = rows[3 * i + 1], m = rows[3 * i + 2];
         for (i++; i < n && rows[3 * i] == j + m && rows[3 * i + 1] == b + m; i++)
             m += rows[3 * i + 2];
         dims[axis] = (Py_ssize_t)m;
-        if (make_plan(d.ndim, dims, d.strides, s.strides, d.itemsize, &plan) > 0)
+        int made = make_plan(d.ndim, dims, d.strides, s.strides, d.itemsize, &plan);
+        if (made > 0)
             run_plan((char *)d.buf + j * along_d, (const char *)s.buf + b * along_s, &plan);
+        else if (made < 0) /* the block axis inside a short run: block by block */
+            for (int64_t k = 0; k < m; k++)
+                run_plan((char *)d.buf + (j + k) * along_d,
+                         (const char *)s.buf + (b + k) * along_s, &one);
     }
     stream_fence();
     Py_END_ALLOW_THREADS

@@ -392,6 +392,13 @@ def test_the_c_search_reads_nothing_outside_the_array_whatever_the_directory_say
         np.array([900, 3, 10**9, -1, 0, 2000, 5, 5, 7], dtype=np.int64),
     ):
         assert 0 <= match_slots(arr, starts, 61, want, seen, out, 0) <= SLOTS
+    # A count its seen slots do not account for: the slots found are not written past out.
+    full = np.empty(SLOTS + 8, np.int64)
+    full[SLOTS:] = -7
+    one = np.array([5 << 16 | 7], np.uint64)
+    assert match_slots(one, np.zeros(0, np.int64), 0, one & ~np.uint64(SLOTS - 1),
+                       np.zeros(SLOTS, np.uint8), full[:SLOTS], SLOTS) == SLOTS  # fmt: skip
+    assert (full[SLOTS:] == -7).all()
     with pytest.raises(ValueError):
         match_slots(arr, np.zeros(0, np.int64), 0, want, np.zeros(10, np.uint8), out, 0)
     with pytest.raises(ValueError):

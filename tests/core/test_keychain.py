@@ -4,6 +4,7 @@ exactly the keys of the Python reference, and it refuses bad arguments without c
 from __future__ import annotations
 
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,9 @@ def test_a_long_prompts_chain_matches_and_takes_any_buffer() -> None:
         assert chain(digest, buf, 0, len(raw) + step, step, digest) == expected
     # Starting after known keys continues the chain from the last of them.
     assert chain(expected[99][16:], raw, 100 * step, len(raw), step, digest) == expected[100:]
+    # A step past the end: one piece, the rest of the data (no overflow in the count).
+    whole = python_chain(digest, memoryview(raw), 0, len(raw), len(raw), digest)
+    assert chain(digest, raw, 0, len(raw), sys.maxsize, digest) == whole
 
 
 @built

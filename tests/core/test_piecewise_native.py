@@ -452,3 +452,61 @@ def test_socket_failures_are_the_errors_python_sockets_raise() -> None:
         _piecewise.send_pieces(0, [b"x"], 0, False, None)
     with pytest.raises(TypeError):
         _piecewise.send_pieces(0, [1, 2], 4096, False, None)
+
+
+def test_a_deadline_holds_on_a_socket_without_a_timeout() -> None:
+    """A blocking socket (no timeout) with a deadline: the C loop polls instead of blocking
+    in recv, so the deadline ends the wait; a NaN timeout is refused."""
+    a, b = _tcp_pair()
+    try:
+        b.settimeout(None)
+        with pytest.raises(TimeoutError):
+            pieces.recv_hashed(b, memoryview(bytearray(100)), deadline=time.monotonic() + 0.2)
+        with pytest.raises(ValueError):
+            _piecewise.recv_hashed(b.fileno(), bytearray(10), 4096, False, float("nan"))
+    finally:
+        a.close()
+        b.close()
+
+
+SIGBUS_ELSEWHERE = """
+import faulthandler, mmap, os, signal, sys
+import numpy as np
+from tierkv import _piecewise
+d = sys.argv[1]
+with open(os.path.join(d, "f"), "wb") as f:
+    f.write(os.urandom(1 << 16))
+fd = os.open(os.path.join(d, "f"), os.O_RDONLY)
+_piecewise.read_hashed(fd, 0, np.empty(4096, np.uint8), 4096, False, False)  # the guard
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGBUS)
+else:
+    faulthandler.enable()  # over the guard (its previous handler: the guard)
+    _piecewise.read_hashed(fd, 0, np.empty(4096, np.uint8), 4096, False, False)  # the guard again
+    with open(os.path.join(d, "g"), "wb") as f:
+        f.write(b"x" * 8192)
+    g = open(os.path.join(d, "g"), "r+b")
+    m = mmap.mmap(g.fileno(), 8192)
+    os.truncate(os.path.join(d, "g"), 0)
+    m[4096]  # a SIGBUS outside any guarded copy
+print("survived")
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("how", ["kill", "fault-with-faulthandler"])
+def test_a_sigbus_outside_a_guarded_copy_ends_the_process(tmp_path: Path, how: str) -> None:
+    """The guard handles only SIGBUS from its own copies: any other ends the process, once
+    (before, a SIGBUS sent by kill() was lost, and with faulthandler enabled after the guard
+    the two handlers passed a fault back and forth for ever, dumping tracebacks)."""
+    script = tmp_path / "sigbus.py"
+    script.write_text(SIGBUS_ELSEWHERE)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how.split("-")[0]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == -7, (proc.returncode, proc.stderr[-2000:])  # SIGBUS
+    assert "survived" not in proc.stdout
+    assert proc.stderr.count("Fatal Python error: Bus error") <= 1

@@ -312,6 +312,28 @@ def test_bad_block_runs_are_refused_before_anything_is_copied() -> None:
 
 
 @built
+def test_blocks_whose_axis_lies_inside_a_short_run_are_copied_one_by_one() -> None:
+    """A layout whose one-block slice has long runs but whose block axis lies inside the
+    contiguous run (Fortran order; a transposed view): a run of several blocks has no plan
+    of its own, so it is copied block by block (before: reported done, nothing copied)."""
+    from tierkv._streamcopy import copy_blocks
+
+    src = np.asfortranarray(np.arange(16 * 64, dtype=np.int64).reshape(16 * 8, 8))
+    dst = np.zeros_like(src, order="F")
+    assert copy_blocks(dst, src, 1, np.array([[0, 0, 2], [4, 5, 3]], np.int64)) is True
+    np.testing.assert_array_equal(dst[:, [0, 1, 4, 5, 6]], src[:, [0, 1, 5, 6, 7]])
+    assert not dst[:, [2, 3, 7]].any()
+    t = np.arange(4 * 16 * 4, dtype=np.float32).reshape(4, 16, 4).transpose(1, 0, 2)
+    out = np.zeros((4, 16, 4), np.float32).transpose(1, 0, 2)
+    for runs in ([[0, 0, 2]], [[0, 0, 1], [1, 1, 1]]):
+        out[...] = 0
+        copied = copy_blocks(out, t, 1, np.array(runs, np.int64))
+        if copied:
+            np.testing.assert_array_equal(out[:, :2], t[:, :2])
+        arraycopy.copy_blocks(out, t, 1, np.array(runs, np.int64))
+        np.testing.assert_array_equal(out[:, :2], t[:, :2])
+
+
 def test_short_or_overlapping_block_runs_are_left_to_numpy() -> None:
     from tierkv._streamcopy import copy_blocks
 
