@@ -471,11 +471,20 @@ class ObjectIndex:
             self._expire(self.clock())
             return self._end(self._read_lease(lease_id, holder, pin=True))
 
-    def lease_slots(self, lease_id: int, holder: int) -> list[tuple[bytes, int, int]]:
-        """(key, offset, length) of every slot a live read or pin lease holds."""
+    def lease_slots(
+        self, lease_id: int, holder: int, renew: bool = False
+    ) -> list[tuple[bytes, int, int]]:
+        """(key, offset, length) of every slot a live read or pin lease holds; ``renew``:
+        its deadline starts again (a retrieve of a lookup's locks: the copy gets a whole
+        read TTL, whenever the lookup was)."""
         with self._lock:
-            self._expire(self.clock())
+            now = self.clock()
+            self._expire(now)
             lease = self._lease(self._read_leases, lease_id, holder)
+            if renew:  # moved last: the table stays in deadline order
+                lease.deadline = now + self.read_ttl
+                del self._read_leases[lease.id]
+                self._read_leases[lease.id] = lease
             return [(e.key, e.offset, e.length) for e in lease.entries]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:

@@ -395,6 +395,24 @@ def test_another_holders_lease_is_refused_and_changes_nothing() -> None:
     assert index.release_read(read.lease_id, ALICE) == 1
 
 
+def test_a_retrieve_renews_the_lookups_lease() -> None:
+    """The locks a lookup took get a whole read TTL again when a retrieve takes them: a copy
+    that starts late in the lease cannot outlive it (its slots then reused under it)."""
+    index, clock = make()
+    store(index, [k(0)])
+    lock = index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL - 1)
+    assert index.lease_slots(lock.lease_id, ALICE, renew=True)[0][0] == k(0)
+    clock.advance(READ_TTL - 1)  # past the first deadline, within the renewed one
+    assert index.release_read(lock.lease_id, ALICE) == 1
+    other = index.lock_read([k(0)], ALICE)
+    clock.advance(READ_TTL - 1)
+    index.lease_slots(other.lease_id, ALICE)  # not renewed
+    clock.advance(2)
+    with pytest.raises(LeaseNotFound):
+        index.release_read(other.lease_id, ALICE)
+
+
 # -- reads ---------------------------------------------------------------------------------
 def test_objects_being_written_are_invisible_to_readers() -> None:
     index, _ = make()

@@ -341,12 +341,22 @@ class Client(ServerConnection):
         if request_id:
             if tokens is not None or hashes is not None:
                 raise ValueError("give request_id or tokens/hashes, not both")
+            if first_chunk:
+                raise ValueError("first_chunk names chunks by tokens/hashes, not by request_id")
             req = p.PrepareRetrieve(*self._ids(), request_id=request_id)
         else:
             sel = selector(tokens, hashes, partial_last, salt)
             req = p.PrepareRetrieve(*self._ids(), chunks=sel, first_chunk=first_chunk)
         slots: p.RetrieveSlots
         slots, pool = self._call_for_slots(req)
+        if out is not None and slots.slots:
+            last = max(slot.chunk for slot in slots.slots) - first_chunk
+            if last >= len(out):
+                self._channel.call(p.FinishRetrieve(*self._ids(), slots.lease))
+                raise ValueError(
+                    f"out holds {len(out)} arrays; chunk {last + first_chunk} needs "
+                    f"{last + 1} from first_chunk {first_chunk}"
+                )
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
             return result

@@ -68,6 +68,19 @@ class RequestChannel:
         """A new request id."""
         return next(self._rids)
 
+    def _leave_parent(self) -> None:
+        """In a forked child: drop the connection and the requests the parent sent on it
+        (their replies are the parent's to read, their outcomes the parent's to report)."""
+        if self._pid == os.getpid():
+            return
+        if self.conn is not None:
+            self.conn.close()  # the child's copy only: the parent's stays open
+            self.conn = None
+        self.unanswered.clear()
+        self._shortfalls.clear()
+        self._failed_unanswered = 0
+        self._pid = os.getpid()
+
     def disconnect(self) -> None:
         if self.conn is not None:
             self.conn.close()  # in a forked child: its copy only, the parent's stays open
@@ -88,10 +101,9 @@ class RequestChannel:
         (nothing unexpected to read: no stale reply, no close by a restarted server), else a
         new one, waiting for a server that is (re)starting until ``deadline`` (unless
         ``wait_for_server`` is False: one attempt)."""
+        self._leave_parent()
         conn = self.conn
-        if conn is not None and (
-            self._pid != os.getpid() or (conn.pending() and not self._read_unanswered(conn))
-        ):
+        if conn is not None and conn.pending() and not self._read_unanswered(conn):
             self.disconnect()
             conn = None
         if conn is None:
@@ -192,6 +204,7 @@ class RequestChannel:
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         with self.io:
+            self._leave_parent()
             conn = self.conn
             try:
                 while self.unanswered and conn is not None:
@@ -204,14 +217,22 @@ class RequestChannel:
         return failed
 
     def _await_reply(self, conn: framing.Connection, rid: int, deadline: float) -> Any:
+        """The reply to ``rid``. Every frame read with it is taken in: replies to requests
+        sent without waiting may come after it (a server answers a request that blocks, a
+        commit waiting for the cluster's directory, after later ones)."""
         while True:
+            found = None
             for frame in conn.receive(deadline):
                 reply = self._decode(frame)
                 if self.unanswered and self._took_unanswered(reply):
                     continue
                 # rid 0: about the connection, not a request (the server refused a message
                 # too large to read and closed the connection).
-                if reply.rid == rid or (reply.rid == 0 and isinstance(reply, p.Error)):
-                    if reply.rid == 0:
-                        self.disconnect()
-                    return reply
+                if found is None and (
+                    reply.rid == rid or (reply.rid == 0 and isinstance(reply, p.Error))
+                ):
+                    found = reply
+            if found is not None:
+                if found.rid == 0:
+                    self.disconnect()
+                return found

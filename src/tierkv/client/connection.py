@@ -58,6 +58,7 @@ class ServerConnection:
         self.auth_token = auth_token
         self._mapping = PoolMapping(populate, on_pool)
         self.registration: Registration | None = None
+        self._registered_pid = 0  # the process that registered (a forked child did not)
         self._slots: SlotLayout | None = None
 
     @property
@@ -184,6 +185,7 @@ class ServerConnection:
         """Map the pool a REGISTER answer names (unless mapped already) and keep the
         registration."""
         self._mapping.map(reply.pool_name, reply.pool_size)
+        self._registered_pid = os.getpid()
         self.registration = Registration(
             reply.client,
             reply.server_version,
@@ -262,8 +264,9 @@ class ServerConnection:
         return reply.count
 
     def close(self) -> None:
-        """Unregister (best effort), close the socket and unmap the pool (never unlinks)."""
-        if self.registration is not None:
+        """Unregister (best effort), close the socket and unmap the pool (never unlinks). In
+        a forked child the registration is the parent's: it is left alone."""
+        if self.registration is not None and self._registered_pid == os.getpid():
             with contextlib.suppress(TierKVError):
                 self.unregister()
         self._channel.close()

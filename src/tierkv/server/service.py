@@ -460,7 +460,7 @@ class CacheService:
         if lease == 0:
             return p.RetrieveSlots(req.rid, 0, [], list(range(session.total)))
         try:
-            slots = self.index.lease_slots(lease, reg.token)
+            slots = self.index.lease_slots(lease, reg.token, renew=True)
         except LeaseNotFound:
             raise RequestError(
                 p.ErrorCode.NOT_FOUND,
