@@ -85,7 +85,8 @@ class Copier:
         that a busy core slows down copies fewer items instead of holding the batch up with
         a fixed share. Returns when every call has returned. After a call raises, no thread
         starts another item; the error of the lowest failed item is re-raised once every
-        item started has ended. ``caller_copies``: the calling thread takes items like the
+        item started has ended; so is an exception in the calling thread while it waits (a
+        signal handler's). ``caller_copies``: the calling thread takes items like the
         pool's threads (default: without ``data_priority``); otherwise it copies only
         batches under ``min_bytes`` and waits for the pool's threads.
         """
@@ -113,10 +114,23 @@ class Copier:
 
         pool = self._executor()
         futures = [pool.submit(work) for _ in range(min(helpers, len(items)))]
-        if joins:
-            work()
-        for fut in futures:  # wait for every thread, even after a failure
-            fut.exception()
+        try:
+            if joins:
+                work()
+            for fut in futures:  # wait for every thread, even after a failure
+                fut.exception()
+        except BaseException as exc:  # the caller's thread interrupted (a signal handler)
+            # The threads take nothing more, and the copies in flight end before this
+            # returns: the caller gives the slots they copy into or from back then.
+            failed.append((len(items), exc))
+            for fut in futures:
+                while True:
+                    try:
+                        fut.exception()
+                        break
+                    except BaseException:
+                        continue
+            raise
         if failed:
             raise min(failed, key=lambda f: f[0])[1]
 

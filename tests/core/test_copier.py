@@ -68,6 +68,37 @@ def test_a_failure_is_raised_only_after_every_started_item_has_ended() -> None:
         copier.close()
 
 
+def test_an_interrupted_caller_returns_only_once_the_copies_in_flight_ended() -> None:
+    """A signal handler raising in the waiting thread (SIGINT's KeyboardInterrupt): the
+    exception comes out only once every started copy has ended, and nothing starts after
+    it (before, it came out at once and the caller gave back slots still being copied)."""
+    import signal
+
+    started: list[int] = []
+    ended: list[int] = []
+
+    def work(i: int) -> None:
+        started.append(i)
+        time.sleep(0.3)
+        ended.append(i)
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    copier = Copier(threads=2, min_bytes=0, data_priority=True)  # the caller only waits
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # while the caller waits for the threads
+        with pytest.raises(KeyboardInterrupt):
+            copier.run(work, list(range(40)), [10] * 40)  # 6 s of copies on 2 threads
+        assert sorted(ended) == sorted(started)  # no copy outlives the call
+        assert len(started) < 40
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        copier.close()
+
+
 def test_the_lowest_failed_item_is_raised() -> None:
     def work(i: int) -> None:
         time.sleep(0.01)
