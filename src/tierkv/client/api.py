@@ -349,18 +349,16 @@ class Client(ServerConnection):
             req = p.PrepareRetrieve(*self._ids(), chunks=sel, first_chunk=first_chunk)
         slots: p.RetrieveSlots
         slots, pool = self._call_for_slots(req)
-        if out is not None and slots.slots:
-            last = max(slot.chunk for slot in slots.slots) - first_chunk
-            if last >= len(out):
-                self._channel.call(p.FinishRetrieve(*self._ids(), slots.lease))
-                raise ValueError(
-                    f"out holds {len(out)} arrays; chunk {last + first_chunk} needs "
-                    f"{last + 1} from first_chunk {first_chunk}"
-                )
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
             return result
         try:
+            last = max(slot.chunk for slot in slots.slots) - first_chunk
+            if out is not None and last >= len(out):
+                raise ValueError(
+                    f"out holds {len(out)} arrays; chunk {last + first_chunk} needs "
+                    f"{last + 1} from first_chunk {first_chunk}"
+                )
             self._copy_slots(slots.slots, pool, scatter, out, first_chunk, False, caller_copies)
             result.retrieved = [slot.chunk for slot in slots.slots]
         finally:

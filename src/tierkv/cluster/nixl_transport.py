@@ -173,8 +173,8 @@ class NixlTransport(TcpTransport):
         self._tcp_only: dict[tuple[str, int], float] = {}  # until (monotonic)
         self._nixl_lock = threading.Lock()  # the two tables above; no I/O under it
         self.nixl_received: dict[str, PeerFigures] = {}
-        self._counts_lock = threading.Lock()  # the four counters below
-        self.fallbacks = 0
+        self._counts_lock = threading.Lock()  # the three READ counters below (_count)
+        self.fallbacks = 0  # under _nixl_lock
         self.read_timeouts = 0
         self.read_errors = 0
         self.leases_expired_unread = 0

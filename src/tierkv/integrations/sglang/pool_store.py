@@ -115,18 +115,14 @@ class PoolStore:
         if copies is None:
             return [False] * n
         gather, _ = copies
-        out: list[bool] = []
-        for start, stop in pieces(n):
 
-            def store(client: Client, start: int = start, stop: int = stop) -> list[bool]:
-                done = client.store(
-                    hashes=hashes[start:stop], gather=lambda c, dst: gather(start + c, dst)
-                )
-                held = set(done.stored) | set(done.present)
-                return [i in held for i in range(stop - start)]
+        def store(client: Client, start: int, stop: int) -> set[int]:
+            done = client.store(
+                hashes=hashes[start:stop], gather=lambda c, dst: gather(start + c, dst)
+            )
+            return set(done.stored) | set(done.present)
 
-            out += self.link.call(what, store, [False] * (stop - start))
-        return out
+        return self._by_piece(what, n, store)
 
     def load(self, what: str, hashes: list[bytes], host_indices: Any, *, exact: bool) -> list[bool]:
         """Read the pages of ``hashes`` into the host pool at ``host_indices``: True for
@@ -136,17 +132,28 @@ class PoolStore:
         if copies is None:
             return [False] * n
         _, scatter = copies
+
+        def load(client: Client, start: int, stop: int) -> set[int]:
+            got = client.retrieve(
+                hashes=hashes[start:stop], scatter=lambda c, src: scatter(start + c, src)
+            )
+            return set(got.retrieved)
+
+        return self._by_piece(what, n, load)
+
+    def _by_piece(
+        self, what: str, n: int, call: Callable[[Client, int, int], set[int]]
+    ) -> list[bool]:
+        """``call(client, start, stop)`` for each piece of ``n`` pages (the pages it moved,
+        counted from ``start``): True for each page moved."""
         out: list[bool] = []
         for start, stop in pieces(n):
 
-            def load(client: Client, start: int = start, stop: int = stop) -> list[bool]:
-                got = client.retrieve(
-                    hashes=hashes[start:stop], scatter=lambda c, src: scatter(start + c, src)
-                )
-                read = set(got.retrieved)
-                return [i in read for i in range(stop - start)]
+            def piece(client: Client, start: int = start, stop: int = stop) -> list[bool]:
+                moved = call(client, start, stop)
+                return [i in moved for i in range(stop - start)]
 
-            out += self.link.call(what, load, [False] * (stop - start))
+            out += self.link.call(what, piece, [False] * (stop - start))
         return out
 
     def _copies(

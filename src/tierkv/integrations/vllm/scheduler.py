@@ -488,9 +488,11 @@ class SchedulerSide:
         scheduled = scheduler_output.num_scheduled_tokens
         # vLLM's block tables as they are now (vLLM >= 0.32): a sliding-window group's
         # blocks behind the window, freed this step, are null there.
-        tables = getattr(scheduler_output, "kv_connector_block_state", None)
-        if not self.tables_change:
-            tables = None
+        tables = (
+            getattr(scheduler_output, "kv_connector_block_state", None)
+            if self.tables_change
+            else None
+        )
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is None:
