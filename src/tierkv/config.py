@@ -20,6 +20,7 @@ import msgspec
 import yaml
 
 from tierkv.options import OptionError, Size, convert, option, option_help, parse_size
+from tierkv.redaction import HIDDEN, redacted_options
 from tierkv.runtime_dir import default_runtime_dir
 from tierkv.tiers.base import TierError
 from tierkv.tiers.registry import tier_options
@@ -736,9 +737,12 @@ def from_mapping_as(cls: type[C], values: Mapping[str, Any]) -> C:
 
 
 def as_dict(cfg: ServerConfig, redact: Sequence[str] = ("auth_token",)) -> dict[str, Any]:
-    """The effective configuration, secrets redacted (for /status and logs)."""
+    """The effective configuration, secrets redacted (for /status and logs): the auth
+    token, and the tiers' credentials (by option name, and the userinfo of URLs)."""
     out: dict[str, Any] = msgspec.to_builtins(cfg)
     for name in redact:
         if out.get(name):
-            out[name] = "***"
+            out[name] = HIDDEN
+    for tier in out.get("tiers", []):
+        tier["options"] = redacted_options(tier.get("options", {}))
     return out

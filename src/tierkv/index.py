@@ -4,7 +4,15 @@ An object is absent, then *writing* (reserved by a write lease, invisible to rea
 *ready*; a ready object may be read-locked by any number of read leases. Every lock belongs
 to a lease: a batch of slots taken by one holder (an engine connection) in one request, with
 one deadline. Leases expire (write 600 s, read 300 s by default): an expired write lease
-gives its slots back, an expired read lease makes its objects evictable again. Leases are
+gives its objects up, an expired read lease or pin makes its objects evictable again. The
+holder of an expired write lease or pin may still be using its slots (a stopped engine
+resumed mid-copy; a prefetch's tier read or a write-behind's tier write that outlasted the
+TTL), so their slots are fenced (below) until the holder ends the lease (commit, abort or
+unpin: refused as expired) or goes away: freeing them at the deadline let a late write land
+on another store's committed chunk, and a late tier write store another chunk's bytes under
+this key with a valid checksum. An engine's read lock is not held back like that: the reader
+checks after its copy that it ended before the lease's deadline
+(:meth:`tierkv.client.api.Client.retrieve`). Leases are
 kept in dicts in creation order (a renewed lease moves last), and a TTL is constant per kind,
 so each dict is in deadline order and expiry only ever looks at the oldest leases.
 
@@ -32,15 +40,16 @@ scanning is bounded by that queue's size, whatever the size of the pool.
 
 A lease is over at its deadline: every call that takes a lease id first expires overdue
 leases, so committing or releasing a lease after its deadline raises LeaseNotFound, whether
-or not anything had reclaimed it yet.
+or not anything had reclaimed it yet (and lifts the fence of an expired write lease or pin).
 
 Deleting or clearing an object that is locked or pinned removes it from the key map at once
 (new lookups miss) and frees its slot when the last lease on it ends, so a reader never sees
 its slot reused under it.
 
 A *fence* (:meth:`ObjectIndex.fence`) keeps slots from being reused while something outside
-the index may still write into them: a one-sided READ that passed its deadline and was given
-up, whose bytes can still land (:mod:`tierkv.cluster.late_reads`). The objects' leases end as
+the index may still use them: a one-sided READ that passed its deadline and was given up,
+whose bytes can still land (:mod:`tierkv.cluster.late_reads`), or the holder of an expired
+write lease or pin (above). The objects' leases end as
 usual; a fenced slot that the index frees stays allocated (``fenced_free``) until its last
 fence is lifted (:meth:`ObjectIndex.unfence`).
 
@@ -190,7 +199,10 @@ class IndexStats:
     expired_read_locks: int  # read locks and pins
     evictions: int
     evicted_bytes: int
-    fenced_free: int = 0  # slots freed but kept back: a transfer may still write into them
+    # Slots freed but kept back: a transfer, or the holder of an expired write lease or pin,
+    # may still use them.
+    fenced_free: int = 0
+    expired_held: int = 0  # slots of expired write leases and pins their holders have not ended
 
 
 class ObjectIndex:
@@ -230,6 +242,11 @@ class ObjectIndex:
         # meanwhile, given back to the allocator at the last unfence.
         self._fences: dict[int, int] = {}
         self._fenced_free: set[int] = set()
+        # Expired write leases and pins not yet ended by their holder: lease id -> (holder,
+        # whether a write lease, its slots' offsets), and how many of them hold each slot
+        # (slots they hold that the index frees are kept back like fenced ones).
+        self._expired_holds: dict[int, tuple[int, bool, list[int]]] = {}
+        self._holds: dict[int, int] = {}
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
         # order), and its quota and figures (the tally).
@@ -346,6 +363,7 @@ class ObjectIndex:
         refused (unknown or foreign lease, positions out of range): then nothing changes."""
         with self._lock:
             self._expire(self.clock())
+            self._end_expired(lease_id, holder, write=True)
             lease = self._lease(self._write_leases, lease_id, holder)
             selected = self._select(lease, only)
             self._remove_lease(lease)
@@ -375,6 +393,7 @@ class ObjectIndex:
         """Give back every slot of a write lease. Returns the number of slots freed."""
         with self._lock:
             self._expire(self.clock())
+            self._end_expired(lease_id, holder, write=True)
             return self._end(self._lease(self._write_leases, lease_id, holder))
 
     # -- reads -----------------------------------------------------------------------------
@@ -469,6 +488,7 @@ class ObjectIndex:
         of pins released."""
         with self._lock:
             self._expire(self.clock())
+            self._end_expired(lease_id, holder, write=False)
             return self._end(self._read_lease(lease_id, holder, pin=True))
 
     def lease_slots(
@@ -506,6 +526,7 @@ class ObjectIndex:
         had already expired (those count as expiries)."""
         with self._lock:
             self._expire(self.clock())
+            self._release_holds(holder)
             freed = released = 0
             for lease_id in list(self._holder_leases.get(holder, ())):
                 lease = self._write_leases.get(lease_id) or self._read_leases[lease_id]
@@ -514,6 +535,13 @@ class ObjectIndex:
                 else:
                     released += self._end(lease)
             return freed, released
+
+    def release_expired_holds(self, holder: int) -> int:
+        """Let the slots of a holder's expired write leases and pins go (it is taken to be
+        done with them: a client the server cannot watch, silent for a write TTL). Returns
+        how many slots they held."""
+        with self._lock:
+            return self._release_holds(holder)
 
     # -- fences ----------------------------------------------------------------------------
     def fence(self, offsets: Iterable[int]) -> None:
@@ -533,23 +561,12 @@ class ObjectIndex:
         """Lift one fence from each slot; a slot freed while fenced goes back to the
         allocator with its last fence. Returns how many slots were given back."""
         lifts = Counter(offsets)
-        given = 0
         with self._lock:
             fences = self._fences
             for offset, n in lifts.items():
                 if n > fences.get(offset, 0):
                     raise ValueError(f"unfence of offset {offset}, which is not fenced")
-            for offset in lifts.elements():
-                left = fences[offset] - 1
-                if left:
-                    fences[offset] = left
-                    continue
-                del fences[offset]
-                if offset in self._fenced_free:
-                    self._fenced_free.discard(offset)
-                    self.allocator.free(offset)
-                    given += 1
-        return given
+            return self._lift(fences, lifts.elements())
 
     # -- deletion, eviction, expiry --------------------------------------------------------
     def delete(self, keys: Iterable[bytes]) -> int:
@@ -707,6 +724,7 @@ class ObjectIndex:
                 evictions=self._evictions,
                 evicted_bytes=self._evicted_bytes,
                 fenced_free=len(self._fenced_free),
+                expired_held=sum(len(held[2]) for held in self._expired_holds.values()),
             )
 
     def check(self) -> None:
@@ -792,10 +810,17 @@ class ObjectIndex:
                 "a tenant's LRU is not the global LRU's objects of that tenant, in its order",
             )
             for offset in self._fenced_free:
-                require(offset in self._fences, f"slot {offset} kept back without a fence")
+                require(
+                    offset in self._fences or offset in self._holds,
+                    f"slot {offset} kept back without a fence or hold",
+                )
                 require(offset not in slots, f"slot {offset} kept back and in use")
             for offset in self._fences:
                 require(alloc.size_of(offset) is not None, f"fenced slot {offset} not allocated")
+            holds = Counter(o for held in self._expired_holds.values() for o in held[2])
+            require(holds == Counter(self._holds), "expired holds' slot counts out of sync")
+            for offset in self._holds:
+                require(alloc.size_of(offset) is not None, f"held slot {offset} not allocated")
             require(
                 alloc.allocations == len(slots) + len(self._fenced_free),
                 "allocated blocks != objects and fenced slots kept back",
@@ -901,7 +926,7 @@ class ObjectIndex:
         """Give the entry's slot back to the allocator and its bytes back to its tenant's
         account; returns the aligned bytes freed."""
         size = self.allocator.aligned(entry.length)
-        if entry.offset in self._fences:
+        if entry.offset in self._fences or entry.offset in self._holds:
             self._fenced_free.add(entry.offset)
         else:
             self.allocator.free(entry.offset)
@@ -948,6 +973,54 @@ class ObjectIndex:
         else:
             self._unlock(lease.entries)
         return len(lease.entries)
+
+    def _hold_expired(self, lease: Lease) -> None:
+        """Keep the slots of an expiring write lease or pin until its holder ends it."""
+        offsets = [e.offset for e in lease.entries]
+        holds = self._holds
+        for offset in offsets:
+            holds[offset] = holds.get(offset, 0) + 1
+        self._expired_holds[lease.id] = (lease.holder, lease.write, offsets)
+
+    def _end_expired(self, lease_id: int, holder: int, write: bool) -> None:
+        """The holder ends an expired write lease (``write``) or pin: its slots are let go,
+        and the call is refused as for any lease past its deadline. Nothing happens for a
+        lease id that is not such a lease."""
+        held = self._expired_holds.get(lease_id)
+        if held is None or held[1] is not write:
+            return
+        if held[0] != holder:
+            raise LeaseNotOwned(f"lease {lease_id} belongs to another client")
+        del self._expired_holds[lease_id]
+        self._lift(self._holds, held[2])
+        raise LeaseNotFound(f"lease {lease_id} expired (its TTL passed before it was ended)")
+
+    def _release_holds(self, holder: int) -> int:
+        held = 0
+        for lease_id, (held_by, _, offsets) in list(self._expired_holds.items()):
+            if held_by == holder:
+                del self._expired_holds[lease_id]
+                self._lift(self._holds, offsets)
+                held += len(offsets)
+        return held
+
+    def _lift(self, counts: dict[int, int], offsets: Iterable[int]) -> int:
+        """Take one off each slot's count in ``counts`` (fences or holds; each counted);
+        a kept-back slot that nothing fences or holds any more goes back to the allocator.
+        Returns the slots given back."""
+        given = 0
+        for offset in offsets:
+            left = counts[offset] - 1
+            if left:
+                counts[offset] = left
+                continue
+            del counts[offset]
+            free = self._fenced_free
+            if offset in free and offset not in self._fences and offset not in self._holds:
+                free.discard(offset)
+                self.allocator.free(offset)
+                given += 1
+        return given
 
     def _unlock(self, entries: list[Entry]) -> None:
         """Release one read lock on each entry; last chunk of the batch goes in LRU first."""
@@ -997,6 +1070,7 @@ class ObjectIndex:
                 break
             if self.on_write_expired is not None:
                 self.on_write_expired([e.key for e in lease.entries if e.live])
+            self._hold_expired(lease)
             freed += self._end(lease)
             self._expired_write_leases += 1
         leases = self._read_leases
@@ -1004,6 +1078,8 @@ class ObjectIndex:
             lease = next(iter(leases.values()))
             if lease.deadline > now:
                 break
+            if lease.pin:
+                self._hold_expired(lease)
             released += self._end(lease)
             self._expired_read_leases += 1
         self._expired_write_slots += freed

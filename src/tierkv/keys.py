@@ -84,13 +84,14 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world_size: int = 1
     rank: int = 0
     tenant_salt: str = ""
+    cache_salt: str = ""  # a request's cache salt (an engine's namespace has none)
 
     def __post_init__(self) -> None:
-        for name in ("model", "kv_dtype", "layout", "tenant_salt"):
+        for name in ("model", "kv_dtype", "layout", "tenant_salt", "cache_salt"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise TypeError(f"namespace {name} must be a str, got {type(value).__name__}")
-            if not value and name != "tenant_salt":
+            if not value and name not in ("tenant_salt", "cache_salt"):
                 raise ValueError(f"namespace {name} must not be empty")
         for name in ("world_size", "rank"):
             value = getattr(self, name)
@@ -103,19 +104,22 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"namespace rank must be in [0, {self.world_size}), got {self.rank}")
 
     def digest(self) -> bytes:
-        """A 16-byte digest over every field, with field boundaries unambiguous."""
-        encoded = msgspec.msgpack.encode(
-            [
-                "tierkv-namespace-v2",  # v2: SHA-256 keys (v1: blake3)
-                self.model,
-                self.kv_dtype,
-                self.layout,
-                self.world_size,
-                self.rank,
-                self.tenant_salt,
-            ]
-        )
-        return digest16(encoded)
+        """A 16-byte digest over every field, with field boundaries unambiguous: the cache
+        salt is a field of its own (appended only when there is one, so unsalted digests
+        stay what they were), never text inside another field, so no tenant salt can spell
+        another tenant's salted namespace."""
+        fields: list[str | int] = [
+            "tierkv-namespace-v2",  # v2: SHA-256 keys (v1: blake3)
+            self.model,
+            self.kv_dtype,
+            self.layout,
+            self.world_size,
+            self.rank,
+            self.tenant_salt,
+        ]
+        if self.cache_salt:
+            fields.append(self.cache_salt)
+        return digest16(msgspec.msgpack.encode(fields))
 
 
 _SHA256 = hashlib.sha256()  # never updated: only copied

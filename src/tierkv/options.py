@@ -30,7 +30,7 @@ class OptionError(ValueError):
 # A byte count that may be written with a unit: 1073741824, 1GiB, 512MiB, 2G (binary), 2GB.
 Size = Annotated[int, msgspec.Meta(ge=0, extra={"unit": "bytes"})]
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE | re.ASCII)
 _DECIMAL = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -48,7 +48,9 @@ def parse_size(value: str | int) -> int:
     prefix = unit[:1] if unit[:1] in "kmgt" else ""
     binary = "i" in unit or (prefix and not unit.endswith("b"))
     mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _DECIMAL[prefix]
-    return int(number * mult)
+    if mult == 1 and "." in m.group(1) and not number.is_integer():
+        raise OptionError(f"not a whole number of bytes: {value!r}")
+    return int(number * mult)  # a fraction of a unit: whole bytes, rounded down
 
 
 def convert(values: Mapping[str, Any], into: type[T], *, what: str) -> T:

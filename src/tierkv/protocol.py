@@ -129,12 +129,16 @@ class PrepareStore(Struct, tag="prepare_store"):
 
 class CommitStore(Struct, tag="commit_store"):
     """Publish a store. ``only``: positions within the reply's slots to commit; the rest are
-    aborted. None commits all."""
+    aborted. None commits all. ``wait_ms``: in a cluster, how long at most the reply may
+    wait for the directory to have the chunks (the server's commit_publish_timeout caps
+    it; -1: that timeout): a client asks for less than its own reply timeout, so that a
+    slow directory owner never makes a commit look lost."""
 
     rid: int
     client: int
     lease: int
     only: list[int] | None = None
+    wait_ms: int = -1
 
 
 class AbortStore(Struct, tag="abort_store"):
@@ -355,6 +359,9 @@ class RetrieveSlots(Struct, tag="retrieve_slots"):
     lease: int  # 0 when nothing is locked
     slots: list[Slot]
     missing: list[int]
+    # How long the locks hold from the server's answer on (ms; 0: not said). A copy that
+    # ended later than that after the request was sent may have read reused slots.
+    lease_ms: int = 0
 
 
 CHUNK_STORED = 0
@@ -512,6 +519,9 @@ class Stats(Struct, tag="stats_result"):
     quota_mode: str = ""
     default_quota: int = -1  # bytes, -1: unlimited
     chunk_feed: dict[str, int] = {}  # the chunk feed's figures (tierkv.server.chunk_feed)
+    # Slots of expired store reservations (and write-behind pins) kept from reuse until their
+    # holder ends them or goes away: it may still be writing into (reading from) them.
+    expired_held: int = 0
 
 
 class EvictionEvent(msgspec.Struct):

@@ -102,6 +102,7 @@ def test_remove_needs_the_token_refuses_bad_bodies_and_forgets_the_instance(
         (b'{"instance": 7}', 400),
         (b'{"instance": ""}', 400),
         (b'{"instance": "nobody:1"}', 404),
+        (b"[" * 3000, 400),  # nested deeper than the JSON decoder recurses
         (b"x" * 5000, 413),
     ):
         got, answer = remove(base, bad)

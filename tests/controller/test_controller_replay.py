@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +23,7 @@ from support.kvops import store, tokens_for
 from support.servers import ServerProcess
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
-from tierkv.controller.service import ControllerService
+from tierkv.controller.service import LATENCY_BUCKETS, ControllerService
 from tierkv.keys import KEY_SIZE
 
 Factory = Callable[..., ServerProcess]
@@ -112,5 +113,55 @@ def test_heartbeats_are_known_only_at_the_controllers_sequence() -> None:
         assert sync(6, 2, part=0, last=False) and not beat(6)
         assert sync(6, 2, part=1, last=True) and beat(6)
         assert service.counts["heartbeats_out_of_sequence"] == 6
+    finally:
+        service.close()
+
+
+def test_lookup_times_take_a_fixed_room_whether_or_not_anything_scrapes() -> None:
+    """Every resolve and router lookup is timed into a histogram of fixed size (it used to
+    be a list only a Prometheus scrape emptied: without a scraper, it grew for ever)."""
+    service = ControllerService()
+    try:
+        for _ in range(5000):
+            service.on_resolve(m.Resolve(0, [bytes(KEY_SIZE)]))
+        counts, total = service.lookup_seconds.snapshot()
+        assert sum(counts) == 5000 and total > 0
+        assert len(counts) == len(LATENCY_BUCKETS) + 1
+        service.on_resolve(m.Resolve(0, [bytes(KEY_SIZE)]))
+        assert sum(service.lookup_seconds.snapshot()[0]) == 5001  # reading drains nothing
+    finally:
+        service.close()
+
+
+def test_a_server_that_registers_again_while_it_is_reaped_keeps_its_new_entries() -> None:
+    """The reaper deregisters a silent server; the server (alive after all) registers
+    again and syncs at that moment: its fresh entries must survive the reaper's drop."""
+    now = [0.0]
+    service = ControllerService(clock=lambda: now[0])
+    me = m.MemberInfo("s:1", "s:1", "s:2", 7)
+    keys = b"".join(bytes([i + 1]) * KEY_SIZE for i in range(3))
+    try:
+        assert isinstance(service.on_register(cm.Register(0, me, [])), cm.Registered)
+        assert service.on_sync(cm.SyncBatch(0, "s:1", 7, 1, 0, True, keys, bytes(3))).ok
+        now[0] += service.dead_after + 1
+        drop = service.index.drop
+        synced = threading.Event()
+
+        def again() -> None:  # the server's re-registration and full sync
+            service.on_register(cm.Register(0, me, []))
+            service.on_sync(cm.SyncBatch(0, "s:1", 7, 2, 0, True, keys, bytes(3)))
+            synced.set()
+
+        def slow_drop(instance: str) -> int:
+            threading.Thread(target=again, daemon=True).start()
+            synced.wait(0.5)  # long enough for it, were it not kept out until the reap ends
+            return drop(instance)
+
+        service.index.drop = slow_drop  # type: ignore[method-assign]
+        assert service.reap() == ["s:1"]
+        service.index.drop = drop  # type: ignore[method-assign]
+        assert synced.wait(10)
+        assert service.index.size("s:1") == 3
+        assert service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 2)).known
     finally:
         service.close()

@@ -20,7 +20,8 @@ LAYERS: list[set[str]] = [
     {
         "", "_fingerprints", "_keychain", "_piecewise", "_streamcopy", "allocator",
         "checksums", "dtypes", "endpoints", "framing", "gc_pauses", "liveness", "logs",
-        "options", "pool", "priority", "protocol", "runtime_dir", "thread_names", "workers",
+        "options", "pool", "priority", "protocol", "redaction", "runtime_dir", "thread_names",
+        "workers",
     },
     {"arraycopy", "chunk_follower", "copier", "keys", "piecewise_io", "served_connections"},
     {"tenants", "tiers"},  # the storage tiers

@@ -1,8 +1,8 @@
 """Concurrency stress of the object index: six threads reserve, commit, abort, read, pin,
 delete, clear and evict a small set of colliding keys in a small pool while the eviction controller
 runs, then every invariant and every byte of accounting is verified; a second variant has
-threads crash (drop their leases) while a fake clock runs past the TTLs, and expiry must
-reclaim everything.
+threads crash (drop their leases) while a fake clock runs past the TTLs, and expiry, then
+the holders' release (a crashed engine's registration is dropped), must reclaim everything.
 
 Writers stamp each reserved slot with its key in a shared buffer standing in for the pool; a
 reader that holds a read lock or a pin checks the stamp, so a slot freed or reused under a
@@ -348,6 +348,14 @@ def test_crashed_clients_are_reclaimed_by_expiry() -> None:
         assert stats.write_leases == 0 and stats.read_leases == 0 and stats.zombies == 0
         assert stats.expired_write_leases >= left.write_leases
         assert stats.expired_read_leases >= left.read_leases
+        assert stats.expired_held >= left.write_leases  # each held at least one slot
+        index.check()
+        # An expired write lease's slots come back when its holder goes (the registry drops
+        # a crashed engine): it might still have been writing into them.
+        for holder in range(1, THREADS + 1):
+            index.release_holder(holder)
+        stats = index.stats()
+        assert stats.expired_held == 0 and stats.fenced_free == 0
         index.check()
 
         # Once more with leases known to be orphaned: the pool is at most at its high
@@ -365,6 +373,9 @@ def test_crashed_clients_are_reclaimed_by_expiry() -> None:
         assert stats.expired_write_slots == expired.expired_write_slots + 2
         assert stats.expired_read_locks == expired.expired_read_locks + 1
         assert index.contains([b"orphan-w1", b"orphan-w2"]) == [False, False]
+        assert stats.expired_held == 2
+        index.release_holder(99)
+        assert index.stats().expired_held == 0
     finally:
         controller.stop()
     assert counts["hits"] and counts["no_space"]

@@ -631,3 +631,23 @@ def test_lazy_chunk_keys_refuse_what_chunk_keys_refuse() -> None:
         keys.LazyChunkKeys(b"short", b"", (), 16)
     with pytest.raises(ValueError, match="more known keys"):
         keys.LazyChunkKeys(digest, bytes(64), [b"k" * 32] * 2, 16)
+
+
+def test_a_cache_salt_never_spells_another_tenants_namespace() -> None:
+    """A request's cache salt is a field of the digest of its own: no tenant salt, however
+    chosen, gives another tenant's salted namespace (tenant "0:x" is not the default
+    tenant under cache salt "x"); an unsalted namespace digests as it always did."""
+    base: dict[str, Any] = {"model": "m", "kv_dtype": "float16", "layout": "L"}
+    salted = Namespace(**base, tenant_salt="alice", cache_salt="user-42").digest()
+    for tenant in ("7:aliceuser-42", "5:aliceuser-42", "aliceuser-42", "alice"):
+        assert Namespace(**base, tenant_salt=tenant).digest() != salted
+    default_salted = Namespace(**base, cache_salt="x").digest()
+    for tenant in ("0:x", "x"):
+        assert Namespace(**base, tenant_salt=tenant).digest() != default_salted
+    assert Namespace(**base, tenant_salt="t", cache_salt="s").digest() != (
+        Namespace(**base, tenant_salt="ts").digest()
+    )
+    unsalted = msgspec.msgpack.encode(["tierkv-namespace-v2", "m", "float16", "L", 1, 0, "t"])
+    assert Namespace(**base, tenant_salt="t").digest() == keys.digest16(unsalted)
+    with pytest.raises(TypeError, match="cache_salt"):
+        Namespace(**base, cache_salt=3)  # type: ignore[arg-type]

@@ -30,8 +30,9 @@ from tierkv import protocol as p
 from tierkv.cli import build_parser
 from tierkv.client import Client, ServerError, UnauthorizedError
 from tierkv.config import ConfigError, ServerConfig
-from tierkv.options import option_help, parse_size
+from tierkv.options import OptionError, option_help, parse_size
 from tierkv.pool import SHM_DIR, segment_exists
+from tierkv.redaction import redacted_url
 
 GIB = 2**30
 MIB = 2**20
@@ -145,6 +146,21 @@ def test_yaml_file_errors(tmp_path: Path) -> None:
 )
 def test_size_strings(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.5", "not a whole number of bytes"),  # bytes come whole (1.5KiB is 1536)
+        ("\u0661\u0662\u0663", "not a size"),  # digits, but not ASCII ones
+        ("12\uff10", "not a size"),  # a fullwidth zero
+        ("-1", "not a size"),
+        ("1 GiBs", "not a size"),
+    ],
+)
+def test_bad_size_strings(text: str, message: str) -> None:
+    with pytest.raises(OptionError, match=message):
+        parse_size(text)
 
 
 def test_size_strings_in_every_source(tmp_path: Path) -> None:
@@ -300,6 +316,43 @@ def test_the_secret_is_redacted() -> None:
     cfg = config.from_mapping({"rpc_tcp": "0.0.0.0:5555", "auth_token": "s3cret"})
     out = config.as_dict(cfg)
     assert out["auth_token"] == "***" and "s3cret" not in str(out)
+
+
+def test_tier_credentials_are_redacted() -> None:
+    """/status shows the configuration without a token: the tiers' credentials (options
+    named as secrets, a URL's userinfo) are hidden, everything else is shown."""
+    cfg = config.from_mapping(
+        {
+            "tiers": [
+                "redis:url=redis://:RedisPassw0rd@cache.example:6379/0",
+                {
+                    "name": "s3",
+                    "bucket": "kv",
+                    "endpoint_url": "https://AKID:S3Secret@s3.example",
+                    "access_key_id": "AKIDEXAMPLE",
+                    "secret_access_key": "S3SecretKeyXYZ",
+                    "session_token": "SessionTok",
+                },
+            ]
+        }
+    )
+    out = config.as_dict(cfg)
+    text = str(out)
+    for secret in ("RedisPassw0rd", "AKID", "S3Secret", "SessionTok"):
+        assert secret not in text
+    redis, s3 = (t["options"] for t in out["tiers"])
+    assert redis["url"] == "redis://***@cache.example:6379/0"
+    assert redacted_url("unix://user:Pw2@/run/redis.sock") == "unix://***@/run/redis.sock"
+    assert redacted_url("redis://cache.example:6379/0") == "redis://cache.example:6379/0"
+    assert s3["endpoint_url"] == "https://***@s3.example" and s3["bucket"] == "kv"
+    assert s3["secret_access_key"] == s3["session_token"] == s3["access_key_id"] == "***"
+    assert cfg.tiers[0].options["url"].endswith("RedisPassw0rd@cache.example:6379/0")
+
+
+def test_a_bad_redis_url_is_reported_without_its_password() -> None:
+    with pytest.raises(ConfigError) as err:
+        config.from_mapping({"tiers": ["redis:url=redis://:Passw0rd@host:notaport/0"]})
+    assert "Passw0rd" not in str(err.value) and "host:notaport" in str(err.value)
 
 
 # -- the real CLI ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ reserved tenant names, and the per-tenant figures in /status and Prometheus."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -157,6 +158,8 @@ BAD_PUTS = [
     ("/quota/t", {"limit": "9" * 400}, "too large"),
     ("/quota/t", {"limits": {"disk": 1e30}}, "limits.disk must be at most"),
     ("/quota/t", {"limit": "lots"}, "not a size"),
+    ("/quota/t", {"limit": "1.5"}, "not a whole number of bytes"),
+    ("/quota/t", {"limit": "\u0661\u0662\u0663"}, "not a size"),  # Arabic-Indic digits
     ("/quota/t", {"limit": True}, "number of bytes"),
     ("/quota/t", {"limit": "1GiB", "limit_gb": 1}, "exactly one"),
     ("/quota/t", {"limits": {"redis": "1GiB"}}, "unknown tier 'redis' for quotas: Redis keeps"),
@@ -254,3 +257,34 @@ def test_the_quota_command_does_the_same_over_http(server_factory: Servers) -> N
     refused = cli("set", "a/b", "1GiB", token="wrong")
     assert refused.returncode == 1 and "403" in refused.stderr
     assert get_json(base + "/quota/a/b")["limit"] == 3 * MiB
+
+
+def test_a_tenant_name_in_the_path_is_decoded_once(server_factory: Servers) -> None:
+    """The HTTP front passes the path on as the client sent it: "team%2F..%2Fvictim" names
+    the tenant "team/../victim" (decoded once, by the server), never "victim"; a path with
+    literal dot segments is refused."""
+    _, base = start(server_factory)
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"limit": 4096}).encode()
+    headers = {"Content-Type": "application/json"}
+
+    def send(method: str, path: str) -> tuple[int, dict[str, object]]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request(method, path, body if method == "PUT" else None, headers)
+            reply = conn.getresponse()
+            return reply.status, json.loads(reply.read())
+        finally:
+            conn.close()
+
+    status, doc = send("PUT", "/quota/team%2F..%2Fvictim")
+    assert (status, doc["tenant"]) == (200, "team/../victim")
+    status, doc = send("PUT", "/quota/acme%2Fprod%09x")
+    assert (status, doc["tenant"]) == (200, "acme/prod\tx")
+    for path in ("/quota/team/../victim", "/quota/./victim"):
+        status, doc = send("PUT", path)
+        assert status == 400 and "segments" in str(doc["error"]), (path, doc)
+    status, doc = send("GET", "/quota?x=1")  # a query string still reaches the server
+    assert status == 200
+    names = {t["tenant"] for t in get_json(base + "/quota")["tenants"]}
+    assert {"team/../victim", "acme/prod\tx"} <= names and "victim" not in names

@@ -110,3 +110,32 @@ def test_unattributed_namespaces_have_no_quota(tier: DiskTier) -> None:
     assert quota.usage() == {OTHER_ID: 6 * FILE}
     assert quota.limit_of(OTHER_ID) is None and quota.enforce() == 0
     assert quota.figures()[OTHER_ID].refused_chunks == 0
+
+
+def test_a_batch_that_ends_while_another_is_admitted_is_counted(tier: DiskTier) -> None:
+    """Batch 2 reads the tenant's usage while batch 1 is admitted, written and done: batch
+    1's file must count for batch 2 either as usage or as in flight, never as neither."""
+    quota, ids, d = setup(tier)
+    quota.set_limits({ids["a"]: 2 * FILE}, None, hard=True)
+    first, second = batches(d["a"], 0, n=2, size=1)
+    write(quota, tier, [d["a"] + b"\xff" * 16])  # one file of the quota held already
+    usage = tier.namespace_usage
+    done = threading.Event()
+    slow = True
+
+    def racing_usage(digests: list[bytes]) -> dict[bytes, int]:
+        nonlocal slow
+        read = usage(digests)
+        if slow:  # batch 2 has read usage; batch 1 runs now, were it not kept out
+            slow = False
+            racer = threading.Thread(target=lambda: (write(quota, tier, first), done.set()))
+            racer.start()
+            done.wait(0.5)
+        return read
+
+    tier.namespace_usage = racing_usage  # type: ignore[method-assign]
+    write(quota, tier, second)
+    assert done.wait(10)
+    tier.namespace_usage = usage  # type: ignore[method-assign]
+    figures = quota.figures()[ids["a"]]
+    assert figures.used == 2 * FILE and figures.refused_chunks == 1  # one of the two fits

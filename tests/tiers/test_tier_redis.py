@@ -12,6 +12,7 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -94,7 +95,17 @@ def test_registered_as_redis_and_valkey(redis_server: str) -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"ttl": 0}, {"ttl": -5}, {"max_connections": 0}, {"retries": -1}, {"url": "http://x"}],
+    [
+        {"ttl": 0},
+        {"ttl": -5},
+        {"max_connections": 0},
+        {"retries": -1},
+        {"url": "http://x"},
+        {"socket_timeout": -1},
+        {"socket_connect_timeout": 0},
+        {"pool_timeout": -1},
+        {"socket_timeout": float("inf")},
+    ],
 )
 def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
     with pytest.raises(TierError):
@@ -381,6 +392,35 @@ def test_lost_server_gives_errors_and_the_tier_recovers(
     statuses, views = load_into(tier, slots, new_keys, [1000, 3000])
     assert statuses == [LoadStatus.OK, LoadStatus.OK]
     assert [bytes(v) for v in views] == expected
+
+
+def test_a_load_stops_asking_once_a_whole_pipeline_failed(
+    make_tier: Callable[..., RedisTier],
+    redis_service: RedisServer,
+    slots: Slots,
+) -> None:
+    """A long load spans several pipelines; once one fails whole (Redis gone or stalled:
+    each try waits out the socket timeout and its retries), the rest are errors without
+    asking Redis again: a prefetch uses a load up to its first failure anyway."""
+    tier = make_tier(max_pipeline_bytes=100 * 1024, socket_timeout=2.0, retries=1)
+    sizes = [60 * 1024] * 6
+    keys, _ = store_random(tier, slots, sizes)
+    pipelines = 0
+    on_socket = tier._on_socket
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return on_socket(*args, **kwargs)
+
+    tier._on_socket = counted  # type: ignore[method-assign]
+    assert load_into(tier, slots, keys, sizes)[0] == [LoadStatus.OK] * 6
+    assert pipelines == 6  # one chunk per pipeline
+    redis_service.stop()
+    pipelines = 0
+    assert load_into(tier, slots, keys, sizes)[0] == [LoadStatus.ERROR] * 6
+    assert pipelines == 1
+    redis_service.start()
 
 
 def test_an_outage_is_logged_once_and_its_end_with_the_count(

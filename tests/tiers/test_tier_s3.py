@@ -273,6 +273,32 @@ def test_loading_into_a_slot_of_another_size_is_corrupt_and_keeps_the_chunk(
     assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
 
 
+def test_a_body_sent_without_content_length_is_read_by_its_record(
+    tier: S3Tier, slots: Slots, raw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint may send a GET's body chunked, without Content-Length (valid HTTP): an
+    intact record loads, one of another size is kept, one longer than its record is
+    corrupt (and deleted), one cut short is an error (kept: the transfer may be at fault)."""
+    get_object = tier._client.get_object
+
+    def chunked(**kwargs: Any) -> Any:
+        response = get_object(**kwargs)
+        response.pop("ContentLength", None)
+        return response
+
+    monkeypatch.setattr(tier._client, "get_object", chunked)
+    keys, expected = store_random(tier, slots, [4096, 4096, 4096, 4096])
+    intact, resized, extended, truncated = keys
+    put_body(raw, tier, extended, get_body(raw, tier, extended) + b"\0")
+    put_body(raw, tier, truncated, get_body(raw, tier, truncated)[:-10])
+    statuses, views = load_into(tier, slots, [intact, extended, truncated], [4096] * 3)
+    assert statuses == [LoadStatus.OK, LoadStatus.CORRUPT, LoadStatus.ERROR]
+    assert bytes(views[0]) == expected[0]
+    assert load_into(tier, slots, [resized], [4000])[0] == [LoadStatus.CORRUPT]
+    assert tier.contains(keys) == [True, True, False, True]
+    assert load_into(tier, slots, [resized], [4096])[0] == [LoadStatus.OK]
+
+
 # -- server failures -----------------------------------------------------------------------
 def test_lost_server_gives_errors_without_raising(
     make_tier: Callable[..., S3Tier], s3_service_private: S3Server, slots: Slots

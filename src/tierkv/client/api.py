@@ -32,7 +32,7 @@ import numpy.typing as npt
 from tierkv import protocol as p
 from tierkv.client.channel import DEFAULT_REPLY_SPIN
 from tierkv.client.connection import DEFAULT_TIMEOUT, ServerConnection
-from tierkv.client.errors import TierKVError
+from tierkv.client.errors import LeaseExpiredError, TierKVError
 from tierkv.client.results import PreparedStore, RetrieveResult, StoreResult
 from tierkv.client.selectors import Tokens, chunk_count_error, num_chunks, selector
 from tierkv.client.slots import SlotCallback, copy_slots, pool_gone
@@ -292,7 +292,10 @@ class Client(ServerConnection):
         except BaseException:
             self.abort_store(prepared)
             raise
-        commit = p.CommitStore(*self._ids(), slots.lease)
+        # A commit in a cluster waits for the directory: at most half this client's reply
+        # timeout, so that a slow directory owner never makes it look lost.
+        wait_ms = int(min(self.timeout, 86_400.0) * 500)
+        commit = p.CommitStore(*self._ids(), slots.lease, wait_ms=wait_ms)
         if not confirm:
             self._channel.call(commit, answered=False, commits=len(slots.slots))
             result.stored = [s.chunk for s in slots.slots]
@@ -348,6 +351,7 @@ class Client(ServerConnection):
             sel = selector(tokens, hashes, partial_last, salt)
             req = p.PrepareRetrieve(*self._ids(), chunks=sel, first_chunk=first_chunk)
         slots: p.RetrieveSlots
+        sent = time.monotonic()
         slots, pool = self._call_for_slots(req)
         result = RetrieveResult(missing=slots.missing)
         if not slots.slots:
@@ -360,10 +364,28 @@ class Client(ServerConnection):
                     f"{last + 1} from first_chunk {first_chunk}"
                 )
             self._copy_slots(slots.slots, pool, scatter, out, first_chunk, False, caller_copies)
-            result.retrieved = [slot.chunk for slot in slots.slots]
+            copied = [slot.chunk for slot in slots.slots]
+            # The locks hold lease_ms from the server's answer, which came after `sent`: a
+            # copy that ended sooner than that after `sent` read locked slots only.
+            if slots.lease_ms and time.monotonic() - sent >= slots.lease_ms / 1000:
+                log.warning(
+                    "tierkv: a retrieve's copy of %d chunks ended after their read locks "
+                    "(%g s): counted as missed, not retrieved",
+                    len(copied),
+                    slots.lease_ms / 1000,
+                )
+                result.late = True
+                result.missing = sorted(result.missing + copied)
+            else:
+                result.retrieved = copied
         finally:
             finish = p.FinishRetrieve(*self._ids(), slots.lease)
-            self._channel.call(finish, answered=wait_release)
+            try:
+                self._channel.call(finish, answered=wait_release)
+            except LeaseExpiredError:
+                if not result.late:
+                    raise
+                # The locks ended before the copy did: the result says so already.
         return result
 
     def _copy_slots(

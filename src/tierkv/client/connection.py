@@ -139,12 +139,16 @@ class ServerConnection:
             engine_id, p.ROLE_WORKER, chunk_tokens,
         )  # fmt: skip
 
-    def register_scheduler(self, model: str, engine_id: str, name: str = "") -> Registration:
+    def register_scheduler(
+        self, model: str, engine_id: str, name: str = "", tenant_salt: str = ""
+    ) -> Registration:
         """Register as the scheduler of engine ``engine_id``: lookups only. A LOOKUP then
         covers every rank registered with that engine id (the smallest hit count) and locks
-        each rank's chunks for that rank's retrieve by request id."""
+        each rank's chunks for that rank's retrieve by request id. ``model`` and
+        ``tenant_salt`` must be the workers' (their model may carry a format: see
+        :func:`tierkv.keys.model_with_format`); the server refuses another engine's."""
         return self._register(
-            model, [1], "uint8", 0, 1, 0, "", name, engine_id, p.ROLE_SCHEDULER, 0
+            model, [1], "uint8", 0, 1, 0, tenant_salt, name, engine_id, p.ROLE_SCHEDULER, 0
         )
 
     def _register(

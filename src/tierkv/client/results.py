@@ -36,6 +36,10 @@ class PreparedStore:
 class RetrieveResult:
     retrieved: list[int] = field(default_factory=list)  # chunk positions copied out
     missing: list[int] = field(default_factory=list)  # not in the cache
+    # The copy outlasted the chunks' read locks (a copy that stalled for the server's
+    # read_ttl): their slots may have been reused under it, so none counts as retrieved
+    # (they are in ``missing``) and what was written into the destinations is not KV.
+    late: bool = False
 
     @property
     def complete(self) -> bool:

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from tierkv.controller.service import ControllerService
+from tierkv.controller.service import LATENCY_BUCKETS, ControllerService
 from tierkv.gc_pauses import GcPauseCollector
 from tierkv.web.lookup import add_lookup_route
 from tierkv.web.pages import add_health_routes, dashboard_html, page_response
@@ -25,16 +25,12 @@ from tierkv.web.requests import authorized_body, error_reply, make_authorizer
 
 MAX_REMOVE_BODY = 4096
 
-LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
-
 
 class ControllerCollector(Collector):
     """Prometheus figures read from the service at scrape time."""
 
     def __init__(self, service: ControllerService) -> None:
         self.service = service
-        self._buckets = [0] * (len(LATENCY_BUCKETS) + 1)
-        self._sum = 0.0
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         s = self.service
@@ -97,20 +93,16 @@ class ControllerCollector(Collector):
             "bytes of the index's tables and filter",
             value=s.index.nbytes(),
         )
-        drained, s.lookup_seconds = s.lookup_seconds, []
-        for v in drained:
-            self._sum += v
-            i = next((i for i, b in enumerate(LATENCY_BUCKETS) if v <= b), len(LATENCY_BUCKETS))
-            self._buckets[i] += 1
+        counts, total = s.lookup_seconds.snapshot()
         cum, buckets = 0, []
-        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], self._buckets, strict=True):
+        for bound, n in zip([*map(str, LATENCY_BUCKETS), "+Inf"], counts, strict=True):
             cum += n
             buckets.append((bound, cum))
         yield HistogramMetricFamily(
             "tierkv_controller_lookup_seconds",
             "time to answer a lookup in the index",
             buckets=buckets,
-            sum_value=self._sum,
+            sum_value=total,
         )
 
 
@@ -136,7 +128,7 @@ def create_app(
             return body
         try:
             doc = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             return error_reply(400, 'the body must be JSON: {"instance": ID}')
         instance = doc.get("instance") if isinstance(doc, dict) else None
         if not isinstance(instance, str) or not instance:

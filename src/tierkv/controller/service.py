@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,30 @@ log = logging.getLogger(__name__)
 MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
 ACTIVITY = 50  # recent events kept for the dashboard
 UNSYNCED = -1  # the sequence of a registration whose full sync has not ended
+
+
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+
+
+class LookupLatency:
+    """How long lookups took, as a histogram's bucket counts and sum: a fixed size however
+    many lookups come and whether or not anything scrapes it. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last one: +Inf
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = bisect_left(LATENCY_BUCKETS, seconds)
+        with self._lock:
+            self._counts[i] += 1
+            self._sum += seconds
+
+    def snapshot(self) -> tuple[list[int], float]:
+        """(count per bucket, not cumulative; the sum of the seconds)."""
+        with self._lock:
+            return list(self._counts), self._sum
 
 
 @dataclass
@@ -99,7 +124,7 @@ class ControllerService:
             "deregistered_clean": 0,
             "deregistered_operator": 0,
         }
-        self.lookup_seconds: list[float] = []  # the metrics collector drains it
+        self.lookup_seconds = LookupLatency()
         # The control port's counters (served, refused, replayed, malformed): set by the app.
         self.control_stats: Callable[[], dict[str, int]] = dict
         # Every namespace a server named, kept while some instance holds keys of it: a
@@ -145,12 +170,12 @@ class ControllerService:
     def reap(self) -> list[str]:
         """Deregister servers silent for longer than ``dead_after``."""
         now = self.clock()
+        # The keys go with the registration, under the same lock: a server that registers
+        # again (and syncs) in between must not have its fresh entries dropped after.
         with self._lock:
             dead = [i for i, s in self._instances.items() if now - s.last_seen > self.dead_after]
-            for instance in dead:
-                del self._instances[instance]
-        for instance in dead:
-            n = self.index.drop(instance)
+            held = {instance: self._drop(instance) for instance in dead}
+        for instance, n in held.items():
             self.counts["deregistered_dead"] += 1
             self._event("deregistered", instance, f"silent for {self.dead_after:g} s, {n} keys")
             log.warning(
@@ -161,14 +186,19 @@ class ControllerService:
     def remove(self, instance: str) -> int | None:
         """An operator's removal: forget ``instance`` and its keys (None: not registered)."""
         with self._lock:
-            state = self._instances.pop(instance, None)
-        if state is None:
-            return None
-        n = self.index.drop(instance)
+            if instance not in self._instances:
+                return None
+            n = self._drop(instance)
         self.counts["deregistered_operator"] += 1
         self._event("removed", instance, f"by an operator, {n} keys")
         log.warning("server %s removed by an operator (%d keys)", instance, n)
         return n
+
+    def _drop(self, instance: str) -> int:
+        """Forget a registered instance and its keys (lock held by the caller); returns
+        how many keys it held."""
+        del self._instances[instance]
+        return self.index.drop(instance)
 
     def _event(self, event: str, instance: str, detail: str = "") -> None:
         self.activity.append(
@@ -193,15 +223,14 @@ class ControllerService:
         now = self.clock()
         with self._lock:
             old = self._instances.get(member.node_id)
+            if old is not None:  # a re-registration starts from nothing: its full sync follows
+                self._drop(member.node_id)
             self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
             self._remember(req.namespaces)
         restarted = old is not None and old.member.incarnation != member.incarnation
-        if old is not None:
-            # A re-registration starts from nothing: its full sync follows.
-            self.index.drop(member.node_id)
-            if restarted:
-                self.counts["restarts_noticed"] += 1
-                log.info("server %s restarted: its previous entries dropped", member.node_id)
+        if restarted:
+            self.counts["restarts_noticed"] += 1
+            log.info("server %s restarted: its previous entries dropped", member.node_id)
         self.counts["registrations"] += 1
         self._event("registered", member.node_id, "restarted" if restarted else member.data)
         log.info("server %s registered (data %s)", member.node_id, member.data)
@@ -302,13 +331,10 @@ class ControllerService:
 
     def on_deregister(self, req: cm.Deregister) -> m.Done:
         with self._lock:
-            state = self._current(req.instance, req.boot)
-            if state is not None:
-                del self._instances[req.instance]
-        if state is None:
-            return m.Done(req.rid, 0)
+            if self._current(req.instance, req.boot) is None:
+                return m.Done(req.rid, 0)
+            n = self._drop(req.instance)
         self.counts["deregistered_clean"] += 1
-        n = self.index.drop(req.instance)
         self._event("deregistered", req.instance, f"shut down, {n} keys")
         return m.Done(req.rid, n)
 
@@ -330,7 +356,7 @@ class ControllerService:
             holders.append(member)
         self.counts["lookups"] += 1
         self.counts["lookup_keys"] += len(req.keys)
-        self.lookup_seconds.append(time.perf_counter() - t)
+        self.lookup_seconds.observe(time.perf_counter() - t)
         return cm.Located(req.rid, holders, *found_columns.of_arrays(parts))
 
     def _remember(self, namespaces: list[cm.NamespaceInfo]) -> None:
@@ -368,7 +394,7 @@ class ControllerService:
         t = time.perf_counter()
         reply = router_lookup.answer(body, namespaces, self.index.lookup, address)
         self.counts["router_lookups"] += 1
-        self.lookup_seconds.append(time.perf_counter() - t)
+        self.lookup_seconds.observe(time.perf_counter() - t)
         return reply
 
     # -- figures ---------------------------------------------------------------------------

@@ -100,6 +100,12 @@ class StatsCollector(Collector):
             "objects{state=read_locked}; they keep their LRU place)",
             locks["pinned_objects"],
         )
+        yield _gauge(
+            "tierkv_expired_slots_held",
+            "Slots of expired store reservations and write-behind pins kept from reuse until "
+            "their holder ends them or goes away (it may still be using them)",
+            locks["expired_held"],
+        )
         yield _counter(
             "tierkv_clients_reaped",
             "Engine clients dropped (locks released) because their process exited",

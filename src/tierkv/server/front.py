@@ -133,8 +133,14 @@ class FrontApp:
             return body
         # (values without surrounding blanks, which are not part of a value: RFC 9110 5.5)
         headers = [(k, v.strip()) for k, v in request.headers.items() if k not in HOP_BY_HOP]
-        query = request.url.query
-        url = httpx.URL(path=request.url.path, query=query.encode()) if query else request.url.path
+        # The path as the client sent it, still percent-encoded: the core decodes it once (a
+        # decoded path sent on would be decoded twice, and its "a%2F..%2Fb" become "b").
+        # Dot segments are refused: an HTTP client would have removed them before sending.
+        raw_path: bytes = request.scope.get("raw_path") or request.url.path.encode()
+        if any(segment in (b".", b"..") for segment in raw_path.split(b"/")):
+            return error_reply(400, "a path with '.' or '..' segments")
+        query: bytes = request.scope.get("query_string", b"")
+        url = self.core.base_url.copy_with(raw_path=raw_path + b"?" + query if query else raw_path)
         try:
             reply = await self.core.request(request.method, url, headers=headers, content=body)
         except httpx.HTTPError as exc:

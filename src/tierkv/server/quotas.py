@@ -41,7 +41,15 @@ from tierkv.server.quota_values import (
     check_name,
 )
 from tierkv.server.tiering.tier_quotas import TierQuota
-from tierkv.tenants import OTHER_TENANT, RESERVED, TenantFigures, TenantIds, tenant_tag
+from tierkv.tenants import (
+    MAX_TENANTS,
+    OTHER_ID,
+    OTHER_TENANT,
+    RESERVED,
+    TenantFigures,
+    TenantIds,
+    tenant_tag,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +90,7 @@ class Quotas:
         self.tenants = tenants
         self.path = path
         self._lock = threading.Lock()
+        self._push_turn = threading.Lock()  # one push of limits at a time (see _push)
         # Writers of the quota file take turns through this condition (on ``_lock``), with
         # no lock held while one writes: see :meth:`_save`.
         self._file_turn = threading.Condition(self._lock)
@@ -144,6 +153,11 @@ class Quotas:
                     f"{OTHER_TENANT} holds the {tier} chunks whose tenant is not known yet "
                     f"(after a restart, until their engine registers): it takes no {tier} quota"
                 )
+        if name != OTHER_TENANT and self.tenants.id_of(name) == OTHER_ID:
+            raise QuotaError(
+                f"this server knows {MAX_TENANTS} tenants, the most it tells apart: a new "
+                f"tenant's chunks count as {OTHER_TENANT}, whose quota is set by that name"
+            )
         with self._lock:
             for tier, limit in limits.items():
                 self._apply(tier, name, limit)
@@ -360,13 +374,18 @@ class Quotas:
             self._live[tier].pop(name, None)
 
     def _push(self) -> None:
-        with self._lock:
-            ids = self.tenants.id_of
-            limits = {t: {ids(n): v for n, v in self._limits[t].items()} for t in TIERS}
-            defaults, hard = dict(self._defaults), self._mode == "hard"
-        self.index.set_quotas(limits["pool"], defaults["pool"], hard)
-        for tier, quota in self._tiers.items():
-            quota.set_limits(limits[tier], defaults[tier], hard)
+        """Give the index and the tiers the current limits. One push at a time, from its
+        snapshot to its last tier: two changes at once otherwise could leave the older
+        snapshot in force. A tenant name without an id (beyond MAX_TENANTS) is left out: its
+        id would be ~other's."""
+        with self._push_turn:
+            with self._lock:
+                ids = self.tenants.id_of
+                limits = {t: _by_id(self._limits[t], ids) for t in TIERS}
+                defaults, hard = dict(self._defaults), self._mode == "hard"
+            self.index.set_quotas(limits["pool"], defaults["pool"], hard)
+            for tier, quota in self._tiers.items():
+                quota.set_limits(limits[tier], defaults[tier], hard)
 
     def _changed(self) -> None:
         self._push()
@@ -434,3 +453,14 @@ def _tier_row(f: TenantFigures | None, limit: int | None) -> p.TenantTierInfo:
 
 def _shown(limit: int | None) -> int | str:
     return UNLIMITED if limit is None else limit
+
+
+def _by_id(limits: Mapping[str, int], id_of: Callable[[str], int]) -> dict[int, int]:
+    """Limits by tenant name as limits by tenant id, leaving out names without an id of
+    their own (``~other``'s is its own)."""
+    out: dict[int, int] = {}
+    for name, limit in limits.items():
+        tid = id_of(name)
+        if tid != OTHER_ID or name == OTHER_TENANT:
+            out[tid] = limit
+    return out

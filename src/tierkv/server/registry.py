@@ -6,6 +6,15 @@ instance (one client per tensor-parallel rank) and its scheduler share an ``engi
 that is an engine group, and a worker registering again for a rank its engine already has
 replaces the earlier registration (a duplicate would leave the group unservable).
 
+A group's lookups run in its workers' namespaces and its scheduler hands their locks to the
+workers by request id, so every member must be of one engine: the same tenant, the workers
+of one model (namespace model and world size) and the scheduler of that model. A REGISTER
+that does not fit the group its ``engine_id`` names is refused (two engines given one
+engine id by mistake, or a client of another tenant naming someone else's engine: it would
+learn what that engine has cached, take its locks, or have it load other KV). A worker does
+not replace a rank that a running process (one the server watches) still holds: that
+process may be copying out of chunks its locks hold.
+
 A registration ends with UNREGISTER, or without one:
 
 - a *watched* client (its process is visible to the server: same boot, same pid namespace)
@@ -40,6 +49,10 @@ MAX_SALTS = 4096  # cache-salt digests remembered per registration (then forgott
 
 class RegistryFull(Exception):
     """REGISTER beyond ``max_clients``."""
+
+
+class GroupConflict(Exception):
+    """REGISTER into an engine group it is not a member of (see the module doc)."""
 
 
 @dataclass(slots=True)
@@ -81,16 +94,52 @@ class Registration:
         digest = self.salted.get(salt)
         if digest is None:
             tenant = self.namespace.tenant_salt
-            ns = msgspec.structs.replace(
-                self.namespace, tenant_salt=f"{len(tenant)}:{tenant}{salt}"
-            )
-            digest = ns.digest()
+            digest = msgspec.structs.replace(self.namespace, cache_salt=salt).digest()
             if self.tenants is not None:
                 self.tenants.bind(digest, tenant_name(tenant, salt))
             if len(self.salted) >= MAX_SALTS:
                 self.salted.clear()
             self.salted[salt] = digest
         return digest
+
+
+def _check_same_engine(member: Registration, reg: Registration) -> None:
+    """Raise GroupConflict unless ``reg`` can be of the engine ``member`` is of."""
+    mine, theirs = reg.namespace, member.namespace
+    if mine.tenant_salt != theirs.tenant_salt:
+        same = False
+    elif reg.role == p.ROLE_SCHEDULER and member.role == p.ROLE_SCHEDULER:
+        same = mine.model == theirs.model
+    elif reg.role == p.ROLE_SCHEDULER:
+        same = keys.is_of_model(theirs.model, mine.model)
+    elif member.role == p.ROLE_SCHEDULER:
+        same = keys.is_of_model(mine.model, theirs.model)
+    else:
+        same = (mine.model, mine.world_size) == (theirs.model, theirs.world_size)
+    if not same:
+        raise GroupConflict(
+            f"engine id {reg.engine_id!r} is registered by an engine of another model, "
+            "world size or tenant: give each engine instance its own engine id"
+        )
+
+
+def _same_rank(member: Registration, reg: Registration) -> bool:
+    """Whether ``member`` is a worker of ``reg``'s engine id and rank."""
+    return (
+        member.engine_id == reg.engine_id
+        and member.role != p.ROLE_SCHEDULER
+        and member.namespace.rank == reg.namespace.rank
+    )
+
+
+def _check_replaceable(old: Registration, reg: Registration) -> None:
+    """Raise GroupConflict if ``old``'s rank is held by a running process other than
+    ``reg``'s (a process the server watches; others are taken to be gone)."""
+    if old.process is not None and old.pid != reg.pid and old.process.alive():
+        raise GroupConflict(
+            f"rank {old.namespace.rank} of engine {reg.engine_id!r} is registered by a "
+            f"running process (pid {old.pid}): give each engine instance its own engine id"
+        )
 
 
 class ClientRegistry:
@@ -133,15 +182,30 @@ class ClientRegistry:
     def add(self, reg: Registration) -> list[Registration]:
         """Record ``reg``; returns the registrations it replaced (already dropped)."""
         scheduler = reg.role == p.ROLE_SCHEDULER
+        checked: set[int] = set()  # the registrations of reg's rank, not held by a process
+        if reg.engine_id and not scheduler:
+            with self._lock:
+                olds = [c for c in self._clients.values() if _same_rank(c, reg)]
+            for old in olds:  # reads /proc: not under the lock
+                _check_replaceable(old, reg)
+                checked.add(old.token)
         with self._lock:
             if len(self._clients) >= self.max_clients:
                 raise RegistryFull(
                     f"{len(self._clients)} clients are registered, the most this server "
                     "accepts (--max-clients); unregister idle ones or raise the limit"
                 )
-            group = self._groups.setdefault(reg.engine_id, {}) if reg.engine_id else {}
             rank = reg.namespace.rank
-            replaced = [] if scheduler else [c for c in group.values() if c.namespace.rank == rank]
+            replaced: list[Registration] = []
+            if reg.engine_id:
+                members = [c for c in self._clients.values() if c.engine_id == reg.engine_id]
+                for member in members:
+                    _check_same_engine(member, reg)
+                if not scheduler:
+                    replaced = [c for c in members if _same_rank(c, reg)]
+                    if any(c.token not in checked for c in replaced):
+                        raise GroupConflict(f"engine {reg.engine_id!r} changed: register again")
+            group = self._groups.setdefault(reg.engine_id, {}) if reg.engine_id else {}
             self._clients[reg.token] = reg
             if reg.engine_id and not scheduler:
                 group[reg.token] = reg
@@ -207,8 +271,13 @@ class ClientRegistry:
 
     def reap(self) -> int:
         """Drop watched clients whose process has exited and unwatched ones idle for longer
-        than ``idle_ttl``: their write reservations and read locks are released now."""
-        cutoff = self.clock() - self.idle_ttl
+        than ``idle_ttl``: their write reservations and read locks are released now. An
+        unwatched client silent for two write TTLs (its reservation's, then one more) lets go
+        of its expired reservations' slots, kept from reuse while it might still write into
+        them: a watched one keeps them until its process exits."""
+        now = self.clock()
+        cutoff = now - self.idle_ttl
+        quiet = now - 2 * self.index.write_ttl
         with self._lock:
             clients = list(self._clients.values())
         dropped = 0
@@ -222,6 +291,14 @@ class ClientRegistry:
                 why = f"(pid {reg.pid}) sent nothing for {self.idle_ttl:g} s (--client-idle-ttl)"
                 self.expired += 1
             else:
+                if reg.last_seen < quiet and (held := self.index.release_expired_holds(reg.token)):
+                    log.warning(
+                        "client %s (pid %d) sent nothing since its store reservation expired: "
+                        "%d slots it might have been writing into are reused now",
+                        reg.name or "-",
+                        reg.pid,
+                        held,
+                    )
                 continue
             if reg.token not in self._clients:
                 continue

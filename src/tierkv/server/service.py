@@ -31,7 +31,7 @@ from tierkv.server.chunk_keys import ChunkKeys
 from tierkv.server.errors import RequestError
 from tierkv.server.metrics import ServiceMetrics
 from tierkv.server.register_checks import check_register
-from tierkv.server.registry import ClientRegistry, Registration, RegistryFull
+from tierkv.server.registry import ClientRegistry, GroupConflict, Registration, RegistryFull
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
 
@@ -225,6 +225,8 @@ class CacheService:
             self.registry.add(reg)
         except RegistryFull as exc:
             raise RequestError(p.ErrorCode.LIMIT, str(exc)) from None
+        except GroupConflict as exc:
+            raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
         log.info(
             "registered client %s (pid %d) model=%s rank=%d/%d layout=%s",
             req.name or "-",
@@ -316,10 +318,13 @@ class CacheService:
         self.metrics.stored(res.committed, res.committed_bytes)
         publisher = self._publisher
         if publisher is not None and res.committed_keys:
+            wait = self._publish_timeout
+            if req.wait_ms >= 0:
+                wait = min(wait, req.wait_ms / 1000)
             ticket = publisher.publish_committed(res.committed_keys, res.committed_lengths)
-            if not publisher.wait_published(ticket, self._publish_timeout):
+            if not publisher.wait_published(ticket, wait):
                 log.debug("commit of %d chunks: directory not updated within %.1f s",
-                          res.committed, self._publish_timeout)  # fmt: skip
+                          res.committed, wait)  # fmt: skip
         return p.Committed(req.rid, res.committed, res.aborted, res.cleared)
 
     def abort_store(self, req: p.AbortStore) -> p.Ok:
@@ -446,6 +451,7 @@ class CacheService:
                 lock.lease_id,
                 [p.Slot(i + base, off, n) for i, off, n in lock.slots],
                 [i + base for i in lock.missing],
+                self._read_lease_ms(),
             )
         if not req.request_id:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks")
@@ -477,7 +483,12 @@ class CacheService:
             lease,
             [p.Slot(i, off, n) for i, (_, off, n) in enumerate(slots)],
             list(range(len(slots), session.total)),
+            self._read_lease_ms(),  # renewed: a whole read TTL from now
         )
+
+    def _read_lease_ms(self) -> int:
+        """How long a read lease taken (or renewed) now holds, in whole ms."""
+        return max(1, int(self.index.read_ttl * 1000))
 
     def finish_retrieve(self, req: p.FinishRetrieve) -> p.Ok:
         reg = self._client(req.client)

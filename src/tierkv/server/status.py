@@ -193,6 +193,7 @@ class StatusBuilder:
             clients_reaped=self.registry.reaped,
             pinned=s.pinned,
             pin_leases=s.pin_leases,
+            expired_held=s.expired_held,
             clients_expired=self.registry.expired,
             stored_chunks=pool.get("stored_chunks", 0),
             retrieved_chunks=pool.get("retrieved_chunks", 0),
@@ -251,6 +252,7 @@ def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
             "clients_expired": s.clients_expired,
             "pinned_objects": s.pinned,
             "pin_leases": s.pin_leases,
+            "expired_held": s.expired_held,
         },
         "evictions": {
             "objects": s.evictions,

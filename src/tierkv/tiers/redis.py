@@ -35,10 +35,12 @@ WARNING when Redis stops answering, one INFO line with the count when it answers
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from tierkv.options import Size
+from tierkv.redaction import redacted_url
 from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
@@ -140,7 +142,7 @@ class RedisTier(Tier):
                 command_packer=GatherPacker(),
             )
         except ValueError as exc:
-            raise TierError(f"redis tier: bad url {url!r}: {exc}") from exc
+            raise TierError(f"redis tier: bad url {redacted_url(url)!r}: {exc}") from exc
         self._client = redis.Redis(connection_pool=self._pool)
         self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
@@ -158,7 +160,7 @@ class RedisTier(Tier):
         try:
             redis.connection.parse_url(url)  # type: ignore[no-untyped-call]
         except ValueError as exc:
-            raise TierError(f"redis tier: bad url {url!r}: {exc}") from None
+            raise TierError(f"redis tier: bad url {redacted_url(url)!r}: {exc}") from None
         if ttl is not None and not ttl > 0:
             raise TierError(f"redis tier: ttl must be positive seconds, got {ttl!r}")
         if options.get("max_connections", 1) < 1:
@@ -167,6 +169,10 @@ class RedisTier(Tier):
             )
         if options.get("retries", 0) < 0:
             raise TierError(f"redis tier: retries must be >= 0, got {options['retries']}")
+        for name in ("socket_timeout", "socket_connect_timeout", "pool_timeout"):
+            value = options.get(name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise TierError(f"redis tier: {name} must be positive seconds, got {value!r}")
 
     # -- helpers ---------------------------------------------------------------------------
     def _safe_url(self) -> str:
@@ -278,8 +284,19 @@ class RedisTier(Tier):
     ) -> tuple[list[LoadStatus], dict[bytes, bytes]]:
         statuses: list[LoadStatus] = []
         sums: dict[bytes, bytes] = {}
+        failed = False
         for batch in self._load_batches(items):
-            statuses.extend(self._load_batch(batch, sums))
+            if failed:
+                # A whole pipeline failed (Redis down, stalled, refusing): asking again for
+                # the next one would only wait out the socket timeout once more, and a load
+                # is used up to its first failure anyway.
+                skipped = [LoadStatus.ERROR] * len(batch)
+                self._counts.add_loads(skipped)
+                statuses.extend(skipped)
+                continue
+            got = self._load_batch(batch, sums)
+            statuses.extend(got)
+            failed = all(status is LoadStatus.ERROR for status in got)
         return statuses, sums
 
     def _load_batches(

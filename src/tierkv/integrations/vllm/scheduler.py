@@ -237,7 +237,10 @@ class SchedulerSide:
 
     def _register(self, client: Client) -> None:
         reg = client.register_scheduler(
-            self.model_id, self.engine_id, name=f"vllm-scheduler-{self.engine_id[:8]}"
+            self.model_id,
+            self.engine_id,
+            name=f"vllm-scheduler-{self.engine_id[:8]}",
+            tenant_salt=self.settings.tenant,
         )
         if reg.chunk_size != self.chunk_size:
             raise RuntimeError(

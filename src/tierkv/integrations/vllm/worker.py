@@ -354,6 +354,8 @@ class WorkerSide:
             lambda c: c.retrieve(scatter=scatter, caller_copies=True, wait_release=False, **named),
             None,
         )
+        if result is not None:
+            loaded.intersection_update(result.retrieved)  # none if the copy was late
         with self._lock:
             self._timed("load", start, 0 if result is None else len(result.retrieved))
         if spec.state is not None and not self._load_state(spec.state):
@@ -373,13 +375,15 @@ class WorkerSide:
             layout.scatter(piece, state.block_ids, src)
             written.add(piece)
 
-        self.link.call(
+        result = self.link.call(
             f"retrieve of {state.request_id}",
             lambda c: c.retrieve(
                 request_id=state.request_id, scatter=scatter, caller_copies=True, wait_release=False
             ),
             None,
         )
+        if result is not None:
+            written.intersection_update(result.retrieved)  # none if the copy was late
         if len(written) != layout.format.pieces:
             return False
         self.stats["loaded_states"] += 1

@@ -112,9 +112,12 @@ class TierQuota:
         for i, (key, _) in enumerate(items):
             if not held[i]:
                 want.setdefault(by_digest.get(key[:DIGEST_SIZE], OTHER_ID), []).append(i)
-        used = {tid: self.used_by(tid) for tid in want if tid != OTHER_ID}
         admission = Admission([i for i in range(len(items)) if held[i]], {})
         with self._lock:
+            # Usage is read under the lock that in-flight bytes are counted under: a batch
+            # that ends in between (its file counted in neither) cannot be missed. It is the
+            # tier's in-memory index, no I/O.
+            used = {tid: self.used_by(tid) for tid in want if tid != OTHER_ID}
             tally = self._tally
             for tid, positions in want.items():
                 limit = tally.limit_of(tid)

@@ -1,0 +1,65 @@
+"""A commit's wait for the cluster directory stays within what its client waits for.
+
+In a cluster, COMMIT_STORE replies once the directory has the chunks (read-your-writes), at
+most ``commit_publish_timeout``. A client whose reply timeout equals that wait (an engine's
+link: 2 s each by default) gave up on a commit the server made, and counted the server
+down; the client now asks for at most half its timeout. A real server and client, with a
+publisher that records the wait it is given instead of a directory.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from support.servers import CHUNK_SIZE, chunk_data, register
+from tierkv import protocol as p
+from tierkv.client import Client
+from tierkv.config import from_mapping
+from tierkv.server.wiring import Server
+
+
+class RecordingPublisher:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+
+    def publish_committed(self, keys: Sequence[bytes], lengths: Sequence[int]) -> int:
+        return len(self.waits)
+
+    def wait_published(self, ticket: int, timeout: float) -> bool:
+        self.waits.append(timeout)
+        return True
+
+
+def test_a_commit_waits_for_the_directory_within_its_clients_timeout(tmp_path: Path) -> None:
+    instance = uuid.uuid4().hex[:10]
+    cfg = from_mapping(
+        {
+            "instance": instance,
+            "runtime_dir": str(tmp_path / "run"),
+            "pool_name": f"tierkv-test-{instance}",
+            "pool_size": "8MiB",
+        }
+    )
+    server = Server(cfg).start_background()
+    try:
+        publisher = RecordingPublisher()
+        server.service.publish_commits(publisher, 5.0)
+        tokens = list(range(CHUNK_SIZE * 3))
+        with Client(server.endpoint, timeout=2.0) as client:
+            register(client)
+            assert client.store(tokens[:CHUNK_SIZE], [chunk_data(tokens, 0)]).stored == [0]
+            client.timeout = 60.0  # longer than the server's own limit: that limit holds
+            stored = client.store(tokens[: 2 * CHUNK_SIZE], [chunk_data(tokens, 1)], first_chunk=1)
+            assert stored.stored == [1]
+            # A client that does not say (an older one): the server's limit. (Nothing was
+            # copied into the slot: this test reads no bytes back.)
+            prepared = client.prepare_store(tokens, first_chunk=2)
+            reply = client._channel.call(
+                p.CommitStore(client._channel.rid(), client._token(), prepared.slots.lease)
+            )
+            assert isinstance(reply, p.Committed) and reply.committed == 1
+        assert publisher.waits == [1.0, 5.0, 5.0]
+    finally:
+        server.stop()
