@@ -166,10 +166,20 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 0.1
     # -- clients
     write_ttl: Annotated[
-        float, option(CLIENTS, "seconds before an uncommitted store reservation is reclaimed")
+        float,
+        option(
+            CLIENTS,
+            "seconds an uncommitted store reservation lasts (its slots come back once its "
+            "client ends it or goes away: the client may still be copying into them)",
+        ),
     ] = 600.0
     read_ttl: Annotated[
-        float, option(CLIENTS, "seconds before an unreleased read lock expires")
+        float,
+        option(
+            CLIENTS,
+            "seconds before an unreleased read lock expires (a copy that outlasts it counts "
+            "as a miss)",
+        ),
     ] = 300.0
     session_ttl: Annotated[float, option(CLIENTS, "seconds an idle lookup session is kept")] = 300.0
     client_idle_ttl: Annotated[
