@@ -9,6 +9,7 @@ import http.client
 import io
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -297,6 +298,24 @@ def test_a_body_sent_without_content_length_is_read_by_its_record(
     assert load_into(tier, slots, [resized], [4000])[0] == [LoadStatus.CORRUPT]
     assert tier.contains(keys) == [True, True, False, True]
     assert load_into(tier, slots, [resized], [4096])[0] == [LoadStatus.OK]
+
+
+def test_a_batch_returns_only_once_every_request_ended(tier: S3Tier) -> None:
+    """A load's GETs write into pool slots its caller frees when the load returns: one
+    request raising must not return (or raise) while the others still run."""
+    ended: list[int] = []
+
+    def request(i: int) -> int:
+        if i == 0:
+            raise RuntimeError("boom")
+        time.sleep(0.2)  # still writing when the first one has failed
+        ended.append(i)
+        return i
+
+    with pytest.raises(RuntimeError, match="boom"):
+        tier._map(request, [0, 1, 2])
+    assert sorted(ended) == [1, 2]
+    assert tier._map(lambda i: i * 2, [1, 2, 3]) == [2, 4, 6]
 
 
 # -- server failures -----------------------------------------------------------------------

@@ -35,7 +35,7 @@ import http.client
 import logging
 import urllib.parse
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
@@ -205,9 +205,14 @@ class S3Tier(Tier):
         return self._counts.snapshot()
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``fn`` of each item, on the tier's threads; returns (or raises the first item's
+        exception) only once every call ended: a load's GETs write into pool slots that the
+        caller frees when this returns."""
         if len(items) == 1:
             return [fn(items[0])]
-        return list(self._executor.map(fn, items))
+        futures = [self._executor.submit(fn, item) for item in items]
+        wait(futures)
+        return [future.result() for future in futures]
 
     # -- Tier ------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
