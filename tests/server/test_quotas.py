@@ -209,6 +209,11 @@ def test_bad_quota_requests_get_a_400_and_change_nothing(server_factory: Servers
     # "=" escapes a name: the tenant whose salt is "config".
     assert put(base, "/quota/=config", {"limit": 7}).json()["tenant"] == "config"
     assert get_json(base + "/quota/=config")["limit"] == 7
+    # DELETE /quota/config is about the configuration too, as GET and PUT are: refused.
+    assert request("DELETE", base + "/quota/config").status == 405
+    assert get_json(base + "/quota/=config")["limit"] == 7
+    assert request("DELETE", base + "/quota/=config").status == 200
+    assert get_json(base + "/quota/=config")["limit"] is None
     assert "default_limit" in get_json(base + "/quota/config")
     assert srv.proc is not None and srv.proc.poll() is None
     assert "Traceback" not in srv.log() and " ERROR " not in srv.log()

@@ -11,7 +11,7 @@
   to the default); the tiers not named keep their limits
 - ``GET /quota/{tenant}``: its limits (its own or the default's) and usage per tier
 - ``DELETE /quota/{tenant}``: its quota removed in every tier (404 if it had none); it gets
-  the defaults
+  the defaults (``DELETE /quota/config`` is refused: that path is the configuration)
 
 ``{tenant}`` is the tenant's name (URL-encoded; it may contain ``/``): the salt, or
 ``~default`` for the chunks without any. A leading ``=`` is stripped, so ``/quota/=config``
@@ -142,6 +142,15 @@ def add_quota_routes(
         except QuotaError as exc:
             return error_reply(400, str(exc))
         return JSONResponse(quotas.config())
+
+    @app.delete("/quota/config")
+    def delete_config() -> JSONResponse:
+        # As GET and PUT: the configuration, not a tenant named "config" (/quota/=config).
+        return error_reply(
+            405,
+            "the quota configuration is not deleted: PUT /quota/config sets its defaults; "
+            "the tenant named config is /quota/=config",
+        )
 
     @app.get("/quota/{tenant:path}")
     def get_tenant(tenant: str) -> JSONResponse:
