@@ -9,14 +9,12 @@ publisher that records the wait it is given instead of a directory.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from support.servers import CHUNK_SIZE, chunk_data, register
+from support.servers import CHUNK_SIZE, chunk_data, in_process_config, register
 from tierkv import protocol as p
 from tierkv.client import Client
-from tierkv.config import from_mapping
 from tierkv.server.wiring import Server
 
 
@@ -33,15 +31,7 @@ class RecordingPublisher:
 
 
 def test_a_commit_waits_for_the_directory_within_its_clients_timeout(tmp_path: Path) -> None:
-    instance = uuid.uuid4().hex[:10]
-    cfg = from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "8MiB",
-        }
-    )
+    cfg = in_process_config(tmp_path)
     server = Server(cfg).start_background()
     try:
         publisher = RecordingPublisher()

@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 import threading
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from support.httputil import free_port, wait_for
+from support.servers import in_process_config
 from tierkv import protocol as p
 from tierkv.client import Client
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import router_lookup
-from tierkv.config import from_mapping
 from tierkv.server.engine_first import EngineFirst
 from tierkv.server.wiring import Server
 
@@ -80,16 +79,7 @@ def test_a_router_lookup_passes_its_check_points() -> None:
 
 
 def _config(tmp_path: Path, http_port: int) -> Any:
-    instance = uuid.uuid4().hex[:10]
-    return from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "8MiB",
-            "http_port": http_port,
-        }
-    )
+    return in_process_config(tmp_path, http_port=http_port)
 
 
 @pytest.mark.processes  # its server's HTTP front is a process

@@ -34,6 +34,7 @@ from support.servers import (
     CHUNK_SIZE,
     ServerProcess,
     chunk_data,
+    in_process_config,
     register,
 )
 from tierkv import keys
@@ -466,20 +467,10 @@ def test_metrics_count_tier_hits_and_corrupt_misses(
 def test_healthcheck_fails_when_a_part_stops(tmp_path: Path) -> None:
     """An in-process server: stopping its eviction thread turns the health check to 503,
     and stopping the RPC loop ends the HTTP server with it."""
-    from tierkv.config import from_mapping
     from tierkv.server.wiring import Server
 
     port = free_port()
-    instance = uuid.uuid4().hex[:10]
-    cfg = from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "4MiB",
-            "http_port": port,
-        }
-    )
+    cfg = in_process_config(tmp_path, pool_size="4MiB", http_port=port)
     base = f"http://127.0.0.1:{port}"
     server = Server(cfg).start_background()
     try:

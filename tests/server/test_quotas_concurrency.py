@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import random
 import traceback
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from support.servers import CHUNK_BYTES, CHUNK_SIZE, chunk_data, register
+from support.servers import CHUNK_BYTES, CHUNK_SIZE, chunk_data, in_process_config, register
 from support.workers import run_workers
 from tierkv.client import Client
-from tierkv.config import from_mapping
 from tierkv.server.wiring import Server
 
 ENGINES = [("a", ""), ("a", ""), ("b", ""), ("", "user-1"), ("", "")]  # (tenant, cache salt)
@@ -52,17 +50,11 @@ def engine(endpoint: str, idx: int, tenant: str, salt: str, results: Any) -> Non
 
 @pytest.mark.processes
 def test_usage_per_tenant_is_exact_under_concurrent_engines(tmp_path: Path) -> None:
-    instance = uuid.uuid4().hex[:10]
-    cfg = from_mapping(
-        {
-            "instance": instance,
-            "runtime_dir": str(tmp_path / "run"),
-            "pool_name": f"tierkv-test-{instance}",
-            "pool_size": "4MiB",  # 128 chunks: the watermark evicts too
-            "http_port": 0,
-            "quotas": {"a": "1MiB", "user-1": "512KiB"},
-            "eviction_interval": 0.01,
-        }
+    cfg = in_process_config(
+        tmp_path,
+        pool_size="4MiB",  # 128 chunks: the watermark evicts too
+        quotas={"a": "1MiB", "user-1": "512KiB"},
+        eviction_interval=0.01,
     )
     with Server(cfg).start_background() as server:
         run_workers(

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from support.clusterkit import free_ports
+from support.servers import in_process_config
 from tierkv import keys
-from tierkv.config import ServerConfig, from_mapping
+from tierkv.config import ServerConfig
 from tierkv.endpoints import EndpointInUseError
 from tierkv.pool import segment_exists
 from tierkv.server.wiring import Server
@@ -28,20 +29,13 @@ def _config(
     tmp_path: Path, http_port: int, cluster_port: int | None = None
 ) -> tuple[ServerConfig, str]:
     """A server of an 8 MiB pool; with ``cluster_port``, also a cluster node and a disk tier."""
-    instance = uuid.uuid4().hex[:10]
-    mapping: dict[str, object] = {
-        "instance": instance,
-        "runtime_dir": str(tmp_path / "run"),
-        "pool_name": f"tierkv-test-{instance}",
-        "pool_size": "8MiB",
-        "http_port": http_port,
-    }
+    cluster: dict[str, object] = {}
     if cluster_port is not None:
-        mapping["cluster_seeds"] = f"127.0.0.1:{cluster_port}"
-        mapping["cluster_port"] = cluster_port
-        mapping["tiers"] = [{"name": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB"}]
-    cfg = from_mapping(mapping)
-    return cfg, instance
+        cluster["cluster_seeds"] = f"127.0.0.1:{cluster_port}"
+        cluster["cluster_port"] = cluster_port
+        cluster["tiers"] = [{"name": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB"}]
+    cfg = in_process_config(tmp_path, http_port=http_port, **cluster)
+    return cfg, cfg.instance
 
 
 def _part_threads() -> list[str]:

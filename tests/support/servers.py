@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from support.stuck import FAULTHANDLER, describe_stuck
 from tierkv.client import Client, Registration, ServerUnavailableError, wait_for_server
+from tierkv.config import ServerConfig, from_mapping
 from tierkv.pool import segment_exists
 
 
@@ -112,3 +114,19 @@ def chunk_data(tokens: list[int] | range, chunk: int) -> object:
     toks = np.asarray(tokens[chunk * CHUNK_SIZE : (chunk + 1) * CHUNK_SIZE], dtype=np.float32)
     base = np.broadcast_to(toks[None, :, None], CHUNK_SHAPE)
     return (base * 1.5 + np.arange(16, dtype=np.float32) + chunk).astype(np.float32)
+
+
+def in_process_config(tmp_path: Path, **settings: object) -> ServerConfig:
+    """The configuration of an in-process server (``Server(cfg).start_background()``) of its
+    own instance, pool and runtime dir under ``tmp_path``: an 8 MiB pool, HTTP off, unless
+    ``settings`` say otherwise."""
+    instance = uuid.uuid4().hex[:10]
+    mapping: dict[str, object] = {
+        "instance": instance,
+        "runtime_dir": str(tmp_path / "run"),
+        "pool_name": f"tierkv-test-{instance}",
+        "pool_size": "8MiB",
+        "http_port": 0,
+        **settings,
+    }
+    return from_mapping(mapping)
