@@ -170,7 +170,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         option(
             CLIENTS,
             "seconds an uncommitted store reservation lasts (its slots come back once its "
-            "client ends it or goes away: the client may still be copying into them)",
+            "client ends it or goes away, one write TTL later at the latest: the client may "
+            "still be copying into them)",
         ),
     ] = 600.0
     read_ttl: Annotated[

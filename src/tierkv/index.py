@@ -7,10 +7,12 @@ one deadline. Leases expire (write 600 s, read 300 s by default): an expired wri
 gives its objects up, an expired read lease or pin makes its objects evictable again. The
 holder of an expired write lease or pin may still be using its slots (a stopped engine
 resumed mid-copy; a prefetch's tier read or a write-behind's tier write that outlasted the
-TTL), so their slots are fenced (below) until the holder ends the lease (commit, abort or
-unpin: refused as expired) or goes away: freeing them at the deadline let a late write land
-on another store's committed chunk, and a late tier write store another chunk's bytes under
-this key with a valid checksum. An engine's read lock is not held back like that: the reader
+TTL), so their slots are *held*: kept back like fenced ones (below), still charged to their
+tenant and holder, until the holder ends the lease (commit, abort or unpin: refused as
+expired), goes away, or one write TTL more has passed (a holder that lost its lease id: a
+reply that never came). Freeing them at the deadline let a late write land on another
+store's committed chunk, and a late tier write store another chunk's bytes under this key
+with a valid checksum. An engine's read lock is not held back like that: the reader
 checks after its copy that it ended before the lease's deadline
 (:meth:`tierkv.client.api.Client.retrieve`). Leases are
 kept in dicts in creation order (a renewed lease moves last), and a TTL is constant per kind,
@@ -40,7 +42,7 @@ scanning is bounded by that queue's size, whatever the size of the pool.
 
 A lease is over at its deadline: every call that takes a lease id first expires overdue
 leases, so committing or releasing a lease after its deadline raises LeaseNotFound, whether
-or not anything had reclaimed it yet (and lifts the fence of an expired write lease or pin).
+or not anything had reclaimed it yet (and lets go of an expired write lease's or pin's hold).
 
 Deleting or clearing an object that is locked or pinned removes it from the key map at once
 (new lookups miss) and frees its slot when the last lease on it ends, so a reader never sees
@@ -136,6 +138,17 @@ class Lease:
     entries: list[Entry]
     write: bool
     pin: bool = False  # a read-side lease of pins rather than read locks
+
+
+@dataclass(slots=True)
+class _Hold:
+    """The slots of an expired write lease or pin, kept from reuse (and still charged to
+    their tenants and holder) until its holder ends it, goes away, or ``until`` passes."""
+
+    holder: int
+    write: bool
+    until: float
+    slots: list[tuple[int, int, int, int]]  # (offset, tenant, aligned bytes, length)
 
 
 @dataclass(slots=True)
@@ -242,10 +255,10 @@ class ObjectIndex:
         # meanwhile, given back to the allocator at the last unfence.
         self._fences: dict[int, int] = {}
         self._fenced_free: set[int] = set()
-        # Expired write leases and pins not yet ended by their holder: lease id -> (holder,
-        # whether a write lease, its slots' offsets), and how many of them hold each slot
+        # Expired write leases and pins not yet ended by their holder, by lease id (in the
+        # order they end: each lasts one write TTL), and how many of them hold each slot
         # (slots they hold that the index frees are kept back like fenced ones).
-        self._expired_holds: dict[int, tuple[int, bool, list[int]]] = {}
+        self._expired_holds: dict[int, _Hold] = {}
         self._holds: dict[int, int] = {}
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
@@ -355,7 +368,10 @@ class ObjectIndex:
         """Pool bytes the holder's open write leases hold (cleared entries included: their
         slots are free only when the lease ends)."""
         leases = (self._write_leases.get(lid) for lid in self._holder_leases.get(holder, ()))
-        return sum(e.length for lease in leases if lease for e in lease.entries)
+        held = sum(
+            s[3] for h in self._expired_holds.values() if h.holder == holder for s in h.slots
+        )
+        return held + sum(e.length for lease in leases if lease for e in lease.entries)
 
     def commit(self, lease_id: int, holder: int, only: Iterable[int] | None = None) -> CommitResult:
         """Make the lease's objects ready; with ``only`` (positions within the lease's slots)
@@ -526,7 +542,9 @@ class ObjectIndex:
         had already expired (those count as expiries)."""
         with self._lock:
             self._expire(self.clock())
-            self._release_holds(holder)
+            for lease_id, hold in list(self._expired_holds.items()):
+                if hold.holder == holder:
+                    self._let_go(lease_id)
             freed = released = 0
             for lease_id in list(self._holder_leases.get(holder, ())):
                 lease = self._write_leases.get(lease_id) or self._read_leases[lease_id]
@@ -535,13 +553,6 @@ class ObjectIndex:
                 else:
                     released += self._end(lease)
             return freed, released
-
-    def release_expired_holds(self, holder: int) -> int:
-        """Let the slots of a holder's expired write leases and pins go (it is taken to be
-        done with them: a client the server cannot watch, silent for a write TTL). Returns
-        how many slots they held."""
-        with self._lock:
-            return self._release_holds(holder)
 
     # -- fences ----------------------------------------------------------------------------
     def fence(self, offsets: Iterable[int]) -> None:
@@ -724,7 +735,7 @@ class ObjectIndex:
                 evictions=self._evictions,
                 evicted_bytes=self._evicted_bytes,
                 fenced_free=len(self._fenced_free),
-                expired_held=sum(len(held[2]) for held in self._expired_holds.values()),
+                expired_held=sum(len(hold.slots) for hold in self._expired_holds.values()),
             )
 
     def check(self) -> None:
@@ -801,6 +812,9 @@ class ObjectIndex:
             tused: dict[int, int] = {}
             for entry in slots.values():
                 tused[entry.tenant] = tused.get(entry.tenant, 0) + alloc.aligned(entry.length)
+            for hold in self._expired_holds.values():  # still charged while held
+                for _, tenant, size, _ in hold.slots:
+                    tused[tenant] = tused.get(tenant, 0) + size
             require(tused == self._tused, f"tenant usage {self._tused} != slots' {tused}")
             tlru: dict[int, list[Entry]] = {}
             for entry in self._lru:
@@ -817,8 +831,13 @@ class ObjectIndex:
                 require(offset not in slots, f"slot {offset} kept back and in use")
             for offset in self._fences:
                 require(alloc.size_of(offset) is not None, f"fenced slot {offset} not allocated")
-            holds = Counter(o for held in self._expired_holds.values() for o in held[2])
+            holds = Counter(s[0] for h in self._expired_holds.values() for s in h.slots)
             require(holds == Counter(self._holds), "expired holds' slot counts out of sync")
+            until = float("-inf")
+            for hold in self._expired_holds.values():
+                require(hold.until >= until, "expired holds not in the order they end")
+                require(self._next_expiry <= hold.until, "next expiry after a hold's end")
+                until = hold.until
             for offset in self._holds:
                 require(alloc.size_of(offset) is not None, f"held slot {offset} not allocated")
             require(
@@ -974,35 +993,47 @@ class ObjectIndex:
             self._unlock(lease.entries)
         return len(lease.entries)
 
-    def _hold_expired(self, lease: Lease) -> None:
-        """Keep the slots of an expiring write lease or pin until its holder ends it."""
-        offsets = [e.offset for e in lease.entries]
+    def _end_into_hold(self, lease: Lease, now: float) -> int:
+        """End an expiring write lease or pin, keeping its slots (still charged to their
+        tenants) until its holder ends it, goes away, or one write TTL more has passed.
+        Returns how many entries it held."""
+        aligned = self.allocator.aligned
+        slots = [(e.offset, e.tenant, aligned(e.length), e.length) for e in lease.entries]
         holds = self._holds
-        for offset in offsets:
+        for offset, _, _, _ in slots:
             holds[offset] = holds.get(offset, 0) + 1
-        self._expired_holds[lease.id] = (lease.holder, lease.write, offsets)
+        n = self._end(lease)  # the slots it frees are kept back
+        tused = self._tused
+        for _, tenant, size, _ in slots:
+            tused[tenant] = tused.get(tenant, 0) + size
+        self._expired_holds[lease.id] = _Hold(
+            lease.holder, lease.write, now + self.write_ttl, slots
+        )
+        return n
 
     def _end_expired(self, lease_id: int, holder: int, write: bool) -> None:
         """The holder ends an expired write lease (``write``) or pin: its slots are let go,
         and the call is refused as for any lease past its deadline. Nothing happens for a
         lease id that is not such a lease."""
-        held = self._expired_holds.get(lease_id)
-        if held is None or held[1] is not write:
+        hold = self._expired_holds.get(lease_id)
+        if hold is None or hold.write is not write:
             return
-        if held[0] != holder:
+        if hold.holder != holder:
             raise LeaseNotOwned(f"lease {lease_id} belongs to another client")
-        del self._expired_holds[lease_id]
-        self._lift(self._holds, held[2])
+        self._let_go(lease_id)
         raise LeaseNotFound(f"lease {lease_id} expired (its TTL passed before it was ended)")
 
-    def _release_holds(self, holder: int) -> int:
-        held = 0
-        for lease_id, (held_by, _, offsets) in list(self._expired_holds.items()):
-            if held_by == holder:
-                del self._expired_holds[lease_id]
-                self._lift(self._holds, offsets)
-                held += len(offsets)
-        return held
+    def _let_go(self, lease_id: int) -> None:
+        """The end of an expired lease's hold: its slots' charges go, then the slots."""
+        hold = self._expired_holds.pop(lease_id)
+        tused = self._tused
+        for _, tenant, size, _ in hold.slots:
+            left = tused[tenant] - size
+            if left:
+                tused[tenant] = left
+            else:
+                del tused[tenant]
+        self._lift(self._holds, [s[0] for s in hold.slots])
 
     def _lift(self, counts: dict[int, int], offsets: Iterable[int]) -> int:
         """Take one off each slot's count in ``counts`` (fences or holds; each counted);
@@ -1070,22 +1101,27 @@ class ObjectIndex:
                 break
             if self.on_write_expired is not None:
                 self.on_write_expired([e.key for e in lease.entries if e.live])
-            self._hold_expired(lease)
-            freed += self._end(lease)
+            freed += self._end_into_hold(lease, now)
             self._expired_write_leases += 1
         leases = self._read_leases
         while leases:
             lease = next(iter(leases.values()))
             if lease.deadline > now:
                 break
-            if lease.pin:
-                self._hold_expired(lease)
-            released += self._end(lease)
+            released += self._end_into_hold(lease, now) if lease.pin else self._end(lease)
             self._expired_read_leases += 1
+        holds = self._expired_holds
+        while holds:  # in the order they end (each lasts one write TTL from its start)
+            lease_id, hold = next(iter(holds.items()))
+            if hold.until > now:
+                break
+            self._let_go(lease_id)
         self._expired_write_slots += freed
         self._expired_read_locks += released
-        self._next_expiry = min(
-            (next(iter(d.values())).deadline for d in (self._write_leases, self._read_leases) if d),
-            default=float("inf"),
-        )
+        ends = [
+            next(iter(d.values())).deadline for d in (self._write_leases, self._read_leases) if d
+        ]
+        if holds:
+            ends.append(next(iter(holds.values())).until)
+        self._next_expiry = min(ends, default=float("inf"))
         return freed, released

@@ -576,6 +576,31 @@ def test_an_expired_write_lease_is_ended_by_abort_or_by_its_holder_leaving() -> 
     figures(index, expired_held=0, fenced_free=0, used=0)
 
 
+def test_a_hold_lasts_one_write_ttl_and_stays_charged_to_its_tenant_and_holder() -> None:
+    """A holder that lost its lease id (a reply that never came) never ends it: its slots
+    come back one write TTL after the expiry. Until then they count as the holder's
+    reservations (its limit) and as its tenant's bytes (its quota)."""
+    index, clock = make(blocks=4)
+    index.reserve_write([k(0), k(1)], BLOCK, ALICE)
+    clock.advance(WRITE_TTL)
+    assert index.expire() == (2, 0)
+
+    def tenant_bytes() -> int:
+        return sum(f.used for f in index.tenant_figures())
+
+    figures(index, expired_held=2, used=2 * BLOCK)
+    assert tenant_bytes() == 2 * BLOCK
+    more = index.reserve_write([k(2), k(3)], BLOCK, ALICE, holder_limit=3 * BLOCK)
+    assert len(more.slots) == 1 and more.no_space == [1]  # 2 held + 1 within 3 blocks
+    index.abort(more.lease_id, ALICE)
+    clock.advance(WRITE_TTL - 1)
+    figures(index, expired_held=2, used=2 * BLOCK)
+    clock.advance(1)
+    assert index.expire() == (0, 0)
+    figures(index, expired_held=0, fenced_free=0, used=0)
+    assert tenant_bytes() == 0
+
+
 def test_an_expired_lease_keeps_a_fence_the_slot_also_has() -> None:
     """An expired write lease's hold and a transfer's fence on the same slot: the slot
     comes back with the last of the two."""
@@ -1198,8 +1223,8 @@ class IndexModel(RuleBasedStateMachine):
         self.leases: dict[int, MLease] = {}
         self.fences: dict[int, int] = {}  # offset -> fences on it
         # Expired write leases and pins their holders have not ended: id -> (kind, holder,
-        # offsets of their slots), which stay allocated until then.
-        self.expired: dict[int, tuple[str, int, list[int]]] = {}
+        # offsets of their slots, when the hold ends), which stay allocated until then.
+        self.expired: dict[int, tuple[str, int, list[int], float]] = {}
         self.kept: dict[int, int] = {}  # fenced or held slots freed meanwhile: offset -> blocks
 
     # model helpers
@@ -1213,7 +1238,7 @@ class IndexModel(RuleBasedStateMachine):
 
     def _let_go(self, lease_id: int) -> int:
         """The holder ended an expired lease: slots nothing keeps any more come back."""
-        _, _, offsets = self.expired.pop(lease_id)
+        _, _, offsets, _ = self.expired.pop(lease_id)
         return self._give_back(offsets)
 
     def _give_back(self, offsets: list[int]) -> int:
@@ -1272,8 +1297,12 @@ class IndexModel(RuleBasedStateMachine):
                         lease.kind,
                         lease.holder,
                         [e.offset for e in lease.entries],
+                        self.clock.now + WRITE_TTL,
                     )
                 self._end(lease_id)
+        for lease_id, held in list(self.expired.items()):
+            if held[3] <= self.clock.now:  # a hold lasts one write TTL at most
+                self._let_go(lease_id)
 
     def _check_lease_call(self, lease_id: int, holder: int, kind: str) -> type[Exception] | None:
         self._expire()
@@ -1591,6 +1620,34 @@ class IndexModel(RuleBasedStateMachine):
         offset = self.held[pick % len(self.held)].offset
         self.index.fence([offset])
         self.fences[offset] = self.fences.get(offset, 0) + 1
+
+    @rule(
+        pick=st.integers(0, 10**6), other=st.booleans(), subset=st.booleans(), stall=st.booleans()
+    )
+    def end_expired(self, pick: int, other: bool, subset: bool, stall: bool) -> None:
+        """The holder of an expired write lease or pin (or another holder) ends it: a
+        stalled engine resumed, or a write-behind done late. Refused either way. With
+        ``stall``, the clock first runs to the deadline of a live write lease or pin."""
+        live = sorted(i for i, lease in self.leases.items() if lease.kind != "read")
+        if stall and live:
+            deadline = self.leases[live[pick % len(live)]].deadline
+            self.clock.advance(max(0.0, deadline - self.clock.now))
+        self._expire()
+        if not self.expired:
+            return
+        lease_id = sorted(self.expired)[pick % len(self.expired)]
+        kind, holder = self.expired[lease_id][:2]
+        if other:
+            holder = HOLDERS[HOLDERS.index(holder) - 1]
+        error = self._check_lease_call(lease_id, holder, kind)
+        assert error is not None
+        with pytest.raises(error):
+            if kind == "pin":
+                self.index.unpin(lease_id, holder)
+            elif subset:
+                self.index.commit(lease_id, holder, [0])
+            else:
+                self.index.abort(lease_id, holder)
 
     @rule(pick=st.integers(0, 10**6))
     def unfence(self, pick: int) -> None:

@@ -70,6 +70,21 @@ def test_an_expired_reservation_is_let_go_when_its_client_goes(
         assert watcher.stats().used == 0
 
 
+def test_a_reservation_its_client_lost_comes_back_one_write_ttl_after_it_expired(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """A client that never learned its reservation's id (the reply came too late) cannot
+    end it, and stays registered and busy: its slots come back one write TTL after the
+    reservation expired, not never."""
+    srv = server_factory("1MiB", ["--write-ttl", str(TTL)])
+    with srv.client() as client:
+        register(client)
+        client.prepare_store(list(range(256 * 4)))  # its id is dropped
+        wait_for("the reservation to expire", lambda: client.stats().expired_held == 4, 10)
+        wait_for("the hold to end", lambda: client.stats().expired_held == 0, 10)
+        assert client.stats().used == 0
+
+
 def test_a_copy_that_outlasts_its_read_locks_counts_its_chunks_as_missed(
     server_factory: Callable[..., ServerProcess],
 ) -> None:

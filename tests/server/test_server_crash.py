@@ -168,8 +168,8 @@ def test_engines_killed_mid_store_and_mid_retrieve(
         # (Its lease may already be gone if the kill came late and the TTL passed.)
         assert s.write_leases in (0, 1) and s.writing in (0, 4)
         # Reserved slots are never visible to readers; the write TTL ends the reservation,
-        # and its slots are reused once the client (one the server cannot watch: it might
-        # only be stalled, and write into them later) has been silent for a write TTL more.
+        # and its slots are reused one write TTL later (a client the server cannot watch
+        # might only be stalled, and write into them meanwhile).
         assert other.lookup(doomed_store).hits == 0
         wait_for(lambda: keeper.stats().write_leases == 0, "write lease expiry")
         wait_for(lambda: keeper.stats().expired_held == 0, "the silent client's slots let go")

@@ -271,13 +271,8 @@ class ClientRegistry:
 
     def reap(self) -> int:
         """Drop watched clients whose process has exited and unwatched ones idle for longer
-        than ``idle_ttl``: their write reservations and read locks are released now. An
-        unwatched client silent for two write TTLs (its reservation's, then one more) lets go
-        of its expired reservations' slots, kept from reuse while it might still write into
-        them: a watched one keeps them until its process exits."""
-        now = self.clock()
-        cutoff = now - self.idle_ttl
-        quiet = now - 2 * self.index.write_ttl
+        than ``idle_ttl``: their write reservations and read locks are released now."""
+        cutoff = self.clock() - self.idle_ttl
         with self._lock:
             clients = list(self._clients.values())
         dropped = 0
@@ -291,14 +286,6 @@ class ClientRegistry:
                 why = f"(pid {reg.pid}) sent nothing for {self.idle_ttl:g} s (--client-idle-ttl)"
                 self.expired += 1
             else:
-                if reg.last_seen < quiet and (held := self.index.release_expired_holds(reg.token)):
-                    log.warning(
-                        "client %s (pid %d) sent nothing since its store reservation expired: "
-                        "%d slots it might have been writing into are reused now",
-                        reg.name or "-",
-                        reg.pid,
-                        held,
-                    )
                 continue
             if reg.token not in self._clients:
                 continue

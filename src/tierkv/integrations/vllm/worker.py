@@ -354,8 +354,9 @@ class WorkerSide:
             lambda c: c.retrieve(scatter=scatter, caller_copies=True, wait_release=False, **named),
             None,
         )
-        if result is not None:
-            loaded.intersection_update(result.retrieved)  # none if the copy was late
+        # Only what the retrieve reports retrieved: none if the copy outlasted its locks
+        # (late), nor when the retrieve failed (what it scattered is not known to be whole).
+        loaded.intersection_update(result.retrieved if result is not None else ())
         with self._lock:
             self._timed("load", start, 0 if result is None else len(result.retrieved))
         if spec.state is not None and not self._load_state(spec.state):
@@ -382,8 +383,7 @@ class WorkerSide:
             ),
             None,
         )
-        if result is not None:
-            written.intersection_update(result.retrieved)  # none if the copy was late
+        written.intersection_update(result.retrieved if result is not None else ())
         if len(written) != layout.format.pieces:
             return False
         self.stats["loaded_states"] += 1
