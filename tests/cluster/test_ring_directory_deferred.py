@@ -5,10 +5,12 @@ tests/cluster/test_cluster_suspect.py)."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
 from tierkv.cluster import messages as m
+from tierkv.cluster.directory import Where
 from tierkv.cluster.ring_directory import RingDirectory
 from tierkv.cluster.ring_shard import Shard
 
@@ -88,3 +90,163 @@ def test_a_withdrawal_held_for_a_suspect_owner_never_undoes_a_later_publish() ->
         assert shard.get([key])[0]
     finally:
         directory.close()
+
+
+# -- directories talking to each other ------------------------------------------------------
+def member(name: str, incarnation: int = 1) -> m.MemberInfo:
+    return m.MemberInfo(name, f"{name}:1", f"{name}:2", incarnation)
+
+
+class View:
+    """A membership whose view the test sets (listeners told, as gossip would)."""
+
+    def __init__(self, me: m.MemberInfo, others: list[m.MemberInfo]) -> None:
+        self.me = me
+        self.members = {x.node_id: x for x in [me, *others]}
+        self.version = 1
+        self.listeners: list[Any] = []
+
+    def alive(self) -> dict[str, m.MemberInfo]:
+        return dict(self.members)
+
+    def view(self) -> tuple[int, dict[str, m.MemberInfo]]:
+        return self.version, dict(self.members)
+
+    def add_listener(self, listener: Any) -> None:
+        self.listeners.append(listener)
+
+    def set(self, members: list[m.MemberInfo]) -> None:
+        old, self.members = self.members, {x.node_id: x for x in members}
+        self.version += 1
+        for listener in self.listeners:
+            listener(old, dict(self.members))
+
+
+class Wire:
+    """Delivers calls to the directories' handlers by control address. ``silent``:
+    addresses whose calls get no answer (and which turn suspect, as the control client
+    makes them); ``suspects``: addresses suspect now. Calls to unknown addresses are lost."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, RingDirectory] = {}
+        self.silent: set[str] = set()
+        self.suspects: set[str] = set()
+
+    def suspect(self, addr: str) -> bool:
+        return addr in self.suspects
+
+    def forget(self, addr: str) -> None:
+        self.suspects.discard(addr)
+
+    def call_many(self, calls: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for addr, msg in calls.items():
+            node = self.nodes.get(addr)
+            if addr in self.silent or node is None:
+                self.suspects.add(addr)
+                continue
+            handler = {
+                m.Publish: node.on_publish,
+                m.Unpublish: node.on_unpublish,
+                m.Handoff: node.on_handoff,
+                m.Resolve: node.on_resolve,
+                m.Digest: node.on_digest,
+            }[type(msg)]
+            out[addr] = handler(msg)
+            self.suspects.discard(addr)
+        return out
+
+
+def directory_of(wire: Wire, view: View, held: Any = list, **settings: Any) -> RingDirectory:
+    options: dict[str, Any] = {"replicas": 1, "vnodes": 8, "repair_interval": 0, **settings}
+    node = RingDirectory(view, wire, held, **options)  # type: ignore[arg-type]
+    wire.nodes[view.me.control] = node
+    return node
+
+
+def owned_by(directory: RingDirectory, owner: str, n: int) -> list[bytes]:
+    rng = random.Random(7)
+    keys = [rng.randbytes(32) for _ in range(256)]
+    return [k for k in keys if directory.ring.owners_many([k])[0] == (owner,)][:n]
+
+
+def test_an_update_an_owner_did_not_take_goes_out_once_it_answers() -> None:
+    """A publish the owner missed (a stall longer than the call's timeout) is kept for it
+    and sent when it answers again, not dropped (the owner lacked the entry until the next
+    anti-entropy round, or for good without one). The commit's wait still ends: it never
+    waits for an owner that does not answer."""
+    a, o = member("A"), member("O")
+    wire = Wire()
+    owner = directory_of(wire, View(o, [a]))
+    held: list[tuple[bytes, Where]] = []
+    writer = directory_of(wire, View(a, [o]), lambda: list(held))
+    k1, k2 = owned_by(writer, "O", 2)
+    writer.start()
+    try:
+        wire.silent = {o.control}
+        held.append((k1, Where.POOL))
+        assert writer.wait_published(writer.publish([k1]), 10.0)
+        assert not owner.shard.get([k1])[0]
+        wire.silent = set()
+        wire.suspects = set()  # it answers again
+        held.append((k2, Where.POOL))
+        assert writer.wait_published(writer.publish([k2]), 10.0)
+        assert owner.shard.get([k1])[0] and owner.shard.get([k2])[0]
+        assert writer.counts["publish_deferred_sent"] >= 1
+    finally:
+        writer.close()
+
+
+def test_a_commit_to_an_owner_answering_again_reaches_it_before_the_commit_returns() -> None:
+    """Updates held for an owner while it was suspect go out, merged with a new commit's,
+    as soon as that commit is sent to the owner answering again: the commit's wait ends
+    with the owner listing the new chunk (read-your-writes), not a check later."""
+    a, o = member("A"), member("O")
+    wire = Wire()
+    owner = directory_of(wire, View(o, [a]))
+    writer = directory_of(wire, View(a, [o]))
+    k1, k2 = owned_by(writer, "O", 2)
+    writer.start()
+    try:
+        wire.suspects = {o.control}
+        writer.publish([k1])
+        assert writer.flush()
+        assert not owner.shard.get([k1])[0]  # held back for the suspect owner
+        wire.suspects = set()  # it answers again (a probe)
+        assert writer.wait_published(writer.publish([k2]), 10.0)
+        assert owner.shard.get([k2])[0] and owner.shard.get([k1])[0]
+    finally:
+        writer.close()
+
+
+def test_members_that_keep_changing_do_not_hold_rebalancing_off() -> None:
+    """A member restarting over and over (each restart a new incarnation: a change) kept
+    the view from ever being still for ``settle`` seconds: nothing was rebalanced, so a
+    member that joined meanwhile never got the entries it owns. The change is applied
+    ``MAX_SETTLES`` settles after the first one at the latest."""
+    a, b, d = member("A"), member("B"), member("D")
+    wire = Wire()
+    rng = random.Random(8)
+    keys = [rng.randbytes(32) for _ in range(256)]
+    view = View(a, [b])
+    writer = directory_of(
+        wire, view, lambda: [(k, Where.POOL) for k in keys], settle=0.2, repair_interval=0
+    )
+    directory_of(wire, View(b, [a]))
+    joiner = directory_of(wire, View(d, [a, b]))
+    writer.start()
+    try:
+        writer.publish(keys)
+        assert writer.flush()
+        view.set([a, b, d, member("X", 1)])  # D joins while X restarts in a loop
+        deadline = time.monotonic() + 10.0
+        incarnation = 1
+        while writer.counts["rebalances"] == 0:
+            assert time.monotonic() < deadline, "no rebalance while members kept changing"
+            time.sleep(0.05)  # a quarter of settle: the view is never still long enough
+            incarnation += 1
+            view.set([a, b, d, member("X", incarnation)])
+        mine = [k for k in keys if writer.ring.owners_many([k])[0] == ("D",)]
+        assert mine and all(joiner.shard.get(mine))
+    finally:
+        writer.close()

@@ -63,6 +63,10 @@ UNKNOWN_ROUNDS = 3  # repair rounds after which entries of a holder that is no m
 REPAIR_CPU_SHARE = 0.01  # the anti-entropy's rounds are spaced to use at most this of a core
 _NOT_FROM_OUTSIDE = "a node writes its own directory entries itself, never on request"
 DEFERRED_CHECK = 0.25  # seconds between checks whether a suspect owner answers again
+# A membership change is applied once the view has been still for ``settle`` seconds, or at
+# the latest this many settles after the first change not applied yet: members that keep
+# changing (one restarting in a loop) never hold rebalancing off for good.
+MAX_SETTLES = 5
 
 _T = TypeVar("_T")
 
@@ -115,7 +119,8 @@ class RingDirectory(Directory):
         self._deferred: dict[str, dict[bytes, int]] = {}
         self._deferred_check = 0.0
         self._view_changed = False  # a membership change not yet applied
-        self._changed_at = 0.0
+        self._changed_at = 0.0  # the last change
+        self._first_change = 0.0  # the first change not applied yet
         self._next_republish = clock() + republish_interval
         self._next_repair = clock() + repair_interval if repair_interval > 0 else math.inf
         self._unknown: dict[str, int] = {}  # holder not a member -> repair rounds it was not
@@ -192,8 +197,11 @@ class RingDirectory(Directory):
         self, old: dict[str, m.MemberInfo], new: dict[str, m.MemberInfo]
     ) -> None:
         with self._cond:
+            now = self.clock()
+            if not self._view_changed:
+                self._first_change = now
             self._view_changed = True
-            self._changed_at = self.clock()
+            self._changed_at = now
             self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -251,7 +259,7 @@ class RingDirectory(Directory):
         re-publish; returns whether a membership change settled (and is taken)."""
         while not self._stop:
             now = self.clock()
-            if self._view_changed and now >= self._changed_at + self.settle:
+            if self._view_changed and now >= self._settled_at():
                 self._view_changed = False
                 return True
             if self._queue or now >= min(self._next_republish, self._next_repair):
@@ -262,9 +270,13 @@ class RingDirectory(Directory):
             if self._deferred:
                 wake = min(wake, self._deferred_check)
             if self._view_changed:
-                wake = min(wake, self._changed_at + self.settle)
+                wake = min(wake, self._settled_at())
             self._cond.wait(max(0.001, wake - now))
         return False
+
+    def _settled_at(self) -> float:
+        """When the pending membership change is applied (lock held)."""
+        return min(self._changed_at + self.settle, self._first_change + MAX_SETTLES * self.settle)
 
     def _republish_all(self) -> None:
         """Anti-entropy: publish everything this node holds to every owner (repairs
@@ -280,31 +292,48 @@ class RingDirectory(Directory):
         self.counts["unpublished"] += len(pending) - n_pub
         pubs, unpubs = self._route(pending, self.current()[1])
         self._defer_suspect(pubs, unpubs)
-        self._send_publishes(pubs)
+        self._send_publishes(pubs, retry=True)
         me = self.me.node_id
-        self._send({o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()})
+        unpublish: dict[str, list[m.Struct]] = {
+            o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items()
+        }
+        self._send(unpublish, retry=True)
 
     def _defer_suspect(
         self, pubs: dict[str, list[tuple[bytes, int]]], unpubs: dict[str, list[bytes]]
     ) -> None:
         """Take the updates for suspect owners out of ``pubs`` and ``unpubs`` and keep them
         (merged, the latest per key) until the owner answers again. An owner that answers
-        again but still has updates kept gets its new ones merged in too: sent before them,
-        the kept (older) ones would undo them (a withdrawal kept while the owner was suspect
-        removing a chunk stored again since)."""
+        again but still has updates kept gets them now, with its new ones merged in (the
+        latest per key): sent before the new ones, the kept (older) ones would undo them (a
+        withdrawal kept while the owner was suspect removing a chunk stored again since),
+        and kept until the next check, the new ones would reach the owner after the commit
+        that waits for them returned."""
         members, _ = self.current()
         for owner in set(pubs) | set(unpubs):
             info = members.get(owner)
             if info is None:
                 continue
-            if owner not in self._deferred and not self.client.suspect(info.control):
+            suspect = self.client.suspect(info.control)
+            if owner not in self._deferred and not suspect:
                 continue
             held = self._deferred.setdefault(owner, {})
+            kept = len(held)
             entries = pubs.pop(owner, [])
             keys = unpubs.pop(owner, [])
             held.update(entries)
             held.update(dict.fromkeys(keys, -1))
-            self.counts["publish_deferred"] += len(entries) + len(keys)
+            if suspect:
+                self.counts["publish_deferred"] += len(entries) + len(keys)
+                continue
+            del self._deferred[owner]
+            self.counts["publish_deferred_sent"] += kept
+            pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
+            unpubs[owner] = [k for k, w in held.items() if w < 0]
+            if not pubs[owner]:
+                del pubs[owner]
+            if not unpubs[owner]:
+                del unpubs[owner]
         if self._deferred and not self._deferred_check:
             self._deferred_check = self.clock() + DEFERRED_CHECK
 
@@ -329,10 +358,11 @@ class RingDirectory(Directory):
         if not self._deferred:
             self._deferred_check = 0.0
         if pubs or unpubs:
-            self._send_publishes({o: e for o, e in pubs.items() if e})
+            self._send_publishes({o: e for o, e in pubs.items() if e}, retry=True)
             me = self.me.node_id
             self._send(
-                {o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items() if k}
+                {o: [m.Unpublish(0, me, b) for b in _batches(k)] for o, k in unpubs.items() if k},
+                retry=True,
             )
 
     def _route(
@@ -359,15 +389,25 @@ class RingDirectory(Directory):
             self.shard.remove(me, local_unpub)
         return pubs, unpubs
 
-    def _send_publishes(self, pubs: dict[str, list[tuple[bytes, int]]]) -> None:
+    def _send_publishes(
+        self, pubs: dict[str, list[tuple[bytes, int]]], retry: bool = False
+    ) -> None:
         me, inc = self.me.node_id, self.me.incarnation
-        self._send({o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()})
+        publish: dict[str, list[m.Struct]] = {
+            o: [m.Publish(0, me, inc, b) for b in _batches(e)] for o, e in pubs.items()
+        }
+        self._send(publish, retry)
 
-    def _send(self, per_owner: dict[str, list[m.Struct]]) -> None:
+    def _send(self, per_owner: dict[str, list[m.Struct]], retry: bool = False) -> None:
         """Send each owner its messages, every owner at once, one message each per round.
-        Suspect owners are skipped (publishes to them were deferred before)."""
+        Suspect owners are skipped (publishes to them were deferred before). With ``retry``
+        (this node's newest updates), a Publish or Unpublish an owner did not acknowledge
+        or was skipped for is kept for it like a suspect owner's (sent when it answers
+        again, merged with later updates): dropped, it left the owner without the entry
+        (or with a withdrawn one) until the next anti-entropy round, or for good without."""
         members, _ = self.current()
         rounds = max((len(v) for v in per_owner.values()), default=0)
+        owner_at: dict[str, str] = {}
         for r in range(rounds):
             calls: dict[str, m.Struct] = {}
             for owner, msgs in per_owner.items():
@@ -376,8 +416,11 @@ class RingDirectory(Directory):
                     continue
                 if self.client.suspect(info.control):
                     self.counts["publish_failures"] += 1
+                    if retry:
+                        self._keep_for(owner, msgs[r])
                     continue
                 calls[info.control] = msgs[r]
+                owner_at[info.control] = owner
             if not calls:
                 continue
             self.counts["publish_batches"] += len(calls)
@@ -386,6 +429,21 @@ class RingDirectory(Directory):
             if failed:
                 self.counts["publish_failures"] += len(failed)
                 log.debug("directory update not acknowledged by %s", failed)
+                if retry:
+                    for addr in failed:
+                        self._keep_for(owner_at[addr], calls[addr])
+
+    def _keep_for(self, owner: str, msg: m.Struct) -> None:
+        """Keep an update an owner did not take (see :meth:`_send`); the latest per key."""
+        held = self._deferred.setdefault(owner, {})
+        if isinstance(msg, m.Publish):
+            held.update(msg.entries)
+            self.counts["publish_deferred"] += len(msg.entries)
+        elif isinstance(msg, m.Unpublish):
+            held.update(dict.fromkeys(msg.keys, -1))
+            self.counts["publish_deferred"] += len(msg.keys)
+        if not self._deferred_check:
+            self._deferred_check = self.clock() + DEFERRED_CHECK
 
     # -- anti-entropy ----------------------------------------------------------------------
     def _repair(self) -> float:
