@@ -23,6 +23,7 @@ from support.kvops import store, tokens_for
 from support.servers import ServerProcess
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
+from tierkv.controller import service as service_module
 from tierkv.controller.service import LATENCY_BUCKETS, ControllerService
 from tierkv.keys import KEY_SIZE
 
@@ -163,5 +164,31 @@ def test_a_server_that_registers_again_while_it_is_reaped_keeps_its_new_entries(
         assert synced.wait(10)
         assert service.index.size("s:1") == 3
         assert service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 2)).known
+    finally:
+        service.close()
+
+
+def test_a_sync_cannot_pile_up_empty_or_tiny_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sync's parts are collected until its last one; an authenticated but broken server
+    sending parts that hold nothing (or next to nothing) for ever made the collection grow
+    without bound. Only the last part may be empty, and every part costs at least
+    MIN_PART_BYTES against the sync's limit."""
+    monkeypatch.setattr(service_module, "MAX_SYNC_BYTES", 100 * service_module.MIN_PART_BYTES)
+    service = ControllerService()
+    me = m.MemberInfo("s:1", "s:1", "s:2", 7)
+    try:
+        assert isinstance(service.on_register(cm.Register(0, me, [])), cm.Registered)
+
+        def part(seq: int, n: int, i: int, last: bool, first: int = 1) -> cm.Ack:
+            keys = b"".join(bytes([first + j]) * KEY_SIZE for j in range(n))
+            return service.on_sync(cm.SyncBatch(0, "s:1", 7, seq, i, last, keys, bytes(n)))
+
+        assert not part(1, 0, 0, False).ok  # empty, not the last: refused
+        assert part(1, 0, 0, True).ok  # a server that holds nothing
+        acks = [part(2, 1, i, False).ok for i in range(101)]
+        assert acks[:100] == [True] * 100 and not acks[100]  # one key a part: 100 at most
+        assert service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 1)).known  # the last sync holds
+        assert part(3, 2, 0, False).ok and part(3, 1, 1, True, first=9).ok  # a fresh sync
+        assert service.index.size("s:1") == 3
     finally:
         service.close()

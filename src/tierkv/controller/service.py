@@ -49,6 +49,9 @@ from tierkv.keys import KEY_SIZE
 log = logging.getLogger(__name__)
 
 MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
+# What a part costs at least against MAX_SYNC_BYTES, whatever it holds (a server sends parts
+# of 65,536 keys, 2 MiB): parts of a few keys each cannot pile up by the million.
+MIN_PART_BYTES = 64 * 2**10
 ACTIVITY = 50  # recent events kept for the dashboard
 UNSYNCED = -1  # the sequence of a registration whose full sync has not ended
 
@@ -300,9 +303,12 @@ class ControllerService:
         if not bad and n_keys:
             tiers = np.frombuffer(req.tiers, dtype=np.int8)
             bad = int(tiers.min()) < 0 or int(tiers.max()) >= TIERS
+        if not bad and not n_keys and not req.last:
+            bad = True  # only a sync's last part may be empty (a server that holds nothing)
         if bad:
             self.counts["reports_refused"] += 1
             return cm.Ack(req.rid, self.boot, False, "bad sync batch")
+        cost = max(len(req.keys) + len(req.tiers), MIN_PART_BYTES)
         with self._lock:
             state = self._current(req.instance, req.boot)
             if state is None or req.part != len(state.sync_parts) or req.seq < state.seq:
@@ -310,11 +316,11 @@ class ControllerService:
                 if state is not None:
                     state.sync_parts, state.sync_bytes = [], 0
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
-            if state.sync_bytes + len(req.keys) > MAX_SYNC_BYTES:
+            if state.sync_bytes + cost > MAX_SYNC_BYTES:
                 state.sync_parts, state.sync_bytes = [], 0
                 return cm.Ack(req.rid, self.boot, False, "sync too large")
             state.sync_parts.append((req.keys, req.tiers))
-            state.sync_bytes += len(req.keys)
+            state.sync_bytes += cost
             self.counts["sync_parts"] += 1
             if not req.last:
                 return cm.Ack(req.rid, self.boot, True)
