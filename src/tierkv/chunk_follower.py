@@ -49,12 +49,19 @@ class ChunkFollower:
         self._changes: list[Change] = []
         self._lock = threading.Lock()
 
-    def poll(self) -> int:
-        """Read the feed until caught up; returns the number of changes queued."""
+    def poll(self, room: int | None = None) -> int:
+        """Read the feed until caught up, or until ``room`` changes are queued (the next
+        poll goes on from there), reading one snapshot at most (a second resync waits for
+        the next poll: a feed whose namespaces keep changing never keeps it reading);
+        returns the number of changes queued."""
         queued = 0
-        while True:
+        resynced = False
+        while room is None or queued < room:
             reply = self._read_events(self.after, self.limit) if self.epoch else None
             if reply is None or reply.resync or reply.epoch != self.epoch:
+                if resynced:
+                    break
+                resynced = True
                 queued += self._resync()
                 continue
             changes = []
@@ -69,7 +76,8 @@ class ChunkFollower:
             self.after = reply.last
             queued += self._queue(changes)
             if not reply.events:
-                return queued
+                break
+        return queued
 
     def _resync(self) -> int:
         self.resyncs += 1

@@ -164,6 +164,41 @@ def test_a_reader_behind_what_was_dropped_resyncs_and_converges() -> None:
     assert late.resyncs >= 1 and feed.figures()["log_events"] <= 16
 
 
+def test_a_poll_stops_once_its_room_is_queued_and_the_next_goes_on() -> None:
+    """A poller reads only while fewer than its maximum of changes wait: a feed that
+    refills as fast as it is read no longer keeps one poll reading (and queueing) for ever."""
+    index, feed, _ = fed_index(slots=64)
+    keys = [key(NS_A, i) for i in range(50)]
+    store(index, keys, [b"n%d" % i for i in range(50)])
+    reader = Reader(feed, {NS_A})
+    reader.limit = 7
+    reader.epoch, reader.after = feed.epoch, 0  # following from the start: no snapshot
+    first = reader.poll(room=10)
+    assert 10 <= first < 10 + 7  # it stops after the read that filled the room
+    assert reader.poll() == 50 - first  # the next poll goes on from there
+    assert reader.held == {k: b"n%d" % i for i, k in enumerate(keys)}
+    assert [c.key for c in reader.take()] == keys
+
+
+def test_a_feed_that_asks_for_a_resync_every_time_costs_one_snapshot_a_poll() -> None:
+    """A reader whose namespaces keep changing (a new cache salt at every request) is
+    told to resync at every read: each poll reads one snapshot, then returns."""
+    index, feed, _ = fed_index()
+    store(index, [key(NS_A, 1)], [b"n"])
+    reads = 0
+
+    class Restless(Reader):
+        def _events(self, after: int, limit: int) -> p.ChunkEvents:
+            nonlocal reads
+            reads += 1
+            assert reads < 100, "the poll never returned"
+            return p.ChunkEvents(0, self.feed.epoch, [], after, True)
+
+    reader = Restless(feed, {NS_A})
+    assert reader.poll() == 1 and reader.resyncs == 1
+    assert reader.poll() == 0 and reader.resyncs == 2
+
+
 def test_another_server_means_a_resync() -> None:
     _, old, _ = fed_index()
     index, new, _ = fed_index()

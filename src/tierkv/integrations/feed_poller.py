@@ -12,8 +12,9 @@ succeeds starts from a snapshot, which re-announces what the pool holds (a resta
 server's feed is another epoch: the old server's chunks stay withdrawn).
 
 Nobody may take the changes for a long time (vLLM takes them at the end of each engine step:
-an idle engine takes none). The poller stops reading once :attr:`FeedPoller.max_pending`
-changes wait, so memory stays bounded; when they are taken it reads on, from a snapshot if
+an idle engine takes none). The poller reads only while fewer than
+:attr:`FeedPoller.max_pending` changes wait (a read in progress stops there, or after one
+snapshot's difference), so memory stays bounded; when they are taken it reads on, from a snapshot if
 the feed dropped what it missed meanwhile (the follower resyncs), so the engine still
 converges to what the pool holds.
 """
@@ -72,14 +73,15 @@ class FeedPoller:
         """Read the feed until caught up (the polling thread; tests call it directly);
         False if the read failed, and everything held was withdrawn. No read while
         :attr:`max_pending` changes wait to be taken."""
-        if self.follower.pending >= self.max_pending:
+        pending = self.follower.pending
+        if pending >= self.max_pending:
             self.skipped_reads += 1
             return True
 
         def read(client: Client) -> bool:
             self._client = client
             try:
-                self.follower.poll()
+                self.follower.poll(room=self.max_pending - pending)
             finally:
                 self._client = None
             return True
