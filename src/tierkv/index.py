@@ -9,12 +9,13 @@ holder of an expired write lease or pin may still be using its slots (a stopped 
 resumed mid-copy; a prefetch's tier read or a write-behind's tier write that outlasted the
 TTL), so their slots are *held*: kept back like fenced ones (below), still charged to their
 tenant and holder, until the holder ends the lease (commit, abort or unpin: refused as
-expired), goes away, or one write TTL more has passed (a holder that lost its lease id: a
-reply that never came). Freeing them at the deadline let a late write land on another
-store's committed chunk, and a late tier write store another chunk's bytes under this key
-with a valid checksum. An engine's read lock is not held back like that: the reader
-checks after its copy that it ended before the lease's deadline
-(:meth:`tierkv.client.api.Client.retrieve`). Leases are
+expired) or goes away; an engine's hold also ends once one write TTL more has passed (a
+holder that lost its lease id: a reply that never came). The server's own holders (negative
+ids) always end their leases, and their tier I/O may still be running: no timer for them.
+Freeing them at the deadline let a late write land on another store's committed chunk, and
+a late tier write store another chunk's bytes under this key with a valid checksum. An
+engine's read lock is not held back like that: the reader checks after its copy that it
+ended before the lease's deadline (:meth:`tierkv.client.api.Client.retrieve`). Leases are
 kept in dicts in creation order (a renewed lease moves last), and a TTL is constant per kind,
 so each dict is in deadline order and expiry only ever looks at the oldest leases.
 
@@ -143,12 +144,12 @@ class Lease:
 @dataclass(slots=True)
 class _Hold:
     """The slots of an expired write lease or pin, kept from reuse (and still charged to
-    their tenants and holder) until its holder ends it, goes away, or ``until`` passes."""
+    their tenants and holder) until its holder ends it or goes away; an engine's, also once
+    one more write TTL has passed."""
 
     holder: int
     write: bool
-    until: float
-    slots: list[tuple[int, int, int, int]]  # (offset, tenant, aligned bytes, length)
+    slots: list[tuple[int, int]]  # (offset, length)
 
 
 @dataclass(slots=True)
@@ -255,11 +256,15 @@ class ObjectIndex:
         # meanwhile, given back to the allocator at the last unfence.
         self._fences: dict[int, int] = {}
         self._fenced_free: set[int] = set()
-        # Expired write leases and pins not yet ended by their holder, by lease id (in the
-        # order they end: each lasts one write TTL), and how many of them hold each slot
-        # (slots they hold that the index frees are kept back like fenced ones).
+        # Expired write leases and pins not yet ended by their holder, by lease id; when the
+        # engines' ones end at the latest (in that order: each lasts one write TTL; the
+        # server's own holders, whose ids are negative, always end theirs); how many of them
+        # hold each slot (slots they hold that the index frees are kept back like fenced
+        # ones); and what the freed ones are still charged, offset -> (tenant, bytes).
         self._expired_holds: dict[int, _Hold] = {}
+        self._hold_ends: dict[int, float] = {}
         self._holds: dict[int, int] = {}
+        self._held_charges: dict[int, tuple[int, int]] = {}
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
         # order), and its quota and figures (the tally).
@@ -369,7 +374,7 @@ class ObjectIndex:
         slots are free only when the lease ends)."""
         leases = (self._write_leases.get(lid) for lid in self._holder_leases.get(holder, ()))
         held = sum(
-            s[3] for h in self._expired_holds.values() if h.holder == holder for s in h.slots
+            s[1] for h in self._expired_holds.values() if h.holder == holder for s in h.slots
         )
         return held + sum(e.length for lease in leases if lease for e in lease.entries)
 
@@ -812,9 +817,10 @@ class ObjectIndex:
             tused: dict[int, int] = {}
             for entry in slots.values():
                 tused[entry.tenant] = tused.get(entry.tenant, 0) + alloc.aligned(entry.length)
-            for hold in self._expired_holds.values():  # still charged while held
-                for _, tenant, size, _ in hold.slots:
-                    tused[tenant] = tused.get(tenant, 0) + size
+            for offset, (tenant, size) in self._held_charges.items():  # freed, still held
+                require(offset in self._holds, f"slot {offset} charged, held by nothing")
+                require(offset in self._fenced_free, f"slot {offset} charged, not freed")
+                tused[tenant] = tused.get(tenant, 0) + size
             require(tused == self._tused, f"tenant usage {self._tused} != slots' {tused}")
             tlru: dict[int, list[Entry]] = {}
             for entry in self._lru:
@@ -834,10 +840,12 @@ class ObjectIndex:
             holds = Counter(s[0] for h in self._expired_holds.values() for s in h.slots)
             require(holds == Counter(self._holds), "expired holds' slot counts out of sync")
             until = float("-inf")
-            for hold in self._expired_holds.values():
-                require(hold.until >= until, "expired holds not in the order they end")
-                require(self._next_expiry <= hold.until, "next expiry after a hold's end")
-                until = hold.until
+            for lease_id, end in self._hold_ends.items():
+                hold = self._expired_holds[lease_id]
+                require(hold.holder > 0, f"hold {lease_id} of a server holder given an end")
+                require(end >= until, "expired holds not in the order they end")
+                require(self._next_expiry <= end, "next expiry after a hold's end")
+                until = end
             for offset in self._holds:
                 require(alloc.size_of(offset) is not None, f"held slot {offset} not allocated")
             require(
@@ -945,7 +953,11 @@ class ObjectIndex:
         """Give the entry's slot back to the allocator and its bytes back to its tenant's
         account; returns the aligned bytes freed."""
         size = self.allocator.aligned(entry.length)
-        if entry.offset in self._fences or entry.offset in self._holds:
+        if entry.offset in self._holds:  # kept back, and still charged while it is held
+            self._fenced_free.add(entry.offset)
+            self._held_charges[entry.offset] = (entry.tenant, size)
+            return size
+        if entry.offset in self._fences:
             self._fenced_free.add(entry.offset)
         else:
             self.allocator.free(entry.offset)
@@ -994,22 +1006,17 @@ class ObjectIndex:
         return len(lease.entries)
 
     def _end_into_hold(self, lease: Lease, now: float) -> int:
-        """End an expiring write lease or pin, keeping its slots (still charged to their
-        tenants) until its holder ends it, goes away, or one write TTL more has passed.
-        Returns how many entries it held."""
-        aligned = self.allocator.aligned
-        slots = [(e.offset, e.tenant, aligned(e.length), e.length) for e in lease.entries]
+        """End an expiring write lease or pin, keeping its slots (charged to their tenants
+        while the index frees them) until its holder ends it or goes away, or, an engine's,
+        one write TTL more has passed. Returns how many entries it held."""
+        slots = [(e.offset, e.length) for e in lease.entries]
         holds = self._holds
-        for offset, _, _, _ in slots:
+        for offset, _ in slots:
             holds[offset] = holds.get(offset, 0) + 1
-        n = self._end(lease)  # the slots it frees are kept back
-        tused = self._tused
-        for _, tenant, size, _ in slots:
-            tused[tenant] = tused.get(tenant, 0) + size
-        self._expired_holds[lease.id] = _Hold(
-            lease.holder, lease.write, now + self.write_ttl, slots
-        )
-        return n
+        self._expired_holds[lease.id] = _Hold(lease.holder, lease.write, slots)
+        if lease.holder > 0:  # the server's own holders always end their leases
+            self._hold_ends[lease.id] = now + self.write_ttl
+        return self._end(lease)  # the slots it frees are kept back
 
     def _end_expired(self, lease_id: int, holder: int, write: bool) -> None:
         """The holder ends an expired write lease (``write``) or pin: its slots are let go,
@@ -1024,16 +1031,11 @@ class ObjectIndex:
         raise LeaseNotFound(f"lease {lease_id} expired (its TTL passed before it was ended)")
 
     def _let_go(self, lease_id: int) -> None:
-        """The end of an expired lease's hold: its slots' charges go, then the slots."""
+        """The end of an expired lease's hold: its slots go (with their charges) where
+        nothing else holds or fences them."""
         hold = self._expired_holds.pop(lease_id)
-        tused = self._tused
-        for _, tenant, size, _ in hold.slots:
-            left = tused[tenant] - size
-            if left:
-                tused[tenant] = left
-            else:
-                del tused[tenant]
-        self._lift(self._holds, [s[0] for s in hold.slots])
+        self._hold_ends.pop(lease_id, None)
+        self._lift(self._holds, [offset for offset, _ in hold.slots])
 
     def _lift(self, counts: dict[int, int], offsets: Iterable[int]) -> int:
         """Take one off each slot's count in ``counts`` (fences or holds; each counted);
@@ -1046,6 +1048,13 @@ class ObjectIndex:
                 counts[offset] = left
                 continue
             del counts[offset]
+            if offset not in self._holds and (charge := self._held_charges.pop(offset, None)):
+                tenant, size = charge
+                left = self._tused[tenant] - size
+                if left:
+                    self._tused[tenant] = left
+                else:
+                    del self._tused[tenant]
             free = self._fenced_free
             if offset in free and offset not in self._fences and offset not in self._holds:
                 free.discard(offset)
@@ -1110,18 +1119,18 @@ class ObjectIndex:
                 break
             released += self._end_into_hold(lease, now) if lease.pin else self._end(lease)
             self._expired_read_leases += 1
-        holds = self._expired_holds
-        while holds:  # in the order they end (each lasts one write TTL from its start)
-            lease_id, hold = next(iter(holds.items()))
-            if hold.until > now:
+        ends = self._hold_ends
+        while ends:  # in the order they end (each lasts one write TTL from its start)
+            lease_id, end = next(iter(ends.items()))
+            if end > now:
                 break
             self._let_go(lease_id)
         self._expired_write_slots += freed
         self._expired_read_locks += released
-        ends = [
+        due = [
             next(iter(d.values())).deadline for d in (self._write_leases, self._read_leases) if d
         ]
-        if holds:
-            ends.append(next(iter(holds.values())).until)
-        self._next_expiry = min(ends, default=float("inf"))
+        if ends:
+            due.append(next(iter(ends.values())))
+        self._next_expiry = min(due, default=float("inf"))
         return freed, released

@@ -9,7 +9,10 @@ import random
 import time
 from typing import Any
 
+import pytest
+
 from tierkv.cluster import messages as m
+from tierkv.cluster import ring_directory
 from tierkv.cluster.directory import Where
 from tierkv.cluster.ring_directory import RingDirectory
 from tierkv.cluster.ring_shard import Shard
@@ -131,6 +134,8 @@ class Wire:
         self.nodes: dict[str, RingDirectory] = {}
         self.silent: set[str] = set()
         self.suspects: set[str] = set()
+        self.refusing: set[str] = set()  # answer every call with Refused
+        self.calls = 0
 
     def suspect(self, addr: str) -> bool:
         return addr in self.suspects
@@ -140,8 +145,12 @@ class Wire:
 
     def call_many(self, calls: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        self.calls += len(calls)
         for addr, msg in calls.items():
             node = self.nodes.get(addr)
+            if addr in self.refusing:
+                out[addr] = m.Refused(0, "internal error")
+                continue
             if addr in self.silent or node is None:
                 self.suspects.add(addr)
                 continue
@@ -248,5 +257,48 @@ def test_members_that_keep_changing_do_not_hold_rebalancing_off() -> None:
             view.set([a, b, d, member("X", incarnation)])
         mine = [k for k in keys if writer.ring.owners_many([k])[0] == ("D",)]
         assert mine and all(joiner.shard.get(mine))
+    finally:
+        writer.close()
+
+
+def test_an_update_an_owner_refused_is_not_sent_again() -> None:
+    """An owner that answers with a refusal (not a timeout) would refuse the same update
+    again: it is not kept for it (kept, it was sent again at every check and every commit,
+    and piled up)."""
+    a, o = member("A"), member("O")
+    wire = Wire()
+    directory_of(wire, View(o, [a]))
+    writer = directory_of(wire, View(a, [o]))
+    keys = owned_by(writer, "O", 3)
+    writer.start()
+    try:
+        wire.refusing = {o.control}
+        for key in keys:
+            assert writer.wait_published(writer.publish([key]), 10.0)
+        assert writer.flush()
+        calls = wire.calls
+        time.sleep(0.6)  # two checks of kept updates
+        assert writer.flush()
+        assert wire.calls == calls and writer.counts["publish_deferred"] == 0
+    finally:
+        writer.close()
+
+
+def test_updates_kept_for_an_owner_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ring_directory, "MAX_KEPT", 4)
+    a, o = member("A"), member("O")
+    wire = Wire()
+    owner = directory_of(wire, View(o, [a]))
+    writer = directory_of(wire, View(a, [o]))
+    keys = owned_by(writer, "O", 6)
+    writer.start()
+    try:
+        wire.suspects = {o.control}
+        writer.publish(keys)
+        assert writer.flush()
+        assert writer.counts["publish_deferred_dropped"] == 6
+        wire.suspects = set()
+        assert writer.wait_published(writer.publish(keys[:1]), 10.0)
+        assert owner.shard.get(keys[:1])[0] and not owner.shard.get(keys[1:2])[0]
     finally:
         writer.close()

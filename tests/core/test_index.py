@@ -20,6 +20,7 @@ from tierkv.allocator import Allocator
 from tierkv.index import (
     CommitResult,
     Evicted,
+    Holder,
     IndexStats,
     LeaseError,
     LeaseNotFound,
@@ -599,6 +600,46 @@ def test_a_hold_lasts_one_write_ttl_and_stays_charged_to_its_tenant_and_holder()
     assert index.expire() == (0, 0)
     figures(index, expired_held=0, fenced_free=0, used=0)
     assert tenant_bytes() == 0
+
+
+def test_the_servers_own_holders_keep_their_holds_until_they_end_them() -> None:
+    """A prefetch's tier read or a write-behind's tier write that outlasts its lease may
+    still be running: the server's own holders always end their leases (in a finally), so
+    their holds never end on a timer (a slot freed under a late tier read was overwritten)."""
+    index, clock = make(blocks=4)
+    res = index.reserve_write([k(0)], BLOCK, Holder.PREFETCH)
+    clock.advance(WRITE_TTL)
+    index.expire()
+    clock.advance(10 * WRITE_TTL)
+    index.expire()
+    figures(index, expired_held=1, used=BLOCK)
+    with pytest.raises(LeaseNotFound):
+        index.commit(res.lease_id, Holder.PREFETCH)
+    figures(index, expired_held=0, used=0)
+
+
+def test_an_expired_pin_charges_its_chunks_once() -> None:
+    """A write-behind's pin that expires holds slots of chunks that are still in the pool
+    (charged as such): the tenant is charged once, while the chunk is there and then while
+    the hold keeps its freed slot, and not at all once both are gone."""
+    index, clock = make(blocks=4)
+    store(index, [k(0), k(1)])
+
+    def charged() -> int:
+        return sum(f.used for f in index.tenant_figures())
+
+    pin = index.pin([k(0), k(1)], Holder.WRITE_BEHIND)
+    clock.advance(READ_TTL)
+    index.expire()
+    figures(index, expired_held=2, used=2 * BLOCK, pin_leases=0)
+    assert charged() == 2 * BLOCK
+    assert [e.key for e in index.evict(BLOCK)] == [k(1)]  # evictable: its slot stays held
+    figures(index, used=2 * BLOCK, fenced_free=1, objects=1)
+    assert charged() == 2 * BLOCK
+    with pytest.raises(LeaseNotFound):
+        index.unpin(pin.lease_id, Holder.WRITE_BEHIND)
+    figures(index, expired_held=0, used=BLOCK, fenced_free=0, objects=1)
+    assert charged() == BLOCK
 
 
 def test_an_expired_lease_keeps_a_fence_the_slot_also_has() -> None:
@@ -1633,6 +1674,7 @@ class IndexModel(RuleBasedStateMachine):
             deadline = self.leases[live[pick % len(live)]].deadline
             self.clock.advance(max(0.0, deadline - self.clock.now))
         self._expire()
+        self.index.expire()  # the index expires as the model did (it may not be called)
         if not self.expired:
             return
         lease_id = sorted(self.expired)[pick % len(self.expired)]
@@ -1687,6 +1729,13 @@ class IndexModel(RuleBasedStateMachine):
         assert stats.zombies == sum(1 for e in self.held if not e.live)
         assert stats.fenced_free == len(self.kept)
         assert stats.expired_held == sum(len(x[2]) for x in self.expired.values())
+        # Tenants are charged for the slots of objects, and for freed slots an expired lease
+        # still holds (not for those only a fence keeps).
+        held = {o for x in self.expired.values() for o in x[2]}
+        charged = sum(e.blocks for e in self.held) + sum(
+            blocks for offset, blocks in self.kept.items() if offset in held
+        )
+        assert sum(f.used for f in self.index.tenant_figures()) == charged * BLOCK
         assert stats.evictable == sum(1 for e in self.lru if e.pins == 0)
         assert stats.pinned == sum(1 for e in self.keymap.values() if e.pins)
         assert stats.read_locked == stats.ready - stats.evictable

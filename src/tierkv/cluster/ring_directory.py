@@ -67,6 +67,9 @@ DEFERRED_CHECK = 0.25  # seconds between checks whether a suspect owner answers 
 # the latest this many settles after the first change not applied yet: members that keep
 # changing (one restarting in a loop) never hold rebalancing off for good.
 MAX_SETTLES = 5
+# Updates kept for one owner at most (latest per key); beyond, they are dropped (the
+# anti-entropy rounds and the re-publish repair what an owner lacks or lists wrong).
+MAX_KEPT = 1 << 20
 
 _T = TypeVar("_T")
 
@@ -325,6 +328,7 @@ class RingDirectory(Directory):
             held.update(dict.fromkeys(keys, -1))
             if suspect:
                 self.counts["publish_deferred"] += len(entries) + len(keys)
+                self._bound_kept(owner)
                 continue
             del self._deferred[owner]
             self.counts["publish_deferred_sent"] += kept
@@ -401,10 +405,11 @@ class RingDirectory(Directory):
     def _send(self, per_owner: dict[str, list[m.Struct]], retry: bool = False) -> None:
         """Send each owner its messages, every owner at once, one message each per round.
         Suspect owners are skipped (publishes to them were deferred before). With ``retry``
-        (this node's newest updates), a Publish or Unpublish an owner did not acknowledge
-        or was skipped for is kept for it like a suspect owner's (sent when it answers
-        again, merged with later updates): dropped, it left the owner without the entry
-        (or with a withdrawn one) until the next anti-entropy round, or for good without."""
+        (this node's newest updates), a Publish or Unpublish an owner did not answer (a
+        timeout) or was skipped for is kept for it like a suspect owner's (sent when it
+        answers again, merged with later updates): dropped, it left the owner without the
+        entry (or with a withdrawn one) until the next anti-entropy round, or for good
+        without. One it refused is not kept: sent again, it would be refused again."""
         members, _ = self.current()
         rounds = max((len(v) for v in per_owner.values()), default=0)
         owner_at: dict[str, str] = {}
@@ -431,7 +436,8 @@ class RingDirectory(Directory):
                 log.debug("directory update not acknowledged by %s", failed)
                 if retry:
                     for addr in failed:
-                        self._keep_for(owner_at[addr], calls[addr])
+                        if replies.get(addr) is None:  # no answer: not a refusal
+                            self._keep_for(owner_at[addr], calls[addr])
 
     def _keep_for(self, owner: str, msg: m.Struct) -> None:
         """Keep an update an owner did not take (see :meth:`_send`); the latest per key."""
@@ -442,8 +448,22 @@ class RingDirectory(Directory):
         elif isinstance(msg, m.Unpublish):
             held.update(dict.fromkeys(msg.keys, -1))
             self.counts["publish_deferred"] += len(msg.keys)
+        self._bound_kept(owner)
         if not self._deferred_check:
             self._deferred_check = self.clock() + DEFERRED_CHECK
+
+    def _bound_kept(self, owner: str) -> None:
+        """Drop what is kept for ``owner`` beyond MAX_KEPT updates (repair brings back
+        what it lacks)."""
+        held = self._deferred.get(owner)
+        if held is not None and len(held) > MAX_KEPT:
+            self.counts["publish_deferred_dropped"] += len(held)
+            del self._deferred[owner]
+            log.warning(
+                "directory owner %s did not take %d updates: dropped (repair restores them)",
+                owner,
+                len(held),
+            )
 
     # -- anti-entropy ----------------------------------------------------------------------
     def _repair(self) -> float:
