@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 import os
 import select
 import socket
@@ -159,7 +160,10 @@ class FrameReader:
         self.max_frame = max_frame
         self._scratch = scratch if scratch is not None else bytearray(SCRATCH_BYTES)
         self._pending = b""  # a partial message (or header) carried over from the last read
-        self._large: bytearray | None = None  # a large message being received in place
+        # A large message being received in place: an anonymous mapping, whose pages take
+        # memory only as bytes arrive (a header alone announcing max_frame bytes costs
+        # nothing; a zero-filled bytearray of that size was resident at once).
+        self._large: mmap.mmap | None = None
         self._have = 0
         self.filled = False  # the last read filled its buffer: more may be waiting
 
@@ -195,7 +199,7 @@ class FrameReader:
                 continue
             if size > len(self._scratch) // 2:
                 # Large: its own buffer, filled in place from here on.
-                self._large = bytearray(size)
+                self._large = mmap.mmap(-1, size)
                 self._large[: end - start] = data[start:end]
                 self._have = end - start
                 return frames

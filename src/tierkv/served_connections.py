@@ -7,14 +7,23 @@ they share: accepting connections, queueing a reply and sending what the kernel 
 (the rest when the socket is writable again), and dropping a connection that failed or whose
 replies pile up unread (more than ``max_unsent`` bytes: a client that does not read must not
 grow the server's memory). Only the serving thread calls it.
+
+Out of file descriptors, a listener stays readable with connections it cannot accept: the
+serving thread would wake at once for ever, and log a warning each time. One descriptor is
+kept spare for that: given up to accept one waiting connection and close it at once (its
+client sees the connection closed, and tries again later), then taken back; the warning is
+logged once a minute at most, with how many connections were turned away.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import selectors
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
@@ -23,6 +32,7 @@ from tierkv import framing
 log = logging.getLogger(__name__)
 
 ACCEPT_BATCH = 256  # connections accepted per turn of the loop
+REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
 class Served:
@@ -49,6 +59,10 @@ class ServedConnections(Generic[C]):
         self.what = what  # names the server in log lines
         self.max_unsent = max_unsent
         self._by_fd: dict[int, C] = {}
+        self._spare = _spare_fd()
+        self.turned_away = 0  # connections closed at once: no descriptor left for them
+        self._unlogged = 0
+        self._logged_at = -REFUSAL_LOG_SECONDS
 
     def __iter__(self) -> Iterator[C]:
         return iter(list(self._by_fd.values()))
@@ -65,13 +79,44 @@ class ServedConnections(Generic[C]):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # out of file descriptors, for one
-                log.warning("%s: could not accept a connection: %s", self.what, exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE) and self._turn_away(listener):
+                    continue
+                self._warn(f"could not accept a connection: {exc}")
                 return
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
             self._by_fd[sock.fileno()] = conn
             self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _turn_away(self, listener: socket.socket) -> bool:
+        """Out of descriptors: accept one waiting connection with the spare one and close
+        it; whether one was turned away."""
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        try:
+            sock: socket.socket | None = listener.accept()[0]
+        except OSError:
+            sock = None
+        if sock is not None:
+            sock.close()  # before the spare is taken back: its descriptor is the one freed
+        self._spare = _spare_fd()
+        if sock is None:
+            return False
+        self.turned_away += 1
+        self._warn("out of file descriptors: connections turned away (raise the open files limit)")
+        return True
+
+    def _warn(self, what: str) -> None:
+        """Log ``what`` once a minute at most, with how many times it happened."""
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at < REFUSAL_LOG_SECONDS:
+            return
+        log.warning("%s: %s (%d times since the last warning)", self.what, what, self._unlogged)
+        self._logged_at, self._unlogged = now, 0
 
     def send(self, conn: C, *parts: bytes | memoryview) -> None:
         """Queue ``parts`` behind what ``conn`` has not sent yet, and send what the kernel
@@ -112,3 +157,14 @@ class ServedConnections(Generic[C]):
     def drop_all(self) -> None:
         for conn in self:
             self.drop(conn)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+
+
+def _spare_fd() -> int | None:
+    """A descriptor held in reserve (None if even that cannot be had)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None

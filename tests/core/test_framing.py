@@ -5,11 +5,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from tierkv import framing
+from tierkv.server.rpc import _describe_malformed, _lenient_rid
 
 
 @pytest.mark.parametrize(
@@ -174,3 +177,25 @@ def test_connection_open_waits_for_a_listener(tmp_path: Path) -> None:
     finally:
         conn.close()
         listeners[0].close()
+
+
+def test_an_undecodable_request_is_described_without_decoding_it_whole() -> None:
+    """The RPC loop answers an undecodable request with its request id and what is wrong.
+    A malformed message of tens of MiB (a first field of a million elements) was decoded
+    whole twice and its first field's repr built in full, on the loop (8 s for 60 MiB, every
+    other client waiting): only the outer array and short fields are decoded now."""
+    payload = msgspec.msgpack.encode([[None] * 1_000_000, 7])
+    tracemalloc.start()
+    try:
+        assert _lenient_rid(payload) == 7
+        message = _describe_malformed(payload, ValueError("expected str, got array"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert message == "malformed request: expected str, got array"
+    assert peak < 2**20  # the decoded list alone took 8 MB, its repr 6 MB more
+    named = msgspec.msgpack.encode(["bogus", 42])
+    assert _lenient_rid(named) == 42
+    assert "unknown request type 'bogus'" in _describe_malformed(named, ValueError())
+    assert _lenient_rid(msgspec.msgpack.encode(["x", True])) == 0  # a bool is no request id
+    assert _lenient_rid(b"\xc1") == 0  # not msgpack at all

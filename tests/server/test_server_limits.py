@@ -3,10 +3,15 @@ server cannot watch) and open store reservations. Against real server processes.
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
+from support.httputil import wait_for
 from support.raw_rpc import Raw
 from support.servers import (
     CHUNK_BYTES,
@@ -101,3 +106,69 @@ def test_one_clients_open_reservations_are_bounded(server_factory: Servers) -> N
         assert len(again.slots) == 4  # committed chunks no longer count against it
     finally:
         raw.close()
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_frame_header_alone_costs_the_server_no_memory(server_factory: Servers) -> None:
+    """A header announcing a frame of almost max_message_bytes, then nothing: the server's
+    buffer for it takes memory only as bytes arrive (16 such connections made it allocate
+    and zero 1 GiB). The server keeps serving, and lets the memory go with the sockets."""
+    srv = server_factory()
+    assert srv.proc is not None
+    path = srv.endpoint.removeprefix("ipc://")
+    before = _rss_kib(srv.proc.pid)
+    stalled = []
+    for _ in range(16):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.sendall(struct.pack("<I", 60 * 2**20))
+        stalled.append(sock)
+    with srv.client() as client:
+        client.stats()
+        assert _rss_kib(srv.proc.pid) - before < 64 * 1024  # was 16 x 60 MiB
+    for sock in stalled:
+        sock.close()
+
+
+def test_out_of_file_descriptors_the_server_turns_connections_away_quietly(
+    server_factory: Servers,
+) -> None:
+    """With its open files limit reached, a server could accept no connection: its
+    listener stayed readable, the loop woke at once for ever and logged a warning each time
+    (tens of thousands a second). It now turns the waiting connection away (closed at once)
+    and warns once; once descriptors are free again, it serves new clients."""
+    srv = server_factory()
+    assert srv.proc is not None
+    pid = srv.proc.pid
+    path = srv.endpoint.removeprefix("ipc://")
+    used = len(os.listdir(f"/proc/{pid}/fd"))
+    limit = used + 32
+    subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={limit}:{limit}"], check=True)
+    idle = []
+    try:
+        for _ in range(40):  # more than the server has descriptors left for
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            idle.append(sock)
+        wait_for(
+            "the server out of descriptors",
+            lambda: len(os.listdir(f"/proc/{pid}/fd")) >= limit - 1,
+            10,
+        )
+        extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        extra.settimeout(10)
+        extra.connect(path)
+        assert extra.recv(1) == b""  # turned away: closed, not left waiting
+        extra.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    with srv.client() as client:
+        client.stats()
+    warnings = [line for line in srv.log().splitlines() if "turned away" in line]
+    assert 1 <= len(warnings) <= 2, warnings[:5]
+    assert srv.proc.poll() is None

@@ -53,33 +53,46 @@ MAX_UNSENT = 64 * 2**20  # replies waiting for a client that does not read them
 ROUTER_WORKERS = 1  # threads for routers' requests (the HTTP front sends a few at a time)
 
 
+_REQUEST_TAGS = sorted(str(t.__struct_config__.tag) for t in get_args(p.Request))
+_FIELD = 256  # bytes of an undecodable request's first fields looked at, at most
+
+_Outer = list[msgspec.Raw]
+
+
+def _outer_fields(payload: bytes | memoryview) -> tuple[object, object]:
+    """The first two fields of an undecodable message (its tag and request id), each
+    decoded only when short (None otherwise, or when the message is no array): a malformed
+    message of tens of MiB must not be decoded whole, or its repr built, on the loop."""
+    try:
+        raw = msgspec.msgpack.decode(payload, type=_Outer)
+    except Exception:
+        return None, None
+    fields: list[object] = []
+    for part in raw[:2]:
+        try:
+            fields.append(msgspec.msgpack.decode(part) if len(part) <= _FIELD else None)
+        except Exception:
+            fields.append(None)
+    fields += [None] * (2 - len(fields))
+    return fields[0], fields[1]
+
+
 def _lenient_rid(payload: bytes | memoryview) -> int:
     """Best-effort request id of an undecodable message, so the error reaches its caller."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except Exception:
-        return 0
+    rid = _outer_fields(payload)[1]
     # Not a bool (an int subclass): echoed as msgpack true/false, no reply would decode.
-    if isinstance(raw, list) and len(raw) > 1 and type(raw[1]) is int:
-        return raw[1]
-    return 0
-
-
-_REQUEST_TAGS = sorted(str(t.__struct_config__.tag) for t in get_args(p.Request))
+    return rid if type(rid) is int else 0
 
 
 def _describe_malformed(payload: bytes | memoryview, exc: Exception) -> str:
     """The error message for an undecodable request; names an unknown request type."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except Exception:
-        raw = None
-    if isinstance(raw, list) and raw and str(raw[0]) not in _REQUEST_TAGS:
+    tag = _outer_fields(payload)[0]
+    if tag is not None and str(tag) not in _REQUEST_TAGS:
         return (
-            f"malformed request: unknown request type {raw[0]!r:.40} "
+            f"malformed request: unknown request type {str(tag)[:40]!r} "
             f"(known: {', '.join(_REQUEST_TAGS)})"
         )
-    return f"malformed request: {exc}"
+    return f"malformed request: {str(exc)[:200]}"
 
 
 class _Connection(Served):
