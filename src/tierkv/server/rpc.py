@@ -248,7 +248,11 @@ class RpcServer:
             self._reply(conn, reply)
             return
         if type(req) is p.QueryPrefetch and req.wait_ms:
-            held = self._held.hold(conn, req)
+            try:
+                held = self._held.hold(conn, req)
+            except Exception:  # never out of the loop: every other client would lose it
+                log.exception("a held prefetch query failed")
+                held = p.Error(req.rid, p.ErrorCode.INTERNAL, "internal error holding the query")
             if held is not None:
                 self._reply(conn, held)
             return

@@ -1,4 +1,5 @@
-"""A commit's wait for the cluster directory stays within what its client waits for.
+"""Replies the RPC loop holds or delays: a commit's wait for the cluster directory stays
+within what its client waits for; a held query that fails is answered.
 
 In a cluster, COMMIT_STORE replies once the directory has the chunks (read-your-writes), at
 most ``commit_publish_timeout``. A client whose reply timeout equals that wait (an engine's
@@ -12,9 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from support.servers import CHUNK_SIZE, chunk_data, in_process_config, register
 from tierkv import protocol as p
-from tierkv.client import Client
+from tierkv.client import Client, ServerError
 from tierkv.server.wiring import Server
 
 
@@ -51,5 +54,24 @@ def test_a_commit_waits_for_the_directory_within_its_clients_timeout(tmp_path: P
             )
             assert isinstance(reply, p.Committed) and reply.committed == 1
         assert publisher.waits == [1.0, 5.0, 5.0]
+    finally:
+        server.stop()
+
+
+def test_a_held_query_that_fails_is_answered_and_the_loop_serves_on(tmp_path: Path) -> None:
+    """QUERY_PREFETCH with a wait is held on the RPC loop's thread: an error there must
+    become the query's answer, never end the loop (every client would lose the server)."""
+    server = Server(in_process_config(tmp_path)).start_background()
+    try:
+
+        def broken(conn: object, req: object) -> object:
+            raise RuntimeError("a defect in holding the query")
+
+        server.rpc._held.hold = broken  # type: ignore[method-assign]
+        with Client(server.endpoint) as client:
+            register(client)
+            with pytest.raises(ServerError, match="internal error holding the query"):
+                client.query_prefetch("r", wait=0.05)
+            assert client.stats().clients == 1  # the loop serves on
     finally:
         server.stop()
