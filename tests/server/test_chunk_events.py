@@ -106,6 +106,13 @@ def test_a_reader_whose_namespaces_grow_learns_what_they_already_held(
         assert fb.notes() == set(notes)
         assert fb.resyncs == 2
         assert fb.notes() == set(notes) and fb.resyncs == 2  # unchanged: no resync again
+        # A namespace gained that holds nothing yet (a new user's cache salt): no snapshot
+        # of everything for it; what it stores later comes as events.
+        fresh = toks(900, 1)
+        assert b.lookup(fresh, salt="user-new").hits == 0
+        assert fb.notes() == set(notes) and fb.resyncs == 2
+        a.store(fresh, [chunk_data(fresh, 0)], notes=[note(fresh, 0)], salt="user-new")
+        assert fb.notes() == {*notes, note(fresh, 0)} and fb.resyncs == 2
 
 
 def test_evictions_reach_every_reader_and_the_view_equals_the_pool(

@@ -150,6 +150,12 @@ class ChunkFeed:
             last = newer[-1].seq
         return Batch(newer, last, False)
 
+    def holds_any(self, namespaces: Iterable[bytes]) -> bool:
+        """Whether any of ``namespaces`` holds a noted chunk now. A chunk stored after
+        this answer has an event after the reader's cursor, which its next read returns."""
+        with self._lock:
+            return any(self._held.get(ns) for ns in namespaces)
+
     def snapshot(self, namespaces: Iterable[bytes]) -> tuple[int, list[Event]]:
         """What ``namespaces`` hold now: (the sequence number it is current at, a stored
         event of sequence number 0 per noted chunk). Reading on after that number keeps it

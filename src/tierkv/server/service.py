@@ -337,10 +337,15 @@ class CacheService:
         if req.after < 0 or req.limit < 1:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "after must be >= 0 and limit >= 1")
         namespaces = self.registry.engine_namespaces(reg)
-        if reg.feed_namespaces is None or reg.feed_namespaces != namespaces:
+        known = reg.feed_namespaces
+        if known is None or known != namespaces:
             # Its namespaces changed since its snapshot (or it read none): events before now
-            # of a namespace it just gained were never sent to it. Read a snapshot.
-            return p.ChunkEvents(req.rid, self.feed.epoch, [], self.feed.seq, True)
+            # of a namespace it just gained were never sent to it. Read a snapshot, unless
+            # the change only added namespaces that hold nothing (a new cache salt, as with
+            # every new user: a snapshot of everything each time, for nothing).
+            if known is None or not known <= namespaces or self.feed.holds_any(namespaces - known):
+                return p.ChunkEvents(req.rid, self.feed.epoch, [], self.feed.seq, True)
+            reg.feed_namespaces = frozenset(namespaces)
         batch = self.feed.read(namespaces, req.after, req.limit)
         return p.ChunkEvents(req.rid, self.feed.epoch, batch.events, batch.last, batch.resync)
 
