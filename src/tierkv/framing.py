@@ -54,8 +54,10 @@ def parse_endpoint(endpoint: str) -> tuple[socket.AddressFamily, str | tuple[str
         return socket.AF_UNIX, path
     if endpoint.startswith("tcp://"):
         host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-        if not sep or not port.isdigit() or not host:
+        if not sep or not (port.isascii() and port.isdigit()) or not host:
             raise ValueError(f"endpoint {endpoint!r} is not tcp://HOST:PORT")
+        if int(port) > 65535:
+            raise ValueError(f"endpoint {endpoint!r}: port {port} is not 0-65535")
         if host.startswith("[") and host.endswith("]"):
             return socket.AF_INET6, (host[1:-1], int(port))
         return socket.AF_INET, ("0.0.0.0" if host == "*" else host, int(port))

@@ -122,6 +122,23 @@ def test_call_many_waits_for_all_together_and_names_who_did_not_answer() -> None
             s.close()
 
 
+def test_bogus_member_addresses_are_no_answer_never_an_error() -> None:
+    """Addresses gossiped by a broken or hostile peer (a port past 65535, a host name the
+    resolver refuses, digits that are not ASCII, no port): those calls get no answer, the
+    others are answered. A port of 99999 raised out of call_many (OverflowError), and the
+    heartbeat round that called it failed every time: no member ever expired again."""
+    server = serve()
+    client = ControlClient(TOKEN, 0.5)
+    try:
+        good = f"127.0.0.1:{server.port}"
+        bogus = ["127.0.0.1:99999", "é:1", "\udcff:1", "127.0.0.1:\u0661", "garbage", ""]
+        replies = client.call_many({a: m.GetMembers(0) for a in [good, *bogus]}, suspect=False)
+        assert list(replies) == [good] and isinstance(replies[good], m.MemberList)
+    finally:
+        client.close()
+        server.close()
+
+
 def test_cut_and_oversized_requests_close_their_connection_only() -> None:
     server = serve(max_message_bytes=4096)
     addr = f"127.0.0.1:{server.port}"

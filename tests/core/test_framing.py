@@ -30,7 +30,17 @@ def test_parse_endpoint(endpoint: str, expected: tuple[object, object]) -> None:
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["ipc://", "tcp://host", "tcp://:80", "tcp://host:http", "udp://h:1", "/a/b"]
+    "endpoint",
+    [
+        "ipc://",
+        "tcp://host",
+        "tcp://:80",
+        "tcp://host:http",
+        "udp://h:1",
+        "/a/b",
+        "tcp://host:65536",
+        "tcp://host:\u0661\u0662",  # digits, not ASCII ones
+    ],
 )
 def test_parse_endpoint_refuses_what_it_cannot_serve(endpoint: str) -> None:
     with pytest.raises(ValueError, match="endpoint"):

@@ -288,7 +288,9 @@ class ControlClient:
         try:
             framing.tune(sock)
             err = sock.connect_ex(address)
-        except OSError as exc:  # a host name that does not resolve
+        # A host name that does not resolve, or that the resolver refuses (UnicodeError; a
+        # TypeError for one that cannot be encoded at all).
+        except (OSError, ValueError, TypeError) as exc:
             sock.close()
             log.debug("cannot reach cluster peer %r: %s", call.addr, exc)
             return False

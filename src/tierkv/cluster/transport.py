@@ -516,7 +516,7 @@ class TcpTransport(Transport):
             ) from None
         try:
             sock = socket.create_connection((host, port), timeout=self.timeout)
-        except (UnicodeError, ValueError) as exc:  # a host name the resolver cannot take
+        except (ValueError, TypeError) as exc:  # a host name the resolver cannot take
             raise ConnectionError(
                 f"peer {peer.node_id} advertises an unusable data address {peer.data!r}: {exc}"
             ) from None
