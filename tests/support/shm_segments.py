@@ -1,12 +1,13 @@
-"""The ``multiprocessing.shared_memory`` segments that vLLM's processes leave behind.
+"""The ``multiprocessing`` shared-memory segments and semaphores vLLM's processes leave behind.
 
 vLLM's executor and its workers pass messages through queues in Python shared-memory
-segments (``/dev/shm/psm_*``). A process that is killed, or whose parent goes first, never
+segments (``/dev/shm/psm_*``), and multiprocessing's locks are named semaphores
+(``/dev/shm/sem.mp-*``). A process that is killed, or whose parent goes first, never
 unlinks its own, and on a machine that keeps ``/dev/shm`` (a developer's, a CI runner's)
-each leaves hundreds of MiB there. A harness takes :func:`python_segments` before it starts
-vLLM and calls :func:`remove_orphans` with it once every vLLM process is gone: what appeared
-meanwhile and no live process maps is removed, so nothing of another process is touched
-(the tierkv pool is never a ``psm_`` segment anyway).
+each run leaves hundreds of MiB (and a semaphore) there. A harness takes
+:func:`python_segments` before it starts vLLM and calls :func:`remove_orphans` with it once
+every vLLM process is gone: what appeared meanwhile and no live process maps is removed, so
+nothing of another process is touched (the tierkv pool is never a ``psm_`` segment anyway).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ SHM = Path("/dev/shm")
 
 
 def python_segments() -> set[Path]:
-    """Every Python shared-memory segment now."""
-    return set(SHM.glob("psm_*"))
+    """Every Python shared-memory segment and multiprocessing semaphore now."""
+    return set(SHM.glob("psm_*")) | set(SHM.glob("sem.mp-*"))
 
 
 def mapped_segments() -> set[Path]:
