@@ -961,13 +961,15 @@ class ObjectIndex:
             self._fenced_free.add(entry.offset)
         else:
             self.allocator.free(entry.offset)
-        tid = entry.tenant
-        left = self._tused[tid] - size
-        if left:
-            self._tused[tid] = left
-        else:
-            del self._tused[tid]
+        self._uncharge(entry.tenant, size)
         return size
+
+    def _uncharge(self, tenant: int, size: int) -> None:
+        left = self._tused[tenant] - size
+        if left:
+            self._tused[tenant] = left
+        else:
+            del self._tused[tenant]
 
     def _lru_add(self, entry: Entry) -> None:
         """Make ``entry`` the most recently used (in the global and its tenant's LRU)."""
@@ -1049,12 +1051,7 @@ class ObjectIndex:
                 continue
             del counts[offset]
             if offset not in self._holds and (charge := self._held_charges.pop(offset, None)):
-                tenant, size = charge
-                left = self._tused[tenant] - size
-                if left:
-                    self._tused[tenant] = left
-                else:
-                    del self._tused[tenant]
+                self._uncharge(*charge)
             free = self._fenced_free
             if offset in free and offset not in self._fences and offset not in self._holds:
                 free.discard(offset)

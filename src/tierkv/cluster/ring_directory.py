@@ -320,17 +320,13 @@ class RingDirectory(Directory):
             suspect = self.client.suspect(info.control)
             if owner not in self._deferred and not suspect:
                 continue
-            held = self._deferred.setdefault(owner, {})
-            kept = len(held)
-            entries = pubs.pop(owner, [])
-            keys = unpubs.pop(owner, [])
-            held.update(entries)
-            held.update(dict.fromkeys(keys, -1))
+            kept = len(self._deferred.get(owner, ()))
+            entries, keys = pubs.pop(owner, []), unpubs.pop(owner, [])
+            held = self._keep(owner, entries, keys)
             if suspect:
                 self.counts["publish_deferred"] += len(entries) + len(keys)
-                self._bound_kept(owner)
                 continue
-            del self._deferred[owner]
+            self._deferred.pop(owner, None)
             self.counts["publish_deferred_sent"] += kept
             pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
             unpubs[owner] = [k for k, w in held.items() if w < 0]
@@ -440,23 +436,26 @@ class RingDirectory(Directory):
                             self._keep_for(owner_at[addr], calls[addr])
 
     def _keep_for(self, owner: str, msg: m.Struct) -> None:
-        """Keep an update an owner did not take (see :meth:`_send`); the latest per key."""
-        held = self._deferred.setdefault(owner, {})
+        """Keep an update an owner did not take (see :meth:`_send`)."""
         if isinstance(msg, m.Publish):
-            held.update(msg.entries)
+            self._keep(owner, msg.entries, [])
             self.counts["publish_deferred"] += len(msg.entries)
         elif isinstance(msg, m.Unpublish):
-            held.update(dict.fromkeys(msg.keys, -1))
+            self._keep(owner, [], msg.keys)
             self.counts["publish_deferred"] += len(msg.keys)
-        self._bound_kept(owner)
         if not self._deferred_check:
             self._deferred_check = self.clock() + DEFERRED_CHECK
 
-    def _bound_kept(self, owner: str) -> None:
-        """Drop what is kept for ``owner`` beyond MAX_KEPT updates (repair brings back
-        what it lacks)."""
-        held = self._deferred.get(owner)
-        if held is not None and len(held) > MAX_KEPT:
+    def _keep(
+        self, owner: str, entries: list[tuple[bytes, int]], keys: list[bytes]
+    ) -> dict[bytes, int]:
+        """Merge publishes and withdrawals into what is kept for ``owner`` (the latest per
+        key); returns it. Past MAX_KEPT updates it is all dropped (repair brings back what
+        the owner lacks)."""
+        held = self._deferred.setdefault(owner, {})
+        held.update(entries)
+        held.update(dict.fromkeys(keys, -1))
+        if len(held) > MAX_KEPT:
             self.counts["publish_deferred_dropped"] += len(held)
             del self._deferred[owner]
             log.warning(
@@ -464,6 +463,7 @@ class RingDirectory(Directory):
                 owner,
                 len(held),
             )
+        return held
 
     # -- anti-entropy ----------------------------------------------------------------------
     def _repair(self) -> float:
