@@ -39,7 +39,7 @@ def test_a_commit_waits_for_the_directory_within_its_clients_timeout(tmp_path: P
     try:
         publisher = RecordingPublisher()
         server.service.publish_commits(publisher, 5.0)
-        tokens = list(range(CHUNK_SIZE * 3))
+        tokens = list(range(CHUNK_SIZE * 5))
         with Client(server.endpoint, timeout=2.0) as client:
             register(client)
             assert client.store(tokens[:CHUNK_SIZE], [chunk_data(tokens, 0)]).stored == [0]
@@ -48,12 +48,21 @@ def test_a_commit_waits_for_the_directory_within_its_clients_timeout(tmp_path: P
             assert stored.stored == [1]
             # A client that does not say (an older one): the server's limit. (Nothing was
             # copied into the slot: this test reads no bytes back.)
-            prepared = client.prepare_store(tokens, first_chunk=2)
+            prepared = client.prepare_store(tokens[: 3 * CHUNK_SIZE], first_chunk=2)
             reply = client._channel.call(
                 p.CommitStore(client._channel.rid(), client._token(), prepared.slots.lease)
             )
             assert isinstance(reply, p.Committed) and reply.committed == 1
-        assert publisher.waits == [1.0, 5.0, 5.0]
+            # Bad waits: a negative one is the server's limit, a huge one capped by it.
+            for i, wait_ms in enumerate((-5, 10**15)):
+                prepared = client.prepare_store(tokens[: CHUNK_SIZE * (4 + i)], first_chunk=3 + i)
+                reply = client._channel.call(
+                    p.CommitStore(
+                        client._channel.rid(), client._token(), prepared.slots.lease, None, wait_ms
+                    )
+                )
+                assert isinstance(reply, p.Committed) and reply.committed == 1
+        assert publisher.waits == [1.0, 5.0, 5.0, 5.0, 5.0]
     finally:
         server.stop()
 
