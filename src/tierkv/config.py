@@ -142,6 +142,23 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_chunks_per_request: Annotated[
         int, option(RPC_AND_HTTP, "most chunks one request may name")
     ] = 16384
+    max_connections: Annotated[
+        int,
+        option(
+            RPC_AND_HTTP,
+            "open RPC connections at most (each engine process opens one or two); one more "
+            "is closed at once",
+        ),
+    ] = 8192
+    connection_buffer_bytes: Annotated[
+        Size,
+        option(
+            RPC_AND_HTTP,
+            "bytes all RPC connections together may hold in large requests being received, "
+            "and again in replies not yet sent (past it a large request gets a limit error; "
+            "the client holding the most unsent replies is disconnected)",
+        ),
+    ] = 2**30
     workers: Annotated[int, option(RPC_AND_HTTP, "threads for requests that may block")] = 4
     # -- pool
     pool_name: Annotated[
@@ -445,6 +462,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ConfigError("write_behind_max_bytes must be >= 0 (0: no write-behind)")
         if self.max_message_bytes < 4096 or self.max_chunks_per_request < 1:
             raise ConfigError("max_message_bytes >= 4096 and max_chunks_per_request >= 1")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
+        if self.connection_buffer_bytes < self.max_message_bytes:
+            raise ConfigError(
+                "connection_buffer_bytes must be at least max_message_bytes (or a request of "
+                "the largest size could never be received)"
+            )
         check_logging(self.log_level, self.log_format)
         self._validate_tiers()
         self._validate_quotas()

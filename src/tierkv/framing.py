@@ -39,6 +39,41 @@ class FrameTooLargeError(Exception):
         self.limit = limit
 
 
+class FrameBudgetError(Exception):
+    """A large message would take this side past the bytes it lets all its connections'
+    messages in progress hold together (:class:`BufferBudget`)."""
+
+    def __init__(self, size: int, budget: BufferBudget) -> None:
+        super().__init__(
+            f"message of {size} bytes would take the {budget.used} bytes of messages being "
+            f"received past their budget ({budget.limit} bytes)"
+        )
+        self.size = size
+        self.limit = budget.limit
+
+
+class BufferBudget:
+    """Bytes that the connections of one server may hold together in one kind of buffer
+    (large messages being received, or replies not sent yet), so that many clients, each
+    within its own limit, cannot together take all its memory. Used by one thread."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        """Count ``n`` more bytes if they fit (whether they did)."""
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
 class ConnectionClosedError(ConnectionError):
     """The peer closed the connection."""
 
@@ -158,9 +193,17 @@ class FrameReader:
     completed by it (``[]`` when nothing is there), as views that stay valid until the next
     call (decode them before reading again)."""
 
-    def __init__(self, max_frame: int = MAX_FRAME, scratch: bytearray | None = None) -> None:
+    def __init__(
+        self,
+        max_frame: int = MAX_FRAME,
+        scratch: bytearray | None = None,
+        budget: BufferBudget | None = None,
+    ) -> None:
+        """``budget``: shared by a server's connections; a large message it has no room for
+        raises :class:`FrameBudgetError` (its body is never read)."""
         self.max_frame = max_frame
         self._scratch = scratch if scratch is not None else bytearray(SCRATCH_BYTES)
+        self._budget = budget
         self._pending = b""  # a partial message (or header) carried over from the last read
         # A large message being received in place: an anonymous mapping, whose pages take
         # memory only as bytes arrive (a header alone announcing max_frame bytes costs
@@ -201,7 +244,14 @@ class FrameReader:
                 continue
             if size > len(self._scratch) // 2:
                 # Large: its own buffer, filled in place from here on.
-                self._large = mmap.mmap(-1, size)
+                if self._budget is not None and not self._budget.take(size):
+                    raise FrameBudgetError(size, self._budget)
+                try:
+                    self._large = mmap.mmap(-1, size)
+                except BaseException:
+                    if self._budget is not None:
+                        self._budget.give(size)
+                    raise
                 self._large[: end - start] = data[start:end]
                 self._have = end - start
                 return frames
@@ -223,8 +273,20 @@ class FrameReader:
         self._have += n
         if self._have < len(view):
             return []
-        self._large = None
+        self._end_large()
         return [view]
+
+    def _end_large(self) -> None:
+        """The large message is whole (its mapping lives on in the view returned) or is
+        given up: its bytes leave the budget."""
+        if self._large is not None and self._budget is not None:
+            self._budget.give(len(self._large))
+        self._large = None
+
+    def close(self) -> None:
+        """Give up a message still being received (its connection is closed)."""
+        self._end_large()
+        self._pending = b""
 
 
 class Connection:

@@ -522,6 +522,8 @@ class Stats(Struct, tag="stats_result"):
     # Slots of expired store reservations (and write-behind pins) kept from reuse until their
     # holder ends them or goes away: it may still be writing into (reading from) them.
     expired_held: int = 0
+    # The RPC connections: open, bytes held, turned away (tierkv.served_connections).
+    connections: dict[str, int] = {}
 
 
 class EvictionEvent(msgspec.Struct):

@@ -8,6 +8,16 @@ they share: accepting connections, queueing a reply and sending what the kernel 
 replies pile up unread (more than ``max_unsent`` bytes: a client that does not read must not
 grow the server's memory). Only the serving thread calls it.
 
+Clients that each stay within those limits must not add up to all the server's memory
+either (a client can announce a large request before it has proved who it is). So there are
+server-wide bounds too: at most ``max_connections`` open connections (one more is accepted
+and closed at once, like one out of descriptors below); large requests being received hold
+at most ``buffer_limit`` bytes together (one more gets the caller's refusal, its body is
+never read, and its connection is closed); replies not yet sent hold at most
+``buffer_limit`` bytes together (past it, the connection with the most unsent is dropped).
+Small requests are read through one scratch buffer; a partial one (at most half of it)
+carried over between reads is all a connection holds besides.
+
 Out of file descriptors, a listener stays readable with connections it cannot accept: the
 serving thread would wake at once for ever, and log a warning each time. One descriptor is
 kept spare for that: given up to accept one waiting connection and close it at once (its
@@ -32,6 +42,8 @@ from tierkv import framing
 log = logging.getLogger(__name__)
 
 ACCEPT_BATCH = 256  # connections accepted per turn of the loop
+DEFAULT_MAX_CONNECTIONS = 8192
+DEFAULT_BUFFER_LIMIT = 2**30
 REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
@@ -54,15 +66,50 @@ class ServedConnections(Generic[C]):
     """The open connections of one server, registered with its ``selector`` (each with
     itself as the key's data)."""
 
-    def __init__(self, selector: selectors.BaseSelector, what: str, max_unsent: int) -> None:
+    def __init__(
+        self,
+        selector: selectors.BaseSelector,
+        what: str,
+        max_unsent: int,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        buffer_limit: int = DEFAULT_BUFFER_LIMIT,
+    ) -> None:
         self.selector = selector
         self.what = what  # names the server in log lines
         self.max_unsent = max_unsent
+        self.max_connections = max_connections
+        self.receiving = framing.BufferBudget(buffer_limit)  # large requests in progress
+        self.unsent = framing.BufferBudget(buffer_limit)  # replies queued, all connections
         self._by_fd: dict[int, C] = {}
         self._spare = _spare_fd()
         self.turned_away = 0  # connections closed at once: no descriptor left for them
+        self.over_limit = 0  # connections closed at once: max_connections were open
+        self.overflowed = 0  # connections dropped: all replies unsent past buffer_limit
+        self.refused_large = 0  # large requests refused: receiving past buffer_limit
         self._unlogged = 0
         self._logged_at = -REFUSAL_LOG_SECONDS
+
+    def figures(self) -> dict[str, int]:
+        """What the connections hold and how many were turned away, and why (for status
+        pages; read from any thread: a moment's view)."""
+        return {
+            "open": len(self._by_fd),
+            "max": self.max_connections,
+            "receiving_bytes": self.receiving.used,
+            "unsent_bytes": self.unsent.used,
+            "buffer_limit": self.receiving.limit,
+            "turned_away_max_connections": self.over_limit,
+            "turned_away_descriptors": self.turned_away,
+            "refused_large_requests": self.refused_large,
+            "dropped_unsent": self.overflowed,
+        }
+
+    def __len__(self) -> int:
+        return len(self._by_fd)
+
+    def reader(self, max_frame: int, scratch: bytearray) -> framing.FrameReader:
+        """A reader for a new connection's requests, within the server-wide budget."""
+        return framing.FrameReader(max_frame, scratch, self.receiving)
 
     def __iter__(self) -> Iterator[C]:
         return iter(list(self._by_fd.values()))
@@ -83,6 +130,14 @@ class ServedConnections(Generic[C]):
                     continue
                 self._warn(f"could not accept a connection: {exc}")
                 return
+            if len(self._by_fd) >= self.max_connections:
+                sock.close()
+                self.over_limit += 1
+                self._warn(
+                    f"{self.max_connections} connections open: new ones turned away (raise "
+                    "--max-connections if so many clients are expected)"
+                )
+                continue
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
@@ -121,7 +176,12 @@ class ServedConnections(Generic[C]):
     def send(self, conn: C, *parts: bytes | memoryview) -> None:
         """Queue ``parts`` behind what ``conn`` has not sent yet, and send what the kernel
         takes now."""
+        if conn not in self:
+            return  # dropped since (a blocking request's reply came back late)
+        before = conn.outbox.size
         conn.outbox.add(*parts)
+        self.unsent.used += conn.outbox.size - before  # counted even past the limit: then
+        # the connection holding the most goes (below), not this reply
         self.flush(conn)
         if conn.outbox.size > self.max_unsent:
             log.warning(
@@ -130,14 +190,33 @@ class ServedConnections(Generic[C]):
                 conn.outbox.size,
             )
             self.drop(conn)
+        if self.unsent.used > self.unsent.limit:
+            self._drop_most_unsent()
+
+    def _drop_most_unsent(self) -> None:
+        """All connections' unsent replies are past the budget: drop the one holding most."""
+        worst = max(self._by_fd.values(), key=lambda c: c.outbox.size)
+        self.overflowed += 1
+        log.warning(
+            "%s: %d bytes of replies unsent in all, past the %d allowed: disconnecting the "
+            "client holding %d of them",
+            self.what,
+            self.unsent.used,
+            self.unsent.limit,
+            worst.outbox.size,
+        )
+        self.drop(worst)
 
     def flush(self, conn: C) -> None:
         """Send what the kernel takes; wait for writability only while bytes remain."""
+        before = conn.outbox.size
         try:
             conn.outbox.flush(conn.sock)
         except OSError:
+            self.unsent.give(before - conn.outbox.size)
             self.drop(conn)
             return
+        self.unsent.give(before - conn.outbox.size)
         waiting = bool(conn.outbox)
         if conn.writing != waiting and conn in self:
             conn.writing = waiting
@@ -151,7 +230,9 @@ class ServedConnections(Generic[C]):
         del self._by_fd[conn.sock.fileno()]
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn.sock)
+        self.unsent.give(conn.outbox.size)
         conn.outbox.clear()
+        conn.reader.close()
         conn.sock.close()
 
     def drop_all(self) -> None:

@@ -1,5 +1,7 @@
 """What one client can hold is bounded: registrations (count, name lengths, idle clients the
-server cannot watch) and open store reservations. Against real server processes."""
+server cannot watch) and open store reservations; and what all clients hold together:
+connections, descriptors, large requests being received and replies not yet sent. Against
+real server processes."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+import pytest
+
 from support.httputil import wait_for
 from support.raw_rpc import Raw
 from support.servers import (
@@ -21,7 +26,7 @@ from support.servers import (
     chunk_data,
     register,
 )
-from tierkv import keys
+from tierkv import framing, keys
 from tierkv import protocol as p
 
 Servers = Callable[..., ServerProcess]
@@ -172,3 +177,121 @@ def test_out_of_file_descriptors_the_server_turns_connections_away_quietly(
     warnings = [line for line in srv.log().splitlines() if "turned away" in line]
     assert 1 <= len(warnings) <= 2, warnings[:5]
     assert srv.proc.poll() is None
+
+
+def _connections(srv: ServerProcess) -> dict[str, int]:
+    with srv.client() as client:
+        figures = dict(client.stats().connections)
+    figures["open"] -= 1  # the connection that asked
+    return figures
+
+
+def test_connections_are_bounded_in_number(server_factory: Servers) -> None:
+    """Past --max-connections a new connection is closed at once (one warning); the open
+    ones keep being served, and once one closes there is room again."""
+    srv = server_factory(extra=["--max-connections", "6"])
+    path = srv.endpoint.removeprefix("ipc://")
+    with srv.client() as client:
+        assert client.stats().connections["max"] == 6
+        idle = []
+        try:
+            for _ in range(5):  # with the client's own: the limit
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(path)
+                idle.append(sock)
+            wait_for("6 open", lambda: client.stats().connections["open"] == 6, 10)
+            for _ in range(3):
+                extra = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                extra.settimeout(10)
+                extra.connect(path)
+                assert extra.recv(1) == b""  # turned away: closed, not left waiting
+                extra.close()
+            figures = client.stats().connections
+            assert figures["turned_away_max_connections"] == 3 and figures["open"] == 6
+            idle.pop().close()
+            wait_for("room again", lambda: client.stats().connections["open"] == 5, 10)
+            raw = Raw(srv.endpoint)
+            assert isinstance(raw.call(p.Ping(1)), p.Ok)
+            raw.close()
+        finally:
+            for sock in idle:
+                sock.close()
+    warnings = [line for line in srv.log().splitlines() if "--max-connections" in line]
+    assert len(warnings) == 1, warnings
+
+
+def test_large_requests_in_progress_share_a_server_wide_budget(server_factory: Servers) -> None:
+    """Each client may announce a request of up to max_message_bytes before it has shown
+    who it is: many such clients added up to all the server's memory. Large requests being
+    received share --connection-buffer-bytes: one more gets a limit error from its header
+    (its body never read) and its connection is closed; others keep being served; whole
+    requests and closed connections give their bytes back."""
+    mib = 2**20
+    srv = server_factory(extra=["--max-message-bytes", "4MiB", "--connection-buffer-bytes", "8MiB"])
+    path = srv.endpoint.removeprefix("ipc://")
+
+    def announce() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.sendall(struct.pack("<I", 4 * mib) + b"\x00" * 100)
+        return sock
+
+    stalled = [announce(), announce()]
+    wait_for("8 MiB held", lambda: _connections(srv)["receiving_bytes"] == 8 * mib, 10)
+    refused = Raw(srv.endpoint)
+    refused.send_bytes(struct.pack("<I", 4 * mib))
+    reply = refused.recv()
+    assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.LIMIT
+    assert "connection_buffer_bytes" in reply.message
+    with pytest.raises(OSError):
+        refused.call(p.Ping(1))  # closed
+    refused.close()
+    figures = _connections(srv)
+    assert figures["refused_large_requests"] == 1 and figures["receiving_bytes"] == 8 * mib
+    stalled.pop().close()
+    wait_for("4 MiB held", lambda: _connections(srv)["receiving_bytes"] == 4 * mib, 10)
+    raw = Raw(srv.endpoint)
+    try:
+        for rid in (1, 2):  # a whole large request gives its bytes back: room for the next
+            junk = msgspec.msgpack.encode(["ping", rid, b"x" * (4 * mib - 64)])
+            reply = raw.call(junk)
+            assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.BAD_REQUEST
+            assert _connections(srv)["receiving_bytes"] == 4 * mib
+        assert isinstance(raw.call(p.Ping(3)), p.Ok)
+    finally:
+        raw.close()
+        stalled.pop().close()
+    wait_for("nothing held", lambda: _connections(srv)["receiving_bytes"] == 0, 10)
+
+
+def test_unsent_replies_share_a_server_wide_budget(server_factory: Servers) -> None:
+    """Clients that send requests and never read the replies: each is bounded alone, and
+    all together by --connection-buffer-bytes, past which the one holding the most unsent
+    is disconnected (one warning); a client that reads its replies keeps being served."""
+    srv = server_factory(
+        extra=["--max-message-bytes", "64KiB", "--connection-buffer-bytes", "1MiB"]
+    )
+    hog = Raw(srv.endpoint)
+    request = msgspec.msgpack.encode(p.GetStats(1))
+    burst = (framing.HEADER.pack(len(request)) + request) * 200
+    try:
+        with srv.client() as client:
+            reply_bytes = len(msgspec.msgpack.encode(client.stats()))
+
+            def dropped() -> bool:
+                try:
+                    hog.send_bytes(burst)  # its replies pile up: it reads none
+                except OSError:
+                    return True  # disconnected
+                return client.stats().connections["dropped_unsent"] >= 1
+
+            # Far more than the socket buffers and the budget take: 40 MiB of replies.
+            wait_for("the hog dropped", dropped, 60)
+            figures = client.stats().connections
+            assert figures["dropped_unsent"] == 1, figures
+            assert figures["unsent_bytes"] <= 2**20
+            assert reply_bytes * 200 < 2**20  # one burst alone never passes the budget
+    finally:
+        hog.close()
+    warnings = [line for line in srv.log().splitlines() if "replies unsent in all" in line]
+    assert len(warnings) == 1, warnings

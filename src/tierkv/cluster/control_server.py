@@ -10,7 +10,8 @@ request whose signature is wrong, or that was served already (a replay), is refu
 it is even decoded; one that cannot be decoded gets :class:`~tierkv.cluster.messages.Refused`
 too; all are counted and change nothing. A connection that does not open with our hello, or
 announces a request over ``max_message_bytes`` (refused, its body never read), is closed; so
-is one whose replies pile up unread. Refusals are logged as one
+is one whose replies pile up unread, and all connections together are bounded
+(:mod:`tierkv.served_connections`). Refusals are logged as one
 :class:`~tierkv.logs.FailureLog` (:class:`RefusalLog`): the first at WARNING with its cause,
 then a summary at most once a minute, never a line each (a port under attack, or a node with
 the wrong token, would otherwise flood the log).
@@ -35,7 +36,7 @@ from tierkv.cluster.replay import REPLAYED
 from tierkv.config import ConfigError
 from tierkv.logs import FailureLog
 from tierkv.priority import control_thread
-from tierkv.served_connections import Served, ServedConnections
+from tierkv.served_connections import DEFAULT_BUFFER_LIMIT, Served, ServedConnections
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,11 @@ class ControlServer:
         self.listener = listener
         selector = selectors.DefaultSelector()
         selector.register(listener, selectors.EVENT_READ, None)
-        self._clients = ServedConnections(selector, "cluster control port", MAX_UNSENT)
+        # Every connection's large requests together: at least one of the largest size.
+        budget = max(DEFAULT_BUFFER_LIMIT, self._frame_limit())
+        self._clients = ServedConnections(
+            selector, "cluster control port", MAX_UNSENT, buffer_limit=budget
+        )
         self.refusals.what = f"cluster control port {self.host}:{self.port}"
 
     def start(self) -> None:
@@ -174,10 +179,13 @@ class ControlServer:
                 if mask & selectors.EVENT_READ and client in clients:
                     self._receive(client)
 
-    def _client(self, sock: socket.socket) -> _Client:
+    def _frame_limit(self) -> int:
         # A request's frame holds its signature and its length too.
-        limit = self.max_message_bytes + wire.AUTH_LENGTH.size + 256
-        return _Client(sock, framing.FrameReader(limit, self._scratch))
+        return self.max_message_bytes + wire.AUTH_LENGTH.size + 256
+
+    def _client(self, sock: socket.socket) -> _Client:
+        assert self._clients is not None
+        return _Client(sock, self._clients.reader(self._frame_limit(), self._scratch))
 
     def _receive(self, client: _Client) -> None:
         if client.hello is not None and not self._read_hello(client):
@@ -190,6 +198,17 @@ class ControlServer:
                 why = f"request of {exc.size} bytes is larger than the limit ({exc.limit} bytes)"
                 self.refusals.failed("request", why)
                 self._send(client, b"", m.Refused(0, f"{why}; connection closed"))
+                self._drop(client)
+                return
+            except framing.FrameBudgetError as exc:
+                why = (
+                    f"request of {exc.size} bytes refused: large requests being received "
+                    f"hold all the {exc.limit} bytes allowed"
+                )
+                assert self._clients is not None
+                self._clients.refused_large += 1
+                self.refusals.failed("request", why)
+                self._send(client, b"", m.Refused(0, f"{why}; connection closed, try again"))
                 self._drop(client)
                 return
             except OSError:  # closed or reset by the client (it exited, or crashed)

@@ -139,6 +139,29 @@ class StatsCollector(Collector):
                 "Bytes of the notes of the chunks the pool holds",
                 feed["held_note_bytes"],
             )
+        conns = st["connections"]
+        if conns:
+            yield _gauge("tierkv_rpc_connections", "Open RPC connections", conns["open"])
+            yield _gauge(
+                "tierkv_rpc_buffered_bytes",
+                "Bytes RPC connections hold in large requests being received and in replies "
+                "not yet sent (each bounded by connection_buffer_bytes)",
+                conns["receiving_bytes"] + conns["unsent_bytes"],
+            )
+            yield _labelled(
+                CounterMetricFamily,
+                "tierkv_rpc_connections_refused",
+                "RPC connections closed by the server for a server-wide bound: max_connections "
+                "open, no file descriptor left, large requests or unsent replies past "
+                "connection_buffer_bytes",
+                "reason",
+                {
+                    "max_connections": conns["turned_away_max_connections"],
+                    "descriptors": conns["turned_away_descriptors"],
+                    "large_requests": conns["refused_large_requests"],
+                    "unsent_replies": conns["dropped_unsent"],
+                },
+            )
         ev = st["evictions"]
         yield _counter("tierkv_evictions", "Objects evicted from the pool", ev["objects"])
         yield _counter("tierkv_evicted_bytes", "Pool bytes freed by eviction", ev["bytes"])

@@ -16,7 +16,8 @@ runs out, with no thread waiting for it (:mod:`tierkv.server.held_queries`).
 A request that cannot be decoded gets an error reply and changes nothing; one announcing
 more than ``max_message_bytes`` gets an error reply and its connection is closed (its body
 is never read). A client whose replies pile up unread (more than ``MAX_UNSENT`` bytes) is
-disconnected rather than let grow the server's memory.
+disconnected rather than let grow the server's memory. All connections together are bounded
+too (``max_connections``, ``connection_buffer_bytes``: :mod:`tierkv.served_connections`).
 
 For ipc endpoints the socket file lives in a 0700 runtime directory and is made 0600.
 """
@@ -139,8 +140,9 @@ class RpcServer:
         self.listener = self._bind()
         self._bound = True
         self.selector = selectors.DefaultSelector()
+        cfg = self.service.cfg
         self._conns: ServedConnections[_Connection] = ServedConnections(
-            self.selector, "rpc", MAX_UNSENT
+            self.selector, "rpc", MAX_UNSENT, cfg.max_connections, cfg.connection_buffer_bytes
         )
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -210,11 +212,16 @@ class RpcServer:
                 if mask & selectors.EVENT_READ and conn in self._conns:
                     self._receive(conn)
 
+    def connection_figures(self) -> dict[str, int]:
+        """The engines' connections (:meth:`ServedConnections.figures`); {} before start."""
+        conns = getattr(self, "_conns", None)
+        return conns.figures() if conns is not None else {}
+
     def _accept(self) -> None:
         self._conns.accept(self.listener, self._connection)
 
     def _connection(self, sock: socket.socket) -> _Connection:
-        reader = framing.FrameReader(self.service.cfg.max_message_bytes, self._scratch)
+        reader = self._conns.reader(self.service.cfg.max_message_bytes, self._scratch)
         return _Connection(sock, reader)
 
     def _receive(self, conn: _Connection) -> None:
@@ -227,6 +234,16 @@ class RpcServer:
                     f"({exc.limit}); connection closed"
                 )
                 self._reply(conn, p.Error(0, p.ErrorCode.TOO_LARGE, why))  # sent if it fits
+                self._conns.drop(conn)
+                return
+            except framing.FrameBudgetError as exc:
+                why = (
+                    f"request of {exc.size} bytes refused: the server holds as many large "
+                    f"requests being received as it allows ({exc.limit} bytes, "
+                    "connection_buffer_bytes); connection closed, try again"
+                )
+                self._conns.refused_large += 1
+                self._reply(conn, p.Error(0, p.ErrorCode.LIMIT, why))
                 self._conns.drop(conn)
                 return
             except OSError:  # closed or reset by the client (it exited, or crashed)

@@ -106,9 +106,10 @@ class StatusBuilder:
         quotas: Quotas | None = None,
         clock: Callable[[], float] = time.monotonic,
         feed: Callable[[], dict[str, int]] | None = None,
+        connections: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """``cluster()`` gives the cluster node's figures (None: not in a cluster);
-        ``feed()`` the chunk feed's."""
+        ``feed()`` the chunk feed's; ``connections()`` the RPC connections'."""
         self.cfg = cfg
         self.pool = pool
         self.index = index
@@ -119,6 +120,7 @@ class StatusBuilder:
         self.cluster = cluster
         self.quotas = quotas
         self.feed = feed
+        self.connections = connections
         self.clock = clock
         self.started = clock()
         self.usage = TierUsageCache(clock=clock)
@@ -207,6 +209,7 @@ class StatusBuilder:
             quota_mode=mode,
             default_quota=default_quota,
             chunk_feed=self.feed() if self.feed is not None else {},
+            connections=self.connections() if self.connections is not None else {},
         )
 
 
@@ -282,6 +285,8 @@ def status_document(s: p.Stats, cfg: ServerConfig) -> dict[str, Any]:
         },
         # The chunk feed engines read for KV events (tierkv.server.chunk_feed).
         "chunk_feed": s.chunk_feed,
+        # The engines' RPC connections: open, bytes they hold, turned away and why.
+        "connections": s.connections,
         # Membership, directory, per-peer transfers (None when not in a cluster).
         "cluster": s.cluster or None,
         "config": as_dict(cfg),

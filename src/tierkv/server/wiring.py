@@ -228,6 +228,7 @@ class Server:
             cluster=cluster.stats if cluster is not None else None,
             quotas=self.quotas,
             feed=self.feed_figures,
+            connections=self._connection_figures,
         )
         self.service = CacheService(
             cfg=cfg,
@@ -311,6 +312,10 @@ class Server:
     def feed_figures(self) -> dict[str, int]:
         """The chunk feed's figures, with the snapshots being read (status, metrics)."""
         return {**self.feed.figures(), "open_snapshots": len(self.service.snapshot_pages)}
+
+    def _connection_figures(self) -> dict[str, int]:
+        rpc = getattr(self, "rpc", None)
+        return rpc.connection_figures() if rpc is not None else {}
 
     def document(self) -> dict[str, object]:
         """The status document (GET /status, the dashboard, Prometheus)."""
