@@ -14,6 +14,7 @@ import pytest
 from tierkv.cluster import messages as m
 from tierkv.cluster import ring_directory
 from tierkv.cluster.directory import Where
+from tierkv.cluster.ring import Ring
 from tierkv.cluster.ring_directory import RingDirectory
 from tierkv.cluster.ring_shard import Shard
 
@@ -300,5 +301,52 @@ def test_updates_kept_for_an_owner_are_bounded(monkeypatch: pytest.MonkeyPatch) 
         wire.suspects = set()
         assert writer.wait_published(writer.publish(keys[:1]), 10.0)
         assert owner.shard.get(keys[:1])[0] and not owner.shard.get(keys[1:2])[0]
+    finally:
+        writer.close()
+
+
+def test_updates_kept_for_an_owner_go_where_their_keys_are_owned_now() -> None:
+    """Updates kept for a suspect owner whose keys a node joining since took over: its
+    publishes are not sent to the old owner when it answers again (an entry where no
+    reader looks: a wrong one if the ring changed back), the new owner has them from the
+    re-publish after the change; a withdrawal goes to the new owner (the old one may have
+    handed it the entry) and removes it there."""
+    a, o, q = member("A"), member("O"), member("Q")
+    wire = Wire()
+    held: list[tuple[bytes, Where]] = []
+    writer_view = View(a, [o])
+    writer = directory_of(wire, writer_view, lambda: list(held), settle=0.05)
+    owner = directory_of(wire, View(o, [a]))
+    joiner = directory_of(wire, View(q, [a, o]))
+    after = Ring({x.node_id: x for x in (a, o, q)}, 8, 1)
+    moving = [k for k in owned_by(writer, "O", 256) if after.owners_many([k])[0] == ("Q",)]
+    assert len(moving) >= 2
+    kept_pub, kept_unpub = moving[:2]
+    writer.start()
+    try:
+        held.append((kept_unpub, Where.POOL))
+        assert writer.wait_published(writer.publish([kept_unpub]), 10.0)
+        assert owner.shard.get([kept_unpub])[0]
+        wire.suspects = {o.control}
+        held[:] = [(kept_pub, Where.POOL)]
+        writer.publish([kept_pub])
+        writer.unpublish([kept_unpub])  # evicted
+        assert writer.flush()
+        assert writer.counts["publish_deferred"] == 2
+        # Q joins; the old owner handed it the entry of the chunk evicted meanwhile.
+        joiner.shard.put("A", a.incarnation, [(kept_unpub, int(Where.POOL))])
+        writer_view.set([a, o, q])
+        deadline = time.monotonic() + 10.0
+        while writer.counts["rebalances"] < 1:
+            assert time.monotonic() < deadline, "no rebalance"
+            time.sleep(0.01)
+        wire.suspects = set()  # the old owner answers again
+        while writer.counts["publish_deferred_moved"] < 2 or writer._deferred:
+            assert time.monotonic() < deadline, "the kept updates were never sent"
+            time.sleep(0.01)
+        assert writer.flush()
+        assert not owner.shard.get([kept_pub])[0]  # not sent to the old owner
+        assert joiner.shard.get([kept_pub])[0]  # the re-publish after the change
+        assert not joiner.shard.get([kept_unpub])[0]  # the withdrawal went to the new owner
     finally:
         writer.close()

@@ -140,6 +140,7 @@ class RingDirectory(Directory):
             "publish_deferred": 0,  # updates held back for a suspect owner
             "publish_deferred_sent": 0,  # ... sent once it answered again
             "publish_deferred_dropped": 0,  # ... dropped: the owner left
+            "publish_deferred_moved": 0,  # ... whose key the owner no longer owns (not sent)
             "resolves": 0,
             "resolved_keys": 0,
             "resolve_found": 0,
@@ -312,7 +313,7 @@ class RingDirectory(Directory):
         withdrawal kept while the owner was suspect removing a chunk stored again since),
         and kept until the next check, the new ones would reach the owner after the commit
         that waits for them returned."""
-        members, _ = self.current()
+        members, ring = self.current()
         for owner in set(pubs) | set(unpubs):
             info = members.get(owner)
             if info is None:
@@ -328,8 +329,7 @@ class RingDirectory(Directory):
                 continue
             self._deferred.pop(owner, None)
             self.counts["publish_deferred_sent"] += kept
-            pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
-            unpubs[owner] = [k for k, w in held.items() if w < 0]
+            pubs[owner], unpubs[owner] = self._still_owned(owner, held, ring)
             if not pubs[owner]:
                 del pubs[owner]
             if not unpubs[owner]:
@@ -341,7 +341,7 @@ class RingDirectory(Directory):
         """Send what waited for owners that answer again; drop what waited for owners that
         left (their successors got everything from the rebalance)."""
         self._deferred_check = self.clock() + DEFERRED_CHECK
-        members, _ = self.current()
+        members, ring = self.current()
         pubs: dict[str, list[tuple[bytes, int]]] = {}
         unpubs: dict[str, list[bytes]] = {}
         for owner, held in list(self._deferred.items()):
@@ -351,9 +351,10 @@ class RingDirectory(Directory):
             elif self.client.suspect(info.control):
                 continue
             else:
-                pubs[owner] = [(k, w) for k, w in held.items() if w >= 0]
-                unpubs[owner] = [k for k, w in held.items() if w < 0]
-                self.counts["publish_deferred_sent"] += len(held)
+                del self._deferred[owner]  # before: what moved may be kept for others
+                pubs[owner], unpubs[owner] = self._still_owned(owner, held, ring)
+                self.counts["publish_deferred_sent"] += len(pubs[owner]) + len(unpubs[owner])
+                continue
             del self._deferred[owner]
         if not self._deferred:
             self._deferred_check = 0.0
@@ -445,6 +446,36 @@ class RingDirectory(Directory):
             self.counts["publish_deferred"] += len(msg.keys)
         if not self._deferred_check:
             self._deferred_check = self.clock() + DEFERRED_CHECK
+
+    def _still_owned(
+        self, owner: str, held: dict[bytes, int], ring: Ring
+    ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
+        """The updates kept for ``owner`` of keys it still owns on ``ring``, to send it now:
+        (publishes, withdrawals). Those of keys a ring change gave to other owners since are
+        not sent to it: a publish would leave an entry where no reader looks (to mislead one
+        if the ring changed back) and is dropped, since the new owners get this node's
+        entries from the re-publish that follows every ring change; a withdrawal is kept for
+        the new owners instead (the old owner may have handed them the withdrawn entry)."""
+        keys = list(held)
+        pubs: list[tuple[bytes, int]] = []
+        unpubs: list[bytes] = []
+        moved: dict[bytes, int] = {}
+        for key, owners in zip(keys, ring.owners_many(keys), strict=True):
+            where = held[key]
+            if owner not in owners:
+                moved[key] = where
+            elif where >= 0:
+                pubs.append((key, where))
+            else:
+                unpubs.append(key)
+        if moved:
+            self.counts["publish_deferred_moved"] += len(moved)
+            withdrawn = {k: w for k, w in moved.items() if w < 0}
+            for other, others_keys in self._route(withdrawn, ring)[1].items():
+                self._keep(other, [], others_keys)
+            if self._deferred and not self._deferred_check:
+                self._deferred_check = self.clock() + DEFERRED_CHECK
+        return pubs, unpubs
 
     def _keep(
         self, owner: str, entries: list[tuple[bytes, int]], keys: list[bytes]
