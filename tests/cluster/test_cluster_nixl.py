@@ -24,11 +24,13 @@ from support.nixl_kit import (
 )
 from tierkv.checksums import checksum
 from tierkv.cluster.nixl_transport import (
+    LEASE_BUSY,
     LEASE_HEAD,
     LEASED,
     RELEASE,
     RELEASE_UNKNOWN,
     RELEASED,
+    SENT_OUTSIDE,
     NixlTransport,
 )
 from tierkv.cluster.transport import ITEM, MAX_CHUNKS, REQUEST, Served, TcpTransport
@@ -387,6 +389,12 @@ def test_a_holder_with_too_many_leases_out_serves_that_batch_over_tcp(reader: Si
         assert leases(holder)["refused"] == 2 and leases(holder)["live"] == 0
         assert isinstance(reader.t, NixlTransport) and reader.t.fallbacks == 0
         wait_for(lambda: holder.source.locked() == 0)
+        # No lease, no address: a BUSY reply names none of the chunks' slots.
+        head, entries = reader.t._call(
+            member(holder.t.address), lambda sock: reader.t._lease(sock, [(keys[0], SIZE)])
+        )
+        assert head[0] == LEASE_BUSY and head[2] == 0
+        assert [(st, offset, length) for st, offset, length, _ in entries] == [(SENT_OUTSIDE, 0, 0)]
     finally:
         holder.close()
 

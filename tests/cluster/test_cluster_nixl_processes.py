@@ -168,6 +168,47 @@ def test_a_stopped_holder_is_a_miss_at_the_readers_deadline(
     assert over_nixl(t, a) == 4 and t.fallbacks == 1
 
 
+def test_a_holder_forgotten_during_a_read_is_unloaded_only_after_it(
+    reader: tuple[PoolSource, NixlTransport], holders: Callable[..., HolderProcess]
+) -> None:
+    """Membership forgets a holder (declared dead: a stall) while a READ from it runs. Its
+    agent was unloaded at once: NIXL failed the READ but not its transfer, the slots were
+    fenced only for the grace of a failed READ, and the holder, resumed, wrote into chunks
+    committed there since. Now the agent is unloaded by the last fetch using it, once its
+    given-up READ has ended: the READ is given up at the deadline, its slots stay fenced
+    until it lands, and the holder is not loaded again before its agent is unloaded."""
+    source, t = reader
+    a = holders(23)
+    assert read_all(reader, a) == (OK4, [True] * 4)
+
+    def stop_then_forget(lease_id: int) -> None:
+        sigstop(a.proc.pid)
+        t.forget(member(a.address))  # on another thread in a server: the same race
+
+    t.before_read = stop_then_forget
+    res = source.index.reserve_write(a.keys, [SIZE] * 4, WRITER)
+    items = [(a.keys[i], source.pool.view(off, n)) for i, off, n in res.slots]
+    assert t.fetch_many([(member(a.address), items)])[0] == [LoadStatus.ERROR] * 4
+    t.before_read = None
+    assert t.late is not None
+    late = t.late.stats()
+    assert (late["given_up"], late["failed"], late["pending"]) == (1, 0, 1), late
+    del items
+    source.index.abort(res.lease_id, WRITER)
+    fenced = {off for _, off, _ in res.slots}
+    assert source.index.stats().fenced_free == 4
+    others = {chunk_key(98, i): bytes([i + 7]) * SIZE for i in range(4)}
+    placed = {key: source.put(key, data) for key, data in others.items()}
+    assert not fenced & set(placed.values())
+    os.kill(a.proc.pid, signal.SIGCONT)
+    wait_for(lambda: t.late is not None and t.late.stats()["pending"] == 0, timeout=60)
+    wait_for(lambda: not t._unloading, timeout=10)  # unloaded once the READ ended
+    for key, data in others.items():
+        assert bytes(source.pool.view(placed[key], SIZE)) == data
+    assert source.index.stats().fenced_free == 0
+    assert read_all(reader, a) == (OK4, [True] * 4)  # loaded again after
+
+
 def test_metadata_nixl_refuses_is_read_over_tcp(
     reader: tuple[PoolSource, NixlTransport], holders: Callable[..., HolderProcess]
 ) -> None:

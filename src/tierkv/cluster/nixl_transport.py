@@ -102,14 +102,19 @@ _ZERO = bytes(16)
 EXPIRED = "EXPIRED"
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Remote:
-    """A holder's agent, loaded from its metadata."""
+    """A holder's agent, loaded from its metadata. ``users``: fetches reading from it now
+    (under the transport's ``_nixl_lock``); ``dropped``: taken out of use, to be unloaded
+    once none uses it (and its given-up READs have ended)."""
 
     agent: str
     generation: int
     base: int
     size: int
+    key: tuple[str, int] = ("", 0)
+    users: int = 0
+    dropped: bool = False
 
 
 class NixlTransport(TcpTransport):
@@ -171,7 +176,10 @@ class NixlTransport(TcpTransport):
         ).start()
         self._remotes: dict[tuple[str, int], _Remote] = {}
         self._tcp_only: dict[tuple[str, int], float] = {}  # until (monotonic)
-        self._nixl_lock = threading.Lock()  # the two tables above; no I/O under it
+        # Holders whose agent waits to be unloaded: not loaded again until it is (loading
+        # an agent's metadata again invalidates its READs still running).
+        self._unloading: set[tuple[str, int]] = set()
+        self._nixl_lock = threading.Lock()  # the tables above, remotes' users; no I/O under it
         self.nixl_received: dict[str, PeerFigures] = {}
         self._counts_lock = threading.Lock()  # the three READ counters below (_count)
         self.fallbacks = 0  # under _nixl_lock
@@ -266,6 +274,9 @@ class NixlTransport(TcpTransport):
                 lease_id = lease.id
         if not lease_id:
             source.release(served)
+            # No lease, no address: the chunks are read over TCP (as for a chunk outside).
+            outside = LEASED.pack(SENT_OUTSIDE, 0, 0, _ZERO)
+            entries = [e if LEASED.unpack(e)[0] != SENT_OK else outside for e in entries]
         head = LEASE_HEAD.pack(status, ttl_ms, lease_id, self.generation)
         send_all(sock, [head + b"".join(entries)])  # one buffer: sendmsg takes <= 1024
 
@@ -371,8 +382,37 @@ class NixlTransport(TcpTransport):
         figures = self._figures(self.nixl_received, peer.node_id)
         try:
             remote = self._remote(peer)
-            if remote is None:
-                return statuses, list(range(len(items)))
+        except PeerRefused as exc:
+            log.error("%s", exc)
+            return statuses, []
+        except (OSError, ConnectionError) as exc:
+            log.warning("fetch from %s failed: %s", peer.node_id, exc)
+            figures.add(time.monotonic() - started, 0, 0, errors=len(items), requests=0)
+            return statuses, []
+        if remote is None:
+            return statuses, list(range(len(items)))
+        try:
+            return self._leased_read(peer, remote, items, verified, mine, fallback, started)
+        finally:
+            self._done_with(remote)
+
+    def _leased_read(
+        self,
+        peer: m.MemberInfo,
+        remote: _Remote,
+        items: Sequence[tuple[bytes, memoryview]],
+        verified: dict[bytes, bytes] | None,
+        mine: list[int],
+        fallback: list[int],
+        started: float,
+    ) -> tuple[list[LoadStatus], list[int]]:
+        """The part of :meth:`_nixl_batch` that runs with the holder's agent in use."""
+        agent = self.agent
+        assert agent is not None
+        statuses = [LoadStatus.ERROR] * len(items)
+        addrs = [address_of(v) for _, v in items]
+        figures = self._figures(self.nixl_received, peer.node_id)
+        try:
             wanted = [(items[i][0], items[i][1].nbytes) for i in mine]
             head, entries = self._call(peer, lambda sock: self._lease(sock, wanted))
         except PeerRefused as exc:
@@ -479,8 +519,11 @@ class NixlTransport(TcpTransport):
         key = (peer.data, peer.incarnation)
         with self._nixl_lock:
             remote = self._remotes.get(key)
-        if remote is not None:
-            return remote
+            if remote is not None:
+                remote.users += 1
+                return remote
+            if key in self._unloading:
+                return None  # over TCP until its old agent is unloaded
         head, md = self._call(peer, self._metadata)
         status, generation, base, size, _ = head
         if status != META_OK:
@@ -495,10 +538,35 @@ class NixlTransport(TcpTransport):
             return None
         if self.late is not None:
             self.late.keep_loaded(name)
-        remote = _Remote(name, generation, base, size)
         with self._nixl_lock:
-            self._remotes[key] = remote
+            remote = self._remotes.get(key)  # another fetch loaded it meanwhile
+            if remote is None:
+                remote = self._remotes[key] = _Remote(name, generation, base, size, key)
+            remote.users += 1
         return remote
+
+    def _done_with(self, remote: _Remote) -> None:
+        """A fetch stopped using ``remote``: the last one unloads it if it was dropped."""
+        with self._nixl_lock:
+            remote.users -= 1
+            unload = remote.dropped and remote.users == 0
+        if unload:
+            self._unload(remote)
+
+    def _drop(self, remotes: list[_Remote]) -> None:
+        """Take ``remotes`` (out of the table already) out of use: each is unloaded now if no
+        fetch uses it, else by the last one that does (unloaded under a READ still running,
+        NIXL fails the READ but not its transfer, which may still write into slots the
+        failure gave back to the pool)."""
+        idle = []
+        with self._nixl_lock:
+            for remote in remotes:
+                remote.dropped = True
+                self._unloading.add(remote.key)
+                if remote.users == 0:
+                    idle.append(remote)
+        for remote in idle:
+            self._unload(remote)
 
     @staticmethod
     def _metadata(sock: socket.socket) -> tuple[tuple[int, int, int, int, int], bytes]:
@@ -553,7 +621,7 @@ class NixlTransport(TcpTransport):
             if not already:
                 self.fallbacks += 1
         if remote is not None:
-            self._unload(remote)
+            self._drop([remote])
         if not already:
             later = "" if math.isinf(seconds) else f" (NIXL again in {seconds:.0f} s)"
             log.warning("reads from %s go over TCP: %s%s", peer.node_id, why, later)
@@ -565,14 +633,22 @@ class NixlTransport(TcpTransport):
             remotes = [self._remotes.pop(k) for k in gone]
             for k in [k for k in self._tcp_only if k[0] == peer.data]:
                 del self._tcp_only[k]
-        for remote in remotes:
-            self._unload(remote)
+        self._drop(remotes)
 
     def _unload(self, remote: _Remote) -> None:
         """Unload a holder's agent, once the READs given up on it have ended."""
         agent, late = self.agent, self.late
-        if agent is not None and late is not None:
-            late.unload_when_done(remote.agent, lambda: agent.remove_remote(remote.agent))
+
+        def unload() -> None:
+            if agent is not None:
+                agent.remove_remote(remote.agent)
+            with self._nixl_lock:
+                self._unloading.discard(remote.key)
+
+        if late is not None:
+            late.unload_when_done(remote.agent, unload)
+        else:
+            unload()
 
     # -- lifecycle and figures -------------------------------------------------------------
     def close(self) -> None:
