@@ -60,15 +60,18 @@ def test_replies_are_bound_to_their_request() -> None:
     assert not ControlSigner("other").check_reply(first, reply, b"answer")
 
 
-def test_hello_proofs_depend_on_role_nonces_reader_and_secret() -> None:
+def test_hello_proofs_depend_on_role_nonces_both_node_ids_and_secret() -> None:
     key = derive_key("secret")
     a, b = nonce(), nonce()
-    proof = hello_proof(key, b"holder", a, b, b"reader-1")
-    assert proof == hello_proof(key, b"holder", a, b, b"reader-1")
-    assert proof != hello_proof(key, b"reader", a, b, b"reader-1")  # no reflection
-    assert proof != hello_proof(key, b"holder", b, a, b"reader-1")
-    assert proof != hello_proof(key, b"holder", a, b, b"reader-2")
-    assert proof != hello_proof(derive_key("other"), b"holder", a, b, b"reader-1")
+    proof = hello_proof(key, b"holder", a, b, b"reader-1", b"holder-1")
+    assert proof == hello_proof(key, b"holder", a, b, b"reader-1", b"holder-1")
+    assert proof != hello_proof(key, b"reader", a, b, b"reader-1", b"holder-1")  # no reflection
+    assert proof != hello_proof(key, b"holder", b, a, b"reader-1", b"holder-1")
+    assert proof != hello_proof(key, b"holder", a, b, b"reader-2", b"holder-1")
+    assert proof != hello_proof(key, b"holder", a, b, b"reader-1", b"holder-2")  # no relay
+    # The ids' boundary counts: "reader-1h" + "older-1" is another pair.
+    assert proof != hello_proof(key, b"holder", a, b, b"reader-1h", b"older-1")
+    assert proof != hello_proof(derive_key("other"), b"holder", a, b, b"reader-1", b"holder-1")
     assert derive_key("secret") != b"secret" and len(key) == 32
 
 

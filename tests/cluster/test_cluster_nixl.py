@@ -77,6 +77,7 @@ def holder_side(seed: int, n: int, size: int = SIZE, **kw: object) -> tuple[Side
                           region=source.pool.buf, fence=source.index,
                           **kw)  # type: ignore[arg-type]  # fmt: skip
     t.serve(source)
+    t.node_id = t.address.encode()  # a test holder is the member its address names
     return Side(source, t), keys
 
 
@@ -438,6 +439,7 @@ def test_a_lease_request_that_times_out_is_not_sent_again() -> None:
     )
     holder = Side(source, held)
     held.serve(source)
+    held.node_id = held.address.encode()
     rsrc = PoolSource(16 << 20)
     reads = NixlTransport(
         "127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=rsrc.pool.buf, fence=rsrc.index,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -11,7 +13,16 @@ import pytest
 
 from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
-from tierkv.cluster.transport import Served, TcpTransport
+from tierkv.cluster.transport import (
+    CHUNK,
+    HELLO,
+    HELLO_REPLY,
+    ITEM,
+    REQUEST,
+    SENT_OK,
+    Served,
+    TcpTransport,
+)
 from tierkv.tiers.base import LoadStatus
 
 TOKEN = "data-plane-secret"
@@ -51,6 +62,7 @@ def wait_for(what: Callable[[], object], timeout: float = 10.0) -> None:
 def holder(chunks: dict[bytes, bytes], port: int = 0, **kw: object) -> TcpTransport:
     t = TcpTransport("127.0.0.1", port, "127.0.0.1", TOKEN, f"holder-{port}", **kw)  # type: ignore[arg-type]
     t.serve(DictSource(chunks))
+    t.node_id = t.address.encode()  # a test holder is the member its address names
     return t
 
 
@@ -201,6 +213,7 @@ def test_a_fetch_returns_only_once_every_stream_has_ended(reader: TcpTransport) 
     data = chunks(4)
     slow = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "slow-holder")
     slow.serve(SlowSource(data))
+    slow.node_id = slow.address.encode()
     try:
         bad = m.MemberInfo("bogus", "127.0.0.1:1", "a" * 64 + ":7000", 1)
         items = slots(data)
@@ -262,3 +275,57 @@ def test_a_holder_that_trickles_its_chunks_is_cut_off_at_the_transfer_limit(
     finally:
         slow.close()
         h.close()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        part = sock.recv(n - len(got))
+        if not part:
+            raise ConnectionError("connection closed")
+        got += part
+    return got
+
+
+def test_a_hello_relayed_to_another_member_proves_nothing(reader: TcpTransport) -> None:
+    """A process at a member's data address (its port taken over after the member died)
+    has no secret, but relayed the reader's hello to a live member and that member's proof
+    back: the proof named only the reader, so the reader took the impostor for the member
+    and accepted its bytes, with a checksum of their own, as OK. A proof names the holder
+    too now: the relayed one is refused, and nothing is read."""
+    real = holder({})  # a live member; it need not hold the chunk
+    listener = socket.create_server(("127.0.0.1", 0))
+    fake = b"EVIL" * 1024
+    served: list[bytes] = []
+
+    def impostor() -> None:
+        with contextlib.suppress(OSError), listener, listener.accept()[0] as conn:
+            host, port = real.address.rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=5) as member_sock:
+                conn.settimeout(5)
+                head = _recv_exactly(conn, HELLO.size)
+                member_sock.sendall(head + _recv_exactly(conn, HELLO.unpack(head)[2] + 16))
+                conn.sendall(_recv_exactly(member_sock, HELLO_REPLY.size + 16 + 32))
+                member_sock.sendall(_recv_exactly(conn, 32))
+                conn.sendall(_recv_exactly(member_sock, HELLO_REPLY.size))
+                _, count = REQUEST.unpack(_recv_exactly(conn, REQUEST.size))
+                for _ in range(count):
+                    _, n = ITEM.unpack(_recv_exactly(conn, ITEM.size))
+                    conn.sendall(CHUNK.pack(SENT_OK, n, checksum(fake[:n])) + fake[:n])
+                    served.append(fake[:n])
+
+    relay = threading.Thread(target=impostor, daemon=True)
+    relay.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        view = memoryview(bytearray(len(fake)))
+        verified: dict[bytes, bytes] = {}
+        got = reader.fetch_many(
+            [(m.MemberInfo(address, address, address, 1), [(b"k" * 32, view)])], verified
+        )
+        assert got == [[LoadStatus.ERROR]] and not verified and not served
+        assert bytes(view) == bytes(len(fake))
+        assert reader.refused_by_peers == 1
+    finally:
+        real.close()
+        relay.join(10)

@@ -516,14 +516,14 @@ def _hello(node_id: bytes, version: int = VERSION, claimed: int | None = None) -
     return HELLO.pack(b"TKVD", version, n) + node_id + bytes(NONCE_BYTES)
 
 
-def _handshake(sock: socket.socket, node_id: bytes) -> None:
+def _handshake(sock: socket.socket, node_id: bytes, holder: bytes) -> None:
     """A real reader's hello (so the garbage that follows reaches the request parser)."""
     mine = bytes(range(NONCE_BYTES))
     sock.sendall(HELLO.pack(b"TKVD", VERSION, len(node_id)) + node_id + mine)
     head = _recv_n(sock, HELLO_REPLY.size + NONCE_BYTES + MAC_BYTES)
     assert head[0] == 0, head
     theirs = head[HELLO_REPLY.size : HELLO_REPLY.size + NONCE_BYTES]
-    sock.sendall(hello_proof(derive_key(TOKEN), b"reader", mine, theirs, node_id))
+    sock.sendall(hello_proof(derive_key(TOKEN), b"reader", mine, theirs, node_id, holder))
     assert _recv_n(sock, HELLO_REPLY.size)[0] == 0
 
 
@@ -584,7 +584,7 @@ def test_data_plane_garbage(cluster: ClusterEnv, data: st.DataObject) -> None:
     with socket.create_connection((host, int(port)), timeout=5.0) as sock:
         try:
             if kind == "request":
-                _handshake(sock, b"fuzz:data")
+                _handshake(sock, b"fuzz:data", cluster.me.node_id.encode())
             sock.sendall(payload)
             sock.shutdown(socket.SHUT_WR)
         except OSError:

@@ -196,6 +196,7 @@ def _holder_main() -> None:
         fence=source.index, lease_ttl=args.lease_ttl, metadata_hook=hook, timeout=2.0,
     )  # fmt: skip
     transport.serve(source)
+    transport.node_id = transport.address.encode()  # the member member() names
     hello = json.dumps({"address": transport.address, "keys": [k.hex() for k in keys]})
     print(MARK.decode() + hello, flush=True)
     for line in sys.stdin:

@@ -14,9 +14,11 @@ a MAC made here is worthless anywhere else the token is used):
   format of tierkv before single-use requests is refused with a message saying so: the
   nodes of a cluster (and its controller) upgrade together.
 - data plane: a mutual challenge-response when a connection opens. Each side sends a random
-  nonce and proves it knows the key by a MAC over both nonces, its role and the reader's
-  node id; a reader thus also knows the holder it reads from is a member, not an impostor
-  serving bytes with a self-consistent checksum.
+  nonce and proves it knows the key by a MAC over both nonces, its role and the node ids of
+  the reader and of the holder it means to read from; a reader thus also knows it reads
+  from that member, not an impostor serving bytes with a self-consistent checksum (nor one
+  relaying the hello to another member). What passes after the hello is not MACed: a party
+  on the network path itself could still alter it (see below).
 
 Traffic is authenticated, not encrypted: run the cluster on a private network (or a VPN /
 service mesh with mTLS) when KV bytes must stay confidential in transit.
@@ -136,10 +138,18 @@ def nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def hello_proof(key: bytes, role: bytes, mine: bytes, theirs: bytes, reader: bytes) -> bytes:
+def hello_proof(
+    key: bytes, role: bytes, mine: bytes, theirs: bytes, reader: bytes, holder: bytes
+) -> bytes:
     """A data-plane side's proof: MAC over its role (b"holder" / b"reader"), its nonce, the
-    other side's nonce and the reader's node id."""
-    return _mac(key, b"hello", role, mine, theirs, reader)
+    other side's nonce, the reader's node id and the holder's. With both ids, a proof made
+    for one pair convinces no other: a process at a member's data address (a stale member's
+    port taken over) that relays a reader's hello to another member, and that member's
+    proof back, is refused by the reader (the proof names another holder), and the reader's
+    proof is refused by that member (it names another holder than itself)."""
+    return _mac(
+        key, b"hello", role, mine, theirs, len(reader).to_bytes(2, "little"), reader, holder
+    )
 
 
 __all__ = [

@@ -68,7 +68,7 @@ from tierkv.tiers.base import LoadStatus
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-VERSION = 2
+VERSION = 3  # 3: hello proofs name the holder too
 HELLO = struct.Struct("<4sHH8x")
 HELLO_REPLY = struct.Struct("<B7x")
 REQUEST = struct.Struct("<4sI")
@@ -432,9 +432,9 @@ class TcpTransport(Transport):
             sock.sendall(HELLO_REPLY.pack(HELLO_VERSION))
             return None
         mine = nonce()
-        proof = hello_proof(self.key, b"holder", mine, theirs, reader)
+        proof = hello_proof(self.key, b"holder", mine, theirs, reader, self.node_id)
         sock.sendall(HELLO_REPLY.pack(HELLO_OK) + mine + proof)
-        expected = hello_proof(self.key, b"reader", theirs, mine, reader)
+        expected = hello_proof(self.key, b"reader", theirs, mine, reader, self.node_id)
         try:
             answer = _recv_bytes(sock, MAC_BYTES)
         except (ConnectionError, OSError):
@@ -529,14 +529,17 @@ class TcpTransport(Transport):
             if status == HELLO_OK:
                 theirs = _recv_bytes(sock, NONCE_BYTES)
                 proof = _recv_bytes(sock, MAC_BYTES)
-                expected = hello_proof(self.key, b"holder", theirs, mine, self.node_id)
+                holder = peer.node_id.encode()
+                expected = hello_proof(self.key, b"holder", theirs, mine, self.node_id, holder)
                 if not hmac.compare_digest(proof, expected):
                     self.refused_by_peers += 1
                     raise PeerRefused(
                         f"peer {peer.node_id} at {peer.data} could not prove the cluster "
-                        "secret (another --auth-token, or not a member): not reading from it"
+                        "secret as that member (another --auth-token, not a member, or "
+                        "another member at that address): not reading from it"
                     )
-                sock.sendall(hello_proof(self.key, b"reader", mine, theirs, self.node_id))
+                proof = hello_proof(self.key, b"reader", mine, theirs, self.node_id, holder)
+                sock.sendall(proof)
                 (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
         except BaseException:
             sock.close()
