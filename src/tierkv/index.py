@@ -62,6 +62,7 @@ Every public method takes the index lock once per batch; nothing in here does I/
 from __future__ import annotations
 
 import enum
+import secrets
 import threading
 import time
 from collections import Counter
@@ -243,7 +244,9 @@ class ObjectIndex:
         self._write_leases: dict[int, Lease] = {}
         self._read_leases: dict[int, Lease] = {}
         self._holder_leases: dict[int, set[int]] = {}
-        self._next_lease = 1
+        # Random per server start: a client that registered again with a restarted server
+        # and still names a lease of the old one hits no lease of its own by chance.
+        self._next_lease = secrets.randbits(48) + 1
         self._next_expiry = float("inf")  # lower bound of the oldest lease's deadline
         self._zombies = 0
         self._expired_write_leases = 0

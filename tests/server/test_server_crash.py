@@ -277,6 +277,45 @@ def test_a_store_reserved_before_a_server_restart_never_writes_into_the_new_pool
             assert client.lookup(old).hits == 0
 
 
+def test_a_store_whose_server_restarts_during_its_copy_commits_nothing_of_another(
+    server_factory: Callable[..., ServerProcess],
+) -> None:
+    """The server restarts while a store copies, the client registers again (another
+    thread of the engine meeting NOT_REGISTERED) and reserves another store: the first
+    store's commit named the new registration and an old lease number, which a restarted
+    server (numbering leases from 1) had just given that other reservation, so it committed
+    slots nobody had written: readers got other chunks' bytes as its KV. The commit names
+    the registration it reserved under now (refused: unknown), and lease numbers start at
+    random on every start."""
+    srv = server_factory("16MiB")
+    first, other, filler = toks(60_000, 2), toks(70_000, 2), toks(80_000, 2)
+    with srv.client(timeout=5.0) as client:
+        register(client)
+        store_chunks(client, toks(5, 1), 1)
+        prepared = client.prepare_store(first)
+        later: list[Any] = []
+
+        def restart_then_reserve(chunk: int, dst: np.ndarray) -> None:
+            dst[...] = 1.0
+            if later:
+                return
+            srv.stop()
+            srv.start()
+            register(client)
+            store_chunks(client, filler, 2)
+            client.clear()  # its slots are free again, holding its bytes
+            later.append(client.prepare_store(other))
+
+        with pytest.raises(NotRegisteredError):
+            client.finish_store(prepared, gather=restart_then_reserve)
+        assert prepared.slots.lease != later[0].slots.lease
+        with srv.client(timeout=5.0) as reader:
+            register(reader)
+            assert reader.lookup(other).hits == 0  # reserved, never written: not readable
+        assert client.finish_store(later[0], [chunk_data(other, i) for i in range(2)]).stored
+        check_bytes(client, other, 2)
+
+
 def test_sigterm_shuts_down_cleanly(server_factory: Callable[..., ServerProcess]) -> None:
     srv = server_factory("16MiB")
     sock = Path(srv.endpoint[len("ipc://") :])

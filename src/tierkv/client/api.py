@@ -240,7 +240,7 @@ class Client(ServerConnection):
         note_list = None if notes is None else [bytes(n) for n in notes]
         req = p.PrepareStore(*self._ids(), sel, first_chunk, note_list)
         slots, pool = self._call_for_slots(req)
-        return PreparedStore(slots, first_chunk, expected, pool)
+        return PreparedStore(slots, first_chunk, expected, pool, req.client)
 
     def _call_for_slots(self, req: Any) -> tuple[Any, ShmPool | None]:
         """A request answered with slots, and the pool mapping they are in: the one mapped
@@ -295,7 +295,8 @@ class Client(ServerConnection):
         # A commit in a cluster waits for the directory: at most half this client's reply
         # timeout, so that a slow directory owner never makes it look lost.
         wait_ms = int(min(self.timeout, 86_400.0) * 500)
-        commit = p.CommitStore(*self._ids(), slots.lease, wait_ms=wait_ms)
+        rid = self._channel.rid()
+        commit = p.CommitStore(rid, prepared.client, slots.lease, wait_ms=wait_ms)
         if not confirm:
             self._channel.call(commit, answered=False, commits=len(slots.slots))
             result.stored = [s.chunk for s in slots.slots]
@@ -310,7 +311,8 @@ class Client(ServerConnection):
     def abort_store(self, prepared: PreparedStore) -> None:
         """Give a reservation back without writing (nothing to do when it reserved none)."""
         if prepared.slots.lease:
-            self._channel.call(p.AbortStore(*self._ids(), prepared.slots.lease))
+            abort = p.AbortStore(self._channel.rid(), prepared.client, prepared.slots.lease)
+            self._channel.call(abort)
 
     # -- retrieve --------------------------------------------------------------------------
     def retrieve(
@@ -379,7 +381,8 @@ class Client(ServerConnection):
             else:
                 result.retrieved = copied
         finally:
-            finish = p.FinishRetrieve(*self._ids(), slots.lease)
+            # Under the token the locks were taken with (see PreparedStore.client).
+            finish = p.FinishRetrieve(self._channel.rid(), req.client, slots.lease)
             try:
                 self._channel.call(finish, answered=wait_release)
             except LeaseExpiredError:

@@ -30,6 +30,10 @@ class PreparedStore:
     first_chunk: int
     expected: int  # chunks from first_chunk on that the store names
     pool: ShmPool | None  # the mapping the slots are in (see Client._call_for_slots)
+    # The registration token the slots were reserved under: the commit or abort names it,
+    # never a token registered since (after a server restart the lease number may be one
+    # of the new registration's own reservations, whose slots hold no written bytes yet).
+    client: int = 0
 
 
 @dataclass(slots=True)
