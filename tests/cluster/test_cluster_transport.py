@@ -20,6 +20,7 @@ from tierkv.cluster.transport import (
     ITEM,
     REQUEST,
     SENT_OK,
+    VERSION,
     Served,
     TcpTransport,
 )
@@ -329,3 +330,88 @@ def test_a_hello_relayed_to_another_member_proves_nothing(reader: TcpTransport) 
     finally:
         real.close()
         relay.join(10)
+
+
+def _trickle(sock: socket.socket, data: bytes, every: float, sent: list[int]) -> None:
+    """Send ``data`` one byte each ``every`` seconds until the other side hangs up;
+    ``sent``: how many bytes went out."""
+    with contextlib.suppress(OSError), sock:
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            sent[0] += 1
+            time.sleep(every)
+            with contextlib.suppress(BlockingIOError):
+                if sock.recv(1, socket.MSG_DONTWAIT) == b"":
+                    return  # closed by the other side
+
+
+def test_hellos_that_trickle_end_at_one_deadline_and_take_no_members_places(
+    reader: TcpTransport,
+) -> None:
+    """Clients without the secret sending their hello a byte at a time: each wait for a
+    byte had its own timeout, so a hello of 288 bytes held its connection for 288 of them,
+    and counted against the places of members' connections (max_serving): a few such
+    clients kept every reader out. A hello must now be whole within one timeout, and the
+    connections in their hello have places of their own."""
+    data = chunks(1, 4096)
+    held = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "h", timeout=1.0, max_serving=2)
+    held.serve(DictSource(data))
+    held.node_id = held.address.encode()
+    host, port = held.address.rsplit(":", 1)
+    hello = HELLO.pack(b"TKVD", VERSION, 256) + b"a" * 256 + bytes(16)
+    counts = [[0] for _ in range(4)]
+    tricklers = [
+        threading.Thread(
+            target=_trickle,
+            args=(socket.create_connection((host, int(port))), hello, 0.2, sent),
+            daemon=True,
+        )
+        for sent in counts
+    ]
+    try:
+        for t in tricklers:
+            t.start()
+        wait_for(lambda: all(sent[0] for sent in counts))  # every one in its hello
+        items = slots(data)
+        assert reader.fetch_many([(info(held), items)]) == [[LoadStatus.OK]]
+        for t in tricklers:
+            t.join(30)
+        # Cut off after about one timeout's worth of bytes, not 288 timeouts' worth.
+        assert all(0 < sent[0] < len(hello) // 4 for sent in counts), counts
+    finally:
+        held.close()
+
+
+def test_a_holder_trickling_its_hello_reply_is_cut_off_at_one_deadline(
+    reader: TcpTransport,
+) -> None:
+    """A process at a member's data address (no secret) answering the hello a byte at a
+    time held the reader's fetch, and the chunks of good holders in the same fetch, for as
+    many timeouts as the reply has bytes. The reader's hello has one deadline now."""
+    data = chunks(1, 4096)
+    good = holder(data)
+    listener = socket.create_server(("127.0.0.1", 0))
+    reply = HELLO_REPLY.pack(0) + bytes(16 + 32)
+    sent = [0]
+
+    def impostor() -> None:
+        with listener, listener.accept()[0] as conn:
+            conn.recv(1024)
+            _trickle(conn, reply, 0.2, sent)
+
+    slow = threading.Thread(target=impostor, daemon=True)
+    slow.start()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        quick = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", timeout=1.0)
+        try:
+            key, view = b"z" * 32, memoryview(bytearray(4096))
+            at = m.MemberInfo(address, address, address, 1)
+            got = quick.fetch_many([(info(good), slots(data)), (at, [(key, view)])])
+            assert got == [[LoadStatus.OK], [LoadStatus.ERROR]]
+        finally:
+            quick.close()
+        slow.join(30)
+        assert 0 < sent[0] < len(reply) // 4, sent  # the reader hung up after one deadline
+    finally:
+        good.close()

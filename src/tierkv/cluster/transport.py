@@ -11,7 +11,9 @@ TCP wire format (little-endian, fixed-size headers):
   OK the holder's nonce and its proof (a MAC over both nonces); a wrong version gets VERSION
   and the connection closes. The reader checks the proof (an impostor holder is dropped
   here) and sends its own; the holder answers OK, or UNAUTHORIZED and closes. Nothing else is
-  accepted before that OK.
+  accepted before that OK. Each side's hello must be whole within one timeout (not one per
+  byte), and a holder counts connections still in their hello apart from its members'
+  (``max_serving``): at most :data:`MAX_HELLOS`, :data:`MAX_HELLOS_PER_HOST` from one address.
 - request: ``"TKVR"``, chunk count (at most ``MAX_CHUNKS``), then per chunk its 32-byte key
   and the length the reader expects.
 - reply, per chunk in request order: a 32-byte header (status, length, 16-byte XXH3-128
@@ -61,6 +63,7 @@ from typing import Any, Protocol, TypeVar
 from tierkv.cluster import messages as m
 from tierkv.cluster.auth import MAC_BYTES, NONCE_BYTES, derive_key, hello_proof, nonce
 from tierkv.config import ConfigError
+from tierkv.logs import FailureLog
 from tierkv.piecewise_io import recv_exact, recv_hashed, send_all
 from tierkv.priority import data_thread, moving_data
 from tierkv.tiers.base import LoadStatus
@@ -80,6 +83,10 @@ META = struct.Struct("<B7xQQQQ")
 META_OK, META_NONE = 0, 1
 MAX_CHUNKS = 4096
 MAX_NODE_ID = 256
+# Connections in their hello (not yet shown to be members'), in all and from one address:
+# each lasts one timeout at most; members' connections have max_serving places of their own.
+MAX_HELLOS = 256
+MAX_HELLOS_PER_HOST = 64
 MAX_CHUNK_BYTES = 1 << 34
 DEFAULT_STREAMS_PER_FETCH = 4  # connections one batch to one peer is split over
 # Seconds one request's chunks may take in all (a holder that trickles its bytes): half the
@@ -211,6 +218,32 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _host_of(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:  # reset already
+        return "?"
+
+
+def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes, all of them by ``deadline`` (monotonic; TimeoutError after it). A
+    timeout per ``recv`` alone let a peer sending a byte now and then keep a hello going
+    for as many timeouts as the hello has bytes."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"a peer's hello was not whole in time ({got} of {n} bytes)")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("connection closed by the peer")
+        got += k
+    return bytes(buf)
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -291,7 +324,10 @@ class TcpTransport(Transport):
         )
         self._source: ChunkSource | None = None
         self._stop = threading.Event()
-        self._serving: set[socket.socket] = set()
+        self._serving: set[socket.socket] = set()  # members' connections, after the hello
+        self._hellos: dict[str, int] = {}  # connections in their hello, per peer address
+        self.hellos_refused = 0  # connections closed before their hello: too many in one
+        self._refusals = FailureLog("cluster data port", log)
         self._accept_thread: threading.Thread | None = None
         self.received: dict[str, PeerFigures] = {}
         self.sent: dict[str, PeerFigures] = {}
@@ -342,25 +378,57 @@ class TcpTransport(Transport):
                     return
                 time.sleep(0.05)
                 continue
+            host = _host_of(sock)
             with self._lock:
-                full = len(self._serving) >= self.max_serving
-                if not full:
-                    self._serving.add(sock)
-            if full:
-                log.warning("refusing a peer connection: %d already open", self.max_serving)
+                why = self._no_room_for_hello(host)
+                if not why:
+                    self._hellos[host] = self._hellos.get(host, 0) + 1
+            if why:
+                self.hellos_refused += 1
+                self._refusals.failed("accepting a connection", why)
                 sock.close()
                 continue
             threading.Thread(
                 target=self._serve_conn, args=(sock,), name="tierkv-peer-serve", daemon=True
             ).start()
 
+    def _no_room_for_hello(self, host: str) -> str:
+        """Why a new connection from ``host`` is refused before its hello ("": it is not).
+        Connections still in their hello are counted apart from the members' (a client
+        without the secret must not take the places of authenticated readers), in all and
+        per address."""
+        if sum(self._hellos.values()) >= MAX_HELLOS:
+            return f"{MAX_HELLOS} connections are in their hello already"
+        if self._hellos.get(host, 0) >= MAX_HELLOS_PER_HOST:
+            return f"{MAX_HELLOS_PER_HOST} connections from {host} are in their hello already"
+        return ""
+
+    def _hello_ended(self, host: str) -> None:
+        with self._lock:
+            left = self._hellos.get(host, 0) - 1
+            if left > 0:
+                self._hellos[host] = left
+            else:
+                self._hellos.pop(host, None)
+
     def _serve_conn(self, sock: socket.socket) -> None:
         data_thread()
+        host = _host_of(sock)
         try:
             _tune(sock)
-            sock.settimeout(self.timeout)
-            peer = self._handshake(sock)
+            try:
+                peer = self._handshake(sock, time.monotonic() + self.timeout)
+            finally:
+                self._hello_ended(host)
             if peer is None:
+                return
+            self._refusals.ok()
+            with self._lock:
+                full = len(self._serving) >= self.max_serving
+                if not full:
+                    self._serving.add(sock)
+            if full:
+                log.warning("refusing a peer connection: %d already open", self.max_serving)
                 return
             sock.settimeout(None)  # pooled: idle until the reader's next request
             figures = self._figures(self.sent, peer)
@@ -419,13 +487,15 @@ class TcpTransport(Transport):
         )
         return False
 
-    def _handshake(self, sock: socket.socket) -> str | None:
-        magic, version, node_len = HELLO.unpack(_recv_bytes(sock, HELLO.size))
+    def _handshake(self, sock: socket.socket, deadline: float) -> str | None:
+        """The holder's side of the hello, whole by ``deadline``; the reader's node id, or
+        None (refused, counted)."""
+        magic, version, node_len = HELLO.unpack(_recv_by(sock, HELLO.size, deadline))
         if magic != b"TKVD" or node_len > MAX_NODE_ID:
             self.refused_hellos += 1
             return None
-        reader = _recv_bytes(sock, node_len)
-        theirs = _recv_bytes(sock, NONCE_BYTES)
+        reader = _recv_by(sock, node_len, deadline)
+        theirs = _recv_by(sock, NONCE_BYTES, deadline)
         node = reader.decode(errors="replace")
         if version != VERSION:
             self.refused_hellos += 1  # counted before the answer: a test may look at once
@@ -436,7 +506,7 @@ class TcpTransport(Transport):
         sock.sendall(HELLO_REPLY.pack(HELLO_OK) + mine + proof)
         expected = hello_proof(self.key, b"reader", theirs, mine, reader, self.node_id)
         try:
-            answer = _recv_bytes(sock, MAC_BYTES)
+            answer = _recv_by(sock, MAC_BYTES, deadline)
         except (ConnectionError, OSError):
             # A reader with another secret cannot check our proof and hangs up here.
             self.refused_hellos += 1
@@ -522,13 +592,14 @@ class TcpTransport(Transport):
             ) from None
         try:
             _tune(sock)
+            deadline = time.monotonic() + self.timeout  # for the whole hello
             mine = nonce()
             hello = HELLO.pack(b"TKVD", VERSION, len(self.node_id))
             sock.sendall(hello + self.node_id + mine)
-            (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
+            (status,) = HELLO_REPLY.unpack(_recv_by(sock, HELLO_REPLY.size, deadline))
             if status == HELLO_OK:
-                theirs = _recv_bytes(sock, NONCE_BYTES)
-                proof = _recv_bytes(sock, MAC_BYTES)
+                theirs = _recv_by(sock, NONCE_BYTES, deadline)
+                proof = _recv_by(sock, MAC_BYTES, deadline)
                 holder = peer.node_id.encode()
                 expected = hello_proof(self.key, b"holder", theirs, mine, self.node_id, holder)
                 if not hmac.compare_digest(proof, expected):
@@ -540,7 +611,8 @@ class TcpTransport(Transport):
                     )
                 proof = hello_proof(self.key, b"reader", mine, theirs, self.node_id, holder)
                 sock.sendall(proof)
-                (status,) = HELLO_REPLY.unpack(_recv_bytes(sock, HELLO_REPLY.size))
+                (status,) = HELLO_REPLY.unpack(_recv_by(sock, HELLO_REPLY.size, deadline))
+            sock.settimeout(self.timeout)
         except BaseException:
             sock.close()
             raise
@@ -744,6 +816,7 @@ class TcpTransport(Transport):
             "sent": {peer: f.as_dict() for peer, f in list(self.sent.items())},
             "serving_connections": len(self._serving),
             "refused_hellos": self.refused_hellos,
+            "hellos_refused_busy": self.hellos_refused,
             "refused_by_peers": self.refused_by_peers,
             "connections_opened": self.connections_opened,
         }
