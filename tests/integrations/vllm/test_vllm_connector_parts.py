@@ -430,6 +430,97 @@ def test_engines_whose_config_overrides_differ_never_share_chunks(server: Any) -
     assert ask(twin, request("c-1", tokens)) == (512, True)
 
 
+def fp8_engine(endpoint: str, cache_dtype: str, engine_id: str) -> Engine:
+    """An engine whose KV cache is ``cache_dtype`` (an fp8 encoding: uint8 tensors, vLLM's
+    FP8_PER_TENSOR quant mode, FLASH_ATTN's layout) with the namespace the connector derives
+    from its vLLM config; its cache holds random bytes seeded by ``engine_id``."""
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
+
+    from tierkv.integrations.vllm.connector import _attention_spec, _kv_variant
+
+    config = SimpleNamespace(model_config=SimpleNamespace(model="org/model"))
+    config.cache_config = SimpleNamespace(cache_dtype=cache_dtype)
+    spec = FullAttentionSpec(
+        block_size=BLOCK,
+        num_kv_heads=HEADS,
+        head_size=HEAD,
+        dtype=STR_DTYPE_TO_TORCH_DTYPE[cache_dtype],
+        kv_quant_mode=get_kv_quant_mode(cache_dtype),
+    )
+    assert _attention_spec(kv_cache_config(spec)) is spec  # served
+    settings = ConnectorSettings.from_extra_config({"endpoint": endpoint, "timeout": 5.0})
+    scheduler = SchedulerSide(
+        settings,
+        model_id="org/model",
+        engine_id=engine_id,
+        block_size=BLOCK,
+        hash_block_size=BLOCK,
+        use_block_hashes=False,
+        can_load=True,
+        can_save=True,
+    )
+    worker = WorkerSide(
+        settings,
+        model_id="org/model",
+        engine_id=engine_id,
+        world_size=1,
+        rank=0,
+        can_load=True,
+        can_save=True,
+        kv_variant=_kv_variant(config),
+    )
+    generator = torch.Generator().manual_seed(sum(engine_id.encode()))
+    shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    caches = {
+        f"model.layers.{i}.attn": torch.randint(0, 255, shape, generator=generator).to(torch.uint8)
+        for i in range(LAYERS)
+    }
+    worker.register_kv_caches(
+        caches, CacheGeometry(BLOCK, HEADS, HEAD), dict.fromkeys(caches, "FLASH_ATTN")
+    )
+    return Engine(scheduler, [worker], [caches])
+
+
+def test_fp8_caches_of_other_encodings_never_share_chunks(server: Any) -> None:
+    """fp8_e4m3 and fp8_e5m2 caches are both uint8 tensors of vLLM's FP8_PER_TENSOR mode:
+    the cache dtype goes into the namespace, so an e5m2 engine is never served e4m3 bytes
+    (it was), while engines of the same encoding share."""
+    tokens = list(range(2500, 2500 + 512))
+    e4m3 = fp8_engine(server.endpoint, "fp8_e4m3", "engine-e4m3")
+    a_blocks = compute_and_store(e4m3, "a-1", tokens)
+    e5m2 = fp8_engine(server.endpoint, "fp8_e5m2", "engine-e5m2")
+    assert ask(e5m2, request("b-1", tokens)) == (0, False)
+    twin = fp8_engine(server.endpoint, "fp8_e4m3", "engine-twin")
+    assert ask(twin, request("c-1", tokens)) == (512, True)
+    _, c_blocks = load(twin, "c-2", tokens)
+    meta = twin.scheduler.build_connector_meta(step_output([]))
+    twin.worker.start_load_kv(meta)
+    assert twin.worker.get_block_ids_with_load_errors() == set()
+    for a, c in zip(a_blocks, c_blocks, strict=True):
+        for x, y in zip(e4m3.block_bytes(a), twin.block_bytes(c), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_fp8_scales_computed_at_run_time_keep_the_connector_inactive() -> None:
+    """Per-tensor scales an engine computes itself (``calculate_kv_scales``, where a vLLM
+    version has it) make its fp8 bytes its own: refused (the connector stays inactive);
+    an unquantized cache is unaffected, and keeps its namespace."""
+    from tierkv.integrations.vllm.connector import _check_kv_scales, _kv_variant
+    from tierkv.integrations.vllm.layout import UnsupportedLayoutError
+
+    def config(cache_dtype: str, calculate: bool) -> Any:
+        cache = SimpleNamespace(cache_dtype=cache_dtype, calculate_kv_scales=calculate)
+        return SimpleNamespace(model_config=SimpleNamespace(model="m"), cache_config=cache)
+
+    with pytest.raises(UnsupportedLayoutError, match="calculate_kv_scales"):
+        _check_kv_scales(config("fp8_e4m3", True))
+    _check_kv_scales(config("fp8_e4m3", False))
+    _check_kv_scales(config("auto", True))  # unquantized: scales are not applied
+    assert _kv_variant(config("auto", False)) == _kv_variant(config("bfloat16", False)) == ""
+    assert _kv_variant(config("fp8_e5m2", False)) == "|kv=fp8_e5m2"
+
+
 @pytest.mark.parametrize("reserve_first", [True, False])
 def test_stores_reserved_during_the_forward_pass_are_copied_and_committed_after_it(
     server: Any, reserve_first: bool

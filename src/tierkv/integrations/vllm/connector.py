@@ -110,6 +110,8 @@ log = logging.getLogger("vllm.tierkv")
 # Block hash functions whose values differ between processes unless PYTHONHASHSEED is set.
 _PER_PROCESS_HASHES = ("xxhash", "xxhash_cbor")
 _SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+# vLLM cache dtypes that store the model's (or the named) float dtype as it is.
+_UNQUANTIZED_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "half", "float")
 _SUPPORTED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _HYBRID_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
 
@@ -154,6 +156,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             _check_parallelism(vllm_config)
             self._state = state_format(kv_cache_config, self.settings.chunk_size)
             self._spec = _attention_spec(kv_cache_config)
+            _check_kv_scales(vllm_config)
             self._unsupported = ""
         except (UnsupportedLayoutError, UnsupportedStateError) as e:
             # A model whose KV tierkv cannot store and restore exactly: the engine runs, and
@@ -467,12 +470,46 @@ def _model_identity(vllm_config: Any) -> str:
 
 
 def _kv_variant(vllm_config: Any) -> str:
-    """What else makes the KV of the same weights differ: overrides of the model's config
-    (``hf_overrides``: RoPE scaling or theta, ...), another config file, other custom code.
-    "" when there is none; else ``"|cfg="`` and a digest, appended to the chunk format in
+    """What else makes the KV of the same weights differ, appended to the chunk format in
     the namespace (engines whose KV differs never share chunks; routers still find the
-    model by its name). Overrides given as a function cannot be compared across engines:
-    such an engine shares its chunks with none."""
+    model by its name): a quantized cache's dtype (:func:`_cache_dtype_tag`: fp8_e4m3 and
+    fp8_e5m2 caches are both uint8 tensors), and overrides of the model's config
+    (``hf_overrides``: RoPE scaling or theta, ...), another config file, other custom code
+    as ``"|cfg="`` and a digest. "" when there is none. Overrides given as a function
+    cannot be compared across engines: such an engine shares its chunks with none."""
+    return _cache_dtype_tag(vllm_config) + _config_digest(vllm_config)
+
+
+def _cache_dtype_tag(vllm_config: Any) -> str:
+    """``"|kv=<cache_dtype>"`` for a quantized KV cache (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``, ...), whose tensors are uint8 whatever the encoding: the tensor dtype in
+    the chunk format cannot tell them apart. "" for an unquantized cache (its tensor dtype
+    says it all), so that such engines keep their namespace."""
+    cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
+    if cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
+        return ""
+    return f"|kv={cache_dtype}"
+
+
+def _check_kv_scales(vllm_config: Any) -> None:
+    """A quantized cache's bytes are the KV divided by its per-tensor scales: shared chunks
+    are right only where every engine of the model has the same scales, i.e. where the
+    checkpoint fixes them (or they default to 1.0), as in vLLM 0.32. Scales an engine
+    computes at run time (``calculate_kv_scales`` in vLLM versions that have it) are its
+    own: raises :class:`UnsupportedLayoutError` (the connector then stays inactive)."""
+    tag = _cache_dtype_tag(vllm_config)
+    cache = getattr(vllm_config, "cache_config", None)
+    if not tag or not getattr(cache, "calculate_kv_scales", False):
+        return
+    raise UnsupportedLayoutError(
+        f"tierkv does not support a {tag[4:]} KV cache with calculate_kv_scales: "
+        "scales computed at run time make its bytes this engine's own"
+    )
+
+
+def _config_digest(vllm_config: Any) -> str:
+    """``"|cfg="`` and a digest of the model config's overrides (see :func:`_kv_variant`),
+    or ""."""
     mc = vllm_config.model_config
     parts: dict[str, Any] = {}
     overrides = getattr(mc, "hf_overrides", None)
