@@ -27,6 +27,7 @@ try:
         NATIVE,
         SPLIT_LAST,
         CacheGeometry,
+        KVLayoutSettingError,
         PagedKVLayout,
         UnsupportedLayoutError,
         block_runs,
@@ -243,6 +244,26 @@ def test_native_override_for_an_unknown_backend_tags_it() -> None:
         caches, CacheGeometry(*GEOMETRY_ARGS), {n: "SOME_NEW_BACKEND" for n in caches}, "native"
     )
     assert layout.format_tag.startswith("native:SOME_NEW_BACKEND:")
+
+
+@pytest.mark.parametrize(
+    ("backend", "kv_layout"),
+    [("CPU_ATTN/vec", "split_last"), ("FLASH_ATTN", "native"), ("TRITON_ATTN", "native")],
+)
+def test_an_override_contradicting_a_known_backend_is_a_configuration_error(
+    backend: str, kv_layout: str
+) -> None:
+    """kv_layout is for backends tierkv does not know: on a known one another content
+    tagged the blocks with a format they are not in (a CPU_ATTN engine's native blocks
+    stored as split_last, which FLASH_ATTN engines load as K|V halves): refused at start,
+    naming the backend. The content tierkv knows, or auto, is accepted."""
+    caches = split_last_caches()
+    backends = dict.fromkeys(caches, backend)
+    with pytest.raises(KVLayoutSettingError, match=rf"{backend}.*only for attention backends"):
+        detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends, kv_layout)
+    known = "native" if backend.startswith("CPU_ATTN") else "split_last"
+    for content in ("auto", known):
+        assert detect_layout(caches, CacheGeometry(*GEOMETRY_ARGS), backends, content).kind == known
 
 
 def geometry_of(name: str) -> CacheGeometry:

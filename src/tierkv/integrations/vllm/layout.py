@@ -113,6 +113,12 @@ class UnsupportedLayoutError(ValueError):
     """The KV cache tensors are not in a layout tierkv can map; the message says why."""
 
 
+class KVLayoutSettingError(ValueError):
+    """``kv_layout`` contradicts what tierkv knows of an attention backend: a configuration
+    error, raised at start (not an unsupported model, which leaves the connector
+    inactive)."""
+
+
 @dataclass(frozen=True)
 class CacheGeometry:
     """What the cache spec promises: tokens per vLLM block, KV heads (this rank), head size;
@@ -446,8 +452,9 @@ def detect_layout(
     ``backends`` names each layer's attention backend (``AttentionBackend.get_name()``,
     then ``/variant`` where the block format depends on one: ``CPU_ATTN/amx``);
     ``content`` overrides what a four-dimensional cache holds (``native`` or ``split_last``)
-    for backends this module does not know. Layers that share one tensor (cross-layer KV
-    sharing) are kept once. Raises :class:`UnsupportedLayoutError`.
+    for backends this module does not know (:class:`KVLayoutSettingError` for one it knows
+    whose content differs). Layers that share one tensor (cross-layer KV sharing) are kept
+    once. Raises :class:`UnsupportedLayoutError`.
     """
     if not kv_caches:
         raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
@@ -525,6 +532,7 @@ def layer_order(name: str) -> tuple[Any, ...]:
 def _content_kind(
     name: str, tensor: torch.Tensor, backends: Mapping[str, str], content: str
 ) -> str:
+    _check_override(name, backends.get(name, ""), content)
     if tensor.dim() == 5:
         return BLOCK_FIRST if _is_block_first(tensor, backends.get(name, "")) else KV_FIRST
     if tensor.dim() != 4:
@@ -544,6 +552,21 @@ def _content_kind(
             "if K and V are the halves of the last axis, or 'native' to store blocks as they are"
         )
     return kind
+
+
+def _check_override(name: str, backend: str, content: str) -> None:
+    """``kv_layout`` names the content of a backend this module does not know; for one it
+    knows, another content would tag its blocks with a format they are not in (a CPU_ATTN
+    engine's native blocks stored as split_last, which FLASH_ATTN engines load as K and V
+    halves): raises :class:`KVLayoutSettingError` (the engine does not start) for it."""
+    known = BACKEND_CONTENT.get(backend.split("/")[0])
+    if content == "auto" or known is None or content == known:
+        return
+    raise KVLayoutSettingError(
+        f"kv_connector_extra_config.kv_layout is {content!r}, but layer {name}'s attention "
+        f"backend {backend!r} is one tierkv knows (its cache holds {known!r}): kv_layout is "
+        "only for attention backends tierkv does not know; leave it at 'auto'"
+    )
 
 
 def _is_block_first(tensor: torch.Tensor, backend: str) -> bool:
