@@ -342,6 +342,34 @@ def test_kv_without_its_state_is_never_served(engines: Callable[[str], Hybrid]) 
         b.scheduler.request_finished(req)
 
 
+def test_a_request_id_never_spells_another_requests_state_session(
+    engines: Callable[[str], Hybrid],
+) -> None:
+    """A request's state is looked up in a server session of its own beside its KV's (named
+    by the request id). It was ``<id>#state``: request ``x#state``, looked up in the step
+    that plans x's load, replaced x's state session with its own KV lookup, and x's load
+    retrieved a KV chunk as its state. The state session's name now holds a NUL, which no
+    vLLM request id does (one that does is never looked up on a model with states)."""
+    from tierkv.integrations.vllm.scheduler import state_session
+
+    a, b = engines("engine-a"), engines("engine-b")
+    _, a_state = compute(a, "a-1", offer_at=512)
+    req, external, attn, state = look_up(b, "x")
+    assert external == 512
+    b.scheduler.update_state_after_alloc(req, list(zip(attn, state, strict=True)), external)
+    for rid in ("x#state", state_session("x")):  # looked up before x's load
+        b.scheduler.get_num_new_matched_tokens(request(rid, TOKENS[:300]), 0)
+    meta = b.scheduler.build_connector_meta(step("x", (attn, state), 0, None))
+    b.worker.start_load_kv(meta)
+    b.worker.wait_for_save(meta)
+    assert b.worker.get_failed_loads() == set() and b.worker.stats["loaded_states"] == 1
+    position = 512 // BLOCK - 1
+    assert torch.equal(
+        b.pages[state[position], :STATE_BYTES], a.pages[a_state[position], :STATE_BYTES]
+    )
+    assert state_session("x") != "x#state" and "\x00" in state_session("x")
+
+
 def test_group_tables_of_different_lengths_fail_the_load_not_the_engine(
     engines: Callable[[str], Hybrid],
 ) -> None:

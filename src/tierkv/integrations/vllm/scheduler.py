@@ -114,9 +114,18 @@ NEW, PREFETCHING, LOOKED_UP, ALLOCATED = "new", "prefetching", "looked_up", "all
 STATE_PREFETCHING = "state_prefetching"  # a hybrid model's state is being prefetched
 
 
+# Separates a request id from the suffix naming its state session. The server keys sessions
+# by any string; vLLM's request ids never hold a NUL (an HTTP header cannot; vLLM appends
+# "-" and 8 random hex digits to every id), and a request whose id does is not looked up
+# where state sessions exist (see SchedulerSide.get_num_new_matched_tokens).
+STATE_SEPARATOR = "\x00"
+
+
 def state_session(request_id: str) -> str:
-    """The server session (lookup locks) of a request's state, beside its KV's."""
-    return f"{request_id}#state"
+    """The server session (lookup locks) of a request's state, beside its KV's (which is
+    named by the request id): a name no request's KV session spells (``"x#state"`` was
+    request ``x#state``'s KV session too)."""
+    return f"{request_id}{STATE_SEPARATOR}state"
 
 
 @dataclass
@@ -284,6 +293,12 @@ class SchedulerSide:
         return {"tokens": keys.pack_tokens(ids)}
 
     # -- lookup ----------------------------------------------------------------------------
+    def _names_a_state_session(self, request_id: str) -> bool:
+        """A request id that could spell another request's state session (it holds
+        :data:`STATE_SEPARATOR`), on a model with states: never looked up (a miss), so its
+        KV session can never be another request's state session."""
+        return self.state_format is not None and STATE_SEPARATOR in request_id
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -293,6 +308,7 @@ class SchedulerSide:
             or getattr(request, "skip_reading_prefix_cache", False)
             or not state.cacheable
             or state.prompt_chunks == 0
+            or self._names_a_state_session(request.request_id)
         ):
             state.hits = 0
             state.phase = LOOKED_UP
