@@ -1370,6 +1370,85 @@ def test_the_models_the_connector_serves_and_why_it_refuses_the_others() -> None
         )
 
 
+def test_layers_of_one_type_but_other_shapes_keep_the_connector_inactive() -> None:
+    """vLLM puts layers of one type but other shapes in one group (UniformTypeKVCacheSpecs):
+    every layer's spec is checked at start (both roles then go inactive), not the first
+    one's alone (the worker's registration raised into vLLM and the engine did not start)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from tierkv.integrations.vllm.connector import _attention_spec
+    from tierkv.integrations.vllm.layout import UnsupportedLayoutError
+
+    def uniform(**second: Any) -> Any:
+        geometry = {"block_size": BLOCK, "num_kv_heads": 2, "head_size": 64}
+        specs = {
+            "model.layers.0.attn": FullAttentionSpec(**geometry, dtype=torch.float32),
+            "model.layers.1.attn": FullAttentionSpec(**{**geometry, **second}),
+        }
+        group = KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs.from_specs(specs))
+        return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[group])
+
+    same = uniform(dtype=torch.float32)
+    assert (
+        _attention_spec(same)
+        is same.kv_cache_groups[0].kv_cache_spec.kv_cache_specs["model.layers.0.attn"]
+    )
+    for other in ({"num_kv_heads": 4}, {"head_size": 32}, {"dtype": torch.bfloat16}):
+        with pytest.raises(UnsupportedLayoutError, match="one block size, head geometry"):
+            _attention_spec(uniform(**{"dtype": torch.float32, **other}))
+
+
+def test_caches_the_worker_cannot_map_leave_it_inactive_never_raise_into_vllm(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Tensors that do not fit the spec vLLM gave (here: one layer with other heads)
+    deactivate the worker with one log line; register_kv_caches raised into vLLM's worker
+    and the engine did not start. Loads planned for it fail (vLLM recomputes)."""
+    from tierkv.integrations.vllm.connector import TierKVConnector
+
+    connector = TierKVConnector.__new__(TierKVConnector)
+    spec = kv_cache_config_spec()
+    settings = ConnectorSettings.from_extra_config({"endpoint": "ipc:///nonexistent.sock"})
+    worker = WorkerSide(
+        settings, model_id="m", engine_id="e", world_size=1, rank=0, can_load=True, can_save=True
+    )
+    backend = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "FLASH_ATTN"))
+    names = ("model.layers.0.attn", "model.layers.1.attn")
+    forward_context = dict.fromkeys(names, backend)
+    connector.settings, connector._spec, connector._state = settings, spec, None
+    connector._unsupported, connector._scheduler, connector._worker = "", None, worker
+    connector._kv_cache_config = None
+    connector._vllm_config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=forward_context)
+    )
+    caches = {
+        names[0]: torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD),
+        names[1]: torch.zeros(NUM_BLOCKS, 2 * HEADS, BLOCK, 2 * HEAD),
+    }
+    with caplog.at_level("WARNING", logger="vllm.tierkv"):
+        connector.register_kv_caches(caches)
+    assert [r.getMessage() for r in caplog.records if "neither loads nor stores" in r.getMessage()]
+    assert len(caplog.records) == 1 and connector._unsupported
+    assert worker.layout is None and not worker.can_load and not worker.can_save
+    worker.start_load_kv(TierKVConnectorMetadata(loads=[LoadSpec("r", 0, 2, (3, 4))]))
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    worker.shutdown()
+
+
+def kv_cache_config_spec() -> Any:
+    """The FullAttentionSpec of this file's CPU caches."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32
+    )
+
+
 def test_chunks_with_a_groups_null_block_are_not_stored(server: Any) -> None:
     """Two KV cache groups (full attention, sliding window): a request's chunks are stored
     with one block id per group and position, but never from a chunk on whose sliding

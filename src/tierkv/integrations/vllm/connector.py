@@ -261,6 +261,19 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         worker = self._require_worker()
         if self._unsupported:
             return  # inactive (logged by the scheduler): no layout, no registration
+        try:
+            self._register_kv_caches(worker, kv_caches)
+        except (UnsupportedLayoutError, UnsupportedStateError) as e:
+            # Tensors tierkv cannot map that the spec did not tell (__init__ checks what it
+            # can, for both roles): a cache must never stop the engine. This worker neither
+            # loads nor stores; any load the scheduler plans fails, and vLLM recomputes.
+            self._unsupported = str(e)
+            worker.deactivate()
+            log.warning("tierkv worker rank %d: %s: it neither loads nor stores", worker.rank, e)
+
+    def _register_kv_caches(self, worker: WorkerSide, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map ``kv_caches`` by the spec and register them (raises
+        :class:`UnsupportedLayoutError` for tensors tierkv cannot map)."""
         spec = self._spec
         if spec is None:
             raise UnsupportedLayoutError("tierkv needs the KV cache spec of an attention model")
@@ -608,8 +621,39 @@ def _attention_spec(kv_cache_config: Any) -> Any:
         return _hybrid_spec(groups)
     spec = groups[0].kv_cache_spec
     specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    if specs:
-        spec = next(iter(specs.values()))
+    if not specs:
+        return _checked_spec(spec)
+    # Layers of one type but maybe of other shapes (vLLM groups them all the same): every
+    # one is checked here, so that both roles go inactive at start, never the worker alone
+    # when its tensors do not fit one geometry.
+    checked = [_checked_spec(s) for s in specs.values()]
+    _one_geometry(checked)
+    return checked[0]
+
+
+def _one_geometry(specs: list[Any]) -> None:
+    """Raises :class:`UnsupportedLayoutError` unless ``specs`` share one block size, head
+    geometry, dtype and quantization mode (a chunk holds every layer in one shape)."""
+    shapes = {
+        (
+            s.block_size,
+            s.num_kv_heads,
+            s.head_size,
+            s.dtype,
+            getattr(getattr(s, "kv_quant_mode", None), "name", "NONE"),
+        )
+        for s in specs
+    }
+    if len(shapes) != 1:
+        raise UnsupportedLayoutError(
+            "tierkv needs one block size, head geometry, dtype and KV quantization in every "
+            f"layer: {sorted(map(str, shapes))}"
+        )
+
+
+def _checked_spec(spec: Any) -> Any:
+    """``spec`` if tierkv serves a layer of it (full attention or MLA, see
+    :func:`_attention_spec`); raises :class:`UnsupportedLayoutError` saying why not."""
     kind = type(spec).__name__
     if kind not in _SUPPORTED_SPECS:
         # SlidingWindowSpec (a model whose every layer has a sliding window): vLLM frees the

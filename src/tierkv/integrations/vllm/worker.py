@@ -261,6 +261,13 @@ class WorkerSide:
         self.link.client()  # register now, so the scheduler's lookups see this rank
         return self.layout
 
+    def deactivate(self) -> None:
+        """Neither load nor store from now on (the caches could not be mapped): loads
+        planned for this rank fail (vLLM recomputes), stores are skipped."""
+        self.layout = None
+        self.state_layout = None
+        self.can_load = self.can_save = False
+
     @property
     def shared(self) -> bool:
         """The ranks' caches hold the same bytes (MLA, tensor-parallel ranks): one namespace
