@@ -22,6 +22,7 @@ no lookups; it would also orphan the sessions the scheduler opened for this rank
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -72,10 +73,8 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def resolved(self: S) -> S:
         """With the defaults from the environment filled in; raises ValueError naming the
         key for a bad value."""
-        if self.timeout <= 0:
-            raise ValueError("timeout must be positive")
-        if self.retry_interval < 0:
-            raise ValueError("retry_interval must be >= 0")
+        _check_seconds("timeout", self.timeout, positive=True)
+        _check_seconds("retry_interval", self.retry_interval, positive=False)
         if self.copy_threads is not None and self.copy_threads < 1:
             raise ValueError("copy_threads must be at least 1 (omit it for the default)")
         if self.reply_spin_us < 0:
@@ -90,6 +89,24 @@ class LinkSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 S = TypeVar("S", bound=LinkSettings)
+
+# The most seconds a link's timeout or retry interval may be: beyond an hour they are a
+# mistake (1e12 seconds: every RPC of a stalled server would hold its thread for ever, every
+# request then a miss), never a setting.
+MAX_LINK_SECONDS = 3600.0
+
+
+def _check_seconds(key: str, value: float, *, positive: bool) -> None:
+    """Raises ValueError naming ``key`` unless ``value`` is a finite number of seconds, above
+    0 (``positive``) or at least 0, and at most :data:`MAX_LINK_SECONDS`: NaN passed a
+    ``<= 0`` check, and NaN or an infinite timeout made every request a silent miss."""
+    low_ok = value > 0 if positive else value >= 0
+    if not (math.isfinite(value) and low_ok and value <= MAX_LINK_SECONDS):
+        bound = "above 0" if positive else "at least 0"
+        raise ValueError(
+            f"{key} must be a finite number of seconds {bound} and at most "
+            f"{MAX_LINK_SECONDS:g}, not {value!r}"
+        )
 
 
 class SettingsError(ValueError):

@@ -162,6 +162,26 @@ def test_settings_defaults_and_validation() -> None:
             ConnectorSettings.from_extra_config({"kv_events_reannounce_interval": bad})
 
 
+@pytest.mark.parametrize("key", ["timeout", "retry_interval"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e12, -1.0, "nan", "inf"])
+def test_link_seconds_must_be_finite_and_sane(key: str, bad: Any) -> None:
+    """A NaN, infinite or absurd timeout or retry interval was accepted at start (NaN and
+    1e12 passed ``<= 0``), and every request then missed while the log blamed the server:
+    now an error at start naming the key."""
+    with pytest.raises(SettingsError, match=rf"{key} must be a finite number of seconds"):
+        ConnectorSettings.from_extra_config({key: bad})
+
+
+def test_link_seconds_at_their_bounds_are_accepted() -> None:
+    assert ConnectorSettings.from_extra_config({"timeout": 3600}).timeout == 3600
+    assert ConnectorSettings.from_extra_config({"retry_interval": 0}).retry_interval == 0
+    assert ConnectorSettings.from_extra_config({"retry_interval": 3600}).retry_interval == 3600
+    with pytest.raises(SettingsError, match="timeout"):
+        ConnectorSettings.from_extra_config({"timeout": 0})
+    with pytest.raises(SettingsError, match="timeout"):
+        ConnectorSettings.from_extra_config({"timeout": 3600.5})
+
+
 # -- roles against a real server -----------------------------------------------------------------
 def cpu_caches(name: str) -> dict[str, Any]:
     """Per-layer CPU KV caches allocated by vLLM, filled with random values seeded by
