@@ -218,7 +218,8 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
         """How many leading pages of ``keys`` tierkv can serve, after fetching those it
-        holds in slower tiers or on other nodes into the pool (waits at most ``timeout``)."""
+        holds in slower tiers or on other nodes into the pool (waits at most ``timeout`` in
+        all, however many pieces of :data:`~.pool_store.PAGES_PER_REQUEST` pages it looks up)."""
         hashes = self._hashes("batch_exists", keys)
         if not hashes or self.kv is None:
             return 0
@@ -332,11 +333,14 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         """The longest prefix (pages of ``keys``) at which the KV pool and every pool of
         ``pool_transfers`` can restore their state, each pool under its hit policy
         (:mod:`~tierkv.integrations.sglang.hit_policy`); a pool that is not registered or
-        has a policy tierkv does not know restores none."""
+        has a policy tierkv does not know restores none. Waits for pages from tiers and
+        peers ``timeout`` at most in all, whatever the pools and probes; past that, a probe
+        sees only what the pools hold (a miss where they lack a page, never a false hit)."""
         what = "batch_exists_v2"
         hashes = self._hashes(what, keys)
         if not hashes or self.kv is None:
             return PoolTransferResult(0, {}, [])
+        deadline = self.kv.deadline()
         checks: list[tuple[Any, PoolCheck]] = []
         for transfer in list(pool_transfers or []):
             try:
@@ -359,8 +363,9 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
                     else f"the {name} pool's hit policy {policy!r} is not supported",
                 )
                 return PoolTransferResult(0, {}, [])
-            checks.append((transfer.name, PoolCheck(policy, window, store.probe(what, hashes))))
-        kv_pages = self.kv.leading(what, hashes)
+            probe = store.probe(what, hashes, deadline)
+            checks.append((transfer.name, PoolCheck(policy, window, probe)))
+        kv_pages = self.kv.leading(what, hashes, deadline)
         hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
         if not checks:
             return PoolTransferResult(kv_pages, hits, list(range(1, kv_pages + 1)))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from time import monotonic
 from typing import Any
 
 import numpy as np
@@ -71,24 +72,37 @@ class PoolStore:
             self._flat_dtype = pool.get_dummy_flat_data_page().dtype
 
     # -- presence --------------------------------------------------------------------------
-    def leading(self, what: str, hashes: list[bytes]) -> int:
+    def deadline(self) -> float:
+        """The end (``monotonic()``) of a presence query starting now: ``timeout`` is the
+        longest a whole ``batch_exists`` call waits for pages from tiers and peers, however
+        many lookups it makes (one per piece, per pool, per probe)."""
+        return monotonic() + self.link.settings.timeout
+
+    def leading(self, what: str, hashes: list[bytes], deadline: float | None = None) -> int:
         """How many leading pages of ``hashes`` this namespace holds, after fetching those
-        held in slower tiers or on other nodes into the pool (waits at most ``timeout``)."""
+        held in slower tiers or on other nodes into the pool, waiting until ``deadline``
+        (default: :meth:`deadline`) at most; past it, only the pages the pool holds."""
+        if deadline is None:
+            deadline = self.deadline()
         held = 0
         for start, stop in pieces(len(hashes)):
-            got = self._leading(what, hashes[start:stop])
+            got = self._leading(what, hashes[start:stop], deadline)
             held += got
             if got < stop - start:
                 break
         return held
 
-    def _leading(self, what: str, hashes: list[bytes]) -> int:
-        rid = f"sglang-{uuid.uuid4().hex}"
-
+    def _leading(self, what: str, hashes: list[bytes], deadline: float) -> int:
         def exists(client: Client) -> int:
+            left = deadline - monotonic()
+            if left <= 0:
+                # No time left to wait: what the pool holds now, prefetching nothing (a
+                # lookup without a request id neither locks nor fetches).
+                return client.lookup(hashes=hashes).hits
+            rid = f"sglang-{uuid.uuid4().hex}"
             try:
                 found = client.lookup(hashes=hashes, request_id=rid)
-                hits = client.wait_prefetch(rid) if found.prefetching else found.hits
+                hits = client.wait_prefetch(rid, timeout=left) if found.prefetching else found.hits
             finally:
                 # The pages are in the pool now; the get that follows reads them by key, so
                 # the lookup's locks go (an abandoned prefetch must not pin memory).
@@ -97,9 +111,10 @@ class PoolStore:
 
         return self.link.call(what, exists, 0)
 
-    def probe(self, what: str, hashes: list[bytes]) -> Callable[[int, int], int]:
-        """``probe(start, stop)``: :meth:`leading` of ``hashes[start:stop]``."""
-        return lambda start, stop: self.leading(what, hashes[start:stop])
+    def probe(self, what: str, hashes: list[bytes], deadline: float) -> Callable[[int, int], int]:
+        """``probe(start, stop)``: :meth:`leading` of ``hashes[start:stop]`` by
+        ``deadline``."""
+        return lambda start, stop: self.leading(what, hashes[start:stop], deadline)
 
     # -- copies ----------------------------------------------------------------------------
     def store(
