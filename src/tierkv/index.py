@@ -161,6 +161,9 @@ class WriteReservation:
     # (request index, offset, length) of every reserved chunk, in request order.
     slots: list[tuple[int, int, int]] = field(default_factory=list)
     present: list[int] = field(default_factory=list)  # already ready or being written
+    # Of present: being written by another reservation (an engine's, not a load from a
+    # tier): not stored until that one commits, and never if it aborts.
+    writing: list[int] = field(default_factory=list)
     no_space: list[int] = field(default_factory=list)  # did not fit; skipped
     over_quota: list[int] = field(default_factory=list)  # of no_space: refused by a hard quota
     quota_exceeded: bool = False  # a tenant is now above its (soft) quota: evict soon
@@ -218,6 +221,14 @@ class IndexStats:
     # may still use them.
     fenced_free: int = 0
     expired_held: int = 0  # slots of expired write leases and pins their holders have not ended
+
+
+def _written_by_another(entry: Entry, key: bytes, mine: set[bytes]) -> bool:
+    """Whether a present ``entry`` is an engine's write still in progress under another
+    reservation than the one being made (whose own keys are ``mine``): its bytes are not
+    stored until that writer commits, and never if it aborts. A load from a tier or a peer
+    (``entry.tier`` set) is of bytes held elsewhere already."""
+    return entry.state is State.WRITING and not entry.tier and key not in mine
 
 
 class ObjectIndex:
@@ -333,9 +344,12 @@ class ObjectIndex:
             ns = b""
             tid = OTHER_ID
             limit: int | None = None
+            mine: set[bytes] = set()  # keys this reservation writes (repeats are its own)
             for i, key in enumerate(keys):
                 if key in entries:
                     result.present.append(i)
+                    if _written_by_another(entries[key], key, mine):
+                        result.writing.append(i)
                     continue
                 if key[:DIGEST_SIZE] != ns:
                     ns = key[:DIGEST_SIZE]
@@ -364,6 +378,7 @@ class ObjectIndex:
                 if notes is not None:
                     entry.note = notes[i]
                 entries[key] = entry
+                mine.add(key)
                 lease.entries.append(entry)
                 result.slots.append((i, offset, length))
             if lease.entries:

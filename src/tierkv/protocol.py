@@ -340,11 +340,16 @@ class Slot(msgspec.Struct, array_like=True, frozen=True):
 
 
 class StoreSlots(Struct, tag="store_slots"):
+    """``writing`` (appended within version 6): the positions of ``present`` that another
+    engine has only reserved, still being written; they are stored only once it commits,
+    and never if it aborts. An older server never says: its ``present`` may include them."""
+
     rid: int
     lease: int  # 0 when nothing was reserved
     slots: list[Slot]
-    present: list[int]  # chunk positions already stored (nothing to do)
+    present: list[int]  # chunk positions already stored or being written (nothing to do)
     no_space: list[int]  # chunk positions skipped: the pool is full
+    writing: list[int] = msgspec.field(default_factory=list)  # of present: not committed yet
 
 
 class Committed(Struct, tag="committed"):

@@ -245,6 +245,26 @@ def test_reserve_reports_present_keys_and_never_allocates_twice() -> None:
     assert index.contains([k("writing")]) == [True]
 
 
+def test_reserve_tells_which_present_keys_another_writer_has_not_committed() -> None:
+    """A key another engine has only reserved is present (never written twice) but not
+    stored: if that engine aborts, nothing holds it. A repeat of this batch's own key, a
+    committed key and one being loaded from a tier are stored (or held elsewhere)."""
+    index, _ = make()
+    store(index, [k("ready")])
+    other = index.reserve_write([k("writing")], BLOCK, BOB)
+    index.reserve_write([k("loading")], BLOCK, Holder.PREFETCH, tier="disk")
+
+    keys = [k("ready"), k("new"), k("writing"), k("new"), k("loading"), k("writing")]
+    res = index.reserve_write(keys, BLOCK, ALICE)
+    assert res.present == [0, 2, 3, 4, 5]
+    assert res.writing == [2, 5]
+
+    index.abort(other.lease_id, BOB)  # the other writer gives up: tierkv holds nothing
+    assert index.contains([k("writing")]) == [False]
+    again = index.reserve_write([k("ready"), k("writing")], BLOCK, BOB)
+    assert again.present == [0] and again.writing == [] and len(again.slots) == 1
+
+
 def test_reserve_of_only_present_keys_takes_no_lease() -> None:
     index, _ = make()
     store(index, [k(0)])

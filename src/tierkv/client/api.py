@@ -274,7 +274,7 @@ class Client(ServerConnection):
                 chunk_count_error(len(chunks), prepared.expected, prepared.first_chunk)
             )
         slots = prepared.slots
-        result = StoreResult(present=slots.present, no_space=slots.no_space)
+        result = StoreResult(present=slots.present, no_space=slots.no_space, writing=slots.writing)
         if not slots.slots:
             return result
         if prepared.pool is not self.pool:

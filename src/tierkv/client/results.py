@@ -13,6 +13,9 @@ from tierkv.pool import ShmPool
 class StoreResult:
     stored: list[int] = field(default_factory=list)  # chunk positions written and committed
     present: list[int] = field(default_factory=list)  # already in the cache
+    # Of present: reserved by another writer, not committed yet (stored only once it
+    # commits; an older server never says, its present may include them).
+    writing: list[int] = field(default_factory=list)
     no_space: list[int] = field(default_factory=list)  # skipped: the pool is full
     cleared: int = 0  # written but deleted (cleared) before the commit
     # False: the commit was sent without waiting for its answer (finish_store(confirm=

@@ -298,6 +298,7 @@ class CacheService:
             [p.Slot(i + base, off, n) for i, off, n in res.slots],
             [i + base for i in res.present],
             [i + base for i in res.no_space],
+            [i + base for i in res.writing],
         )
 
     def commit_store(self, req: p.CommitStore) -> p.Committed:

@@ -477,3 +477,42 @@ def test_one_backend_serves_sglangs_prefetch_and_backup_threads_at_once(
         t.join(120)
     assert errors == []
     assert_clean(srv)
+
+
+def test_pages_another_engine_is_still_writing_are_not_reported_stored(
+    srv: ServerProcess, backends: list[Any]
+) -> None:
+    """Engine A has reserved four pages (its copy pending) when engine B backs up the same
+    pages: B must not report them stored, since A may abort and then tierkv holds none
+    (SGLang would count a backup that does not exist). Once A commits, they are stored;
+    where A aborts, B's next backup writes them itself."""
+    from tierkv.arraycopy import copy_array
+    from tierkv.integrations.sglang.pages import page_hash, raw_array
+
+    pool = sp.host_pool("mha", "page_first")
+    sp.fill_random(pool, seed=9)
+    a, b = make(backends, srv, pool), make(backends, srv, pool)
+    client_a = a.link.client()
+    flats = [pool.get_data_page(p * pool.page_size, flat=True) for p in range(8)]
+
+    committed, aborted = keys_for("commits", 4), keys_for("aborts", 4)
+    reserved = {
+        name: client_a.prepare_store(hashes=[page_hash(k) for k in keys])
+        for name, keys in (("commits", committed), ("aborts", aborted))
+    }
+    assert all(len(r.slots.slots) == 4 for r in reserved.values())
+    assert b.batch_set_v1(committed, sp.indices(pool, [0, 1, 2, 3])) == [False] * 4
+    assert b.batch_set(aborted, flats[4:]) is False  # the generic calls alike
+
+    done = client_a.finish_store(
+        reserved["commits"],
+        gather=lambda c, dst: copy_array(dst.reshape(-1), raw_array(flats[c]).reshape(-1)),
+    )
+    assert len(done.stored) == 4
+    assert b.batch_set_v1(committed, sp.indices(pool, [0, 1, 2, 3])) == [True] * 4
+
+    client_a.abort_store(reserved["aborts"])
+    assert b.batch_exists(aborted) == 0  # nothing holds them: the first report was right
+    assert b.batch_set_v1(aborted, sp.indices(pool, [4, 5, 6, 7])) == [True] * 4
+    assert b.batch_exists(aborted) == 4
+    assert_clean(srv)

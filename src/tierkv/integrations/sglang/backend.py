@@ -64,7 +64,7 @@ from tierkv.integrations.sglang.pages import (
     raw_array,
     sidecar_geometry,
 )
-from tierkv.integrations.sglang.pool_store import PoolStore
+from tierkv.integrations.sglang.pool_store import PoolStore, held
 from tierkv.integrations.sglang.settings import BackendSettings
 from tierkv.keys import model_with_format
 
@@ -232,7 +232,8 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the pages at ``host_indices`` under ``keys``: True for each page tierkv
-        holds afterwards (stored now or already there), False where the pool was full."""
+        holds afterwards (stored now or already there), False where the pool was full or
+        another engine is still writing the page (it may abort)."""
         return self._moved("batch_set_v1", self.kv, keys, host_indices, store=True, exact=False)
 
     def batch_get_v1(
@@ -314,7 +315,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             done = client.store(
                 hashes=hashes, gather=lambda c, dst: copy_array(dst.reshape(-1), flats[c])
             )
-            return len(done.stored) + len(done.present) == len(keys)
+            return len(held(done)) == len(keys)
 
         return self._timed(
             True, len(keys), self._page_bytes, lambda: self.link.call("batch_set", store, False)
