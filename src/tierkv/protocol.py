@@ -10,8 +10,10 @@ Chunks in a request are given either as token ids (``tokens``: little-endian uin
 hashed by the server into prefix-chained keys) or as precomputed chunk hashes
 (``hashes``). Replies refer to chunks by their position in that list.
 
-Compatibility: fields are only ever appended, with defaults. ``PROTOCOL_VERSION`` is checked
-at REGISTER; a client of another major protocol version is refused with a clear error.
+Compatibility: fields are only ever appended, with defaults, and each change of fields is a
+new ``PROTOCOL_VERSION``, checked at REGISTER: a client of another version is refused with a
+clear error. Decoding is strict (a message with a field this side does not know is refused as
+malformed), so two builds with different fields must never get past REGISTER.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import msgspec
 # 2: NOT_REGISTERED split from UNAUTHORIZED; 3: Register.chunk_tokens; 4: Stats.tenants, and
 # salts equal to a reserved tenant name (~default, ~other) are refused; 5: chunk notes
 # (PrepareStore.notes) and the chunk feed (ReadChunkEvents, ReadChunkSnapshot); RouterLookup;
-# 6: QueryPrefetch.wait_ms (the server answers when the prefetch is done)
-PROTOCOL_VERSION = 6
+# 6: QueryPrefetch.wait_ms (the server answers when the prefetch is done); 7: RetrieveSlots.
+# lease_ms, CommitStore.wait_ms, StoreSlots.writing, Stats.expired_held, Stats.connections
+PROTOCOL_VERSION = 7
 MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note (PrepareStore.notes) at most
 MAX_PREFETCH_WAIT_MS = 60_000  # the longest QueryPrefetch.wait_ms
 
@@ -340,7 +343,7 @@ class Slot(msgspec.Struct, array_like=True, frozen=True):
 
 
 class StoreSlots(Struct, tag="store_slots"):
-    """``writing`` (appended within version 6): the positions of ``present`` that another
+    """``writing`` (version 7): the positions of ``present`` that another
     engine has only reserved, still being written; they are stored only once it commits,
     and never if it aborts. An older server never says: its ``present`` may include them."""
 

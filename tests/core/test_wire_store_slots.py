@@ -1,5 +1,6 @@
-"""``StoreSlots.writing``, appended within wire protocol version 6: a reply without it (an
-older server's) reads as "none being written", the behaviour from before the field."""
+"""``StoreSlots.writing`` (wire protocol version 7): a reply without it reads as "none being
+written", the behaviour from before the field (a server of version 6 is refused at REGISTER,
+but the default is what every reply that names no such chunk relies on)."""
 
 from __future__ import annotations
 
