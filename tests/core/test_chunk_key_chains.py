@@ -9,6 +9,7 @@ import pytest
 
 from tierkv import keys
 from tierkv import protocol as p
+from tierkv.server import registry
 from tierkv.server.chunk_keys import CHAINS, ChunkKeys
 from tierkv.server.registry import Registration
 
@@ -158,3 +159,19 @@ def test_a_lookup_hashes_what_it_reads_and_the_stores_after_it_reuse_that(
     # A lookup of what is remembered hashes nothing.
     again, _ = ck.for_lookup(reg, sel)
     assert list(again) == want[8] and hashed == [3, 3, 2]
+
+
+def test_a_registration_forgets_its_least_recently_used_salts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past MAX_SALTS cache salts a registration forgot every one at once: the chunk feed
+    then withdrew all salted chunks from the routers, and CLEAR missed them, until each salt
+    was used again. Now the least recently used half goes; salts in use stay known."""
+    monkeypatch.setattr(registry, "MAX_SALTS", 8)
+    reg = registration()
+    digests = {f"user-{i}": reg.digest_for(f"user-{i}") for i in range(8)}
+    for i in (0, 1, 2):  # in use again: the most recent now
+        assert reg.digest_for(f"user-{i}") == digests[f"user-{i}"]
+    reg.digest_for("user-8")  # one more than it keeps
+    assert set(reg.salted) == {"user-7", "user-0", "user-1", "user-2", "user-8"}
+    assert reg.digest_for("user-3") == digests["user-3"]  # forgotten: the same digest again

@@ -44,7 +44,9 @@ from tierkv.tenants import TenantIds, tenant_name, tenant_tag
 
 log = logging.getLogger(__name__)
 
-MAX_SALTS = 4096  # cache-salt digests remembered per registration (then forgotten at once)
+# Cache-salt digests remembered per registration; past it the least recently used half is
+# forgotten (its chunks stay, but this engine's CLEAR and chunk feed no longer cover them).
+MAX_SALTS = 4096
 
 
 class RegistryFull(Exception):
@@ -91,15 +93,19 @@ class Registration:
         """The namespace digest of this client's keys under a per-request cache salt."""
         if not salt:
             return self.digest
-        digest = self.salted.get(salt)
+        digest = self.salted.pop(salt, None)  # put back last: the most recently used
         if digest is None:
             tenant = self.namespace.tenant_salt
             digest = msgspec.structs.replace(self.namespace, cache_salt=salt).digest()
             if self.tenants is not None:
                 self.tenants.bind(digest, tenant_name(tenant, salt))
             if len(self.salted) >= MAX_SALTS:
-                self.salted.clear()
-            self.salted[salt] = digest
+                # The least recently used half at once: forgetting shrinks the namespaces
+                # the chunk feed covers, and each shrink makes the engine read a snapshot.
+                # (Forgetting all at once withdrew every salt's chunks from the routers.)
+                for old in list(self.salted)[: MAX_SALTS // 2]:
+                    self.salted.pop(old, None)
+        self.salted[salt] = digest
         return digest
 
 
