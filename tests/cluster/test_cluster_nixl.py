@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -396,6 +397,28 @@ def test_a_holder_with_too_many_leases_out_serves_that_batch_over_tcp(reader: Si
         )
         assert head[0] == LEASE_BUSY and head[2] == 0
         assert [(st, offset, length) for st, offset, length, _ in entries] == [(SENT_OUTSIDE, 0, 0)]
+    finally:
+        holder.close()
+
+
+def test_a_lease_whose_entries_the_reader_refuses_is_released(
+    reader: Side, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder naming bytes outside its region for every chunk: the reader reads nothing,
+    so no READ's notification ends the lease; it kept the holder's read locks for the
+    lease's whole time to live. The reader releases it."""
+    holder, keys = holder_side(14, 2, lease_ttl=60.0)
+    real_lease = reader.t._lease  # type: ignore[attr-defined]
+
+    def lease_out_of_bounds(sock: Any, wanted: Any) -> Any:
+        head, entries = real_lease(sock, wanted)
+        return head, [(st, 1 << 50, length, digest) for st, _, length, digest in entries]
+
+    monkeypatch.setattr(reader.t, "_lease", lease_out_of_bounds)
+    try:
+        _, items = reserve(reader, keys)
+        assert reader.t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.ERROR] * 2]
+        wait_for(lambda: leases(holder)["live"] == 0 and holder.source.locked() == 0)
     finally:
         holder.close()
 

@@ -506,7 +506,9 @@ class NixlTransport(TcpTransport):
             errors=0 if state == REFUSED else len(reads) - chunks - corrupt,
         )
         # A completed READ's notification released the lease; a stalled holder's expires.
-        if lease_id and state not in (DONE, TIMEOUT):
+        # Nothing read (every entry refused: a holder naming bytes outside its region):
+        # no notification will come, so the lease is released here.
+        if lease_id and (not reads or state not in (DONE, TIMEOUT)):
             self._release_lease(peer, lease_id)
         return statuses, fallback
 
