@@ -40,13 +40,13 @@ class FrameTooLargeError(Exception):
 
 
 class FrameBudgetError(Exception):
-    """A large message would take this side past the bytes it lets all its connections'
-    messages in progress hold together (:class:`BufferBudget`)."""
+    """The bytes of a large message would take this side past what it lets all its
+    connections' messages in progress hold together (:class:`BufferBudget`)."""
 
     def __init__(self, size: int, budget: BufferBudget) -> None:
         super().__init__(
-            f"message of {size} bytes would take the {budget.used} bytes of messages being "
-            f"received past their budget ({budget.limit} bytes)"
+            f"message of {size} bytes: the messages being received hold {budget.used} of the "
+            f"{budget.limit} bytes allowed"
         )
         self.size = size
         self.limit = budget.limit
@@ -199,8 +199,9 @@ class FrameReader:
         scratch: bytearray | None = None,
         budget: BufferBudget | None = None,
     ) -> None:
-        """``budget``: shared by a server's connections; a large message it has no room for
-        raises :class:`FrameBudgetError` (its body is never read)."""
+        """``budget``: shared by a server's connections, charged with the bytes of large
+        messages as they arrive (a header alone costs nothing); bytes it has no room for
+        raise :class:`FrameBudgetError` (the connection is then closed)."""
         self.max_frame = max_frame
         self._scratch = scratch if scratch is not None else bytearray(SCRATCH_BYTES)
         self._budget = budget
@@ -210,6 +211,7 @@ class FrameReader:
         # nothing; a zero-filled bytearray of that size was resident at once).
         self._large: mmap.mmap | None = None
         self._have = 0
+        self._charged = 0  # of the budget, for the large message's bytes received
         self.filled = False  # the last read filled its buffer: more may be waiting
 
     def read(self, sock: socket.socket) -> list[memoryview]:
@@ -244,16 +246,10 @@ class FrameReader:
                 continue
             if size > len(self._scratch) // 2:
                 # Large: its own buffer, filled in place from here on.
-                if self._budget is not None and not self._budget.take(size):
-                    raise FrameBudgetError(size, self._budget)
-                try:
-                    self._large = mmap.mmap(-1, size)
-                except BaseException:
-                    if self._budget is not None:
-                        self._budget.give(size)
-                    raise
+                self._large = mmap.mmap(-1, size)
                 self._large[: end - start] = data[start:end]
                 self._have = end - start
+                self._charge(end - start, size)
                 return frames
             break
         self._pending = bytes(data[pos:end])
@@ -271,16 +267,27 @@ class FrameReader:
             raise ConnectionClosedError("connection closed by peer")
         self.filled = n == len(view) - self._have
         self._have += n
+        self._charge(n, len(view))
         if self._have < len(view):
             return []
         self._end_large()
         return [view]
 
+    def _charge(self, n: int, size: int) -> None:
+        """Charge ``n`` more received bytes of a large message of ``size`` to the budget;
+        past it, FrameBudgetError (the bytes are let go with the connection)."""
+        if self._budget is None:
+            return
+        if not self._budget.take(n):
+            raise FrameBudgetError(size, self._budget)
+        self._charged += n
+
     def _end_large(self) -> None:
         """The large message is whole (its mapping lives on in the view returned) or is
         given up: its bytes leave the budget."""
-        if self._large is not None and self._budget is not None:
-            self._budget.give(len(self._large))
+        if self._budget is not None:
+            self._budget.give(self._charged)
+        self._charged = 0
         self._large = None
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ import selectors
 import socket
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from tierkv import framing
@@ -44,19 +45,36 @@ log = logging.getLogger(__name__)
 ACCEPT_BATCH = 256  # connections accepted per turn of the loop
 DEFAULT_MAX_CONNECTIONS = 8192
 DEFAULT_BUFFER_LIMIT = 2**30
+
+
+@dataclass(frozen=True)
+class UnprovenLimits:
+    """Connections whose client has not shown who it is yet (see :meth:`ServedConnections.
+    prove`): at most ``total`` at once, ``per_host`` from one address, each for ``seconds``
+    (then closed). They take none of the places of proven ones, so clients without the
+    secret cannot keep members out by opening connections and sending nothing."""
+
+    total: int = 256
+    per_host: int = 64
+    seconds: float = 10.0
+
+
 REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
 class Served:
     """One client's connection: its socket, the reader of its messages, unsent replies."""
 
-    __slots__ = ("outbox", "reader", "sock", "writing")
+    __slots__ = ("host", "opened", "outbox", "proven", "reader", "sock", "writing")
 
     def __init__(self, sock: socket.socket, reader: framing.FrameReader) -> None:
         self.sock = sock
         self.reader = reader
         self.outbox = framing.Outbox()
         self.writing = False  # registered for EVENT_WRITE
+        self.opened = 0.0  # when it was accepted (monotonic)
+        self.host = ""  # the peer's address ("" for a Unix socket)
+        self.proven = True  # see ServedConnections.prove
 
 
 C = TypeVar("C", bound=Served)
@@ -73,7 +91,10 @@ class ServedConnections(Generic[C]):
         max_unsent: int,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         buffer_limit: int = DEFAULT_BUFFER_LIMIT,
+        unproven: UnprovenLimits | None = None,
     ) -> None:
+        """``unproven``: connections must prove their client (:meth:`prove`) within these
+        limits; None: every connection counts as proven from the start."""
         self.selector = selector
         self.what = what  # names the server in log lines
         self.max_unsent = max_unsent
@@ -86,6 +107,11 @@ class ServedConnections(Generic[C]):
         self.over_limit = 0  # connections closed at once: max_connections were open
         self.overflowed = 0  # connections dropped: all replies unsent past buffer_limit
         self.refused_large = 0  # large requests refused: receiving past buffer_limit
+        self.unproven_limits = unproven
+        self._unproven: dict[int, C] = {}  # by descriptor, oldest first
+        self._unproven_hosts: dict[str, int] = {}
+        self.turned_away_unproven = 0  # closed at once: too many unproven already
+        self.expired_unproven = 0  # closed: not proven in time
         self._unlogged = 0
         self._logged_at = -REFUSAL_LOG_SECONDS
 
@@ -102,6 +128,9 @@ class ServedConnections(Generic[C]):
             "turned_away_descriptors": self.turned_away,
             "refused_large_requests": self.refused_large,
             "dropped_unsent": self.overflowed,
+            "unproven": len(self._unproven),
+            "turned_away_unproven": self.turned_away_unproven,
+            "expired_unproven": self.expired_unproven,
         }
 
     def __len__(self) -> int:
@@ -138,11 +167,64 @@ class ServedConnections(Generic[C]):
                     "--max-connections if so many clients are expected)"
                 )
                 continue
+            host = _host_of(sock)
+            why = self._no_room_unproven(host)
+            if why:
+                sock.close()
+                self.turned_away_unproven += 1
+                self._warn(f"{why}: new connections turned away")
+                continue
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
-            self._by_fd[sock.fileno()] = conn
+            conn.opened, conn.host = time.monotonic(), host
+            fd = sock.fileno()
+            self._by_fd[fd] = conn
+            if self.unproven_limits is not None:
+                conn.proven = False
+                self._unproven[fd] = conn
+                self._unproven_hosts[host] = self._unproven_hosts.get(host, 0) + 1
             self.selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _no_room_unproven(self, host: str) -> str:
+        """Why one more unproven connection from ``host`` is refused ("": it is not)."""
+        limits = self.unproven_limits
+        if limits is None:
+            return ""
+        if len(self._unproven) >= limits.total:
+            return f"{limits.total} connections have not proven their client yet"
+        if self._unproven_hosts.get(host, 0) >= limits.per_host:
+            return f"{limits.per_host} connections from {host or 'one address'} are unproven"
+        return ""
+
+    def prove(self, conn: C) -> None:
+        """``conn``'s client showed who it is (a request it signed, a registration): it no
+        longer counts against the unproven limits, nor expires."""
+        if conn.proven:
+            return
+        conn.proven = True
+        if self._unproven.pop(conn.sock.fileno(), None) is conn:
+            self._forget_unproven_host(conn.host)
+
+    def _forget_unproven_host(self, host: str) -> None:
+        left = self._unproven_hosts.get(host, 0) - 1
+        if left > 0:
+            self._unproven_hosts[host] = left
+        else:
+            self._unproven_hosts.pop(host, None)
+
+    def sweep(self) -> None:
+        """Close the connections that have not proven their client in time (the oldest
+        first; cheap when none is due)."""
+        limits = self.unproven_limits
+        if limits is None or not self._unproven:
+            return
+        due = time.monotonic() - limits.seconds
+        for conn in list(self._unproven.values()):
+            if conn.opened > due:
+                return
+            self.expired_unproven += 1
+            self.drop(conn)
 
     def _turn_away(self, listener: socket.socket) -> bool:
         """Out of descriptors: accept one waiting connection with the spare one and close
@@ -227,7 +309,10 @@ class ServedConnections(Generic[C]):
         """Close ``conn`` (once)."""
         if conn not in self:
             return
-        del self._by_fd[conn.sock.fileno()]
+        fd = conn.sock.fileno()
+        del self._by_fd[fd]
+        if not conn.proven and self._unproven.pop(fd, None) is conn:
+            self._forget_unproven_host(conn.host)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn.sock)
         self.unsent.give(conn.outbox.size)
@@ -241,6 +326,15 @@ class ServedConnections(Generic[C]):
         if self._spare is not None:
             os.close(self._spare)
             self._spare = None
+
+
+def _host_of(sock: socket.socket) -> str:
+    """The peer's address ("" for a Unix socket, or one that reset already)."""
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return ""
+    return str(peer[0]) if isinstance(peer, tuple) else ""
 
 
 def _spare_fd() -> int | None:

@@ -5,6 +5,7 @@ middle of a request, a request over the size limit, a client that never reads it
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from tierkv.cluster import messages as m
 from tierkv.cluster.auth import REPLY_AUTH_BYTES, ControlSigner
 from tierkv.cluster.control import ControlClient
 from tierkv.cluster.control_server import ControlServer
+from tierkv.served_connections import UnprovenLimits
 
 TOKEN = "channel-secret"
 
@@ -236,3 +238,43 @@ def test_zmtp_greetings_are_told_from_reply_frames() -> None:
     frame = b"".join(wire.frame(bytes(REPLY_AUTH_BYTES), bytes(0xFF - 2 - REPLY_AUTH_BYTES)))
     assert frame[0] == 0xFF and wire.zmtp_greeting(frame[:10]) is False
     assert wire.zmtp_greeting(b"") is False
+
+
+def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
+    """Anyone reaching the port could open connections and send nothing (or only the
+    public hello): every one counted against the server's connections, and enough of them
+    kept every member out. Until its first signed request a connection is unproven: few at
+    once, few from one address, each closed after a while; a member's connection, proven,
+    keeps working meanwhile, and new ones are let in once the idle ones are closed."""
+    limits = UnprovenLimits(total=8, per_host=4, seconds=0.5)
+    server = ControlServer("127.0.0.1", 0, TOKEN, {m.GetMembers: members_handler}, unproven=limits)
+    server.start()
+    client = ControlClient(TOKEN, 5.0)
+    addr = f"127.0.0.1:{server.port}"
+    idle: list[socket.socket] = []
+    try:
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # proven
+        for i in range(4):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            if i % 2:
+                sock.sendall(wire.hello())  # the hello is public: proves nothing
+            idle.append(sock)
+        refused = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert refused.recv(1) == b""  # a fifth from this address: closed at once
+        refused.close()
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # still served
+        for sock in idle:  # closed by the server once their time is up
+            sock.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+        assert server.stats()["expired_unproven"] == 4
+        other = ControlClient(TOKEN, 5.0)  # a new connection is let in again
+        try:
+            assert isinstance(other.call(addr, m.GetMembers(0)), m.MemberList)
+        finally:
+            other.close()
+    finally:
+        for sock in idle:
+            sock.close()
+        client.close()
+        server.close()

@@ -94,9 +94,9 @@ def test_a_message_over_the_limit_is_refused_from_its_header() -> None:
 
 
 def test_large_messages_being_received_share_one_budget() -> None:
-    """Large messages in progress hold bytes of their server's budget from their header on;
-    one that does not fit is refused from its header; a whole message, or a reader closed
-    with its connection, gives its bytes back."""
+    """Large messages in progress hold bytes of their server's budget as their bytes arrive
+    (a header alone holds nothing); bytes past it are refused; a whole message, or a reader
+    closed with its connection, gives its bytes back."""
     budget = framing.BufferBudget(10_000)
     pairs = [socket.socketpair() for _ in range(3)]
     try:
@@ -104,22 +104,32 @@ def test_large_messages_being_received_share_one_budget() -> None:
         for b in (b for _, b in pairs):
             b.setblocking(False)
         first, second, third = pairs
-        first[0].sendall(framing.HEADER.pack(6000) + b"x" * 10)
-        assert readers[0].read(first[1]) == [] and budget.used == 6000
-        second[0].sendall(framing.HEADER.pack(5000))
-        with pytest.raises(framing.FrameBudgetError) as refused:
-            readers[1].read(second[1])
-        assert (refused.value.size, refused.value.limit, budget.used) == (5000, 10_000, 6000)
-        third[0].sendall(framing.HEADER.pack(4000) + b"y" * 4000)  # fits beside the first
+        first[0].sendall(framing.HEADER.pack(60_000))  # announced only
+        assert readers[0].read(first[1]) == [] and budget.used == 0
+        first[0].sendall(b"x" * 6000)
+        while budget.used < 6000:
+            assert readers[0].read(first[1]) == []
+        assert budget.used == 6000
+        second[0].sendall(framing.HEADER.pack(5000) + b"y" * 3000)  # fits beside the first
         got: list[bytes] = []
+        while budget.used < 9000:
+            got += [bytes(f) for f in readers[1].read(second[1])]
+        second[0].sendall(b"y" * 2000)  # past the budget
+        with pytest.raises(framing.FrameBudgetError) as refused:
+            while True:
+                readers[1].read(second[1])
+        assert (refused.value.size, refused.value.limit) == (5000, 10_000)
+        readers[1].close()  # its connection is closed: what it held goes back
+        assert budget.used == 6000
+        third[0].sendall(framing.HEADER.pack(4000) + b"z" * 4000)
         while not got:
             got = [bytes(f) for f in readers[2].read(third[1])]
-        assert got == [b"y" * 4000] and budget.used == 6000  # whole: given back
-        readers[0].close()  # its connection closed with the message half received
+        assert got == [b"z" * 4000] and budget.used == 6000  # whole: given back
+        readers[0].close()  # closed with the message half received
         assert budget.used == 0
         small = framing.FrameReader(scratch=bytearray(1024), budget=framing.BufferBudget(0))
-        third[0].sendall(framing.HEADER.pack(100) + b"z" * 100)  # small: no budget needed
-        assert [bytes(f) for f in small.read(third[1])] == [b"z" * 100]
+        third[0].sendall(framing.HEADER.pack(100) + b"s" * 100)  # small: no budget needed
+        assert [bytes(f) for f in small.read(third[1])] == [b"s" * 100]
     finally:
         for a, b in pairs:
             a.close()

@@ -221,25 +221,29 @@ def test_connections_are_bounded_in_number(server_factory: Servers) -> None:
 
 
 def test_large_requests_in_progress_share_a_server_wide_budget(server_factory: Servers) -> None:
-    """Each client may announce a request of up to max_message_bytes before it has shown
-    who it is: many such clients added up to all the server's memory. Large requests being
-    received share --connection-buffer-bytes: one more gets a limit error from its header
-    (its body never read) and its connection is closed; others keep being served; whole
-    requests and closed connections give their bytes back."""
+    """Each client may send a request of up to max_message_bytes before it has shown who
+    it is: many such clients added up to all the server's memory. The bytes of large
+    requests being received share --connection-buffer-bytes: bytes past it get a limit error
+    and their connection is closed; others keep being served; a header alone holds nothing
+    (idle announcers block nobody); whole requests and closed connections give their bytes
+    back."""
     mib = 2**20
     srv = server_factory(extra=["--max-message-bytes", "4MiB", "--connection-buffer-bytes", "8MiB"])
     path = srv.endpoint.removeprefix("ipc://")
 
-    def announce() -> socket.socket:
+    def connect(data: bytes) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(path)
-        sock.sendall(struct.pack("<I", 4 * mib) + b"\x00" * 100)
+        sock.sendall(data)
         return sock
 
-    stalled = [announce(), announce()]
-    wait_for("8 MiB held", lambda: _connections(srv)["receiving_bytes"] == 8 * mib, 10)
+    idle = [connect(struct.pack("<I", 4 * mib)) for _ in range(4)]  # announced only
+    partial = struct.pack("<I", 4 * mib) + b"\x00" * (4 * mib - 4096)
+    stalled = [connect(partial), connect(partial)]
+    held = 2 * (4 * mib - 4096)
+    wait_for("two requests held", lambda: _connections(srv)["receiving_bytes"] == held, 10)
     refused = Raw(srv.endpoint)
-    refused.send_bytes(struct.pack("<I", 4 * mib))
+    refused.send_bytes(struct.pack("<I", 4 * mib) + b"\x00" * 16384)
     reply = refused.recv()
     assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.LIMIT
     assert "connection_buffer_bytes" in reply.message
@@ -247,20 +251,21 @@ def test_large_requests_in_progress_share_a_server_wide_budget(server_factory: S
         refused.call(p.Ping(1))  # closed
     refused.close()
     figures = _connections(srv)
-    assert figures["refused_large_requests"] == 1 and figures["receiving_bytes"] == 8 * mib
+    assert figures["refused_large_requests"] == 1 and figures["receiving_bytes"] == held
     stalled.pop().close()
-    wait_for("4 MiB held", lambda: _connections(srv)["receiving_bytes"] == 4 * mib, 10)
+    wait_for("one held", lambda: _connections(srv)["receiving_bytes"] == held // 2, 10)
     raw = Raw(srv.endpoint)
     try:
         for rid in (1, 2):  # a whole large request gives its bytes back: room for the next
             junk = msgspec.msgpack.encode(["ping", rid, b"x" * (4 * mib - 64)])
             reply = raw.call(junk)
             assert isinstance(reply, p.Error) and reply.code is p.ErrorCode.BAD_REQUEST
-            assert _connections(srv)["receiving_bytes"] == 4 * mib
+            assert _connections(srv)["receiving_bytes"] == held // 2
         assert isinstance(raw.call(p.Ping(3)), p.Ok)
     finally:
         raw.close()
-        stalled.pop().close()
+        for sock in stalled + idle:
+            sock.close()
     wait_for("nothing held", lambda: _connections(srv)["receiving_bytes"] == 0, 10)
 
 

@@ -11,7 +11,9 @@ it is even decoded; one that cannot be decoded gets :class:`~tierkv.cluster.mess
 too; all are counted and change nothing. A connection that does not open with our hello, or
 announces a request over ``max_message_bytes`` (refused, its body never read), is closed; so
 is one whose replies pile up unread, and all connections together are bounded
-(:mod:`tierkv.served_connections`). Refusals are logged as one
+(:mod:`tierkv.served_connections`): a connection that has sent no signed request yet is
+*unproven* (at most 256 at once, 64 from one address, each closed after 10 s), so clients
+without the secret cannot take members' places. Refusals are logged as one
 :class:`~tierkv.logs.FailureLog` (:class:`RefusalLog`): the first at WARNING with its cause,
 then a summary at most once a minute, never a line each (a port under attack, or a node with
 the wrong token, would otherwise flood the log).
@@ -36,7 +38,12 @@ from tierkv.cluster.replay import REPLAYED
 from tierkv.config import ConfigError
 from tierkv.logs import FailureLog
 from tierkv.priority import control_thread
-from tierkv.served_connections import DEFAULT_BUFFER_LIMIT, Served, ServedConnections
+from tierkv.served_connections import (
+    DEFAULT_BUFFER_LIMIT,
+    Served,
+    ServedConnections,
+    UnprovenLimits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +95,11 @@ class ControlServer:
         handlers: Mapping[type, Handler],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
         decoder: msgspec.msgpack.Decoder[Any] = m.request_decoder,
+        unproven: UnprovenLimits | None = None,
     ) -> None:
         """``decoder``: the requests this server understands (the cluster's by default; the
-        controller serves its own)."""
+        controller serves its own); ``unproven``: the limits on connections that have sent
+        no signed request yet (:class:`~tierkv.served_connections.UnprovenLimits`)."""
         self.signer = ControlSigner(token)
         self.handlers = dict(handlers)
         self.refused = 0  # unauthenticated: no or a wrong signature, too old, replayed
@@ -105,6 +114,7 @@ class ControlServer:
         self._thread: threading.Thread | None = None
         self._decode = decoder.decode
         self.refusals = RefusalLog(f"cluster control port {host}:{port}", log)
+        self.unproven = unproven or UnprovenLimits()
 
     @property
     def replayed(self) -> int:
@@ -112,11 +122,20 @@ class ControlServer:
         return self.signer.replays.refused
 
     def stats(self) -> dict[str, int]:
+        conns = self._clients.figures() if self._clients is not None else {}
         return {
             "served": self.served,
             "refused": self.refused,
             "replayed": self.replayed,
             "malformed": self.malformed,
+            # Connections: open, not yet proven (no signed request), turned away or closed
+            # for the bounds of tierkv.served_connections.
+            "connections": conns.get("open", 0),
+            "unproven_connections": conns.get("unproven", 0),
+            "turned_away_unproven": conns.get("turned_away_unproven", 0),
+            "expired_unproven": conns.get("expired_unproven", 0),
+            "turned_away_max_connections": conns.get("turned_away_max_connections", 0),
+            "refused_large_requests": conns.get("refused_large_requests", 0),
         }
 
     def bind(self) -> None:
@@ -136,9 +155,12 @@ class ControlServer:
         selector.register(listener, selectors.EVENT_READ, None)
         # Every connection's large requests together: at least one of the largest size.
         budget = max(DEFAULT_BUFFER_LIMIT, self._frame_limit())
+        # Anyone who reaches the port may connect and send the (public) hello: connections
+        # count as a member's only from their first signed request on.
         self._clients = ServedConnections(
-            selector, "cluster control port", MAX_UNSENT, buffer_limit=budget
-        )
+            selector, "cluster control port", MAX_UNSENT, buffer_limit=budget,
+            unproven=self.unproven,
+        )  # fmt: skip
         self.refusals.what = f"cluster control port {self.host}:{self.port}"
 
     def start(self) -> None:
@@ -168,6 +190,7 @@ class ControlServer:
         assert clients is not None
         control_thread()  # a peer's lookup waits for this thread: it takes a core first
         while not self._stop.is_set():
+            clients.sweep()
             for key, mask in clients.selector.select(POLL_SECONDS):
                 client: _Client | None = key.data
                 if client is None:
@@ -251,15 +274,17 @@ class ControlServer:
             self._send(client, b"", m.Refused(0, "malformed cluster request: no signature"))
             return
         auth, payload = parts
-        self._send(client, auth, self._handle(auth, payload))
+        self._send(client, auth, self._handle(client, auth, payload))
 
-    def _handle(self, auth: bytes, payload: memoryview) -> Any:
+    def _handle(self, client: _Client, auth: bytes, payload: memoryview) -> Any:
         why = self.signer.check_request(auth, payload)
         if why:
             self.refused += 1
             self.refusals.failed("request", why)
             hint = "" if why.startswith(REPLAYED) else " (--auth-token)"
             return m.Refused(0, f"unauthenticated cluster request: {why}{hint}")
+        assert self._clients is not None
+        self._clients.prove(client)  # signed with the cluster secret: a member's
         try:
             req = self._decode(payload)
         # msgspec raises a bare UnicodeDecodeError for a tag string that is not UTF-8.

@@ -341,7 +341,7 @@ class RpcServer:
         self._executor.shutdown(wait=True)
         self._forward_results()
         for conn in self._conns:
-            with contextlib.suppress(OSError, framing.FrameTooLargeError):
+            with contextlib.suppress(OSError, framing.FrameTooLargeError, framing.FrameBudgetError):
                 for frame in conn.reader.read(conn.sock):
                     rid = _lenient_rid(frame)
                     self._reply(conn, p.Error(rid, p.ErrorCode.SHUTTING_DOWN, "server stopping"))
