@@ -351,7 +351,7 @@ class RingDirectory(Directory):
             elif self.client.suspect(info.control):
                 continue
             else:
-                del self._deferred[owner]  # before: what moved may be kept for others
+                del self._deferred[owner]
                 pubs[owner], unpubs[owner] = self._still_owned(owner, held, ring)
                 self.counts["publish_deferred_sent"] += len(pubs[owner]) + len(unpubs[owner])
                 continue
@@ -452,29 +452,25 @@ class RingDirectory(Directory):
     ) -> tuple[list[tuple[bytes, int]], list[bytes]]:
         """The updates kept for ``owner`` of keys it still owns on ``ring``, to send it now:
         (publishes, withdrawals). Those of keys a ring change gave to other owners since are
-        not sent to it: a publish would leave an entry where no reader looks (to mislead one
-        if the ring changed back) and is dropped, since the new owners get this node's
-        entries from the re-publish that follows every ring change; a withdrawal is kept for
-        the new owners instead (the old owner may have handed them the withdrawn entry)."""
+        dropped: a publish sent to the old owner would leave an entry where no reader looks
+        (a wrong one if the ring changed back), and the new owners get this node's entries
+        from the re-publish that follows every ring change. A withdrawal is not passed on to
+        them either: it may be older than a publish of the same key they got since (the
+        chunk stored again), which it would undo; an entry the old owner handed them is
+        removed by the anti-entropy repair."""
         keys = list(held)
         pubs: list[tuple[bytes, int]] = []
         unpubs: list[bytes] = []
-        moved: dict[bytes, int] = {}
+        moved = 0
         for key, owners in zip(keys, ring.owners_many(keys), strict=True):
             where = held[key]
             if owner not in owners:
-                moved[key] = where
+                moved += 1
             elif where >= 0:
                 pubs.append((key, where))
             else:
                 unpubs.append(key)
-        if moved:
-            self.counts["publish_deferred_moved"] += len(moved)
-            withdrawn = {k: w for k, w in moved.items() if w < 0}
-            for other, others_keys in self._route(withdrawn, ring)[1].items():
-                self._keep(other, [], others_keys)
-            if self._deferred and not self._deferred_check:
-                self._deferred_check = self.clock() + DEFERRED_CHECK
+        self.counts["publish_deferred_moved"] += moved
         return pubs, unpubs
 
     def _keep(
