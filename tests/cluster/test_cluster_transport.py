@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,6 +14,7 @@ import pytest
 
 from tierkv.checksums import checksum
 from tierkv.cluster import messages as m
+from tierkv.cluster import transport
 from tierkv.cluster.transport import (
     CHUNK,
     HELLO,
@@ -415,3 +417,35 @@ def test_a_holder_trickling_its_hello_reply_is_cut_off_at_one_deadline(
         assert 0 < sent[0] < len(reply) // 4, sent  # the reader hung up after one deadline
     finally:
         good.close()
+
+
+def test_connections_reset_before_their_hello_give_their_place_back(
+    reader: TcpTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection reset between accept and its serving thread's start: the thread looked
+    its address up again, got none, and gave back the place of another address, so the
+    place counted under the real one leaked; 64 such resets shut that address out for
+    good. The place is counted and given back under the address accept gave."""
+    real_data_thread = transport.data_thread
+    accepted = threading.Event()
+
+    def late_start() -> None:  # a loaded machine: the thread runs after the reset
+        accepted.wait(10)
+        real_data_thread()
+
+    monkeypatch.setattr(transport, "data_thread", late_start)
+    data = chunks(1, 4096)
+    held = holder(data)
+    try:
+        host, port = held.address.rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(8)]
+        wait_for(lambda: held._hellos.get("127.0.0.1") == 8)  # accepted, counted
+        for sock in socks:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()  # reset before the serving threads look at them
+        time.sleep(0.1)
+        accepted.set()
+        wait_for(lambda: not held._hellos)
+        assert reader.fetch_many([(info(held), slots(data))]) == [[LoadStatus.OK]]
+    finally:
+        held.close()

@@ -218,13 +218,6 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _host_of(sock: socket.socket) -> str:
-    try:
-        return str(sock.getpeername()[0])
-    except OSError:  # reset already
-        return "?"
-
-
 def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
     """``n`` bytes, all of them by ``deadline`` (monotonic; TimeoutError after it). A
     timeout per ``recv`` alone let a peer sending a byte now and then keep a hello going
@@ -370,7 +363,7 @@ class TcpTransport(Transport):
         assert listener is not None
         while not self._stop.is_set():
             try:
-                sock, _ = listener.accept()
+                sock, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -378,7 +371,8 @@ class TcpTransport(Transport):
                     return
                 time.sleep(0.05)
                 continue
-            host = _host_of(sock)
+            # From accept's answer: getpeername fails on a connection reset since.
+            host = str(addr[0]) if isinstance(addr, tuple) else "?"
             with self._lock:
                 why = self._no_room_for_hello(host)
                 if not why:
@@ -388,9 +382,19 @@ class TcpTransport(Transport):
                 self._refusals.failed("accepting a connection", why)
                 sock.close()
                 continue
-            threading.Thread(
-                target=self._serve_conn, args=(sock,), name="tierkv-peer-serve", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve_conn,
+                    args=(sock, host),
+                    name="tierkv-peer-serve",
+                    daemon=True,
+                ).start()
+            except BaseException:  # no thread to end its hello: it ends here
+                self._hello_ended(host)
+                sock.close()
+                if self._stop.is_set():
+                    return
+                log.exception("could not serve a peer connection")
 
     def _no_room_for_hello(self, host: str) -> str:
         """Why a new connection from ``host`` is refused before its hello ("": it is not).
@@ -411,12 +415,13 @@ class TcpTransport(Transport):
             else:
                 self._hellos.pop(host, None)
 
-    def _serve_conn(self, sock: socket.socket) -> None:
-        data_thread()
-        host = _host_of(sock)
+    def _serve_conn(self, sock: socket.socket, host: str) -> None:
+        """Serve one peer connection; ``host``: its address as accept gave it (its hello's
+        place is counted under it)."""
         try:
-            _tune(sock)
             try:
+                data_thread()
+                _tune(sock)
                 peer = self._handshake(sock, time.monotonic() + self.timeout)
             finally:
                 self._hello_ended(host)
