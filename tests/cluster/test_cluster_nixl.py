@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -423,12 +424,66 @@ def test_a_lease_whose_entries_the_reader_refuses_is_released(
         holder.close()
 
 
+def test_a_holders_agent_loaded_while_it_was_forgotten_is_dropped(
+    reader: Side, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load of a holder's agent still in flight when the holder was dropped (a READ
+    given up, membership forgetting it) put the agent back, under a READ that may still
+    be running. A load the holder was forgotten during is dropped now: that fetch reads
+    over TCP, and the next one loads the agent afresh."""
+    holder, keys = holder_side(15, 4)
+    assert isinstance(reader.t, NixlTransport)
+    t = reader.t
+    at = member(holder.t.address)
+    loading, resume = threading.Event(), threading.Event()
+    real_call = t._call
+
+    def slow_metadata(peer: Any, fn: Any, **kw: Any) -> Any:
+        out = real_call(peer, fn, **kw)
+        if fn is NixlTransport._metadata and threading.current_thread().name == "first":
+            loading.set()
+            resume.wait(10)
+        return out
+
+    monkeypatch.setattr(t, "_call", slow_metadata)
+    got: list[list[LoadStatus]] = []
+    try:
+        _, first_items = reserve(reader, keys[:2])
+        first = threading.Thread(
+            target=lambda: got.extend(t.fetch_many([(at, first_items)])), name="first"
+        )
+        first.start()
+        assert loading.wait(10)
+        t.forget(at)  # the holder left (and came back) while the first fetch loaded it
+        resume.set()
+        first.join(10)
+        assert got == [[LoadStatus.OK] * 2]  # over TCP: its load was outdated
+        assert nixl_chunks(reader, holder) == 0 and not t._remotes
+        wait_for(lambda: not t._unloading)
+        reader.source.index.clear()
+        _, again = reserve(reader, keys)
+        assert t.fetch_many([(at, again)]) == [[LoadStatus.OK] * 4]
+        assert nixl_chunks(reader, holder) == 4  # loaded afresh
+    finally:
+        holder.close()
+
+
 def test_a_batch_beyond_one_requests_chunk_limit_is_split(reader: Side) -> None:
     n = MAX_CHUNKS + 100
     holder, keys = holder_side(14, n, size=4096)
+    assert isinstance(reader.t, NixlTransport) and reader.t.agent is not None
+    loads: list[str] = []
+    real_add = reader.t.agent.add_remote
+
+    def add_remote(metadata: bytes) -> str:
+        loads.append(threading.current_thread().name)
+        return real_add(metadata)
+
+    reader.t.agent.add_remote = add_remote  # type: ignore[method-assign]
     try:
         _, items = reserve(reader, keys, 4096)
         assert reader.t.fetch_many([(member(holder.t.address), items)]) == [[LoadStatus.OK] * n]
+        assert len(loads) == 1  # the parts waited for one load of the holder's agent
         assert all(bytes(v) == chunk_bytes(14, i, 4096) for i, (_, v) in enumerate(items))
         assert nixl_chunks(reader, holder) == n
         # Split over a few leases (parts READ in parallel), each under the request limit.

@@ -179,6 +179,8 @@ class NixlTransport(TcpTransport):
         # Holders whose agent waits to be unloaded: not loaded again until it is (loading
         # an agent's metadata again invalidates its READs still running).
         self._unloading: set[tuple[str, int]] = set()
+        self._loading: dict[tuple[str, int], threading.Event] = {}  # set once loaded
+        self._forgotten: dict[str, int] = {}  # data address -> times membership forgot it
         self._nixl_lock = threading.Lock()  # the tables above, remotes' users; no I/O under it
         self.nixl_received: dict[str, PeerFigures] = {}
         self._counts_lock = threading.Lock()  # the three READ counters below (_count)
@@ -517,7 +519,9 @@ class NixlTransport(TcpTransport):
             setattr(self, name, getattr(self, name) + 1)
 
     def _remote(self, peer: m.MemberInfo) -> _Remote | None:
-        """The holder's agent, loaded once per incarnation; None: read it over TCP."""
+        """The holder's agent, loaded once per incarnation, by one fetch at a time (the
+        others wait for it); None: read it over TCP (its old agent waits to be unloaded, or
+        it was dropped while it loaded)."""
         key = (peer.data, peer.incarnation)
         with self._nixl_lock:
             remote = self._remotes.get(key)
@@ -525,7 +529,29 @@ class NixlTransport(TcpTransport):
                 remote.users += 1
                 return remote
             if key in self._unloading:
-                return None  # over TCP until its old agent is unloaded
+                return None
+            loading = self._loading.get(key)
+            mine = loading is None
+            if loading is None:
+                loading = self._loading[key] = threading.Event()
+            forgotten = self._forgotten.get(peer.data, 0)
+        if not mine:  # another part of the fetch loads it: its READs wait for that
+            loading.wait(self.timeout)
+            with self._nixl_lock:
+                remote = self._remotes.get(key)
+                if remote is not None:
+                    remote.users += 1
+                return remote
+        try:
+            return self._load(peer, key, forgotten)
+        finally:
+            with self._nixl_lock:
+                self._loading.pop(key, None)
+            loading.set()
+
+    def _load(self, peer: m.MemberInfo, key: tuple[str, int], forgotten: int) -> _Remote | None:
+        """Load the holder's agent (see :meth:`_remote`); ``forgotten``: how many times
+        membership had forgotten the holder's address when the load began."""
         head, md = self._call(peer, self._metadata)
         status, generation, base, size, _ = head
         if status != META_OK:
@@ -540,11 +566,19 @@ class NixlTransport(TcpTransport):
             return None
         if self.late is not None:
             self.late.keep_loaded(name)
+        remote = _Remote(name, generation, base, size, key)
         with self._nixl_lock:
-            remote = self._remotes.get(key)  # another fetch loaded it meanwhile
-            if remote is None:
-                remote = self._remotes[key] = _Remote(name, generation, base, size, key)
-            remote.users += 1
+            until = self._tcp_only.get(key)
+            # Sent over TCP, or forgotten, while it loaded: unloaded again, never used.
+            stale = (until is not None and until > time.monotonic()) or self._forgotten.get(
+                peer.data, 0
+            ) != forgotten
+            if not stale:
+                remote.users = 1
+                self._remotes[key] = remote
+        if stale:
+            self._drop([remote])
+            return None
         return remote
 
     def _done_with(self, remote: _Remote) -> None:
@@ -631,6 +665,7 @@ class NixlTransport(TcpTransport):
     def forget(self, peer: m.MemberInfo) -> None:
         super().forget(peer)
         with self._nixl_lock:
+            self._forgotten[peer.data] = self._forgotten.get(peer.data, 0) + 1
             gone = [k for k in self._remotes if k[0] == peer.data]
             remotes = [self._remotes.pop(k) for k in gone]
             for k in [k for k in self._tcp_only if k[0] == peer.data]:
