@@ -1455,8 +1455,13 @@ def test_caches_the_worker_cannot_map_leave_it_inactive_never_raise_into_vllm(
     assert [r.getMessage() for r in caplog.records if "neither loads nor stores" in r.getMessage()]
     assert len(caplog.records) == 1 and connector._unsupported
     assert worker.layout is None and not worker.can_load and not worker.can_save
-    worker.start_load_kv(TierKVConnectorMetadata(loads=[LoadSpec("r", 0, 2, (3, 4))]))
+    with caplog.at_level("WARNING", logger="vllm.tierkv"):
+        # The scheduler registered: an inactive worker does not try to (it cannot), which
+        # logged the server as failing at every step, and retried for ever.
+        meta = TierKVConnectorMetadata(loads=[LoadSpec("r", 0, 2, (3, 4))], registrations=1)
+        worker.start_load_kv(meta)
     assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert not [r for r in caplog.records if "server at" in r.getMessage()]  # no attempt
     worker.shutdown()
 
 

@@ -305,8 +305,11 @@ class WorkerSide:
 
     # -- loads -----------------------------------------------------------------------------
     def start_load_kv(self, meta: TierKVConnectorMetadata) -> None:
-        if meta.registrations != self._scheduler_registrations and self.link.call(
-            "registration check", _check_registered, False
+        # (An inactive worker never registers: its caches could not be mapped.)
+        if (
+            self.layout is not None
+            and meta.registrations != self._scheduler_registrations
+            and self.link.call("registration check", _check_registered, False)
         ):
             # The scheduler registered (again: the server restarted), and this rank is known
             # to the server now (the link registered it again if it was not), so the
