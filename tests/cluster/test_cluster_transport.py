@@ -280,16 +280,6 @@ def test_a_holder_that_trickles_its_chunks_is_cut_off_at_the_transfer_limit(
         h.close()
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    got = b""
-    while len(got) < n:
-        part = sock.recv(n - len(got))
-        if not part:
-            raise ConnectionError("connection closed")
-        got += part
-    return got
-
-
 def test_a_hello_relayed_to_another_member_proves_nothing(reader: TcpTransport) -> None:
     """A process at a member's data address (its port taken over after the member died)
     has no secret, but relayed the reader's hello to a live member and that member's proof
@@ -306,14 +296,14 @@ def test_a_hello_relayed_to_another_member_proves_nothing(reader: TcpTransport) 
             host, port = real.address.rsplit(":", 1)
             with socket.create_connection((host, int(port)), timeout=5) as member_sock:
                 conn.settimeout(5)
-                head = _recv_exactly(conn, HELLO.size)
-                member_sock.sendall(head + _recv_exactly(conn, HELLO.unpack(head)[2] + 16))
-                conn.sendall(_recv_exactly(member_sock, HELLO_REPLY.size + 16 + 32))
-                member_sock.sendall(_recv_exactly(conn, 32))
-                conn.sendall(_recv_exactly(member_sock, HELLO_REPLY.size))
-                _, count = REQUEST.unpack(_recv_exactly(conn, REQUEST.size))
+                head = transport._recv_bytes(conn, HELLO.size)
+                member_sock.sendall(head + transport._recv_bytes(conn, HELLO.unpack(head)[2] + 16))
+                conn.sendall(transport._recv_bytes(member_sock, HELLO_REPLY.size + 16 + 32))
+                member_sock.sendall(transport._recv_bytes(conn, 32))
+                conn.sendall(transport._recv_bytes(member_sock, HELLO_REPLY.size))
+                _, count = REQUEST.unpack(transport._recv_bytes(conn, REQUEST.size))
                 for _ in range(count):
-                    _, n = ITEM.unpack(_recv_exactly(conn, ITEM.size))
+                    _, n = ITEM.unpack(transport._recv_bytes(conn, ITEM.size))
                     conn.sendall(CHUNK.pack(SENT_OK, n, checksum(fake[:n])) + fake[:n])
                     served.append(fake[:n])
 

@@ -384,12 +384,8 @@ class NixlTransport(TcpTransport):
         figures = self._figures(self.nixl_received, peer.node_id)
         try:
             remote = self._remote(peer)
-        except PeerRefused as exc:
-            log.error("%s", exc)
-            return statuses, []
-        except (OSError, ConnectionError) as exc:
-            log.warning("fetch from %s failed: %s", peer.node_id, exc)
-            figures.add(time.monotonic() - started, 0, 0, errors=len(items), requests=0)
+        except (PeerRefused, OSError, ConnectionError) as exc:
+            self._call_failed(peer, exc, figures, started, len(items))
             return statuses, []
         if remote is None:
             return statuses, list(range(len(items)))
@@ -397,6 +393,18 @@ class NixlTransport(TcpTransport):
             return self._leased_read(peer, remote, items, verified, mine, fallback, started)
         finally:
             self._done_with(remote)
+
+    @staticmethod
+    def _call_failed(
+        peer: m.MemberInfo, exc: Exception, figures: PeerFigures, started: float, items: int
+    ) -> None:
+        """A call to the holder failed: logged; a failure of the connection counts its
+        ``items`` as errors (a refusal, logged as an error, does not)."""
+        if isinstance(exc, PeerRefused):
+            log.error("%s", exc)
+            return
+        log.warning("fetch from %s failed: %s", peer.node_id, exc)
+        figures.add(time.monotonic() - started, 0, 0, errors=items, requests=0)
 
     def _leased_read(
         self,
@@ -417,12 +425,8 @@ class NixlTransport(TcpTransport):
         try:
             wanted = [(items[i][0], items[i][1].nbytes) for i in mine]
             head, entries = self._call(peer, lambda sock: self._lease(sock, wanted))
-        except PeerRefused as exc:
-            log.error("%s", exc)
-            return statuses, []
-        except (OSError, ConnectionError) as exc:
-            log.warning("fetch from %s failed: %s", peer.node_id, exc)
-            figures.add(time.monotonic() - started, 0, 0, errors=len(items), requests=0)
+        except (PeerRefused, OSError, ConnectionError) as exc:
+            self._call_failed(peer, exc, figures, started, len(items))
             return statuses, []
         status, ttl_ms, lease_id, generation = head
         if status != LEASE_OK or generation != remote.generation:

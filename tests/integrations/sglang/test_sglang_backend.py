@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,6 @@ def sglang_installed() -> None:
 @pytest.fixture
 def srv(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     return server_factory(pool_size="64MiB")
-
-
-@pytest.fixture
-def backends() -> Iterator[list[Any]]:
-    """Backends to close after the test."""
-    made: list[Any] = []
-    yield made
-    for b in made:
-        b.close()
 
 
 def make(backends: list[Any], srv: ServerProcess, pool: Any, **kw: Any) -> Any:

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,6 @@ def sglang_installed() -> None:
 @pytest.fixture
 def srv(server_factory: Callable[..., ServerProcess]) -> ServerProcess:
     return server_factory(pool_size="64MiB")
-
-
-@pytest.fixture
-def backends() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for b in made:
-        b.close()
 
 
 class Hybrid:

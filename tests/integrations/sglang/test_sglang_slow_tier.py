@@ -72,14 +72,6 @@ def tiered(tmp_path: Path) -> Iterator[Tiered]:
         server.stop()
 
 
-@pytest.fixture
-def backends() -> Iterator[list[Any]]:
-    made: list[Any] = []
-    yield made
-    for b in made:
-        b.close()
-
-
 def keys_for(prefix: str, n: int) -> list[str]:
     return [hashlib.sha256(f"{prefix}-{i}".encode()).hexdigest() for i in range(n)]
 
