@@ -522,6 +522,30 @@ def test_fp8_caches_of_other_encodings_never_share_chunks(server: Any) -> None:
             assert torch.equal(x, y)
 
 
+def test_fp8_of_the_fnuz_encoding_has_a_namespace_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ROCm's fp8 e4m3 is the fnuz encoding: the same cache dtype name stores other bytes
+    than on CUDA or CPU, and a cluster may mix both; e5m2 is one encoding everywhere."""
+    import torch as t
+    from vllm.platforms import current_platform
+
+    from tierkv.integrations.vllm.connector import _kv_variant
+
+    def variant(cache_dtype: str) -> str:
+        cache = SimpleNamespace(cache_dtype=cache_dtype)
+        return _kv_variant(
+            SimpleNamespace(model_config=SimpleNamespace(model="m"), cache_config=cache)
+        )
+
+    here = variant("fp8_e4m3")
+    assert here == "|kv=fp8_e4m3"  # this CPU: float8_e4m3fn
+    monkeypatch.setattr(current_platform, "fp8_dtype", lambda: t.float8_e4m3fnuz)
+    assert variant("fp8_e4m3") == "|kv=fp8_e4m3/fnuz" != here
+    assert variant("fp8_e5m2") == "|kv=fp8_e5m2"
+    assert variant("auto") == ""
+
+
 def test_fp8_scales_computed_at_run_time_keep_the_connector_inactive() -> None:
     """Per-tensor scales an engine computes itself (``calculate_kv_scales``, where a vLLM
     version has it) make its fp8 bytes its own: refused (the connector stays inactive);

@@ -501,7 +501,22 @@ def _cache_dtype_tag(vllm_config: Any) -> str:
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     if cache_dtype in _UNQUANTIZED_CACHE_DTYPES:
         return ""
-    return f"|kv={cache_dtype}"
+    return f"|kv={cache_dtype}{_fp8_flavour(cache_dtype)}"
+
+
+def _fp8_flavour(cache_dtype: str) -> str:
+    """``"/fnuz"`` where this platform's fp8 e4m3 is the fnuz encoding (ROCm on MI300):
+    the same ``fp8_e4m3`` name then stores other bytes than on CUDA or CPU (float8_e4m3fn),
+    and a cluster may mix both. "" otherwise."""
+    if "e5m2" in cache_dtype:
+        return ""  # one encoding everywhere
+    try:
+        from vllm.platforms import current_platform
+
+        fp8 = str(current_platform.fp8_dtype())
+    except Exception:  # no platform answer: the usual encoding
+        return ""
+    return "/fnuz" if "fnuz" in fp8 else ""
 
 
 def _check_kv_scales(vllm_config: Any) -> None:
