@@ -27,6 +27,7 @@ from collections import deque
 HEADER = struct.Struct("<I")
 MAX_FRAME = (1 << 32) - 1
 SCRATCH_BYTES = 256 * 1024
+LARGE_FIRST_MAP = 2**20  # a large message's first mapping; doubled as its bytes arrive
 SEND_BUFFER_BYTES = 2 * 2**20
 
 
@@ -206,10 +207,12 @@ class FrameReader:
         self._scratch = scratch if scratch is not None else bytearray(SCRATCH_BYTES)
         self._budget = budget
         self._pending = b""  # a partial message (or header) carried over from the last read
-        # A large message being received in place: an anonymous mapping, whose pages take
-        # memory only as bytes arrive (a header alone announcing max_frame bytes costs
-        # nothing; a zero-filled bytearray of that size was resident at once).
+        # A large message being received in place: an anonymous mapping, grown (doubled, by
+        # mremap: no copy) as its bytes arrive, so that neither memory nor address space
+        # follows what a header announces (a zero-filled bytearray of the announced size was
+        # resident at once; a mapping of that size counted whole under strict overcommit).
         self._large: mmap.mmap | None = None
+        self._size = 0  # the large message's announced size
         self._have = 0
         self._charged = 0  # of the budget, for the large message's bytes received
         self.filled = False  # the last read filled its buffer: more may be waiting
@@ -246,32 +249,41 @@ class FrameReader:
                 continue
             if size > len(self._scratch) // 2:
                 # Large: its own buffer, filled in place from here on.
-                self._large = mmap.mmap(-1, size)
-                self._large[: end - start] = data[start:end]
-                self._have = end - start
-                self._charge(end - start, size)
+                first = end - start
+                # Private: a shared anonymous mapping cannot grow (its backing object keeps
+                # its first size; bytes past it fault).
+                self._large = mmap.mmap(
+                    -1, min(size, max(first, LARGE_FIRST_MAP)), flags=mmap.MAP_PRIVATE
+                )
+                self._size = size
+                self._large[:first] = data[start:end]
+                self._have = first
+                self._charge(first, size)
                 return frames
             break
         self._pending = bytes(data[pos:end])
         return frames
 
     def _read_large(self, sock: socket.socket) -> list[memoryview]:
-        assert self._large is not None
-        view = memoryview(self._large)
-        try:
-            n = sock.recv_into(view[self._have :])
-        except (BlockingIOError, InterruptedError):
-            self.filled = False
-            return []
+        large = self._large
+        assert large is not None
+        if self._have == len(large):  # full, the message is not: twice the room
+            large.resize(min(self._size, 2 * len(large)))
+        with memoryview(large) as view:
+            try:
+                n = sock.recv_into(view[self._have :])
+            except (BlockingIOError, InterruptedError):
+                self.filled = False
+                return []
         if n == 0:
             raise ConnectionClosedError("connection closed by peer")
-        self.filled = n == len(view) - self._have
+        self.filled = n == len(large) - self._have
         self._have += n
-        self._charge(n, len(view))
-        if self._have < len(view):
+        self._charge(n, self._size)
+        if self._have < self._size:
             return []
         self._end_large()
-        return [view]
+        return [memoryview(large)]
 
     def _charge(self, n: int, size: int) -> None:
         """Charge ``n`` more received bytes of a large message of ``size`` to the budget;
@@ -294,6 +306,17 @@ class FrameReader:
         """Give up a message still being received (its connection is closed)."""
         self._end_large()
         self._pending = b""
+
+    def rebudget(self, budget: BufferBudget | None) -> None:
+        """Charge ``budget`` from now on, with what a message in progress holds (moved
+        over: it may pass the new budget's limit for as long as that message lasts)."""
+        if self._budget is not None:
+            self._budget.give(self._charged)
+        self._budget = budget
+        if budget is not None:
+            budget.used += self._charged
+        else:
+            self._charged = 0
 
 
 class Connection:

@@ -50,13 +50,17 @@ DEFAULT_BUFFER_LIMIT = 2**30
 @dataclass(frozen=True)
 class UnprovenLimits:
     """Connections whose client has not shown who it is yet (see :meth:`ServedConnections.
-    prove`): at most ``total`` at once, ``per_host`` from one address, each for ``seconds``
-    (then closed). They take none of the places of proven ones, so clients without the
-    secret cannot keep members out by opening connections and sending nothing."""
+    prove`): at most ``total`` at once and ``per_host`` from one address (past either, the
+    oldest unproven one of the address holding most goes, so a newcomer always gets in and
+    a member proves itself before its turn comes), each for ``seconds`` (then closed); their
+    large messages share ``receive_bytes`` of their own. They take none of the places,
+    and none of the buffer budget, of proven ones: clients without the secret cannot keep
+    members out by opening connections, or sending large messages, and never proving."""
 
     total: int = 256
     per_host: int = 64
     seconds: float = 10.0
+    receive_bytes: int = 128 * 2**20
 
 
 REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
@@ -110,7 +114,9 @@ class ServedConnections(Generic[C]):
         self.unproven_limits = unproven
         self._unproven: dict[int, C] = {}  # by descriptor, oldest first
         self._unproven_hosts: dict[str, int] = {}
-        self.turned_away_unproven = 0  # closed at once: too many unproven already
+        # Large messages of unproven connections (moved to `receiving` when one proves).
+        self.receiving_unproven = framing.BufferBudget(unproven.receive_bytes if unproven else 0)
+        self.evicted_unproven = 0  # closed for a newer one: too many unproven
         self.expired_unproven = 0  # closed: not proven in time
         self._unlogged = 0
         self._logged_at = -REFUSAL_LOG_SECONDS
@@ -129,7 +135,7 @@ class ServedConnections(Generic[C]):
             "refused_large_requests": self.refused_large,
             "dropped_unsent": self.overflowed,
             "unproven": len(self._unproven),
-            "turned_away_unproven": self.turned_away_unproven,
+            "evicted_unproven": self.evicted_unproven,
             "expired_unproven": self.expired_unproven,
         }
 
@@ -137,8 +143,10 @@ class ServedConnections(Generic[C]):
         return len(self._by_fd)
 
     def reader(self, max_frame: int, scratch: bytearray) -> framing.FrameReader:
-        """A reader for a new connection's requests, within the server-wide budget."""
-        return framing.FrameReader(max_frame, scratch, self.receiving)
+        """A reader for a new connection's requests, within the server-wide budget (the
+        unproven connections' own, until the connection proves its client)."""
+        budget = self.receiving_unproven if self.unproven_limits else self.receiving
+        return framing.FrameReader(max_frame, scratch, budget)
 
     def __iter__(self) -> Iterator[C]:
         return iter(list(self._by_fd.values()))
@@ -168,12 +176,7 @@ class ServedConnections(Generic[C]):
                 )
                 continue
             host = _host_of(sock)
-            why = self._no_room_unproven(host)
-            if why:
-                sock.close()
-                self.turned_away_unproven += 1
-                self._warn(f"{why}: new connections turned away")
-                continue
+            self._make_room_unproven(host)
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
@@ -186,16 +189,24 @@ class ServedConnections(Generic[C]):
                 self._unproven_hosts[host] = self._unproven_hosts.get(host, 0) + 1
             self.selector.register(sock, selectors.EVENT_READ, conn)
 
-    def _no_room_unproven(self, host: str) -> str:
-        """Why one more unproven connection from ``host`` is refused ("": it is not)."""
+    def _make_room_unproven(self, host: str) -> None:
+        """Room for one more unproven connection from ``host``: past a limit, the oldest
+        unproven connection of ``host`` (its own limit) or of the address holding most (the
+        total) is closed."""
         limits = self.unproven_limits
         if limits is None:
-            return ""
-        if len(self._unproven) >= limits.total:
-            return f"{limits.total} connections have not proven their client yet"
+            return
         if self._unproven_hosts.get(host, 0) >= limits.per_host:
-            return f"{limits.per_host} connections from {host or 'one address'} are unproven"
-        return ""
+            why = f"{limits.per_host} unproven connections from {host or 'one address'}"
+        elif len(self._unproven) >= limits.total:
+            why = f"{limits.total} unproven connections"
+            host = max(self._unproven_hosts, key=lambda h: self._unproven_hosts[h])
+        else:
+            return
+        oldest = next(c for c in self._unproven.values() if c.host == host)
+        self.evicted_unproven += 1
+        self._warn(f"{why}: the oldest closed for a new one")
+        self.drop(oldest)
 
     def prove(self, conn: C) -> None:
         """``conn``'s client showed who it is (a request it signed, a registration): it no
@@ -205,6 +216,7 @@ class ServedConnections(Generic[C]):
         conn.proven = True
         if self._unproven.pop(conn.sock.fileno(), None) is conn:
             self._forget_unproven_host(conn.host)
+            conn.reader.rebudget(self.receiving)
 
     def _forget_unproven_host(self, host: str) -> None:
         left = self._unproven_hosts.get(host, 0) - 1

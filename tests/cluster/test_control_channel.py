@@ -242,11 +242,12 @@ def test_zmtp_greetings_are_told_from_reply_frames() -> None:
 
 def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
     """Anyone reaching the port could open connections and send nothing (or only the
-    public hello): every one counted against the server's connections, and enough of them
-    kept every member out. Until its first signed request a connection is unproven: few at
-    once, few from one address, each closed after a while; a member's connection, proven,
-    keeps working meanwhile, and new ones are let in once the idle ones are closed."""
-    limits = UnprovenLimits(total=8, per_host=4, seconds=0.5)
+    public hello), or start large messages: every connection counted against the server's,
+    every byte against the buffer budget, and enough kept every member out. Until its first
+    signed request a connection is unproven: few at once (past that the oldest goes, so a
+    member connecting always gets in), each closed after a while, and their large messages
+    have a budget of their own."""
+    limits = UnprovenLimits(total=8, per_host=4, seconds=4.0, receive_bytes=64 * 1024)
     server = ControlServer("127.0.0.1", 0, TOKEN, {m.GetMembers: members_handler}, unproven=limits)
     server.start()
     client = ControlClient(TOKEN, 5.0)
@@ -256,23 +257,32 @@ def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
         assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # proven
         for i in range(4):
             sock = socket.create_connection(("127.0.0.1", server.port))
-            if i % 2:
-                sock.sendall(wire.hello())  # the hello is public: proves nothing
+            sock.sendall(wire.hello() if i % 2 else b"")  # the hello is public: no proof
             idle.append(sock)
-        refused = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-        assert refused.recv(1) == b""  # a fifth from this address: closed at once
-        refused.close()
-        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # still served
-        for sock in idle:  # closed by the server once their time is up
-            sock.settimeout(10)
-            with contextlib.suppress(ConnectionResetError):
-                assert sock.recv(1) == b""
-        assert server.stats()["expired_unproven"] == 4
-        other = ControlClient(TOKEN, 5.0)  # a new connection is let in again
+        # Their large messages hold no byte of the members' budget, and only their own.
+        idle[1].sendall(framing.HEADER.pack(1 << 20) + bytes(32 * 1024))
+        idle[3].sendall(framing.HEADER.pack(1 << 20) + bytes(48 * 1024))  # past theirs
+        with contextlib.suppress(ConnectionResetError):
+            idle[3].settimeout(10)
+            while idle[3].recv(65536):
+                pass  # its refusal, then closed
+        assert server.stats()["refused_large_requests"] == 1
+        idle[3] = socket.create_connection(("127.0.0.1", server.port))  # four again
+        # A member connecting now gets in: the oldest unproven one from its address goes.
+        other = ControlClient(TOKEN, 5.0)
         try:
             assert isinstance(other.call(addr, m.GetMembers(0)), m.MemberList)
         finally:
             other.close()
+        idle[0].settimeout(10)
+        assert idle[0].recv(1) == b""
+        assert server.stats()["evicted_unproven"] == 1
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # still served
+        for sock in idle[1:]:  # closed by the server once their time is up
+            sock.settimeout(10)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+        assert server.stats()["expired_unproven"] == 3
     finally:
         for sock in idle:
             sock.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -83,6 +84,24 @@ def test_a_large_message_is_received_into_its_own_buffer() -> None:
         assert got == [big, b"after"]
 
 
+def test_a_large_message_grows_its_buffer_as_it_arrives_byte_exact() -> None:
+    """A message several times the first mapping: the buffer is grown (doubled) as bytes
+    arrive, and the message comes out whole and exact."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        reader = framing.FrameReader(scratch=bytearray(4096))
+        big = bytes(random.Random(5).randbytes(5 * framing.LARGE_FIRST_MAP + 123))
+        sender = threading.Thread(target=a.sendall, args=(frame(big) + frame(b"after"),))
+        sender.start()
+        got: list[bytes] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [bytes(f) for f in reader.read(b)]
+        sender.join()
+        assert got == [big, b"after"]
+
+
 def test_a_message_over_the_limit_is_refused_from_its_header() -> None:
     a, b = socket.socketpair()
     with a, b:
@@ -104,8 +123,10 @@ def test_large_messages_being_received_share_one_budget() -> None:
         for b in (b for _, b in pairs):
             b.setblocking(False)
         first, second, third = pairs
-        first[0].sendall(framing.HEADER.pack(60_000))  # announced only
+        first[0].sendall(framing.HEADER.pack(60_000_000))  # announced only
         assert readers[0].read(first[1]) == [] and budget.used == 0
+        # Nor is the announced size mapped: the buffer grows as bytes arrive.
+        assert 0 < len(readers[0]._large or b"") <= framing.LARGE_FIRST_MAP
         first[0].sendall(b"x" * 6000)
         while budget.used < 6000:
             assert readers[0].read(first[1]) == []

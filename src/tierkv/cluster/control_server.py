@@ -12,8 +12,9 @@ too; all are counted and change nothing. A connection that does not open with ou
 announces a request over ``max_message_bytes`` (refused, its body never read), is closed; so
 is one whose replies pile up unread, and all connections together are bounded
 (:mod:`tierkv.served_connections`): a connection that has sent no signed request yet is
-*unproven* (at most 256 at once, 64 from one address, each closed after 10 s), so clients
-without the secret cannot take members' places. Refusals are logged as one
+*unproven* (at most 256 at once, 64 from one address: past that the oldest goes; each closed
+after 10 s; their large requests have a budget of their own), so clients without the secret
+cannot take members' places. Refusals are logged as one
 :class:`~tierkv.logs.FailureLog` (:class:`RefusalLog`): the first at WARNING with its cause,
 then a summary at most once a minute, never a line each (a port under attack, or a node with
 the wrong token, would otherwise flood the log).
@@ -114,7 +115,7 @@ class ControlServer:
         self._thread: threading.Thread | None = None
         self._decode = decoder.decode
         self.refusals = RefusalLog(f"cluster control port {host}:{port}", log)
-        self.unproven = unproven or UnprovenLimits()
+        self.unproven = unproven
 
     @property
     def replayed(self) -> int:
@@ -132,7 +133,7 @@ class ControlServer:
             # for the bounds of tierkv.served_connections.
             "connections": conns.get("open", 0),
             "unproven_connections": conns.get("unproven", 0),
-            "turned_away_unproven": conns.get("turned_away_unproven", 0),
+            "evicted_unproven": conns.get("evicted_unproven", 0),
             "expired_unproven": conns.get("expired_unproven", 0),
             "turned_away_max_connections": conns.get("turned_away_max_connections", 0),
             "refused_large_requests": conns.get("refused_large_requests", 0),
@@ -159,7 +160,8 @@ class ControlServer:
         # count as a member's only from their first signed request on.
         self._clients = ServedConnections(
             selector, "cluster control port", MAX_UNSENT, buffer_limit=budget,
-            unproven=self.unproven,
+            # Room for two of the largest requests while unproven (a member's first).
+            unproven=self.unproven or UnprovenLimits(receive_bytes=2 * self._frame_limit()),
         )  # fmt: skip
         self.refusals.what = f"cluster control port {self.host}:{self.port}"
 
