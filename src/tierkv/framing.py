@@ -23,6 +23,7 @@ import socket
 import struct
 import time
 from collections import deque
+from typing import Protocol
 
 HEADER = struct.Struct("<I")
 MAX_FRAME = (1 << 32) - 1
@@ -44,13 +45,29 @@ class FrameBudgetError(Exception):
     """The bytes of a large message would take this side past what it lets all its
     connections' messages in progress hold together (:class:`BufferBudget`)."""
 
-    def __init__(self, size: int, budget: BufferBudget) -> None:
+    def __init__(self, size: int, budget: Budget) -> None:
         super().__init__(
             f"message of {size} bytes: the messages being received hold {budget.used} of the "
             f"{budget.limit} bytes allowed"
         )
         self.size = size
         self.limit = budget.limit
+
+
+class Budget(Protocol):
+    """What a :class:`FrameReader` charges the bytes of its large messages to."""
+
+    @property
+    def limit(self) -> int: ...
+
+    @property
+    def used(self) -> int: ...
+
+    def take(self, n: int) -> bool: ...
+
+    def force(self, n: int) -> None: ...
+
+    def give(self, n: int) -> None: ...
 
 
 class BufferBudget:
@@ -70,6 +87,10 @@ class BufferBudget:
             return False
         self.used += n
         return True
+
+    def force(self, n: int) -> None:
+        """Count ``n`` more bytes, fitting or not (bytes held already, moved here)."""
+        self.used += n
 
     def give(self, n: int) -> None:
         self.used -= n
@@ -198,7 +219,7 @@ class FrameReader:
         self,
         max_frame: int = MAX_FRAME,
         scratch: bytearray | None = None,
-        budget: BufferBudget | None = None,
+        budget: Budget | None = None,
     ) -> None:
         """``budget``: shared by a server's connections, charged with the bytes of large
         messages as they arrive (a header alone costs nothing); bytes it has no room for
@@ -307,14 +328,14 @@ class FrameReader:
         self._end_large()
         self._pending = b""
 
-    def rebudget(self, budget: BufferBudget | None) -> None:
+    def rebudget(self, budget: Budget | None) -> None:
         """Charge ``budget`` from now on, with what a message in progress holds (moved
         over: it may pass the new budget's limit for as long as that message lasts)."""
         if self._budget is not None:
             self._budget.give(self._charged)
         self._budget = budget
         if budget is not None:
-            budget.used += self._charged
+            budget.force(self._charged)
         else:
             self._charged = 0
 

@@ -36,7 +36,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tierkv import framing
 
@@ -61,6 +61,48 @@ class UnprovenLimits:
     per_host: int = 64
     seconds: float = 10.0
     receive_bytes: int = 128 * 2**20
+
+    def __post_init__(self) -> None:
+        if min(self.total, self.per_host, self.receive_bytes) < 1 or not self.seconds > 0:
+            raise ValueError(f"unproven connection limits must be positive: {self}")
+
+
+class _UnprovenShare:
+    """The unproven connections' budget for large messages as one of them charges it: short
+    of room, the oldest other unproven connections holding bytes are closed until the bytes
+    fit (a member's first request, fresh, outlasts clients that started large messages and
+    stalled; to close it one would have to send faster than it), and only then refused."""
+
+    __slots__ = ("conns", "held", "owner")
+
+    def __init__(self, conns: ServedConnections[Any]) -> None:
+        self.conns = conns
+        self.owner: Served | None = None  # set once the connection is made
+        self.held = 0
+
+    @property
+    def limit(self) -> int:
+        return self.conns.receiving_unproven.limit
+
+    @property
+    def used(self) -> int:
+        return self.conns.receiving_unproven.used
+
+    def take(self, n: int) -> bool:
+        shared = self.conns.receiving_unproven
+        while not shared.take(n):
+            if not self.conns.evict_unproven_holder(self.owner):
+                return False
+        self.held += n
+        return True
+
+    def force(self, n: int) -> None:
+        self.conns.receiving_unproven.force(n)
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.conns.receiving_unproven.give(n)
+        self.held -= n
 
 
 REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
@@ -116,6 +158,7 @@ class ServedConnections(Generic[C]):
         self._unproven_hosts: dict[str, int] = {}
         # Large messages of unproven connections (moved to `receiving` when one proves).
         self.receiving_unproven = framing.BufferBudget(unproven.receive_bytes if unproven else 0)
+        self._share_of: dict[int, _UnprovenShare] = {}  # id(reader) -> its share, unproven
         self.evicted_unproven = 0  # closed for a newer one: too many unproven
         self.expired_unproven = 0  # closed: not proven in time
         self._unlogged = 0
@@ -145,8 +188,24 @@ class ServedConnections(Generic[C]):
     def reader(self, max_frame: int, scratch: bytearray) -> framing.FrameReader:
         """A reader for a new connection's requests, within the server-wide budget (the
         unproven connections' own, until the connection proves its client)."""
-        budget = self.receiving_unproven if self.unproven_limits else self.receiving
-        return framing.FrameReader(max_frame, scratch, budget)
+        if self.unproven_limits is None:
+            return framing.FrameReader(max_frame, scratch, self.receiving)
+        share = _UnprovenShare(self)
+        reader = framing.FrameReader(max_frame, scratch, share)
+        self._share_of[id(reader)] = share
+        return reader
+
+    def evict_unproven_holder(self, keep: Served | None) -> bool:
+        """Close the oldest unproven connection (not ``keep``) holding bytes of a large
+        message; whether there was one."""
+        for conn in self._unproven.values():
+            share = self._share_of.get(id(conn.reader))
+            if conn is not keep and share is not None and share.held > 0:
+                self.evicted_unproven += 1
+                self._warn("unproven connections hold their whole budget: the oldest closed")
+                self.drop(conn)
+                return True
+        return False
 
     def __iter__(self) -> Iterator[C]:
         return iter(list(self._by_fd.values()))
@@ -180,6 +239,9 @@ class ServedConnections(Generic[C]):
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
+            share = self._share_of.get(id(conn.reader))
+            if share is not None:
+                share.owner = conn
             conn.opened, conn.host = time.monotonic(), host
             fd = sock.fileno()
             self._by_fd[fd] = conn
@@ -217,6 +279,7 @@ class ServedConnections(Generic[C]):
         if self._unproven.pop(conn.sock.fileno(), None) is conn:
             self._forget_unproven_host(conn.host)
             conn.reader.rebudget(self.receiving)
+            self._share_of.pop(id(conn.reader), None)
 
     def _forget_unproven_host(self, host: str) -> None:
         left = self._unproven_hosts.get(host, 0) - 1
@@ -330,6 +393,7 @@ class ServedConnections(Generic[C]):
         self.unsent.give(conn.outbox.size)
         conn.outbox.clear()
         conn.reader.close()
+        self._share_of.pop(id(conn.reader), None)
         conn.sock.close()
 
     def drop_all(self) -> None:

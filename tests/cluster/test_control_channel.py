@@ -9,6 +9,7 @@ import contextlib
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -242,49 +243,79 @@ def test_zmtp_greetings_are_told_from_reply_frames() -> None:
 
 def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
     """Anyone reaching the port could open connections and send nothing (or only the
-    public hello), or start large messages: every connection counted against the server's,
-    every byte against the buffer budget, and enough kept every member out. Until its first
-    signed request a connection is unproven: few at once (past that the oldest goes, so a
-    member connecting always gets in), each closed after a while, and their large messages
-    have a budget of their own."""
-    limits = UnprovenLimits(total=8, per_host=4, seconds=4.0, receive_bytes=64 * 1024)
-    server = ControlServer("127.0.0.1", 0, TOKEN, {m.GetMembers: members_handler}, unproven=limits)
+    public hello), or start large messages and stall: every connection counted against the
+    server's, every byte against the buffer budget, and enough kept every member out. Until
+    its first signed request a connection is unproven: few at once, their large messages on
+    a budget of their own, and past either the oldest goes (so a member connecting, even
+    with a large first request, always gets in), each closed after a while."""
+    limits = UnprovenLimits(total=8, per_host=4, seconds=4.0, receive_bytes=256 * 1024)
+    handlers: dict[type, Any] = {
+        m.GetMembers: members_handler,
+        m.Resolve: lambda req: m.MemberList(req.rid, []),
+    }
+    server = ControlServer("127.0.0.1", 0, TOKEN, handlers, unproven=limits)
     server.start()
     client = ControlClient(TOKEN, 5.0)
     addr = f"127.0.0.1:{server.port}"
+    unproven = server._clients
+    assert unproven is not None
     idle: list[socket.socket] = []
-    try:
-        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # proven
-        for i in range(4):
-            sock = socket.create_connection(("127.0.0.1", server.port))
-            sock.sendall(wire.hello() if i % 2 else b"")  # the hello is public: no proof
-            idle.append(sock)
-        # Their large messages hold no byte of the members' budget, and only their own.
-        idle[1].sendall(framing.HEADER.pack(1 << 20) + bytes(32 * 1024))
-        idle[3].sendall(framing.HEADER.pack(1 << 20) + bytes(48 * 1024))  # past theirs
+
+    def connect(data: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(data)
+        idle.append(sock)
+        return sock
+
+    def closed_by_server(sock: socket.socket) -> bool:
+        sock.settimeout(10)
         with contextlib.suppress(ConnectionResetError):
-            idle[3].settimeout(10)
-            while idle[3].recv(65536):
-                pass  # its refusal, then closed
-        assert server.stats()["refused_large_requests"] == 1
-        idle[3] = socket.create_connection(("127.0.0.1", server.port))  # four again
-        # A member connecting now gets in: the oldest unproven one from its address goes.
+            while sock.recv(65536):
+                pass
+        return True
+
+    def call_as_new_member(msg: Any) -> Any:
         other = ControlClient(TOKEN, 5.0)
         try:
-            assert isinstance(other.call(addr, m.GetMembers(0)), m.MemberList)
+            return other.call(addr, msg)
         finally:
             other.close()
-        idle[0].settimeout(10)
-        assert idle[0].recv(1) == b""
-        assert server.stats()["evicted_unproven"] == 1
+
+    try:
+        assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # proven
+        first = connect(b"")  # nothing at all
+        connect(wire.hello())  # the hello is public: it proves nothing
+        stalled = connect(wire.hello() + framing.HEADER.pack(1 << 20) + bytes(200 * 1024))
+        deadline = time.monotonic() + 10
+        while unproven.receiving_unproven.used < 200 * 1024:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert unproven.receiving.used == 0  # none of the members' budget
+        # A member's large first request: the stalled message is closed to make room.
+        big = m.Resolve(0, [bytes(32)] * 5000)
+        assert isinstance(call_as_new_member(big), m.MemberList)
+        assert closed_by_server(stalled) and server.stats()["evicted_unproven"] == 1
+        # Four unproven from one address: a member connecting closes the oldest.
+        connect(b"")
+        connect(wire.hello())
+        assert isinstance(call_as_new_member(m.GetMembers(0)), m.MemberList)
+        assert closed_by_server(first) and server.stats()["evicted_unproven"] == 2
         assert isinstance(client.call(addr, m.GetMembers(0)), m.MemberList)  # still served
-        for sock in idle[1:]:  # closed by the server once their time is up
-            sock.settimeout(10)
-            with contextlib.suppress(ConnectionResetError):
-                assert sock.recv(1) == b""
+        for sock in idle:  # the others are closed once their time is up
+            assert closed_by_server(sock)
         assert server.stats()["expired_unproven"] == 3
+        assert unproven.receiving_unproven.used == 0 and server.stats()["connections"] == 1
     finally:
         for sock in idle:
             sock.close()
         client.close()
         server.close()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"total": 0}, {"per_host": 0}, {"receive_bytes": 0}, {"seconds": 0.0}]
+)
+def test_unproven_limits_must_be_positive(bad: dict[str, Any]) -> None:
+    """A zero limit left nothing to evict and crashed the accept loop: refused at once."""
+    with pytest.raises(ValueError, match="positive"):
+        UnprovenLimits(**bad)
