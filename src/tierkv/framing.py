@@ -28,7 +28,7 @@ from typing import Protocol
 HEADER = struct.Struct("<I")
 MAX_FRAME = (1 << 32) - 1
 SCRATCH_BYTES = 256 * 1024
-LARGE_FIRST_MAP = 2**20  # a large message's first mapping; doubled as its bytes arrive
+LARGE_FIRST_MAP = 256 * 1024  # a large message's first mapping; doubled as its bytes arrive
 SEND_BUFFER_BYTES = 2 * 2**20
 
 
