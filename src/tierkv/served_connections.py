@@ -9,14 +9,19 @@ replies pile up unread (more than ``max_unsent`` bytes: a client that does not r
 grow the server's memory). Only the serving thread calls it.
 
 Clients that each stay within those limits must not add up to all the server's memory
-either (a client can announce a large request before it has proved who it is). So there are
+either (a client can send a large request before it has proved who it is). So there are
 server-wide bounds too: at most ``max_connections`` open connections (one more is accepted
-and closed at once, like one out of descriptors below); large requests being received hold
-at most ``buffer_limit`` bytes together (one more gets the caller's refusal, its body is
-never read, and its connection is closed); replies not yet sent hold at most
-``buffer_limit`` bytes together (past it, the connection with the most unsent is dropped).
-Small requests are read through one scratch buffer; a partial one (at most half of it)
-carried over between reads is all a connection holds besides.
+and closed at once, like one out of descriptors below); the bytes of large requests being
+received, charged as they arrive, at most ``buffer_limit`` together (bytes past it get the
+caller's refusal, and their connection is closed); replies not yet sent at most
+``buffer_limit`` together (past it, the connection with the most unsent is dropped). Small
+requests are read through one scratch buffer; a partial one (at most half of it) carried
+over between reads is all a connection holds besides.
+
+A server whose clients prove who they are on a connection (the cluster control port: a
+signed request) can keep connections that have not yet apart (:class:`UnprovenLimits`):
+few at once, for a short while, on a receive budget of their own, so that anyone who
+reaches the port cannot keep its members out.
 
 Out of file descriptors, a listener stays readable with connections it cannot accept: the
 serving thread would wake at once for ever, and log a warning each time. One descriptor is
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 ACCEPT_BATCH = 256  # connections accepted per turn of the loop
 DEFAULT_MAX_CONNECTIONS = 8192
 DEFAULT_BUFFER_LIMIT = 2**30
+REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
 @dataclass(frozen=True)
@@ -103,9 +109,6 @@ class _UnprovenShare:
     def give(self, n: int) -> None:
         self.conns.receiving_unproven.give(n)
         self.held -= n
-
-
-REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
 class Served:
