@@ -125,6 +125,9 @@ class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 _SHA256 = hashlib.sha256()  # never updated: only copied
 
 
+_BYTE_FORMATS = ("B", "b", "c")  # buffers of raw bytes: packed little-endian uint32 ids
+
+
 def digest16(data: bytes) -> bytes:
     """The 16-byte digest keys are made of: SHA-256, truncated."""
     return hashlib.sha256(data).digest()[:DIGEST_SIZE]
@@ -132,6 +135,10 @@ def digest16(data: bytes) -> bytes:
 
 def _from_buffer(tokens: bytes | bytearray | memoryview) -> npt.NDArray[np.uint32]:
     view = memoryview(tokens)
+    if view.format not in _BYTE_FORMATS:
+        # A typed buffer (int64, big-endian uint32, ...): its values are the ids, not its
+        # bytes (read as packed uint32, [1, 2] as int64 was the prompt [1, 0, 2, 0]).
+        return _from_ndarray(np.asarray(view), strict_dtype=True)
     if not view.c_contiguous:
         raise ValueError("token buffer must be contiguous")
     if view.nbytes % TOKEN_DTYPE.itemsize:

@@ -353,6 +353,10 @@ def token_forms(tokens: list[int]) -> dict[str, Any]:
         "bytearray": bytearray(packed),
         "memoryview": memoryview(packed),
         "memoryview of uint32": u32.data,
+        # A typed buffer's values are the ids (its bytes were read as packed uint32: the
+        # int64 ids [1, 2] hashed as the prompt [1, 0, 2, 0]).
+        "memoryview of int64": np.array(tokens, dtype=np.int64).data,
+        "memoryview of big-endian uint32": u32.astype(">u4").data,
         "pack_tokens": pack_tokens(tokens),
     }
 
@@ -468,6 +472,13 @@ def test_byte_buffers_must_hold_whole_uint32s(size: int) -> None:
             chunk_keys(BASE.digest(), buf, 1)
         with pytest.raises(ValueError, match="multiple of 4"):
             as_token_array(buf)
+
+
+def test_a_typed_buffer_of_ids_outside_uint32_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be in"):
+        as_token_array(memoryview(np.array([1, -1], dtype=np.int32)))
+    with pytest.raises(ValueError, match="must be in"):
+        as_token_array(memoryview(np.array([2**32], dtype=np.int64)))
 
 
 def test_non_contiguous_buffer_is_rejected() -> None:
