@@ -200,6 +200,10 @@ def test_size_strings_in_every_source(tmp_path: Path) -> None:
         ("workers", "0"),
         ("workers", "2.5"),
         ("max_chunks_per_request", "0"),
+        ("max_connections", "0"),
+        ("max_connections", "many"),
+        ("connection_buffer_bytes", "1MiB"),  # below max_message_bytes: none could arrive
+        ("connection_buffer_bytes", "much"),
         ("log_format", "xml"),
         ("log_level", "verbose"),
         ("instance", "a/b"),
