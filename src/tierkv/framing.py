@@ -238,6 +238,11 @@ class FrameReader:
         self._charged = 0  # of the budget, for the large message's bytes received
         self.filled = False  # the last read filled its buffer: more may be waiting
 
+    @property
+    def budget(self) -> Budget | None:
+        """What the bytes of its large messages are charged to."""
+        return self._budget
+
     def read(self, sock: socket.socket) -> list[memoryview]:
         if self._large is not None:
             return self._read_large(sock)

@@ -53,6 +53,28 @@ DEFAULT_BUFFER_LIMIT = 2**30
 REFUSAL_LOG_SECONDS = 60.0  # the warning about connections turned away, once a minute at most
 
 
+class AddressCounts(dict[str, int]):
+    """Connections counted by peer address (none: no entry), for limits in all and per
+    address on connections that have not shown who they are."""
+
+    def add(self, host: str) -> None:
+        self[host] = self.get(host, 0) + 1
+
+    def remove(self, host: str) -> None:
+        left = self.get(host, 0) - 1
+        if left > 0:
+            self[host] = left
+        else:
+            self.pop(host, None)
+
+    def total(self) -> int:
+        return sum(self.values())
+
+    def busiest(self) -> str:
+        """The address with the most connections (the first counted of those tied)."""
+        return max(self, key=lambda h: self[h])
+
+
 @dataclass(frozen=True)
 class UnprovenLimits:
     """Connections whose client has not shown who it is yet (see :meth:`ServedConnections.
@@ -158,10 +180,9 @@ class ServedConnections(Generic[C]):
         self.refused_large = 0  # large requests refused: receiving past buffer_limit
         self.unproven_limits = unproven
         self._unproven: dict[int, C] = {}  # by descriptor, oldest first
-        self._unproven_hosts: dict[str, int] = {}
+        self._unproven_hosts = AddressCounts()
         # Large messages of unproven connections (moved to `receiving` when one proves).
         self.receiving_unproven = framing.BufferBudget(unproven.receive_bytes if unproven else 0)
-        self._share_of: dict[int, _UnprovenShare] = {}  # id(reader) -> its share, unproven
         self.evicted_unproven = 0  # closed for a newer one: too many unproven
         self.expired_unproven = 0  # closed: not proven in time
         self._unlogged = 0
@@ -193,17 +214,14 @@ class ServedConnections(Generic[C]):
         unproven connections' own, until the connection proves its client)."""
         if self.unproven_limits is None:
             return framing.FrameReader(max_frame, scratch, self.receiving)
-        share = _UnprovenShare(self)
-        reader = framing.FrameReader(max_frame, scratch, share)
-        self._share_of[id(reader)] = share
-        return reader
+        return framing.FrameReader(max_frame, scratch, _UnprovenShare(self))
 
     def evict_unproven_holder(self, keep: Served | None) -> bool:
         """Close the oldest unproven connection (not ``keep``) holding bytes of a large
         message; whether there was one."""
         for conn in self._unproven.values():
-            share = self._share_of.get(id(conn.reader))
-            if conn is not keep and share is not None and share.held > 0:
+            share = conn.reader.budget
+            if conn is not keep and isinstance(share, _UnprovenShare) and share.held > 0:
                 self.evicted_unproven += 1
                 self._warn("unproven connections hold their whole budget: the oldest closed")
                 self.drop(conn)
@@ -242,8 +260,8 @@ class ServedConnections(Generic[C]):
             sock.setblocking(False)
             framing.tune(sock)
             conn = make(sock)
-            share = self._share_of.get(id(conn.reader))
-            if share is not None:
+            share = conn.reader.budget
+            if isinstance(share, _UnprovenShare):
                 share.owner = conn
             conn.opened, conn.host = time.monotonic(), host
             fd = sock.fileno()
@@ -251,7 +269,7 @@ class ServedConnections(Generic[C]):
             if self.unproven_limits is not None:
                 conn.proven = False
                 self._unproven[fd] = conn
-                self._unproven_hosts[host] = self._unproven_hosts.get(host, 0) + 1
+                self._unproven_hosts.add(host)
             self.selector.register(sock, selectors.EVENT_READ, conn)
 
     def _make_room_unproven(self, host: str) -> None:
@@ -265,7 +283,7 @@ class ServedConnections(Generic[C]):
             why = f"{limits.per_host} unproven connections from {host or 'one address'}"
         elif len(self._unproven) >= limits.total:
             why = f"{limits.total} unproven connections"
-            host = max(self._unproven_hosts, key=lambda h: self._unproven_hosts[h])
+            host = self._unproven_hosts.busiest()
         else:
             return
         oldest = next(c for c in self._unproven.values() if c.host == host)
@@ -280,16 +298,8 @@ class ServedConnections(Generic[C]):
             return
         conn.proven = True
         if self._unproven.pop(conn.sock.fileno(), None) is conn:
-            self._forget_unproven_host(conn.host)
+            self._unproven_hosts.remove(conn.host)
             conn.reader.rebudget(self.receiving)
-            self._share_of.pop(id(conn.reader), None)
-
-    def _forget_unproven_host(self, host: str) -> None:
-        left = self._unproven_hosts.get(host, 0) - 1
-        if left > 0:
-            self._unproven_hosts[host] = left
-        else:
-            self._unproven_hosts.pop(host, None)
 
     def sweep(self) -> None:
         """Close the connections that have not proven their client in time (the oldest
@@ -390,13 +400,12 @@ class ServedConnections(Generic[C]):
         fd = conn.sock.fileno()
         del self._by_fd[fd]
         if not conn.proven and self._unproven.pop(fd, None) is conn:
-            self._forget_unproven_host(conn.host)
+            self._unproven_hosts.remove(conn.host)
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn.sock)
         self.unsent.give(conn.outbox.size)
         conn.outbox.clear()
         conn.reader.close()
-        self._share_of.pop(id(conn.reader), None)
         conn.sock.close()
 
     def drop_all(self) -> None:

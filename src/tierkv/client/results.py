@@ -24,6 +24,13 @@ class StoreResult:
     confirmed: bool = True
     commit_rid: int = 0
 
+    @property
+    def held(self) -> set[int]:
+        """The positions tierkv holds after this store: written now, or present and
+        committed. One another writer has only reserved is not held yet (if it aborts,
+        tierkv holds nothing), so an engine must not count it as backed up."""
+        return set(self.stored) | (set(self.present) - set(self.writing))
+
 
 @dataclass(frozen=True, slots=True)
 class PreparedStore:

@@ -390,7 +390,9 @@ class NixlTransport(TcpTransport):
         if remote is None:
             return statuses, list(range(len(items)))
         try:
-            return self._leased_read(peer, remote, items, verified, mine, fallback, started)
+            return self._leased_read(
+                peer, remote, items, verified, (addrs, mine, fallback), statuses, figures, started
+            )
         finally:
             self._done_with(remote)
 
@@ -412,16 +414,16 @@ class NixlTransport(TcpTransport):
         remote: _Remote,
         items: Sequence[tuple[bytes, memoryview]],
         verified: dict[bytes, bytes] | None,
-        mine: list[int],
-        fallback: list[int],
+        split: tuple[list[int], list[int], list[int]],
+        statuses: list[LoadStatus],
+        figures: PeerFigures,
         started: float,
     ) -> tuple[list[LoadStatus], list[int]]:
-        """The part of :meth:`_nixl_batch` that runs with the holder's agent in use."""
+        """The part of :meth:`_nixl_batch` that runs with the holder's agent in use;
+        ``split``: the items' addresses, those inside the registered pool, the others."""
         agent = self.agent
         assert agent is not None
-        statuses = [LoadStatus.ERROR] * len(items)
-        addrs = [address_of(v) for _, v in items]
-        figures = self._figures(self.nixl_received, peer.node_id)
+        addrs, mine, fallback = split
         try:
             wanted = [(items[i][0], items[i][1].nbytes) for i in mine]
             head, entries = self._call(peer, lambda sock: self._lease(sock, wanted))
@@ -572,11 +574,8 @@ class NixlTransport(TcpTransport):
             self.late.keep_loaded(name)
         remote = _Remote(name, generation, base, size, key)
         with self._nixl_lock:
-            until = self._tcp_only.get(key)
             # Sent over TCP, or forgotten, while it loaded: unloaded again, never used.
-            stale = (until is not None and until > time.monotonic()) or self._forgotten.get(
-                peer.data, 0
-            ) != forgotten
+            stale = self._tcp_only_locked(key) or self._forgotten.get(peer.data, 0) != forgotten
             if not stale:
                 remote.users = 1
                 self._remotes[key] = remote
@@ -647,7 +646,11 @@ class NixlTransport(TcpTransport):
 
     def _tcp_only_now(self, peer: m.MemberInfo) -> bool:
         with self._nixl_lock:
-            until = self._tcp_only.get((peer.data, peer.incarnation))
+            return self._tcp_only_locked((peer.data, peer.incarnation))
+
+    def _tcp_only_locked(self, key: tuple[str, int]) -> bool:
+        """Whether reads from holder ``key`` go over TCP now (``_nixl_lock`` held)."""
+        until = self._tcp_only.get(key)
         return until is not None and until > time.monotonic()
 
     def _fall_back(self, peer: m.MemberInfo, why: str, seconds: float) -> None:

@@ -66,6 +66,7 @@ from tierkv.config import ConfigError
 from tierkv.logs import FailureLog
 from tierkv.piecewise_io import recv_exact, recv_hashed, send_all
 from tierkv.priority import data_thread, moving_data
+from tierkv.served_connections import AddressCounts
 from tierkv.tiers.base import LoadStatus
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,7 @@ class TcpTransport(Transport):
         self._source: ChunkSource | None = None
         self._stop = threading.Event()
         self._serving: set[socket.socket] = set()  # members' connections, after the hello
-        self._hellos: dict[str, int] = {}  # connections in their hello, per peer address
+        self._hellos = AddressCounts()  # connections in their hello, per peer address
         self.hellos_refused = 0  # connections closed before their hello: too many in one
         self._refusals = FailureLog("cluster data port", log)
         self._accept_thread: threading.Thread | None = None
@@ -376,7 +377,7 @@ class TcpTransport(Transport):
             with self._lock:
                 why = self._no_room_for_hello(host)
                 if not why:
-                    self._hellos[host] = self._hellos.get(host, 0) + 1
+                    self._hellos.add(host)
             if why:
                 self.hellos_refused += 1
                 self._refusals.failed("accepting a connection", why)
@@ -401,7 +402,7 @@ class TcpTransport(Transport):
         Connections still in their hello are counted apart from the members' (a client
         without the secret must not take the places of authenticated readers), in all and
         per address."""
-        if sum(self._hellos.values()) >= MAX_HELLOS:
+        if self._hellos.total() >= MAX_HELLOS:
             return f"{MAX_HELLOS} connections are in their hello already"
         if self._hellos.get(host, 0) >= MAX_HELLOS_PER_HOST:
             return f"{MAX_HELLOS_PER_HOST} connections from {host} are in their hello already"
@@ -409,11 +410,7 @@ class TcpTransport(Transport):
 
     def _hello_ended(self, host: str) -> None:
         with self._lock:
-            left = self._hellos.get(host, 0) - 1
-            if left > 0:
-                self._hellos[host] = left
-            else:
-                self._hellos.pop(host, None)
+            self._hellos.remove(host)
 
     def _serve_conn(self, sock: socket.socket, host: str) -> None:
         """Serve one peer connection; ``host``: its address as accept gave it (its hello's

@@ -64,7 +64,7 @@ from tierkv.integrations.sglang.pages import (
     raw_array,
     sidecar_geometry,
 )
-from tierkv.integrations.sglang.pool_store import PoolStore, held
+from tierkv.integrations.sglang.pool_store import PoolStore
 from tierkv.integrations.sglang.settings import BackendSettings
 from tierkv.keys import model_with_format
 
@@ -315,7 +315,7 @@ class TierKVStorage(HiCacheStorage):  # type: ignore[misc]
             done = client.store(
                 hashes=hashes, gather=lambda c, dst: copy_array(dst.reshape(-1), flats[c])
             )
-            return len(held(done)) == len(keys)
+            return len(done.held) == len(keys)
 
         return self._timed(
             True, len(keys), self._page_bytes, lambda: self.link.call("batch_set", store, False)

@@ -31,20 +31,13 @@ import numpy.typing as npt
 import torch
 
 from tierkv.arraycopy import copy_array
-from tierkv.client import Client, StoreResult
+from tierkv.client import Client
 from tierkv.integrations.link import ServerLink
 from tierkv.integrations.sglang.pages import PageGeometry, page_starts, raw_array
 
 Copy = Callable[[int, npt.NDArray[Any]], None]
 
 PAGES_PER_REQUEST = 1024
-
-
-def held(done: StoreResult) -> set[int]:
-    """The positions of a store that tierkv holds afterwards: written now, or present and
-    committed. A page another engine has only reserved is not held yet (if that engine
-    aborts, tierkv holds nothing), so SGLang must not count its backup as done."""
-    return set(done.stored) | (set(done.present) - set(done.writing))
 
 
 def pieces(n: int) -> list[tuple[int, int]]:
@@ -142,7 +135,7 @@ class PoolStore:
             done = client.store(
                 hashes=hashes[start:stop], gather=lambda c, dst: gather(start + c, dst)
             )
-            return held(done)
+            return done.held
 
         return self._by_piece(what, n, store)
 

@@ -548,15 +548,7 @@ class WorkerSide:
             return c.store(hashes=list(state.hashes), gather=gather, caller_copies=True)
 
         result = self.link.call(f"state store of {state.request_id}", store, None)
-        # Held: written now, or present and committed (not another engine's reservation,
-        # which may still be aborted).
-        held = (
-            None
-            if result is None
-            else len(result.stored) + len(result.present) - len(result.writing)
-        )
-        if held == len(state.hashes):
-            assert result is not None
+        if result is not None and len(result.held) == len(state.hashes):
             with self._lock:
                 self.stats["stored_states"] += 1
                 if result.stored:  # written now (not already held): time and bytes copied
