@@ -248,7 +248,8 @@ def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
     its first signed request a connection is unproven: few at once, their large messages on
     a budget of their own, and past either the oldest goes (so a member connecting, even
     with a large first request, always gets in), each closed after a while."""
-    limits = UnprovenLimits(total=8, per_host=4, seconds=4.0, receive_bytes=256 * 1024)
+    # Long enough that none expires before the steps that evict them (a loaded machine).
+    limits = UnprovenLimits(total=8, per_host=4, seconds=8.0, receive_bytes=256 * 1024)
     handlers: dict[type, Any] = {
         m.GetMembers: members_handler,
         m.Resolve: lambda req: m.MemberList(req.rid, []),
@@ -268,7 +269,7 @@ def test_connections_without_a_signed_request_cannot_keep_members_out() -> None:
         return sock
 
     def closed_by_server(sock: socket.socket) -> bool:
-        sock.settimeout(10)
+        sock.settimeout(30)  # a liveness bound: expiry comes after `seconds`
         with contextlib.suppress(ConnectionResetError):
             while sock.recv(65536):
                 pass
