@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -29,6 +30,7 @@ from tierkv.cluster.nixl_transport import (
     LEASE_BUSY,
     LEASE_HEAD,
     LEASED,
+    META,
     RELEASE,
     RELEASE_UNKNOWN,
     RELEASED,
@@ -440,7 +442,8 @@ def test_a_holders_agent_loaded_while_it_was_forgotten_is_dropped(
 
     def slow_metadata(peer: Any, fn: Any, **kw: Any) -> Any:
         out = real_call(peer, fn, **kw)
-        if fn is NixlTransport._metadata and threading.current_thread().name == "first":
+        is_metadata = getattr(fn, "__func__", None) is NixlTransport._metadata
+        if is_metadata and threading.current_thread().name == "first":
             loading.set()
             resume.wait(10)
         return out
@@ -535,6 +538,57 @@ def test_a_lease_request_that_times_out_is_not_sent_again() -> None:
         time.sleep(0.5)  # a second request would have been granted by now
         assert leases(holder)["granted"] == 2
         assert reader.t.fetch_many([(at, items)]) == [[LoadStatus.OK] * 2]
+    finally:
+        reader.close()
+        holder.close()
+
+
+@pytest.mark.parametrize("reply", ["metadata", "lease"])
+def test_a_holder_trickling_a_reply_is_cut_off_at_one_deadline(
+    reply: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member answering a metadata or lease request a byte at a time, never silent for a
+    timeout: each receive had a timeout of its own, so the reader's fetch part waited as
+    many timeouts as the reply had bytes. A reply must be whole within one timeout now:
+    the reader hangs up after a few bytes, and the batch is a miss."""
+    from tierkv.cluster import nixl_transport
+
+    plain = nixl_transport.send_all
+    sent: list[int] = []
+    ended = threading.Event()
+
+    def trickle(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
+        data = b"".join(bytes(p) for p in parts)
+        ours = len(parts[0]) == META.size if reply == "metadata" else data[:1] == bytes(1)
+        if threading.current_thread() is threading.main_thread() or not ours:
+            return plain(sock, parts)
+        sent.extend([0, len(data)])
+        for byte in data:
+            sock.sendall(bytes([byte]))
+            sent[0] += 1
+            time.sleep(0.2)
+            if select.select([sock], [], [], 0)[0] and sock.recv(1) == b"":
+                ended.set()
+                raise ConnectionError("the reader hung up")
+        ended.set()
+        return None
+
+    holder, keys = holder_side(16, 1)
+    rsrc = PoolSource(16 << 20)
+    reads = NixlTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader", region=rsrc.pool.buf,
+                          fence=rsrc.index, timeout=1.0)  # fmt: skip
+    reader = Side(rsrc, reads)
+    try:
+        at = member(holder.t.address)
+        if reply == "lease":  # the holder's agent loads first
+            _, items = reserve(reader, keys)
+            assert reads.fetch_many([(at, items)]) == [[LoadStatus.OK]]
+            reader.source.index.clear()
+        monkeypatch.setattr(nixl_transport, "send_all", trickle)
+        _, items = reserve(reader, keys)
+        assert reads.fetch_many([(at, items)]) == [[LoadStatus.ERROR]]
+        assert ended.wait(60)
+        assert sent[0] < sent[1] // 4, sent  # the reader hung up after one timeout
     finally:
         reader.close()
         holder.close()

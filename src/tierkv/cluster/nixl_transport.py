@@ -79,6 +79,7 @@ from tierkv.cluster.transport import (
     PeerRefused,
     Served,
     TcpTransport,
+    _recv_by,
     _recv_bytes,
     every_result,
 )
@@ -180,7 +181,8 @@ class NixlTransport(TcpTransport):
         # an agent's metadata again invalidates its READs still running).
         self._unloading: set[tuple[str, int]] = set()
         self._loading: dict[tuple[str, int], threading.Event] = {}  # set once loaded
-        self._forgotten: dict[str, int] = {}  # data address -> times membership forgot it
+        # Loads under way when membership forgot their holder: dropped once loaded.
+        self._stale_loads: set[tuple[str, int]] = set()
         self._nixl_lock = threading.Lock()  # the tables above, remotes' users; no I/O under it
         self.nixl_received: dict[str, PeerFigures] = {}
         self._counts_lock = threading.Lock()  # the three READ counters below (_count)
@@ -540,7 +542,6 @@ class NixlTransport(TcpTransport):
             mine = loading is None
             if loading is None:
                 loading = self._loading[key] = threading.Event()
-            forgotten = self._forgotten.get(peer.data, 0)
         if not mine:  # another part of the fetch loads it: its READs wait for that
             loading.wait(self.timeout)
             with self._nixl_lock:
@@ -549,15 +550,15 @@ class NixlTransport(TcpTransport):
                     remote.users += 1
                 return remote
         try:
-            return self._load(peer, key, forgotten)
+            return self._load(peer, key)
         finally:
             with self._nixl_lock:
                 self._loading.pop(key, None)
+                self._stale_loads.discard(key)
             loading.set()
 
-    def _load(self, peer: m.MemberInfo, key: tuple[str, int], forgotten: int) -> _Remote | None:
-        """Load the holder's agent (see :meth:`_remote`); ``forgotten``: how many times
-        membership had forgotten the holder's address when the load began."""
+    def _load(self, peer: m.MemberInfo, key: tuple[str, int]) -> _Remote | None:
+        """Load the holder's agent (see :meth:`_remote`)."""
         head, md = self._call(peer, self._metadata)
         status, generation, base, size, _ = head
         if status != META_OK:
@@ -575,7 +576,7 @@ class NixlTransport(TcpTransport):
         remote = _Remote(name, generation, base, size, key)
         with self._nixl_lock:
             # Sent over TCP, or forgotten, while it loaded: unloaded again, never used.
-            stale = self._tcp_only_locked(key) or self._forgotten.get(peer.data, 0) != forgotten
+            stale = self._tcp_only_locked(key) or key in self._stale_loads
             if not stale:
                 remote.users = 1
                 self._remotes[key] = remote
@@ -607,30 +608,36 @@ class NixlTransport(TcpTransport):
         for remote in idle:
             self._unload(remote)
 
-    @staticmethod
-    def _metadata(sock: socket.socket) -> tuple[tuple[int, int, int, int, int], bytes]:
+    # A holder's replies are whole within one timeout (a timeout per receive let a member
+    # sending a byte now and then hold a fetch part for as many timeouts as bytes).
+    def _metadata(self, sock: socket.socket) -> tuple[tuple[int, int, int, int, int], bytes]:
+        deadline = time.monotonic() + self.timeout
         sock.sendall(REQUEST.pack(b"TKVM", 0))
-        head = META.unpack(_recv_bytes(sock, META.size))
+        head = META.unpack(_recv_by(sock, META.size, deadline, "a holder's NIXL metadata"))
         if head[4] > MAX_METADATA:
             raise ConnectionError(f"a holder sent {head[4]} bytes of NIXL metadata")
-        return head, _recv_bytes(sock, head[4])
+        return head, _recv_by(sock, head[4], deadline, "a holder's NIXL metadata")
 
-    @staticmethod
     def _lease(
-        sock: socket.socket, wanted: list[tuple[bytes, int]]
+        self, sock: socket.socket, wanted: list[tuple[bytes, int]]
     ) -> tuple[tuple[int, int, int, int], list[tuple[int, int, int, bytes]]]:
+        deadline = time.monotonic() + self.timeout
         request = [REQUEST.pack(b"TKVL", len(wanted))]
         request += [ITEM.pack(key, n) for key, n in wanted]
         send_all(sock, [b"".join(request)])
-        head = LEASE_HEAD.unpack(_recv_bytes(sock, LEASE_HEAD.size))
-        raw = _recv_bytes(sock, LEASED.size * len(wanted))
-        entries = [LEASED.unpack_from(raw, j * LEASED.size) for j in range(len(wanted))]
+        raw = _recv_by(sock, LEASE_HEAD.size + LEASED.size * len(wanted), deadline, "a lease")
+        head = LEASE_HEAD.unpack_from(raw)
+        entries = [
+            LEASED.unpack_from(raw, LEASE_HEAD.size + j * LEASED.size) for j in range(len(wanted))
+        ]
         return head, entries
 
     def _release_lease(self, peer: m.MemberInfo, lease_id: int) -> None:
         def release(sock: socket.socket) -> tuple[int, int]:
+            deadline = time.monotonic() + self.timeout
             sock.sendall(REQUEST.pack(b"TKVU", 1) + RELEASE.pack(lease_id))
-            status, n = RELEASED.unpack(_recv_bytes(sock, RELEASED.size))
+            reply = _recv_by(sock, RELEASED.size, deadline, "a lease's release")
+            status, n = RELEASED.unpack(reply)
             return status, n
 
         try:
@@ -672,7 +679,7 @@ class NixlTransport(TcpTransport):
     def forget(self, peer: m.MemberInfo) -> None:
         super().forget(peer)
         with self._nixl_lock:
-            self._forgotten[peer.data] = self._forgotten.get(peer.data, 0) + 1
+            self._stale_loads.update(k for k in self._loading if k[0] == peer.data)
             gone = [k for k in self._remotes if k[0] == peer.data]
             remotes = [self._remotes.pop(k) for k in gone]
             for k in [k for k in self._tcp_only if k[0] == peer.data]:

@@ -219,17 +219,17 @@ def _recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes, all of them by ``deadline`` (monotonic; TimeoutError after it). A
-    timeout per ``recv`` alone let a peer sending a byte now and then keep a hello going
-    for as many timeouts as the hello has bytes."""
+def _recv_by(sock: socket.socket, n: int, deadline: float, what: str = "a peer's hello") -> bytes:
+    """``n`` bytes of ``what``, all of them by ``deadline`` (monotonic; TimeoutError after
+    it). A timeout per ``recv`` alone let a peer sending a byte now and then keep a hello
+    going for as many timeouts as the hello has bytes."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"a peer's hello was not whole in time ({got} of {n} bytes)")
+            raise TimeoutError(f"{what} was not whole in time ({got} of {n} bytes)")
         sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
