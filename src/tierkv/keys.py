@@ -128,6 +128,16 @@ _SHA256 = hashlib.sha256()  # never updated: only copied
 _BYTE_FORMATS = ("B", "b", "c")  # buffers of raw bytes: packed little-endian uint32 ids
 
 
+def from_hex(text: str) -> bytes:
+    """The bytes of ``text``, hex digits and nothing else (ValueError otherwise):
+    ``bytes.fromhex`` skips whitespace, so 32 spaces named the empty prefix (every
+    namespace) and padded digits a shorter one."""
+    raw = bytes.fromhex(text)
+    if 2 * len(raw) != len(text):
+        raise ValueError("hex digits only, no whitespace")
+    return raw
+
+
 def digest16(data: bytes) -> bytes:
     """The 16-byte digest keys are made of: SHA-256, truncated."""
     return hashlib.sha256(data).digest()[:DIGEST_SIZE]

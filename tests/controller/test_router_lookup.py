@@ -164,6 +164,8 @@ BAD_BODIES: list[tuple[object, int, str]] = [
     ({"model": "m", "tokens": [1], "hashes": []}, 400, "exactly one of tokens or hashes"),
     ({"namespace": "zz" * 16, "hashes": []}, 400, "32 hex digits"),
     ({"namespace": NS[:30], "hashes": []}, 400, "32 hex digits"),
+    ({"namespace": NS[:30] + "  ", "hashes": []}, 400, "32 hex digits"),
+    ({"namespace": NS, "hashes": [" ab"]}, 400, "hex strings"),
     ({"model": "m", "tokens": [-1]}, 400, "0 <= id < 2**32"),
     ({"model": "m", "tokens": [2**32]}, 400, "0 <= id < 2**32"),
     ({"model": "m", "tokens": "abc"}, 400, "Expected `array | null`, got `str`"),

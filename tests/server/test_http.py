@@ -171,6 +171,10 @@ def test_clear_cache_everything_or_one_namespace(server_factory: Servers) -> Non
         ("POST", "/clear-cache", b'{"namespace": "abc"}', 400, ["32 hex digits"]),
         ("POST", "/clear-cache", b'{"namespace": "' + b"z" * 32 + b'"}', 400, ["hex digits"]),
         ("POST", "/clear-cache", b'{"namespace": 7}', 400, ["hex digits"]),
+        # bytes.fromhex skips whitespace: 32 spaces named every namespace, "45" and 30
+        # spaces every one starting with 0x45.
+        ("POST", "/clear-cache", b'{"namespace": "' + b" " * 32 + b'"}', 400, ["hex digits"]),
+        ("POST", "/clear-cache", b'{"namespace": "45' + b" " * 30 + b'"}', 400, ["hex digits"]),
         ("POST", "/clear-cache", b" \n", 200, ["removed"]),  # blank: no body
         ("POST", "/clear-cache", b'{"x": "' + b"y" * 5000 + b'"}', 413, ["larger than 4096"]),
     ],

@@ -90,8 +90,8 @@ def query_of(req: LookupRequest) -> p.RouterQuery:
         if sys.byteorder != "little":
             packed.byteswap()
         tokens = packed.tobytes()
-    hashes = [bytes.fromhex(h) for h in req.hashes] if req.hashes is not None else None
-    namespace = bytes.fromhex(req.namespace)
+    hashes = [keys.from_hex(h) for h in req.hashes] if req.hashes is not None else None
+    namespace = keys.from_hex(req.namespace)
     return check(p.RouterQuery(req.model, namespace, tokens, hashes, req.chunk_tokens))
 
 
@@ -123,7 +123,7 @@ def _is_hex(text: str, size: int = 0) -> bool:
     if size and len(text) != 2 * size:
         return False
     try:
-        raw = bytes.fromhex(text)
+        raw = keys.from_hex(text)
     except ValueError:
         return False
     return 0 < len(raw) <= keys.MAX_PRECOMPUTED_HASH_SIZE

@@ -44,6 +44,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from tierkv.keys import from_hex
 from tierkv.server.engine_first import EnginesFirstMiddleware, no_gate
 from tierkv.server.quota_http import add_quota_routes
 from tierkv.server.quotas import Quotas
@@ -127,6 +128,6 @@ def _parse_clear_body(body: bytes) -> bytes:
     if not isinstance(ns, str) or len(ns) != NAMESPACE_HEX:
         raise ValueError(f"namespace must be {NAMESPACE_HEX} hex digits (see /status engines)")
     try:
-        return bytes.fromhex(ns)
+        return from_hex(ns)
     except ValueError:
         raise ValueError(f"namespace must be {NAMESPACE_HEX} hex digits") from None

@@ -36,6 +36,7 @@ from typing import Any
 import numpy.typing as npt
 
 from tierkv.arraycopy import host_view
+from tierkv.keys import from_hex
 
 # The axis of the page's tokens in get_data_page(index, flat=False), per kind and layout.
 TOKEN_AXIS = {
@@ -235,11 +236,9 @@ def page_hash(key: str) -> bytes:
         raise ValueError(f"a page key must be a non-empty str, got {key!r}")
     if len(key) == 64:
         try:
-            digest = bytes.fromhex(key)
+            return _HEX + from_hex(key)
         except ValueError:
-            digest = b""
-        if len(digest) == 32:  # (fromhex also skips whitespace)
-            return _HEX + digest
+            pass
     raw = key.encode("utf-8")
     if len(raw) <= _MAX_TEXT:
         return _TEXT + raw
