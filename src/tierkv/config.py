@@ -19,7 +19,7 @@ from typing import Annotated, Any, Protocol, TypeVar
 import msgspec
 import yaml
 
-from tierkv.options import OptionError, Size, convert, option, option_help, parse_size
+from tierkv.options import MAX_SIZE, OptionError, Size, convert, option, option_help, parse_size
 from tierkv.redaction import HIDDEN, redacted_options
 from tierkv.runtime_dir import default_runtime_dir
 from tierkv.tiers.base import TierError
@@ -531,16 +531,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ):
             try:
                 _quota_bytes(text)
-            except OptionError:
+            except OptionError as exc:
                 raise ConfigError(
-                    f"{field} {text!r}: use 'unlimited' or a size such as 8GiB"
+                    f"{field}: {exc}; use 'unlimited' or a size such as 8GiB"
                 ) from None
         for field, quotas in (("quotas", self.quotas), ("disk_quotas", self.disk_quotas)):
             for name, limit in quotas.items():
                 if not name or len(name) > 1024:
                     raise ConfigError(f"{field}: a tenant name is 1 to 1024 characters")
-                if limit < 0:
-                    raise ConfigError(f"{field}: {name}={limit}: a quota is >= 0 bytes")
+                if not 0 <= limit <= MAX_SIZE:
+                    raise ConfigError(f"{field}: {name}={limit}: a quota is 0 to 8 EiB")
         if "~other" in self.disk_quotas:
             raise ConfigError(
                 "disk_quotas: ~other holds the disk chunks whose tenant is not known yet: it "

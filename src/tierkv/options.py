@@ -16,6 +16,7 @@ import inspect
 import re
 import typing
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -27,8 +28,9 @@ class OptionError(ValueError):
     """An option is unknown, missing or not a value of its type; the message names it."""
 
 
+MAX_SIZE = 2**63 - 1  # bytes: what a signed 64-bit count holds (8 EiB); larger is refused
 # A byte count that may be written with a unit: 1073741824, 1GiB, 512MiB, 2G (binary), 2GB.
-Size = Annotated[int, msgspec.Meta(ge=0, extra={"unit": "bytes"})]
+Size = Annotated[int, msgspec.Meta(ge=0, le=MAX_SIZE, extra={"unit": "bytes"})]
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE | re.ASCII)
 _DECIMAL = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
@@ -44,13 +46,18 @@ def parse_size(value: str | int) -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise OptionError(f"not a size: {value!r} (examples: 512MiB, 4GiB, 1073741824)")
-    number, unit = float(m.group(1)), (m.group(2) or "").lower()
+    # An exact fraction: a float rounded byte counts past 2**53 and overflowed on long ones.
+    number, unit = Fraction(m.group(1)), (m.group(2) or "").lower()
     prefix = unit[:1] if unit[:1] in "kmgt" else ""
     binary = "i" in unit or (prefix and not unit.endswith("b"))
     mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _DECIMAL[prefix]
-    if mult == 1 and "." in m.group(1) and not number.is_integer():
+    if mult == 1 and number.denominator != 1:
         raise OptionError(f"not a whole number of bytes: {value!r}")
-    return int(number * mult)  # a fraction of a unit: whole bytes, rounded down
+    size = int(number * mult)  # a fraction of a unit: whole bytes, rounded down
+    if size > MAX_SIZE:
+        shown = text if len(text := str(value).strip()) <= 24 else f"{text[:20]}..."
+        raise OptionError(f"{shown!r} is more than {MAX_SIZE} bytes (8 EiB)")
+    return size
 
 
 def convert(values: Mapping[str, Any], into: type[T], *, what: str) -> T:
@@ -163,6 +170,7 @@ def _readable(message: str, values: Mapping[str, Any], kinds: Mapping[str, Any])
 
 
 __all__ = [
+    "MAX_SIZE",
     "OptionError",
     "Size",
     "as_kwargs",

@@ -2,14 +2,15 @@
 
 Tier options carry credentials (an S3 secret key, a Redis password inside its URL); /status
 is readable without a token. Options whose name says they are a secret are replaced whole,
-and a URL keeps everything but its userinfo.
+and a URL keeps everything but its userinfo and the values of query parameters named as
+secrets (redis-py takes ``?password=`` as the password).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 HIDDEN = "***"
 # Option names that hold a secret (or half of a credential pair).
@@ -17,15 +18,28 @@ SECRET_NAME = re.compile(r"secret|token|password|passwd|credential|access_key|ap
 
 
 def redacted_url(url: str) -> str:
-    """``url`` with its userinfo (user, password, or a token in their place) hidden."""
+    """``url`` with its userinfo (user, password, or a token in their place) and the values
+    of its secret query parameters hidden."""
     try:
-        netloc = urlsplit(url).netloc
+        parts = urlsplit(url)
     except ValueError:
         return HIDDEN  # not a URL it can take apart: show none of it
-    if "@" not in netloc:
-        return url
-    hidden = f"{HIDDEN}@{netloc.rpartition('@')[2]}"
-    return url.replace(netloc, hidden, 1)
+    # Taken apart as text, not put together by urlunsplit (it rewrites "unix:///path").
+    head, mark, tail = url.partition("?")
+    if "@" in parts.netloc:
+        head = head.replace(parts.netloc, f"{HIDDEN}@{parts.netloc.rpartition('@')[2]}", 1)
+    if mark:
+        query, hash_mark, fragment = tail.partition("#")
+        query = "&".join(_redacted_parameter(p) for p in query.split("&"))
+        tail = query + hash_mark + fragment
+    return head + mark + tail
+
+
+def _redacted_parameter(parameter: str) -> str:
+    name, equals, value = parameter.partition("=")
+    return (
+        f"{name}={HIDDEN}" if equals and value and SECRET_NAME.search(unquote(name)) else parameter
+    )
 
 
 def redacted_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -142,6 +142,9 @@ def test_yaml_file_errors(tmp_path: Path) -> None:
         (" 8 MiB ", 8 * MIB),
         ("4096", 4096),
         (4096, 4096),
+        ("9007199254740993", 2**53 + 1),  # exact: a float rounded it to 2**53
+        ("9223372036854775807", 2**63 - 1),  # the largest (8 EiB)
+        ("0.5KiB", 512),
     ],
 )
 def test_size_strings(text: str | int, expected: int) -> None:
@@ -156,6 +159,9 @@ def test_size_strings(text: str | int, expected: int) -> None:
         ("12\uff10", "not a size"),  # a fullwidth zero
         ("-1", "not a size"),
         ("1 GiBs", "not a size"),
+        ("9223372036854775808", "more than 9223372036854775807 bytes"),
+        ("9" * 400, "more than"),  # a float overflowed: OverflowError, not an option error
+        ("8EiB", "not a size"),
     ],
 )
 def test_bad_size_strings(text: str, message: str) -> None:
@@ -348,9 +354,19 @@ def test_tier_credentials_are_redacted() -> None:
     assert redis["url"] == "redis://***@cache.example:6379/0"
     assert redacted_url("unix://user:Pw2@/run/redis.sock") == "unix://***@/run/redis.sock"
     assert redacted_url("redis://cache.example:6379/0") == "redis://cache.example:6379/0"
+    # redis-py takes a password from the query too; the URL's text is otherwise kept.
+    url = "unix:///run/redis.sock?db=1&password=Qu3ryPw&Ssl_Password=x%20y#f"
+    assert redacted_url(url) == "unix:///run/redis.sock?db=1&password=***&Ssl_Password=***#f"
     assert s3["endpoint_url"] == "https://***@s3.example" and s3["bucket"] == "kv"
     assert s3["secret_access_key"] == s3["session_token"] == s3["access_key_id"] == "***"
     assert cfg.tiers[0].options["url"].endswith("RedisPassw0rd@cache.example:6379/0")
+
+
+def test_a_redis_password_in_the_urls_query_is_redacted() -> None:
+    """redis-py takes ``?password=`` as the password: /status showed it."""
+    cfg = config.from_mapping({"tiers": ["redis:url=redis://cache.example/0?password=QueryPw0"]})
+    [tier] = config.as_dict(cfg)["tiers"]
+    assert tier["options"]["url"] == "redis://cache.example/0?password=***"
 
 
 def test_a_bad_redis_url_is_reported_without_its_password() -> None:

@@ -54,7 +54,10 @@ def test_disk_quotas_from_flags_env_and_yaml(tmp_path: Path) -> None:
         ([], {"TIERKV_QUOTAS": "inf=inf"}, "not a size"),
         (["--disk-quota", "acme"], {}, "NAME=SIZE"),
         (["--disk-quota", "acme=-1GiB"], {}, "not a size"),
-        (["--default-disk-quota", "inf"], {}, "default_disk_quota 'inf': use 'unlimited'"),
+        (["--default-disk-quota", "inf"], {}, "default_disk_quota: not a size: 'inf'"),
+        # Past 8 EiB (a float overflowed on long numbers: a traceback, not a config error).
+        (["--quota", "acme=" + "9" * 400], {}, "more than 9223372036854775807 bytes"),
+        (["--default-quota", "9" * 400], {}, "default_quota: '9999.*more than"),
         ([], {"TIERKV_DISK_QUOTAS": "a=NaN"}, "not a size"),
         (["--disk-quota", "~other=1GiB"], {}, "takes no disk quota"),
     ],

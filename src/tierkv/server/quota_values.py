@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tierkv.options import OptionError, parse_size
+from tierkv.options import MAX_SIZE, OptionError, parse_size
 
 TIERS = ("pool", "disk")  # what a quota limits
 # Tiers that can have no quota, and why (the answer to a request naming them).
@@ -24,7 +24,7 @@ NO_QUOTA = {
 MODES = ("soft", "hard")
 UNLIMITED = "unlimited"
 GIB = 2**30
-MAX_LIMIT = 2**63 - 1  # bytes: a quota beyond it (8 EiB) is refused, not stored
+MAX_LIMIT = MAX_SIZE  # bytes: a quota beyond it (8 EiB) is refused, not stored
 MAX_NAME = 1024  # characters of a tenant name (a salt's limit)
 
 
@@ -51,8 +51,6 @@ def parse_limit(value: Any, what: str = "limit") -> int:
             return _at_most_max(parse_size(value), what)
         except OptionError as exc:
             raise QuotaError(f"{what}: {exc}") from None
-        except OverflowError:
-            raise QuotaError(f"{what} {value[:40]!r} is too large") from None
     raise QuotaError(f"{what} must be a number of bytes or a size like '8GiB', not {value!r}")
 
 
