@@ -59,6 +59,11 @@ BUCKET_ENTRIES = 64  # entries a directory's bucket holds on average
 _NO_DIRECTORY = np.zeros(0, dtype=np.int64)
 
 
+class NoFreeSlot(RuntimeError):
+    """Every slot is live or retired awaiting a merge: a new incarnation must wait (raised
+    before anything changes)."""
+
+
 class Directory:
     """Where each bucket of a sorted array starts: the entries whose top ``bits`` bits are
     ``b`` lie in ``[starts[b], starts[b + 1])``."""
@@ -158,14 +163,24 @@ class HolderFilter:
             int(a.base.nbytes if isinstance(a.base, np.ndarray) else a.nbytes) for a in arrays
         )
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def take_slot(self, instance: str) -> int:
         if not self._free:
-            raise RuntimeError("no free instance slot: too many retirements since a merge")
+            raise NoFreeSlot(
+                f"no free instance slot: {SLOTS} instances registered or retired since a merge"
+            )
         slot = self._free.pop()
         self.owner[slot] = instance
         return slot
 
     def retire(self, slot: int) -> None:
+        # A negative slot would index from the end: another live instance's slot, its keys
+        # hidden from every lookup.
+        if not 0 <= slot < SLOTS:
+            raise ValueError(f"no such slot: {slot}")
         self.owner[slot] = None
         self.retired.add(slot)
 

@@ -20,6 +20,7 @@ outside it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ import numpy.typing as npt
 from tierkv.cluster.messages import NO_TIER
 from tierkv.controller.holders import (
     HolderFilter,
+    NoFreeSlot,
     directory_for,
     from_table,
     merge_parts,
@@ -175,18 +177,25 @@ class ControllerIndex:
 
     def _new_slot(self, instance: str, h: Holdings, pending: bool) -> None:
         """Give ``h`` a fresh slot (under the lock), retiring its old one; ``pending``: its
-        table is not in the filter (lookups probe it until a merge extracts it)."""
+        table is not in the filter (lookups probe it until a merge extracts it). The slot
+        is taken first: :class:`NoFreeSlot` leaves everything as it was."""
+        slot = self.filter.take_slot(instance)
         if h.slot >= 0:
             self.filter.retire(h.slot)
             self._pending.pop(h.slot, None)
             self._kick()
-        h.slot = self.filter.take_slot(instance)
+        h.slot = slot
         h.evicted = 0
         if pending:
             self._pending[h.slot] = h.table
             self._kick()
 
     # -- changes ---------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        """How many new incarnations (registrations, full reports) can be taken now."""
+        with self._lock:
+            return self.filter.free_slots
+
     def instances(self) -> list[str]:
         with self._lock:
             return list(self._holders)
@@ -201,8 +210,9 @@ class ControllerIndex:
         with self._lock:
             h = self._holders.get(instance)
             if h is None:
-                h = self._holders[instance] = Holdings()
-                self._new_slot(instance, h, pending=False)
+                h = Holdings()
+                self._new_slot(instance, h, pending=False)  # NoFreeSlot: nothing stored
+                self._holders[instance] = h
             before = h.table.add(fps, tier_arr)
             h.count(arr, self._first_only(first, before), -1)
             h.count(arr, self._first_only(first, h.table.tiers(fps)), 1)
@@ -251,7 +261,9 @@ class ControllerIndex:
             gone = int(np.count_nonzero(held >= 0))
             h.evicted += gone
             if h.evicted > max(len(h.table), REBASE_MIN):
-                self._new_slot(instance, h, pending=True)
+                # Only a clean-up: without a free slot its stale entries wait a while longer.
+                with contextlib.suppress(NoFreeSlot):
+                    self._new_slot(instance, h, pending=True)
             return gone
 
     def replace(self, instance: str, keys: bytes | list[bytes], tiers: I8 | int) -> int:
@@ -264,14 +276,16 @@ class ControllerIndex:
             fresh.namespaces[digest] = fresh.table.by_tier.astype(np.int64)
         elif len(fresh.table) == fps.size:
             fresh.count(arr, tier_arr, 1)
-        else:  # repeats in the report
-            fresh.count(arr, self._first_only(self._firsts(fps), tier_arr), 1)
+        else:  # repeats in the report: each key once, with the tier the table kept for it
+            held = self._first_only(self._firsts(fps), fresh.table.tiers(fps))
+            fresh.count(arr, held, 1)
         with self._lock:
             old = self._holders.get(instance)
             if old is not None:
                 fresh.slot = old.slot
-            self._holders[instance] = fresh
+            # The slot first (NoFreeSlot: the previous table stays, whole), then the swap.
             self._new_slot(instance, fresh, pending=True)
+            self._holders[instance] = fresh
         return len(fresh.table)
 
     def drop(self, instance: str) -> int:
@@ -280,9 +294,10 @@ class ControllerIndex:
             h = self._holders.pop(instance, None)
             if h is None:
                 return 0
-            self.filter.retire(h.slot)
-            self._pending.pop(h.slot, None)
-            self._kick()
+            if h.slot >= 0:
+                self.filter.retire(h.slot)
+                self._pending.pop(h.slot, None)
+                self._kick()
         return len(h.table)
 
     # -- lookups ---------------------------------------------------------------------------

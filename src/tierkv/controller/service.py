@@ -3,17 +3,21 @@ reports applied to the index (:mod:`tierkv.controller.index`), and lookups.
 
 - Register: a server names itself (``MemberInfo``: id, data address, boot token) and its
   namespaces. A new boot token of a known instance (it restarted between two heartbeats)
-  drops the old boot's entries at once.
+  drops the old boot's entries at once; the same boot again (a server re-syncing after a
+  refused report or heartbeat) keeps them for lookups until its sync's last part replaces
+  them, and only starts it over (no sequence, no parts). Refused while no instance slot is
+  free (:class:`~tierkv.controller.holders.NoFreeSlot`: the sync could not be applied).
 - Heartbeat: refreshes the server's last-seen time; the reply carries the controller's boot
   token and whether it knows this boot of the server *at the sequence number the heartbeat
   carries* (if not: register and full sync at once). A server sends its reports, syncs and
   heartbeats from one thread, each after the previous one's answer, so a heartbeat's
   sequence is exactly the last one the controller applied; any difference means the
   controller's entries for it are not what the server holds (e.g. a late duplicate Register
-  emptied them), and only a full sync repairs that. A registration not yet followed by its
-  full sync has no sequence (:data:`UNSYNCED`), so it never matches.
-- Report: admits and evicts with a sequence number; applied only in order (a gap, or an
-  unknown boot, is refused and the server re-syncs). Reports come from one sender thread
+  started a sync over), and only a full sync repairs that. A registration not yet followed
+  by its full sync has no sequence (:data:`UNSYNCED`), so it never matches.
+- Report: admits and evicts with a sequence number; applied only in order and after the
+  registration's full sync (a gap, an unknown boot, or no sync yet is refused and the
+  server re-syncs). Reports come from one sender thread
   per server and each waits for its answer, so order on the wire is order of events.
 - SyncBatch: a full sync in parts; parts are collected aside and the last one swaps the
   instance's table in (one bulk build). Lookups see the previous table meanwhile; reports
@@ -42,6 +46,7 @@ import numpy as np
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import found_columns, router_lookup
 from tierkv.cluster import messages as m
+from tierkv.controller.holders import NoFreeSlot
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
 from tierkv.keys import KEY_SIZE
@@ -54,6 +59,10 @@ MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refus
 MIN_PART_BYTES = 64 * 2**10
 ACTIVITY = 50  # recent events kept for the dashboard
 UNSYNCED = -1  # the sequence of a registration whose full sync has not ended
+# Tier codes a report or sync may carry: Where's (0 pool, 1 disk). The index has room for
+# more (keytable.TIERS) but nothing reads them: the dashboard and POST /lookup would count
+# keys no server can serve.
+WHERE_CODES = len(m.Where)
 
 
 LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
@@ -88,7 +97,8 @@ class Instance:
     last_seen: float
     seq: int = UNSYNCED  # last report or sync applied
     sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
-    sync_bytes: int = 0
+    sync_bytes: int = 0  # what the parts cost against MAX_SYNC_BYTES (not their keys)
+    sync_keys: int = 0  # keys in the parts collected
     syncs: int = 0
     reports: int = 0
 
@@ -225,12 +235,17 @@ class ControllerService:
             return m.Refused(req.rid, f"register: {why}")
         now = self.clock()
         with self._lock:
+            if not self.index.free_slots():  # its sync could not be applied: nothing changes
+                return m.Refused(req.rid, "register: no free instance slot, try again later")
             old = self._instances.get(member.node_id)
-            if old is not None:  # a re-registration starts from nothing: its full sync follows
+            restarted = old is not None and old.member.incarnation != member.incarnation
+            if restarted:  # the old boot's keys are gone with it
                 self._drop(member.node_id)
+            # The same boot keeps its entries for lookups until its full sync (which follows)
+            # replaces them; the fresh state has no sequence, so reports and heartbeats are
+            # refused or unknown until then.
             self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
             self._remember(req.namespaces)
-        restarted = old is not None and old.member.incarnation != member.incarnation
         if restarted:
             self.counts["restarts_noticed"] += 1
             log.info("server %s restarted: its previous entries dropped", member.node_id)
@@ -277,17 +292,28 @@ class ControllerService:
             self.counts["reports_refused"] += 1
             return cm.Ack(req.rid, self.boot, False, "keys, tiers and evicts do not match")
         tiers = np.frombuffer(req.tiers, dtype=np.int8)
-        if n_keys and (int(tiers.min()) < 0 or int(tiers.max()) >= TIERS):
+        if n_keys and (int(tiers.min()) < 0 or int(tiers.max()) >= WHERE_CODES):
             self.counts["reports_refused"] += 1
-            return cm.Ack(req.rid, self.boot, False, "a tier out of range")
+            return cm.Ack(req.rid, self.boot, False, _TIER_RANGE)
         with self._lock:
             state = self._current(req.instance, req.boot)
-            if state is None or req.seq != state.seq + 1 or state.sync_parts:
+            # Reports apply on top of a full sync: none before the registration's has ended
+            # (its previous entries may be kept for lookups meanwhile, but they are stale).
+            if (
+                state is None
+                or state.seq == UNSYNCED
+                or state.sync_parts
+                or req.seq != state.seq + 1
+            ):
                 self.counts["reports_refused"] += 1
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or out of sequence")
             # Applied under the controller's lock: reports of one server apply in order.
             if n_keys:
-                self.index.add(req.instance, req.keys, tiers)
+                try:
+                    self.index.add(req.instance, req.keys, tiers)
+                except NoFreeSlot as e:  # nothing applied; the server registers again
+                    self.counts["reports_refused"] += 1
+                    return cm.Ack(req.rid, self.boot, False, str(e))
             if req.evicts:
                 self.index.remove(req.instance, req.evicts)
             state.seq = req.seq
@@ -299,35 +325,45 @@ class ControllerService:
 
     def on_sync(self, req: cm.SyncBatch) -> cm.Ack:
         n_keys = len(req.keys) // KEY_SIZE
-        bad = len(req.keys) % KEY_SIZE or len(req.tiers) != n_keys
-        if not bad and n_keys:
+        why = ""
+        if len(req.keys) % KEY_SIZE or len(req.tiers) != n_keys:
+            why = "bad sync batch: keys and tiers do not match"
+        elif n_keys:
             tiers = np.frombuffer(req.tiers, dtype=np.int8)
-            bad = int(tiers.min()) < 0 or int(tiers.max()) >= TIERS
-        if not bad and not n_keys and not req.last:
-            bad = True  # only a sync's last part may be empty (a server that holds nothing)
-        if bad:
+            if int(tiers.min()) < 0 or int(tiers.max()) >= WHERE_CODES:
+                why = f"bad sync batch: {_TIER_RANGE}"
+        elif not req.last:  # only a sync's last part may be empty (a server that holds nothing)
+            why = "bad sync batch: an empty part before the last"
+        if why:
             self.counts["reports_refused"] += 1
-            return cm.Ack(req.rid, self.boot, False, "bad sync batch")
+            return cm.Ack(req.rid, self.boot, False, why)
         cost = max(len(req.keys) + len(req.tiers), MIN_PART_BYTES)
         with self._lock:
             state = self._current(req.instance, req.boot)
             if state is None or req.part != len(state.sync_parts) or req.seq < state.seq:
                 self.counts["reports_refused"] += 1
                 if state is not None:
-                    state.sync_parts, state.sync_bytes = [], 0
+                    _forget_parts(state)
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
             if state.sync_bytes + cost > MAX_SYNC_BYTES:
-                state.sync_parts, state.sync_bytes = [], 0
+                self.counts["reports_refused"] += 1
+                _forget_parts(state)
                 return cm.Ack(req.rid, self.boot, False, "sync too large")
             state.sync_parts.append((req.keys, req.tiers))
             state.sync_bytes += cost
+            state.sync_keys += n_keys
             self.counts["sync_parts"] += 1
             if not req.last:
                 return cm.Ack(req.rid, self.boot, True)
-            parts, state.sync_parts, state.sync_bytes = state.sync_parts, [], 0
+            parts = state.sync_parts
+            _forget_parts(state)
             keys = b"".join(k for k, _ in parts)
             tiers_all = np.frombuffer(b"".join(t for _, t in parts), dtype=np.int8)
-            self.index.replace(req.instance, keys, tiers_all)
+            try:
+                self.index.replace(req.instance, keys, tiers_all)
+            except NoFreeSlot as e:  # the previous entries stay; the server syncs again later
+                self.counts["reports_refused"] += 1
+                return cm.Ack(req.rid, self.boot, False, str(e))
             state.seq = req.seq
             state.syncs += 1
         self.counts["syncs"] += 1
@@ -425,7 +461,7 @@ class ControllerService:
                     "last_heartbeat_s": round(now - s.last_seen, 3),
                     "seq": s.seq,
                     "syncing": bool(s.sync_parts),
-                    "sync_keys_received": s.sync_bytes // KEY_SIZE,
+                    "sync_keys_received": s.sync_keys,
                     "syncs": s.syncs,
                 }
             )
@@ -445,6 +481,14 @@ class ControllerService:
             "control": self.control_stats(),
             **self.counts,
         }
+
+
+_TIER_RANGE = f"a tier out of range (tiers are 0 to {WHERE_CODES - 1}: pool, disk)"
+
+
+def _forget_parts(state: Instance) -> None:
+    """Drop the sync parts collected (lock held by the caller)."""
+    state.sync_parts, state.sync_bytes, state.sync_keys = [], 0, 0
 
 
 def namespace_totals(rows: list[dict[str, Any]]) -> list[dict[str, object]]:

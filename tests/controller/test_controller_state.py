@@ -1,0 +1,174 @@
+"""The controller's state stays whole through running out of instance slots, re-syncs of a
+live server, syncs that list a key twice, tier codes no server uses, and its sync figures
+(:class:`ControllerService` and :class:`ControllerIndex`, unit by unit)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tierkv.cluster import controller_messages as cm
+from tierkv.cluster import messages as m
+from tierkv.controller import index as index_module
+from tierkv.controller import service as service_module
+from tierkv.controller.holders import SLOTS, NoFreeSlot
+from tierkv.controller.index import ControllerIndex
+from tierkv.controller.service import ControllerService
+
+NS = b"N" * 16
+ME = m.MemberInfo("s:1", "s:1", "s:2", 7)
+
+
+def key(i: int) -> bytes:
+    return NS + i.to_bytes(16, "little")
+
+
+def take_every_slot(idx: ControllerIndex) -> None:
+    """Leave no slot free (as 65,536 registered instances would)."""
+    while idx.filter.free_slots:
+        idx.filter.take_slot("filler")
+
+
+@pytest.fixture
+def service() -> Iterator[ControllerService]:
+    s = ControllerService()
+    yield s
+    s.close()
+
+
+def sync(
+    s: ControllerService,
+    seq: int,
+    keys: list[bytes],
+    tiers: bytes | None = None,
+    part: int = 0,
+    last: bool = True,
+) -> cm.Ack:
+    tiers = bytes(len(keys)) if tiers is None else tiers
+    return s.on_sync(cm.SyncBatch(0, "s:1", 7, seq, part, last, b"".join(keys), tiers))
+
+
+def holders(s: ControllerService, keys: list[bytes]) -> set[str]:
+    located = s.on_resolve(m.Resolve(0, keys))
+    assert isinstance(located, cm.Located)
+    return {h.node_id for h in located.holders}
+
+
+def test_an_index_out_of_slots_changes_nothing_and_never_retires_another_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full report or a new instance's admit that finds no free slot raised after the
+    holdings were stored with slot -1; dropping them then retired slot -1, i.e. the last
+    slot, a live instance's: its keys were hidden from every lookup."""
+    monkeypatch.setattr(index_module, "REBASE_MIN", 0)  # evictions re-extract at once
+    idx = ControllerIndex()
+    try:
+        idx.add("a", [key(1), key(2), key(3)], 0)
+        take_every_slot(idx)
+        with pytest.raises(NoFreeSlot):
+            idx.replace("a", [key(5)], 1)
+        assert idx.lookup([key(1), key(2), key(5)])["a"].tolist() == [0, 0, -1]
+        with pytest.raises(NoFreeSlot):
+            idx.add("b", [key(4)], 0)
+        assert idx.instances() == ["a"] and idx.lookup([key(4)]) == {}
+        assert idx.drop("b") == 0
+        assert idx.filter.owner[SLOTS - 1] == "filler"  # the last slot is still live
+        # Evicting most keys re-extracts the rest under a new slot: only a clean-up, put off.
+        assert idx.remove("a", [key(2), key(3)]) == 2
+        assert idx.lookup([key(1), key(2)])["a"].tolist() == [0, -1]
+    finally:
+        idx.close()
+
+
+def test_a_controller_out_of_slots_refuses_registrations_and_syncs_clearly(
+    service: ControllerService,
+) -> None:
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    take_every_slot(service.index)
+    ack = sync(service, 1, [key(1)])
+    assert not ack.ok and "no free instance slot" in ack.reason
+    assert service.counts["reports_refused"] == 1
+    assert not service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 1)).known
+    other = m.MemberInfo("s:2", "s:2", "s:3", 1)
+    refused = service.on_register(cm.Register(0, other, []))
+    assert isinstance(refused, m.Refused) and "no free instance slot" in refused.reason
+    assert [r["instance"] for r in service.instances()] == ["s:1"]
+    assert service.index.instances() == []
+    assert service.index.filter.owner[SLOTS - 1] == "filler"
+
+
+def test_a_re_registration_of_the_same_boot_keeps_its_entries_until_its_sync_ends(
+    service: ControllerService,
+) -> None:
+    """A server re-syncing (after a refused report, an out-of-sequence heartbeat) registers
+    again with the same boot: lookups keep using its previous table until the sync's last
+    part swaps the new one in; meanwhile it has no sequence (reports refused, heartbeats
+    unknown). A new boot drops the old entries at once."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert sync(service, 1, [key(1), key(2)]).ok
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert holders(service, [key(1)]) == {"s:1"} and service.index.size("s:1") == 2
+    assert not service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 1)).known
+    report = cm.Report(0, "s:1", 7, 0, key(9), bytes(1), b"")
+    assert not service.on_report(report).ok  # no sequence until the sync ends
+    assert sync(service, 1, [key(2)], part=0, last=False).ok
+    assert holders(service, [key(1)]) == {"s:1"}  # still the previous table
+    assert sync(service, 1, [key(3)], part=1, last=True).ok
+    assert holders(service, [key(1)]) == set()
+    assert holders(service, [key(2), key(3)]) == {"s:1"} and service.index.size("s:1") == 2
+    assert service.on_heartbeat(cm.Heartbeat(0, "s:1", 7, 1)).known
+    restarted = m.MemberInfo("s:1", "s:1", "s:2", 8)
+    assert isinstance(service.on_register(cm.Register(0, restarted, [])), cm.Registered)
+    assert holders(service, [key(2), key(3)]) == set() and service.index.size("s:1") == 0
+    assert service.counts["restarts_noticed"] == 1
+
+
+def test_a_sync_listing_a_key_twice_counts_it_once_with_the_tier_kept(
+    service: ControllerService,
+) -> None:
+    """The per-namespace counts took a repeated key's first tier, the table kept another:
+    an eviction then left a count of -1 that never cleared."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert sync(service, 1, [key(1), key(1), key(2)], bytes([1, 0, 1])).ok
+    (row,) = service.instances()
+    tiers = list(row["keys_by_tier"].values())  # type: ignore[union-attr]
+    assert row["keys_by_namespace"] == {NS.hex(): [*tiers, 0, 0]}
+    assert sum(tiers) == 2
+    evict = cm.Report(0, "s:1", 7, 2, b"", b"", key(1) + key(2))
+    assert service.on_report(evict).ok
+    (row,) = service.instances()
+    assert row["keys"] == 0 and row["keys_by_namespace"] == {}
+    assert service.stats()["namespaces"] == []
+
+
+def test_tiers_no_server_uses_are_refused_with_a_clear_reason(
+    service: ControllerService,
+) -> None:
+    """Where has 0 (pool) and 1 (disk); 2 and 3 fit the index's tier bits but nothing
+    serves them, so reports and syncs carrying them are refused."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    ack = sync(service, 1, [key(1)], bytes([2]))
+    assert not ack.ok and "tier out of range" in ack.reason
+    assert sync(service, 1, [key(1)], bytes([1])).ok
+    ack = service.on_report(cm.Report(0, "s:1", 7, 2, key(2), bytes([3]), b""))
+    assert not ack.ok and "tier out of range" in ack.reason
+    assert service.counts["reports_refused"] == 2
+    assert service.index.size("s:1") == 1 and holders(service, [key(2)]) == set()
+
+
+def test_a_syncs_keys_received_are_counted_and_too_large_syncs_refused(
+    service: ControllerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sync_keys_received`` was the parts' cost (at least 64 KiB a part, 33 bytes a key)
+    divided by 32; "sync too large" was not counted as a refusal."""
+    monkeypatch.setattr(service_module, "MAX_SYNC_BYTES", 2 * service_module.MIN_PART_BYTES)
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert sync(service, 1, [key(1), key(2), key(3)], part=0, last=False).ok
+    assert service.instances()[0]["sync_keys_received"] == 3
+    assert sync(service, 1, [key(4)], part=1, last=False).ok
+    assert service.instances()[0]["sync_keys_received"] == 4
+    ack = sync(service, 1, [key(5)], part=2, last=False)
+    assert not ack.ok and ack.reason == "sync too large"
+    assert service.counts["reports_refused"] == 1
+    assert service.instances()[0]["sync_keys_received"] == 0
