@@ -274,11 +274,11 @@ class ObjectIndex:
         # engines' ones end at the latest (in that order: each lasts one write TTL; the
         # server's own holders, whose ids are negative, always end theirs); how many of them
         # hold each slot (slots they hold that the index frees are kept back like fenced
-        # ones); and what the freed ones are still charged, offset -> (tenant, bytes).
+        # ones); and the freed ones' entries, still charged (to their tenant, aligned length).
         self._expired_holds: dict[int, _Hold] = {}
         self._hold_ends: dict[int, float] = {}
         self._holds: dict[int, int] = {}
-        self._held_charges: dict[int, tuple[int, int]] = {}
+        self._held_charges: dict[int, Entry] = {}
         # Tenants: what each one's slots hold (aligned bytes, charged at allocation, given
         # back at free), its own LRU (the global LRU's entries of that tenant, in the same
         # order), and its quota and figures (the tally).
@@ -286,6 +286,12 @@ class ObjectIndex:
         self._tused: dict[int, int] = {}
         self._tlru: dict[int, dict[Entry, None]] = {}
         self._tally = TenantTally()
+        # The entries charged to ~other because their namespace was bound to no tenant when
+        # they were reserved, by namespace digest, as long as they are charged (held charges
+        # included): a later binding moves their charge to the tenant (:meth:`rebind`)
+        # without a scan of the pool. Only unattributed chunks are listed.
+        self._unbound: dict[bytes, dict[Entry, None]] = {}
+        self.tenants.watch(self.rebind)
         # Called, under the index lock, with the keys of objects whose store expired before
         # its commit (so that lookups can tell "expired" from "never stored"); must be cheap.
         self.on_write_expired: Callable[[list[bytes]], None] | None = None
@@ -343,6 +349,7 @@ class ObjectIndex:
             hard, limits, default = tally.hard, tally.limits, tally.default
             ns = b""
             tid = OTHER_ID
+            bound: int | None = None
             limit: int | None = None
             mine: set[bytes] = set()  # keys this reservation writes (repeats are its own)
             for i, key in enumerate(keys):
@@ -353,7 +360,8 @@ class ObjectIndex:
                     continue
                 if key[:DIGEST_SIZE] != ns:
                     ns = key[:DIGEST_SIZE]
-                    tid = by_digest.get(ns, OTHER_ID)
+                    bound = by_digest.get(ns)
+                    tid = OTHER_ID if bound is None else bound
                     limit = limits.get(tid, default)
                 length = lengths[i]
                 size = aligned(length)
@@ -377,6 +385,8 @@ class ObjectIndex:
                 entry = Entry(key, offset, length, State.WRITING, tier=tier, tenant=tid)
                 if notes is not None:
                     entry.note = notes[i]
+                if bound is None:  # ~other until its namespace is bound (see rebind)
+                    self._unbound.setdefault(ns, {})[entry] = None
                 entries[key] = entry
                 mine.add(key)
                 lease.entries.append(entry)
@@ -386,6 +396,56 @@ class ObjectIndex:
             else:
                 result.lease_id = 0
             return result
+
+    def rebind(self, digest: bytes, tid: int) -> int:
+        """Charge tenant ``tid`` with the objects of namespace ``digest`` (being written,
+        ready, deleted but held, or freed but held) that were charged to ``~other`` because
+        the namespace was bound to no tenant when they were reserved; they join the
+        tenant's LRU in their place in the global one. Called by :meth:`TenantIds.bind`
+        once :attr:`TenantIds.by_digest` has the binding, so every object reserved before
+        it is listed by then, and every one after is charged to ``tid`` already. Returns
+        how many objects moved.
+
+        Costs O(objects moved), plus, where some of them are in the LRU, a walk of the
+        global LRU from its newest end back to the oldest of them (chunks stored just before
+        the engine registered are near that end; at worst the whole LRU, ~0.25 s for a
+        million objects). A binding with nothing to move costs a dict lookup: only one of a
+        namespace stored into before its engine registered pays."""
+        with self._lock:
+            moving = self._unbound.pop(digest, None)
+            if moving is None or tid == OTHER_ID:
+                return 0
+            aligned = self.allocator.aligned
+            size = sum(aligned(e.length) for e in moving)
+            self._uncharge(OTHER_ID, size)
+            self._tused[tid] = self._tused.get(tid, 0) + size
+            other_lru = self._tlru.get(OTHER_ID, {})
+            in_lru = [e for e in moving if e in other_lru]
+            for entry in moving:
+                entry.tenant = tid
+            if in_lru:
+                for entry in in_lru:
+                    del other_lru[entry]
+                if not other_lru:
+                    del self._tlru[OTHER_ID]
+                # The global LRU from its newest end back to the oldest entry moved: the
+                # tenant's entries on the way are the newest of its own LRU; they go back in
+                # after it, with the moved ones among them in their global order.
+                tlru = self._tlru.setdefault(tid, {})
+                left = len(in_lru)
+                tail: list[Entry] = []
+                for entry in reversed(self._lru):
+                    if entry.tenant == tid:
+                        tail.append(entry)
+                        if entry in moving:
+                            left -= 1
+                            if not left:
+                                break
+                for _ in range(len(tail) - len(in_lru)):
+                    tlru.popitem()
+                for entry in reversed(tail):
+                    tlru[entry] = None
+            return len(moving)
 
     def _reserved_by(self, holder: int) -> int:
         """Pool bytes the holder's open write leases hold (cleared entries included: their
@@ -835,11 +895,24 @@ class ObjectIndex:
             tused: dict[int, int] = {}
             for entry in slots.values():
                 tused[entry.tenant] = tused.get(entry.tenant, 0) + alloc.aligned(entry.length)
-            for offset, (tenant, size) in self._held_charges.items():  # freed, still held
+            for offset, entry in self._held_charges.items():  # freed, still held
                 require(offset in self._holds, f"slot {offset} charged, held by nothing")
                 require(offset in self._fenced_free, f"slot {offset} charged, not freed")
-                tused[tenant] = tused.get(tenant, 0) + size
+                tused[entry.tenant] = tused.get(entry.tenant, 0) + alloc.aligned(entry.length)
             require(tused == self._tused, f"tenant usage {self._tused} != slots' {tused}")
+            charged = {*slots.values(), *self._held_charges.values()}
+            by_digest = self.tenants.by_digest
+            listed: set[Entry] = set()
+            for digest, waiting in self._unbound.items():
+                require(bool(waiting), f"empty list of unbound entries of {digest!r}")
+                for entry in waiting:
+                    require(entry.key[:DIGEST_SIZE] == digest, f"{entry.key!r} listed wrong")
+                    require(entry.tenant == OTHER_ID, f"unbound {entry.key!r} of a tenant")
+                    require(entry in charged, f"unbound {entry.key!r} charged nowhere")
+                listed.update(waiting)
+            for entry in charged:
+                if entry.key[:DIGEST_SIZE] not in by_digest:
+                    require(entry in listed, f"{entry.key!r} of an unbound namespace unlisted")
             tlru: dict[int, list[Entry]] = {}
             for entry in self._lru:
                 tlru.setdefault(entry.tenant, []).append(entry)
@@ -973,14 +1046,25 @@ class ObjectIndex:
         size = self.allocator.aligned(entry.length)
         if entry.offset in self._holds:  # kept back, and still charged while it is held
             self._fenced_free.add(entry.offset)
-            self._held_charges[entry.offset] = (entry.tenant, size)
+            self._held_charges[entry.offset] = entry
             return size
         if entry.offset in self._fences:
             self._fenced_free.add(entry.offset)
         else:
             self.allocator.free(entry.offset)
-        self._uncharge(entry.tenant, size)
+        self._discharge(entry)
         return size
+
+    def _discharge(self, entry: Entry) -> None:
+        """Take the entry's slot off its tenant's account (and off the unbound lists)."""
+        self._uncharge(entry.tenant, self.allocator.aligned(entry.length))
+        if entry.tenant == OTHER_ID:
+            digest = entry.key[:DIGEST_SIZE]
+            waiting = self._unbound.get(digest)
+            if waiting is not None:
+                waiting.pop(entry, None)
+                if not waiting:
+                    del self._unbound[digest]
 
     def _uncharge(self, tenant: int, size: int) -> None:
         left = self._tused[tenant] - size
@@ -1068,8 +1152,9 @@ class ObjectIndex:
                 counts[offset] = left
                 continue
             del counts[offset]
-            if offset not in self._holds and (charge := self._held_charges.pop(offset, None)):
-                self._uncharge(*charge)
+            held = None if offset in self._holds else self._held_charges.pop(offset, None)
+            if held is not None:
+                self._discharge(held)
             free = self._fenced_free
             if offset in free and offset not in self._fences and offset not in self._holds:
                 free.discard(offset)

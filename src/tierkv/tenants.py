@@ -15,6 +15,11 @@ cannot attribute (a namespace no engine registered here, or tenants beyond
 :data:`MAX_TENANTS`). No salt may equal a reserved name (REGISTER and requests refuse it),
 so the names can never collide with a real tenant's.
 
+A chunk stored under a namespace before it is bound (a cluster peer's promote, or a
+prefetch, before the local engine registered) is charged to ``~other`` until the binding:
+then the pool's index moves its charge to the tenant (:meth:`TenantIds.watch`), as the
+tiers, which attribute by namespace when asked, do by themselves.
+
 Keys carry only the 16-byte namespace digest, never the salt, so :class:`TenantIds` maps
 digest -> tenant when a digest is made (at REGISTER, and when a cache salt's digest is
 first made): the index then charges each chunk to its tenant with one dict lookup on the
@@ -71,6 +76,13 @@ class TenantIds:
         self._ids: dict[str, int] = {DEFAULT_TENANT: DEFAULT_ID, OTHER_TENANT: OTHER_ID}
         self.by_digest: dict[bytes, int] = {}
         self._digests: dict[int, list[bytes]] = {}  # tenant id -> its namespace digests
+        self._watchers: list[Callable[[bytes, int], object]] = []
+
+    def watch(self, watcher: Callable[[bytes, int], object]) -> None:
+        """Call ``watcher(digest, tenant id)`` after each new binding (not under this
+        object's lock, after :attr:`by_digest` has it): the pool's index moves what it
+        charged to ``~other`` under that digest before the binding to the tenant."""
+        self._watchers.append(watcher)
 
     def __len__(self) -> int:
         return len(self._names)
@@ -99,7 +111,8 @@ class TenantIds:
         return self._names[tid]
 
     def bind(self, digest: bytes, name: str) -> int:
-        """Record that keys under namespace ``digest`` belong to tenant ``name``."""
+        """Record that keys under namespace ``digest`` belong to tenant ``name``; the
+        watchers hear of a new binding (:meth:`watch`)."""
         if len(digest) != DIGEST_SIZE:
             raise ValueError(f"a namespace digest is {DIGEST_SIZE} bytes")
         tid = self.by_digest.get(digest)
@@ -109,11 +122,12 @@ class TenantIds:
         with self._lock:
             if digest in self.by_digest:
                 return self.by_digest[digest]
-            if len(self.by_digest) < MAX_DIGESTS:
-                self.by_digest[digest] = tid
-                self._digests.setdefault(tid, []).append(digest)
-            else:
-                tid = OTHER_ID
+            if len(self.by_digest) >= MAX_DIGESTS:
+                return OTHER_ID
+            self.by_digest[digest] = tid
+            self._digests.setdefault(tid, []).append(digest)
+        for watcher in self._watchers:
+            watcher(digest, tid)
         return tid
 
     def digests_of(self, tid: int) -> list[bytes]:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.allocator import Allocator
-from tierkv.index import ObjectIndex
+from tierkv.index import Holder, LeaseNotFound, ObjectIndex
 from tierkv.tenants import DEFAULT_ID, OTHER_ID, TenantIds
 
 BLOCK = 4096
@@ -72,7 +73,10 @@ def test_hard_quota_refuses_beyond_the_limit_and_counts() -> None:
 OPS = st.lists(
     st.tuples(
         st.sampled_from(
-            ["store", "reserve", "read", "hold", "release", "delete", "evict", "quota", "config"]
+            [
+                *("store", "reserve", "read", "hold", "release", "delete", "evict"),
+                *("quota", "config", "bind"),
+            ]
         ),
         st.sampled_from(TENANTS),
         st.lists(st.integers(0, 11), min_size=1, max_size=6),
@@ -89,10 +93,12 @@ def test_usage_is_exact_under_random_operations(
 ) -> None:
     index, d = make(blocks=24)
     ids = {n: index.tenants.id_of(n) for n in TENANTS}
+    # A second namespace per tenant, bound by the "bind" op: stored into before, ~other's.
+    late = {n: f"late-{n}".encode().ljust(16, b"#") for n in TENANTS}
     limits: dict[int, int] = {}
     held: list[tuple[int, str]] = []  # (lease, "write" / "read" / "pin")
     for op, tenant, picks, n in ops:
-        keys = [key(d[tenant], i) for i in picks]
+        keys = [key(late[tenant] if n % 5 == 0 else d[tenant], i) for i in picks]
         sizes = BLOCK * (1 + n % 3)
         if op in ("store", "reserve"):
             before = {f.tenant: f.used for f in index.tenant_figures()}
@@ -131,7 +137,9 @@ def test_usage_is_exact_under_random_operations(
                 limit = limits.get(f.tenant)
                 if limit is None or before_use.get(f.tenant, 0) <= limit:
                     assert f.used == before_use.get(f.tenant, 0)
-            assert all(e.key[:16] in {d[n] for n in TENANTS} for e in evicted)
+            assert all(index.tenants.of_key(e.key) in limits for e in evicted)
+        elif op == "bind":
+            index.tenants.bind(late[tenant], tenant)
         index.check()  # usage per tenant == its slots' sizes; per-tenant LRUs exact
     total = sum(f.used for f in index.tenant_figures())
     assert total == index.used
@@ -242,3 +250,56 @@ def test_tenant_ids_list_the_digests_of_each_tenant() -> None:
     assert tenants.bind(extra, "b") == tenants.id_of("a")  # a digest is bound once
     assert tenants.digests_of(tenants.id_of("a")) == [d["a"], extra]
     assert tenants.digests_of(OTHER_ID) == []
+
+
+def test_chunks_stored_before_their_namespace_is_bound_are_charged_to_its_tenant() -> None:
+    """A namespace stored into before it is bound (a peer's promote before the engine
+    registered): its chunks are ~other's until the binding, then the tenant's, in every
+    state, and take their place in the tenant's LRU; its hard quota counts them."""
+    index, d = make()
+    late = b"late".ljust(16, b"#")
+    lk = [key(late, i) for i in range(5)]
+    index.commit(index.reserve_write(lk[:2], BLOCK, Holder.PEER_PROMOTE).lease_id, -4)
+    index.commit(index.reserve_write([key(d["a"], 0)], BLOCK, 1).lease_id, 1)
+    index.commit(index.reserve_write(lk[2:3], BLOCK, Holder.PEER_PROMOTE).lease_id, -4)
+    writing = index.reserve_write(lk[3:4], BLOCK, Holder.PEER_PROMOTE)  # not committed yet
+    lock = index.lock_read(lk[:1], 2)  # read-locked: out of the LRU
+    pin = index.pin(lk[2:3], 3)
+    index.delete(lk[2:3])  # deleted but pinned: still charged
+    assert used_by(index) == {"a": BLOCK, "~other": 4 * BLOCK}
+
+    a = index.tenants.bind(late, "a")
+    assert used_by(index) == {"a": 5 * BLOCK}
+    index.check()  # the tenant's LRU is the global one's chunks of "a", in its order
+    index.set_quotas({a: 5 * BLOCK}, None, hard=True)
+    assert index.reserve_write([key(d["a"], 1)], BLOCK, 1).over_quota == [0]
+    index.commit(writing.lease_id, -4)
+    index.release_read(lock.lease_id, 2)
+    index.unpin(pin.lease_id, 3)
+    assert used_by(index) == {"a": 4 * BLOCK}
+    index.set_quotas({a: 2 * BLOCK}, None, hard=False)
+    # Oldest first: the first batch (last chunk first), then d["a"]'s chunk; lk[0] and lk[3]
+    # were used since.
+    assert [e.key for e in index.evict_over_quota()] == [lk[1], key(d["a"], 0)]
+    index.check()
+
+
+def test_a_held_charge_of_an_unbound_namespace_moves_to_its_tenant() -> None:
+    """A slot freed while an expired pin holds it stays charged: to the tenant once its
+    namespace is bound, and off the tenant's account when the hold ends."""
+    now = [0.0]
+    index = ObjectIndex(Allocator(8 * BLOCK, BLOCK), clock=lambda: now[0])
+    late = b"late".ljust(16, b"#")
+    index.commit(index.reserve_write([key(late, 0)], BLOCK, -4).lease_id, -4)
+    pin = index.pin([key(late, 0)], Holder.WRITE_BEHIND)
+    now[0] += index.read_ttl + 1
+    index.expire()  # the pin expired: its slot is held
+    index.delete([key(late, 0)])
+    assert used_by(index) == {"~other": BLOCK}
+    index.tenants.bind(late, "a")
+    assert used_by(index) == {"a": BLOCK}
+    index.check()
+    with pytest.raises(LeaseNotFound):  # refused as expired; the hold ends
+        index.unpin(pin.lease_id, Holder.WRITE_BEHIND)
+    assert used_by(index) == {} and index.used == 0
+    index.check()
