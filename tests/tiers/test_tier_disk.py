@@ -194,6 +194,63 @@ def test_delete(make_tier: Callable[..., DiskTier], slots: Slots) -> None:
     assert tier.usage().bytes_used == 1000 + HEADER_SIZE
 
 
+def _held_writing(
+    tier: DiskTier, monkeypatch: pytest.MonkeyPatch, item: tuple[bytes, memoryview]
+) -> tuple[threading.Thread, threading.Event, list[bool]]:
+    """A store of ``item`` started on a thread and stopped inside its file write: returns
+    the thread, the event that lets the write go on, and where the result goes."""
+    import tierkv.tiers.disk as disk
+
+    writing, go = threading.Event(), threading.Event()
+    write_record = disk.write_record
+
+    def held(*args: object, **kwargs: object) -> object:
+        writing.set()
+        assert go.wait(30)  # a bound against a hang only: the test sets it
+        return write_record(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk, "write_record", held)
+    result: list[bool] = []
+    thread = threading.Thread(target=lambda: result.extend(tier.store([item])))
+    thread.start()
+    assert writing.wait(30)
+    return thread, go, result
+
+
+def test_a_delete_overtaking_a_store_removes_the_chunk_and_counts_the_store_failed(
+    make_tier: Callable[..., DiskTier], slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(threads=1)
+    k = key("k")
+    thread, go, result = _held_writing(tier, monkeypatch, (k, slots.filled(k, 1000)))
+    assert tier.delete([k]) == 0  # not held yet: the store in flight is cancelled
+    go.set()
+    thread.join()
+    assert result == [False] and tier.contains([k]) == [False]
+    assert not os.path.exists(tier.file_path(k))
+    stats = tier.stats()
+    assert (stats.stores, stats.store_failed, stats.store_skipped) == (0, 1, 0)
+
+
+def test_a_store_after_a_delete_that_overtook_a_store_keeps_the_chunk(
+    make_tier: Callable[..., DiskTier], slots: Slots, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Store A in flight, delete, store B of the same key (committed again): B is answered
+    True at once, so A's write stands for it instead of being removed when it lands."""
+    tier = make_tier(threads=1)
+    k = key("k")
+    thread, go, result = _held_writing(tier, monkeypatch, (k, slots.filled(k, 1000)))
+    assert tier.delete([k]) == 0
+    assert tier.store([(k, slots.filled(k, 1000))]) == [True]
+    go.set()
+    thread.join()
+    assert result == [True] and tier.contains([k]) == [True]
+    dest = slots.blank(1000)
+    assert tier.load([(k, dest)]) == [LoadStatus.OK] and same(dest, k)
+    stats = tier.stats()
+    assert (stats.stores, stats.store_failed, stats.store_skipped) == (1, 0, 1)
+
+
 def test_bad_items_are_reported_not_raised(
     make_tier: Callable[..., DiskTier], slots: Slots
 ) -> None:

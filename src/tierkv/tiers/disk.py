@@ -295,6 +295,12 @@ class DiskTier(Tier):
             busy = self._busy.get(key)
             if busy is not None:
                 if busy == _STORE:  # another thread is writing the same chunk
+                    # A delete() may have overtaken that store: this one came after it, so
+                    # the chunk is to be held again. Its bytes are the same (a key names its
+                    # content), so the write in flight stands for this store instead of
+                    # being removed when it lands (answering True and letting it be removed
+                    # left the tier without a chunk a store said it held).
+                    self._cancelled.discard(key)
                     self._c.store_skipped += 1
                     return True
                 self._c.store_failed += 1
@@ -333,8 +339,9 @@ class DiskTier(Tier):
                 self._index.add(key, size)
                 self._c.stores += 1
                 self._c.store_bytes += data.nbytes
-            else:
+            else:  # not stored: the caller is answered False, counted as such
                 self._cancelled.discard(key)
+                self._c.store_failed += 1
             recovered = self._gate.written(probe)
         if recovered:
             self._gate.report_enabled()

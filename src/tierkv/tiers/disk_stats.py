@@ -15,7 +15,8 @@ class DiskTierStats:
     stores: int  # chunks written
     store_bytes: int
     store_skipped: int  # already held (or being stored by another thread)
-    store_failed: int  # not written: too big, no room, writes disabled, I/O error
+    # not stored: too big, no room, writes disabled, I/O error, overtaken by a delete
+    store_failed: int
     loads: int  # loads that returned OK
     load_bytes: int
     misses: int
