@@ -61,14 +61,20 @@ KV_FORMAT_SEPARATOR = "|kv="  # between a model's name and what its chunk bytes 
 def model_with_format(model: str, format_tag: str) -> str:
     """The namespace model of an engine's connector: the model as the engine serves it, then
     what its chunk bytes mean (a cache layout's format tag), so that engines storing KV of
-    one model in different formats never share chunks."""
-    return f"{model}{KV_FORMAT_SEPARATOR}{format_tag}"
+    one model in different formats never share chunks. The model's own ``|`` (and ``%``)
+    are escaped: a served name holding the separator could otherwise spell another
+    model's name and format, and routers asking for a model matched another one."""
+    return f"{_escaped(model)}{KV_FORMAT_SEPARATOR}{format_tag}"
 
 
 def is_of_model(registered: str, model: str) -> bool:
     """A namespace whose model is ``registered`` holds KV of ``model``: the same name, or
     ``model`` with a format (:func:`model_with_format`)."""
-    return registered == model or registered.startswith(model + KV_FORMAT_SEPARATOR)
+    return registered == model or registered.startswith(_escaped(model) + KV_FORMAT_SEPARATOR)
+
+
+def _escaped(model: str) -> str:
+    return model.replace("%", "%25").replace("|", "%7C")
 
 
 class Namespace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -114,6 +114,19 @@ def test_field_boundaries_are_unambiguous(left: dict[str, Any], right: dict[str,
     assert a.digest() != b.digest()
 
 
+def test_a_model_name_holding_the_format_separator_spells_no_other_model() -> None:
+    """A served model name may hold ``|kv=``: unescaped, "m|kv=T" with format X and "m"
+    with format "T|kv=X" were one string, and a router asking for "m" matched the other
+    model's engines."""
+    named = keys.model_with_format("m|kv=T", "X")
+    assert named != keys.model_with_format("m", "T|kv=X")
+    assert keys.is_of_model(named, "m|kv=T") and not keys.is_of_model(named, "m")
+    odd = keys.model_with_format("a%7Cb", "T")  # the escape itself is escaped
+    assert odd != keys.model_with_format("a|b", "T") and not keys.is_of_model(odd, "a|b")
+    # Names without them keep their namespace.
+    assert keys.model_with_format("Qwen/Qwen3-8B", "kv_2lhtd") == "Qwen/Qwen3-8B|kv=kv_2lhtd"
+
+
 def test_digest_is_stable_and_sized() -> None:
     assert len(BASE.digest()) == DIGEST_SIZE
     same = Namespace(**msgspec.structs.asdict(BASE))
