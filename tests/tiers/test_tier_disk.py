@@ -232,23 +232,42 @@ def test_a_delete_overtaking_a_store_removes_the_chunk_and_counts_the_store_fail
     assert (stats.stores, stats.store_failed, stats.store_skipped) == (0, 1, 0)
 
 
-def test_a_store_after_a_delete_that_overtook_a_store_keeps_the_chunk(
-    make_tier: Callable[..., DiskTier], slots: Slots, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("when", ["writing", "removing"])
+def test_a_store_after_a_delete_that_overtook_a_store_is_refused(
+    when: str, make_tier: Callable[..., DiskTier], slots: Slots, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Store A in flight, delete, store B of the same key (committed again): B is answered
-    True at once, so A's write stands for it instead of being removed when it lands."""
+    """Store A in flight, delete, store B of the same key (committed again), while A still
+    writes or already removes its file: B was answered True ("another thread is writing
+    it") and A then removed the file, so the tier lacked a chunk a store said it held. B is
+    refused now (counted failed); a store after A's removal writes the chunk."""
+    import tierkv.tiers.disk as disk
+
     tier = make_tier(threads=1)
     k = key("k")
+    removing, go_remove = threading.Event(), threading.Event()
+    remove_path = disk.remove_path
+
+    def held_remove(path: str) -> None:
+        removing.set()
+        assert go_remove.wait(30)  # a bound against a hang only: the test sets it
+        remove_path(path)
+
+    monkeypatch.setattr(disk, "remove_path", held_remove)
     thread, go, result = _held_writing(tier, monkeypatch, (k, slots.filled(k, 1000)))
     assert tier.delete([k]) == 0
-    assert tier.store([(k, slots.filled(k, 1000))]) == [True]
+    if when == "removing":
+        go.set()
+        assert removing.wait(30)
+    assert tier.store([(k, slots.filled(k, 1000))]) == [False]
     go.set()
+    go_remove.set()
     thread.join()
-    assert result == [True] and tier.contains([k]) == [True]
+    assert result == [False] and tier.contains([k]) == [False]
+    stats = tier.stats()
+    assert (stats.stores, stats.store_failed, stats.store_skipped) == (0, 2, 0)
+    assert tier.store([(k, slots.filled(k, 1000))]) == [True]
     dest = slots.blank(1000)
     assert tier.load([(k, dest)]) == [LoadStatus.OK] and same(dest, k)
-    stats = tier.stats()
-    assert (stats.stores, stats.store_failed, stats.store_skipped) == (1, 0, 1)
 
 
 def test_bad_items_are_reported_not_raised(

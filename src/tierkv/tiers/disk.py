@@ -294,15 +294,12 @@ class DiskTier(Tier):
                 return True
             busy = self._busy.get(key)
             if busy is not None:
-                if busy == _STORE:  # another thread is writing the same chunk
-                    # A delete() may have overtaken that store: this one came after it, so
-                    # the chunk is to be held again. Its bytes are the same (a key names its
-                    # content), so the write in flight stands for this store instead of
-                    # being removed when it lands (answering True and letting it be removed
-                    # left the tier without a chunk a store said it held).
-                    self._cancelled.discard(key)
-                    self._c.store_skipped += 1
+                if busy == _STORE and key not in self._cancelled:
+                    self._c.store_skipped += 1  # another thread is writing the same chunk
                     return True
+                # A removal, or a store a delete() overtook (it removes its file when it
+                # lands: answered True, this store left the tier without a chunk it said it
+                # held; nor may that write stand for this one, the delete was of its bytes).
                 self._c.store_failed += 1
                 return False
             if size > self.capacity or not self._may_write_locked():
@@ -341,6 +338,7 @@ class DiskTier(Tier):
                 self._c.store_bytes += data.nbytes
             else:  # not stored: the caller is answered False, counted as such
                 self._cancelled.discard(key)
+                self._busy[key] = _REMOVE  # stores until the file is gone are refused
                 self._c.store_failed += 1
             recovered = self._gate.written(probe)
         if recovered:
