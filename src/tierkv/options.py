@@ -46,16 +46,23 @@ def parse_size(value: str | int) -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise OptionError(f"not a size: {value!r} (examples: 512MiB, 4GiB, 1073741824)")
-    # An exact fraction: a float rounded byte counts past 2**53 and overflowed on long ones.
-    number, unit = Fraction(m.group(1)), (m.group(2) or "").lower()
+    text = str(value).strip()
+    shown = text if len(text) <= 24 else f"{text[:20]}..."
+    whole, _, fraction = m.group(1).lstrip("0").partition(".")
+    if len(whole) > len(str(MAX_SIZE)):  # (and a Fraction of over 4,300 digits raises)
+        raise OptionError(f"{shown!r} is more than {MAX_SIZE} bytes (8 EiB)")
+    # An exact fraction (a float rounded byte counts past 2**53, and overflowed on long
+    # ones). Its digits past the 40th change no whole byte: a unit is at most 2**40 bytes,
+    # and a multiple of 2**-40 has at most 40 decimals.
+    number = Fraction(f"{whole or 0}.{fraction[:40] or 0}")
+    unit = (m.group(2) or "").lower()
     prefix = unit[:1] if unit[:1] in "kmgt" else ""
     binary = "i" in unit or (prefix and not unit.endswith("b"))
     mult = 1024 ** "_kmgt".index(prefix) if (binary and prefix) else _DECIMAL[prefix]
-    if mult == 1 and number.denominator != 1:
+    if mult == 1 and (number.denominator != 1 or fraction.strip("0")):
         raise OptionError(f"not a whole number of bytes: {value!r}")
     size = int(number * mult)  # a fraction of a unit: whole bytes, rounded down
     if size > MAX_SIZE:
-        shown = text if len(text := str(value).strip()) <= 24 else f"{text[:20]}..."
         raise OptionError(f"{shown!r} is more than {MAX_SIZE} bytes (8 EiB)")
     return size
 

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 HIDDEN = "***"
+_DROPPED = str.maketrans("", "", "\t\r\n")
 # Option names that hold a secret (or half of a credential pair).
 SECRET_NAME = re.compile(r"secret|token|password|passwd|credential|access_key|api_key", re.I)
 
@@ -20,6 +21,9 @@ SECRET_NAME = re.compile(r"secret|token|password|passwd|credential|access_key|ap
 def redacted_url(url: str) -> str:
     """``url`` with its userinfo (user, password, or a token in their place) and the values
     of its secret query parameters hidden."""
+    # Tabs and line breaks are dropped by URL parsers (redis-py's too): a secret's name
+    # holding one would be used, and shown.
+    url = url.translate(_DROPPED)
     try:
         parts = urlsplit(url)
     except ValueError:

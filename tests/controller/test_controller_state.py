@@ -4,12 +4,15 @@ live server, syncs that list a key twice, tier codes no server uses, and its syn
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from tierkv.cluster import controller_messages as cm
 from tierkv.cluster import messages as m
+from tierkv.cluster.controller_directory import ControllerDirectory
 from tierkv.controller import index as index_module
 from tierkv.controller import service as service_module
 from tierkv.controller.holders import SLOTS, NoFreeSlot
@@ -172,3 +175,60 @@ def test_a_syncs_keys_received_are_counted_and_too_large_syncs_refused(
     assert not ack.ok and ack.reason == "sync too large"
     assert service.counts["reports_refused"] == 1
     assert service.instances()[0]["sync_keys_received"] == 0
+
+
+def test_a_re_registration_before_its_sync_ended_drops_the_kept_entries(
+    service: ControllerService,
+) -> None:
+    """The entries kept for a same-boot re-sync were kept as long as its syncs failed (each
+    Register refreshed the server's last sign of life): lookups named it for chunks it had
+    evicted for as long as it lived. A second Register before the sync ended drops them."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert sync(service, 1, [key(1), key(2)]).ok
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert holders(service, [key(1)]) == {"s:1"}  # kept for the sync that follows
+    assert not sync(service, 1, [key(2)], part=1).ok  # that sync fails (a part out of order)
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert holders(service, [key(1), key(2)]) == set() and service.index.size("s:1") == 0
+    assert sync(service, 1, [key(2)]).ok
+    assert holders(service, [key(1)]) == set() and holders(service, [key(2)]) == {"s:1"}
+
+
+def test_a_restart_refused_for_want_of_a_slot_drops_the_old_boots_entries(
+    service: ControllerService,
+) -> None:
+    """A new boot refused at Register (no free instance slot) left the old boot's entries,
+    whose chunks died with it, named in lookups; the refusal was counted nowhere."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert sync(service, 1, [key(1)]).ok
+    take_every_slot(service.index)
+    restarted = m.MemberInfo("s:1", "s:1", "s:2", 8)
+    refused = service.on_register(cm.Register(0, restarted, []))
+    assert isinstance(refused, m.Refused) and "no free instance slot" in refused.reason
+    assert holders(service, [key(1)]) == set() and service.instances() == []
+    assert service.counts["registrations_refused"] == 1
+
+
+def test_a_failed_registration_is_tried_again_after_a_pause_not_at_once() -> None:
+    """An exception while registering (listing what the node holds failed) left the retry
+    time in the past: the directory sent Register in a tight loop (45,000 a second)."""
+    service = ControllerService()
+    failing = threading.Event()
+    attempts: list[int] = []
+
+    def held() -> list[tuple[bytes, m.Where]]:
+        attempts.append(1)
+        failing.set()
+        raise RuntimeError("listing the disk tier failed")
+
+    directory = ControllerDirectory("ctl:1", ME, "tok", 1.0, held, interval=10.0)
+    handlers = service.handlers()
+    directory.client.call = lambda _addr, msg, timeout=None: handlers[type(msg)](msg)  # type: ignore[method-assign]
+    try:
+        directory.start()
+        assert failing.wait(30)
+        time.sleep(0.5)  # retried after min(1 s, interval): no second attempt yet
+        assert len(attempts) == 1 and service.counts["registrations"] == 1
+    finally:
+        directory.close()
+        service.close()

@@ -145,6 +145,8 @@ def test_yaml_file_errors(tmp_path: Path) -> None:
         ("9007199254740993", 2**53 + 1),  # exact: a float rounded it to 2**53
         ("9223372036854775807", 2**63 - 1),  # the largest (8 EiB)
         ("0.5KiB", 512),
+        ("0." + "5" * 5000 + "KiB", 568),  # past 40 decimals no whole byte changes
+        ("1." + "0" * 60 + "KiB", 1024),
     ],
 )
 def test_size_strings(text: str | int, expected: int) -> None:
@@ -161,6 +163,8 @@ def test_size_strings(text: str | int, expected: int) -> None:
         ("1 GiBs", "not a size"),
         ("9223372036854775808", "more than 9223372036854775807 bytes"),
         ("9" * 400, "more than"),  # a float overflowed: OverflowError, not an option error
+        ("9" * 5000, "more than"),  # int() of over 4,300 digits: ValueError
+        ("1." + "0" * 60 + "1", "not a whole number of bytes"),
         ("8EiB", "not a size"),
     ],
 )
@@ -357,6 +361,9 @@ def test_tier_credentials_are_redacted() -> None:
     # redis-py takes a password from the query too; the URL's text is otherwise kept.
     url = "unix:///run/redis.sock?db=1&password=Qu3ryPw&Ssl_Password=x%20y#f"
     assert redacted_url(url) == "unix:///run/redis.sock?db=1&password=***&Ssl_Password=***#f"
+    # Parsers drop tabs and line breaks: "pass\tword" is the password too.
+    assert redacted_url("redis://h/0?pass\tword=Tab3") == "redis://h/0?password=***"
+    assert redacted_url("redis://:Pass\tw0rd@h/0") == "redis://***@h/0"
     assert s3["endpoint_url"] == "https://***@s3.example" and s3["bucket"] == "kv"
     assert s3["secret_access_key"] == s3["session_token"] == s3["access_key_id"] == "***"
     assert cfg.tiers[0].options["url"].endswith("RedisPassw0rd@cache.example:6379/0")

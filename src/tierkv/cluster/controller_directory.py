@@ -183,7 +183,9 @@ class ControllerDirectory(Directory):
         retry_at = 0.0  # a failed registration is tried again after a pause
         while True:
             with self._cond:
-                wake = next_beat if self._registered else min(next_beat, retry_at)
+                # Unregistered, only the next registration attempt is due (a heartbeat's
+                # time left in the past by a failed one made this loop spin).
+                wake = next_beat if self._registered else retry_at
                 self._cond.wait_for(
                     functools.partial(self._has_work, wake), max(0.0, wake - self.clock())
                 )
@@ -206,6 +208,7 @@ class ControllerDirectory(Directory):
             except Exception:
                 log.exception("controller directory: sending failed")
                 self._set_registered(False)
+                retry_at = self.clock() + min(1.0, self.interval)  # not at once, in a loop
             with self._cond:
                 self._queue.mark_sent(taken)
                 self._cond.notify_all()

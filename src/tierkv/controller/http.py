@@ -37,6 +37,11 @@ class ControllerCollector(Collector):
         c = s.counts
         for name, key, what in (
             ("registrations", "registrations", "server registrations"),
+            (
+                "registrations_refused",
+                "registrations_refused",
+                "server registrations refused: no free instance slot",
+            ),
             ("heartbeats", "heartbeats", "heartbeats received"),
             (
                 "heartbeats_out_of_sequence",

@@ -121,6 +121,7 @@ class ControllerService:
         self._thread: threading.Thread | None = None
         self.counts: dict[str, int] = {
             "registrations": 0,
+            "registrations_refused": 0,
             "restarts_noticed": 0,
             "heartbeats": 0,
             "heartbeats_out_of_sequence": 0,
@@ -235,17 +236,33 @@ class ControllerService:
             return m.Refused(req.rid, f"register: {why}")
         now = self.clock()
         with self._lock:
-            if not self.index.free_slots():  # its sync could not be applied: nothing changes
-                return m.Refused(req.rid, "register: no free instance slot, try again later")
             old = self._instances.get(member.node_id)
             restarted = old is not None and old.member.incarnation != member.incarnation
-            if restarted:  # the old boot's keys are gone with it
+            if restarted:  # the old boot's keys are gone with it (refused or not)
                 self._drop(member.node_id)
-            # The same boot keeps its entries for lookups until its full sync (which follows)
-            # replaces them; the fresh state has no sequence, so reports and heartbeats are
-            # refused or unknown until then.
-            self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
-            self._remember(req.namespaces)
+            elif old is not None and old.seq == UNSYNCED:
+                # Registered again before the sync that followed its last registration
+                # ended (refused, failed): the entries kept for that sync are dropped now,
+                # or a server whose syncs keep failing would be named for chunks it evicted
+                # for as long as it stayed alive.
+                self.index.drop(member.node_id)
+            if not self.index.free_slots():  # its sync could not be applied
+                refused = True
+            else:
+                refused = False
+                # The same boot keeps its entries for lookups until its full sync (which
+                # follows) replaces them; the fresh state has no sequence, so reports and
+                # heartbeats are refused or unknown until then.
+                self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
+                self._remember(req.namespaces)
+        if refused:
+            self.counts["registrations_refused"] += 1
+            log.warning(
+                "server %s refused: no free instance slot (%d servers registered)",
+                member.node_id,
+                len(self._instances),
+            )
+            return m.Refused(req.rid, "register: no free instance slot, try again later")
         if restarted:
             self.counts["restarts_noticed"] += 1
             log.info("server %s restarted: its previous entries dropped", member.node_id)
