@@ -303,6 +303,10 @@ class ObjectIndex:
         # chunk feed's events (tierkv.server.chunk_feed), in the order the index saw them.
         self.on_stored: Callable[[list[tuple[bytes, bytes]]], None] | None = None
         self.on_removed: Callable[[list[bytes]], None] | None = None
+        # Likewise with the keys of a reservation of chunks coming back from a tier (``tier``
+        # given, no notes: a prefetch, a promotion): the notes they had when the pool last
+        # offered them, or None (tierkv.server.chunk_feed.ChunkFeed.notes_of).
+        self.notes_of: Callable[[Sequence[bytes]], list[bytes] | None] | None = None
 
     # -- writes ----------------------------------------------------------------------------
     def reserve_write(
@@ -334,6 +338,8 @@ class ObjectIndex:
         if notes is not None and len(notes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(notes)} notes")
         with self._lock:
+            if notes is None and tier and self.notes_of is not None:
+                notes = self.notes_of(keys)  # announced again once they are back
             now = self.clock()
             self._expire(now)
             lease = Lease(self._new_lease_id(), holder, now + self.write_ttl, [], True)

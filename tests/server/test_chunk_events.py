@@ -154,6 +154,32 @@ def test_evictions_reach_every_reader_and_the_view_equals_the_pool(
         assert held == truth
 
 
+def test_chunks_prefetched_back_from_disk_are_announced_again(
+    server_factory: Callable[..., ServerProcess], tmp_path: Any
+) -> None:
+    """Noted chunks written behind to disk, then cleared from the pool: a lookup prefetches
+    them back (loadable again), and the readers hear of them again, notes and all (the
+    prefetch reserved them without notes: they were never announced again)."""
+    srv = server_factory(extra=["--tier", f"disk:path={tmp_path / 'disk'}"])
+    with srv.client() as a, srv.client() as b:
+        register(a), register(b)
+        reader = Follower(b)
+        prompt = toks(10, 3)
+        store(a, prompt, 3)
+        deadline = time.monotonic() + 20
+        while (s := a.stats()).write_behind_queued or s.tiers[0].written_chunks < 3:
+            assert time.monotonic() < deadline, "not written behind"
+            time.sleep(0.05)
+        want = {note(prompt, i) for i in range(3)}
+        assert reader.notes() == want
+        assert a.clear() == 3
+        assert reader.notes() == set()
+        found = b.lookup(prompt, request_id="back", wait=True)
+        assert found.hits == 3
+        b.free_lookup_locks("back")
+        assert reader.notes() == want
+
+
 def test_a_store_that_never_commits_is_never_announced(
     server_factory: Callable[..., ServerProcess],
 ) -> None:

@@ -11,8 +11,8 @@ import pytest
 from tierkv import protocol as p
 from tierkv.allocator import Allocator
 from tierkv.chunk_follower import ChunkFollower
-from tierkv.index import ObjectIndex
-from tierkv.server.chunk_feed import PAGE_CHUNKS, ChunkFeed, SnapshotPages
+from tierkv.index import Holder, ObjectIndex
+from tierkv.server.chunk_feed import AWAY_ENTRY_BYTES, PAGE_CHUNKS, ChunkFeed, SnapshotPages
 
 NS_A, NS_B = b"A" * 16, b"B" * 16
 LEN = 4096
@@ -35,6 +35,7 @@ def fed_index(slots: int = 64, max_events: int = 1000) -> tuple[ObjectIndex, Chu
     index = ObjectIndex(Allocator(slots * LEN, LEN), write_ttl=5, read_ttl=5, clock=clock)
     feed = ChunkFeed(max_events)
     index.on_stored, index.on_removed = feed.stored, feed.removed
+    index.notes_of = feed.notes_of
     return index, feed, clock
 
 
@@ -211,6 +212,38 @@ def test_another_server_means_a_resync() -> None:
     assert reader.held == {key(NS_A, 1): b"n"} and reader.resyncs == 1
     # A cursor ahead of this feed is another server's too, whatever the epoch says.
     assert new.read({NS_A}, 99, 10).resync
+
+
+@pytest.mark.parametrize("holder", [Holder.PREFETCH, Holder.PEER_PROMOTE])
+def test_a_chunk_back_from_a_tier_is_announced_again_with_its_note(holder: int) -> None:
+    """A noted chunk evicted (its copy on disk) and brought back by a prefetch or a
+    promotion for a peer (which reserve it with no note) was loadable but never announced
+    again: routers, told it was removed, never heard it was back."""
+    index, feed, _ = fed_index()
+    ks = [key(NS_A, i) for i in range(3)]
+    store(index, ks, [b"n0", b"n1", b""])
+    index.evict(3 * LEN)
+    back = index.reserve_write([*ks, key(NS_A, 9)], LEN, holder, tier="disk")
+    index.commit(back.lease_id, holder)
+    reader = Reader(feed, {NS_A})
+    reader.catch_up()
+    assert reader.held == {ks[0]: b"n0", ks[1]: b"n1"}  # the one without a note stays so
+    kinds = [(e.kind, e.note) for e in feed.read({NS_A}, 4, 10).events]
+    assert kinds == [(p.CHUNK_STORED, b"n0"), (p.CHUNK_STORED, b"n1")]
+    assert feed.figures()["away_chunks"] == 0  # taken back
+
+
+def test_the_notes_of_chunks_away_are_bounded_oldest_first() -> None:
+    index, _, _ = fed_index(slots=64)
+    feed = ChunkFeed(max_away_note_bytes=3 * (1000 + AWAY_ENTRY_BYTES))
+    index.on_stored, index.on_removed, index.notes_of = feed.stored, feed.removed, feed.notes_of
+    ks = [key(NS_A, i) for i in range(5)]
+    store(index, ks, [bytes([i]) * 1000 for i in range(5)])
+    index.clear(NS_A)
+    figures = feed.figures()
+    assert figures["away_chunks"] == 3 and figures["away_note_bytes"] == 3000
+    assert feed.notes_of(ks) == [b"", b""] + [bytes([i]) * 1000 for i in (2, 3, 4)]
+    assert feed.notes_of([key(NS_B, 0)]) is None
 
 
 def test_the_log_is_bounded_by_events_and_by_note_bytes() -> None:

@@ -11,6 +11,12 @@ what another one stored. The feed records, in one order shared by all namespaces
   delete. The note stays with the chunk until then, so a reader that missed the store can
   still learn it from a snapshot.
 
+A chunk that comes back into the pool from a tier (prefetched, promoted for a peer) is
+announced again with the note it had: the feed remembers the notes of the chunks it
+announced removed, the most recent first, up to :data:`MAX_AWAY_NOTE_BYTES`
+(:meth:`ChunkFeed.notes_of`; the index asks when it reserves them). A chunk that left the
+pool longer ago than that comes back unannounced until an engine stores it again.
+
 Readers pull: :meth:`ChunkFeed.read` returns the events of their namespaces after the last
 sequence number they saw. The log is bounded (:data:`MAX_EVENTS` events, :data:`MAX_LOG_NOTE_BYTES`
 of notes); a reader that fell behind what was dropped is told to *resync*: it reads a
@@ -37,6 +43,8 @@ from tierkv.protocol import ChunkEvent as Event
 
 MAX_EVENTS = 65536  # events the log keeps for readers that are behind
 MAX_LOG_NOTE_BYTES = 64 * 2**20  # notes the log keeps (each note is shared with the chunk)
+MAX_AWAY_NOTE_BYTES = 64 * 2**20  # notes kept of chunks the pool no longer offers
+AWAY_ENTRY_BYTES = 128  # what remembering one note costs beyond its bytes (dict slot, object)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +62,12 @@ class ChunkFeed:
     """The stored/removed events of noted chunks, and what each namespace holds now."""
 
     def __init__(
-        self, max_events: int = MAX_EVENTS, max_log_note_bytes: int = MAX_LOG_NOTE_BYTES
+        self,
+        max_events: int = MAX_EVENTS,
+        max_log_note_bytes: int = MAX_LOG_NOTE_BYTES,
+        max_away_note_bytes: int = MAX_AWAY_NOTE_BYTES,
     ) -> None:
-        if max_events < 1 or max_log_note_bytes < 0:
+        if max_events < 1 or max_log_note_bytes < 0 or max_away_note_bytes < 0:
             raise ValueError("the feed must keep at least one event")
         self.epoch = secrets.randbits(63) | 1  # never 0: 0 is "no feed seen yet"
         self.max_events = max_events
@@ -68,6 +79,11 @@ class ChunkFeed:
         self._dropped_upto = 0  # the highest sequence number no longer in the log
         self._held: dict[bytes, dict[bytes, bytes]] = {}  # namespace -> key -> note
         self.held_note_bytes = 0
+        # key -> note of the chunks announced removed, the oldest first; what they cost
+        # (their notes' bytes and AWAY_ENTRY_BYTES each), at most max_away_note_bytes.
+        self.max_away_note_bytes = max_away_note_bytes
+        self._away: dict[bytes, bytes] = {}
+        self._away_cost = 0
         self.resyncs = 0  # reads answered "resync" (status, metrics)
 
     # -- writers (under the index's lock) --------------------------------------------------
@@ -82,6 +98,8 @@ class ChunkFeed:
                 old = held.get(key)
                 if old is not None:
                     self.held_note_bytes -= len(old)
+                if (away := self._away.pop(key, None)) is not None:
+                    self._away_cost -= len(away) + AWAY_ENTRY_BYTES
                 held[key] = note
                 self.held_note_bytes += len(note)
                 self._append(Event(self._next(), CHUNK_STORED, key, note), ns)
@@ -100,7 +118,28 @@ class ChunkFeed:
                 if not held:
                     del self._held[ns]
                 self._append(Event(self._next(), CHUNK_REMOVED, key, b""), ns)
+                self._remember(key, note)
             self._trim()
+
+    def _remember(self, key: bytes, note: bytes) -> None:
+        """Keep the note of a chunk the pool stopped offering, for when it comes back;
+        the oldest ones go past :attr:`max_away_note_bytes` (lock held)."""
+        away = self._away
+        away[key] = note  # (not there: stored() took it out when the chunk came back)
+        self._away_cost += len(note) + AWAY_ENTRY_BYTES
+        while self._away_cost > self.max_away_note_bytes:
+            oldest = next(iter(away))
+            self._away_cost -= len(away.pop(oldest)) + AWAY_ENTRY_BYTES
+
+    def notes_of(self, keys: Sequence[bytes]) -> list[bytes] | None:
+        """The notes chunks coming back into the pool had when it last offered them (b""
+        for one the feed does not remember); None when it remembers none of them."""
+        with self._lock:
+            away = self._away
+            if not away:
+                return None
+            notes = [away.get(key, b"") for key in keys]
+        return notes if any(notes) else None
 
     def _next(self) -> int:
         self._seq += 1
@@ -175,6 +214,8 @@ class ChunkFeed:
                 "log_note_bytes": self._log_note_bytes,
                 "held_chunks": sum(len(h) for h in self._held.values()),
                 "held_note_bytes": self.held_note_bytes,
+                "away_chunks": len(self._away),
+                "away_note_bytes": self._away_cost - AWAY_ENTRY_BYTES * len(self._away),
                 "resyncs": self.resyncs,
             }
 

@@ -142,6 +142,7 @@ class Server:
         self.feed = ChunkFeed(cfg.chunk_feed_events)
         self.index.on_stored = self.feed.stored
         self.index.on_removed = self.feed.removed
+        self.index.notes_of = self.feed.notes_of
         self.quotas = Quotas(
             self.index,
             self.tenants,
