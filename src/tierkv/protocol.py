@@ -31,6 +31,7 @@ import msgspec
 PROTOCOL_VERSION = 7
 MAX_NOTE_BYTES = 64 * 2**10  # one chunk's note (PrepareStore.notes) at most
 MAX_PREFETCH_WAIT_MS = 60_000  # the longest QueryPrefetch.wait_ms
+MAX_REQUEST_ID = 1024  # characters of a lookup's request id at most (the server keeps it)
 
 
 class Struct(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):

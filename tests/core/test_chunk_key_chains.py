@@ -12,6 +12,7 @@ from tierkv import protocol as p
 from tierkv.server import registry
 from tierkv.server.chunk_keys import CHAINS, ChunkKeys
 from tierkv.server.registry import Registration
+from tierkv.tenants import TenantIds
 
 CHUNK = 16
 
@@ -175,3 +176,20 @@ def test_a_registration_forgets_its_least_recently_used_salts(
     reg.digest_for("user-8")  # one more than it keeps
     assert set(reg.salted) == {"user-7", "user-0", "user-1", "user-2", "user-8"}
     assert reg.digest_for("user-3") == digests["user-3"]  # forgotten: the same digest again
+
+
+def test_a_salts_tenant_is_bound_by_a_store_not_by_lookups() -> None:
+    """Each cache salt of an engine without a tenant salt is a tenant of its own, and
+    tenant ids are for good: binding them at lookups let an engine looking up 65,536
+    made-up salts use every id up, charging every later tenant to ~other."""
+    reg = registration()
+    reg.tenants = TenantIds()
+    ck = ChunkKeys(CHUNK, 64)
+    sel = p.ChunkSelector(tokens=keys.pack_tokens(tokens(1, 2 * CHUNK)), salt="user-1")
+    looked, _ = ck.for_lookup(reg, sel)
+    retrieved, _ = ck.of(reg, sel)  # a retrieve by chunks: no store either
+    digest = reg.salted["user-1"]
+    assert reg.tenants.find("user-1") is None and digest not in reg.tenants.by_digest
+    stored, _ = ck.of(reg, sel, store=True)
+    assert list(looked) == retrieved == stored
+    assert reg.tenants.by_digest[digest] == reg.tenants.find("user-1")

@@ -508,6 +508,20 @@ def test_read_leases_and_sessions(env: tuple[ServerProcess, Client]) -> None:
             reply = raw.call(req)
             assert isinstance(reply, p.Ok) and reply.count == 0
         assert isinstance(raw.call(p.EndSession(14, token, "mine")), p.Ok)
+        # A request id the server would keep for a session TTL is bounded (ids of 2 MiB
+        # made 100 lookups hold 200 MiB): every request that names one refuses it.
+        long_id = "x" * (p.MAX_REQUEST_ID + 1)
+        for req in (
+            p.Lookup(15, token, sel(KEEP), long_id),
+            p.QueryPrefetch(15, token, long_id),
+            p.PrepareRetrieve(15, token, long_id),
+            p.FreeLookupLocks(15, token, long_id),
+            p.EndSession(15, token, long_id),
+        ):
+            expect_error(raw.call(req), EC.BAD_REQUEST, f"at most {p.MAX_REQUEST_ID} characters")
+        looked = raw.call(p.Lookup(16, token, sel(KEEP), "y" * p.MAX_REQUEST_ID))
+        assert isinstance(looked, p.LookupResult) and looked.hits == 4
+        assert isinstance(raw.call(p.EndSession(17, token, "y" * p.MAX_REQUEST_ID)), p.Ok)
     finally:
         raw.close()
         thief.close()

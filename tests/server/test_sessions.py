@@ -201,6 +201,30 @@ def test_a_group_hit_counts_under_the_tier_any_rank_prefetched_it_from(env: Env)
     assert env.index.stats().read_locked == 0
 
 
+def test_a_client_with_too_many_open_sessions_loses_its_oldest(env: Env) -> None:
+    """An engine that never ends its lookups kept a session (and its locks) per lookup for
+    a whole TTL: 60,000 lookups held them all. Past the limit its oldest sessions end."""
+    ks = keys(2)
+    env.store(ks)
+    env.sessions.max_sessions = 3
+    for rid in "abcd":
+        env.sessions.open(ENGINE, rid, ks, [CHUNK] * 2)
+    env.sessions.open(RANK0, "other", ks, [CHUNK] * 2)  # another client's are its own
+    assert env.sessions.count_of(ENGINE) == 3 and env.sessions.ended_over_limit == 1
+    assert env.sessions.query(ENGINE, "a") is None  # the oldest went, its locks with it
+    assert env.sessions.query(ENGINE, "d") is not None
+    assert env.index.stats().read_locked == 2 and env.index.stats().read_leases == 4
+    env.sessions.open_group(SCHEDULER, "g", [(RANK0, ks, [CHUNK] * 2), (RANK1, ks, [CHUNK] * 2)])
+    for rid in "hij":
+        env.sessions.open_group(SCHEDULER, rid, [(RANK1, ks, [CHUNK] * 2)])
+    assert env.sessions.count_of(SCHEDULER) == 3 and env.sessions.query(SCHEDULER, "g") is None
+    assert env.sessions.count_of(RANK1) == 3  # its own limit too
+    for holder in (ENGINE, RANK0, RANK1, SCHEDULER):
+        env.sessions.drop_holder(holder)
+    assert env.index.stats().read_leases == 0
+    env.index.check()
+
+
 def test_a_client_going_away_ends_every_session_it_holds(env: Env) -> None:
     ks = keys(2)
     env.store(ks)

@@ -39,12 +39,13 @@ class ChunkKeys:
         self.max_chunks = max_chunks
 
     def of(
-        self, reg: Registration, sel: p.ChunkSelector, first_chunk: int = 0
+        self, reg: Registration, sel: p.ChunkSelector, first_chunk: int = 0, store: bool = False
     ) -> tuple[list[bytes], list[int]]:
-        """Keys and byte lengths of the selected chunks of ``reg``, from ``first_chunk`` on."""
+        """Keys and byte lengths of the selected chunks of ``reg``, from ``first_chunk`` on;
+        ``store``: of chunks to be stored (see :meth:`Registration.digest_for`)."""
         if first_chunk < 0:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "first_chunk must be >= 0")
-        ks, lengths = self._of(reg, sel, lazy=False)
+        ks, lengths = self._of(reg, sel, lazy=False, store=store)
         assert isinstance(ks, list)  # only lookups get lazily hashed keys
         if first_chunk > len(ks):
             raise RequestError(
@@ -65,7 +66,7 @@ class ChunkKeys:
             self._remember(reg, *new)
 
     def _of(
-        self, reg: Registration, sel: p.ChunkSelector, lazy: bool
+        self, reg: Registration, sel: p.ChunkSelector, lazy: bool, store: bool = False
     ) -> tuple[Sequence[bytes], list[int]]:
         limit = self.max_chunks
         chunk_size = self.chunk_size
@@ -92,7 +93,8 @@ class ChunkKeys:
                     f"{n_tokens} tokens make {n_chunks} chunks of {chunk_size}, more than "
                     f"{limit} (max_chunks_per_request)",
                 )
-            ks = self._chain(reg, reg.digest_for(sel.salt), sel.tokens, sel.partial_last, lazy)
+            digest = reg.digest_for(sel.salt, store)
+            ks = self._chain(reg, digest, sel.tokens, sel.partial_last, lazy)
             lengths = [reg.chunk_bytes] * len(ks)
             rest = n_tokens % chunk_size
             if sel.partial_last and rest:
@@ -107,7 +109,7 @@ class ChunkKeys:
             if sel.partial_last:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, "partial_last needs tokens, not hashes")
             try:
-                ks = keys.keys_from_hashes(reg.digest_for(sel.salt), sel.hashes)
+                ks = keys.keys_from_hashes(reg.digest_for(sel.salt, store), sel.hashes)
             except ValueError as exc:
                 raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
             lengths = [reg.chunk_bytes] * len(ks)

@@ -89,16 +89,16 @@ class Registration:
         if self.tenants is not None:
             self.tenants.bind(self.digest, tenant_name(self.namespace.tenant_salt))
 
-    def digest_for(self, salt: str) -> bytes:
-        """The namespace digest of this client's keys under a per-request cache salt."""
+    def digest_for(self, salt: str, store: bool = False) -> bytes:
+        """The namespace digest of this client's keys under a per-request cache salt;
+        ``store``: for chunks to be stored, which are charged to the salt's tenant (bound
+        then, not at lookups: a tenant id is for good, and lookups of made-up salts used
+        them all up, sending every later tenant to ~other)."""
         if not salt:
             return self.digest
         digest = self.salted.pop(salt, None)  # put back last: the most recently used
         if digest is None:
-            tenant = self.namespace.tenant_salt
             digest = msgspec.structs.replace(self.namespace, cache_salt=salt).digest()
-            if self.tenants is not None:
-                self.tenants.bind(digest, tenant_name(tenant, salt))
             if len(self.salted) >= MAX_SALTS:
                 # The least recently used half at once: forgetting shrinks the namespaces
                 # the chunk feed covers, and each shrink makes the engine read a snapshot.
@@ -106,6 +106,8 @@ class Registration:
                 for old in list(self.salted)[: MAX_SALTS // 2]:
                     self.salted.pop(old, None)
         self.salted[salt] = digest
+        if store and self.tenants is not None:  # (a dict lookup once bound)
+            self.tenants.bind(digest, tenant_name(self.namespace.tenant_salt, salt))
         return digest
 
 

@@ -281,7 +281,7 @@ class CacheService:
     # -- store -----------------------------------------------------------------------------
     def prepare_store(self, req: p.PrepareStore) -> p.StoreSlots:
         reg = self._worker(req.client)
-        ks, lengths = self.chunk_keys.of(reg, req.chunks, req.first_chunk)
+        ks, lengths = self.chunk_keys.of(reg, req.chunks, req.first_chunk, store=True)
         if req.notes is not None:
             _check_notes(req.notes, len(ks))
         res = self.index.reserve_write(
@@ -380,7 +380,7 @@ class CacheService:
         if not req.request_id:
             self.tiering.lookups.record(ks, ready)
             return p.LookupResult(req.rid, ready, len(ks))
-        session = self.sessions.open(reg.token, req.request_id, ks, lengths)
+        session = self.sessions.open(reg.token, _request_id(req.request_id), ks, lengths)
         return p.LookupResult(
             req.rid, session.hits, len(ks), prefetching=session.prefetch is not None
         )
@@ -400,7 +400,8 @@ class CacheService:
             for (_, ks, _), ready in zip(ranks, readies, strict=True):
                 self.tiering.lookups.record(ks, ready)
             return p.LookupResult(req.rid, min(readies), len(ranks[0][1]))
-        hits, total, prefetching = self.sessions.open_group(scheduler.token, req.request_id, ranks)
+        request_id = _request_id(req.request_id)
+        hits, total, prefetching = self.sessions.open_group(scheduler.token, request_id, ranks)
         return p.LookupResult(req.rid, hits, total, prefetching=prefetching)
 
     def _ready_prefix(self, ks: Sequence[bytes]) -> int:
@@ -428,7 +429,7 @@ class CacheService:
                 f"wait_ms must be 0 to {p.MAX_PREFETCH_WAIT_MS}, not {req.wait_ms}",
             )
         reg = self._client(req.client)
-        progress = self.sessions.query(reg.token, req.request_id)
+        progress = self.sessions.query(reg.token, _request_id(req.request_id))
         if progress is None:
             raise RequestError(p.ErrorCode.NOT_FOUND, f"no lookup session {req.request_id!r}")
         sources = [p.SourceRun(where, chunks) for where, chunks in progress.sources]
@@ -461,7 +462,7 @@ class CacheService:
             )
         if not req.request_id:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "give request_id or chunks")
-        taken = self.sessions.take(reg.token, req.request_id)
+        taken = self.sessions.take(reg.token, _request_id(req.request_id))
         if taken is None:
             raise RequestError(
                 p.ErrorCode.NOT_FOUND,
@@ -502,11 +503,11 @@ class CacheService:
 
     def free_lookup_locks(self, req: p.FreeLookupLocks) -> p.Ok:
         reg = self._client(req.client)
-        return p.Ok(req.rid, self.sessions.drop(reg.token, req.request_id))
+        return p.Ok(req.rid, self.sessions.drop(reg.token, _request_id(req.request_id)))
 
     def end_session(self, req: p.EndSession) -> p.Ok:
         reg = self._client(req.client)
-        return p.Ok(req.rid, self.sessions.drop(reg.token, req.request_id))
+        return p.Ok(req.rid, self.sessions.drop(reg.token, _request_id(req.request_id)))
 
     # -- administration --------------------------------------------------------------------
     def clear(self, req: p.Clear) -> p.Ok:
@@ -554,6 +555,17 @@ class CacheService:
         if req.client not in self.registry and not self.token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         return self.snapshot(req.rid)
+
+
+def _request_id(request_id: str) -> str:
+    """``request_id`` if it is short enough to keep (a session is filed under it for its
+    TTL: ids of megabytes made a client's lookups hold the server's memory)."""
+    if len(request_id) > p.MAX_REQUEST_ID:
+        raise RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"a request id is at most {p.MAX_REQUEST_ID} characters, not {len(request_id)}",
+        )
+    return request_id
 
 
 def _check_notes(notes: list[bytes], chunks: int) -> None:

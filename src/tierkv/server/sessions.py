@@ -13,7 +13,8 @@ runs. Its life:
   FINISH_RETRIEVE); a prefetch landing later gives back whatever lease it made;
 - ``drop``: END_SESSION, FREE_LOOKUP_LOCKS, a new lookup under the same request id, the
   client's unregistration: the locks are released;
-- ``expire``: sessions idle for ``ttl`` seconds are dropped.
+- ``expire``: sessions idle for ``ttl`` seconds are dropped; past :data:`MAX_SESSIONS` open
+  sessions of one client, its oldest are dropped as it opens more.
 
 A scheduler's lookup opens a *group* session: one session per tensor-parallel rank, each
 held by that rank's client (the rank retrieves by request id as if it had looked up itself),
@@ -23,6 +24,8 @@ answered with the smallest hit count. Thread-safe: prefetches finish on tier thr
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +35,13 @@ from tierkv.server.metrics import POOL
 from tierkv.server.tiering import Tiering
 from tierkv.server.tiering.lookups import LookupAccounting
 from tierkv.server.tiering.prefetch import PrefetchJob
+
+log = logging.getLogger(__name__)
+
+# Open lookup sessions of one client at most (a scheduler's group sessions and a worker's
+# own, each). An engine that never ends its lookups would otherwise grow the server's
+# memory with its request rate for a whole session TTL.
+MAX_SESSIONS = 16384
 
 
 @dataclass(slots=True)
@@ -90,6 +100,9 @@ class LookupSessions:
         self.lookups = lookups
         self.clock = clock
         self.ttl = ttl
+        self.max_sessions = MAX_SESSIONS
+        self.ended_over_limit = 0  # sessions dropped because their client opened too many
+        self._warned: set[int] = set()  # clients told so in the log
         self._lock = threading.Lock()
         self._single: dict[int, dict[str, Session]] = {}  # holder -> request id -> session
         self._groups: dict[int, dict[str, GroupSession]] = {}  # scheduler -> request id -> ..
@@ -101,6 +114,7 @@ class LookupSessions:
         """Replace any session of ``request_id``: lock the pool's hit prefix for ``holder``
         and start the prefetch of the rest."""
         self.drop(holder, request_id)
+        self._make_room(holder)
         return self._open(holder, request_id, keys, lengths)
 
     def open_group(
@@ -112,9 +126,11 @@ class LookupSessions:
         """A scheduler's lookup over its engine's ranks, each (token, keys, lengths):
         returns (hits, total, prefetching)."""
         self.drop(scheduler, request_id)
+        self._make_room(scheduler)
         members: list[tuple[int, Session]] = []
         for token, keys, lengths in ranks:
             self.drop(token, request_id)
+            self._make_room(token)
             members.append((token, self._open(token, request_id, keys, lengths)))
         hits = min(session.available for _, session in members)
         prefetching = False
@@ -125,6 +141,28 @@ class LookupSessions:
             group = GroupSession(members, members[0][1].total, self.clock())
             self._groups.setdefault(scheduler, {})[request_id] = group
         return hits, group.total, prefetching
+
+    def _make_room(self, holder: int) -> None:
+        """Drop ``holder``'s oldest sessions while it has :attr:`max_sessions` or more (one
+        is about to open)."""
+        with self._lock:
+            groups, singles = self._groups.get(holder, {}), self._single.get(holder, {})
+            over = len(groups) + len(singles) + 1 - self.max_sessions
+            if over <= 0:
+                return
+            oldest = [*itertools.islice(groups, over), *itertools.islice(singles, over)][:over]
+            self.ended_over_limit += len(oldest)
+            first = holder not in self._warned
+            self._warned.add(holder)
+        if first:
+            log.warning(
+                "client %d holds %d open lookup sessions: its oldest are ended as it opens "
+                "more (does the engine end its lookups?)",
+                holder,
+                self.max_sessions,
+            )
+        for request_id in oldest:
+            self.drop(holder, request_id)
 
     def _open(
         self, holder: int, request_id: str, keys: Sequence[bytes], lengths: list[int]
@@ -268,6 +306,7 @@ class LookupSessions:
         with self._lock:
             self._single.pop(holder, None)
             self._groups.pop(holder, None)
+            self._warned.discard(holder)
         return released
 
     def expire(self) -> int:
