@@ -155,3 +155,26 @@ def test_a_live_disk_quota_applies_and_survives_a_restart(
         "refused_chunks": 0,
         "refused_bytes": 0,
     }
+
+
+def test_salted_chunks_looked_up_back_from_disk_count_for_their_tenant(
+    server_factory: Servers, tmp_path: Path
+) -> None:
+    """A cache salt's namespace is bound to its tenant when a chunk is stored under it, or
+    when a lookup finds chunks of it (in the pool, or brought in by its prefetch): after a
+    restart the engine that only looks up under the salt has its chunks counted for its
+    tenant, not ~other's."""
+    flags = disk(tmp_path / "d")
+    srv, base = start(server_factory, *flags)
+    acme = tenant_client(srv, "acme")
+    assert store(acme, tokens_of(3, 8), salt="s1") == 0
+    wait_for("the write-behind", lambda: written(acme) == 8)
+    srv.stop()
+
+    srv, base = start(server_factory, *flags)
+    acme = tenant_client(srv, "acme")
+    hits = acme.lookup(tokens_of(3, 8), request_id="back", wait=True, salt="s1").hits
+    acme.end_session("back")
+    assert hits == 8
+    assert doc(base, "acme")["usage"]["pool"] == 8 * CHUNK_BYTES
+    assert doc(base, OTHER_TENANT)["usage"]["pool"] == 0

@@ -222,6 +222,15 @@ def test_a_client_with_too_many_open_sessions_loses_its_oldest(env: Env) -> None
     for holder in (ENGINE, RANK0, RANK1, SCHEDULER):
         env.sessions.drop_holder(holder)
     assert env.index.stats().read_leases == 0
+    # A rank's part of a group is ended with the whole group: the group answered its full
+    # hit count while that rank could no longer retrieve.
+    env.sessions.open_group(SCHEDULER, "g", [(RANK0, ks, [CHUNK] * 2), (RANK1, ks, [CHUNK] * 2)])
+    for rid in ("own1", "own2", "own3"):
+        env.sessions.open(RANK0, rid, ks, [CHUNK] * 2)
+    assert env.sessions.query(SCHEDULER, "g") is None and env.sessions.take(RANK1, "g") is None
+    assert env.sessions.count_of(RANK0) == 3 and env.sessions.count_of(RANK1) == 0
+    env.sessions.drop_holder(RANK0)
+    assert env.index.stats().read_leases == 0
     env.index.check()
 
 

@@ -34,6 +34,7 @@ from tierkv.server.register_checks import check_register
 from tierkv.server.registry import ClientRegistry, GroupConflict, Registration, RegistryFull
 from tierkv.server.sessions import LookupSessions
 from tierkv.server.tiering import Tiering
+from tierkv.tenants import tenant_name
 
 log = logging.getLogger(__name__)
 
@@ -377,10 +378,12 @@ class CacheService:
         ks, lengths = self.chunk_keys.for_lookup(reg, req.chunks)
         ready = self._ready_prefix(ks)
         self.chunk_keys.remember(reg, ks)
+        bind = _salt_binding([reg], req.chunks.salt, found=ready > 0)
         if not req.request_id:
             self.tiering.lookups.record(ks, ready)
             return p.LookupResult(req.rid, ready, len(ks))
-        session = self.sessions.open(reg.token, _request_id(req.request_id), ks, lengths)
+        rid = _request_id(req.request_id)
+        session = self.sessions.open(reg.token, rid, ks, lengths, on_found=bind)
         return p.LookupResult(
             req.rid, session.hits, len(ks), prefetching=session.prefetch is not None
         )
@@ -396,12 +399,15 @@ class CacheService:
         readies = [self._ready_prefix(ks) for _, ks, _ in ranks]
         for w, (_, ks, _) in zip(workers, ranks, strict=True):
             self.chunk_keys.remember(w, ks)
+        bind = _salt_binding(workers, req.chunks.salt, found=any(readies))
         if not req.request_id:
             for (_, ks, _), ready in zip(ranks, readies, strict=True):
                 self.tiering.lookups.record(ks, ready)
             return p.LookupResult(req.rid, min(readies), len(ranks[0][1]))
         request_id = _request_id(req.request_id)
-        hits, total, prefetching = self.sessions.open_group(scheduler.token, request_id, ranks)
+        hits, total, prefetching = self.sessions.open_group(
+            scheduler.token, request_id, ranks, on_found=bind
+        )
         return p.LookupResult(req.rid, hits, total, prefetching=prefetching)
 
     def _ready_prefix(self, ks: Sequence[bytes]) -> int:
@@ -555,6 +561,34 @@ class CacheService:
         if req.client not in self.registry and not self.token_ok(req.auth_token):
             raise RequestError(p.ErrorCode.UNAUTHORIZED, "stats need a client or auth token")
         return self.snapshot(req.rid)
+
+
+def _salt_binding(
+    regs: Sequence[Registration], salt: str, found: bool
+) -> Callable[[], None] | None:
+    """A lookup under cache salt ``salt`` found chunks of its namespaces (in the pool now:
+    ``found``): they are bound to the salt's tenant now, so that they count for it (a
+    store binds them too, see :meth:`Registration.digest_for`). Otherwise what binds them
+    if its prefetch brings chunks in (None: nothing left to bind). Never for a lookup that
+    finds nothing: a tenant id is for good, and lookups of made-up salts used them up."""
+    if not salt:
+        return None
+    todo = [
+        (reg.tenants, digest, tenant_name(reg.namespace.tenant_salt, salt))
+        for reg in regs
+        if reg.tenants is not None and (digest := reg.digest_for(salt)) not in reg.tenants.by_digest
+    ]
+    if not todo:
+        return None
+
+    def bind() -> None:
+        for tenants, digest, name in todo:
+            tenants.bind(digest, name)
+
+    if found:
+        bind()
+        return None
+    return bind
 
 
 def _request_id(request_id: str) -> str:

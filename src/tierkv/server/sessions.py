@@ -59,6 +59,7 @@ class Session:
     # landed: a tier's name, or "pool" for one the pool had by then.
     first: int = 0
     prefetched: tuple[str, ...] = ()
+    scheduler: int = 0  # the scheduler whose group lookup this is a rank's part of (0: none)
 
     def source(self, position: int) -> str:
         """Where the hit chunk at ``position`` came from."""
@@ -109,34 +110,42 @@ class LookupSessions:
 
     # -- opening ---------------------------------------------------------------------------
     def open(
-        self, holder: int, request_id: str, keys: Sequence[bytes], lengths: list[int]
+        self,
+        holder: int,
+        request_id: str,
+        keys: Sequence[bytes],
+        lengths: list[int],
+        on_found: Callable[[], None] | None = None,
     ) -> Session:
         """Replace any session of ``request_id``: lock the pool's hit prefix for ``holder``
-        and start the prefetch of the rest."""
+        and start the prefetch of the rest; ``on_found`` is called (on a tier thread) if
+        the prefetch brings chunks in."""
         self.drop(holder, request_id)
         self._make_room(holder)
-        return self._open(holder, request_id, keys, lengths)
+        return self._open(holder, request_id, keys, lengths, on_found)
 
     def open_group(
         self,
         scheduler: int,
         request_id: str,
         ranks: Sequence[tuple[int, Sequence[bytes], list[int]]],
+        on_found: Callable[[], None] | None = None,
     ) -> tuple[int, int, bool]:
         """A scheduler's lookup over its engine's ranks, each (token, keys, lengths):
-        returns (hits, total, prefetching)."""
+        returns (hits, total, prefetching); ``on_found`` as for :meth:`open`."""
         self.drop(scheduler, request_id)
         self._make_room(scheduler)
         members: list[tuple[int, Session]] = []
         for token, keys, lengths in ranks:
             self.drop(token, request_id)
             self._make_room(token)
-            members.append((token, self._open(token, request_id, keys, lengths)))
+            members.append((token, self._open(token, request_id, keys, lengths, on_found)))
         hits = min(session.available for _, session in members)
         prefetching = False
         with self._lock:
             for _, session in members:
                 session.hits = hits
+                session.scheduler = scheduler
                 prefetching |= session.prefetch is not None
             group = GroupSession(members, members[0][1].total, self.clock())
             self._groups.setdefault(scheduler, {})[request_id] = group
@@ -150,7 +159,10 @@ class LookupSessions:
             over = len(groups) + len(singles) + 1 - self.max_sessions
             if over <= 0:
                 return
-            oldest = [*itertools.islice(groups, over), *itertools.islice(singles, over)][:over]
+            oldest = [
+                *((rid, 0) for rid in itertools.islice(groups, over)),
+                *((rid, singles[rid].scheduler) for rid in itertools.islice(singles, over)),
+            ][:over]
             self.ended_over_limit += len(oldest)
             first = holder not in self._warned
             self._warned.add(holder)
@@ -161,11 +173,20 @@ class LookupSessions:
                 holder,
                 self.max_sessions,
             )
-        for request_id in oldest:
+        for request_id, scheduler in oldest:
+            # A rank's part of a group lookup ends the whole group (a group whose rank
+            # could no longer retrieve would still answer its full hit count).
+            if scheduler:
+                self.drop(scheduler, request_id)
             self.drop(holder, request_id)
 
     def _open(
-        self, holder: int, request_id: str, keys: Sequence[bytes], lengths: list[int]
+        self,
+        holder: int,
+        request_id: str,
+        keys: Sequence[bytes],
+        lengths: list[int],
+        on_found: Callable[[], None] | None = None,
     ) -> Session:
         lock = self.index.lock_read(keys, holder, prefix=True)
         hits = len(lock.slots)
@@ -179,17 +200,24 @@ class LookupSessions:
                 lengths,
                 hits,
                 lock.lease_id,
-                lambda job: self._prefetch_done(holder, request_id, session, job),
+                lambda job: self._prefetch_done(holder, request_id, session, job, on_found),
             )
         else:
             self.lookups.record(keys, hits)  # with a prefetch, the tiering counts it when done
         return session
 
     def _prefetch_done(
-        self, holder: int, request_id: str, session: Session, job: PrefetchJob
+        self,
+        holder: int,
+        request_id: str,
+        session: Session,
+        job: PrefetchJob,
+        on_found: Callable[[], None] | None = None,
     ) -> None:
         """On a tier thread: hand a lease the prefetch created to its session, or give it
         back if nobody can use it any more (session ended, retrieved or timed out)."""
+        if on_found is not None and job.loaded:
+            on_found()
         new_lease = job.lease_id if job.lease_id != session.lease else 0
         if not new_lease:
             return  # nothing locked, or locks added to the session's own lease
