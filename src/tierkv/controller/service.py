@@ -378,7 +378,7 @@ class ControllerService:
             tiers_all = np.frombuffer(b"".join(t for _, t in parts), dtype=np.int8)
             try:
                 self.index.replace(req.instance, keys, tiers_all)
-            except NoFreeSlot as e:  # the previous entries stay; the server syncs again later
+            except NoFreeSlot as e:  # nothing applied; its next Register drops the kept entries
                 self.counts["reports_refused"] += 1
                 return cm.Ack(req.rid, self.boot, False, str(e))
             state.seq = req.seq
