@@ -9,9 +9,11 @@ import http.client
 import io
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -319,6 +321,120 @@ def test_a_batch_returns_only_once_every_request_ended(tier: S3Tier) -> None:
 
 
 # -- server failures -----------------------------------------------------------------------
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that breaks chosen requests (``mode``):
+    "cut_get": a GET's headers (Content-Length included) go out whole, its body only half
+    way, then the connection closes; "fail_delete": DeleteObjects is answered 500; None:
+    every request is passed on."""
+
+    def __init__(self, upstream: S3Server) -> None:
+        self.mode: str | None = None
+        port = upstream.port
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def handle_one(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                if proxy.mode == "fail_delete" and self.command == "POST" and "delete" in self.path:
+                    self._send(500, b"<Error><Code>InternalError</Code></Error>", {})
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                reply = conn.getresponse()
+                data = reply.read()
+                conn.close()
+                passed = {
+                    k: v
+                    for k, v in reply.getheaders()
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length")
+                }
+                if proxy.mode == "cut_get" and self.command == "GET" and reply.status == 200:
+                    self.send_response(200)
+                    for k, v in passed.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data[: len(data) // 2])
+                    self.close_connection = True
+                    return
+                self._send(reply.status, b"" if self.command == "HEAD" else data, passed)
+
+            def _send(self, status: int, data: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = handle_one
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def faulty(
+    s3_service: S3Server, make_tier: Callable[..., S3Tier]
+) -> Iterator[tuple[FaultProxy, S3Tier]]:
+    """A tier whose requests pass through a :class:`FaultProxy` (no retries)."""
+    proxy = FaultProxy(s3_service)
+    yield proxy, make_tier(endpoint_url=proxy.endpoint_url, retries=0, read_timeout=10)
+    proxy.close()
+
+
+def test_a_failed_load_counts_once_and_a_body_cut_short_ends_no_outage(
+    faulty: tuple[FaultProxy, S3Tier], slots: Slots, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GET whose headers came but whose body was cut short is one error (its ERROR
+    status; it was counted twice), and the endpoint is not taken to work again on the
+    headers: one outage for all the failed loads, not one started and ended per GET."""
+    proxy, tier = faulty
+    keys, expected = store_random(tier, slots, [4096, 4096])
+    caplog.set_level(logging.INFO, "tierkv.tiers.s3")
+    proxy.mode = "cut_get"
+    for _ in range(5):
+        assert load_into(tier, slots, keys, [4096, 4096])[0] == [LoadStatus.ERROR] * 2
+    assert tier.stats()["errors"] == 10
+    assert tier.outage.outages == 1 and tier.outage.down
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
+    proxy.mode = None
+    statuses, views = load_into(tier, slots, keys, [4096, 4096])
+    assert statuses == [LoadStatus.OK] * 2 and [bytes(v) for v in views] == expected
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
+
+
+def test_delete_counts_only_the_objects_it_removed(
+    faulty: tuple[FaultProxy, S3Tier], slots: Slots
+) -> None:
+    """DeleteObjects failing: none removed, whatever the HEADs before it found."""
+    proxy, tier = faulty
+    keys, _ = store_random(tier, slots, [100, 100, 100])
+    proxy.mode = "fail_delete"
+    assert tier.delete(keys) == 0
+    assert tier.contains(keys) == [True, True, True]
+    proxy.mode = None
+    assert tier.delete([*keys[:2], new_key()]) == 2
+    assert tier.contains(keys) == [False, False, True]
+
+
 def test_lost_server_gives_errors_without_raising(
     make_tier: Callable[..., S3Tier], s3_service_private: S3Server, slots: Slots
 ) -> None:

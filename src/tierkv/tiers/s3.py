@@ -26,7 +26,9 @@ Every chunk of a batch is one request, run in parallel on a small thread pool
 (``max_concurrency``, also the size of the HTTP connection pool). Failures never raise out
 of a batch: each item reports its own status. They are counted and logged through the
 tier's :class:`~tierkv.tiers.outage.Outage`: one WARNING when the endpoint starts failing,
-one INFO line with the count when a request works again.
+one INFO line with the count when a request works again (a GET once its body was read: an
+endpoint that sends headers and then fails every body is still down). A failed load counts
+once in ``errors``, as its ERROR status.
 """
 
 from __future__ import annotations
@@ -278,17 +280,17 @@ class S3Tier(Tier):
             if _error_code(exc) in _NOT_FOUND:
                 self.outage.ok()
                 return LoadStatus.MISSING
-            self._error("GET", key, exc)
+            self._error("GET", key, exc, count=False)  # load() counts the ERROR
             return LoadStatus.ERROR
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
-            self._error("GET", key, exc)
+            self._error("GET", key, exc, count=False)
             return LoadStatus.ERROR
-        self.outage.ok()
         try:
             status, corrupt = self._read_record(key, dest, response)
         except (botocore.exceptions.BotoCoreError, OSError, http.client.HTTPException) as exc:
-            self._error("GET", key, exc)
+            self._error("GET", key, exc, count=False)
             return LoadStatus.ERROR
+        self.outage.ok()  # the body came (headers alone do not show the endpoint works)
         if corrupt:
             self._drop_corrupt(key, response.get("ETag"))
         return status
@@ -371,9 +373,12 @@ class S3Tier(Tier):
         self._counts.add(corrupt_deleted=1)
 
     def delete(self, keys: Sequence[bytes]) -> int:
+        """The chunks removed: those held (a HEAD each, DeleteObjects does not tell) less
+        those whose deletion failed, alone or with their whole request."""
         if not keys:
             return 0
-        held = sum(self.contains(keys))
+        held = {self.object_key(k) for k, h in zip(keys, self.contains(keys), strict=True) if h}
+        removed = len(held)
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = keys[start : start + _DELETE_BATCH]
             objects = [{"Key": self.object_key(k)} for k in batch]
@@ -388,13 +393,16 @@ class S3Tier(Tier):
             ) as exc:
                 self._counts.add(errors=len(batch))
                 self.outage.failed("DeleteObjects", exc, len(batch))
+                removed -= sum(1 for obj in objects if obj["Key"] in held)
                 continue
-            self.outage.ok()
             errors = reply.get("Errors", [])
+            if len(errors) < len(batch):
+                self.outage.ok()
             if errors:
                 self._counts.add(errors=len(errors))
                 self.outage.failed("deleting " + str(errors[0].get("Key")), errors[0], len(errors))
-        return held
+                removed -= len({e.get("Key") for e in errors} & held)
+        return removed
 
     def usage(self) -> TierUsage:
         """Objects and bytes under the prefix (a listing: one request per 1000 objects)."""
@@ -419,8 +427,11 @@ class S3Tier(Tier):
         self._last_usage = TierUsage(objects, stored, 0)
         return self._last_usage
 
-    def _error(self, op: str, key: bytes, exc: BaseException) -> None:
-        self._counts.add(errors=1)
+    def _error(self, op: str, key: bytes, exc: BaseException, count: bool = True) -> None:
+        """A request failed: logged through the outage, and counted in ``errors`` unless
+        its caller counts it (a load counts its statuses)."""
+        if count:
+            self._counts.add(errors=1)
         self.outage.failed(f"{op} {key.hex()[:16]}", exc)
 
     def close(self) -> None:
