@@ -166,16 +166,28 @@ def send_all(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
         give_way()
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` at most :data:`PIECE` bytes a call."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float = 0.0) -> None:
+    """Fill ``view`` from ``sock`` at most :data:`PIECE` bytes a call. ``deadline`` (as in
+    :func:`recv_hashed`): the whole fill ends by then (TimeoutError); the socket's timeout
+    is given back afterwards."""
     pos, n = 0, len(view)
-    while pos < n:
-        got = sock.recv_into(view[pos:], min(PIECE, n - pos))
-        if not got:
-            raise ConnectionError("peer closed the connection")
-        if (pos + got) // PIECE != pos // PIECE:  # a receive may return little: once a piece
-            give_way()
-        pos += got
+    timeout = sock.gettimeout()
+    try:
+        while pos < n:
+            if deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("timed out")
+                sock.settimeout(left if timeout is None else min(timeout, left))
+            got = sock.recv_into(view[pos:], min(PIECE, n - pos))
+            if not got:
+                raise ConnectionError("peer closed the connection")
+            if (pos + got) // PIECE != pos // PIECE:  # a receive may return little: once a piece
+                give_way()
+            pos += got
+    finally:
+        if deadline:
+            sock.settimeout(timeout)
 
 
 def recv_hashed(

@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
+import tracemalloc
 from collections.abc import Iterator
 
 import pytest
 
 from tierkv.checksums import checksum
-from tierkv.tiers.resp import SCRATCH, Filled, ProtocolError, Replies, ReplyError
+from tierkv.tiers.resp import SCRATCH, Filled, Misfit, ProtocolError, Replies, ReplyError
 
 
 @pytest.fixture
@@ -91,8 +93,8 @@ def test_nulls_errors_and_values_of_another_size(pair: tuple[socket.socket, sock
     assert replies.value_into(h, d) is None
     err = replies.value_into(h, d)
     assert isinstance(err, ReplyError) and str(err).startswith("WRONGTYPE")
-    assert replies.value_into(h, d) == b"short"  # another size: the value itself
-    assert bytes(d) == bytes(100)
+    assert replies.value_into(h, d) == Misfit(5, b"short")  # another size: its first bytes
+    assert bytes(d) == bytes(100) and bytes(h) == bytes(64)
     assert replies.simple() == 3
     oom = replies.simple()
     assert isinstance(oom, ReplyError) and "OOM" in str(oom)
@@ -133,3 +135,56 @@ def test_a_connection_closed_mid_value_is_a_connection_error(
     writer.close()
     with pytest.raises(ConnectionError):
         Replies(reader).value_into(memoryview(bytearray(64)), memoryview(bytearray(100_000)))
+
+
+def test_a_value_of_another_size_is_received_and_dropped_keeping_its_first_bytes(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Only the first 64 bytes of a value of another size are kept, whatever its size (it
+    was read whole, and copied once more); the replies after it are read as usual."""
+    writer, reader = pair
+    value = os.urandom(8 << 20)
+    stream = memoryview(_bulk(value) + b"+OK\r\n")
+    t = threading.Thread(target=writer.sendall, args=(stream,))  # no copy on this side
+    t.start()
+    replies = Replies(reader)
+    h, d = memoryview(bytearray(64)), memoryview(bytearray(100))
+    tracemalloc.start()
+    try:
+        got = replies.value_into(h, d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == Misfit(len(value), value[:64])
+    assert peak < 256 * 1024, peak
+    assert replies.simple() == b"OK" and replies.clean
+    assert bytes(h) == bytes(64) and bytes(d) == bytes(100)
+    t.join(10)
+
+
+@pytest.mark.parametrize("size", [1000, 64 + 100_000])
+def test_the_deadline_bounds_all_receives_together(
+    pair: tuple[socket.socket, socket.socket], size: int
+) -> None:
+    """Bytes trickling in, each receive well within the socket's timeout (10 s), fail
+    the reading at the deadline (0.3 s from now); at this rate the value takes minutes.
+    Sizes: of another size than the slot (drained), and the slot's (received into it)."""
+    writer, reader = pair
+    stop = threading.Event()
+
+    def trickle() -> None:
+        writer.sendall(b"$%d\r\n" % (64 + 100_000))
+        while not stop.wait(0.01):
+            writer.sendall(b"x")
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    replies = Replies(reader, time.monotonic() + 0.3)
+    try:
+        with pytest.raises(TimeoutError):
+            replies.value_into(memoryview(bytearray(64)), memoryview(bytearray(size - 64)))
+    finally:
+        stop.set()
+        t.join(10)
+    replies.restore()
+    assert reader.gettimeout() == 10

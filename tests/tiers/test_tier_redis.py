@@ -6,8 +6,11 @@ Python object holds a value), and TLS and RESP3 connections."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import threading
 import time
 import tracemalloc
 import uuid
@@ -27,6 +30,7 @@ from tierkv.tiers import LoadStatus, TierError, TierUsage, create_tier, tier_nam
 from tierkv.tiers.records import HEADER_SIZE, pack_header
 from tierkv.tiers.redis import RedisTier
 from tierkv.tiers.redis_wire import Concat, GatherPacker
+from tierkv.tiers.resp import Misfit
 
 # Fixtures of the real services (tests/conftest.py belongs to the server tests).
 redis_server = services.redis_server
@@ -337,8 +341,160 @@ def test_a_corrupt_value_replaced_before_its_deletion_is_kept(
     assert raw.exists(tier.redis_key(good), tier.redis_key(fresh)) == 2
     tier._drop_corrupt([(good, bad), (fresh, ResponseError("WRONGTYPE"))])
     assert raw.exists(tier.redis_key(good)) == 0
+    # A value of another size is told by its length and first 64 bytes (it is not sent back).
+    foreign = os.urandom(100_000)
+    raw.set(tier.redis_key(good), foreign)
+    fresh_value = raw.get(tier.redis_key(fresh))
+    assert isinstance(fresh_value, bytes)
+    tier._drop_corrupt(
+        [
+            (good, Misfit(len(foreign) + 1, foreign[:64])),  # another length
+            (good, Misfit(len(foreign), os.urandom(64))),  # other first bytes
+            (fresh, Misfit(len(fresh_value), fresh_value[:63] + b"?")),  # the good record
+        ]
+    )
+    assert raw.exists(tier.redis_key(good), tier.redis_key(fresh)) == 2
+    tier._drop_corrupt([(good, Misfit(len(foreign), foreign[:64]))])
+    assert raw.exists(tier.redis_key(good)) == 0
+    raw.set(tier.redis_key(good), b"tiny")  # shorter than a header: compared whole
+    tier._drop_corrupt([(good, Misfit(4, b"tinY"))])
+    assert raw.exists(tier.redis_key(good)) == 1
+    tier._drop_corrupt([(good, Misfit(4, b"tiny"))])
+    assert raw.exists(tier.redis_key(good)) == 0
     statuses, views = load_into(tier, slots, [fresh], [4096])
     assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[1]
+
+
+def test_a_foreign_value_of_another_size_is_neither_held_nor_sent_back(
+    make_tier: Callable[..., RedisTier], slots: Slots, raw: redis.Redis
+) -> None:
+    """Values of another size under a load's keys are received and dropped a piece at a
+    time, and deleted by their length and first bytes: a load of 4 KiB chunks over four
+    8 MiB foreign values stays within a few hundred KiB (it held each whole, twice, and sent
+    each back to Redis in the deleting script)."""
+    tier = make_tier(max_pipeline_bytes=1 << 20)
+    keys, expected = store_random(tier, slots, [4096] * 5)
+    for key in keys[:4]:
+        raw.set(tier.redis_key(key), os.urandom(8 << 20))
+    tracemalloc.start()
+    try:
+        statuses, views = load_into(tier, slots, keys, [4096] * 5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert statuses == [LoadStatus.CORRUPT] * 4 + [LoadStatus.OK]
+    assert bytes(views[4]) == expected[4]
+    assert peak < 512 * 1024, peak
+    assert raw.exists(*[tier.redis_key(k) for k in keys]) == 1
+    assert tier.stats()["corrupt_deleted"] == 4
+
+
+class StallingProxy:
+    """A TCP proxy in front of Redis; ``mode`` sets what goes back to the client: None:
+    everything; "trickle": a byte every 10 ms (each receive gets something well within any
+    socket timeout); "stall": nothing. ``accepted``: connections made to it."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.mode: str | None = None
+        self.accepted = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            self._sockets += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while not self._closed.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if replies and self.mode == "stall":
+                    continue
+                if replies and self.mode == "trickle":
+                    for i in range(len(data)):
+                        if self._closed.wait(0.01):
+                            return
+                        dst.sendall(data[i : i + 1])
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+
+@pytest.fixture
+def proxy(redis_service: RedisServer) -> Iterator[StallingProxy]:
+    stalling = StallingProxy(redis_service.port)
+    yield stalling
+    stalling.close()
+
+
+def _in_thread(fn: Callable[[], Any], limit: float = 30.0) -> Any:
+    """``fn()`` from a thread; fails the test (instead of hanging it) past ``limit``."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert result, f"still running after {limit} s"
+    return result[0]
+
+
+def test_socket_timeout_bounds_a_whole_batch_of_trickling_replies(
+    make_tier: Callable[..., RedisTier], proxy: StallingProxy, slots: Slots
+) -> None:
+    """Replies trickling in (every receive well within the timeout) fail the batch once
+    socket_timeout (0.5 s) has passed: the 64 KiB value would take 11 minutes at that rate,
+    and the load ran that long."""
+    tier = make_tier(url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5, retries=0)
+    keys, expected = store_random(tier, slots, [64 * 1024])
+    proxy.mode = "trickle"
+    assert _in_thread(lambda: load_into(tier, slots, keys, [64 * 1024])[0]) == [LoadStatus.ERROR]
+    proxy.mode = None
+    statuses, views = load_into(tier, slots, keys, [64 * 1024])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+
+
+def test_a_timeout_is_not_retried(
+    make_tier: Callable[..., RedisTier], proxy: StallingProxy, slots: Slots
+) -> None:
+    """``retries`` reconnects after a connection error, not after a timeout: a stalled
+    Redis costs a batch one connection (and one timeout), not retries + 1."""
+    tier = make_tier(url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.3, retries=2)
+    keys, _ = store_random(tier, slots, [1000])
+    proxy.mode = "stall"
+    view, _ = slots.random(1000)
+    batches: list[Callable[[], object]] = [
+        lambda: load_into(tier, slots, keys, [1000])[0],
+        lambda: tier.presence(keys),
+        lambda: tier.store([(new_key(), view)]),
+    ]
+    for batch in batches * 2:
+        before = proxy.accepted
+        assert batch() in ([LoadStatus.ERROR], [None], [False])
+        assert proxy.accepted - before <= 1  # a new connection for the one attempt, at most
 
 
 # -- server failures -----------------------------------------------------------------------
@@ -360,6 +516,30 @@ def test_server_errors_fail_single_items_without_raising(
     finally:
         raw.config_set("maxmemory", 0)
     assert tier.store([(new_key(), view)]) == [True]
+
+
+def test_a_redis_refusing_every_command_is_one_outage(
+    tier: RedisTier, slots: Slots, raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Batches whose every command is refused (OOM) do not show that Redis works: one
+    outage, logged once, until a command succeeds (each batch used to end the outage it
+    had started)."""
+    caplog.set_level(logging.INFO, "tierkv.tiers.redis")
+    view, _ = slots.random(100)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", 1)
+    try:
+        for _ in range(10):
+            assert tier.store([(new_key(), view), (new_key(), view)]) == [False, False]
+    finally:
+        raw.config_set("maxmemory", 0)
+    assert tier.outage.outages == 1 and tier.outage.down
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    assert not [r for r in caplog.records if r.levelno == logging.INFO]
+    assert tier.store([(new_key(), view)]) == [True]
+    assert not tier.outage.down
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "works again" in infos[0]
 
 
 def test_lost_server_gives_errors_and_the_tier_recovers(

@@ -23,13 +23,24 @@ after; the GIL profile of the server no longer shows the Redis tier).
 A value found corrupt (bad header, length or checksum, or not a string) is deleted, by a
 script that deletes it only if it is still the value that was read: a store that replaced it
 meanwhile is kept. A value of another length than the slot that is itself a whole record of
-the key is kept (the caller asked for the wrong size).
+the key is kept (the caller asked for the wrong size). A value of another length is neither
+read into memory nor sent back: only its first 64 bytes are kept (the rest is received and
+dropped), and the script compares its length and those bytes (a good record of that length
+with that header would have been a whole record of the key, kept): 8 foreign 64 MiB values
+under the keys of a load of 4 KiB chunks took 576 MiB when they were read and sent whole.
 
 Failures never raise out of a batch: a lost connection makes the whole batch ``ERROR`` /
 ``False`` (redis-py reconnects on the next call, so the tier recovers when Redis comes back);
 a per-command error (``OOM`` under ``maxmemory``, ``WRONGTYPE``) affects only its item.
 Failures are counted and logged through the tier's :class:`~tierkv.tiers.outage.Outage`: one
-WARNING when Redis stops answering, one INFO line with the count when it answers again.
+WARNING when Redis stops answering, one INFO line with the count when it works again, that
+is when a command of a batch succeeds: a Redis that answers every command with an error
+(``OOM``, ``READONLY``) is still down (each such batch used to end the outage and start
+another, logged every time).
+
+``socket_timeout`` bounds a whole batch's replies (one deadline per pipeline), and a timeout
+is not retried (``retries`` is about connection errors): a stalled Redis costs one timeout
+per batch, not ``retries + 1``.
 """
 
 from __future__ import annotations
@@ -46,11 +57,12 @@ from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
 from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
 from tierkv.tiers.registry import register_tier
-from tierkv.tiers.resp import Filled, Replies, ReplyError
+from tierkv.tiers.resp import Filled, Misfit, Replies, ReplyError
 
 try:
     import redis
     from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import RedisError
     from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only without the optional dependency
@@ -62,14 +74,24 @@ T = TypeVar("T")
 _DEL_BATCH = 1000
 _SCAN_COUNT = 1000
 # Delete KEYS[1] if it still holds what a load found corrupt: ARGV[1] "string" and ARGV[2] the
-# value read, or ARGV[1] "other" for a value that was not a string.
+# value read (one of the slot's size); ARGV[1] "head", ARGV[2] the length of a value of
+# another size and ARGV[3] its first 64 bytes (all of it when shorter); or ARGV[1] "other"
+# for a value that was not a string.
 _DROP_CORRUPT = """
 local t = redis.call('TYPE', KEYS[1])['ok']
 if ARGV[1] == 'other' then
   if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end
   return 0
 end
-if t == 'string' and redis.call('GET', KEYS[1]) == ARGV[2] then
+if t ~= 'string' then return 0 end
+if ARGV[1] == 'head' then
+  if redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[2])
+      and redis.call('GETRANGE', KEYS[1], 0, 63) == ARGV[3] then
+    return redis.call('DEL', KEYS[1])
+  end
+  return 0
+end
+if redis.call('GET', KEYS[1]) == ARGV[2] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -100,11 +122,13 @@ class RedisTier(Tier):
         url  ``redis://host:port/db``, ``rediss://`` for TLS, ``unix:///path``
         key_prefix  the prefix of every key tierkv writes
         ttl  seconds a value lives (none: until deleted, or evicted by Redis)
-        socket_timeout  seconds a command may take
+        socket_timeout  seconds a batch's commands may take (their replies included);
+             not retried
         socket_connect_timeout  seconds a connection may take
         max_connections  connections in the pool; callers beyond wait for one
         pool_timeout  seconds a caller waits for a free connection
-        retries  reconnect attempts per batch after a connection error
+        retries  reconnect attempts per batch after a connection error (not after a
+             timeout)
         max_pipeline_bytes  a load batch is split into pipelines whose replies together
              stay under this many bytes
     """
@@ -130,7 +154,13 @@ class RedisTier(Tier):
         # SET EX wants whole seconds; round up so a chunk never expires early.
         self._ttl = None if ttl is None else max(1, -(-int(ttl * 1000) // 1000))
         self._max_pipeline_bytes = max(1, max_pipeline_bytes)
-        self._retry = Retry(ExponentialBackoff(cap=0.5, base=0.02), retries)
+        # Connection errors only (redis-py also retries timeouts by default): a stalled server
+        # would cost retries + 1 socket timeouts per batch.
+        self._retry = Retry(
+            ExponentialBackoff(cap=0.5, base=0.02),
+            retries,
+            supported_errors=(RedisConnectionError,),
+        )
         try:
             self._pool = redis.BlockingConnectionPool.from_url(
                 url,
@@ -203,9 +233,14 @@ class RedisTier(Tier):
         with self._client.pipeline(transaction=False) as pipe:
             for command in commands:
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            replies = pipe.execute(raise_on_error=False)
-        self.outage.ok()  # Redis answered (per-command errors are reported by the caller)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies
+
+    def _answered(self, replies: Sequence[object]) -> None:
+        """The tier works if a command of the batch did (an error reply to each, like OOM
+        or READONLY, is no sign of that; the caller reports those)."""
+        if any(not isinstance(r, Exception) for r in replies):
+            self.outage.ok()
 
     def _on_socket(self, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T]) -> T:
         """Send ``commands`` pipelined on one of the pool's connections, in pieces (a value's
@@ -220,7 +255,6 @@ class RedisTier(Tier):
             )
         finally:
             self._pool.release(conn)  # type: ignore[no-untyped-call]
-        self.outage.ok()  # Redis answered (per-command errors are reported by the caller)
         return result
 
     # -- Tier ------------------------------------------------------------------------------
@@ -235,6 +269,7 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("contains", exc, len(keys))
             return [None] * len(keys)
+        self._answered(replies)
         return [r == 1 if isinstance(r, int) else None for r in replies]
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
@@ -264,6 +299,7 @@ class RedisTier(Tier):
             return results
         finally:
             commands.clear()  # drop the references to the pool views
+        self._answered(replies)
         refused: list[Exception] = []
         for i, reply in zip(positions, replies, strict=True):
             if isinstance(reply, ReplyError):
@@ -320,7 +356,7 @@ class RedisTier(Tier):
         headers = [memoryview(bytearray(HEADER_SIZE)) for _ in items]
         dests = [byte_view(view) for _, view in items]
 
-        def read(replies: Replies) -> list[Filled | bytes | ReplyError | None]:
+        def read(replies: Replies) -> list[Filled | Misfit | ReplyError | None]:
             return [replies.value_into(h, d) for h, d in zip(headers, dests, strict=True)]
 
         try:
@@ -329,7 +365,8 @@ class RedisTier(Tier):
             self._failed("load", exc, len(items))
             return [LoadStatus.ERROR] * len(items)
         statuses: list[LoadStatus] = []
-        bad: list[tuple[bytes, object]] = []  # (key, the corrupt value) to delete
+        # (key, what tells the corrupt value: itself, a Misfit, or the WRONGTYPE error)
+        bad: list[tuple[bytes, object]] = []
         for (key, _), header, dest, reply in zip(items, headers, dests, replies, strict=True):
             status, drop = self._fill(key, header, dest, reply)
             statuses.append(status)
@@ -339,6 +376,8 @@ class RedisTier(Tier):
                 value = bytes(header) + bytes(dest) if isinstance(reply, Filled) else reply
                 bad.append((key, value))
         refused = [r for r in replies if isinstance(r, ReplyError) and not _wrong_type(r)]
+        if len(refused) < len(replies):  # WRONGTYPE too: Redis looked the key up
+            self.outage.ok()
         if refused:
             self.outage.failed("GET", refused[0], len(refused))
         self._counts.add_loads(statuses)
@@ -351,7 +390,7 @@ class RedisTier(Tier):
         key: bytes,
         header: memoryview,
         dest: memoryview,
-        reply: Filled | bytes | ReplyError | None,
+        reply: Filled | Misfit | ReplyError | None,
     ) -> tuple[LoadStatus, bool]:
         """Verify one GET reply, whose payload is in ``dest`` already when it has the
         expected size: the status, and whether the stored value is corrupt (to be
@@ -365,9 +404,9 @@ class RedisTier(Tier):
                 log.warning("redis tier: %s holds a non-string value; deleting it", key.hex()[:16])
                 return LoadStatus.CORRUPT, True
             return LoadStatus.ERROR, False
-        if isinstance(reply, bytes):  # not HEADER_SIZE + dest.nbytes bytes
-            header_found = unpack_header(reply[:HEADER_SIZE])
-            drop = misfit(log, "redis", header_found, key, len(reply), dest.nbytes)
+        if isinstance(reply, Misfit):  # not HEADER_SIZE + dest.nbytes bytes
+            header_found = unpack_header(reply.head)
+            drop = misfit(log, "redis", header_found, key, reply.size, dest.nbytes)
             return LoadStatus.CORRUPT, drop
         status = verify(unpack_header(header), key, dest, reply.digest)
         if status is not LoadStatus.OK:
@@ -375,18 +414,24 @@ class RedisTier(Tier):
         return status, status is not LoadStatus.OK
 
     def _drop_corrupt(self, bad: Sequence[tuple[bytes, object]]) -> None:
-        """Delete values a load found corrupt, each only if it is still the value read."""
-        commands = [
-            ("EVAL", _DROP_CORRUPT, 1, self.redis_key(key), "string", reply)
-            if isinstance(reply, bytes)
-            else ("EVAL", _DROP_CORRUPT, 1, self.redis_key(key), "other", "")
-            for key, reply in bad
-        ]
+        """Delete values a load found corrupt, each only if it is still the value read: one
+        of the slot's size is compared whole (bounded by the batch's size), one of another
+        size by its length and first bytes (:class:`Misfit`: it may be of any size)."""
+        commands: list[tuple[Any, ...]] = []
+        for key, reply in bad:
+            rkey = self.redis_key(key)
+            if isinstance(reply, bytes):
+                commands.append(("EVAL", _DROP_CORRUPT, 1, rkey, "string", reply))
+            elif isinstance(reply, Misfit):
+                commands.append(("EVAL", _DROP_CORRUPT, 1, rkey, "head", reply.size, reply.head))
+            else:
+                commands.append(("EVAL", _DROP_CORRUPT, 1, rkey, "other", ""))
         try:
             replies = self._pipelined(commands)
         except (RedisError, OSError) as exc:
             self._failed("deleting corrupt values", exc, len(bad))
             return
+        self._answered(replies)
         failed = [r for r in replies if isinstance(r, Exception)]
         if failed:
             self._failed("deleting corrupt values", failed[0], len(failed))
