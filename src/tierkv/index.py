@@ -406,17 +406,15 @@ class ObjectIndex:
     def rebind(self, digest: bytes, tid: int) -> int:
         """Charge tenant ``tid`` with the objects of namespace ``digest`` (being written,
         ready, deleted but held, or freed but held) that were charged to ``~other`` because
-        the namespace was bound to no tenant when they were reserved; they join the
-        tenant's LRU in their place in the global one. Called by :meth:`TenantIds.bind`
-        once :attr:`TenantIds.by_digest` has the binding, so every object reserved before
-        it is listed by then, and every one after is charged to ``tid`` already. Returns
-        how many objects moved.
+        the namespace was bound to no tenant when they were reserved. Called by
+        :meth:`TenantIds.bind` once :attr:`TenantIds.by_digest` has the binding, so every
+        object reserved before it is listed by then, and every one after is charged to
+        ``tid`` already. Returns how many objects moved.
 
-        Costs O(objects moved), plus, where some of them are in the LRU, a walk of the
-        global LRU from its newest end back to the oldest of them (chunks stored just before
-        the engine registered are near that end; at worst the whole LRU, ~0.25 s for a
-        million objects). A binding with nothing to move costs a dict lookup: only one of a
-        namespace stored into before its engine registered pays."""
+        Those in the LRU become its most recently used (the binding, an engine registering
+        or looking up, counts as their use): each tenant's LRU then stays the global one's
+        entries in order at O(objects moved). Putting them back in their place cost a walk
+        of the global LRU under the index lock (0.25 s for a million objects)."""
         with self._lock:
             moving = self._unbound.pop(digest, None)
             if moving is None or tid == OTHER_ID:
@@ -425,32 +423,14 @@ class ObjectIndex:
             size = sum(aligned(e.length) for e in moving)
             self._uncharge(OTHER_ID, size)
             self._tused[tid] = self._tused.get(tid, 0) + size
-            other_lru = self._tlru.get(OTHER_ID, {})
-            in_lru = [e for e in moving if e in other_lru]
+            lru = self._lru
+            in_lru = [e for e in moving if e in lru]
+            for entry in in_lru:
+                self._lru_remove(entry)
             for entry in moving:
                 entry.tenant = tid
-            if in_lru:
-                for entry in in_lru:
-                    del other_lru[entry]
-                if not other_lru:
-                    del self._tlru[OTHER_ID]
-                # The global LRU from its newest end back to the oldest entry moved: the
-                # tenant's entries on the way are the newest of its own LRU; they go back in
-                # after it, with the moved ones among them in their global order.
-                tlru = self._tlru.setdefault(tid, {})
-                left = len(in_lru)
-                tail: list[Entry] = []
-                for entry in reversed(self._lru):
-                    if entry.tenant == tid:
-                        tail.append(entry)
-                        if entry in moving:
-                            left -= 1
-                            if not left:
-                                break
-                for _ in range(len(tail) - len(in_lru)):
-                    tlru.popitem()
-                for entry in reversed(tail):
-                    tlru[entry] = None
+            for entry in in_lru:
+                self._lru_add(entry)
             return len(moving)
 
     def _reserved_by(self, holder: int) -> int:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.allocator import Allocator
-from tierkv.index import Holder, LeaseNotFound, ObjectIndex
+from tierkv.index import Entry, Holder, LeaseError, LeaseNotFound, ObjectIndex
 from tierkv.tenants import DEFAULT_ID, OTHER_ID, TenantIds
 
 BLOCK = 4096
@@ -74,73 +74,123 @@ OPS = st.lists(
     st.tuples(
         st.sampled_from(
             [
-                *("store", "reserve", "read", "hold", "release", "delete", "evict"),
-                *("quota", "config", "bind"),
+                *("store", "store", "reserve", "read", "hold", "release", "delete", "evict"),
+                *("quota", "config", "bind", "bind", "clear", "fence", "unfence", "tick"),
+                "leave",
             ]
         ),
         st.sampled_from(TENANTS),
         st.lists(st.integers(0, 11), min_size=1, max_size=6),
         st.integers(0, 40),
+        st.booleans(),  # under the tenant's late-bound namespace (~other's until "bind")
     ),
+    min_size=30,
     max_size=60,
 )
+
+
+def charged_entries(index: ObjectIndex) -> list[Entry]:
+    """Every entry whose slot is charged: mapped, being written, locked, pinned or held."""
+    with index._lock:
+        charged = [*index._entries.values(), *index._held_charges.values()]
+        for leases in (index._write_leases, index._read_leases):
+            charged += [e for lease in leases.values() for e in lease.entries]
+    return charged
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS, hard=st.booleans())
 def test_usage_is_exact_under_random_operations(
-    ops: list[tuple[str, str, list[int], int]], hard: bool
+    ops: list[tuple[str, str, list[int], int, bool]], hard: bool
 ) -> None:
-    index, d = make(blocks=24)
+    """Usage, LRUs and each chunk's tenant stay exact under random operations, among them
+    bindings of namespaces stored into before (their chunks move from ~other to the tenant:
+    being written, ready, deleted but locked, freed but held), expiries, fences and clears."""
+    now = [0.0]
+    tenants = TenantIds()
+    d = {name: name.encode().ljust(16, b"#") for name in TENANTS}
+    for name, digest in d.items():
+        tenants.bind(digest, name)
+    index = ObjectIndex(
+        Allocator(24 * BLOCK, BLOCK), write_ttl=5, read_ttl=5, clock=lambda: now[0], tenants=tenants
+    )
     ids = {n: index.tenants.id_of(n) for n in TENANTS}
     # A second namespace per tenant, bound by the "bind" op: stored into before, ~other's.
     late = {n: f"late-{n}".encode().ljust(16, b"#") for n in TENANTS}
     limits: dict[int, int] = {}
-    held: list[tuple[int, str]] = []  # (lease, "write" / "read" / "pin")
-    for op, tenant, picks, n in ops:
-        keys = [key(late[tenant] if n % 5 == 0 else d[tenant], i) for i in picks]
+    held: list[tuple[int, str, int]] = []  # (lease, "write" / "read" / "pin", holder)
+    fences: list[list[int]] = []
+    for op, tenant, picks, n, unbound in ops:
+        keys = [key(late[tenant] if unbound else d[tenant], i) for i in picks]
         sizes = BLOCK * (1 + n % 3)
-        if op in ("store", "reserve"):
-            before = {f.tenant: f.used for f in index.tenant_figures()}
-            res = index.reserve_write(keys, sizes, 1)
-            limit = limits.get(ids[tenant])
-            if hard and limit is not None:  # a hard quota is never crossed by a store
-                after = {f.tenant: f.used for f in index.tenant_figures()}
-                assert after.get(ids[tenant], 0) <= max(limit, before.get(ids[tenant], 0))
-            if res.lease_id and op == "store":
-                index.commit(res.lease_id, 1)
-            elif res.lease_id:
-                held.append((res.lease_id, "write"))
-        elif op == "read" or op == "hold":
-            lock = index.lock_read(keys, 2, prefix=False) if op == "read" else index.pin(keys, 3)
-            if lock.lease_id:
-                held.append((lock.lease_id, "read" if op == "read" else "pin"))
-        elif op == "release" and held:
-            lease, kind = held.pop(n % len(held))
-            if kind == "write":
-                index.commit(lease, 1)
-            elif kind == "read":
-                index.release_read(lease, 2)
-            else:
-                index.unpin(lease, 3)
-        elif op == "delete":
-            index.delete(keys)
-        elif op == "evict":
-            index.evict(n * BLOCK // 4)
-        elif op == "quota":
-            limits[ids[tenant]] = n * BLOCK // 4
-            index.set_quotas(limits, None, hard)
-        elif op == "config":
-            before_use = {f.tenant: f.used for f in index.tenant_figures()}
-            evicted = index.evict_over_quota()
-            for f in index.tenant_figures():  # only tenants over their quota lost chunks
-                limit = limits.get(f.tenant)
-                if limit is None or before_use.get(f.tenant, 0) <= limit:
-                    assert f.used == before_use.get(f.tenant, 0)
-            assert all(index.tenants.of_key(e.key) in limits for e in evicted)
-        elif op == "bind":
-            index.tenants.bind(late[tenant], tenant)
+        holder = 1 + n % 2
+        try:
+            if op in ("store", "reserve"):
+                before = {f.tenant: f.used for f in index.tenant_figures()}
+                res = index.reserve_write(keys, sizes, holder)
+                limit = limits.get(ids[tenant])
+                if hard and limit is not None and not unbound:  # never crossed by a store
+                    after = {f.tenant: f.used for f in index.tenant_figures()}
+                    assert after.get(ids[tenant], 0) <= max(limit, before.get(ids[tenant], 0))
+                if res.lease_id and op == "store":
+                    index.commit(res.lease_id, holder, only=[0] if n % 4 == 0 else None)
+                elif res.lease_id:
+                    held.append((res.lease_id, "write", holder))
+            elif op == "read":
+                lock = index.lock_read(keys, holder, prefix=False)
+                if lock.lease_id:
+                    held.append((lock.lease_id, "read", holder))
+            elif op == "hold":
+                lock = index.pin(keys, holder)
+                if lock.lease_id:
+                    held.append((lock.lease_id, "pin", holder))
+            elif op == "release" and held:
+                lease, kind, owner = held.pop(n % len(held))
+                if kind == "write":
+                    index.commit(lease, owner)
+                elif kind == "read":
+                    index.release_read(lease, owner)
+                else:
+                    index.unpin(lease, owner)
+            elif op == "delete":
+                index.delete(keys)
+            elif op == "clear":
+                index.clear(late[tenant] if unbound else d[tenant])
+            elif op == "evict":
+                index.evict(n * BLOCK // 4)
+            elif op == "quota":
+                limits[ids[tenant]] = n * BLOCK // 4
+                index.set_quotas(limits, None, hard)
+            elif op == "config":
+                before_use = {f.tenant: f.used for f in index.tenant_figures()}
+                evicted = index.evict_over_quota()
+                for f in index.tenant_figures():  # only tenants over their quota lost any
+                    limit = limits.get(f.tenant)
+                    if limit is None or before_use.get(f.tenant, 0) <= limit:
+                        assert f.used == before_use.get(f.tenant, 0)
+                assert all(index.tenants.of_key(e.key) in limits for e in evicted)
+            elif op == "bind":
+                index.tenants.bind(late[tenant], tenant)
+            elif op == "fence":
+                offsets = [e.offset for e in charged_entries(index)[n % 7 :: 3]]
+                if offsets:
+                    index.fence(offsets)
+                    fences.append(offsets)
+            elif op == "unfence" and fences:
+                index.unfence(fences.pop(n % len(fences)))
+            elif op == "tick":  # leases past their TTL expire; holds end a TTL later
+                now[0] += 1 + n % 7
+                index.expire()
+            elif op == "leave":
+                index.release_holder(holder)
+        except LeaseError:  # expired or ended meanwhile
+            pass
         index.check()  # usage per tenant == its slots' sizes; per-tenant LRUs exact
+        for entry in charged_entries(index):
+            assert entry.tenant == index.tenants.of_key(entry.key), entry.key
+    for offsets in fences:  # a fenced slot the index freed is allocated, charged to nobody
+        index.unfence(offsets)
+    index.check()
     total = sum(f.used for f in index.tenant_figures())
     assert total == index.used
 
@@ -255,7 +305,7 @@ def test_tenant_ids_list_the_digests_of_each_tenant() -> None:
 def test_chunks_stored_before_their_namespace_is_bound_are_charged_to_its_tenant() -> None:
     """A namespace stored into before it is bound (a peer's promote before the engine
     registered): its chunks are ~other's until the binding, then the tenant's, in every
-    state, and take their place in the tenant's LRU; its hard quota counts them."""
+    state, and join the tenant's LRU as its newest; its hard quota counts them."""
     index, d = make()
     late = b"late".ljust(16, b"#")
     lk = [key(late, i) for i in range(5)]
@@ -278,9 +328,10 @@ def test_chunks_stored_before_their_namespace_is_bound_are_charged_to_its_tenant
     index.unpin(pin.lease_id, 3)
     assert used_by(index) == {"a": 4 * BLOCK}
     index.set_quotas({a: 2 * BLOCK}, None, hard=False)
-    # Oldest first: the first batch (last chunk first), then d["a"]'s chunk; lk[0] and lk[3]
-    # were used since.
-    assert [e.key for e in index.evict_over_quota()] == [lk[1], key(d["a"], 0)]
+    # Oldest first: d["a"]'s chunk, then the moved ones (the binding counted as their use:
+    # put back in their place, a bind walked the whole LRU under the index lock); lk[0] and
+    # lk[3] were used since.
+    assert [e.key for e in index.evict_over_quota()] == [key(d["a"], 0), lk[1]]
     index.check()
 
 
