@@ -411,10 +411,12 @@ class ObjectIndex:
         object reserved before it is listed by then, and every one after is charged to
         ``tid`` already. Returns how many objects moved.
 
-        Those in the LRU become its most recently used (the binding, an engine registering
-        or looking up, counts as their use): each tenant's LRU then stays the global one's
-        entries in order at O(objects moved). Putting them back in their place cost a walk
-        of the global LRU under the index lock (0.25 s for a million objects)."""
+        Those in the LRU become its most recently used, in the order they had (the
+        binding, an engine registering or looking up, counts as their use; a chain's first
+        chunks stay its newest): each tenant's LRU then stays the global one's entries in
+        order, at the cost of a pass over ``~other``'s LRU. Putting them back in their
+        place cost a walk of the global LRU under the index lock (0.25 s for a million
+        objects)."""
         with self._lock:
             moving = self._unbound.pop(digest, None)
             if moving is None or tid == OTHER_ID:
@@ -423,8 +425,7 @@ class ObjectIndex:
             size = sum(aligned(e.length) for e in moving)
             self._uncharge(OTHER_ID, size)
             self._tused[tid] = self._tused.get(tid, 0) + size
-            lru = self._lru
-            in_lru = [e for e in moving if e in lru]
+            in_lru = [e for e in self._tlru.get(OTHER_ID, ()) if e in moving]  # LRU order
             for entry in in_lru:
                 self._lru_remove(entry)
             for entry in moving:

@@ -335,6 +335,24 @@ def test_chunks_stored_before_their_namespace_is_bound_are_charged_to_its_tenant
     index.check()
 
 
+def test_a_bound_namespaces_chunks_keep_their_order_in_the_lru() -> None:
+    """A committed batch is in the LRU last chunk first (its prefix newest). Moved to its
+    tenant's LRU in reservation order, a binding made chunk 0 the tenant's oldest: a quota
+    eviction took the prefix first, and the rest of the chain was of no use."""
+    index, d = make()
+    late = b"late".ljust(16, b"#")
+    index.commit(index.reserve_write([key(late, i) for i in range(6)], BLOCK, 1).lease_id, 1)
+    index.commit(index.reserve_write([key(d["b"], 0)], BLOCK, 1).lease_id, 1)
+    a = index.tenants.bind(late, "a")
+    assert [e.key for e in index._lru] == [
+        key(d["b"], 0),
+        *(key(late, i) for i in range(5, -1, -1)),
+    ]
+    index.set_quotas({a: 4 * BLOCK}, None, hard=False)
+    assert [e.key for e in index.evict_over_quota()] == [key(late, 5), key(late, 4)]
+    index.check()
+
+
 def test_a_held_charge_of_an_unbound_namespace_moves_to_its_tenant() -> None:
     """A slot freed while an expired pin holds it stays charged: to the tenant once its
     namespace is bound, and off the tenant's account when the hold ends."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 import tracemalloc
 from collections.abc import Iterator
 
@@ -179,7 +178,7 @@ def test_the_deadline_bounds_all_receives_together(
 
     t = threading.Thread(target=trickle)
     t.start()
-    replies = Replies(reader, time.monotonic() + 0.3)
+    replies = Replies(reader, reply_timeout=0.3)
     try:
         with pytest.raises(TimeoutError):
             replies.value_into(memoryview(bytearray(64)), memoryview(bytearray(size - 64)))

@@ -391,8 +391,9 @@ def test_a_foreign_value_of_another_size_is_neither_held_nor_sent_back(
 
 class StallingProxy:
     """A TCP proxy in front of Redis; ``mode`` sets what goes back to the client: None:
-    everything; "trickle": a byte every 10 ms (each receive gets something well within any
-    socket timeout); "stall": nothing. ``accepted``: connections made to it."""
+    everything; "slow": a slow link (16 KiB every 20 ms); "trickle": a byte every 10 ms
+    (each receive gets something well within any socket timeout); "stall": nothing.
+    ``accepted``: connections made to it."""
 
     def __init__(self, port: int) -> None:
         self.upstream = port
@@ -423,6 +424,12 @@ class StallingProxy:
                 if not data:
                     break
                 if replies and self.mode == "stall":
+                    continue
+                if replies and self.mode == "slow":  # about 800 KB/s, 16 KiB at a time
+                    for i in range(0, len(data), 16384):
+                        if self._closed.wait(0.02):
+                            return
+                        dst.sendall(data[i : i + 16384])
                     continue
                 if replies and self.mode == "trickle":
                     for i in range(len(data)):
@@ -462,10 +469,10 @@ def _in_thread(fn: Callable[[], Any], limit: float = 30.0) -> Any:
     return result[0]
 
 
-def test_socket_timeout_bounds_a_whole_batch_of_trickling_replies(
+def test_socket_timeout_bounds_each_trickling_reply_whole(
     make_tier: Callable[..., RedisTier], proxy: StallingProxy, slots: Slots
 ) -> None:
-    """Replies trickling in (every receive well within the timeout) fail the batch once
+    """A reply trickling in (every receive well within the timeout) fails the batch once
     socket_timeout (0.5 s) has passed: the 64 KiB value would take 11 minutes at that rate,
     and the load ran that long."""
     tier = make_tier(url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5, retries=0)
@@ -475,6 +482,22 @@ def test_socket_timeout_bounds_a_whole_batch_of_trickling_replies(
     proxy.mode = None
     statuses, views = load_into(tier, slots, keys, [64 * 1024])
     assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+
+
+def test_a_batch_longer_than_socket_timeout_over_a_slow_link_loads(
+    make_tier: Callable[..., RedisTier], proxy: StallingProxy, slots: Slots
+) -> None:
+    """socket_timeout bounds each reply, not a whole pipeline: 16 values of 64 KiB over a
+    link of about 800 KB/s take over a second together, each well within 0.5 s. One
+    deadline for the pipeline failed every such batch, for good, on any link too slow to
+    bring a whole max_pipeline_bytes in within the timeout."""
+    tier = make_tier(url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=0.5, retries=0)
+    sizes = [64 * 1024] * 16
+    keys, expected = store_random(tier, slots, sizes)
+    proxy.mode = "slow"
+    statuses, views = _in_thread(lambda: load_into(tier, slots, keys, sizes))
+    assert statuses == [LoadStatus.OK] * 16
+    assert [bytes(v) for v in views] == expected
 
 
 def test_a_timeout_is_not_retried(

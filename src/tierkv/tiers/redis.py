@@ -38,9 +38,11 @@ is when a command of a batch succeeds: a Redis that answers every command with a
 (``OOM``, ``READONLY``) is still down (each such batch used to end the outage and start
 another, logged every time).
 
-``socket_timeout`` bounds a whole batch's replies (one deadline per pipeline), and a timeout
-is not retried (``retries`` is about connection errors): a stalled Redis costs one timeout
-per batch, not ``retries + 1``.
+``socket_timeout`` bounds each reply as a whole, however slowly its bytes trickle in (not
+the whole pipeline: a batch's replies add up to ``max_pipeline_bytes``, which a slower link
+could not bring in within one timeout), and a timeout is not retried (``retries`` is
+about connection errors): a stalled Redis costs one timeout per batch, not
+``retries + 1``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import socket
 import ssl
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -107,7 +106,7 @@ class GatherPacker:
 
 def exchange(conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T]) -> T:
     """One attempt of :meth:`tierkv.tiers.redis.RedisTier._on_socket` on ``conn`` (a
-    redis-py connection, on whose socket the commands and replies go directly), all its
+    redis-py connection, on whose socket the commands and replies go directly), each of its
     replies read within the connection's socket timeout. Socket errors come out as
     redis-py's connection and timeout errors (its ``Retry`` retries only the former), the
     connection closed."""
@@ -123,10 +122,10 @@ def exchange(conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Rep
                 sock.sendall(part)
         else:
             send_all(sock, packed)
-        # One deadline for the whole exchange: socket_timeout is what a command may take,
-        # and a server trickling its replies would otherwise pass each receive's timeout.
+        # One deadline per reply: socket_timeout is what a command may take, and a server
+        # trickling its replies would otherwise pass each receive's timeout.
         timeout = sock.gettimeout()
-        replies = Replies(sock, 0.0 if timeout is None else time.monotonic() + timeout)
+        replies = Replies(sock, timeout or 0.0)
         result = read(replies)
         if not replies.clean:
             raise ProtocolError("more bytes arrived than the replies to the commands sent")

@@ -21,9 +21,11 @@ old record of another size) is not read into memory: only its first :data:`HEADE
 are kept (:class:`Misfit`), the rest is received and dropped a scratch buffer at a time.
 Read whole, eight foreign 64 MiB values under the keys of eight 4 KiB loads took 576 MiB.
 
-``deadline`` bounds the whole exchange, not each receive: a server (or a proxy) that
-trickles its replies a few bytes at a time, each within the socket's timeout, made one
-256 KiB load last 24 s with a 1 s timeout.
+``reply_timeout`` bounds each reply as a whole, not each receive: a server (or a proxy)
+that trickled a reply a few bytes at a time, each within the socket's timeout, made one
+256 KiB load last 24 s with a 1 s timeout. Not the whole pipeline either: its replies add
+up to as many bytes as the batch (64 MiB by default), which a slower link (under 13 MB/s
+with a 5 s timeout) could never bring in within one timeout.
 """
 
 from __future__ import annotations
@@ -68,22 +70,28 @@ class Misfit:
 
 
 class Replies:
-    """The replies arriving on ``sock``, read in order; ``deadline`` (``time.monotonic()``;
-    0: none): every receive fails with TimeoutError past it, however the bytes trickle in
-    (the socket's own timeout still bounds each wait). The socket's timeout is changed
-    while reading: restore it (:meth:`restore`) before reusing the socket."""
+    """The replies arriving on ``sock``, read in order; ``reply_timeout`` (seconds; 0:
+    none): each reply must be whole that long after it is asked for (TimeoutError), however
+    its bytes trickle in (the socket's own timeout still bounds each wait). The socket's
+    timeout is changed while reading: restore it (:meth:`restore`) before reusing the
+    socket."""
 
-    def __init__(self, sock: socket.socket, deadline: float = 0.0) -> None:
+    def __init__(self, sock: socket.socket, reply_timeout: float = 0.0) -> None:
         self.sock = sock
-        self.deadline = deadline
+        self.reply_timeout = reply_timeout
+        self.deadline = 0.0  # (time.monotonic()) the reply being read is whole by then
         self._timeout = sock.gettimeout()
         self._buf = bytearray(SCRATCH)
         self._start = self._end = 0  # unread bytes of _buf
 
     def restore(self) -> None:
         """Give the socket its own timeout back."""
-        if self.deadline:
+        if self.reply_timeout:
             self.sock.settimeout(self._timeout)
+
+    def _next_reply(self) -> None:
+        if self.reply_timeout:
+            self.deadline = time.monotonic() + self.reply_timeout
 
     def _recv_into(self, view: memoryview) -> int:
         """One receive into ``view``, waiting no longer than the deadline allows."""
@@ -155,6 +163,7 @@ class Replies:
     # -- replies ---------------------------------------------------------------------------
     def simple(self) -> bytes | int | ReplyError:
         """A status (``+OK``), integer or error reply, as to ``SET`` or ``DEL``."""
+        self._next_reply()
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"+":
@@ -175,6 +184,7 @@ class Replies:
         the latter checksummed as it landed); a :class:`Misfit` at any other length (the
         value is then not a record for ``dest``; neither buffer is touched); an error
         reply."""
+        self._next_reply()
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":

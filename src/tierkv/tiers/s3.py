@@ -375,6 +375,7 @@ class S3Tier(Tier):
     def delete(self, keys: Sequence[bytes]) -> int:
         """The chunks removed: those held (a HEAD each, DeleteObjects does not tell) less
         those whose deletion failed, alone or with their whole request."""
+        keys = list(dict.fromkeys(keys))  # each once: a key twice was subtracted twice
         if not keys:
             return 0
         held = {self.object_key(k) for k, h in zip(keys, self.contains(keys), strict=True) if h}
