@@ -620,6 +620,9 @@ def test_the_controller_takes_sizes_like_the_server() -> None:
     assert isinstance(cfg, ControllerConfig) and cfg.max_message_bytes == 64 * MIB
     with pytest.raises(ConfigError, match="max_message_bytes='much': not a size"):
         controller("--max-message-bytes", "much")
+    # Below a server's largest report or sync part every full sync was refused.
+    with pytest.raises(ConfigError, match="max_message_bytes must be at least"):
+        controller("--max-message-bytes", "2MiB")
 
     # Its logging options are the server's, checked alike.
     with pytest.raises(ConfigError, match="log_level 'verbose'"):

@@ -47,6 +47,10 @@ from tierkv.logs import FailureLog
 log = logging.getLogger(__name__)
 
 BATCH = 65536  # keys per report or sync part
+# The largest report or sync part a server sends: a report of BATCH keys (each 32 bytes,
+# its tier a byte, or 32 bytes as an eviction) and the message around them. A controller
+# accepting less could never take a full sync.
+MAX_PART_BYTES = BATCH * 33 + 2**20
 
 
 class ControllerDirectory(Directory):

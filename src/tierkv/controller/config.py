@@ -8,6 +8,7 @@ from typing import Annotated
 
 import msgspec
 
+from tierkv.cluster.controller_directory import BATCH, MAX_PART_BYTES
 from tierkv.config import (
     ConfigError,
     LogFormat,
@@ -92,7 +93,10 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
                 )
         if not (0 < self.heartbeat_interval < self.dead_after and math.isfinite(self.dead_after)):
             raise ConfigError("need 0 < heartbeat_interval < dead_after (seconds)")
-        if self.max_message_bytes < 4096:
-            raise ConfigError("max_message_bytes must be at least 4096")
+        if self.max_message_bytes < MAX_PART_BYTES:
+            raise ConfigError(
+                f"max_message_bytes must be at least {MAX_PART_BYTES} (a server's report or "
+                f"sync part of {BATCH} keys): less refused every full sync"
+            )
         check_logging(self.log_level, self.log_format)
         return self
