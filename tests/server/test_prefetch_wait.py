@@ -192,3 +192,28 @@ def test_a_client_gone_while_its_query_is_held_leaves_nothing_behind(env: Env) -
     stats = service.index.stats()
     assert stats.read_locked == 0 and stats.read_leases == 0
     service.index.check()
+
+
+def test_a_connection_holds_a_bounded_number_of_waiting_queries(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client sending waiting queries in a loop made the loop hold each one (and the
+    prefetch keep a callback for it) for up to 60 s: past MAX_HELD filed on a connection,
+    a query is answered at once with the progress so far."""
+    from tierkv.server import held_queries
+
+    monkeypatch.setattr(held_queries, "MAX_HELD", 2)
+    gate = env.stall_lookup("r7")
+    raw = Raw(env.server.endpoint)
+    try:
+        client = env.client.registration.client
+        for rid in (1, 2, 3):
+            raw.send(p.QueryPrefetch(rid, client, "r7", 10_000))
+        reply = raw.recv(WAIT)  # the third, at once: the first two are held
+        assert isinstance(reply, p.PrefetchStatus) and reply.rid == 3 and not reply.done
+        gate.set()
+        held = sorted([raw.recv(WAIT), raw.recv(WAIT)], key=lambda r: r.rid)
+        assert [(r.rid, r.done, r.hits) for r in held] == [(1, True, 4), (2, True, 4)]
+    finally:
+        raw.close()
+    env.client.end_session("r7")

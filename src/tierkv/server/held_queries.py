@@ -7,7 +7,9 @@ held query is answered once: as soon as the lookup's prefetch lands (on the tier
 finished it, through the loop's reply queue), or when its wait runs out (on the loop), or
 when the server's own ``prefetch_timeout`` has ended the prefetch, whichever comes first.
 No thread waits for it. The request is counted once, when it arrives; re-reading its
-progress is not another request.
+progress is not another request. A connection holds at most :data:`MAX_HELD` queries until
+their waits end (answered or not): past that one is answered at once with the progress so
+far, so a client sending waiting queries in a loop cannot make the loop's memory grow.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from tierkv import protocol as p
 from tierkv.server.service import CacheService
 
 Conn = TypeVar("Conn")
+
+MAX_HELD = 4096  # queries one connection has filed at most (until their waits end)
 
 
 class HeldQuery(Generic[Conn]):
@@ -64,6 +68,7 @@ class HeldQueries(Generic[Conn]):
         self.send_later = send_later
         self.clock = clock
         self._heap: list[tuple[float, int, HeldQuery[Conn]]] = []  # the loop's thread only
+        self._filed: dict[Conn, int] = {}  # queries in the heap, by connection (likewise)
         self._order = itertools.count()
 
     def hold(self, conn: Conn, req: p.QueryPrefetch) -> Any | None:
@@ -72,6 +77,9 @@ class HeldQueries(Generic[Conn]):
         reply = self.service.handle(req)
         if req.wait_ms <= 0 or not isinstance(reply, p.PrefetchStatus) or reply.done:
             return reply
+        filed = self._filed.get(conn, 0)
+        if filed >= MAX_HELD:
+            return reply
         waits_until = self.clock() + req.wait_ms / 1000
         held = HeldQuery(conn, req)
         over_by = self.service.watch_prefetch(req, lambda: self._landed(held))
@@ -79,6 +87,7 @@ class HeldQueries(Generic[Conn]):
             held.claim()
             return self.service.reply_to(req)
         heapq.heappush(self._heap, (min(waits_until, over_by), next(self._order), held))
+        self._filed[conn] = filed + 1
         return None
 
     def _landed(self, held: HeldQuery[Conn]) -> None:
@@ -98,6 +107,9 @@ class HeldQueries(Generic[Conn]):
         now, due = self.clock(), []
         while self._heap and self._heap[0][0] <= now:
             _, _, held = heapq.heappop(self._heap)
+            left = self._filed.pop(held.conn) - 1
+            if left:
+                self._filed[held.conn] = left
             if held.claim():
                 due.append((held.conn, self.service.reply_to(held.req)))
         return due
