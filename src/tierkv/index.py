@@ -413,10 +413,10 @@ class ObjectIndex:
 
         Those in the LRU become its most recently used, in the order they had (the
         binding, an engine registering or looking up, counts as their use; a chain's first
-        chunks stay its newest): each tenant's LRU then stays the global one's entries in
-        order, at the cost of a pass over ``~other``'s LRU. Putting them back in their
-        place cost a walk of the global LRU under the index lock (0.25 s for a million
-        objects)."""
+        chunks stay its newest), which their list keeps (:meth:`_lru_add`): each tenant's
+        LRU then stays the global one's entries in order, at O(objects moved). Putting
+        them back in their place cost a walk of the global LRU under the index lock (0.25 s
+        for a million objects), finding their order a walk of ``~other``'s."""
         with self._lock:
             moving = self._unbound.pop(digest, None)
             if moving is None or tid == OTHER_ID:
@@ -425,7 +425,8 @@ class ObjectIndex:
             size = sum(aligned(e.length) for e in moving)
             self._uncharge(OTHER_ID, size)
             self._tused[tid] = self._tused.get(tid, 0) + size
-            in_lru = [e for e in self._tlru.get(OTHER_ID, ()) if e in moving]  # LRU order
+            lru = self._lru
+            in_lru = [e for e in moving if e in lru]  # in their LRU order (see _lru_add)
             for entry in in_lru:
                 self._lru_remove(entry)
             for entry in moving:
@@ -900,6 +901,10 @@ class ObjectIndex:
             for entry in charged:
                 if entry.key[:DIGEST_SIZE] not in by_digest:
                     require(entry in listed, f"{entry.key!r} of an unbound namespace unlisted")
+            place = {entry: i for i, entry in enumerate(self._lru)}
+            for digest, waiting in self._unbound.items():
+                order = [place[e] for e in waiting if e in place]
+                require(order == sorted(order), f"unbound list of {digest!r} not in LRU order")
             tlru: dict[int, list[Entry]] = {}
             for entry in self._lru:
                 tlru.setdefault(entry.tenant, []).append(entry)
@@ -1061,12 +1066,18 @@ class ObjectIndex:
             del self._tused[tenant]
 
     def _lru_add(self, entry: Entry) -> None:
-        """Make ``entry`` the most recently used (in the global and its tenant's LRU)."""
+        """Make ``entry`` the most recently used (in the global and its tenant's LRU; an
+        unbound one also the last of its namespace's list, which :meth:`rebind` reads as
+        their order in the LRU)."""
         self._lru[entry] = None
         tlru = self._tlru.get(entry.tenant)
         if tlru is None:
             tlru = self._tlru[entry.tenant] = {}
         tlru[entry] = None
+        if entry.tenant == OTHER_ID:
+            waiting = self._unbound.get(entry.key[:DIGEST_SIZE])
+            if waiting is not None and waiting.pop(entry, 0) is None:
+                waiting[entry] = None
 
     def _lru_remove(self, entry: Entry) -> None:
         del self._lru[entry]

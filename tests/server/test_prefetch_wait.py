@@ -217,3 +217,49 @@ def test_a_connection_holds_a_bounded_number_of_waiting_queries(
     finally:
         raw.close()
     env.client.end_session("r7")
+
+
+class _Landing:
+    """A service whose lookups' prefetches the test lands (for HeldQueries alone)."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, bool] = {}
+        self.wakes: dict[str, list[Any]] = {}
+
+    def handle(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
+        return self.reply_to(req)
+
+    def reply_to(self, req: p.QueryPrefetch) -> p.PrefetchStatus:
+        return p.PrefetchStatus(req.rid, self.done.get(req.request_id, False), 0)
+
+    def watch_prefetch(self, req: p.QueryPrefetch, wake: Any) -> float:
+        self.wakes.setdefault(req.request_id, []).append(wake)
+        return 1e9  # the prefetch's own deadline: far off
+
+    def land(self, request_id: str) -> None:
+        self.done[request_id] = True
+        for wake in self.wakes.pop(request_id):
+            wake()
+
+
+def test_queries_answered_when_their_prefetch_landed_leave_room_for_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Queries answered as their prefetch landed stay filed until their wait would have
+    ended: counted against the limit, they made a connection's next waiting query be
+    answered at once, not done, with nothing held for it."""
+    from tierkv.server import held_queries
+
+    monkeypatch.setattr(held_queries, "MAX_HELD", 4)
+    service, sent = _Landing(), []
+    held = held_queries.HeldQueries(service, lambda _c, r: sent.append(r), lambda: 0.0)  # type: ignore[arg-type]
+    conn = object()
+    for i in range(4):
+        assert held.hold(conn, p.QueryPrefetch(i, 1, f"r{i}", 60_000)) is None
+        service.land(f"r{i}")
+    assert [r.rid for r in sent] == [0, 1, 2, 3]
+    assert held.hold(conn, p.QueryPrefetch(4, 1, "fresh", 60_000)) is None  # held
+    for i in range(5, 8):
+        assert held.hold(conn, p.QueryPrefetch(i, 1, f"r{i}", 60_000)) is None
+    answered_now = held.hold(conn, p.QueryPrefetch(8, 1, "r8", 60_000))  # 4 waiting: full
+    assert isinstance(answered_now, p.PrefetchStatus) and not answered_now.done

@@ -187,3 +187,37 @@ def test_the_deadline_bounds_all_receives_together(
         t.join(10)
     replies.restore()
     assert reader.gettimeout() == 10
+
+
+def test_each_reply_waits_its_own_time_not_what_the_last_one_left(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    """Reply 1 took most of its 2 s, lowering the socket's timeout to the little it had
+    left; reply 2, whose line had arrived with reply 1's end, then waited for its payload
+    only that long, failing well inside its own 2 s."""
+    writer, reader = pair
+    reader.settimeout(2.0)
+    go = threading.Event()
+
+    def server() -> None:
+        writer.sendall(b"+")
+        go.wait(10)  # reply 1 is read up to here, then waits
+        writer.sendall(b"O")
+        threading.Event().wait(0.05)  # its last receive: with about 0.15 s of its time left
+        writer.sendall(b"K\r\n" + b"$164\r\n" + b"h" * 64)  # reply 2's line, read ahead
+        threading.Event().wait(0.8)  # reply 2's payload: 0.8 s into its own 2 s
+        writer.sendall(b"d" * 100 + b"\r\n")
+
+    t = threading.Thread(target=server)
+    t.start()
+    replies = Replies(reader, reply_timeout=2.0)
+    threading.Timer(1.8, go.set).start()  # reply 1 ends with about 0.2 s of its time left
+    try:
+        assert replies.simple() == b"OK"
+        got = replies.value_into(memoryview(bytearray(64)), memoryview(bytearray(100)))
+        assert isinstance(got, Filled)
+    finally:
+        go.set()
+        t.join(10)
+    replies.restore()
+    assert reader.gettimeout() == 2.0

@@ -47,10 +47,12 @@ from tierkv.logs import FailureLog
 log = logging.getLogger(__name__)
 
 BATCH = 65536  # keys per report or sync part
-# The largest report or sync part a server sends: a report of BATCH keys (each 32 bytes,
-# its tier a byte, or 32 bytes as an eviction) and the message around them. A controller
-# accepting less could never take a full sync.
-MAX_PART_BYTES = BATCH * 33 + 2**20
+# The largest message a server sends the controller: a report or sync part of BATCH keys
+# (each 32 bytes, its tier a byte, or 32 bytes as an eviction), or a registration naming
+# MAX_NAMESPACES namespaces (a model name of MAX_MODEL characters, up to 4 bytes each in
+# UTF-8, a digest and a few integers), and the message around them. A controller accepting
+# less could never take a full sync.
+MAX_PART_BYTES = max(BATCH * 33, cm.MAX_NAMESPACES * (4 * cm.MAX_MODEL + 64)) + 2**20
 
 
 class ControllerDirectory(Directory):

@@ -79,7 +79,9 @@ class HeldQueries(Generic[Conn]):
             return reply
         filed = self._filed.get(conn, 0)
         if filed >= MAX_HELD:
-            return reply
+            filed = self._prune(conn)  # queries answered already stay filed until due
+            if filed >= MAX_HELD:
+                return reply
         waits_until = self.clock() + req.wait_ms / 1000
         held = HeldQuery(conn, req)
         over_by = self.service.watch_prefetch(req, lambda: self._landed(held))
@@ -89,6 +91,15 @@ class HeldQueries(Generic[Conn]):
         heapq.heappush(self._heap, (min(waits_until, over_by), next(self._order), held))
         self._filed[conn] = filed + 1
         return None
+
+    def _prune(self, conn: Conn) -> int:
+        """Drop the queries answered already from the heap; how many ``conn`` has left."""
+        self._heap = [item for item in self._heap if not item[2].answered]
+        heapq.heapify(self._heap)
+        self._filed = {}
+        for _, _, held in self._heap:
+            self._filed[held.conn] = self._filed.get(held.conn, 0) + 1
+        return self._filed.get(conn, 0)
 
     def _landed(self, held: HeldQuery[Conn]) -> None:
         """On the tier thread that finished one of the lookup's prefetches: answer if the

@@ -81,17 +81,22 @@ class Replies:
         self.reply_timeout = reply_timeout
         self.deadline = 0.0  # (time.monotonic()) the reply being read is whole by then
         self._timeout = sock.gettimeout()
+        self._lowered = False  # the socket's timeout is the time a reply had left
         self._buf = bytearray(SCRATCH)
         self._start = self._end = 0  # unread bytes of _buf
 
     def restore(self) -> None:
         """Give the socket its own timeout back."""
-        if self.reply_timeout:
+        if self._lowered:
             self.sock.settimeout(self._timeout)
+            self._lowered = False
 
     def _next_reply(self) -> None:
         if self.reply_timeout:
             self.deadline = time.monotonic() + self.reply_timeout
+            if self._lowered:  # the last reply's time left: not this one's
+                self.sock.settimeout(self._timeout)
+                self._lowered = False
 
     def _recv_into(self, view: memoryview) -> int:
         """One receive into ``view``, waiting no longer than the deadline allows."""
@@ -101,6 +106,7 @@ class Replies:
                 raise TimeoutError("timed out")
             if self._timeout is None or left < self._timeout:  # else: the socket's own
                 self.sock.settimeout(left)
+                self._lowered = True
         got = self.sock.recv_into(view)
         if not got:
             raise ConnectionError("the server closed the connection")
