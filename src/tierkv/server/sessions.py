@@ -215,9 +215,15 @@ class LookupSessions:
         on_found: Callable[[], None] | None = None,
     ) -> None:
         """On a tier thread: hand a lease the prefetch created to its session, or give it
-        back if nobody can use it any more (session ended, retrieved or timed out)."""
-        if on_found is not None and job.loaded:
-            on_found()
+        back if nobody can use it any more (session ended, retrieved or timed out); then
+        ``on_found()`` if it brought chunks in."""
+        try:
+            self._hand_over(holder, request_id, session, job)
+        finally:
+            if on_found is not None and job.loaded:
+                on_found()
+
+    def _hand_over(self, holder: int, request_id: str, session: Session, job: PrefetchJob) -> None:
         new_lease = job.lease_id if job.lease_id != session.lease else 0
         if not new_lease:
             return  # nothing locked, or locks added to the session's own lease
