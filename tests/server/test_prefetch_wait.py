@@ -263,3 +263,10 @@ def test_queries_answered_when_their_prefetch_landed_leave_room_for_others(
         assert held.hold(conn, p.QueryPrefetch(i, 1, f"r{i}", 60_000)) is None
     answered_now = held.hold(conn, p.QueryPrefetch(8, 1, "r8", 60_000))  # 4 waiting: full
     assert isinstance(answered_now, p.PrefetchStatus) and not answered_now.done
+    # Nothing answered since: a query past the limit costs no pass over the heap (each one
+    # rebuilt it, a loop's time quadratic in what a client sent).
+    passes = []
+    monkeypatch.setattr(held, "_prune", lambda c: passes.append(c) or 4)
+    for i in range(9, 20):
+        assert held.hold(conn, p.QueryPrefetch(i, 1, f"r{i}", 60_000)) is not None
+    assert passes == []

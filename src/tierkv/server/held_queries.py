@@ -69,6 +69,9 @@ class HeldQueries(Generic[Conn]):
         self.clock = clock
         self._heap: list[tuple[float, int, HeldQuery[Conn]]] = []  # the loop's thread only
         self._filed: dict[Conn, int] = {}  # queries in the heap, by connection (likewise)
+        # Queries in the heap answered already (as their prefetch landed, on tier threads).
+        self._answered = 0
+        self._answered_lock = threading.Lock()
         self._order = itertools.count()
 
     def hold(self, conn: Conn, req: p.QueryPrefetch) -> Any | None:
@@ -79,7 +82,10 @@ class HeldQueries(Generic[Conn]):
             return reply
         filed = self._filed.get(conn, 0)
         if filed >= MAX_HELD:
-            filed = self._prune(conn)  # queries answered already stay filed until due
+            # Queries answered already stay filed until due: dropped when they are half the
+            # heap at least (a pass over it each time cost a capped client's every query).
+            if 2 * self._answered >= len(self._heap):
+                filed = self._prune(conn)
             if filed >= MAX_HELD:
                 return reply
         waits_until = self.clock() + req.wait_ms / 1000
@@ -94,10 +100,13 @@ class HeldQueries(Generic[Conn]):
 
     def _prune(self, conn: Conn) -> int:
         """Drop the queries answered already from the heap; how many ``conn`` has left."""
-        self._heap = [item for item in self._heap if not item[2].answered]
-        heapq.heapify(self._heap)
+        with self._answered_lock:  # (one answered meanwhile is counted once it is gone)
+            kept = [item for item in self._heap if not item[2].answered]
+            self._answered -= len(self._heap) - len(kept)
+        heapq.heapify(kept)
+        self._heap = kept
         self._filed = {}
-        for _, _, held in self._heap:
+        for _, _, held in kept:
             self._filed[held.conn] = self._filed.get(held.conn, 0) + 1
         return self._filed.get(conn, 0)
 
@@ -111,6 +120,8 @@ class HeldQueries(Generic[Conn]):
         if isinstance(reply, p.PrefetchStatus) and not reply.done:
             return
         if held.claim():
+            with self._answered_lock:
+                self._answered += 1
             self.send_later(held.conn, reply)
 
     def expire(self) -> list[tuple[Conn, Any]]:
@@ -123,6 +134,9 @@ class HeldQueries(Generic[Conn]):
                 self._filed[held.conn] = left
             if held.claim():
                 due.append((held.conn, self.service.reply_to(held.req)))
+            else:
+                with self._answered_lock:
+                    self._answered -= 1
         return due
 
     def timeout(self, longest: float) -> float:
