@@ -170,24 +170,7 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float = 0.0) -> 
     """Fill ``view`` from ``sock`` at most :data:`PIECE` bytes a call. ``deadline`` (as in
     :func:`recv_hashed`): the whole fill ends by then (TimeoutError); the socket's timeout
     is given back afterwards."""
-    pos, n = 0, len(view)
-    timeout = sock.gettimeout()
-    try:
-        while pos < n:
-            if deadline:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("timed out")
-                sock.settimeout(left if timeout is None else min(timeout, left))
-            got = sock.recv_into(view[pos:], min(PIECE, n - pos))
-            if not got:
-                raise ConnectionError("peer closed the connection")
-            if (pos + got) // PIECE != pos // PIECE:  # a receive may return little: once a piece
-                give_way()
-            pos += got
-    finally:
-        if deadline:
-            sock.settimeout(timeout)
+    _fill(sock, view, deadline, None)
 
 
 def recv_hashed(
@@ -206,6 +189,16 @@ def recv_hashed(
         timeout = sock.gettimeout()
         return _recv_native(sock.fileno(), view, PIECE, is_data_thread(), timeout, deadline)
     hasher = checksummer() if hasher is None else hasher
+    _fill(sock, view, deadline, hasher)
+    digest: bytes = hasher.digest()
+    return digest
+
+
+def _fill(
+    sock: socket.socket, view: memoryview, deadline: float, hasher: xxhash.xxh3_128 | None
+) -> None:
+    """The receive loop of :func:`recv_exact` and :func:`recv_hashed` (``hasher``: None,
+    or what takes the bytes as they arrive, :data:`HASH_STEP` at a time)."""
     pos, n = 0, len(view)
     hashed = 0
     timeout = sock.gettimeout()
@@ -222,14 +215,12 @@ def recv_hashed(
             if (pos + got) // PIECE != pos // PIECE:  # once a piece (a receive is at most one)
                 give_way()
             pos += got
-            if pos - hashed >= HASH_STEP or pos == n:
+            if hasher is not None and (pos - hashed >= HASH_STEP or pos == n):
                 hasher.update(view[hashed:pos])
                 hashed = pos
     finally:
         if deadline:
             sock.settimeout(timeout)
-    digest: bytes = hasher.digest()
-    return digest
 
 
 __all__ = [
