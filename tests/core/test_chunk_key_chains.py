@@ -193,3 +193,22 @@ def test_a_salts_tenant_is_bound_by_a_store_not_by_lookups() -> None:
     stored, _ = ck.of(reg, sel, store=True)
     assert list(looked) == retrieved == stored
     assert reg.tenants.by_digest[digest] == reg.tenants.find("user-1")
+
+
+def test_a_lookup_binds_a_salts_tenant_only_once_it_found_chunks() -> None:
+    """A lookup under a cache salt binds the salt's tenant when it found chunks of it in the
+    pool, or hands back what binds it once its prefetch brings chunks in; finding nothing,
+    it binds nothing (a tenant id is for good)."""
+    from tierkv.server.service import _salt_binding
+
+    reg = registration()
+    reg.tenants = TenantIds()
+    assert _salt_binding([reg], "", found=True) is None  # no salt: the engine's own tenant
+    later = _salt_binding([reg], "user-1", found=False)
+    digest = reg.salted["user-1"]
+    assert later is not None and digest not in reg.tenants.by_digest
+    later()  # the prefetch brought chunks in
+    assert reg.tenants.by_digest[digest] == reg.tenants.find("user-1")
+    assert _salt_binding([reg], "user-1", found=False) is None  # bound already
+    assert _salt_binding([reg], "user-2", found=True) is None  # found in the pool: bound now
+    assert reg.salted["user-2"] in reg.tenants.by_digest
