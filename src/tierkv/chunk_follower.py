@@ -65,6 +65,7 @@ class ChunkFollower:
                 queued += self._resync()
                 continue
             changes = []
+            before = self.after
             held = self.held
             for ev in reply.events:
                 if ev.kind == p.CHUNK_STORED:
@@ -75,8 +76,8 @@ class ChunkFollower:
                     changes.append(Change(False, ev.key, note))
             self.after = reply.last
             queued += self._queue(changes)
-            if not reply.events:
-                break
+            if not reply.events and reply.last == before:
+                break  # caught up (a batch without events may still move on: read on)
         return queued
 
     def _resync(self) -> int:

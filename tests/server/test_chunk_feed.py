@@ -257,6 +257,62 @@ def test_the_log_is_bounded_by_events_and_by_note_bytes() -> None:
     assert feed.read({NS_A}, 0, 100).resync and not feed.read({NS_A}, 20, 100).resync
 
 
+def test_a_read_looks_at_a_bounded_part_of_the_log_and_the_reader_reads_on() -> None:
+    """Reads are served on the RPC loop: one looks at ``read_scan`` events at most, found
+    by sequence number (a reader asking from the far end of a full log again and again
+    cost a walk of the whole log each time), and returns ``read_note_bytes`` of notes at
+    most; a batch that ends short, even with no events of the reader's, is read on from."""
+    index, _, _ = fed_index(slots=64)
+    feed = ChunkFeed(max_events=1000, read_scan=10, read_note_bytes=2500)
+    index.on_stored, index.on_removed = feed.stored, feed.removed
+    store(index, [key(NS_B, i) for i in range(40)], [b"b"] * 40)
+    store(index, [key(NS_A, i) for i in range(5)], [bytes([i]) * 1000 for i in range(5)])
+    first = feed.read({NS_A}, 0, 100)
+    assert (first.events, first.last, first.resync) == ([], 10, False)
+    assert feed.read({NS_A}, 38, 100).last == 42  # 2 of B, then 2 notes of A: 2000 bytes
+    assert [e.seq for e in feed.read({NS_A}, 38, 100).events] == [41, 42]
+    assert [e.seq for e in feed.read({NS_A}, 38, 1).events] == [41]
+    big = ChunkFeed(read_note_bytes=10)
+    big.stored([(key(NS_A, 0), bytes(100))])
+    assert [e.seq for e in big.read({NS_A}, 0, 10).events] == [1]  # one event at least
+    reader = Reader(feed, {NS_A})
+    reader.epoch, reader.after = feed.epoch, 0  # following from the start: no snapshot
+    assert reader.poll() == 5 and reader.after == 45
+    assert reader.held == {key(NS_A, i): bytes([i]) * 1000 for i in range(5)}
+
+
+def test_reads_from_any_place_return_the_log_in_order_as_it_is_trimmed() -> None:
+    """Against a model of every event: reads from random places, with random limits and
+    bounds, return exactly the namespace's events after the place while the log keeps
+    them (past the point where dropped entries are cut off the log's front)."""
+    rng = random.Random(11)
+    feed = ChunkFeed(max_events=300, read_scan=37, read_note_bytes=50)
+    logged: list[tuple[int, bytes]] = []  # (seq, namespace) of every event
+    for step in range(4000):
+        ns = rng.choice((NS_A, NS_B))
+        k = key(ns, rng.randrange(100))
+        if rng.random() < 0.6:
+            feed.stored([(k, b"x" * rng.randrange(1, 20))])
+        else:
+            feed.removed([k])
+        logged += [(feed.seq, ns)] if feed.seq > len(logged) else []
+        if step % 97:
+            continue
+        oldest = feed.seq - feed.figures()["log_events"]
+        after = rng.randrange(oldest, feed.seq + 1)
+        want = [seq for seq, ns in logged if seq > after and ns == NS_A]
+        got: list[int] = []
+        while True:
+            batch = feed.read({NS_A}, after, rng.randrange(1, 9))
+            assert not batch.resync and batch.last >= after
+            got += [e.seq for e in batch.events]
+            if batch.last == after:
+                break
+            after = batch.last
+        assert got == want and after == feed.seq
+    assert feed.read({NS_A}, feed.seq - 301, 5).resync
+
+
 def test_snapshot_pages() -> None:
     clock = Clock()
     pages = SnapshotPages(ttl=5.0)

@@ -18,12 +18,16 @@ announced removed, the most recent first, up to :data:`MAX_AWAY_NOTE_BYTES`
 pool longer ago than that comes back unannounced until an engine stores it again.
 
 Readers pull: :meth:`ChunkFeed.read` returns the events of their namespaces after the last
-sequence number they saw. The log is bounded (:data:`MAX_EVENTS` events, :data:`MAX_LOG_NOTE_BYTES`
-of notes); a reader that fell behind what was dropped is told to *resync*: it reads a
-:meth:`ChunkFeed.snapshot` of what its namespaces hold now (the chunks with their notes and the
-sequence number they are current at), then reads on from there. A reader compares the feed's
-``epoch`` (random, per server process) with the one it saw: a restarted server is a new feed,
-and the reader resyncs from its snapshot, which then removes everything the old server held.
+sequence number they saw, in batches whose cost is bounded (reads are served on the RPC
+loop): a read finds its place in the log by sequence number, looks at :data:`READ_SCAN`
+events at most and returns :data:`READ_NOTE_BYTES` of notes at most; the reader reads on
+after the batch's ``last``. The log is bounded (:data:`MAX_EVENTS` events,
+:data:`MAX_LOG_NOTE_BYTES` of notes); a reader that fell behind what was dropped is told to
+*resync*: it reads a :meth:`ChunkFeed.snapshot` of what its namespaces hold now (the chunks
+with their notes and the sequence number they are current at), then reads on from there. A
+reader compares the feed's ``epoch`` (random, per server process) with the one it saw: a
+restarted server is a new feed, and the reader resyncs from its snapshot, which then removes
+everything the old server held.
 
 Called under the pool index's lock (:meth:`stored`, :meth:`removed`), so the events of one
 chunk are in the order the index saw them; the feed's own lock is taken after the index's,
@@ -34,9 +38,9 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from tierkv.protocol import CHUNK_REMOVED, CHUNK_STORED
 from tierkv.protocol import ChunkEvent as Event
@@ -45,13 +49,17 @@ MAX_EVENTS = 65536  # events the log keeps for readers that are behind
 MAX_LOG_NOTE_BYTES = 64 * 2**20  # notes the log keeps (each note is shared with the chunk)
 MAX_AWAY_NOTE_BYTES = 64 * 2**20  # notes kept of chunks the pool no longer offers
 AWAY_ENTRY_BYTES = 128  # what remembering one note costs beyond its bytes (dict slot, object)
+READ_SCAN = 8192  # events one read looks at, at most (of any namespace)
+READ_NOTE_BYTES = 4 * 2**20  # notes one read returns, at most (one event at least)
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
     """What :meth:`ChunkFeed.read` returns: ``events`` in order; ``last``: the sequence number
-    the reader is complete up to (ask again after it); ``resync``: events the reader needed
-    were dropped (it was too far behind), read a snapshot."""
+    the reader is complete up to (ask again after it: a batch may end before the newest
+    event, with no events at all when none of those it looked at were the reader's);
+    ``resync``: events the reader needed were dropped (it was too far behind), read a
+    snapshot."""
 
     events: list[Event]
     last: int
@@ -66,15 +74,25 @@ class ChunkFeed:
         max_events: int = MAX_EVENTS,
         max_log_note_bytes: int = MAX_LOG_NOTE_BYTES,
         max_away_note_bytes: int = MAX_AWAY_NOTE_BYTES,
+        read_scan: int = READ_SCAN,
+        read_note_bytes: int = READ_NOTE_BYTES,
     ) -> None:
         if max_events < 1 or max_log_note_bytes < 0 or max_away_note_bytes < 0:
             raise ValueError("the feed must keep at least one event")
+        if read_scan < 1 or read_note_bytes < 0:
+            raise ValueError("a read must look at one event at least")
         self.epoch = secrets.randbits(63) | 1  # never 0: 0 is "no feed seen yet"
         self.max_events = max_events
         self.max_log_note_bytes = max_log_note_bytes
         self._lock = threading.Lock()
+        self.read_scan = read_scan
+        self.read_note_bytes = read_note_bytes
         self._seq = 0
-        self._log: deque[tuple[Event, bytes]] = deque()  # (event, namespace)
+        # (event, namespace) from _log[_head] on, of sequence numbers _dropped_upto + 1,
+        # + 2, ... (every event is logged): a reader's place is found by its number. The
+        # entries before _head were dropped (None), and are cut off now and then.
+        self._log: list[tuple[Event, bytes] | None] = []
+        self._head = 0
         self._log_note_bytes = 0
         self._dropped_upto = 0  # the highest sequence number no longer in the log
         self._held: dict[bytes, dict[bytes, bytes]] = {}  # namespace -> key -> note
@@ -151,12 +169,19 @@ class ChunkFeed:
 
     def _trim(self) -> None:
         log = self._log
-        while log and (
-            len(log) > self.max_events or self._log_note_bytes > self.max_log_note_bytes
+        while len(log) > self._head and (
+            len(log) - self._head > self.max_events
+            or self._log_note_bytes > self.max_log_note_bytes
         ):
-            event, _ = log.popleft()
-            self._log_note_bytes -= len(event.note)
-            self._dropped_upto = event.seq
+            entry = log[self._head]
+            assert entry is not None
+            log[self._head] = None
+            self._head += 1
+            self._log_note_bytes -= len(entry[0].note)
+            self._dropped_upto = entry[0].seq
+        if self._head > 1024 and self._head * 2 > len(log):
+            del log[: self._head]  # (amortized: at most once per _head entries dropped)
+            self._head = 0
 
     # -- readers ---------------------------------------------------------------------------
     @property
@@ -165,8 +190,9 @@ class ChunkFeed:
         return self._seq
 
     def read(self, namespaces: Sequence[bytes] | set[bytes], after: int, limit: int) -> Batch:
-        """The events of ``namespaces`` with a sequence number above ``after``, at most
-        ``limit`` (the oldest first)."""
+        """The events of ``namespaces`` with a sequence number above ``after``, the oldest
+        first: at most ``limit`` of them, of those among the :attr:`read_scan` events after
+        ``after``, with at most :attr:`read_note_bytes` of notes (one event at least)."""
         if limit < 1:
             raise ValueError("limit must be at least 1")
         wanted = namespaces if isinstance(namespaces, set) else set(namespaces)
@@ -176,17 +202,18 @@ class ChunkFeed:
                 # was dropped: events are missing. Either way, start from a snapshot.
                 self.resyncs += 1
                 return Batch([], self._seq, True)
-            newer: list[Event] = []
-            for event, ns in reversed(self._log):  # newest first: stop at `after`
-                if event.seq <= after:
+            start = self._head + after - self._dropped_upto
+            looked_at = self._log[start : start + self.read_scan]
+        newer: list[Event] = []
+        size = 0
+        last = after
+        for event, ns in cast(list[tuple[Event, bytes]], looked_at):  # (from _head on)
+            if ns in wanted:
+                if len(newer) == limit or (size + len(event.note) > self.read_note_bytes and newer):
                     break
-                if ns in wanted:
-                    newer.append(event)
-            last = self._seq
-        newer.reverse()
-        if len(newer) > limit:
-            newer = newer[:limit]
-            last = newer[-1].seq
+                newer.append(event)
+                size += len(event.note)
+            last = event.seq
         return Batch(newer, last, False)
 
     def holds_any(self, namespaces: Iterable[bytes]) -> bool:
@@ -210,7 +237,7 @@ class ChunkFeed:
             return {
                 "epoch": self.epoch,
                 "seq": self._seq,
-                "log_events": len(self._log),
+                "log_events": len(self._log) - self._head,
                 "log_note_bytes": self._log_note_bytes,
                 "held_chunks": sum(len(h) for h in self._held.values()),
                 "held_note_bytes": self.held_note_bytes,
