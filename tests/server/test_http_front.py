@@ -5,6 +5,7 @@ bad input."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -86,6 +87,12 @@ def test_the_front_serves_the_port_at_a_lower_priority_and_comes_back_when_kille
     (row,) = lookup(base, tokens)["instances"]  # type: ignore[misc]
     assert row["chunks"] == 3 and row["tiers"]["pool"] == 3
     assert get_json(base + "/status")["objects"]["total"] == 3  # passed on to the server
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/status")
+    reply = conn.getresponse()
+    reply.read()
+    assert reply.status == 200 and len(reply.headers.get_all("date") or []) == 1  # (were 2)
+    conn.close()
 
     os.kill(front, signal.SIGKILL)
     again = wait_until(lambda: [p for p in fronts_of(srv.proc.pid) if p != front], "a new front")

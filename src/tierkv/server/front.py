@@ -8,7 +8,11 @@ p99 rose 2 to 5x however short the GIL's switch interval. So the HTTP work runs 
 - ``POST /lookup`` (a cluster's): authorized, read, decoded and checked here (token ids
   packed into bytes: :func:`tierkv.cluster.router_lookup.query_of`), then answered by the
   server over RPC (ROUTER_LOOKUP: it hashes the prompt, asks its directory and returns the
-  JSON answer, on its worker pool);
+  JSON answer, on its worker pool), :data:`AT_ONCE` at a time; the bodies received and not
+  yet answered hold :data:`LOOKUP_BODY_BYTES` at most together (past it: 503, try again). A
+  server that refused or failed the request itself (not the lookup's own 4xx answers) is
+  told as its error's status (:data:`ERROR_STATUS`; 500 otherwise), one that did not answer
+  as 503;
 - every other request (dashboard, status, metrics, quotas, clear-cache) is passed on to the
   server's own HTTP app, which serves a private Unix socket in its runtime directory.
 
@@ -46,9 +50,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from tierkv.client import ServerConnection
+from tierkv import protocol as p
+from tierkv.client import ServerConnection, ServerError
 from tierkv.cluster import router_lookup
 from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
+from tierkv.framing import BufferBudget
 from tierkv.logs import setup_logging
 from tierkv.priority import background_process
 from tierkv.server.front_process import READY, TOKEN_ENV
@@ -65,6 +71,15 @@ log = logging.getLogger(__name__)
 
 MAX_PASSED_BODY = 64 * 2**10  # bodies passed on to the server (its endpoints take less)
 AT_ONCE = 4  # router lookups in flight to the server at a time
+LOOKUP_BODY_BYTES = 64 * 2**20  # the bodies of router lookups received and not yet answered
+# How the server's error replies to a router lookup (not a lookup's own 4xx answers, which
+# come as answers) are told to the router: the server refused or failed the request itself.
+ERROR_STATUS = {
+    p.ErrorCode.BAD_REQUEST: 400,
+    p.ErrorCode.TOO_LARGE: 413,
+    p.ErrorCode.LIMIT: 503,
+    p.ErrorCode.SHUTTING_DOWN: 503,
+}
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -76,6 +91,7 @@ HOP_BY_HOP = frozenset(
         "transfer-encoding",
         "upgrade",
         "content-length",  # recomputed for the body as passed on
+        "date",  # this front's own (uvicorn's), not a second one
     }
 )
 PR_SET_PDEATHSIG = 1
@@ -94,6 +110,7 @@ class FrontApp:
         self.authorize = authorize
         self.router_lookup = router_lookup
         self.turns = asyncio.Semaphore(AT_ONCE)
+        self.lookup_bodies = BufferBudget(LOOKUP_BODY_BYTES)  # (the event loop's thread only)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,15 +128,21 @@ class FrontApp:
     async def lookup(self, request: Request) -> Response:
         answer = self.router_lookup
         assert answer is not None
-        body = await authorized_body(request, self.authorize, MAX_LOOKUP_BODY)
+        body = await authorized_body(request, self.authorize, MAX_LOOKUP_BODY, self.lookup_bodies)
         if isinstance(body, Response):
             return body
-        async with self.turns:
-            try:
+        try:
+            async with self.turns:
                 status, reply = await run_in_threadpool(answer, body)
-            except Exception as exc:  # the server is down or restarting: say so, briefly
-                log.debug("router lookup failed: %s", exc)
-                return error_reply(503, f"the server did not answer: {exc}")
+        except ServerError as exc:  # the server answered, refusing or failing the request
+            status = ERROR_STATUS.get(exc.code, 500)
+            log.log(logging.WARNING if status == 500 else logging.DEBUG, "router lookup: %s", exc)
+            return error_reply(status, f"the server refused the lookup: {exc}")
+        except Exception as exc:  # the server is down or restarting: say so, briefly
+            log.debug("router lookup failed: %s", exc)
+            return error_reply(503, f"the server did not answer: {exc}")
+        finally:
+            self.lookup_bodies.give(len(body))
         return Response(
             reply,
             status_code=status,

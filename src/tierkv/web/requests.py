@@ -11,6 +11,8 @@ from collections.abc import Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from tierkv.framing import BufferBudget
+
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4096
@@ -52,22 +54,32 @@ def make_authorizer(auth_token: str) -> Authorizer:
 
 
 async def authorized_body(
-    request: Request, authorize: Authorizer, limit: int = MAX_BODY
+    request: Request,
+    authorize: Authorizer,
+    limit: int = MAX_BODY,
+    budget: BufferBudget | None = None,
 ) -> bytes | JSONResponse:
     """The body of a request that changes state (at most ``limit`` bytes), or the reply to
-    send instead (refused, too large, cut short)."""
+    send instead (refused, too large, cut short); ``budget``: see :func:`read_body`."""
     denied = authorize(request)
     if denied is not None:
         return denied
-    return await read_body(request, limit)
+    return await read_body(request, limit, budget)
 
 
-async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResponse:
+async def read_body(
+    request: Request, limit: int = MAX_BODY, budget: BufferBudget | None = None
+) -> bytes | JSONResponse:
     """The request body, at most ``limit`` bytes (never buffers a huge one), or the reply
     to send instead: 413 when it is larger (at once when its ``Content-Length`` says so:
     the connection is closed, nothing of the body is waited for), 400 when the client went
     away in the middle (a quiet event: any local process can do that; the reply goes
-    nowhere)."""
+    nowhere).
+
+    ``budget``: the bytes the bodies of all requests of this kind may hold together,
+    charged as they arrive: past it the request is answered 503 (try again shortly), with
+    what it had taken given back. A body returned stays charged: the caller gives
+    ``len(body)`` back once done with it."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         return error_reply(
@@ -76,16 +88,29 @@ async def read_body(request: Request, limit: int = MAX_BODY) -> bytes | JSONResp
             {"Connection": "close"},
         )
     body = bytearray()
+    refusal: JSONResponse | None = None
     try:
         async for chunk in request.stream():
+            if budget is not None and not budget.take(len(chunk)):
+                refusal = error_reply(
+                    503,
+                    "too many request bodies being received at once: try again shortly",
+                    {"Retry-After": "1", "Connection": "close"},
+                )
+                break
             body += chunk
             if len(body) > limit:
-                return error_reply(413, f"body larger than {limit} bytes")
+                refusal = error_reply(413, f"body larger than {limit} bytes")
+                break
     except ClientDisconnect:
         log.debug(
             "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
         )
-        return error_reply(400, "the client disconnected before the end of the body")
+        refusal = error_reply(400, "the client disconnected before the end of the body")
+    if refusal is not None:
+        if budget is not None:
+            budget.give(len(body))
+        return refusal
     return bytes(body)
 
 
