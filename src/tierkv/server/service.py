@@ -221,13 +221,13 @@ class CacheService:
             chunk_tokens=0 if scheduler else req.layout.shape[req.layout.token_axis],
             tenants=self.index.tenants,
         )
-        reg.bind_tenant()
         try:
             self.registry.add(reg)
         except RegistryFull as exc:
             raise RequestError(p.ErrorCode.LIMIT, str(exc)) from None
         except GroupConflict as exc:
             raise RequestError(p.ErrorCode.BAD_REQUEST, str(exc)) from None
+        reg.bind_tenant()  # (once registered: a refused REGISTER takes no tenant id)
         log.info(
             "registered client %s (pid %d) model=%s rank=%d/%d layout=%s",
             req.name or "-",
