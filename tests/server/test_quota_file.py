@@ -12,6 +12,7 @@ import pytest
 
 from tierkv.allocator import Allocator
 from tierkv.index import ObjectIndex
+from tierkv.server.quota_values import QuotaError
 from tierkv.server.quotas import QuotaFile, Quotas
 from tierkv.tenants import TenantIds
 
@@ -78,3 +79,38 @@ def test_no_lock_is_held_while_the_file_is_written(
     release.set()
     th.join(10)
     assert on_disk(path).limits == {"slow": 5}
+
+
+@pytest.mark.parametrize(
+    ("entries", "words"),
+    [
+        ({"limits": {"t": -5}}, "pool quota of"),
+        ({"limits": {"t": 2**70}}, "at most"),
+        ({"limits": {"": 5}}, "non-empty"),
+        ({"limits": {"x" * 2000: 5}}, "at most 1024"),
+        ({"tier_limits": {"s3": {"t": 5}}}, "unknown tier 's3'"),
+        ({"tier_limits": {"disk": {"~other": 5}}}, "takes no disk quota"),
+        ({"tier_defaults": {"disk": -1}}, "disk default"),
+        ({"tier_defaults": {"redis": 1}}, "unknown tier 'redis'"),
+        ({"default_set": True, "default_limit": -1}, "pool default"),
+        ({"mode": "strict"}, "mode 'strict'"),
+        ({"version": 2}, "version 2"),
+    ],
+)
+def test_a_hand_edited_file_is_checked_as_the_api_checks(
+    tmp_path: Path, entries: dict[str, object], words: str
+) -> None:
+    """The file's entries were applied unchecked: a negative quota, one past 8 EiB, an empty
+    name, a tier with no quotas or an unknown mode were taken (or silently dropped). The
+    server refuses to start, naming the file and the entry."""
+    path = tmp_path / "quotas.json"
+    path.write_bytes(msgspec.json.encode(entries))
+    with pytest.raises(QuotaError, match=str(path)) as refused:
+        make(path).load()
+    assert words in str(refused.value)
+    path.write_bytes(
+        msgspec.json.encode({"limits": {"t": 5}, "tier_limits": {"disk": {"t": None}}})
+    )
+    good = make(path)
+    good.load()
+    assert good.limit_of("t") == (5, "quota")

@@ -39,6 +39,7 @@ from tierkv.server.quota_values import (
     UNLIMITED,
     QuotaError,
     check_name,
+    parse_limit,
 )
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tenants import (
@@ -66,6 +67,47 @@ class QuotaFile(msgspec.Struct, forbid_unknown_fields=True):
     mode: str = ""  # "" : the configuration's
     tier_limits: dict[str, dict[str, int | None]] = {}  # tier below the pool -> as limits
     tier_defaults: dict[str, int | None] = {}  # tier below the pool -> its default, if changed
+
+
+def _check_change(name: str, tier: str, limit: int | None) -> None:
+    """A change of tenant ``name``'s limit in ``tier`` (None: back to the default) that a
+    server can apply (the name is checked already)."""
+    if tier not in TIERS:
+        raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
+    if limit is not None:
+        parse_limit(limit, f"the {tier} quota of {tenant_tag(name)}")
+    if tier != "pool" and limit is not None and name == OTHER_TENANT:
+        raise QuotaError(
+            f"{OTHER_TENANT} holds the {tier} chunks whose tenant is not known yet "
+            f"(after a restart, until their engine registers): it takes no {tier} quota"
+        )
+
+
+def _check_file(
+    live: QuotaFile,
+    changes: Mapping[str, Mapping[str, int | None]],
+    defaults: Mapping[str, int | None],
+) -> None:
+    """The quota file's ``changes`` (tier -> tenant -> limit) and ``defaults`` (tier ->
+    limit) checked as the API checks them, and its version and mode."""
+    if live.version != 1:
+        raise QuotaError(f"version {live.version}: this server reads version 1")
+    if live.mode and live.mode not in MODES:
+        raise QuotaError(f"mode {live.mode!r}: quota modes are {', '.join(MODES)}")
+    for tier, limits in changes.items():
+        for name, limit in limits.items():
+            try:
+                check_name(name)
+            except QuotaError as exc:
+                raise QuotaError(f"a {tier} quota: {exc}") from None
+            _check_change(name, tier, limit)
+    for tier, limit in defaults.items():
+        if tier not in TIERS:
+            raise QuotaError(
+                f"a default for unknown tier {tier!r}: quotas limit {', '.join(TIERS)}"
+            )
+        if limit is not None:
+            parse_limit(limit, f"the {tier} default")
 
 
 class Quotas:
@@ -121,6 +163,10 @@ class Quotas:
             defaults = dict(live.tier_defaults)
             if live.default_set:
                 defaults["pool"] = live.default_limit
+            try:
+                _check_file(live, changes, defaults)
+            except QuotaError as exc:  # a hand-edited file: checked as the API checks
+                raise QuotaError(f"the quota file {self.path}: {exc}") from None
             for tier in TIERS:
                 for name, limit in changes.get(tier, {}).items():
                     self._apply(tier, name, limit)
@@ -144,15 +190,7 @@ class Quotas:
         tiers not named keep theirs."""
         check_name(name)
         for tier, limit in limits.items():
-            if tier not in TIERS:
-                raise QuotaError(f"unknown tier {tier!r}: quotas limit {', '.join(TIERS)}")
-            if limit is not None and limit < 0:
-                raise QuotaError("a quota must be >= 0 bytes")
-            if tier != "pool" and limit is not None and name == OTHER_TENANT:
-                raise QuotaError(
-                    f"{OTHER_TENANT} holds the {tier} chunks whose tenant is not known yet "
-                    f"(after a restart, until their engine registers): it takes no {tier} quota"
-                )
+            _check_change(name, tier, limit)
         if name != OTHER_TENANT and self.tenants.id_of(name) == OTHER_ID:
             raise QuotaError(
                 f"this server knows {MAX_TENANTS} tenants, the most it tells apart: a new "
