@@ -280,3 +280,24 @@ def test_lazily_hashed_keys_are_prefetched_in_full_once_a_tier_has_the_first_mis
     lease, _ = env.sessions.take(ENGINE, "r") or (0, None)
     assert [k for k, _, _ in env.index.lease_slots(lease, ENGINE)] == ks
     env.index.release_read(lease, ENGINE)
+
+
+def test_a_prefetch_that_timed_out_after_loading_still_says_it_found_chunks(env: Env) -> None:
+    """The chunks a prefetch brought into the pool stay there when the lookup stopped
+    waiting for it (its deadline passed while it loaded): ``on_found`` (which binds a cache
+    salt's tenant to them) was called only for a prefetch that was not cancelled, so such
+    chunks stayed charged to ``~other``."""
+    ks = keys(3)
+    env.tier.put(ks)
+    gate = env.tier.hold()
+    found: list[int] = []
+    session = env.sessions.open(ENGINE, "r", ks, [CHUNK] * 3, on_found=lambda: found.append(1))
+    job = session.prefetch
+    assert job is not None and env.tier.entered.wait(WAIT)
+    prefetcher = env.tiering.prefetcher
+    prefetcher.clock = lambda: job.deadline  # the lookup's wait is over: cancelled
+    assert env.sessions.query(ENGINE, "r") == Progress(True, 0, ()) and job.cancelled
+    gate.set()
+    assert job.done.wait(WAIT)
+    assert env.index.contains(ks) == [True] * 3  # loaded into the pool all the same
+    assert found == [1]

@@ -216,11 +216,12 @@ class LookupSessions:
     ) -> None:
         """On a tier thread: hand a lease the prefetch created to its session, or give it
         back if nobody can use it any more (session ended, retrieved or timed out); then
-        ``on_found()`` if it brought chunks in."""
+        ``on_found()`` if it found chunks (brought them into the pool, where they stay even
+        when nobody waited for them)."""
         try:
             self._hand_over(holder, request_id, session, job)
         finally:
-            if on_found is not None and job.loaded:
+            if on_found is not None and job.found:
                 on_found()
 
     def _hand_over(self, holder: int, request_id: str, session: Session, job: PrefetchJob) -> None:

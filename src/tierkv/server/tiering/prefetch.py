@@ -70,6 +70,9 @@ class PrefetchJob:
         self.on_done = on_done
         self.deadline = deadline
         self.loaded = 0
+        # The prefix the job found in the pool once it had loaded what it could, cancelled
+        # or not: chunks it brought in stay in the pool even if nobody waits for them.
+        self.found = 0
         self.into_lease = into_lease
         self.lease_id = 0
         self.done = threading.Event()
@@ -188,7 +191,7 @@ class Prefetcher:
             run, unchecked = self._locate(
                 keys[job.first :], head if isinstance(head, Tier) else None
             )
-            loaded = self._load(keys, lengths, job.first, run, job)
+            loaded = job.found = self._load(keys, lengths, job.first, run, job)
             if unchecked and loaded == len(run):
                 job.miss_reason = "error"  # the prefix ended at a chunk no tier could check
             if loaded and not job.cancelled:
