@@ -169,13 +169,12 @@ def test_a_server_that_registers_again_while_it_is_reaped_keeps_its_new_entries(
         service.close()
 
 
-def test_a_sync_cannot_pile_up_empty_or_tiny_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sync_cannot_pile_up_empty_or_tiny_parts() -> None:
     """A sync's parts are collected until its last one; an authenticated but broken server
     sending parts that hold nothing (or next to nothing) for ever made the collection grow
     without bound. Only the last part may be empty, and every part costs at least
     MIN_PART_BYTES against the sync's limit."""
-    monkeypatch.setattr(service_module, "MAX_SYNC_BYTES", 100 * service_module.MIN_PART_BYTES)
-    service = ControllerService()
+    service = ControllerService(max_sync_bytes=100 * service_module.MIN_PART_BYTES)
     me = m.MemberInfo("s:1", "s:1", "s:2", 7)
     try:
         assert isinstance(service.on_register(cm.Register(0, me, [])), cm.Registered)

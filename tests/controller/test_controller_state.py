@@ -161,20 +161,45 @@ def test_tiers_no_server_uses_are_refused_with_a_clear_reason(
 
 
 def test_a_syncs_keys_received_are_counted_and_too_large_syncs_refused(
-    service: ControllerService, monkeypatch: pytest.MonkeyPatch
+    service: ControllerService,
 ) -> None:
     """``sync_keys_received`` was the parts' cost (at least 64 KiB a part, 33 bytes a key)
     divided by 32; "sync too large" was not counted as a refusal."""
-    monkeypatch.setattr(service_module, "MAX_SYNC_BYTES", 2 * service_module.MIN_PART_BYTES)
+    service.max_sync_bytes = 2 * service_module.MIN_PART_BYTES
     assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
     assert sync(service, 1, [key(1), key(2), key(3)], part=0, last=False).ok
     assert service.instances()[0]["sync_keys_received"] == 3
     assert sync(service, 1, [key(4)], part=1, last=False).ok
     assert service.instances()[0]["sync_keys_received"] == 4
     ack = sync(service, 1, [key(5)], part=2, last=False)
-    assert not ack.ok and ack.reason == "sync too large"
+    assert not ack.ok and ack.reason == "sync larger than max_sync_bytes"
     assert service.counts["reports_refused"] == 1
     assert service.instances()[0]["sync_keys_received"] == 0
+
+
+def test_the_syncs_in_progress_are_bounded_together(service: ControllerService) -> None:
+    """Each sync's parts were bounded (8 GiB), not all of them together: servers restarting
+    at once could each hold as much in the controller while they synced. A part past the
+    bound of all syncs is refused (counted, deferred) and its sync dropped, freeing its
+    room; the others go on and apply, and the deferred server syncs again."""
+    service.max_sync_bytes = 4 * service_module.MIN_PART_BYTES
+    others = [m.MemberInfo(f"s:{i}", f"s:{i}", f"s:{i + 1}", 7) for i in (3, 5)]
+    for member in (ME, *others):
+        assert isinstance(service.on_register(cm.Register(0, member, [])), cm.Registered)
+
+    def part(instance: str, n: int, i: int, last: bool) -> cm.Ack:
+        return service.on_sync(cm.SyncBatch(0, instance, 7, 1, i, last, key(n), bytes(1)))
+
+    assert part("s:1", 1, 0, False).ok and part("s:3", 2, 0, False).ok
+    assert part("s:3", 3, 1, False).ok and part("s:5", 4, 0, False).ok  # the bound: 4 parts
+    deferred = part("s:5", 4, 1, False)
+    assert not deferred.ok and "other servers" in deferred.reason
+    assert service.counts["syncs_deferred"] == 1
+    assert service.instances()[2]["sync_keys_received"] == 0  # its parts dropped
+    assert part("s:1", 5, 1, True).ok  # applied: its room is free again
+    assert service.index.size("s:1") == 2
+    assert part("s:5", 4, 0, True).ok and service.index.size("s:5") == 1  # again, from 0
+    assert part("s:3", 6, 2, True).ok and service.index.size("s:3") == 3
 
 
 def test_a_re_registration_before_its_sync_ended_drops_the_kept_entries(
@@ -232,3 +257,20 @@ def test_a_failed_registration_is_tried_again_after_a_pause_not_at_once() -> Non
     finally:
         directory.close()
         service.close()
+
+
+def test_a_server_waiting_for_its_sync_is_shown_syncing(service: ControllerService) -> None:
+    """Registered again (same boot: a re-sync), a server whose first sync part had not come
+    yet was shown as synced (the dashboard's "synced x1"; "x0" for a new one) while its
+    entries were not current."""
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert service.instances()[0]["syncing"]  # registered, nothing synced yet
+    assert sync(service, 1, [key(1)]).ok
+    assert not service.instances()[0]["syncing"]
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    row = service.instances()[0]
+    assert row["syncing"] and row["syncs"] == 0
+    assert sync(service, 2, [key(1)], part=0, last=False).ok
+    assert service.instances()[0]["syncing"]
+    assert sync(service, 2, [key(2)], part=1, last=True).ok
+    assert not service.instances()[0]["syncing"]

@@ -29,7 +29,7 @@ class Controller:
 
     def __init__(self, cfg: ControllerConfig) -> None:
         self.cfg = cfg
-        self.service = ControllerService(cfg.dead_after)
+        self.service = ControllerService(cfg.dead_after, max_sync_bytes=cfg.max_sync_bytes)
         self.control = ControlServer(
             cfg.host,
             cfg.port,

@@ -17,6 +17,7 @@ from tierkv.config import (
     http_url,
     is_loopback,
 )
+from tierkv.controller.service import MAX_SYNC_BYTES
 from tierkv.options import Size, option
 
 # The sections of `tierkv controller --help`, in order.
@@ -51,6 +52,15 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_message_bytes: Annotated[
         Size, option(CONTROL, "largest control message accepted (a full sync part, a report)")
     ] = 256 * 2**20
+    max_sync_bytes: Annotated[
+        Size,
+        option(
+            CONTROL,
+            "what the full syncs in progress may hold together, all servers' (a server "
+            "syncs its keys, 33 bytes each, after it registers); a sync past it is deferred "
+            "and its server syncs again later",
+        ),
+    ] = MAX_SYNC_BYTES
     # -- http
     http_host: Annotated[
         str,
@@ -97,6 +107,11 @@ class ControllerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise ConfigError(
                 f"max_message_bytes must be at least {MAX_PART_BYTES} (a server's report or "
                 f"sync part of {BATCH} keys): less refused every full sync"
+            )
+        if self.max_sync_bytes < MAX_PART_BYTES:
+            raise ConfigError(
+                f"max_sync_bytes must be at least {MAX_PART_BYTES} (one sync part of {BATCH} "
+                "keys): less refused every full sync"
             )
         check_logging(self.log_level, self.log_format)
         return self

@@ -57,6 +57,7 @@ class ControllerCollector(Collector):
             ("lookup_keys", "lookup_keys", "keys looked up"),
             ("router_lookups", "router_lookups", "POST /lookup answered"),
             ("sync_parts", "sync_parts", "full sync parts received"),
+            ("syncs_deferred", "syncs_deferred", "full syncs deferred: max_sync_bytes held"),
         ):
             yield CounterMetricFamily(f"tierkv_controller_{name}", what, value=c[key])
         dereg = CounterMetricFamily(

@@ -53,8 +53,8 @@ from tierkv.keys import KEY_SIZE
 
 log = logging.getLogger(__name__)
 
-MAX_SYNC_BYTES = 8 * 2**30  # a sync's parts collected at most (then it is refused)
-# What a part costs at least against MAX_SYNC_BYTES, whatever it holds (a server sends parts
+MAX_SYNC_BYTES = 8 * 2**30  # the syncs' parts collected at most, all servers together
+# What a part costs at least against max_sync_bytes, whatever it holds (a server sends parts
 # of 65,536 keys, 2 MiB): parts of a few keys each cannot pile up by the million.
 MIN_PART_BYTES = 64 * 2**10
 ACTIVITY = 50  # recent events kept for the dashboard
@@ -97,7 +97,7 @@ class Instance:
     last_seen: float
     seq: int = UNSYNCED  # last report or sync applied
     sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
-    sync_bytes: int = 0  # what the parts cost against MAX_SYNC_BYTES (not their keys)
+    sync_bytes: int = 0  # what the parts cost against max_sync_bytes (not their keys)
     sync_keys: int = 0  # keys in the parts collected
     syncs: int = 0
     reports: int = 0
@@ -110,9 +110,14 @@ class ControllerService:
         self,
         dead_after: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        max_sync_bytes: int = MAX_SYNC_BYTES,
     ) -> None:
+        """``max_sync_bytes``: what the full syncs in progress may hold together (each
+        collects its parts until its last one, then replaces its server's entries at once):
+        a part past it is refused and its server syncs again later, from the start."""
         self.boot = time.time_ns()
         self.dead_after = dead_after
+        self.max_sync_bytes = max_sync_bytes
         self.clock = clock
         self.index = ControllerIndex()
         self._instances: dict[str, Instance] = {}
@@ -131,6 +136,7 @@ class ControllerService:
             "reports_refused": 0,
             "syncs": 0,
             "sync_parts": 0,
+            "syncs_deferred": 0,  # refused for want of room: other servers' syncs held it
             "lookups": 0,
             "lookup_keys": 0,
             "router_lookups": 0,
@@ -362,10 +368,24 @@ class ControllerService:
                 if state is not None:
                     _forget_parts(state)
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
-            if state.sync_bytes + cost > MAX_SYNC_BYTES:
+            if state.sync_bytes + cost > self.max_sync_bytes:
                 self.counts["reports_refused"] += 1
                 _forget_parts(state)
-                return cm.Ack(req.rid, self.boot, False, "sync too large")
+                return cm.Ack(req.rid, self.boot, False, "sync larger than max_sync_bytes")
+            held = sum(s.sync_bytes for s in self._instances.values())
+            if held + cost > self.max_sync_bytes:
+                # Other servers' syncs hold the room: this one tries again later (its
+                # server re-registers after a pause), when theirs have been applied.
+                self.counts["syncs_deferred"] += 1
+                _forget_parts(state)
+                log.warning(
+                    "server %s: full sync deferred, other syncs hold %d of max_sync_bytes "
+                    "(%d); it syncs again later",
+                    req.instance,
+                    held,
+                    self.max_sync_bytes,
+                )
+                return cm.Ack(req.rid, self.boot, False, "other servers' syncs hold the room")
             state.sync_parts.append((req.keys, req.tiers))
             state.sync_bytes += cost
             state.sync_keys += n_keys
@@ -477,7 +497,9 @@ class ControllerService:
                     ),
                     "last_heartbeat_s": round(now - s.last_seen, 3),
                     "seq": s.seq,
-                    "syncing": bool(s.sync_parts),
+                    # Registered and its full sync not applied yet (parts coming, or the
+                    # first yet to come): its entries are not current.
+                    "syncing": s.seq == UNSYNCED or bool(s.sync_parts),
                     "sync_keys_received": s.sync_keys,
                     "syncs": s.syncs,
                 }
