@@ -70,6 +70,10 @@ class FailureLog:
     )
     EACH = "%(what)s: %(op)s failed (%(error)s)"
     AGAIN = "%(what)s: works again after %(lasted).1fs; %(failures)d failures meanwhile"
+    REFUSED = (
+        "%(what)s: %(op)s refused for %(failures)d items of a batch that otherwise worked "
+        "(%(error)s); further refusals are logged at DEBUG for a while"
+    )
 
     def __init__(
         self,
@@ -117,6 +121,20 @@ class FailureLog:
             self.log.warning(template, fields, exc_info=exc_info)
         else:
             self.log.debug(self.EACH, fields, exc_info=exc_info)
+
+    def refused(self, op: str, error: object, items: int) -> None:
+        """``op`` was refused for ``items`` things of a batch whose other things worked (a
+        Redis out of memory for some values): no outage, which the batch's success ends, but
+        counted and logged at WARNING at most once an ``interval`` like one (ending an
+        outage and starting another for every such batch counted an outage each time)."""
+        now = self.clock()
+        with self._lock:
+            self.total_failures += items
+            warn = now - self._last_warning >= self.interval
+            if warn:
+                self._last_warning = now
+            fields = self._fields(op, error, items, 0.0)
+        self.log.log(logging.WARNING if warn else logging.DEBUG, self.REFUSED, fields)
 
     def ok(self) -> None:
         """It worked: ends the episode, if there is one."""

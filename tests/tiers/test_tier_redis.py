@@ -565,6 +565,33 @@ def test_a_redis_refusing_every_command_is_one_outage(
     assert len(infos) == 1 and "works again" in infos[0]
 
 
+def test_a_batch_partly_refused_is_no_outage(
+    tier: RedisTier, slots: Slots, raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stores whose batch Redis partly refused (out of memory after its first values) ended
+    the outage the refusals started and started another, at every batch: the tier flapped
+    (an outage counted each time). Refusals in a batch that otherwise worked are counted
+    and logged, once a minute at most, without an outage."""
+    caplog.set_level(logging.INFO, "tierkv.tiers.redis")
+    view, _ = slots.random(100_000)
+    raw.config_set("maxmemory-policy", "noeviction")
+    mixed = 0
+    try:
+        for _ in range(5):
+            raw.flushdb()
+            used = int(raw.info("memory")["used_memory"])
+            raw.config_set("maxmemory", used + 300_000)  # room for two or three values
+            stored = tier.store([(new_key(), view) for _ in range(6)])
+            mixed += any(stored) and not all(stored)
+    finally:
+        raw.config_set("maxmemory", 0)
+    assert mixed == 5  # (each batch: some stored, the rest refused)
+    assert tier.outage.outages == 0 and not tier.outage.down
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "refused for" in warnings[0] and "OOM" in warnings[0]
+    assert tier.stats()["store_failed"] == 30 - tier.stats()["stored"] > 0
+
+
 def test_lost_server_gives_errors_and_the_tier_recovers(
     make_tier: Callable[..., RedisTier],
     redis_service: RedisServer,

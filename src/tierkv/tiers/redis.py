@@ -36,7 +36,9 @@ Failures are counted and logged through the tier's :class:`~tierkv.tiers.outage.
 WARNING when Redis stops answering, one INFO line with the count when it works again, that
 is when a command of a batch succeeds: a Redis that answers every command with an error
 (``OOM``, ``READONLY``) is still down (each such batch used to end the outage and start
-another, logged every time).
+another, logged every time). Commands of a batch refused while others worked (``OOM`` for
+some values) are counted and logged at most once a minute, without an outage (ending one and
+starting another at every such batch made the tier flap).
 
 ``socket_timeout`` bounds each reply as a whole, however slowly its bytes trickle in (not
 the whole pipeline: a batch's replies add up to ``max_pipeline_bytes``, which a slower link
@@ -238,12 +240,6 @@ class RedisTier(Tier):
             replies: list[Any] = pipe.execute(raise_on_error=False)
         return replies
 
-    def _answered(self, replies: Sequence[object]) -> None:
-        """The tier works if a command of the batch did (an error reply to each, like OOM
-        or READONLY, is no sign of that; the caller reports those)."""
-        if any(not isinstance(r, Exception) for r in replies):
-            self.outage.ok()
-
     def _on_socket(self, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T]) -> T:
         """Send ``commands`` pipelined on one of the pool's connections, in pieces (a value's
         pool view as it is), and read their replies with ``read`` (:mod:`tierkv.tiers.resp`);
@@ -271,7 +267,7 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("contains", exc, len(keys))
             return [None] * len(keys)
-        self._answered(replies)
+        self._refusals("EXISTS", [r for r in replies if isinstance(r, Exception)], len(replies))
         return [r == 1 if isinstance(r, int) else None for r in replies]
 
     def store(self, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
@@ -301,18 +297,28 @@ class RedisTier(Tier):
             return results
         finally:
             commands.clear()  # drop the references to the pool views
-        self._answered(replies)
         refused: list[Exception] = []
         for i, reply in zip(positions, replies, strict=True):
             if isinstance(reply, ReplyError):
                 refused.append(reply)  # e.g. OOM under maxmemory with noeviction
             else:
                 results[i] = reply == b"OK"
-        if refused:
-            self._counts.add(store_failed=len(refused))
-            self._failed("SET", refused[0], len(refused))
-        self._counts.add(stored=sum(results))
+        self._counts.add(store_failed=len(refused), stored=sum(results))
+        self._refusals("SET", refused, len(replies))
         return results
+
+    def _refusals(self, op: str, refused: Sequence[object], answered: int) -> None:
+        """The outcome of a batch of ``answered`` commands of which ``refused`` got an error
+        reply: the tier works if any command did (refusals of some are counted and logged
+        without an outage: ending one and starting another at every such batch made the
+        tier flap); if every one was refused (OOM, READONLY), it is down."""
+        if len(refused) < answered:
+            self.outage.ok()
+            if refused:
+                self._counts.add(errors=len(refused))
+                self.outage.refused(op, refused[0], len(refused))
+        elif refused:
+            self._failed(op, refused[0], len(refused))
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         return self.load_verified(items)[0]
@@ -377,11 +383,9 @@ class RedisTier(Tier):
             if drop:
                 value = bytes(header) + bytes(dest) if isinstance(reply, Filled) else reply
                 bad.append((key, value))
+        # (WRONGTYPE is not refused: Redis looked the key up)
         refused = [r for r in replies if isinstance(r, ReplyError) and not _wrong_type(r)]
-        if len(refused) < len(replies):  # WRONGTYPE too: Redis looked the key up
-            self.outage.ok()
-        if refused:
-            self.outage.failed("GET", refused[0], len(refused))
+        self._refusals("GET", refused, len(replies))
         self._counts.add_loads(statuses)
         if bad:
             self._drop_corrupt(bad)
@@ -433,10 +437,8 @@ class RedisTier(Tier):
         except (RedisError, OSError) as exc:
             self._failed("deleting corrupt values", exc, len(bad))
             return
-        self._answered(replies)
         failed = [r for r in replies if isinstance(r, Exception)]
-        if failed:
-            self._failed("deleting corrupt values", failed[0], len(failed))
+        self._refusals("deleting corrupt values", failed, len(replies))
         self._counts.add(corrupt_deleted=sum(1 for r in replies if r == 1))
 
     def delete(self, keys: Sequence[bytes]) -> int:
