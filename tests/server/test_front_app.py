@@ -65,7 +65,7 @@ def test_router_lookup_bodies_held_at_once_are_bounded(monkeypatch: pytest.Monke
     once had the front hold all of them. Past the bound a lookup is answered 503 (try
     again); the bytes held are given back once each lookup is answered or refused."""
     size = 100_000
-    monkeypatch.setattr(front, "LOOKUP_BODY_BYTES", 3 * size)
+    monkeypatch.setattr(front, "MAX_HELD_BODIES", 3 * size)
     release = threading.Event()
     waiting = threading.Semaphore(0)
 

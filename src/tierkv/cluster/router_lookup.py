@@ -36,6 +36,10 @@ from tierkv.cluster.messages import NO_TIER
 
 MAX_CHUNKS = 65536  # per request
 MAX_BODY = 4 * 2**20
+# The bodies of lookups received and not yet answered, all together (an HTTP server's): past
+# it a lookup is answered 503, try again (each body was read before its turn, so routers
+# sending many at once had the server hold all of them).
+MAX_HELD_BODIES = 64 * 2**20
 
 I8 = npt.NDArray[np.int8]
 Holders = Callable[[list[bytes]], dict[str, I8]]  # keys -> instance -> tier of each key

@@ -9,8 +9,8 @@ p99 rose 2 to 5x however short the GIL's switch interval. So the HTTP work runs 
   packed into bytes: :func:`tierkv.cluster.router_lookup.query_of`), then answered by the
   server over RPC (ROUTER_LOOKUP: it hashes the prompt, asks its directory and returns the
   JSON answer, on its worker pool), :data:`AT_ONCE` at a time; the bodies received and not
-  yet answered hold :data:`LOOKUP_BODY_BYTES` at most together (past it: 503, try again). A
-  server that refused or failed the request itself (not the lookup's own 4xx answers) is
+  yet answered hold ``MAX_HELD_BODIES`` (64 MiB) at most together (past it: 503, try
+  again). A server that refused or failed the request itself (not the lookup's own 4xx answers) is
   told as its error's status (:data:`ERROR_STATUS`; 500 otherwise), one that did not answer
   as 503;
 - every other request (dashboard, status, metrics, quotas, clear-cache) is passed on to the
@@ -54,6 +54,7 @@ from tierkv import protocol as p
 from tierkv.client import ServerConnection, ServerError
 from tierkv.cluster import router_lookup
 from tierkv.cluster.router_lookup import MAX_BODY as MAX_LOOKUP_BODY
+from tierkv.cluster.router_lookup import MAX_HELD_BODIES
 from tierkv.framing import BufferBudget
 from tierkv.logs import setup_logging
 from tierkv.priority import background_process
@@ -61,8 +62,8 @@ from tierkv.server.front_process import READY, TOKEN_ENV
 from tierkv.thread_names import name_os_threads
 from tierkv.web.requests import (
     Authorizer,
-    authorized_body,
     error_reply,
+    held_body,
     make_authorizer,
     read_body,
 )
@@ -71,7 +72,6 @@ log = logging.getLogger(__name__)
 
 MAX_PASSED_BODY = 64 * 2**10  # bodies passed on to the server (its endpoints take less)
 AT_ONCE = 4  # router lookups in flight to the server at a time
-LOOKUP_BODY_BYTES = 64 * 2**20  # the bodies of router lookups received and not yet answered
 # How the server's error replies to a router lookup (not a lookup's own 4xx answers, which
 # come as answers) are told to the router: the server refused or failed the request itself.
 ERROR_STATUS = {
@@ -110,7 +110,7 @@ class FrontApp:
         self.authorize = authorize
         self.router_lookup = router_lookup
         self.turns = asyncio.Semaphore(AT_ONCE)
-        self.lookup_bodies = BufferBudget(LOOKUP_BODY_BYTES)  # (the event loop's thread only)
+        self.lookup_bodies = BufferBudget(MAX_HELD_BODIES)  # (the event loop's thread only)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,21 +128,20 @@ class FrontApp:
     async def lookup(self, request: Request) -> Response:
         answer = self.router_lookup
         assert answer is not None
-        body = await authorized_body(request, self.authorize, MAX_LOOKUP_BODY, self.lookup_bodies)
-        if isinstance(body, Response):
-            return body
-        try:
-            async with self.turns:
-                status, reply = await run_in_threadpool(answer, body)
-        except ServerError as exc:  # the server answered, refusing or failing the request
-            status = ERROR_STATUS.get(exc.code, 500)
-            log.log(logging.WARNING if status == 500 else logging.DEBUG, "router lookup: %s", exc)
-            return error_reply(status, f"the server refused the lookup: {exc}")
-        except Exception as exc:  # the server is down or restarting: say so, briefly
-            log.debug("router lookup failed: %s", exc)
-            return error_reply(503, f"the server did not answer: {exc}")
-        finally:
-            self.lookup_bodies.give(len(body))
+        async with held_body(request, self.authorize, MAX_LOOKUP_BODY, self.lookup_bodies) as body:
+            if isinstance(body, Response):
+                return body
+            try:
+                async with self.turns:
+                    status, reply = await run_in_threadpool(answer, body)
+            except ServerError as exc:  # the server answered, refusing or failing it
+                status = ERROR_STATUS.get(exc.code, 500)
+                level = logging.WARNING if status == 500 else logging.DEBUG
+                log.log(level, "router lookup: %s", exc)
+                return error_reply(status, f"the server refused the lookup: {exc}")
+            except Exception as exc:  # the server is down or restarting: say so, briefly
+                log.debug("router lookup failed: %s", exc)
+                return error_reply(503, f"the server did not answer: {exc}")
         return Response(
             reply,
             status_code=status,

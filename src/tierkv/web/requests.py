@@ -4,9 +4,10 @@ bodies. Starlette only: the front process imports this without FastAPI."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
@@ -65,6 +66,21 @@ async def authorized_body(
     if denied is not None:
         return denied
     return await read_body(request, limit, budget)
+
+
+@contextlib.asynccontextmanager
+async def held_body(
+    request: Request, authorize: Authorizer, limit: int, budget: BufferBudget
+) -> AsyncIterator[bytes | JSONResponse]:
+    """:func:`authorized_body` charged to ``budget`` (what the bodies of requests of one
+    kind, received and not yet answered, hold together: routers' lookups) until the block
+    it is used in ends."""
+    body = await authorized_body(request, authorize, limit, budget)
+    try:
+        yield body
+    finally:
+        if isinstance(body, bytes):
+            budget.give(len(body))
 
 
 async def read_body(
