@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -239,6 +240,28 @@ def test_a_reader_with_the_wrong_secret_gets_nothing() -> None:
         assert intruder.stats()["refused_by_peers"] == 1  # it could not check the holder
         # The holder counts the hello it never saw completed (the intruder hung up).
         wait_for(lambda: h.stats()["refused_hellos"] == 1)
+    finally:
+        intruder.close()
+        h.close()
+
+
+def test_refused_hellos_are_counted_and_logged_once_a_minute_at_most(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anyone who reaches the data port can send a hello and hang up: each one logged a
+    WARNING, with a node name of the sender's choosing (500 connections, 500 lines)."""
+    caplog.set_level(logging.INFO, "tierkv.cluster.transport")
+    data = chunks(1)
+    h = holder(data)
+    intruder = TcpTransport("127.0.0.1", 0, "127.0.0.1", "guess", "intruder")
+    try:
+        for _ in range(20):
+            assert intruder.fetch_many([(info(h), slots(data))])[0] == [LoadStatus.ERROR]
+        wait_for(lambda: h.stats()["refused_hellos"] == 20)
+        lines = [r.getMessage() for r in caplog.records if r.name.endswith("transport")]
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        hellos = [line for line in lines if "hello" in line]
+        assert len([r for r in warnings if "hello" in r.getMessage()]) == 1, hellos
     finally:
         intruder.close()
         h.close()

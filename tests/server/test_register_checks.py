@@ -47,6 +47,11 @@ def test_a_good_worker_gets_its_chunk_bytes_and_a_scheduler_none() -> None:
         ({"rank": 2, "world_size": 2}, True, p.ErrorCode.BAD_REQUEST, "outside world size"),
         ({"world_size": 0}, True, p.ErrorCode.BAD_REQUEST, "outside world size"),
         ({"model": ""}, True, p.ErrorCode.BAD_REQUEST, "must name the model"),
+        # Logged by the server: a line break wrote log lines of the client's choosing.
+        ({"name": "e\n2026-01-01 WARNING x"}, True, p.ErrorCode.BAD_REQUEST, "name holds a"),
+        ({"model": "m\r"}, True, p.ErrorCode.BAD_REQUEST, "model holds a control"),
+        ({"engine_id": "e\u2028"}, True, p.ErrorCode.BAD_REQUEST, "engine_id holds a"),
+        ({"name": "e\x1b[31m"}, True, p.ErrorCode.BAD_REQUEST, "name holds a"),
         ({"layout": p.Layout([4, CHUNK], "object")}, True, p.ErrorCode.BAD_REQUEST, "dtype"),
         ({"layout": p.Layout([0, CHUNK], "int8")}, True, p.ErrorCode.BAD_REQUEST, "bad chunk"),
         ({"layout": p.Layout([CHUNK], "int8", 1)}, True, p.ErrorCode.BAD_REQUEST, "token_axis"),

@@ -511,12 +511,14 @@ class TcpTransport(Transport):
             answer = _recv_by(sock, MAC_BYTES, deadline)
         except (ConnectionError, OSError):
             # A reader with another secret cannot check our proof and hangs up here.
+            # (Logged through _refusals, at WARNING once a minute at most: anyone who
+            # reaches the port can do this, and a line each time flooded the log.)
             self.refused_hellos += 1
-            log.warning("a data-plane hello from %r was abandoned (another secret?)", node)
+            self._refusals.failed("a hello", f"from {node!r}: abandoned (another secret?)")
             return None
         if not hmac.compare_digest(answer, expected):
             self.refused_hellos += 1
-            log.warning("refused a data-plane connection with a wrong secret (claims %r)", node)
+            self._refusals.failed("a hello", f"from {node!r}: a wrong secret")
             sock.sendall(HELLO_REPLY.pack(HELLO_UNAUTHORIZED))
             return None
         sock.sendall(HELLO_REPLY.pack(HELLO_OK))

@@ -41,6 +41,7 @@ from tierkv.server.quota_values import (
     check_name,
     parse_limit,
 )
+from tierkv.server.tenant_rest import RestRow
 from tierkv.server.tiering.tier_quotas import TierQuota
 from tierkv.tenants import (
     MAX_TENANTS,
@@ -149,6 +150,7 @@ class Quotas:
         self._tiers: dict[str, TierQuota] = {}
         self._seq = 0
         self._written = 0
+        self._rest = RestRow()  # the status reports' "rest" row
 
     # -- start -----------------------------------------------------------------------------
     def load(self) -> None:
@@ -286,7 +288,8 @@ class Quotas:
     def rows(self, top: int = TOP_TENANTS) -> list[p.TenantInfo]:
         """The tenants as status reports show them: the ``top`` largest (pool bytes, then
         tier bytes), then one ``rest`` row summing the others (so Prometheus series stay
-        bounded)."""
+        bounded; its counters sum what the tenants' grew by while in it:
+        :mod:`tierkv.server.tenant_rest`)."""
         named = self.named()
         pool = {f.tenant: f for f in self.index.tenant_figures()}
         tiers = {tier: quota.figures() for tier, quota in self._tiers.items()}
@@ -314,24 +317,9 @@ class Quotas:
             )
         rows.sort(key=lambda r: (r.used, sum(t.used for t in r.tiers.values())), reverse=True)
         if len(rows) <= top:
+            self._rest.row(rows, [], list(tiers))  # (what each tenant's counters are now)
             return rows
-        rest = rows[top:]
-        total = p.TenantInfo("rest", "", 0, -1, "default", 0, 0, 0, 0, len(rest))
-        total.tiers = {tier: p.TenantTierInfo(0, -1, 0, 0, 0, 0) for tier in tiers}
-        for r in rest:
-            total.used += r.used
-            total.evictions += r.evictions
-            total.evicted_bytes += r.evicted_bytes
-            total.refused_chunks += r.refused_chunks
-            total.refused_bytes += r.refused_bytes
-            for tier, t in r.tiers.items():
-                s = total.tiers[tier]
-                s.used += t.used
-                s.evictions += t.evictions
-                s.evicted_bytes += t.evicted_bytes
-                s.refused_chunks += t.refused_chunks
-                s.refused_bytes += t.refused_bytes
-        return [*rows[:top], total]
+        return [*rows[:top], self._rest.row(rows[:top], rows[top:], list(tiers))]
 
     def settings(self) -> tuple[str, int]:
         """(mode, default pool limit in bytes or -1 for unlimited)."""

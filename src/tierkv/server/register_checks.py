@@ -2,7 +2,8 @@
 
 :func:`check_register` refuses, with a :class:`~tierkv.server.errors.RequestError` that says
 why, a client of another protocol version, a role other than worker or scheduler, a
-scheduler without an engine id, names and salts too long or malformed, a rank outside its
+scheduler without an engine id, names and salts too long or malformed (a name, engine id or
+model holding a control character or line break: the server logs them), a rank outside its
 world size, a missing model, and (for a worker) a chunk layout this server cannot hold
 (:func:`check_layout`: a dtype it does not know, a bad shape or token axis, a chunk of other
 than the agreed number of tokens, a chunk larger than the pool), and one whose auth token is
@@ -12,6 +13,7 @@ not the server's (the service compares it).
 from __future__ import annotations
 
 import math
+import re
 
 from tierkv import __version__, dtypes, keys
 from tierkv import protocol as p
@@ -20,6 +22,8 @@ from tierkv.tenants import salt_error
 
 MAX_NAME = 256  # characters of a client name or engine id
 MAX_MODEL = 1024  # characters of a model identity or tenant salt
+# What a logged name may not hold: C0 and C1 controls and Unicode's line breaks.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def check_register(req: p.Register, *, authorized: bool, chunk_size: int, capacity: int) -> int:
@@ -50,6 +54,11 @@ def check_register(req: p.Register, *, authorized: bool, chunk_size: int, capaci
     ):
         if len(value) > limit:
             raise RequestError(p.ErrorCode.BAD_REQUEST, f"{what} is longer than {limit}")
+        if what != "tenant_salt" and _CONTROL.search(value):
+            # (the server logs these: a line break in one wrote log lines of the client's)
+            raise RequestError(
+                p.ErrorCode.BAD_REQUEST, f"{what} holds a control character or line break"
+            )
     if why := salt_error("tenant_salt", req.tenant_salt):
         raise RequestError(p.ErrorCode.BAD_REQUEST, why)
     chunk_bytes = (
