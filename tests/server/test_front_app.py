@@ -1,12 +1,14 @@
 """The HTTP front's app in process (tierkv.server.front.FrontApp), around a stand-in for
-the server's RPC answer: how the server's error replies reach a router, the bound on
-router lookups' bodies held at once, and one ``date`` header on what is passed on. The
-front as a process, answered by a real server, is in test_http_front.py."""
+the server's RPC answer: how the server's error replies reach a router, the bounds on
+router lookups' bodies (held at once, and their time to arrive), and one ``date`` header
+on what is passed on. The front as a process, answered by a real server, is in
+test_http_front.py."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -15,6 +17,7 @@ from tierkv import protocol as p
 from tierkv.client import ServerError, ServerUnavailableError
 from tierkv.server import front
 from tierkv.server.front import FrontApp
+from tierkv.web import requests
 from tierkv.web.requests import make_authorizer
 
 BODY = b'{"model": "m", "tokens": [1, 2, 3]}'
@@ -115,3 +118,31 @@ def test_what_is_passed_on_carries_one_date() -> None:
     reply = asyncio.run(get())
     assert reply.status_code == 200 and reply.text == "ok"
     assert reply.headers.get_list("date") == []  # (uvicorn adds the front's own)
+
+
+def test_a_body_that_stops_arriving_gives_its_bytes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that sent part of a lookup's body and then nothing more held its request,
+    and the part of the bodies' bound it had taken, for good (uvicorn bounds no body's
+    time): a few such clients kept every router lookup out. The body must arrive whole in
+    :data:`tierkv.web.requests.BODY_SECONDS`; then 408, the connection closed, the bytes
+    given back."""
+    monkeypatch.setattr(requests, "BODY_SECONDS", 0.05, raising=False)  # (none before)
+    app = app_answering(lambda body: (200, b"{}"))
+    sent = asyncio.Event()
+
+    async def stalled_body() -> AsyncIterator[bytes]:
+        yield bytes(100_000)
+        sent.set()
+        await asyncio.Event().wait()  # (never set: the client sends nothing more)
+        yield b""  # pragma: no cover
+
+    async def scenario() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return await client.post("/lookup", content=stalled_body())
+
+    # (the bound on the test only turns a hang, before the fix, into a failure)
+    reply = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert reply.status_code == 408 and reply.headers["connection"] == "close", reply.text
+    assert "did not arrive" in reply.json()["error"]
+    assert app.lookup_bodies.used == 0

@@ -10,7 +10,8 @@ p99 rose 2 to 5x however short the GIL's switch interval. So the HTTP work runs 
   server over RPC (ROUTER_LOOKUP: it hashes the prompt, asks its directory and returns the
   JSON answer, on its worker pool), :data:`AT_ONCE` at a time; the bodies received and not
   yet answered hold ``MAX_HELD_BODIES`` (64 MiB) at most together (past it: 503, try
-  again). A server that refused or failed the request itself (not the lookup's own 4xx answers) is
+  again; each must arrive whole within :data:`tierkv.web.requests.BODY_SECONDS`). A server
+  that refused or failed the request itself (not the lookup's own 4xx answers) is
   told as its error's status (:data:`ERROR_STATUS`; 500 otherwise), one that did not answer
   as 503;
 - every other request (dashboard, status, metrics, quotas, clear-cache) is passed on to the

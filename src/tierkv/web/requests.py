@@ -1,9 +1,11 @@
 """The request-side pieces every tierkv HTTP app shares (a server's, its front's, the
 controller's): JSON errors, the authorization of state-changing requests, and bounded
-bodies. Starlette only: the front process imports this without FastAPI."""
+bodies (in size, and in time: :data:`BODY_SECONDS` to receive a whole body). Starlette
+only: the front process imports this without FastAPI."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -17,6 +19,9 @@ from tierkv.framing import BufferBudget
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4096
+# The time a request's body may take to arrive whole (uvicorn has no such bound: a client that
+# stopped sending held its request, and the part of a body budget it had taken, for good).
+BODY_SECONDS = 30.0
 
 
 def error_reply(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -90,7 +95,8 @@ async def read_body(
     to send instead: 413 when it is larger (at once when its ``Content-Length`` says so:
     the connection is closed, nothing of the body is waited for), 400 when the client went
     away in the middle (a quiet event: any local process can do that; the reply goes
-    nowhere).
+    nowhere), 408 when it did not arrive whole within :data:`BODY_SECONDS` (the connection
+    is closed).
 
     ``budget``: the bytes the bodies of all requests of this kind may hold together,
     charged as they arrive: past it the request is answered 503 (try again shortly), with
@@ -104,30 +110,41 @@ async def read_body(
             {"Connection": "close"},
         )
     body = bytearray()
-    refusal: JSONResponse | None = None
     try:
-        async for chunk in request.stream():
-            if budget is not None and not budget.take(len(chunk)):
-                refusal = error_reply(
-                    503,
-                    "too many request bodies being received at once: try again shortly",
-                    {"Retry-After": "1", "Connection": "close"},
-                )
-                break
-            body += chunk
-            if len(body) > limit:
-                refusal = error_reply(413, f"body larger than {limit} bytes")
-                break
+        refusal = await asyncio.wait_for(_receive(request, body, limit, budget), BODY_SECONDS)
     except ClientDisconnect:
         log.debug(
             "HTTP %s %s: the client disconnected in the body", request.method, request.url.path
         )
         refusal = error_reply(400, "the client disconnected before the end of the body")
+    except asyncio.TimeoutError:
+        log.debug("HTTP %s %s: the body did not arrive in time", request.method, request.url.path)
+        refusal = error_reply(
+            408, f"the body did not arrive within {BODY_SECONDS:g} s", {"Connection": "close"}
+        )
     if refusal is not None:
         if budget is not None:
             budget.give(len(body))
         return refusal
     return bytes(body)
+
+
+async def _receive(
+    request: Request, body: bytearray, limit: int, budget: BufferBudget | None
+) -> JSONResponse | None:
+    """Receive ``request``'s body into ``body``: None once whole, else the reply to send
+    instead (over ``limit``, or past ``budget``, which holds what ``body`` holds)."""
+    async for chunk in request.stream():
+        if budget is not None and not budget.take(len(chunk)):
+            return error_reply(
+                503,
+                "too many request bodies being received at once: try again shortly",
+                {"Retry-After": "1", "Connection": "close"},
+            )
+        body += chunk
+        if len(body) > limit:
+            return error_reply(413, f"body larger than {limit} bytes")
+    return None
 
 
 def _same_origin(origin: str, request: Request) -> bool:
