@@ -98,6 +98,12 @@ def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
         create_tier("s3", options)
 
 
+def test_a_bad_endpoint_url_is_reported_without_its_credentials() -> None:
+    with pytest.raises(TierError, match="endpoint_url") as err:
+        create_tier("s3", {"bucket": "b", "endpoint_url": "s3://AKID:S3cretKey@s3.example"})
+    assert "S3cretKey" not in str(err.value) and "AKID" not in str(err.value)
+
+
 def test_create_bucket_option(s3_service: S3Server, make_tier: Callable[..., S3Tier]) -> None:
     name = f"tierkv-created-{uuid.uuid4().hex[:8]}"
     tier = make_tier(bucket=name, create_bucket=True)

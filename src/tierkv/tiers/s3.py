@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from tierkv.redaction import redacted_url
 from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
@@ -160,7 +161,8 @@ class S3Tier(Tier):
             parts = urllib.parse.urlsplit(endpoint)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise TierError(
-                    f"s3 tier: endpoint_url {endpoint!r} is not an http:// or https:// URL"
+                    f"s3 tier: endpoint_url {redacted_url(endpoint)!r} is not an http:// or "
+                    "https:// URL"
                 )
         if options.get("max_concurrency", 1) < 1:
             raise TierError(
