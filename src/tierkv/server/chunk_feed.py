@@ -39,6 +39,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import cast
 
@@ -189,13 +190,15 @@ class ChunkFeed:
         """The sequence number of the last event (0: none yet)."""
         return self._seq
 
-    def read(self, namespaces: Sequence[bytes] | set[bytes], after: int, limit: int) -> Batch:
+    def read(
+        self, namespaces: Sequence[bytes] | AbstractSet[bytes], after: int, limit: int
+    ) -> Batch:
         """The events of ``namespaces`` with a sequence number above ``after``, the oldest
         first: at most ``limit`` of them, of those among the :attr:`read_scan` events after
         ``after``, with at most :attr:`read_note_bytes` of notes (one event at least)."""
         if limit < 1:
             raise ValueError("limit must be at least 1")
-        wanted = namespaces if isinstance(namespaces, set) else set(namespaces)
+        wanted = namespaces if isinstance(namespaces, AbstractSet) else set(namespaces)
         with self._lock:
             if after > self._seq or after < self._dropped_upto:
                 # Ahead of this feed: another server's numbers (a restart); behind what

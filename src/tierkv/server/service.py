@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 import msgspec
@@ -340,14 +341,14 @@ class CacheService:
             raise RequestError(p.ErrorCode.BAD_REQUEST, "after must be >= 0 and limit >= 1")
         namespaces = self.registry.engine_namespaces(reg)
         known = reg.feed_namespaces
-        if known is None or known != namespaces:
+        if known is not namespaces and (known is None or known != namespaces):
             # Its namespaces changed since its snapshot (or it read none): events before now
             # of a namespace it just gained were never sent to it. Read a snapshot, unless
             # the change only added namespaces that hold nothing (a new cache salt, as with
             # every new user: a snapshot of everything each time, for nothing).
             if known is None or not known <= namespaces or self.feed.holds_any(namespaces - known):
                 return p.ChunkEvents(req.rid, self.feed.epoch, [], self.feed.seq, True)
-            reg.feed_namespaces = frozenset(namespaces)
+            reg.feed_namespaces = namespaces
         batch = self.feed.read(namespaces, req.after, req.limit)
         return p.ChunkEvents(req.rid, self.feed.epoch, batch.events, batch.last, batch.resync)
 
@@ -356,7 +357,7 @@ class CacheService:
         now = self.clock()
         if req.page == 0:
             namespaces = self.registry.engine_namespaces(reg)
-            reg.feed_namespaces = frozenset(namespaces)
+            reg.feed_namespaces = namespaces
             seq, chunks = self.feed.snapshot(namespaces)
             page = self.snapshot_pages.first(reg.token, seq, chunks, now)
         else:
@@ -531,7 +532,7 @@ class CacheService:
             )
         return p.Ok(req.rid, self.clear_cache())
 
-    def clear_cache(self, namespaces: bytes | set[bytes] = b"", via: str = "RPC") -> int:
+    def clear_cache(self, namespaces: bytes | AbstractSet[bytes] = b"", via: str = "RPC") -> int:
         """Remove every object from the pool, or those of some namespaces (16-byte digests,
         the first half of each key). Tiers keep theirs."""
         if isinstance(namespaces, bytes):
