@@ -5,14 +5,12 @@ is readable without a token. Options whose name says they are a secret are repla
 and a URL keeps everything but its userinfo and the values of query parameters named as
 secrets (redis-py takes ``?password=`` as the password).
 
-A name says it is a secret (:func:`is_secret_name`) by its words, not by any substring: a
-name holding ``secret``, ``password``, ``passwd`` or ``credential`` (separators and case
-aside: ``dbPassword``, ``pass_word``), ``access_key`` or ``api_key`` (``apiKey``,
-``accesskey``), or ``token`` other than the model's tokens: ``max_tokens``,
-``tokens_per_chunk``, ``token_budget`` or ``tokenizer`` are shown (a word of
-:data:`TOKEN_COUNT_WORDS` next to ``token``, of :data:`COUNT_WORDS` next to ``tokens``,
-makes it a count), ``auth_token``, ``session_token``, ``new_token``, ``api_tokens`` or
-``authtoken`` are not.
+A name says it is a secret (:func:`is_secret_name`) by its words, separators and case aside
+(``dbPassword``, ``pass_word``, ``apiKey``, ``accessKeyId``, ``X-Amz-Security-Token``):
+one holding ``secret``, ``token``, ``password``, ``passwd``, ``credential``, ``access_key``
+or ``api_key``. It errs on the side of hiding: ``max_tokens`` is hidden too (a count of the
+model's tokens; telling every such name from a credential's is guesswork, and a guess that
+shows a secret is not worth a count shown).
 
 Query parameters are taken apart at ``&`` only, as their readers do: redis-py reads its URL's
 query with :func:`urllib.parse.parse_qs`, which splits at ``&`` only (since Python 3.10 and
@@ -30,17 +28,9 @@ from urllib.parse import unquote, urlsplit
 HIDDEN = "***"
 _DROPPED = str.maketrans("", "", "\t\r\n")
 # Words that make a name a secret's wherever they are in it (separators and case aside).
-SECRET_WORDS = re.compile(r"secret|password|passwd|credential|access_?key|api_?key")
+SECRET_WORDS = re.compile(r"secret|token|password|passwd|credential|access_?key|api_?key")
 # A name's words: runs of letters or digits, split where camelCase starts a word.
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
-# Words that make "token" (one) next to them a count of the model's tokens, not a credential;
-# "tokens" (several) next to one of these or of COUNT_WORDS.
-TOKEN_COUNT_WORDS = frozenset({"max", "min", "num", "count", "total", "per", "budget", "limit"})
-COUNT_WORDS = TOKEN_COUNT_WORDS | {
-    "n", "new", "prompt", "input", "output", "chunk", "block", "page", "batch", "batched",
-    "cached", "matched",
-}  # fmt: skip
-_MODEL_TOKEN_WORDS = frozenset({"tokenizer", "tokenizers", "tokenize", "tokenized"})
 
 
 def redacted_url(url: str) -> str:
@@ -67,21 +57,7 @@ def redacted_url(url: str) -> str:
 def is_secret_name(name: str) -> bool:
     """Whether an option or query parameter named ``name`` holds a secret (or half of a
     credential pair), by its words (see the module doc)."""
-    words = [w.lower() for w in _WORD.findall(name)]
-    if SECRET_WORDS.search("".join(words)):
-        return True
-    left = [w for i, w in enumerate(words) if not _model_tokens(words, i)]
-    return "token" in "".join(left)  # (also a "token" split by case or separators)
-
-
-def _model_tokens(words: list[str], i: int) -> bool:
-    """Whether ``words[i]`` is about the model's tokens: a tokenizer, or token(s) next to
-    a count word."""
-    if words[i] in _MODEL_TOKEN_WORDS:
-        return True
-    near = words[max(0, i - 1) : i] + words[i + 1 : i + 2]
-    counts = {"token": TOKEN_COUNT_WORDS, "tokens": COUNT_WORDS}.get(words[i], frozenset())
-    return any(w in counts for w in near)
+    return bool(SECRET_WORDS.search("".join(w.lower() for w in _WORD.findall(name))))
 
 
 def _redacted_parameter(parameter: str) -> str:
