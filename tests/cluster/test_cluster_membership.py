@@ -346,3 +346,27 @@ def test_a_heartbeat_claiming_this_nodes_id_at_another_address_changes_nothing(
     assert b.addr in a.membership.targets()
     time.sleep(3 * TTL)  # longer than a member may stay unanswered
     assert a.members() == {a.addr, b.addr}
+
+
+def test_members_reported_second_hand_are_probed_a_bounded_number_at_once(
+    spawn: Callable[..., Mini],
+) -> None:
+    """One signed heartbeat naming 20,000 made-up members made every round call them all
+    (past the members' TTL: live members were declared dead). At most 256 (or twice the
+    members) are probed at once; the rest are counted and wait for another report."""
+    a, b = cluster(spawn, 2)
+    made_up = [
+        m.MemberInfo(f"10.255.{i // 250}.{i % 250}:9", f"127.0.0.1:{1 + i % 60000}", "x:1", 1)
+        for i in range(20_000)
+    ]
+    client = ControlClient(TOKEN, 2.0)
+    try:
+        reply = client.call(a.addr, m.Heartbeat(0, b.me, made_up))
+        assert isinstance(reply, m.HeartbeatAck)
+    finally:
+        client.close()
+    targets = a.membership.targets()
+    assert b.addr in targets and len(targets) <= 256 + 2
+    assert a.membership.candidates_turned_away >= 20_000 - 256
+    time.sleep(3 * TTL)  # longer than a member may stay unanswered
+    assert a.members() == {a.addr, b.addr}

@@ -132,3 +132,23 @@ def test_a_node_repairs_its_own_shards_entries_of_itself(alone: RingDirectory) -
         time.sleep(0.01)
     assert alone.counts["repaired"] == 17
     assert dict(alone.shard.items()) == {k: ((me, 42, 0),) for k in keys}
+
+
+def test_other_keys_of_one_namespace_are_told_apart() -> None:
+    """A key's first half is its namespace, the same for every chunk of a model: buckets and
+    hashes taken from a word of that half gave every key of a namespace one bucket and one
+    hash, so an owner listing other keys of the namespace for a holder, as many of them,
+    had the holder's summary and was never repaired."""
+    namespace = bytes(range(16))
+    held = [namespace + k[16:] for k in random_keys(2, 3)]
+    listed = [namespace + k[16:] for k in random_keys(2, 4)]
+    owner = digest.Summaries()
+    owner.apply([("h", k, 7, 0) for k in listed], 1)
+    assert expected([(k, 0) for k in held], 7).summary("o") != owner.get("h")
+    # Keys of one namespace spread over the buckets like any keys.
+    many = [namespace + k[16:] for k in random_keys(1600, 5)]
+    counts = expected([(k, 0) for k in many], 7).summary("o")[0]
+    assert min(counts) > 50 and sum(counts) == 1600
+    # One chunk hash under two namespaces: two entries that do not cancel in the XOR.
+    twins = [bytes([1]) * 16 + held[0][16:], bytes([2]) * 16 + held[0][16:]]
+    assert digest.entry_hash(twins[0], 7, 0) != digest.entry_hash(twins[1], 7, 0)

@@ -1,16 +1,23 @@
 """Summaries of directory entries that a holder and an owner compare (anti-entropy).
 
 An owner's entries for one holder are summarised per bucket of keys (``BUCKETS`` buckets,
-picked by a byte of the key): the number of entries and the XOR of a 64-bit hash of each
-``(key, incarnation, where)``. XOR and counts do not depend on order, so an owner keeps its
-summaries up to date entry by entry (:class:`Summaries`, O(1) per change) and a holder
-computes the same summaries from what it holds in one vectorised pass (:class:`Expected`).
+picked by the key's word, :func:`key_word`): the number of entries and the XOR of a 64-bit
+hash of each ``(key, incarnation, where)``. A key's word is taken from all of it: its first
+half is its namespace (the same for every chunk of a model), its second the chunk's hash
+(the same in every namespace for one prompt in some schemes), and a word of the namespace
+half alone, as it once was, gave every key of a namespace one bucket and one hash (an owner
+listing other keys of the namespace for a holder, as many of them, was never repaired).
+
+XOR and counts do not depend on order, so an owner keeps its summaries up to date entry by
+entry (:class:`Summaries`, O(1) per change) and a holder computes the same summaries from
+what it holds in one vectorised pass (:class:`Expected`).
 Equal summaries: the owner lists exactly what the holder holds (up to a 64-bit hash
 collision); a bucket that differs is listed and repaired alone.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -18,23 +25,35 @@ import numpy.typing as npt
 
 BUCKETS = 16
 _MASK = (1 << 64) - 1
+# Odd multipliers of the key's other words in its word (none cancels another's bits).
+_K0 = 0xC2B2AE3D27D4EB4F
+_K2 = 0x165667B19E3779F9
+_K3 = 0x27D4EB2F165667C5
 _INC = 0x9E3779B97F4A7C15  # odd constants: incarnation and tier move every hash
 _WHERE = 0xD6E8FEB86659FD93
 _M1 = 0xBF58476D1CE4E5B9  # the splitmix64 finaliser's
 _M2 = 0x94D049BB133111EB
 
+_WORDS = struct.Struct("<4Q")
 Summary = tuple[list[int], list[int]]  # (count per bucket, XOR of hashes per bucket)
 
 
+def key_word(key: bytes) -> int:
+    """A 32-byte key's 64-bit word, from each of its four little-endian words: what its
+    bucket and its entries' hashes are taken from."""
+    w0, w1, w2, w3 = _WORDS.unpack(key)
+    return int(w1 + w2 * _K2 + w3 * _K3 + w0 * _K0) & _MASK
+
+
 def bucket(key: bytes) -> int:
-    """The bucket of a 32-byte key (keys are uniform hashes: any byte spreads them)."""
-    return key[8] & (BUCKETS - 1)
+    """The bucket of a 32-byte key."""
+    return key_word(key) & (BUCKETS - 1)
 
 
 def entry_hash(key: bytes, incarnation: int, where: int) -> int:
-    """The 64-bit hash of one entry (splitmix64 of the key's second word, the holder's
-    incarnation and the tier)."""
-    z = (int.from_bytes(key[8:16], "little") + incarnation * _INC + where * _WHERE) & _MASK
+    """The 64-bit hash of one entry (splitmix64 of the key's word, the holder's incarnation
+    and the tier)."""
+    z = (key_word(key) + incarnation * _INC + where * _WHERE) & _MASK
     z = ((z ^ (z >> 30)) * _M1) & _MASK
     z = ((z ^ (z >> 27)) * _M2) & _MASK
     return z ^ (z >> 31)
@@ -58,9 +77,9 @@ class Summaries:
         words = keys_words([c[1] for c in changes])
         hashes = hashes_of(words, [c[3] for c in changes], [c[2] for c in changes])
         by_holder = self._by_holder
-        for (holder, key, _, _), h in zip(changes, hashes.tolist(), strict=True):
+        buckets = (words & np.uint64(BUCKETS - 1)).tolist()
+        for (holder, _, _, _), h, b in zip(changes, hashes.tolist(), buckets, strict=True):
             counts, xors = by_holder.get(holder) or by_holder.setdefault(holder, empty())
-            b = key[8] & (BUCKETS - 1)
             counts[b] += sign
             xors[b] ^= h
         if sign < 0:
@@ -89,14 +108,17 @@ def _mix(z: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 def keys_words(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """The second little-endian 64-bit word of each 32-byte key (what a hash and a bucket
-    are taken from)."""
+    """:func:`key_word` of many 32-byte keys at once."""
     if not keys:
         return np.zeros(0, dtype=np.uint64)
     raw = np.frombuffer(b"".join(keys), dtype="<u8")
     if raw.size != 4 * len(keys):
         raise ValueError("directory keys must be 32 bytes")
-    return np.ascontiguousarray(raw.reshape(len(keys), 4)[:, 1], dtype=np.uint64)
+    w = raw.reshape(len(keys), 4).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        return np.ascontiguousarray(
+            w[:, 1] + w[:, 2] * np.uint64(_K2) + w[:, 3] * np.uint64(_K3) + w[:, 0] * np.uint64(_K0)
+        )
 
 
 def hashes_of(

@@ -42,6 +42,8 @@ from tierkv.logs import FailureLog
 
 log = logging.getLogger(__name__)
 
+# Members heard of second-hand probed at once, at least (twice the members, if more).
+MIN_CANDIDATES = 256
 ChangeListener = Callable[[dict[str, m.MemberInfo], dict[str, m.MemberInfo]], None]
 
 
@@ -77,6 +79,7 @@ class Membership:
         self._lock = threading.Lock()
         self._members: dict[str, _Member] = {}
         self._candidates: dict[str, float] = {}  # control address -> until when to probe
+        self.candidates_turned_away = 0  # reported members not probed: too many were
         self._dead: dict[str, tuple[m.MemberInfo, float]] = {}  # node id -> (info, when)
         self._unreachable: set[str] = set()  # node ids heard from that do not answer us
         self._self_addrs: set[str] = {me.control}
@@ -215,15 +218,24 @@ class Membership:
             self._wake.set()
 
     def _gossip(self, infos: Iterable[m.MemberInfo]) -> None:
-        """Members another node reports: probe the ones we do not know as alive."""
+        """Members another node reports: probe the ones we do not know as alive, up to
+        :data:`MIN_CANDIDATES` or twice the members at once (one heartbeat naming 20,000
+        made-up members made every round call them all, past the members' TTL: live
+        members were declared dead). Past it the ones known already are kept probing; the
+        others wait for another report (those probed leave as they answer or expire)."""
         until = self.clock() + 3 * self.ttl
         with self._lock:
+            room = max(MIN_CANDIDATES, 2 * len(self._members))
+            candidates = self._candidates
             for info in infos:
                 if info.node_id == self.me.node_id:
                     continue
                 mem = self._members.get(info.node_id)
                 if mem is None or mem.info.incarnation < info.incarnation:
-                    self._candidates[info.control] = until
+                    if info.control in candidates or len(candidates) < room:
+                        candidates[info.control] = until
+                    else:
+                        self.candidates_turned_away += 1
 
     def _expire(self) -> None:
         now = self.clock()

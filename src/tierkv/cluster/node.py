@@ -620,6 +620,7 @@ class ClusterNode:
                 "refused_by_peers": ms.refused_by_peers,
                 "self_claims": ms.self_claims,
                 "unreachable": ms.unreachable,
+                "candidates_turned_away": ms.candidates_turned_away,
             }
             if ms is not None
             else {},
