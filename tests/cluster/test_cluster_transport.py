@@ -462,3 +462,34 @@ def test_connections_reset_before_their_hello_give_their_place_back(
         assert reader.fetch_many([(info(held), slots(data))]) == [[LoadStatus.OK]]
     finally:
         held.close()
+
+
+def test_peer_connections_are_probed_when_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder's served connection waits for the reader's next request with no timeout:
+    one whose reader's host vanished (no FIN, no RST) held its thread and its place among
+    ``max_serving`` for the kernel's keepalive default (two hours before the first probe).
+    Both ends probe after a minute idle and give up after six probes ten seconds apart."""
+    from tierkv.cluster import transport
+
+    tuned: list[tuple[int, int, int]] = []
+    plain = transport._tune
+
+    def recorded(sock: socket.socket) -> None:
+        plain(sock)
+        tuned.append(
+            tuple(  # type: ignore[arg-type]
+                sock.getsockopt(socket.IPPROTO_TCP, opt)
+                for opt in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)
+            )
+        )
+
+    monkeypatch.setattr(transport, "_tune", recorded)
+    data = chunks(1)
+    h = holder(data)
+    reader = TcpTransport("127.0.0.1", 0, "127.0.0.1", TOKEN, "reader")
+    try:
+        assert reader.fetch_many([(info(h), slots(data))])[0] == [LoadStatus.OK]
+    finally:
+        reader.close()
+        h.close()
+    assert len(tuned) >= 2 and set(tuned) == {(60, 10, 6)}  # the reader's and the holder's

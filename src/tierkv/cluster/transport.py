@@ -238,9 +238,21 @@ def _recv_by(sock: socket.socket, n: int, deadline: float, what: str = "a peer's
     return bytes(buf)
 
 
+# A peer's connection that carries nothing for KEEPALIVE_IDLE seconds is probed, and closed
+# after KEEPALIVE_PROBES unanswered probes KEEPALIVE_INTERVAL apart: a holder's served
+# connections wait for the reader's next request with no timeout, and one whose reader's
+# host vanished (no FIN, no RST) held its thread and its place among max_serving for the
+# kernel's default of two hours and more.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES = 60, 10, 6
+
+
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # (Linux; elsewhere the system's defaults)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 
 
 def every_result(futures: Sequence[Future[T]]) -> list[T | None]:
