@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -234,6 +234,22 @@ def test_a_restart_refused_for_want_of_a_slot_drops_the_old_boots_entries(
     assert service.counts["registrations_refused"] == 1
 
 
+def wire(
+    directory: ControllerDirectory,
+    service: ControllerService,
+    before: Callable[[object], None] = lambda _msg: None,
+) -> None:
+    """The directory's calls answered by ``service``'s handlers (``before`` sees each
+    message first), in the directory's thread."""
+    handlers = service.handlers()
+
+    def call(_addr: str, msg: object, timeout: float | None = None) -> object:
+        before(msg)
+        return handlers[type(msg)](msg)
+
+    directory.client.call = call  # type: ignore[method-assign]
+
+
 def test_a_failed_registration_is_tried_again_after_a_pause_not_at_once() -> None:
     """An exception while registering (listing what the node holds failed) left the retry
     time in the past: the directory sent Register in a tight loop (45,000 a second)."""
@@ -247,8 +263,7 @@ def test_a_failed_registration_is_tried_again_after_a_pause_not_at_once() -> Non
         raise RuntimeError("listing the disk tier failed")
 
     directory = ControllerDirectory("ctl:1", ME, "tok", 1.0, held, interval=10.0)
-    handlers = service.handlers()
-    directory.client.call = lambda _addr, msg, timeout=None: handlers[type(msg)](msg)  # type: ignore[method-assign]
+    wire(directory, service)
     try:
         directory.start()
         assert failing.wait(30)
@@ -274,3 +289,40 @@ def test_a_server_waiting_for_its_sync_is_shown_syncing(service: ControllerServi
     assert service.instances()[0]["syncing"]
     assert sync(service, 2, [key(2)], part=1, last=True).ok
     assert not service.instances()[0]["syncing"]
+
+
+def test_a_server_whose_sync_is_deferred_registers_again_and_heartbeats_only_then() -> None:
+    """A server whose sync was deferred (other servers' syncs held max_sync_bytes) sent its
+    heartbeat all the same: the controller, with no sync of it to compare, counted it out of
+    sequence and "asked it to re-sync", and the server logged that the controller did not
+    know it ("restarted?"). It registers and syncs again after a pause, once there is room,
+    and heartbeats once registered."""
+    service = ControllerService(max_sync_bytes=service_module.MIN_PART_BYTES)
+    other = m.MemberInfo("s:3", "s:3", "s:4", 7)
+    assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
+    assert service.on_sync(cm.SyncBatch(0, "s:3", 7, 1, 0, False, key(2), bytes(1))).ok
+    sent: list[type] = []
+    beat = threading.Event()
+
+    def before(msg: object) -> None:
+        sent.append(type(msg))
+        if isinstance(msg, cm.Register) and sent.count(cm.Register) == 2:
+            assert service.remove("s:3") == 0  # its sync's room is free
+        if isinstance(msg, cm.Heartbeat):
+            beat.set()
+
+    directory = ControllerDirectory(
+        "ctl:1", ME, "tok", 1.0, lambda: [(key(1), m.Where.POOL)], interval=10.0
+    )
+    wire(directory, service, before)
+    try:
+        directory.start()
+        assert beat.wait(30)
+        assert sent == [cm.Register, cm.SyncBatch, cm.Register, cm.SyncBatch, cm.Heartbeat]
+        assert service.counts["syncs_deferred"] == 1
+        assert service.counts["heartbeats_out_of_sequence"] == 0
+        assert holders(service, [key(1)]) == {"s:1"}
+        assert directory.failures.total_failures == 1
+    finally:
+        directory.close()
+        service.close()

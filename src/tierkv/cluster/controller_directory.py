@@ -10,10 +10,12 @@ One thread talks to the controller, so everything it sends is in the order it ha
   unless its commit waits for its ticket, :meth:`wait_published`); the thread sends what
   queued as one report with the next sequence number. Stores and local reads go on while a
   full sync is being sent; what they queue meanwhile follows the sync, in order;
-- heartbeats every ``interval`` seconds; the reply says whether the controller knows this
-  boot of the server (its boot token tells a restarted controller).
+- heartbeats every ``interval`` seconds while registered; the reply says whether the
+  controller knows this boot of the server (its boot token tells a restarted controller).
+  Unregistered, it sends none: its registration attempts stand for them.
 
-Registrations that fail (the controller away, or refusing: another cluster token) are retried
+Registrations that fail (the controller away, or refusing: another cluster token, no free
+instance slot, a full sync deferred while other servers' syncs hold the room) are retried
 every second (or every ``interval``, if shorter) and logged as one
 :class:`~tierkv.logs.FailureLog`: the first at WARNING with its cause, a summary at most once
 a minute, one INFO line when registered again.
@@ -208,7 +210,9 @@ class ControllerDirectory(Directory):
                         self._send_namespaces()
                     if pending:
                         self._report(pending)
-                if self.clock() >= next_beat:
+                # Unregistered, the registration attempts stand for heartbeats: the
+                # controller has no sync of this boot to compare a sequence with.
+                if self._registered and self.clock() >= next_beat:
                     next_beat = self.clock() + self.interval
                     self._heartbeat()
             except Exception:
