@@ -4,6 +4,7 @@ live server, syncs that list a key twice, tier codes no server uses, and its syn
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -177,7 +178,9 @@ def test_a_syncs_keys_received_are_counted_and_too_large_syncs_refused(
     assert service.instances()[0]["sync_keys_received"] == 0
 
 
-def test_the_syncs_in_progress_are_bounded_together(service: ControllerService) -> None:
+def test_the_syncs_in_progress_are_bounded_together(
+    service: ControllerService, caplog: pytest.LogCaptureFixture
+) -> None:
     """Each sync's parts were bounded (8 GiB), not all of them together: servers restarting
     at once could each hold as much in the controller while they synced. A part past the
     bound of all syncs is refused (counted, deferred) and its sync dropped, freeing its
@@ -194,7 +197,10 @@ def test_the_syncs_in_progress_are_bounded_together(service: ControllerService) 
     assert part("s:3", 3, 1, False).ok and part("s:5", 4, 0, False).ok  # the bound: 4 parts
     deferred = part("s:5", 4, 1, False)
     assert not deferred.ok and "other servers" in deferred.reason
-    assert service.counts["syncs_deferred"] == 1
+    assert part("s:5", 4, 0, False).ok and not part("s:5", 4, 1, False).ok  # again
+    assert service.counts["syncs_deferred"] == 2
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "deferred" in warnings[0].getMessage()  # once a minute
     assert service.instances()[2]["sync_keys_received"] == 0  # its parts dropped
     assert part("s:1", 5, 1, True).ok  # applied: its room is free again
     assert service.index.size("s:1") == 2

@@ -50,6 +50,7 @@ from tierkv.controller.holders import NoFreeSlot
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.keytable import TIERS
 from tierkv.keys import KEY_SIZE
+from tierkv.logs import FailureLog
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ class ControllerService:
         self.boot = time.time_ns()
         self.dead_after = dead_after
         self.max_sync_bytes = max_sync_bytes
+        # Syncs deferred for want of room: a WARNING once a minute at most (servers retry
+        # each second), one line when syncs are applied again.
+        self._deferrals = FailureLog("controller: full syncs", log)
         self.clock = clock
         self.index = ControllerIndex()
         self._instances: dict[str, Instance] = {}
@@ -378,12 +382,10 @@ class ControllerService:
                 # server re-registers after a pause), when theirs have been applied.
                 self.counts["syncs_deferred"] += 1
                 _forget_parts(state)
-                log.warning(
-                    "server %s: full sync deferred, other syncs hold %d of max_sync_bytes "
-                    "(%d); it syncs again later",
-                    req.instance,
-                    held,
-                    self.max_sync_bytes,
+                self._deferrals.failed(
+                    f"server {req.instance}'s sync",
+                    f"deferred: other syncs hold {held} of max_sync_bytes "
+                    f"({self.max_sync_bytes}); it syncs again later",
                 )
                 return cm.Ack(req.rid, self.boot, False, "other servers' syncs hold the room")
             state.sync_parts.append((req.keys, req.tiers))
@@ -403,6 +405,7 @@ class ControllerService:
                 return cm.Ack(req.rid, self.boot, False, str(e))
             state.seq = req.seq
             state.syncs += 1
+        self._deferrals.ok()
         self.counts["syncs"] += 1
         self._event("synced", req.instance, f"{len(keys) // KEY_SIZE} keys")
         log.info("server %s full sync applied: %d keys", req.instance, len(keys) // KEY_SIZE)
