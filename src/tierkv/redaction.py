@@ -29,6 +29,7 @@ HIDDEN = "***"
 _DROPPED = str.maketrans("", "", "\t\r\n")
 # Words that make a name a secret's wherever they are in it (separators and case aside).
 SECRET_WORDS = re.compile(r"secret|token|password|passwd|credential|access_?key|api_?key")
+_SECRET_ANYWHERE = re.compile(SECRET_WORDS.pattern, re.IGNORECASE)
 # A name's words: runs of letters or digits, split where camelCase starts a word.
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
@@ -56,8 +57,10 @@ def redacted_url(url: str) -> str:
 
 def is_secret_name(name: str) -> bool:
     """Whether an option or query parameter named ``name`` holds a secret (or half of a
-    credential pair), by its words (see the module doc)."""
-    return bool(SECRET_WORDS.search("".join(w.lower() for w in _WORD.findall(name))))
+    credential pair), by its words (see the module doc), or as a plain match in any case
+    (Unicode's too: a long s for an s, a Kelvin sign for a k)."""
+    words = "".join(w.lower() for w in _WORD.findall(name))
+    return bool(SECRET_WORDS.search(words) or _SECRET_ANYWHERE.search(name))
 
 
 def _redacted_parameter(parameter: str) -> str:

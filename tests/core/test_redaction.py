@@ -23,6 +23,9 @@ SECRETS = [
     "secretKey", "secret_access_key", "aws_secret_access_key", "access_key_id",
     "AWS_ACCESS_KEY_ID", "accessKeyId", "accesskey", "api_key", "apiKey", "API-KEY",
     "x_api_key", "credential", "credentials", "credentials_file", "credential_process",
+    # Unicode matched case-insensitively, as the plain match did: a long s, the Kelvin
+    # sign, a capital I with a dot.
+    "\u017fecret", "pa\u017f\u017fword", "api_\u212aey", "credent\u0130al",
 ]  # fmt: skip
 # The model's tokens (a count, a tokenizer): hidden, on purpose (module doc).
 MODEL_TOKENS = ["max_tokens", "maxTokens", "chunk_tokens", "tokens_per_chunk", "tokenizer"]

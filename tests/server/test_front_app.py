@@ -146,3 +146,30 @@ def test_a_body_that_stops_arriving_gives_its_bytes_back(monkeypatch: pytest.Mon
     assert reply.status_code == 408 and reply.headers["connection"] == "close", reply.text
     assert "did not arrive" in reply.json()["error"]
     assert app.lookup_bodies.used == 0
+
+
+def test_a_lookup_cancelled_while_its_body_arrives_gives_its_bytes_back() -> None:
+    """A request task cancelled in the middle of its body (a shutdown) kept what the body
+    had taken of the bodies' bound."""
+    app = app_answering(lambda body: (200, b"{}"))
+    sent = asyncio.Event()
+
+    async def stalled_body() -> AsyncIterator[bytes]:
+        yield bytes(1000)
+        sent.set()
+        await asyncio.Event().wait()  # (never set)
+        yield b""  # pragma: no cover
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            task = asyncio.create_task(client.post("/lookup", content=stalled_body()))
+            await asyncio.wait_for(sent.wait(), 10)
+            for _ in range(10):  # (the front takes the part sent)
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(scenario())
+    assert app.lookup_bodies.used == 0

@@ -53,3 +53,16 @@ def test_rest_only_grows_and_counts_every_increment_once() -> None:
         assert row.evictions + sum(shown_last.values()) >= sum(counts.values())
     final = rest.row([], [tenant(t, counts[t]) for t in sorted(counts)], [])
     assert final.evictions <= sum(counts.values())
+
+
+def test_reports_built_at_once_count_nothing_twice() -> None:
+    """Status reports are built at once (RPC stats, /status, /metrics): one that read older
+    figures and came second set a tenant back, and its growth was counted again."""
+    rest = RestRow()
+    assert rest.row([], [tenant("x", 10)], []).evictions == 10
+    newer, older = tenant("x", 20), tenant("x", 15)  # read in this order, used the other
+    assert rest.row([], [newer], []).evictions == 20
+    assert rest.row([], [older], []).evictions == 20
+    assert rest.row([], [tenant("x", 25)], []).evictions == 25  # (was 30)
+    assert rest.row([tenant("x", 24)], [], []).evictions == 25  # shown: a stale read too
+    assert rest.row([], [tenant("x", 26)], []).evictions == 26

@@ -592,6 +592,27 @@ def test_a_batch_partly_refused_is_no_outage(
     assert tier.stats()["store_failed"] == 30 - tier.stats()["stored"] > 0
 
 
+def test_refused_gets_count_once_as_errors(
+    make_tier: Callable[..., RedisTier], raw: redis.Redis, redis_server: str
+) -> None:
+    """GETs Redis refused (an ACL user without those keys: NOPERM) were counted twice in
+    ``errors``: once as refusals, once as the loads' ERROR statuses."""
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    user = f"limited-{uuid.uuid4().hex[:8]}"
+    raw.execute_command("ACL", "SETUSER", user, "on", "nopass", f"~{prefix}a*", "+@all")
+    try:
+        url = redis_server.replace("redis://", f"redis://{user}@", 1)
+        tier = make_tier(url=url, key_prefix=prefix)
+        allowed, denied = bytes.fromhex("aa" * 32), bytes.fromhex("bb" * 32)
+        views = [memoryview(bytearray(4096)) for _ in range(2)]
+        statuses = tier.load([(allowed, views[0]), (denied, views[1])])
+        assert statuses == [LoadStatus.MISSING, LoadStatus.ERROR]
+        assert tier.load([(denied, views[1])]) == [LoadStatus.ERROR]  # every GET refused
+        assert tier.stats()["errors"] == 2
+    finally:
+        raw.execute_command("ACL", "DELUSER", user)
+
+
 def test_lost_server_gives_errors_and_the_tier_recovers(
     make_tier: Callable[..., RedisTier],
     redis_service: RedisServer,

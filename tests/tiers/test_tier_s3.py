@@ -98,9 +98,18 @@ def test_bad_options_are_tier_errors(options: dict[str, object]) -> None:
         create_tier("s3", options)
 
 
-def test_a_bad_endpoint_url_is_reported_without_its_credentials() -> None:
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://AKID:S3cretKey@s3.example",
+        # botocore's own refusal quoted the URL whole; a good one was in every outage line.
+        "http://AKID:S3cretKey@bad host:9000",
+        "http://AKID:S3cretKey@127.0.0.1:9000",
+    ],
+)
+def test_a_bad_endpoint_url_is_reported_without_its_credentials(url: str) -> None:
     with pytest.raises(TierError, match="endpoint_url") as err:
-        create_tier("s3", {"bucket": "b", "endpoint_url": "s3://AKID:S3cretKey@s3.example"})
+        create_tier("s3", {"bucket": "b", "endpoint_url": url})
     assert "S3cretKey" not in str(err.value) and "AKID" not in str(err.value)
 
 

@@ -38,7 +38,7 @@ class RestRow:
         shown one by one), for tables of the pool and ``tiers``."""
         with self._lock:
             for r in shown:
-                self._seen[r.tag] = _counters(r)
+                self._saw(r.tag, _counters(r))
             for r in rest:
                 now = _counters(r)
                 before = self._seen.get(r.tag, {})
@@ -47,7 +47,7 @@ class RestRow:
                     summed = self._summed.setdefault(tier, [0] * len(COUNTERS))
                     for i, (n, m) in enumerate(zip(counts, was, strict=True)):
                         summed[i] += max(0, n - m)  # (a tenant's counters only grow)
-                self._seen[r.tag] = now
+                self._saw(r.tag, now)
             summed_now = {t: list(v) for t, v in self._summed.items()}
         pool = summed_now.get(POOL, [0] * len(COUNTERS))
         total = p.TenantInfo(
@@ -56,6 +56,18 @@ class RestRow:
         )  # fmt: skip
         total.tiers = {tier: _tier_row(rest, tier, summed_now.get(tier)) for tier in tiers}
         return total
+
+    def _saw(self, tag: str, now: dict[str, tuple[int, ...]]) -> None:
+        """Remember a tenant's counters (lock held): the highest seen of each, since two
+        reports built at once may come here in either order (the older figures second
+        would have its growth counted twice)."""
+        before = self._seen.get(tag)
+        if before is not None:
+            now = {
+                tier: tuple(map(max, counts, before.get(tier, counts)))
+                for tier, counts in now.items()
+            }
+        self._seen[tag] = now
 
 
 def _counters(row: p.TenantInfo) -> dict[str, tuple[int, ...]]:

@@ -307,18 +307,22 @@ class RedisTier(Tier):
         self._refusals("SET", refused, len(replies))
         return results
 
-    def _refusals(self, op: str, refused: Sequence[object], answered: int) -> None:
+    def _refusals(
+        self, op: str, refused: Sequence[object], answered: int, count: bool = True
+    ) -> None:
         """The outcome of a batch of ``answered`` commands of which ``refused`` got an error
-        reply: the tier works if any command did (refusals of some are counted and logged
-        without an outage: ending one and starting another at every such batch made the
-        tier flap); if every one was refused (OOM, READONLY), it is down."""
+        reply: the tier works if any command did (refusals of some are logged without an
+        outage: ending one and starting another at every such batch made the tier flap);
+        if every one was refused (OOM, READONLY), it is down. The refusals are counted in
+        ``errors`` unless ``count`` is False (a load counts its ERROR statuses itself)."""
+        if count and refused:
+            self._counts.add(errors=len(refused))
         if len(refused) < answered:
             self.outage.ok()
             if refused:
-                self._counts.add(errors=len(refused))
                 self.outage.refused(op, refused[0], len(refused))
         elif refused:
-            self._failed(op, refused[0], len(refused))
+            self.outage.failed(op, refused[0], len(refused))
 
     def load(self, items: Sequence[tuple[bytes, memoryview]]) -> list[LoadStatus]:
         return self.load_verified(items)[0]
@@ -385,7 +389,7 @@ class RedisTier(Tier):
                 bad.append((key, value))
         # (WRONGTYPE is not refused: Redis looked the key up)
         refused = [r for r in replies if isinstance(r, ReplyError) and not _wrong_type(r)]
-        self._refusals("GET", refused, len(replies))
+        self._refusals("GET", refused, len(replies), count=False)  # (add_loads counts them)
         self._counts.add_loads(statuses)
         if bad:
             self._drop_corrupt(bad)

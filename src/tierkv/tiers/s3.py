@@ -142,7 +142,10 @@ class S3Tier(Tier):
                 config=config,
             )
         except (botocore.exceptions.BotoCoreError, ValueError) as exc:
-            raise TierError(f"s3 tier: cannot create a client: {exc}") from exc
+            why = str(exc)
+            if endpoint_url:  # (a query's secrets: userinfo is refused by check_options)
+                why = why.replace(endpoint_url, redacted_url(endpoint_url))
+            raise TierError(f"s3 tier: cannot create a client: {why}") from exc
         self._executor = ThreadPoolExecutor(max_concurrency, thread_name_prefix="tierkv-s3")
         self._counts = TierCounts()
         self._last_usage = TierUsage(0, 0, 0)
@@ -163,6 +166,11 @@ class S3Tier(Tier):
                 raise TierError(
                     f"s3 tier: endpoint_url {redacted_url(endpoint)!r} is not an http:// or "
                     "https:// URL"
+                )
+            if "@" in parts.netloc:  # (shown in botocore's errors and the outage lines)
+                raise TierError(
+                    f"s3 tier: endpoint_url {redacted_url(endpoint)!r} carries credentials: "
+                    "give them as access_key_id and secret_access_key"
                 )
         if options.get("max_concurrency", 1) < 1:
             raise TierError(
@@ -197,7 +205,8 @@ class S3Tier(Tier):
 
     # -- helpers ---------------------------------------------------------------------------
     def outage_label(self) -> str:
-        return f"s3 tier {self.endpoint_url or 'AWS'} bucket {self.bucket}"
+        where = redacted_url(self.endpoint_url) if self.endpoint_url else "AWS"
+        return f"s3 tier {where} bucket {self.bucket}"
 
     def object_key(self, key: bytes) -> str:
         """The object name of a chunk key."""

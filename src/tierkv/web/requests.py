@@ -122,6 +122,10 @@ async def read_body(
         refusal = error_reply(
             408, f"the body did not arrive within {BODY_SECONDS:g} s", {"Connection": "close"}
         )
+    except BaseException:  # cancelled (a shutdown): what the body took goes back
+        if budget is not None:
+            budget.give(len(body))
+        raise
     if refusal is not None:
         if budget is not None:
             budget.give(len(body))
