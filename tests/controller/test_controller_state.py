@@ -19,6 +19,7 @@ from tierkv.controller import service as service_module
 from tierkv.controller.holders import SLOTS, NoFreeSlot
 from tierkv.controller.index import ControllerIndex
 from tierkv.controller.service import ControllerService
+from tierkv.keys import KEY_SIZE
 
 NS = b"N" * 16
 ME = m.MemberInfo("s:1", "s:1", "s:2", 7)
@@ -303,7 +304,7 @@ def test_a_server_whose_sync_is_deferred_registers_again_and_heartbeats_only_the
     sequence and "asked it to re-sync", and the server logged that the controller did not
     know it ("restarted?"). It registers and syncs again after a pause, once there is room,
     and heartbeats once registered."""
-    service = ControllerService(max_sync_bytes=service_module.MIN_PART_BYTES)
+    service = ControllerService(max_sync_bytes=2 * service_module.MIN_PART_BYTES)
     other = m.MemberInfo("s:3", "s:3", "s:4", 7)
     assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
     assert service.on_sync(cm.SyncBatch(0, "s:3", 7, 1, 0, False, key(2), bytes(1))).ok
@@ -332,3 +333,47 @@ def test_a_server_whose_sync_is_deferred_registers_again_and_heartbeats_only_the
     finally:
         directory.close()
         service.close()
+
+
+def test_a_sync_that_tells_its_size_is_deferred_at_its_start_or_ends(
+    service: ControllerService,
+) -> None:
+    """One part refused for want of room dropped its sync whole, however far along (a sync
+    95 parts into 99 lost to a newcomer's fifth part), and the deferred server's retry
+    REGISTER dropped the entries it had kept for its re-sync, hiding a live server's
+    chunks from every lookup. A sync that tells its size takes room for all of it at part
+    0 or is deferred there; once started it ends; a deferred server keeps its entries."""
+    n = service_module.MIN_PART_BYTES // (KEY_SIZE + 1) + 1  # keys of a part (past MIN)
+    big = 3 * n  # a sync of three such parts
+    service.max_sync_bytes = 5 * service_module.MIN_PART_BYTES
+    other = m.MemberInfo("s:3", "s:3", "s:4", 7)
+
+    def part(instance: str, seq: int, keys: list[bytes], i: int, last: bool, total: int) -> cm.Ack:
+        return service.on_sync(
+            cm.SyncBatch(0, instance, 7, seq, i, last, b"".join(keys), bytes(len(keys)), total)
+        )
+
+    def keys(first: int) -> list[bytes]:
+        return [key(first + j) for j in range(n)]
+
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+    assert part("s:1", 1, [key(1)], 0, True, 1).ok  # synced: its entries are in
+    assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
+    assert part("s:3", 1, keys(10_000), 0, False, big).ok  # room for all of it taken
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)  # re-sync
+    deferred = part("s:1", 2, keys(20_000), 0, False, 2 * n)  # no room for another
+    assert not deferred.ok and "other servers" in deferred.reason
+    assert service.counts["syncs_deferred"] == 1
+    assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)  # retries
+    assert holders(service, [key(1)]) == {"s:1"}  # kept while deferred (were dropped)
+    assert part("s:3", 1, keys(30_000), 1, False, big).ok  # the sync started ends
+    assert part("s:3", 1, keys(40_000), 2, True, big).ok
+    assert service.index.size("s:3") == big
+    assert part("s:1", 2, keys(20_000), 0, False, 2 * n).ok  # room again
+    assert part("s:1", 2, keys(50_000), 1, True, 2 * n).ok
+    assert holders(service, [key(20_000), key(1)]) == {"s:1"} and service.index.size("s:1") == 2 * n
+    # A sync whose parts hold more than it said is refused.
+    assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
+    assert part("s:3", 2, [key(5)], 0, False, 1).ok
+    liar = part("s:3", 2, keys(60_000), 1, True, 1)
+    assert not liar.ok and "more than its total_keys" in liar.reason

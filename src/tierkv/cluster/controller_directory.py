@@ -254,6 +254,7 @@ class ControllerDirectory(Directory):
                     part == parts - 1,
                     keys[lo * KEY_SIZE : hi * KEY_SIZE],
                     tiers[lo:hi],
+                    len(held),
                 ),
             )
             if not (isinstance(ack, cm.Ack) and ack.ok):

@@ -101,7 +101,9 @@ class Report(Struct, tag="c_report"):
 
 class SyncBatch(Struct, tag="c_sync"):
     """Part of a full sync: everything the server holds as of report ``seq``. Parts are
-    numbered from 0; the part with ``last`` set swaps the collected snapshot in."""
+    numbered from 0; the part with ``last`` set swaps the collected snapshot in.
+    ``total_keys``: the keys of the whole sync (the controller takes room for all of them
+    at part 0, so that a sync it starts always ends); -1: not told."""
 
     rid: int
     instance: str
@@ -111,6 +113,7 @@ class SyncBatch(Struct, tag="c_sync"):
     last: bool
     keys: bytes
     tiers: bytes
+    total_keys: int = -1
 
 
 class Ack(Struct, tag="c_ack"):

@@ -99,6 +99,8 @@ class Instance:
     seq: int = UNSYNCED  # last report or sync applied
     sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
     sync_bytes: int = 0  # what the parts cost against max_sync_bytes (not their keys)
+    sync_reserved: int = 0  # the room its sync took (its whole size, when told)
+    sync_deferred: bool = False  # its last sync was deferred for want of room
     sync_keys: int = 0  # keys in the parts collected
     syncs: int = 0
     reports: int = 0
@@ -250,11 +252,12 @@ class ControllerService:
             restarted = old is not None and old.member.incarnation != member.incarnation
             if restarted:  # the old boot's keys are gone with it (refused or not)
                 self._drop(member.node_id)
-            elif old is not None and old.seq == UNSYNCED:
+            elif old is not None and old.seq == UNSYNCED and not old.sync_deferred:
                 # Registered again before the sync that followed its last registration
                 # ended (refused, failed): the entries kept for that sync are dropped now,
                 # or a server whose syncs keep failing would be named for chunks it evicted
-                # for as long as it stayed alive.
+                # for as long as it stayed alive. (A sync deferred for want of room keeps
+                # them: it starts once the syncs that hold the room, which all end, are in.)
                 self.index.drop(member.node_id)
             if not self.index.free_slots():  # its sync could not be applied
                 refused = True
@@ -372,22 +375,8 @@ class ControllerService:
                 if state is not None:
                     _forget_parts(state)
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
-            if state.sync_bytes + cost > self.max_sync_bytes:
-                self.counts["reports_refused"] += 1
-                _forget_parts(state)
-                return cm.Ack(req.rid, self.boot, False, "sync larger than max_sync_bytes")
-            held = sum(s.sync_bytes for s in self._instances.values())
-            if held + cost > self.max_sync_bytes:
-                # Other servers' syncs hold the room: this one tries again later (its
-                # server re-registers after a pause), when theirs have been applied.
-                self.counts["syncs_deferred"] += 1
-                _forget_parts(state)
-                self._deferrals.failed(
-                    f"server {req.instance}'s sync",
-                    f"deferred: other syncs hold {held} of max_sync_bytes "
-                    f"({self.max_sync_bytes}); it syncs again later",
-                )
-                return cm.Ack(req.rid, self.boot, False, "other servers' syncs hold the room")
+            if why := self._room_for(state, req, cost):
+                return cm.Ack(req.rid, self.boot, False, why)
             state.sync_parts.append((req.keys, req.tiers))
             state.sync_bytes += cost
             state.sync_keys += n_keys
@@ -410,6 +399,51 @@ class ControllerService:
         self._event("synced", req.instance, f"{len(keys) // KEY_SIZE} keys")
         log.info("server %s full sync applied: %d keys", req.instance, len(keys) // KEY_SIZE)
         return cm.Ack(req.rid, self.boot, True)
+
+    def _room_for(self, state: Instance, req: cm.SyncBatch, cost: int) -> str:
+        """Take room for a sync part (lock held): "" when taken, else why not (the sync's
+        parts are dropped). A sync that tells its size takes room for all of it at part 0,
+        or is deferred then, before anything was sent for nothing: a sync once started
+        always ends (one part refused for want of room used to drop its sync whole, however
+        far along). One that does not tell takes room part by part."""
+        if req.part == 0:
+            # Its whole size, its parts of 65,536 keys at least MIN_PART_BYTES each.
+            told = req.total_keys >= 0
+            need = req.total_keys * (KEY_SIZE + 1) + MIN_PART_BYTES if told else cost
+            refusal = self._no_room(state, need)
+            if refusal:
+                return refusal
+            state.sync_reserved = need
+        if state.sync_bytes + cost > state.sync_reserved:
+            if req.total_keys >= 0:
+                self.counts["reports_refused"] += 1
+                _forget_parts(state)
+                return "the sync's parts hold more than its total_keys said"
+            if refusal := self._no_room(state, state.sync_bytes + cost):
+                return refusal
+            state.sync_reserved = state.sync_bytes + cost
+        return ""
+
+    def _no_room(self, state: Instance, need: int) -> str:
+        """Why ``state``'s sync cannot hold ``need`` bytes ("" if it can; lock held)."""
+        if need > self.max_sync_bytes:
+            self.counts["reports_refused"] += 1
+            _forget_parts(state)
+            return "sync larger than max_sync_bytes"
+        others = sum(s.sync_reserved for s in self._instances.values() if s is not state)
+        if others + need <= self.max_sync_bytes:
+            return ""
+        # Other servers' syncs hold the room: this one tries again later (its server
+        # registers again after a pause, keeping the entries it had), when theirs are in.
+        self.counts["syncs_deferred"] += 1
+        _forget_parts(state)
+        state.sync_deferred = True
+        self._deferrals.failed(
+            f"server {state.member.node_id}'s sync",
+            f"deferred: other syncs hold {others} of max_sync_bytes ({self.max_sync_bytes}); "
+            "it syncs again later",
+        )
+        return "other servers' syncs hold the room"
 
     def on_deregister(self, req: cm.Deregister) -> m.Done:
         with self._lock:
@@ -530,7 +564,7 @@ _TIER_RANGE = f"a tier out of range (tiers are 0 to {WHERE_CODES - 1}: pool, dis
 
 def _forget_parts(state: Instance) -> None:
     """Drop the sync parts collected (lock held by the caller)."""
-    state.sync_parts, state.sync_bytes, state.sync_keys = [], 0, 0
+    state.sync_parts, state.sync_bytes, state.sync_keys, state.sync_reserved = [], 0, 0, 0
 
 
 def namespace_totals(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
