@@ -377,3 +377,44 @@ def test_a_sync_that_tells_its_size_is_deferred_at_its_start_or_ends(
     assert part("s:3", 2, [key(5)], 0, False, 1).ok
     liar = part("s:3", 2, keys(60_000), 1, True, 1)
     assert not liar.ok and "more than its total_keys" in liar.reason
+
+
+def test_deferred_entries_are_kept_for_dead_after_and_room_is_given_back() -> None:
+    """Kept across deferrals with no limit, a server deferred again and again (a peer whose
+    syncs keep failing took the room at each of its first parts) stayed named for chunks it
+    had evicted: they are kept for ``dead_after`` from its first deferral. The room a sync
+    took goes back when its server registers again or is removed, and a sync whose parts
+    cost exactly ``max_sync_bytes`` fits (its room was padded past the bound)."""
+    now = [1000.0]
+    service = ControllerService(dead_after=30.0, clock=lambda: now[0])
+    n = service_module.MIN_PART_BYTES // (KEY_SIZE + 1) + 1
+    service.max_sync_bytes = n * (KEY_SIZE + 1)  # one part's cost exactly
+    other = m.MemberInfo("s:3", "s:3", "s:4", 7)
+
+    def part(instance: str, seq: int, keys: list[bytes], last: bool, total: int) -> cm.Ack:
+        return service.on_sync(
+            cm.SyncBatch(0, instance, 7, seq, 0, last, b"".join(keys), bytes(len(keys)), total)
+        )
+
+    try:
+        assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+        assert part("s:1", 1, [key(i) for i in range(n)], True, n).ok  # exactly the bound
+        assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
+        assert part("s:3", 1, [key(10_000)], False, n).ok  # all the room
+        for seconds in (0, 10, 29):
+            now[0] = 1000.0 + seconds
+            assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+            assert not part("s:1", 2, [key(1)], True, 1).ok  # deferred
+            assert holders(service, [key(1)]) == {"s:1"}  # kept
+        now[0] = 1031.0  # dead_after since its first deferral
+        assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+        assert holders(service, [key(1)]) == set()  # no longer
+        # s:3 registers again (its sync is over): its room is free.
+        assert isinstance(service.on_register(cm.Register(0, other, [])), cm.Registered)
+        assert part("s:1", 2, [key(1)], True, 1).ok
+        assert part("s:3", 2, [key(10_000)], False, n).ok
+        assert service.remove("s:3") is not None  # removed: its room is free
+        assert isinstance(service.on_register(cm.Register(0, ME, [])), cm.Registered)
+        assert part("s:1", 3, [key(2)], True, 1).ok
+    finally:
+        service.close()

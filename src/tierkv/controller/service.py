@@ -100,7 +100,9 @@ class Instance:
     sync_parts: list[tuple[bytes, bytes]] = field(default_factory=list)
     sync_bytes: int = 0  # what the parts cost against max_sync_bytes (not their keys)
     sync_reserved: int = 0  # the room its sync took (its whole size, when told)
-    sync_deferred: bool = False  # its last sync was deferred for want of room
+    # When its sync was first deferred for want of room (None: not deferred) since it last
+    # synced: its entries are kept through its registrations meanwhile, for dead_after.
+    deferred_since: float | None = None
     sync_keys: int = 0  # keys in the parts collected
     syncs: int = 0
     reports: int = 0
@@ -121,6 +123,7 @@ class ControllerService:
         self.boot = time.time_ns()
         self.dead_after = dead_after
         self.max_sync_bytes = max_sync_bytes
+        self._reserved = 0  # the room all syncs in progress took together
         # Syncs deferred for want of room: a WARNING once a minute at most (servers retry
         # each second), one line when syncs are applied again.
         self._deferrals = FailureLog("controller: full syncs", log)
@@ -223,7 +226,7 @@ class ControllerService:
     def _drop(self, instance: str) -> int:
         """Forget a registered instance and its keys (lock held by the caller); returns
         how many keys it held."""
-        del self._instances[instance]
+        self._reserve(self._instances.pop(instance), 0)
         return self.index.drop(instance)
 
     def _event(self, event: str, instance: str, detail: str = "") -> None:
@@ -252,12 +255,13 @@ class ControllerService:
             restarted = old is not None and old.member.incarnation != member.incarnation
             if restarted:  # the old boot's keys are gone with it (refused or not)
                 self._drop(member.node_id)
-            elif old is not None and old.seq == UNSYNCED and not old.sync_deferred:
+            waiting = _deferred_since(old, now, self.dead_after) if not restarted else None
+            if old is not None and not restarted and old.seq == UNSYNCED and waiting is None:
                 # Registered again before the sync that followed its last registration
                 # ended (refused, failed): the entries kept for that sync are dropped now,
                 # or a server whose syncs keep failing would be named for chunks it evicted
                 # for as long as it stayed alive. (A sync deferred for want of room keeps
-                # them: it starts once the syncs that hold the room, which all end, are in.)
+                # them, for dead_after at most: it starts once room is free.)
                 self.index.drop(member.node_id)
             if not self.index.free_slots():  # its sync could not be applied
                 refused = True
@@ -266,7 +270,10 @@ class ControllerService:
                 # The same boot keeps its entries for lookups until its full sync (which
                 # follows) replaces them; the fresh state has no sequence, so reports and
                 # heartbeats are refused or unknown until then.
-                self._instances[member.node_id] = Instance(member, list(req.namespaces), now, now)
+                if old is not None and not restarted:
+                    self._reserve(old, 0)  # (its sync, if any, is over)
+                fresh = Instance(member, list(req.namespaces), now, now, deferred_since=waiting)
+                self._instances[member.node_id] = fresh
                 self._remember(req.namespaces)
         if refused:
             self.counts["registrations_refused"] += 1
@@ -373,7 +380,7 @@ class ControllerService:
             if state is None or req.part != len(state.sync_parts) or req.seq < state.seq:
                 self.counts["reports_refused"] += 1
                 if state is not None:
-                    _forget_parts(state)
+                    self._forget(state)
                 return cm.Ack(req.rid, self.boot, False, "unknown boot or sync part out of order")
             if why := self._room_for(state, req, cost):
                 return cm.Ack(req.rid, self.boot, False, why)
@@ -384,7 +391,7 @@ class ControllerService:
             if not req.last:
                 return cm.Ack(req.rid, self.boot, True)
             parts = state.sync_parts
-            _forget_parts(state)
+            self._forget(state)
             keys = b"".join(k for k, _ in parts)
             tiers_all = np.frombuffer(b"".join(t for _, t in parts), dtype=np.int8)
             try:
@@ -394,6 +401,7 @@ class ControllerService:
                 return cm.Ack(req.rid, self.boot, False, str(e))
             state.seq = req.seq
             state.syncs += 1
+            state.deferred_since = None
         self._deferrals.ok()
         self.counts["syncs"] += 1
         self._event("synced", req.instance, f"{len(keys) // KEY_SIZE} keys")
@@ -409,35 +417,51 @@ class ControllerService:
         if req.part == 0:
             # Its whole size, its parts of 65,536 keys at least MIN_PART_BYTES each.
             told = req.total_keys >= 0
-            need = req.total_keys * (KEY_SIZE + 1) + MIN_PART_BYTES if told else cost
-            refusal = self._no_room(state, need)
+            size = req.total_keys * (KEY_SIZE + 1) if told else cost
+            need = min(size + MIN_PART_BYTES, self.max_sync_bytes) if told else cost
+            refusal = self._no_room(state, need, size)
             if refusal:
                 return refusal
-            state.sync_reserved = need
+            self._reserve(state, need)
         if state.sync_bytes + cost > state.sync_reserved:
-            if req.total_keys >= 0:
+            if req.total_keys >= 0:  # (its room was all it said, or max_sync_bytes)
+                lied = state.sync_bytes + cost > req.total_keys * (KEY_SIZE + 1) + MIN_PART_BYTES
                 self.counts["reports_refused"] += 1
-                _forget_parts(state)
-                return "the sync's parts hold more than its total_keys said"
+                self._forget(state)
+                if lied:
+                    return "the sync's parts hold more than its total_keys said"
+                return "sync larger than max_sync_bytes"
             if refusal := self._no_room(state, state.sync_bytes + cost):
                 return refusal
-            state.sync_reserved = state.sync_bytes + cost
+            self._reserve(state, state.sync_bytes + cost)
         return ""
 
-    def _no_room(self, state: Instance, need: int) -> str:
-        """Why ``state``'s sync cannot hold ``need`` bytes ("" if it can; lock held)."""
-        if need > self.max_sync_bytes:
+    def _reserve(self, state: Instance, n: int) -> None:
+        """Set the room ``state``'s sync holds (lock held), in the running total."""
+        self._reserved += n - state.sync_reserved
+        state.sync_reserved = n
+
+    def _forget(self, state: Instance) -> None:
+        """Drop the sync parts collected and the room they had (lock held)."""
+        _forget_parts(state)
+        self._reserve(state, 0)
+
+    def _no_room(self, state: Instance, need: int, size: int | None = None) -> str:
+        """Why ``state``'s sync cannot take ``need`` bytes of room ("" if it can; lock
+        held); ``size``: what its parts cost at least (``need``, unless told)."""
+        if (need if size is None else size) > self.max_sync_bytes:
             self.counts["reports_refused"] += 1
-            _forget_parts(state)
+            self._forget(state)
             return "sync larger than max_sync_bytes"
-        others = sum(s.sync_reserved for s in self._instances.values() if s is not state)
+        others = self._reserved - state.sync_reserved
         if others + need <= self.max_sync_bytes:
             return ""
         # Other servers' syncs hold the room: this one tries again later (its server
         # registers again after a pause, keeping the entries it had), when theirs are in.
         self.counts["syncs_deferred"] += 1
-        _forget_parts(state)
-        state.sync_deferred = True
+        self._forget(state)
+        if state.deferred_since is None:
+            state.deferred_since = self.clock()
         self._deferrals.failed(
             f"server {state.member.node_id}'s sync",
             f"deferred: other syncs hold {others} of max_sync_bytes ({self.max_sync_bytes}); "
@@ -562,9 +586,17 @@ class ControllerService:
 _TIER_RANGE = f"a tier out of range (tiers are 0 to {WHERE_CODES - 1}: pool, disk)"
 
 
+def _deferred_since(old: Instance | None, now: float, limit: float) -> float | None:
+    """When ``old``'s sync was first deferred, if its entries are still kept for it: for
+    ``limit`` seconds from then (None: they are not)."""
+    if old is None or old.deferred_since is None or now - old.deferred_since >= limit:
+        return None
+    return old.deferred_since
+
+
 def _forget_parts(state: Instance) -> None:
     """Drop the sync parts collected (lock held by the caller)."""
-    state.sync_parts, state.sync_bytes, state.sync_keys, state.sync_reserved = [], 0, 0, 0
+    state.sync_parts, state.sync_bytes, state.sync_keys = [], 0, 0
 
 
 def namespace_totals(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
