@@ -546,6 +546,23 @@ def test_usage_counts_this_prefix_only(
     assert tier.usage().objects == 2
 
 
+def test_usage_leaves_out_deployments_whose_prefix_extends_this_one(
+    s3_service: S3Server, make_tier: Callable[..., S3Tier], slots: Slots, raw: Any
+) -> None:
+    """A listing of the prefix ``kv`` also lists ``kv2/...`` and ``kv/other/...``, the
+    chunks of other deployments: each was counted in both. Only names of the tier's own
+    format count."""
+    bucket = new_bucket(s3_service)
+    tier = make_tier(bucket=bucket, prefix="kv")
+    for prefix in ("kv2/", "kv/other/", "kv/"):
+        store_random(make_tier(bucket=bucket, prefix=prefix), slots, [500])
+    raw.put_object(Bucket=bucket, Key="kv-notes.txt", Body=b"x" * 100)
+    keys, _ = store_random(tier, slots, [100, 2000])
+    assert tier.usage() == TierUsage(2, 2100 + 2 * HEADER_SIZE, 0)
+    assert tier.is_chunk_object(tier.object_key(keys[0]))
+    assert not tier.is_chunk_object("kv" + tier.object_key(keys[0])[2:].upper())
+
+
 # -- zero-copy body ------------------------------------------------------------------------
 def test_record_body_reads_are_views_of_the_pool(slots: Slots) -> None:
     key = new_key()

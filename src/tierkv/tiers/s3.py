@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import re
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -60,6 +61,8 @@ _DELETE_BATCH = 1000  # DeleteObjects' limit
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 # What an endpoint without conditional deletes answers to DeleteObject with If-Match.
 _NO_CONDITIONAL_DELETE = {"NotImplemented", "InvalidArgument", "InvalidRequest", "501"}
+# What follows the prefix in the name of an object this tier writes (see object_key).
+_CHUNK_NAME = re.compile(r"[0-9a-f]{32}/[0-9a-f]{32}")
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -211,6 +214,14 @@ class S3Tier(Tier):
     def object_key(self, key: bytes) -> str:
         """The object name of a chunk key."""
         return f"{self.prefix}{key[:16].hex()}/{key[16:].hex()}"
+
+    def is_chunk_object(self, name: str) -> bool:
+        """Whether ``name`` is one this tier would write (:meth:`object_key`): an object of
+        another deployment whose prefix extends this one's (``kv2/...`` or ``kv/other/...``
+        under ``kv``) is not."""
+        return name.startswith(self.prefix) and (
+            _CHUNK_NAME.fullmatch(name, len(self.prefix)) is not None
+        )
 
     def stats(self) -> dict[str, int]:
         """Counters since start: stored, store_failed, loaded, missing, corrupt,
@@ -417,7 +428,9 @@ class S3Tier(Tier):
         return removed
 
     def usage(self) -> TierUsage:
-        """Objects and bytes under the prefix (a listing: one request per 1000 objects)."""
+        """Objects and bytes of this tier's chunks (a listing of the prefix: one request per
+        1000 objects; only names of the tier's own format count, see
+        :meth:`is_chunk_object`)."""
         objects = stored = 0
         try:
             pages = self._client.get_paginator("list_objects_v2").paginate(
@@ -425,6 +438,8 @@ class S3Tier(Tier):
             )
             for page in pages:
                 for obj in page.get("Contents", []):
+                    if not self.is_chunk_object(str(obj.get("Key", ""))):
+                        continue
                     objects += 1
                     stored += int(obj.get("Size", 0))
         except (
