@@ -5,6 +5,7 @@ zero-copy body and read paths."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import logging
@@ -89,6 +90,7 @@ def test_registered(s3_server: str) -> None:
         {},
         {"bucket": ""},
         {"bucket": "b", "max_concurrency": 0},
+        {"bucket": "b", "min_rate": 0},
         {"bucket": "b", "access_key_id": "only-the-id"},
         {"bucket": "b", "no_such_option": 1},
     ],
@@ -339,7 +341,9 @@ def test_a_batch_returns_only_once_every_request_ended(tier: S3Tier) -> None:
 class FaultProxy:
     """An HTTP proxy in front of the S3 server that breaks chosen requests (``mode``):
     "cut_get": a GET's headers (Content-Length included) go out whole, its body only half
-    way, then the connection closes; "fail_delete": DeleteObjects is answered 500; None:
+    way, then the connection closes; "trickle_get": a GET's body goes out 64 bytes every 10
+    ms (each read gets something well within any read_timeout); "slow_get": 16 KiB every 20
+    ms (a slow link, about 800 KB/s); "fail_delete": DeleteObjects is answered 500; None:
     every request is passed on."""
 
     def __init__(self, upstream: S3Server) -> None:
@@ -378,6 +382,19 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(data[: len(data) // 2])
                     self.close_connection = True
+                    return
+                paced = {"trickle_get": (64, 0.01), "slow_get": (16384, 0.02)}
+                if proxy.mode in paced and self.command == "GET" and reply.status == 200:
+                    self.send_response(200)
+                    for k, v in passed.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    step, pause = paced[proxy.mode]
+                    with contextlib.suppress(OSError):  # the client gave up
+                        for i in range(0, len(data), step):
+                            time.sleep(pause)
+                            self.wfile.write(data[i : i + step])
                     return
                 self._send(reply.status, b"" if self.command == "HEAD" else data, passed)
 
@@ -434,6 +451,33 @@ def test_a_failed_load_counts_once_and_a_body_cut_short_ends_no_outage(
     assert not tier.outage.down
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 1 and "works again" in infos[0]
+
+
+def test_a_trickling_body_fails_the_load_by_its_deadline(
+    faulty: tuple[FaultProxy, S3Tier], make_tier: Callable[..., S3Tier], slots: Slots
+) -> None:
+    """A body coming 64 bytes every 10 ms (16 KiB: 2.6 s), each read well within the read
+    timeout (1 s), was read for as long as it lasted: at the default ``min_rate`` (256
+    KiB/s) it must be whole within 1 + 0.07 s. The load fails (one error), the connection
+    is dropped, and the next load over the same tier works. A slow but steady body (the
+    same 16 KiB and 1 MiB at about 800 KB/s, 0.5 s read timeout, the default min_rate)
+    still loads."""
+    proxy, _ = faulty
+    tier = make_tier(endpoint_url=proxy.endpoint_url, retries=0, read_timeout=1)
+    keys, expected = store_random(tier, slots, [16 * 1024])
+    proxy.mode = "trickle_get"
+    assert load_into(tier, slots, keys, [16 * 1024])[0] == [LoadStatus.ERROR]
+    assert tier.stats()["errors"] == 1
+    proxy.mode = None
+    statuses, views = load_into(tier, slots, keys, [16 * 1024])
+    assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+
+    slow = make_tier(endpoint_url=proxy.endpoint_url, retries=0, read_timeout=0.5)
+    sizes = [16 * 1024, 1 << 20]
+    keys, expected = store_random(slow, slots, sizes)
+    proxy.mode = "slow_get"
+    statuses, views = load_into(slow, slots, keys, sizes)
+    assert statuses == [LoadStatus.OK] * 2 and [bytes(v) for v in views] == expected
 
 
 def test_delete_counts_only_the_objects_it_removed(

@@ -28,7 +28,9 @@ of a batch: each item reports its own status. They are counted and logged throug
 tier's :class:`~tierkv.tiers.outage.Outage`: one WARNING when the endpoint starts failing,
 one INFO line with the count when a request works again (a GET once its body was read: an
 endpoint that sends headers and then fails every body is still down). A failed load counts
-once in ``errors``, as its ERROR status.
+once in ``errors``, as its ERROR status. A body must come whole within ``read_timeout``
+plus its size at ``min_rate`` (:mod:`tierkv.tiers.transfer`): one trickling in, each read
+within ``read_timeout``, fails the load (ERROR) and its connection is dropped.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from tierkv.options import Size
 from tierkv.redaction import redacted_url
 from tierkv.tiers.base import LoadStatus, Tier, TierError, TierUsage
 from tierkv.tiers.counts import TierCounts
 from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, unpack_header, verify
 from tierkv.tiers.registry import register_tier
 from tierkv.tiers.s3_body import RecordBody, body_reader, finish, read_exact
+from tierkv.tiers.transfer import MIN_RATE, transfer_deadline
 
 try:
     import boto3
@@ -82,6 +86,9 @@ class S3Tier(Tier):
         max_concurrency  parallel requests per batch
         connect_timeout  seconds a connection may take
         read_timeout  seconds a read may wait
+        min_rate  bytes per second below which a GET's body fails: it must come whole
+             within ``read_timeout`` plus its size at this rate (a body trickling in,
+             each read within ``read_timeout``, held a thread for as long as it lasted)
         retries  botocore's retry attempts after the first
         addressing_style  ``path`` or ``virtual`` (default: ``path`` with an
              ``endpoint_url``, else ``auto``)
@@ -103,6 +110,7 @@ class S3Tier(Tier):
         max_concurrency: int = 8,
         connect_timeout: float = 5.0,
         read_timeout: float = 30.0,
+        min_rate: Size = MIN_RATE,
         retries: int = 2,
         addressing_style: str | None = None,
         create_bucket: bool = False,
@@ -114,8 +122,11 @@ class S3Tier(Tier):
             access_key_id=access_key_id,
             secret_access_key=secret_access_key,
             addressing_style=addressing_style,
+            min_rate=min_rate,
         )
         self.bucket = bucket
+        self._read_timeout = read_timeout
+        self._min_rate = min_rate
         self.prefix = prefix
         self.endpoint_url = endpoint_url
         style = addressing_style or ("path" if endpoint_url else "auto")
@@ -179,6 +190,8 @@ class S3Tier(Tier):
             raise TierError(
                 f"s3 tier: max_concurrency must be >= 1, got {options['max_concurrency']}"
             )
+        if options.get("min_rate", 1) < 1:
+            raise TierError(f"s3 tier: min_rate must be >= 1 byte/s, got {options['min_rate']}")
         if (options.get("access_key_id") is None) != (options.get("secret_access_key") is None):
             raise TierError("s3 tier: give both access_key_id and secret_access_key, or neither")
         if options.get("addressing_style") not in (None, "auto", "path", "virtual"):
@@ -330,7 +343,9 @@ class S3Tier(Tier):
             length = response.get("ContentLength")
             if not isinstance(length, int):
                 length = None
-            read_into = body_reader(body)
+            size = HEADER_SIZE + dest.nbytes if length is None else length
+            deadline = transfer_deadline(size, self._read_timeout, self._min_rate)
+            read_into = body_reader(body, deadline)
             raw_header = memoryview(bytearray(HEADER_SIZE))
             if length is not None and length != HEADER_SIZE + dest.nbytes:
                 header = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import io
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -114,11 +115,46 @@ def read_exact(read_into: Callable[[memoryview], int | None], dest: memoryview) 
     return done
 
 
-def body_reader(body: Any) -> Callable[[memoryview], int | None]:
+def body_reader(body: Any, deadline: float = 0.0) -> Callable[[memoryview], int | None]:
     """What fills a view from a botocore ``StreamingBody``: the ``http.client`` response's
-    ``readinto`` when :func:`http_response` finds it, else the body's own."""
+    ``readinto`` when :func:`http_response` finds it, else the body's own. ``deadline``
+    (``time.monotonic()``; 0: none): a read called past it raises TimeoutError, however
+    slowly the bytes came; with the ``http.client`` response of a body of known length each
+    read is one receive (bounded by ``read_timeout``), so the whole read ends by the
+    deadline plus one ``read_timeout`` at most (``HTTPResponse.readinto`` receives until
+    the view is full: a body trickling a byte at a time each within the timeout took one
+    call (bytes x timeout) to fill a slot)."""
     fp = http_response(body)
-    return fp.readinto if fp is not None else body.readinto
+    read_into = body.readinto if fp is None else _one_receive(fp) if deadline else fp.readinto
+    if not deadline:
+        return read_into
+
+    def read_by_deadline(view: memoryview) -> int | None:
+        if time.monotonic() >= deadline:
+            raise TimeoutError("the response body came slower than min_rate")
+        return read_into(view)
+
+    return read_by_deadline
+
+
+def _one_receive(fp: http.client.HTTPResponse) -> Callable[[memoryview], int | None]:
+    """``fp.readinto`` with one receive per call (``readinto1``), where the body's length is
+    known (a chunked body: ``fp.readinto``, which reads a chunk at a time)."""
+    buffered = fp.fp
+    if fp.chunked or fp.length is None or not hasattr(buffered, "readinto1"):
+        return fp.readinto
+
+    def readinto(view: memoryview) -> int:
+        length = fp.length
+        if fp.fp is None or not length:
+            return 0
+        n: int = buffered.readinto1(view[:length])
+        fp.length = length - n
+        if not n or not fp.length:
+            fp._close_conn()  # type: ignore[attr-defined]  # as HTTPResponse.readinto does
+        return n
+
+    return readinto
 
 
 def finish(body: Any, complete: bool) -> None:
