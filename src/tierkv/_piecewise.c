@@ -4,12 +4,13 @@
  * with a peer fetch's four streams on two cores, a stream took 123-148 ms for 64 MiB with
  * them and 87-95 ms with these.
  *
- * send_pieces(fd, parts, piece, give_way, timeout) -> None
+ * send_pieces(fd, parts, piece, give_way, timeout, deadline=0) -> None
  *
  * sendmsg(2)s the buffers in ``parts`` in order, at most ``piece`` bytes a call, continuing
  * after partial sends. ``timeout``: seconds to wait for the socket to take more (None: no
  * limit), as a socket's own timeout applies to each call: TimeoutError when it passes.
- * OSError with the errno of a failed call.
+ * ``deadline`` (time.monotonic(); 0: none): the whole send ends by then (TimeoutError),
+ * however slowly the peer takes the bytes. OSError with the errno of a failed call.
  *
  * recv_hashed(fd, dst, piece, give_way, timeout, deadline=0) -> bytes
  *
@@ -353,12 +354,44 @@ after_failed_call(int fd, short events, int timeout_ms)
     return errno;
 }
 
-/* sendmsg the iovecs, at most piece bytes a call; 0, TIMED_OUT or an errno. */
+/* CLOCK_MONOTONIC in seconds: Python's time.monotonic() on Linux. */
+static double
+monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* How long the next wait may last: timeout_ms (-1: forever), shortened to what is left
+   until deadline (monotonic seconds; 0: none); -2 when the deadline has passed. */
 static int
-send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeout_ms)
+wait_budget(int timeout_ms, double deadline)
+{
+    if (deadline <= 0)
+        return timeout_ms;
+    double left_ms = (deadline - monotonic_s()) * 1000.0;
+    if (left_ms <= 0)
+        return -2;
+    if (left_ms >= (double)INT_MAX - 1)
+        left_ms = (double)INT_MAX - 1;
+    if (timeout_ms < 0 || left_ms < (double)timeout_ms)
+        return (int)left_ms + 1;
+    return timeout_ms;
+}
+
+/* sendmsg the iovecs, at most piece bytes a call; 0, TIMED_OUT or an errno. Each wait for
+   room lasts at most timeout_ms; with deadline > 0 (monotonic seconds) the whole send ends
+   by then, however slowly the peer takes the bytes. */
+static int
+send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeout_ms,
+         double deadline)
 {
     int first = 0;
     while (first < n) {
+        int wait_ms = wait_budget(timeout_ms, deadline);
+        if (wait_ms == -2)
+            return TIMED_OUT;
         struct iovec batch[MAX_PARTS];
         int k = 0;
         size_t room = piece;
@@ -373,9 +406,11 @@ send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeo
         memset(&msg, 0, sizeof(msg));
         msg.msg_iov = batch;
         msg.msg_iovlen = (size_t)k;
-        ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL);
+        /* With a deadline, never block in sendmsg (a socket without a timeout is
+           blocking): the waits are polls bounded by it. */
+        ssize_t sent = sendmsg(fd, &msg, MSG_NOSIGNAL | (deadline > 0 ? MSG_DONTWAIT : 0));
         if (sent < 0) {
-            int w = after_failed_call(fd, POLLOUT, timeout_ms);
+            int w = after_failed_call(fd, POLLOUT, wait_ms);
             if (w)
                 return w;
             continue;
@@ -395,15 +430,6 @@ send_iov(int fd, struct iovec *iov, int n, size_t piece, int give_way, int timeo
     return 0;
 }
 
-/* CLOCK_MONOTONIC in seconds: Python's time.monotonic() on Linux. */
-static double
-monotonic_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 /* Fill dst from fd and hash it; 0, TIMED_OUT, CLOSED or an errno. Each wait for data lasts
    at most timeout_ms; with deadline > 0 (monotonic seconds) the whole fill ends by then,
    however the data trickles in. */
@@ -415,16 +441,9 @@ recv_pieces(int fd, char *dst, size_t n, size_t piece, int give_way, int timeout
     XXH3_128bits_reset(&state);
     size_t pos = 0, hashed = 0;
     while (pos < n) {
-        int wait_ms = timeout_ms;
-        if (deadline > 0) {
-            double left_ms = (deadline - monotonic_s()) * 1000.0;
-            if (left_ms <= 0)
-                return TIMED_OUT;
-            if (left_ms >= (double)INT_MAX - 1)
-                left_ms = (double)INT_MAX - 1;
-            if (wait_ms < 0 || left_ms < (double)wait_ms)
-                wait_ms = (int)left_ms + 1;
-        }
+        int wait_ms = wait_budget(timeout_ms, deadline);
+        if (wait_ms == -2)
+            return TIMED_OUT;
         size_t step = piece < RECV_STEP ? piece : RECV_STEP;
         size_t want = n - pos < step ? n - pos : step;
         /* With a deadline, never block in recv (a socket without a timeout is blocking):
@@ -491,7 +510,8 @@ send_pieces(PyObject *self, PyObject *args)
     int fd, give_way, timeout_ms;
     Py_ssize_t piece;
     PyObject *parts, *timeout;
-    if (!PyArg_ParseTuple(args, "iOnpO", &fd, &parts, &piece, &give_way, &timeout))
+    double deadline = 0.0;
+    if (!PyArg_ParseTuple(args, "iOnpO|d", &fd, &parts, &piece, &give_way, &timeout, &deadline))
         return NULL;
     if (piece <= 0) {
         PyErr_SetString(PyExc_ValueError, "piece must be > 0");
@@ -524,7 +544,7 @@ send_pieces(PyObject *self, PyObject *args)
     }
     int err;
     Py_BEGIN_ALLOW_THREADS
-    err = send_iov(fd, iov, m, (size_t)piece, give_way, timeout_ms);
+    err = send_iov(fd, iov, m, (size_t)piece, give_way, timeout_ms, deadline);
     Py_END_ALLOW_THREADS
     if (err)
         socket_error(err);
@@ -730,8 +750,8 @@ preallocate(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"send_pieces", send_pieces, METH_VARARGS,
-     "send_pieces(fd, parts, piece, give_way, timeout) -> None: sendmsg the buffers, at "
-     "most piece bytes a call."},
+     "send_pieces(fd, parts, piece, give_way, timeout, deadline=0) -> None: sendmsg the "
+     "buffers, at most piece bytes a call, by the deadline (time.monotonic(); 0: none)."},
     {"recv_hashed", recv_hashed, METH_VARARGS,
      "recv_hashed(fd, dst, piece, give_way, timeout, deadline=0) -> bytes: fill dst from the "
      "socket, at most piece bytes a call, by the deadline (time.monotonic(); 0: none); the "

@@ -4,7 +4,13 @@ from collections.abc import Sequence
 from typing import Any
 
 def send_pieces(
-    fd: int, parts: Sequence[Any], piece: int, give_way: bool, timeout: float | None, /
+    fd: int,
+    parts: Sequence[Any],
+    piece: int,
+    give_way: bool,
+    timeout: float | None,
+    deadline: float = ...,
+    /,
 ) -> None: ...
 def recv_hashed(
     fd: int, dst: Any, piece: int, give_way: bool, timeout: float | None, deadline: float = ..., /

@@ -38,6 +38,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,7 +51,8 @@ from tierkv.priority import give_way, is_data_thread
 
 _write_native: Callable[[int, int, memoryview, int, bool, bytes], bytes] | None
 _read_mapped: Callable[[int, int, memoryview, int, bool, bool], bytes | None] | None
-_send_native: Callable[[int, Sequence[memoryview | bytes], int, bool, float | None], None] | None
+# (fd, parts, piece, give_way, timeout[, deadline]: not in a stale build, see _SEND_DEADLINE)
+_send_native: Callable[..., None] | None
 _recv_native: Callable[[int, memoryview, int, bool, float | None, float], bytes] | None
 _preallocate: Callable[[int, int], bool] | None
 try:
@@ -74,6 +76,8 @@ PIECE = 512 * 1024  # bytes per system call: about 0.1 ms of copying; half a cor
 FILE_PIECE = 2 * 1024 * 1024
 HASH_STEP = 256 * 1024  # received bytes hashed at once
 NATIVE = _write_native is not None  # whether the C helper moves the bytes (see above)
+# A C helper built before send_pieces took a deadline (a stale build) sends by the Python loop.
+_SEND_DEADLINE = _send_native is not None and "deadline" in (_send_native.__doc__ or "")
 
 
 # -- files -------------------------------------------------------------------------------
@@ -147,23 +151,48 @@ def read_hashed(fd: int, data: memoryview, offset: int) -> tuple[int, bytes]:
 
 
 # -- sockets ------------------------------------------------------------------------------
-def send_all(sock: socket.socket, parts: Sequence[memoryview | bytes]) -> None:
-    """``sendmsg`` the parts (no copy in user space) at most :data:`PIECE` bytes a call,
-    continuing after partial sends."""
-    if _send_native is not None and type(sock) is socket.socket:  # not TLS, not a wrapper
-        _send_native(sock.fileno(), parts, PIECE, is_data_thread(), sock.gettimeout())
+def send_all(
+    sock: socket.socket, parts: Sequence[memoryview | bytes], deadline: float = 0.0
+) -> None:
+    """``sendmsg`` the parts (no copy in user space; ``send`` on a TLS socket) at most
+    :data:`PIECE` bytes a call, continuing after partial sends. ``deadline``
+    (``time.monotonic()``; 0: none): the whole send ends by then (TimeoutError), however
+    slowly the peer takes the bytes; the socket's timeout bounds each wait for room."""
+    # (not TLS, not a wrapper; and where a deadline is given, a build that takes one)
+    native = type(sock) is socket.socket and (_SEND_DEADLINE or not deadline)
+    if _send_native is not None and native:
+        extra = (deadline,) if _SEND_DEADLINE else ()
+        _send_native(sock.fileno(), parts, PIECE, is_data_thread(), sock.gettimeout(), *extra)
         return
     views = deque(memoryview(p).cast("B") for p in parts if len(p))
-    while views:
-        batch: list[memoryview] = []
-        room = PIECE
-        for view in views:
-            batch.append(view[:room])
-            room -= len(batch[-1])
-            if not room:
-                break
-        drop_sent(views, sock.sendmsg(batch))
-        give_way()
+    timeout = sock.gettimeout()
+    tls = isinstance(sock, ssl.SSLSocket)
+    try:
+        while views:
+            batch: list[memoryview] = []
+            room = PIECE
+            for view in views:
+                batch.append(view[:room])
+                room -= len(batch[-1])
+                if not room:
+                    break
+            _bound_wait(sock, timeout, deadline)
+            # (no sendmsg on TLS sockets)
+            drop_sent(views, sock.send(batch[0]) if tls else sock.sendmsg(batch))
+            give_way()
+    finally:
+        if deadline:
+            sock.settimeout(timeout)
+
+
+def _bound_wait(sock: socket.socket, timeout: float | None, deadline: float) -> None:
+    """Before a socket call: its wait shortened to what is left until ``deadline`` (0:
+    none; TimeoutError once it has passed); ``timeout``: the socket's own."""
+    if deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out")
+        sock.settimeout(left if timeout is None else min(timeout, left))
 
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float = 0.0) -> None:
@@ -204,11 +233,7 @@ def _fill(
     timeout = sock.gettimeout()
     try:
         while pos < n:
-            if deadline:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("timed out")
-                sock.settimeout(left if timeout is None else min(timeout, left))
+            _bound_wait(sock, timeout, deadline)
             got = sock.recv_into(view[pos:], min(PIECE, n - pos))
             if not got:
                 raise ConnectionError("peer closed the connection")

@@ -226,3 +226,40 @@ def test_a_peer_that_trickles_is_cut_off_at_the_deadline(native: bool) -> None:
         t.join(10)
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_peer_that_reads_slowly_is_cut_off_at_the_send_deadline(native: bool) -> None:
+    """Each wait for room is bounded by the socket's timeout, the whole send by the
+    deadline: a peer reading 64 KiB every 10 ms (never leaving the sender waiting for a
+    timeout) cannot keep a 64 MiB send (10 s at that rate) going past it. ``native``: the
+    C loop (a plain socket), else the Python one."""
+    a, b = socket.socketpair()
+    if native:
+        sender, receiver = a, b
+        sender.settimeout(10)
+    else:
+        sender, receiver = _pair()
+        a.close()
+        b.close()
+    stop = threading.Event()
+
+    def read_slowly() -> None:
+        while not stop.wait(0.01):
+            try:
+                if not receiver.recv(65536):
+                    return
+            except OSError:
+                return
+
+    t = threading.Thread(target=read_slowly)
+    t.start()
+    try:
+        with pytest.raises(TimeoutError):
+            pieces.send_all(sender, [bytes(64 << 20)], deadline=time.monotonic() + 0.3)
+        assert sender.gettimeout() == 10  # the socket's own timeout is left as it was
+    finally:
+        stop.set()
+        t.join(10)
+        sender.close()
+        receiver.close()

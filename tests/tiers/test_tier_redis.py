@@ -104,6 +104,7 @@ def test_registered_as_redis_and_valkey(redis_server: str) -> None:
         {"ttl": -5},
         {"max_connections": 0},
         {"retries": -1},
+        {"min_rate": 0},
         {"url": "http://x"},
         {"socket_timeout": -1},
         {"socket_connect_timeout": 0},
@@ -392,14 +393,21 @@ def test_a_foreign_value_of_another_size_is_neither_held_nor_sent_back(
 class StallingProxy:
     """A TCP proxy in front of Redis; ``mode`` sets what goes back to the client: None:
     everything; "slow": a slow link (16 KiB every 20 ms); "trickle": a byte every 10 ms
-    (each receive gets something well within any socket timeout); "stall": nothing.
-    ``accepted``: connections made to it."""
+    (each receive gets something well within any socket timeout); "stall": nothing;
+    "slow_requests": the commands go to Redis at 16 KiB every 20 ms (replies: everything).
+    ``accepted``: connections made to it. ``rcvbuf``: the receive buffer of the client
+    side (bytes; None: the kernel's, which grows to tens of MiB: the commands a slow
+    Redis has not read yet would pile up there)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, rcvbuf: int | None = None) -> None:
         self.upstream = port
         self.mode: str | None = None
         self.accepted = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.socket()
+        if rcvbuf is not None:  # before listen: accepted sockets take it over
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen()
         self.port = self._listener.getsockname()[1]
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -420,10 +428,16 @@ class StallingProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
         try:
             while not self._closed.is_set():
-                data = src.recv(65536)
+                data = src.recv(16384 if self.mode == "slow_requests" else 65536)
                 if not data:
                     break
                 if replies and self.mode == "stall":
+                    continue
+                if not replies and self.mode == "slow_requests":
+                    for i in range(0, len(data), 16384):
+                        if self._closed.wait(0.02):
+                            return
+                        dst.sendall(data[i : i + 16384])
                     continue
                 if replies and self.mode == "slow":  # about 800 KB/s, 16 KiB at a time
                     for i in range(0, len(data), 16384):
@@ -498,6 +512,47 @@ def test_a_batch_longer_than_socket_timeout_over_a_slow_link_loads(
     statuses, views = _in_thread(lambda: load_into(tier, slots, keys, sizes))
     assert statuses == [LoadStatus.OK] * 16
     assert [bytes(v) for v in views] == expected
+
+
+def test_replies_each_within_socket_timeout_fail_the_batch_by_its_deadline(
+    make_tier: Callable[..., RedisTier], proxy: StallingProxy, slots: Slots
+) -> None:
+    """Eight replies of about 180 bytes trickling in at a byte every 10 ms, each whole
+    well within socket_timeout (2 s), held the load for 14 s (count x timeout, at worst):
+    the pipeline must be answered within socket_timeout plus its bytes at min_rate."""
+    tier = make_tier(url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout=2.0, retries=0)
+    sizes = [100] * 8
+    keys, expected = store_random(tier, slots, sizes)
+    proxy.mode = "trickle"
+    assert _in_thread(lambda: load_into(tier, slots, keys, sizes)[0]) == [LoadStatus.ERROR] * 8
+    proxy.mode = None
+    statuses, views = load_into(tier, slots, keys, sizes)
+    assert statuses == [LoadStatus.OK] * 8 and [bytes(v) for v in views] == expected
+
+
+def test_a_store_sent_slower_than_min_rate_fails_by_its_deadline(
+    make_tier: Callable[..., RedisTier], redis_service: RedisServer, slots: Slots
+) -> None:
+    """A Redis taking a 12 MiB store at about 800 KB/s, each wait for room well within
+    socket_timeout (1 s), held the tier thread for the 10 s or so it took: bounded by
+    socket_timeout plus its bytes at min_rate (here 16 MiB/s: 1.75 s), the store fails,
+    and the next one over a normal link works. (The same store at the same rate with the
+    default min_rate goes through: see the slow-link load test for that side.)"""
+    proxy = StallingProxy(redis_service.port, rcvbuf=32 * 1024)
+    try:
+        tier = make_tier(
+            url=f"redis://127.0.0.1:{proxy.port}/0",
+            socket_timeout=1.0,
+            retries=0,
+            min_rate=16 << 20,
+        )
+        view, _ = slots.random(12 << 20)
+        proxy.mode = "slow_requests"
+        assert _in_thread(lambda: tier.store([(new_key(), view)])) == [False]
+        proxy.mode = None
+        assert tier.store([(new_key(), view)]) == [True]
+    finally:
+        proxy.close()
 
 
 def test_a_timeout_is_not_retried(

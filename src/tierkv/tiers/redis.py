@@ -42,7 +42,11 @@ starting another at every such batch made the tier flap).
 
 ``socket_timeout`` bounds each reply as a whole, however slowly its bytes trickle in (not
 the whole pipeline: a batch's replies add up to ``max_pipeline_bytes``, which a slower link
-could not bring in within one timeout), and a timeout is not retried (``retries`` is
+could not bring in within one timeout); a whole pipeline, its commands sent and its
+replies read, is bounded by ``socket_timeout`` plus its bytes at ``min_rate``
+(:mod:`tierkv.tiers.transfer`: a server taking a store's values a few bytes at a time, or
+answering each command just within the timeout, held a thread for as long as it lasted),
+and a timeout is not retried (``retries`` is
 about connection errors): a stalled Redis costs one timeout per batch, not
 ``retries + 1``.
 """
@@ -62,6 +66,7 @@ from tierkv.tiers.records import HEADER_SIZE, byte_view, misfit, pack_header, un
 from tierkv.tiers.redis_wire import Concat, GatherPacker, exchange
 from tierkv.tiers.registry import register_tier
 from tierkv.tiers.resp import Filled, Misfit, Replies, ReplyError
+from tierkv.tiers.transfer import MIN_RATE
 
 try:
     import redis
@@ -135,6 +140,10 @@ class RedisTier(Tier):
              timeout)
         max_pipeline_bytes  a load batch is split into pipelines whose replies together
              stay under this many bytes
+        min_rate  bytes per second below which a batch fails: a pipeline must be sent
+             and answered within ``socket_timeout`` plus its bytes at this rate (a
+             server taking the commands or sending the replies a few bytes at a time,
+             each within the timeout, held a thread for as long as it lasted)
     """
 
     name = "redis"
@@ -151,8 +160,16 @@ class RedisTier(Tier):
         pool_timeout: float = 10.0,
         retries: int = 1,
         max_pipeline_bytes: Size = 64 << 20,
+        min_rate: Size = MIN_RATE,
     ) -> None:
-        self.check_options(url=url, ttl=ttl, max_connections=max_connections, retries=retries)
+        self.check_options(
+            url=url,
+            ttl=ttl,
+            max_connections=max_connections,
+            retries=retries,
+            min_rate=min_rate,
+        )
+        self._min_rate = min_rate
         self.url = url
         self._prefix = key_prefix.encode()
         # SET EX wants whole seconds; round up so a chunk never expires early.
@@ -201,6 +218,8 @@ class RedisTier(Tier):
             raise TierError(
                 f"redis tier: max_connections must be >= 1, got {options['max_connections']}"
             )
+        if options.get("min_rate", 1) < 1:
+            raise TierError(f"redis tier: min_rate must be >= 1 byte/s, got {options['min_rate']}")
         if options.get("retries", 0) < 0:
             raise TierError(f"redis tier: retries must be >= 0, got {options['retries']}")
         for name in ("socket_timeout", "socket_connect_timeout", "pool_timeout"):
@@ -249,7 +268,7 @@ class RedisTier(Tier):
         try:
             # A failed attempt has closed the connection already; the next one reconnects.
             result = self._retry.call_with_retry(
-                lambda: exchange(conn, commands, read), lambda _exc: None
+                lambda: exchange(conn, commands, read, self._min_rate), lambda _exc: None
             )
         finally:
             self._pool.release(conn)  # type: ignore[no-untyped-call]

@@ -14,13 +14,13 @@ with :class:`tierkv.tiers.resp.Replies` (a GET's payload lands straight in its s
 from __future__ import annotations
 
 import socket
-import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from tierkv.piecewise_io import send_all
 from tierkv.tiers.records import byte_view
 from tierkv.tiers.resp import ProtocolError, Replies
+from tierkv.tiers.transfer import transfer_deadline
 
 try:
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -104,28 +104,30 @@ class GatherPacker:
         return out
 
 
-def exchange(conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T]) -> T:
+def exchange(
+    conn: Any, commands: Sequence[tuple[Any, ...]], read: Callable[[Replies], T], min_rate: int
+) -> T:
     """One attempt of :meth:`tierkv.tiers.redis.RedisTier._on_socket` on ``conn`` (a
     redis-py connection, on whose socket the commands and replies go directly), each of its
-    replies read within the connection's socket timeout. Socket errors come out as
-    redis-py's connection and timeout errors (its ``Retry`` retries only the former), the
-    connection closed."""
+    replies read within the connection's socket timeout, and the whole exchange within the
+    timeout plus its bytes (sent, and the values received) at ``min_rate``
+    (:mod:`tierkv.tiers.transfer`). Socket errors come out as redis-py's connection and
+    timeout errors (its ``Retry`` retries only the former), the connection closed."""
     try:
         if getattr(conn, "_sock", None) is None:
             conn.connect()
         sock = conn._sock
         if not isinstance(sock, socket.socket):
             raise ProtocolError("redis-py's connection has no socket (an unknown version?)")
-        packed = conn.pack_commands(commands)
-        if isinstance(sock, ssl.SSLSocket):  # no sendmsg on TLS sockets
-            for part in packed:
-                sock.sendall(part)
-        else:
-            send_all(sock, packed)
-        # One deadline per reply: socket_timeout is what a command may take, and a server
-        # trickling its replies would otherwise pass each receive's timeout.
-        timeout = sock.gettimeout()
-        replies = Replies(sock, timeout or 0.0)
+        packed: Packed = conn.pack_commands(commands)
+        # socket_timeout is what a command may take: one deadline per reply, and one for the
+        # whole exchange scaled by its bytes (a server taking the commands or trickling its
+        # replies a few bytes at a time would otherwise pass each call's timeout).
+        timeout = sock.gettimeout() or 0.0
+        sent = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in packed)
+        deadline = transfer_deadline(sent, timeout, min_rate) if timeout else 0.0
+        send_all(sock, packed, deadline)
+        replies = Replies(sock, timeout, min_rate, deadline)
         result = read(replies)
         if not replies.clean:
             raise ProtocolError("more bytes arrived than the replies to the commands sent")

@@ -25,7 +25,10 @@ Read whole, eight foreign 64 MiB values under the keys of eight 4 KiB loads took
 that trickled a reply a few bytes at a time, each within the socket's timeout, made one
 256 KiB load last 24 s with a 1 s timeout. Not the whole pipeline either: its replies add
 up to as many bytes as the batch (64 MiB by default), which a slower link (under 13 MB/s
-with a 5 s timeout) could never bring in within one timeout.
+with a 5 s timeout) could never bring in within one timeout. The whole pipeline is bounded
+by a deadline that grows with its bytes instead (the timeout plus the bytes at a minimum
+rate, :mod:`tierkv.tiers.transfer`): replies each just within the timeout held a thread
+for their count times it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 
 from tierkv.checksums import checksummer
 from tierkv.piecewise_io import recv_exact, recv_hashed
+from tierkv.tiers.transfer import transfer_time
 
 SCRATCH = 4096  # bytes read at a time for reply lines; a value's payload bypasses it
 MAX_LINE = 1024  # a reply line longer than this is not a reply to our commands
@@ -72,14 +76,26 @@ class Misfit:
 class Replies:
     """The replies arriving on ``sock``, read in order; ``reply_timeout`` (seconds; 0:
     none): each reply must be whole that long after it is asked for (TimeoutError), however
-    its bytes trickle in (the socket's own timeout still bounds each wait). The socket's
-    timeout is changed while reading: restore it (:meth:`restore`) before reusing the
-    socket."""
+    its bytes trickle in (the socket's own timeout still bounds each wait). ``deadline``
+    (``time.monotonic()``; 0: none): all of them must be whole by then, a deadline
+    extended by each value's size at ``min_rate`` (bytes per second) as it is announced
+    (:mod:`tierkv.tiers.transfer`): replies each coming just within ``reply_timeout`` held
+    a thread for their count times it. The socket's timeout is changed while reading:
+    restore it (:meth:`restore`) before reusing the socket."""
 
-    def __init__(self, sock: socket.socket, reply_timeout: float = 0.0) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        reply_timeout: float = 0.0,
+        min_rate: int = 0,
+        deadline: float = 0.0,
+    ) -> None:
         self.sock = sock
         self.reply_timeout = reply_timeout
-        self.deadline = 0.0  # (time.monotonic()) the reply being read is whole by then
+        self.min_rate = min_rate
+        self._until = deadline  # all the replies are whole by then (0: no such bound)
+        self._reply_end = 0.0  # the reply being read is whole by then (0: no such bound)
+        self.deadline = 0.0  # (time.monotonic()) the earlier of the two (0: neither)
         self._timeout = sock.gettimeout()
         self._lowered = False  # the socket's timeout is the time a reply had left
         self._buf = bytearray(SCRATCH)
@@ -93,10 +109,21 @@ class Replies:
 
     def _next_reply(self) -> None:
         if self.reply_timeout:
-            self.deadline = time.monotonic() + self.reply_timeout
+            self._reply_end = time.monotonic() + self.reply_timeout
             if self._lowered:  # the last reply's time left: not this one's
                 self.sock.settimeout(self._timeout)
                 self._lowered = False
+        self._set_deadline()
+
+    def _allow(self, nbytes: int) -> None:
+        """A value of ``nbytes`` is coming: the exchange's deadline moves by its time at
+        ``min_rate``."""
+        if self._until and self.min_rate:
+            self._until += transfer_time(nbytes, self.min_rate)
+            self._set_deadline()
+
+    def _set_deadline(self) -> None:
+        self.deadline = min((d for d in (self._reply_end, self._until) if d), default=0.0)
 
     def _recv_into(self, view: memoryview) -> int:
         """One receive into ``view``, waiting no longer than the deadline allows."""
@@ -107,6 +134,9 @@ class Replies:
             if self._timeout is None or left < self._timeout:  # else: the socket's own
                 self.sock.settimeout(left)
                 self._lowered = True
+            elif self._lowered:  # the deadline moved on (a value announced): the socket's own
+                self.sock.settimeout(self._timeout)
+                self._lowered = False
         got = self.sock.recv_into(view)
         if not got:
             raise ConnectionError("the server closed the connection")
@@ -202,6 +232,7 @@ class Replies:
         size = _integer(rest)
         if size < 0:
             return None
+        self._allow(size)
         if size != len(header) + len(dest):
             head = memoryview(bytearray(min(size, HEADER)))
             self._fill(head)
