@@ -804,6 +804,19 @@ def test_usage_counts_this_prefix_only(
     assert tier.usage().objects == 2
 
 
+def test_usage_leaves_out_deployments_whose_prefix_extends_this_one(
+    make_tier: Callable[..., RedisTier], slots: Slots, raw: redis.Redis
+) -> None:
+    """A SCAN of ``kv:*`` also finds ``kv:b:...``, another deployment's chunks: each was
+    counted in both. Only keys named as the tier names its chunks count."""
+    tier = make_tier(key_prefix="kv:")
+    store_random(make_tier(key_prefix="kv:b:"), slots, [500])
+    raw.set(b"kv:notes", b"x" * 100)
+    raw.set(b"kv:" + b"0" * 64 + b":x", b"x" * 100)
+    store_random(tier, slots, [100, 2000])
+    assert tier.usage() == TierUsage(2, 2100 + 2 * HEADER_SIZE, 0)
+
+
 # -- zero-copy packing ---------------------------------------------------------------------
 def test_store_sends_the_pool_view_itself(slots: Slots) -> None:
     """The payload view reaches sendall as the same object; the bytes on the wire equal a

@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _DEL_BATCH = 1000
+# What follows the prefix in a chunk's key (redis_key: the key's 64 hex digits), for SCAN MATCH.
+_KEY_GLOB = b"[0-9a-f]" * 64
 _SCAN_COUNT = 1000
 # Delete KEYS[1] if it still holds what a load found corrupt: ARGV[1] "string" and ARGV[2] the
 # value read (one of the slot's size); ARGV[1] "head", ARGV[2] the length of a value of
@@ -477,11 +479,14 @@ class RedisTier(Tier):
         return removed
 
     def usage(self) -> TierUsage:
-        """Chunks and bytes under the prefix (a SCAN: cost grows with the keyspace) and
-        Redis's ``maxmemory`` as the capacity (0 when unlimited)."""
+        """Chunks and bytes of this tier's keys (a SCAN: cost grows with the keyspace) and
+        Redis's ``maxmemory`` as the capacity (0 when unlimited). Only keys named as the tier
+        names its chunks count (:meth:`redis_key`: the prefix and 64 hex digits): those of a
+        deployment whose prefix extends this one's (``tierkv:b:`` beside ``tierkv:``) were
+        counted in both."""
         try:
             objects = stored = 0
-            pattern = _glob_escape(self._prefix) + b"*"
+            pattern = _glob_escape(self._prefix) + _KEY_GLOB
             batch: list[bytes] = []
             for key in self._client.scan_iter(match=pattern, count=_SCAN_COUNT):
                 batch.append(key)
