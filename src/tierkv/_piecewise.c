@@ -326,19 +326,39 @@ unmap:
 }
 
 /* -- sockets --------------------------------------------------------------------------- */
-/* Wait until fd is ready for ``events``; 0, TIMED_OUT, or an errno. timeout_ms < 0: forever. */
+/* CLOCK_MONOTONIC in seconds: Python's time.monotonic() on Linux. */
+static double
+monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Wait until fd is ready for ``events``; 0, TIMED_OUT, or an errno. timeout_ms < 0: forever.
+ * A signal that interrupts the wait does not start it again in full: what is left of it is
+ * waited for (signals more often than the timeout kept a wait, and its deadline, going for
+ * ever). */
 static int
 wait_ready(int fd, short events, int timeout_ms)
 {
     struct pollfd p = {fd, events, 0};
+    double end = timeout_ms >= 0 ? monotonic_s() + timeout_ms / 1000.0 : 0.0;
+    int wait = timeout_ms;
     for (;;) {
-        int r = poll(&p, 1, timeout_ms);
+        int r = poll(&p, 1, wait);
         if (r > 0)
             return 0; /* ready, or an error the next call reports */
         if (r == 0)
             return TIMED_OUT;
         if (errno != EINTR)
             return errno;
+        if (timeout_ms >= 0) {
+            double left_ms = (end - monotonic_s()) * 1000.0;
+            if (left_ms <= 0)
+                return TIMED_OUT;
+            wait = left_ms > INT_MAX ? INT_MAX : (int)left_ms + 1;
+        }
     }
 }
 
@@ -352,15 +372,6 @@ after_failed_call(int fd, short events, int timeout_ms)
     if (errno == EAGAIN || errno == EWOULDBLOCK)
         return wait_ready(fd, events, timeout_ms);
     return errno;
-}
-
-/* CLOCK_MONOTONIC in seconds: Python's time.monotonic() on Linux. */
-static double
-monotonic_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 /* How long the next wait may last: timeout_ms (-1: forever), shortened to what is left

@@ -510,3 +510,35 @@ def test_a_sigbus_outside_a_guarded_copy_ends_the_process(tmp_path: Path, how: s
     assert proc.returncode == -7, (proc.returncode, proc.stderr[-2000:])  # SIGBUS
     assert "survived" not in proc.stdout
     assert proc.stderr.count("Fatal Python error: Bus error") <= 1
+
+
+SIGNALLED_WAIT = """
+import signal, socket, time
+from tierkv import piecewise_io as pieces
+a, b = socket.socketpair()
+a.settimeout(1.0)
+signal.signal(signal.SIGALRM, lambda *_: None)
+signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)  # a profiler's timer, SIGCHLDs...
+for name, call in (
+    ("send", lambda: pieces.send_all(a, [bytes(8 << 20)], deadline=time.monotonic() + 0.3)),
+    ("recv", lambda: pieces.recv_hashed(a, memoryview(bytearray(1 << 20)),
+                                        deadline=time.monotonic() + 0.3)),
+):
+    try:
+        call()
+        print(name, "returned")
+    except TimeoutError:
+        print(name, "timed out")
+"""
+
+
+@pytest.mark.processes
+def test_a_wait_interrupted_by_signals_still_ends_by_its_deadline() -> None:
+    """A signal interrupting the C helpers' wait for the socket started the wait again in
+    full, and the deadline was only looked at between waits: under a signal more often
+    than the socket timeout, a send or receive with a deadline never ended. (In a child
+    process: the parent's bound turns a hang into a failure.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_WAIT], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split("\n")[:2] == ["send timed out", "recv timed out"], done

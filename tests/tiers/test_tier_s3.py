@@ -342,7 +342,9 @@ class FaultProxy:
     """An HTTP proxy in front of the S3 server that breaks chosen requests (``mode``):
     "cut_get": a GET's headers (Content-Length included) go out whole, its body only half
     way, then the connection closes; "trickle_get": a GET's body goes out 64 bytes every 10
-    ms (each read gets something well within any read_timeout); "slow_get": 16 KiB every 20
+    ms (each read gets something well within any read_timeout), "trickle_chunked_get" as
+    chunks of 64 bytes (Transfer-Encoding: chunked), "chunked_get" as chunks of 4 KiB at once;
+    "slow_get": 16 KiB every 20
     ms (a slow link, about 800 KB/s); "fail_delete": DeleteObjects is answered 500; None:
     every request is passed on."""
 
@@ -383,18 +385,33 @@ class FaultProxy:
                     self.wfile.write(data[: len(data) // 2])
                     self.close_connection = True
                     return
-                paced = {"trickle_get": (64, 0.01), "slow_get": (16384, 0.02)}
+                paced = {
+                    "trickle_get": (64, 0.01),
+                    "trickle_chunked_get": (64, 0.01),
+                    "chunked_get": (4096, 0.0),
+                    "slow_get": (16384, 0.02),
+                }
                 if proxy.mode in paced and self.command == "GET" and reply.status == 200:
+                    chunked = proxy.mode in ("trickle_chunked_get", "chunked_get")
                     self.send_response(200)
                     for k, v in passed.items():
                         self.send_header(k, v)
-                    self.send_header("Content-Length", str(len(data)))
+                    if chunked:
+                        self.send_header("Transfer-Encoding", "chunked")
+                    else:
+                        self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     step, pause = paced[proxy.mode]
                     with contextlib.suppress(OSError):  # the client gave up
                         for i in range(0, len(data), step):
-                            time.sleep(pause)
-                            self.wfile.write(data[i : i + step])
+                            if pause:
+                                time.sleep(pause)
+                            piece = data[i : i + step]
+                            if chunked:
+                                piece = b"%x\r\n%s\r\n" % (len(piece), piece)
+                            self.wfile.write(piece)
+                        if chunked:
+                            self.wfile.write(b"0\r\n\r\n")
                     return
                 self._send(reply.status, b"" if self.command == "HEAD" else data, passed)
 
@@ -454,7 +471,10 @@ def test_a_failed_load_counts_once_and_a_body_cut_short_ends_no_outage(
 
 
 def test_a_trickling_body_fails_the_load_by_its_deadline(
-    faulty: tuple[FaultProxy, S3Tier], make_tier: Callable[..., S3Tier], slots: Slots
+    faulty: tuple[FaultProxy, S3Tier],
+    make_tier: Callable[..., S3Tier],
+    slots: Slots,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A body coming 64 bytes every 10 ms (16 KiB: 2.6 s), each read well within the read
     timeout (1 s), was read for as long as it lasted: at the default ``min_rate`` (256
@@ -471,6 +491,21 @@ def test_a_trickling_body_fails_the_load_by_its_deadline(
     proxy.mode = None
     statuses, views = load_into(tier, slots, keys, [16 * 1024])
     assert statuses == [LoadStatus.OK] and bytes(views[0]) == expected[0]
+    # A chunked body (http.client's readinto filled the slot chunk after chunk in one
+    # call), and one read through urllib3 (it filled the slot whole in one call): bounded.
+    proxy.mode = "trickle_chunked_get"
+    assert load_into(tier, slots, keys, [16 * 1024])[0] == [LoadStatus.ERROR]
+    with monkeypatch.context() as patched:
+        patched.setattr(s3_body, "http_response", lambda body: None)
+        proxy.mode = "trickle_get"
+        assert load_into(tier, slots, keys, [16 * 1024])[0] == [LoadStatus.ERROR]
+    assert tier.stats()["errors"] == 3
+    proxy.mode = "chunked_get"  # chunked, at once: every byte, read a receive at a time
+    sizes = [1, 4095, 16 * 1024 + 1, 1 << 20]
+    more, wanted = store_random(tier, slots, sizes)
+    for _ in range(2):
+        statuses, views = load_into(tier, slots, more, sizes)
+        assert statuses == [LoadStatus.OK] * 4 and [bytes(v) for v in views] == wanted
 
     slow = make_tier(endpoint_url=proxy.endpoint_url, retries=0, read_timeout=0.5)
     sizes = [16 * 1024, 1 << 20]

@@ -125,9 +125,12 @@ def body_reader(body: Any, deadline: float = 0.0) -> Callable[[memoryview], int 
     the view is full: a body trickling a byte at a time each within the timeout took one
     call (bytes x timeout) to fill a slot)."""
     fp = http_response(body)
-    read_into = body.readinto if fp is None else _one_receive(fp) if deadline else fp.readinto
     if not deadline:
-        return read_into
+        return body.readinto if fp is None else fp.readinto
+    if fp is None:  # (urllib3's readinto fills the view whole: a piece at a time)
+        read_into: Callable[[memoryview], int | None] = _in_pieces(body.readinto)
+    else:
+        read_into = _one_receive(fp)
 
     def read_by_deadline(view: memoryview) -> int | None:
         if time.monotonic() >= deadline:
@@ -137,12 +140,26 @@ def body_reader(body: Any, deadline: float = 0.0) -> Callable[[memoryview], int 
     return read_by_deadline
 
 
+FALLBACK_PIECE = 4096  # bytes per call of a body's own readinto, under a deadline
+
+
+def _in_pieces(read_into: Callable[[memoryview], int | None]) -> Callable[[memoryview], int | None]:
+    """``read_into`` given :data:`FALLBACK_PIECE` of a view at a time (it fills what it is
+    given whole, however slowly the bytes come: the deadline is looked at between pieces)."""
+    return lambda view: read_into(view[:FALLBACK_PIECE])
+
+
 def _one_receive(fp: http.client.HTTPResponse) -> Callable[[memoryview], int | None]:
-    """``fp.readinto`` with one receive per call (``readinto1``), where the body's length is
-    known (a chunked body: ``fp.readinto``, which reads a chunk at a time)."""
+    """``fp.readinto`` with one receive per call (``readinto1``): of the body's length, or
+    of the chunk being read (``HTTPResponse.readinto`` receives until the view is full,
+    chunk after chunk)."""
     buffered = fp.fp
-    if fp.chunked or fp.length is None or not hasattr(buffered, "readinto1"):
-        return fp.readinto
+    if not hasattr(buffered, "readinto1"):
+        return _in_pieces(fp.readinto)
+    if fp.chunked:
+        return _one_chunked_receive(fp)
+    if fp.length is None:
+        return _in_pieces(fp.readinto)
 
     def readinto(view: memoryview) -> int:
         length = fp.length
@@ -152,6 +169,23 @@ def _one_receive(fp: http.client.HTTPResponse) -> Callable[[memoryview], int | N
         fp.length = length - n
         if not n or not fp.length:
             fp._close_conn()  # type: ignore[attr-defined]  # as HTTPResponse.readinto does
+        return n
+
+    return readinto
+
+
+def _one_chunked_receive(fp: http.client.HTTPResponse) -> Callable[[memoryview], int | None]:
+    """One receive per call of a chunked body, within the chunk being read (as
+    ``HTTPResponse._readinto_chunked`` reads, a receive at a time)."""
+
+    def readinto(view: memoryview) -> int:
+        if fp.fp is None:
+            return 0
+        left = fp._get_chunk_left()  # type: ignore[attr-defined]  # (None: the body ended)
+        if left is None:
+            return 0
+        n: int = fp.fp.readinto1(view[:left])
+        fp.chunk_left = left - n
         return n
 
     return readinto
