@@ -342,7 +342,7 @@ def test_tier_credentials_are_redacted() -> None:
                 {
                     "name": "s3",
                     "bucket": "kv",
-                    "endpoint_url": "https://AKID:S3Secret@s3.example",
+                    "endpoint_url": "https://s3.example",  # (userinfo refused: below)
                     "access_key_id": "AKIDEXAMPLE",
                     "secret_access_key": "S3SecretKeyXYZ",
                     "session_token": "SessionTok",
@@ -354,6 +354,11 @@ def test_tier_credentials_are_redacted() -> None:
     text = str(out)
     for secret in ("RedisPassw0rd", "AKID", "S3Secret", "SessionTok"):
         assert secret not in text
+    with pytest.raises(config.ConfigError, match="carries credentials") as refused:
+        config.from_mapping(
+            {"tiers": [{"name": "s3", "bucket": "kv", "endpoint_url": "https://AKID:S3@h"}]}
+        )
+    assert "AKID" not in str(refused.value)
     redis, s3 = (t["options"] for t in out["tiers"])
     assert redis["url"] == "redis://***@cache.example:6379/0"
     assert redacted_url("unix://user:Pw2@/run/redis.sock") == "unix://***@/run/redis.sock"
@@ -364,7 +369,7 @@ def test_tier_credentials_are_redacted() -> None:
     # Parsers drop tabs and line breaks: "pass\tword" is the password too.
     assert redacted_url("redis://h/0?pass\tword=Tab3") == "redis://h/0?password=***"
     assert redacted_url("redis://:Pass\tw0rd@h/0") == "redis://***@h/0"
-    assert s3["endpoint_url"] == "https://***@s3.example" and s3["bucket"] == "kv"
+    assert s3["endpoint_url"] == "https://s3.example" and s3["bucket"] == "kv"
     assert s3["secret_access_key"] == s3["session_token"] == s3["access_key_id"] == "***"
     assert cfg.tiers[0].options["url"].endswith("RedisPassw0rd@cache.example:6379/0")
 
