@@ -628,6 +628,12 @@ def test_the_controller_takes_sizes_like_the_server() -> None:
     # Below a server's largest report or sync part every full sync was refused.
     with pytest.raises(ConfigError, match="max_message_bytes must be at least"):
         controller("--max-message-bytes", "2MiB")
+    # Below one sync part every full sync was refused; its size taken like the others.
+    assert controller("--max-sync-bytes", "1GiB").max_sync_bytes == 1024 * MIB  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="max_sync_bytes must be at least"):
+        controller("--max-sync-bytes", "1MiB")
+    with pytest.raises(ConfigError, match="max_sync_bytes='-1': not a size"):
+        controller("--max-sync-bytes", "-1")
 
     # Its logging options are the server's, checked alike.
     with pytest.raises(ConfigError, match="log_level 'verbose'"):
